@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` (the main job) and `make test`.
+# Each creates .venv and installs everything on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# NOTE: torch==2.13.0 is the CPU wheel on this project's machines. It is installed only when the
+# venv cannot import torch already: the venv sees the system site-packages, so a CUDA torch you
+# already have is kept. deepspeed builds against that torch (--no-build-isolation), otherwise its
+# build environment would download a multi-GB CUDA torch of its own.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PIP) install -U "pip>=23" "setuptools>=64" wheel
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install "packaging" "ninja" "py-cpuinfo" "psutil" "numpy" "pydantic"
+	$(PIP) install --no-build-isolation -e ".[all,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/lowmem fit --config configs/demo.yaml
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests
+
+bench: install
+	$(PY) benchmarks/run.py all
+
+clean:
+	rm -rf $(VENV) lightning_logs runs

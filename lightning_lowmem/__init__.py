@@ -1,0 +1,56 @@
+"""lightning_lowmem: train and fine-tune models larger than your GPU's memory, by Lightning flags.
+
+``import lightning_lowmem`` registers the ``lowmem_*`` strategy names with Lightning, so that
+``Trainer(strategy="lowmem_offload")`` and ``strategy: lowmem_offload`` in LightningCLI YAML work.
+Public classes are imported lazily, so importing the package does not import the optional extras.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_lowmem._registry import register_strategies
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "OffloadStrategy": "lightning_lowmem.strategies.offload",
+    "ZeroStrategy": "lightning_lowmem.strategies.zero",
+    "MasterHalfPrecision": "lightning_lowmem.precision.master_half",
+    "ActivationCheckpointing": "lightning_lowmem.callbacks.activation_checkpointing",
+    "ActivationOffload": "lightning_lowmem.callbacks.activation_offload",
+    "AccumulationScheduler": "lightning_lowmem.callbacks.accumulation",
+    "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
+    "OptimizerInBackward": "lightning_lowmem.callbacks.optimizer_in_backward",
+    "MemoryReport": "lightning_lowmem.callbacks.memory_report",
+    "MemoryBreakdown": "lightning_lowmem.memory.categories",
+    "estimate_memory": "lightning_lowmem.memory.estimate",
+    "dry_run": "lightning_lowmem.memory.dry_run",
+    "CausalLMModule": "lightning_lowmem.demo.module",
+    "StdlibTextDataModule": "lightning_lowmem.demo.data",
+    "ByteTokenizer": "lightning_lowmem.demo.tokenizer",
+}
+# public submodule aliases, e.g. ``lightning_lowmem.zero.consolidate(...)``
+_SUBMODULES = {"zero": "lightning_lowmem.strategies.zero"}
+
+__all__ = sorted([*_LAZY, *_SUBMODULES, "register_strategies"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+    else:
+        raise AttributeError(f"module 'lightning_lowmem' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+register_strategies()

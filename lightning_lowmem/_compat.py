@@ -1,0 +1,47 @@
+"""Optional dependencies and the `lightning` vs `pytorch_lightning` boundary."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Any
+
+# package import name -> extra of lightning-lowmem that installs it
+_EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb"}
+
+
+def package_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def require(name: str, feature: str) -> ModuleType:
+    """Import an optional dependency, or say which extra installs it.
+
+    Raises:
+        ModuleNotFoundError: naming ``feature``, the missing package and the ``pip install`` line.
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        extra = _EXTRAS.get(name, name)
+        raise ModuleNotFoundError(
+            f"{feature} needs the `{name}` package, which is not installed ({err}). "
+            f"Install it with `pip install 'lightning-lowmem[{extra}]'`."
+        ) from err
+
+
+def check_lightning_object(obj: Any, what: str) -> None:
+    """Refuse objects of the standalone ``pytorch_lightning`` package with a message that says what to do.
+
+    lightning_lowmem targets the unified ``lightning`` package; the two packages keep separate class
+    hierarchies and registries, so their objects cannot be mixed.
+    """
+    module = type(obj).__module__ or ""
+    if module == "pytorch_lightning" or module.startswith("pytorch_lightning."):
+        raise TypeError(
+            f"Passed a `{type(obj).__module__}.{type(obj).__qualname__}` as {what}; lightning_lowmem works with the "
+            "unified `lightning` package only. Replace `import pytorch_lightning as pl` with "
+            "`import lightning.pytorch as pl` (or `import lightning as L` and use `L.Trainer`, "
+            "`L.LightningModule`, `L.Callback`)."
+        )

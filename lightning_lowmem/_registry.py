@@ -1,0 +1,68 @@
+"""The ``lowmem_*`` strategy names, registered with Lightning's ``StrategyRegistry`` on import.
+
+Each name maps to a small factory that imports its strategy module only when a Trainer asks for
+it, so ``import lightning_lowmem`` stays light and works without the optional extras (deepspeed is
+imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+# name -> (module, class, description, preset keyword arguments)
+STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "lowmem_offload": (
+        "lightning_lowmem.strategies.offload",
+        "OffloadStrategy",
+        "CPU-master half precision: compute weights on the accelerator, fp32 masters, gradients and optimizer on the host",
+        {},
+    ),
+    "lowmem_zero2": (
+        "lightning_lowmem.strategies.zero",
+        "ZeroStrategy",
+        "DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), also on CPU",
+        {"stage": 2},
+    ),
+    "lowmem_zero2_offload": (
+        "lightning_lowmem.strategies.zero",
+        "ZeroStrategy",
+        "DeepSpeed ZeRO stage 2 with the optimizer state and step on the CPU (DeepSpeedCPUAdam)",
+        {"stage": 2, "offload_optimizer": True},
+    ),
+    "lowmem_zero3": (
+        "lightning_lowmem.strategies.zero",
+        "ZeroStrategy",
+        "DeepSpeed ZeRO stage 3 (parameters sharded as well), also on CPU",
+        {"stage": 3},
+    ),
+    "lowmem_zero3_offload": (
+        "lightning_lowmem.strategies.zero",
+        "ZeroStrategy",
+        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to the CPU",
+        {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+    ),
+    "lowmem_zero3_nvme": (
+        "lightning_lowmem.strategies.zero",
+        "ZeroStrategy",
+        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to NVMe (set `nvme_path`)",
+        {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "remote_device": "nvme"},
+    ),
+}
+
+
+def _factory(module: str, cls: str) -> Callable[..., Any]:
+    def build(**kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), cls)(**kwargs)
+
+    build.__qualname__ = build.__name__ = f"{cls}"
+    build.__doc__ = f"Builds `{module}.{cls}` (imported on first use)."
+    return build
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> None:
+    """Register every ``lowmem_*`` name. Idempotent: registering again replaces the entries."""
+    for name, (module, cls, description, init_params) in STRATEGIES.items():
+        registry.register(name, _factory(module, cls), description=description, override=True, **init_params)

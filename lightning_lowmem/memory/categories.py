@@ -1,0 +1,102 @@
+"""The five memory categories every report and benchmark of this project speaks in.
+
+``weights``, ``gradients``, ``optimizer_state`` (fp32 masters included), ``activations`` (tensors
+autograd saves for backward) and ``other`` (temporaries, buffers, allocator slack), each counted in
+bytes per role: ``device`` (the accelerator, the compute role) and ``host`` (CPU memory a technique
+offloads to). On a CPU-only machine both roles are the same memory; the split then says which
+tensors a technique keeps in the compute role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+Category = Literal["weights", "gradients", "optimizer_state", "activations", "other"]
+Role = Literal["device", "host"]
+CATEGORIES: tuple[Category, ...] = ("weights", "gradients", "optimizer_state", "activations", "other")
+ROLES: tuple[Role, ...] = ("device", "host")
+
+
+def _zeros() -> dict[str, int]:
+    return dict.fromkeys(CATEGORIES, 0)
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes by category, for the device role and the host role."""
+
+    device: dict[str, int] = field(default_factory=_zeros)
+    host: dict[str, int] = field(default_factory=_zeros)
+
+    def add(self, role: Role, category: Category, nbytes: int) -> None:
+        if category not in CATEGORIES:
+            raise ValueError(f"Passed `category={category!r}`; expected one of {CATEGORIES}.")
+        getattr(self, role)[category] += int(nbytes)
+
+    def total(self, role: Role) -> int:
+        return sum(getattr(self, role).values())
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        out = MemoryBreakdown()
+        for role in ROLES:
+            for cat in CATEGORIES:
+                out.add(role, cat, getattr(self, role)[cat] + getattr(other, role)[cat])
+        return out
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {role: {**getattr(self, role), "total": self.total(role)} for role in ROLES}
+
+
+@runtime_checkable
+class ReportsMemory(Protocol):
+    """Implemented by strategies and callbacks that know where they keep their tensors.
+
+    ``MemoryReport`` and the benchmarks ask every strategy and callback of the Trainer that
+    implements it, and add the answers.
+    """
+
+    def memory_breakdown(self) -> MemoryBreakdown: ...
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Identity of a tensor's storage: two views of one storage have the same key."""
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr() if storage.data_ptr() else id(storage))
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        key = storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def module_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers of ``module``."""
+    return unique_storage_bytes([*module.parameters(), *module.buffers()])
+
+
+def module_grad_bytes(module: torch.nn.Module) -> int:
+    return unique_storage_bytes(p.grad for p in module.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, quantization state, step counters)."""
+    tensors = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    return unique_storage_bytes(tensors)

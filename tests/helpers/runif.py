@@ -1,0 +1,42 @@
+"""``RunIf``: skip a test, with the reason, when the machine lacks what it needs (our own; not Lightning's private one)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+
+def _available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def RunIf(
+    *,
+    min_cuda_gpus: int = 0,
+    bf16_cuda: bool = False,
+    deepspeed: bool = False,
+    bitsandbytes: bool = False,
+    min_processes_cpus: int = 0,
+) -> pytest.MarkDecorator:
+    """Return a ``skipif`` mark naming every unmet requirement.
+
+    Example::
+
+        @RunIf(min_cuda_gpus=1)
+        def test_pinned_copy(): ...
+    """
+    reasons = []
+    if min_cuda_gpus and torch.cuda.device_count() < min_cuda_gpus:
+        reasons.append(f"needs {min_cuda_gpus} CUDA GPU(s), found {torch.cuda.device_count()}")
+    if bf16_cuda and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+        reasons.append("needs a CUDA GPU with bf16")
+    if deepspeed and not _available("deepspeed"):
+        reasons.append("needs `pip install 'lightning-lowmem[deepspeed]'`")
+    if bitsandbytes and not _available("bitsandbytes"):
+        reasons.append("needs `pip install 'lightning-lowmem[bnb]'`")
+    if min_processes_cpus and (os.cpu_count() or 1) < min_processes_cpus:
+        reasons.append(f"needs {min_processes_cpus} CPU cores")
+    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "requirements met")

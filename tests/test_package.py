@@ -1,0 +1,44 @@
+import importlib
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_lowmem
+from lightning_lowmem._registry import STRATEGIES, register_strategies
+
+
+def test_every_name_registered():
+    for name in STRATEGIES:
+        assert name in StrategyRegistry.available_strategies()
+
+
+def test_registration_idempotent():
+    register_strategies()
+    register_strategies()
+    importlib.reload(lightning_lowmem)
+    assert "lowmem_offload" in StrategyRegistry.available_strategies()
+
+
+def test_import_does_not_import_optional_extras():
+    code = "import sys, lightning_lowmem; print('deepspeed' in sys.modules, 'bitsandbytes' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_unknown_public_name():
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        lightning_lowmem.Nope  # noqa: B018
+
+
+def test_pytorch_lightning_object_refused():
+    pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl
+
+    from lightning_lowmem._compat import check_lightning_object
+
+    with pytest.raises(TypeError, match="lightning.pytorch"):
+        check_lightning_object(pl.LightningModule(), "the model")
+    check_lightning_object(L.LightningModule(), "the model")
