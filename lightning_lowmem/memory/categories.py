@@ -9,6 +9,7 @@ tensors a technique keeps in the compute role.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -100,3 +101,27 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
     return unique_storage_bytes(tensors)
+
+
+# --- host-role marking ---------------------------------------------------------------------------
+# NOTE: on a CPU-only machine a tensor "offloaded to the host" lives in the same memory as one kept
+# in the compute role, so the device alone cannot tell the roles apart. Techniques that keep tensors
+# on the host (fp32 masters, host gradients, offloaded activations) mark them here, and trackers
+# count marked storages in the host role. Marks are weak: a freed tensor drops out by itself.
+_HOST_TENSORS: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+
+def mark_host(*tensors: torch.Tensor) -> None:
+    """Mark tensors as kept in the host role (their storage is counted on the host side)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            _HOST_TENSORS.add(t)
+
+
+def host_storage_keys() -> set[tuple[str, int]]:
+    """Storage keys of every live tensor marked with :func:`mark_host`."""
+    return {storage_key(t) for t in list(_HOST_TENSORS)}
+
+
+def is_host(t: torch.Tensor) -> bool:
+    return storage_key(t) in host_storage_keys()
