@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lightning_lowmem._registry import register_strategies
+from lightning_lowmem._registry import register_pytorch_lightning_guard, register_strategies
 
 __version__ = "0.1.0"
 
@@ -54,3 +54,4 @@ def __dir__() -> list[str]:
 
 
 register_strategies()
+register_pytorch_lightning_guard()

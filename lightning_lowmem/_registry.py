@@ -8,6 +8,7 @@ imported the first time a ``lowmem_zero*`` name is used, and a missing extra is 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Callable
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -47,8 +48,8 @@ STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "lowmem_zero3_nvme": (
         "lightning_lowmem.strategies.zero",
         "ZeroStrategy",
-        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to NVMe (set `nvme_path`)",
-        {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "remote_device": "nvme"},
+        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to NVMe (`nvme_path=` or the LOWMEM_NVME_PATH variable)",
+        {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "offload_device": "nvme"},
     ),
 }
 
@@ -66,3 +67,26 @@ def register_strategies(registry: Any = StrategyRegistry) -> None:
     """Register every ``lowmem_*`` name. Idempotent: registering again replaces the entries."""
     for name, (module, cls, description, init_params) in STRATEGIES.items():
         registry.register(name, _factory(module, cls), description=description, override=True, **init_params)
+
+
+def _refuse_pytorch_lightning(name: str) -> Callable[..., Any]:
+    def refuse(**kwargs: Any) -> Any:
+        raise TypeError(
+            f"Passed `strategy={name!r}` to a `pytorch_lightning.Trainer`; lightning_lowmem works with the unified "
+            "`lightning` package only. Use `import lightning as L` and `L.Trainer(strategy=...)` (and "
+            "`L.LightningModule`), or `lightning.pytorch` in place of `pytorch_lightning`."
+        )
+
+    return refuse
+
+
+def register_pytorch_lightning_guard() -> None:
+    """If the standalone ``pytorch_lightning`` package is already imported, make our names there fail clearly.
+
+    NOTE: only when it is already imported: importing it just for this would cost every user seconds.
+    """
+    module = sys.modules.get("pytorch_lightning.strategies")
+    if module is None:
+        return
+    for name, (_, _, description, _) in STRATEGIES.items():
+        module.StrategyRegistry.register(name, _refuse_pytorch_lightning(name), description=description, override=True)

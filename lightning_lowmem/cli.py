@@ -6,23 +6,45 @@
 
 A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in
 ``class_path:`` form, and callbacks by their short names (``class_path: ActivationCheckpointing``).
+Bad input ends with one ``lowmem: error: ...`` line naming the value and the fix; set
+``LOWMEM_TRACEBACK=1`` to see the full traceback instead.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import os
 import sys
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
 
-# extra subcommands: name -> (module, function taking argv)
+# extra subcommands: name -> (module, function taking argv and returning an exit code)
 _TOOLS = {
     "estimate": ("lightning_lowmem.memory.estimate", "main"),
     "consolidate": ("lightning_lowmem.strategies.zero", "consolidate_main"),
 }
+# errors that mean "bad input": shown as one line, not a traceback
+_USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError, MisconfigurationException)
+
+
+def check_strategy_name(strategy: Any) -> None:
+    """Refuse an unknown strategy string before Lightning does, suggesting the nearest registered names."""
+    if not isinstance(strategy, str) or strategy.lower() in ("auto", *StrategyRegistry.available_strategies()):
+        return
+    names = ["auto", *StrategyRegistry.available_strategies()]
+    close = difflib.get_close_matches(strategy.lower(), names, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    ours = ", ".join(n for n in StrategyRegistry.available_strategies() if n.startswith("lowmem_"))
+    raise ValueError(
+        f"Passed `trainer.strategy={strategy!r}`, which is not a registered strategy name.{hint} "
+        f"lightning_lowmem registers: {ours}; Lightning's own names (ddp, fsdp, deepspeed_stage_2, ...) work too."
+    )
 
 
 class LowMemCLI(LightningCLI):
@@ -34,14 +56,36 @@ class LowMemCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(*args, **kwargs)
 
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy_name(config.get("trainer", {}).get("strategy"))
 
-def main(argv: list[str] | None = None) -> Any:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _TOOLS:
-        module, function = _TOOLS[argv[0]]
-        return getattr(importlib.import_module(module), function)(argv[1:])
-    return LowMemCLI(args=argv)
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost bad-input error behind ``err`` (jsonargparse wraps a constructor's error in its own)."""
+    found, seen = err, set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, _USER_ERRORS):
+            found = err
+        err = err.__cause__ or err.__context__
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args and args[0] in _TOOLS:
+            module, function = _TOOLS[args[0]]
+            return int(getattr(importlib.import_module(module), function)(args[1:]) or 0)
+        LowMemCLI(args=argv)
+    except _USER_ERRORS as err:
+        if os.environ.get("LOWMEM_TRACEBACK"):
+            raise
+        print(f"lowmem: error: {_root_cause(err)}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,7 @@ tensors a technique keeps in the compute role.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -111,11 +111,31 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 _HOST_TENSORS: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
 
+_HOST_LISTENERS: list[Callable[[torch.Tensor], None]] = []
+
+
 def mark_host(*tensors: torch.Tensor) -> None:
     """Mark tensors as kept in the host role (their storage is counted on the host side)."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
             _HOST_TENSORS.add(t)
+            for listener in list(_HOST_LISTENERS):
+                listener(t)
+
+
+def host_tensors() -> list[torch.Tensor]:
+    """Every live tensor marked with :func:`mark_host`."""
+    return list(_HOST_TENSORS)
+
+
+def add_host_listener(fn: Callable[[torch.Tensor], None]) -> None:
+    """Call ``fn(tensor)`` on every later :func:`mark_host` (an active ``MemoryTracker`` re-tags at once)."""
+    _HOST_LISTENERS.append(fn)
+
+
+def remove_host_listener(fn: Callable[[torch.Tensor], None]) -> None:
+    if fn in _HOST_LISTENERS:
+        _HOST_LISTENERS.remove(fn)
 
 
 def host_storage_keys() -> set[tuple[str, int]]:

@@ -1,0 +1,427 @@
+"""``AccumulationScheduler``: hold the effective batch, fit the micro-batch to memory, normalise the loss exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Union
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.memory import is_oom_error
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_lowmem._compat import check_lightning_object
+
+Normalization = Literal["tokens", "samples"]
+Interval = Literal["step", "epoch"]
+MicroBatch = Union[int, Literal["auto"]]
+_MISSING = object()
+
+
+@dataclass
+class WindowStats:
+    """What the last optimizer step was built from, summed over every process."""
+
+    micro_batches: int
+    samples: int
+    tokens: int | None
+
+
+@dataclass
+class Choice:
+    """What the callback chose, and why (``peaks``: measured peak bytes per tried micro-batch, ``None``: OOM)."""
+
+    effective_batch_size: int
+    micro_batch_size: int
+    accumulation: int
+    world_size: int
+    memory_budget: int | None = None
+    peaks: dict[int, int | None] | None = None
+
+
+class AccumulationScheduler(L.Callback):
+    """Hold the effective batch (samples per optimizer step, all processes) and fit the micro-batch to memory.
+
+    Memory: activations scale with the micro-batch, so a micro-batch ``k`` times smaller keeps ``1/k`` of the
+    activation memory while the optimizer still steps on ``effective_batch_size`` samples. Cost: ``k`` times more
+    forward/backward launches per step (smaller kernels; slower where the micro-batch no longer fills the device),
+    and one ``all_reduce`` of a scalar count per optimizer step under DDP.
+
+    The callback sets the data loader's micro-batch through the ``batch_size`` attribute of the LightningModule or
+    LightningDataModule (``BatchSizeFinder``'s convention) and drives ``trainer.accumulate_grad_batches`` itself:
+    accumulation = effective / (micro * world size). It logs what it chose and keeps it in :attr:`choice`.
+
+    ``micro_batch_size="auto"`` tries micro-batches (divisors of effective / world size), largest that fits wins:
+    on CUDA by trial steps with out-of-memory recovery under ``memory_budget`` (default 90% of the device), on CPU
+    by trial steps measured with :class:`~lightning_lowmem.memory.measure.MemoryTracker` (device role) under
+    ``memory_budget`` bytes (required). A trial is forward + backward + an optimizer step at learning rate 0
+    (weights untouched; optimizer state discarded afterwards), so the peak includes gradients and optimizer state.
+
+    Loss normalisation (exact, with micro-batches of any size and a short last window):
+
+    - ``"samples"``: ``training_step`` returns the mean loss of its micro-batch (a tensor or ``{"loss": ...}``);
+      the step gets the gradient of the mean over every sample of the window. The sample count is
+      ``output["num_samples"]`` if given, else the batch's size.
+    - ``"tokens"``: ``training_step`` returns ``{"loss": sum_of_token_losses, "num_tokens": n}``
+      (``CausalLMModule(loss_reduction="sum")`` does); the step gets the gradient of the mean over every token
+      of the window, whatever the padding of each micro-batch.
+
+    The last window of an epoch (Lightning steps at the end of an epoch) is averaged over what it really held,
+    not divided by the full window as Lightning does (Lightning #19987).
+
+    Schedule (batch-size warm-up): ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step
+    ``k`` (``schedule_interval="step"``) or epoch ``k`` (``"epoch"``); ``effective_batch_size`` holds before the
+    first key. The micro-batch stays fixed; accumulation changes at the next window boundary. Learning rate:
+    untouched. ``trainer.global_step`` and step-interval LR schedulers count optimizer steps, so a warm-up phase
+    takes more, smaller updates at the same learning rate per update; scale the LR in your own scheduler
+    if you want the linear-scaling rule (``lr * E / E_final``).
+
+    Strategies: single device, DDP (gradients averaged over processes; the count is all-reduced), ``lowmem_offload``
+    (scales the host master gradients the optimizer steps), DeepSpeed (sets DeepSpeed's
+    ``gradient_accumulation_steps`` through ``trainer.accumulate_grad_batches`` before the engine is built; only
+    ``"samples"``, a fixed int micro-batch and no schedule: DeepSpeed owns the gradient buffers and the window).
+
+    Logged at each optimizer step: ``accumulation/micro_batches``, ``accumulation/samples`` and, with ``"tokens"``,
+    ``accumulation/tokens`` (what the step held, all processes).
+
+    Args:
+        effective_batch_size: samples per optimizer step, summed over processes.
+        micro_batch_size: samples per forward/backward per process, or ``"auto"``.
+        schedule: ``{step_or_epoch: effective_batch_size}`` changes, or ``None``.
+        schedule_interval: whether ``schedule`` keys are optimizer steps or epochs.
+        loss_normalization: ``"samples"`` or ``"tokens"`` (see above).
+        memory_budget: bytes a training step may peak at on the device role, for ``"auto"``.
+        batch_arg_name: the attribute that sets the loader's batch size.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[AccumulationScheduler(effective_batch_size=64, micro_batch_size=8,
+                                                             loss_normalization="tokens")])
+        trainer.fit(CausalLMModule(loss_reduction="sum"), StdlibTextDataModule(pack=False))
+    """
+
+    def __init__(
+        self,
+        effective_batch_size: int = 64,
+        micro_batch_size: MicroBatch = "auto",
+        schedule: dict[int, int] | None = None,
+        schedule_interval: Interval = "step",
+        loss_normalization: Normalization = "samples",
+        memory_budget: int | None = None,
+        batch_arg_name: str = "batch_size",
+    ) -> None:
+        super().__init__()
+        problems = []
+        if not _positive_int(effective_batch_size):
+            problems.append(f"`effective_batch_size={effective_batch_size!r}` must be a positive int")
+        if micro_batch_size != "auto" and not _positive_int(micro_batch_size):
+            problems.append(f"`micro_batch_size={micro_batch_size!r}` must be a positive int or 'auto'")
+        schedule = dict(schedule or {})
+        for key, value in schedule.items():
+            if not (isinstance(key, int) and key >= 0) or not _positive_int(value):
+                problems.append(f"`schedule` entry {key!r}: {value!r} must map an int >= 0 to a positive int")
+        if schedule_interval not in ("step", "epoch"):
+            problems.append(f"`schedule_interval={schedule_interval!r}`; expected 'step' or 'epoch'")
+        if loss_normalization not in ("samples", "tokens"):
+            problems.append(f"`loss_normalization={loss_normalization!r}`; expected 'samples' or 'tokens'")
+        if memory_budget is not None and not _positive_int(memory_budget):
+            problems.append(f"`memory_budget={memory_budget!r}` must be a positive number of bytes or None")
+        if not problems and micro_batch_size != "auto":
+            for e in sorted({effective_batch_size, *schedule.values()}):
+                if e % micro_batch_size:
+                    problems.append(_divisibility_message(e, micro_batch_size, 1))
+        if problems:
+            raise ValueError("AccumulationScheduler: " + "; ".join(problems) + ".")
+        self.effective_batch_size = effective_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.schedule = schedule
+        self.schedule_interval = schedule_interval
+        self.loss_normalization = loss_normalization
+        self.memory_budget = memory_budget
+        self.batch_arg_name = batch_arg_name
+        self.choice: Choice | None = None
+        self.last_window: WindowStats | None = None
+        self._micro: int | None = micro_batch_size if isinstance(micro_batch_size, int) else None
+        self._engine = False  # DeepSpeed owns the window and the gradients
+        self._sets_loader = False
+        self._warned_bn = False
+        self._trainer_accumulation: int | None = None
+        self._original_step: Any = _MISSING
+        self._probing = False
+        self._reset_window()
+        self._n_ref: torch.Tensor | None = None  # mean count per micro-batch, all processes: keeps grads O(mean)
+
+    # --- configuration --------------------------------------------------------------------------------------------
+    def effective_batch_at(self, step: int, epoch: int) -> int:
+        """The effective batch the schedule gives at optimizer step ``step`` of epoch ``epoch``."""
+        key = step if self.schedule_interval == "step" else epoch
+        started = [k for k in self.schedule if k <= key]
+        return self.schedule[max(started)] if started else self.effective_batch_size
+
+    def _effective_batches(self) -> list[int]:
+        return sorted({self.effective_batch_size, *self.schedule.values()})
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_lightning_object(trainer, "the Trainer")
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        self._engine = isinstance(trainer.strategy, DeepSpeedStrategy)
+        world = trainer.world_size
+        problems = []
+        if trainer.accumulate_grad_batches not in (1, self._trainer_accumulation):
+            problems.append(
+                f"the Trainer has `accumulate_grad_batches={trainer.accumulate_grad_batches}`: remove it from the "
+                "Trainer, AccumulationScheduler derives accumulation from `effective_batch_size`"
+            )
+        others = [type(c).__name__ for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
+        if others:
+            problems.append(f"remove the `{others[0]}` callback: it also sets `accumulate_grad_batches`")
+        if self.micro_batch_size == "auto" and any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
+            problems.append("remove `BatchSizeFinder` or pass an int `micro_batch_size`: both would set the batch size")
+        if not pl_module.automatic_optimization:
+            problems.append("manual optimization is not supported: the callback drives Lightning's automatic loop")
+        if self._engine:
+            if self.loss_normalization == "tokens":
+                problems.append(
+                    "`loss_normalization='tokens'` is not available with DeepSpeed (the engine owns the gradient "
+                    "buffers, so they cannot be rescaled by the window's token count): use 'samples', or "
+                    "`strategy='lowmem_offload'`/DDP for exact token normalisation"
+                )
+            if self.schedule and len(self._effective_batches()) > 1:
+                problems.append("a `schedule` is not available with DeepSpeed: its accumulation is fixed at start-up")
+            if self.micro_batch_size == "auto":
+                problems.append("`micro_batch_size='auto'` is not available with DeepSpeed: pass an int")
+        if self.micro_batch_size == "auto" and trainer.strategy.root_device.type != "cuda" and self.memory_budget is None:
+            problems.append(
+                "`micro_batch_size='auto'` off CUDA needs `memory_budget` (bytes a training step may peak at)"
+            )
+        for e in self._effective_batches():
+            if e % world:
+                problems.append(f"`effective_batch_size` {e} is not divisible by the world size {world}")
+            elif self._micro is not None and e % (self._micro * world):
+                problems.append(_divisibility_message(e, self._micro, world))
+        self._sets_loader = lightning_hasattr(pl_module, self.batch_arg_name)
+        if problems:
+            raise ValueError("AccumulationScheduler: " + "; ".join(problems) + ".")
+        if is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module):
+            rank_zero_warn(
+                "AccumulationScheduler: the LightningModule overrides `optimizer_step`/`optimizer_zero_grad`; they "
+                "are called once per optimizer step (window), not per micro-batch."
+            )
+        self._warn_batch_norm(pl_module)
+        if self._micro is not None:
+            self._apply(trainer, pl_module, self._micro)
+        self._wrap_training_step(pl_module)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._micro is None:
+            peaks, budget = self._search(trainer, pl_module)
+            self._apply(trainer, pl_module, max(m for m, p in peaks.items() if p is not None and p <= budget))
+            assert self.choice is not None
+            self.choice.memory_budget, self.choice.peaks = budget, peaks
+        if self._engine:
+            self._check_engine(trainer)
+        c = self.choice
+        rank_zero_info(
+            f"AccumulationScheduler: micro-batch {c.micro_batch_size} x accumulation {c.accumulation} x "
+            f"{c.world_size} process(es) = effective batch {c.effective_batch_size}"
+            + (f" (auto: peak {c.peaks[c.micro_batch_size]} B within budget {c.memory_budget} B)" if c.peaks else "")
+        )
+
+    def _apply(self, trainer: L.Trainer, pl_module: L.LightningModule, micro: int) -> None:
+        self._micro = micro
+        if self._sets_loader:
+            lightning_setattr(pl_module, self.batch_arg_name, micro)
+        world = trainer.world_size
+        e = self.effective_batch_at(trainer.global_step, trainer.current_epoch)
+        self._trainer_accumulation = trainer.accumulate_grad_batches = e // (micro * world)
+        self.choice = Choice(e, micro, e // (micro * world), world)
+
+    def _check_engine(self, trainer: L.Trainer) -> None:
+        config = getattr(trainer.strategy, "config", None) or {}
+        want = {"gradient_accumulation_steps": self.choice.accumulation, "train_micro_batch_size_per_gpu": self._micro}
+        wrong = {k: config.get(k) for k, v in want.items() if config.get(k) not in (None, v)}
+        if wrong:
+            raise ValueError(
+                f"AccumulationScheduler: the DeepSpeed config has {wrong}, but the callback needs {want}. Remove "
+                "these keys from the DeepSpeed config; they follow the callback."
+            )
+
+    def _warn_batch_norm(self, pl_module: L.LightningModule) -> None:
+        norms = {type(m).__name__ for m in pl_module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+        if norms and not self._warned_bn:
+            self._warned_bn = True
+            rank_zero_warn(
+                f"AccumulationScheduler: the model has {', '.join(sorted(norms))} layers; they normalise over each "
+                "micro-batch, not the effective batch, so results differ from one large batch (use GroupNorm/"
+                "LayerNorm, or SyncBatchNorm across processes, if that matters)."
+            )
+
+    # --- the window -------------------------------------------------------------------------------------------------
+    def _reset_window(self) -> None:
+        self._pos = 0
+        self._window = 0  # micro-batches in the current window
+        self._count: Any = 0  # samples or tokens seen, this process
+        self._samples = 0
+        self._k: torch.Tensor | None = None
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset_window()  # Lightning steps at the end of every epoch: windows never cross epochs
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._sets_loader and self._pos == 0 and batch_idx == 0 and extract_batch_size(batch) != self._micro:
+            raise ValueError(
+                f"AccumulationScheduler: the loader gives batches of {extract_batch_size(batch)}, but the micro-batch is "
+                f"{self._micro}; neither the LightningModule nor the DataModule has a `{self.batch_arg_name}` "
+                "attribute for the callback to set. Add one and use it in `train_dataloader()`."
+            )
+        if self._engine:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        ready = loop.batch_progress.current.ready
+        if self._pos == 0:
+            e = self.effective_batch_at(trainer.global_step, trainer.current_epoch)
+            self._window = e // (self._micro * trainer.world_size)
+        epoch_end = ready == trainer.num_training_batches or loop.batch_progress.is_last_batch
+        first, last = self._pos == 0, self._pos == self._window - 1 or epoch_end
+        value, zero_here = lightning_accumulation(batch_idx, ready, first, last, self._window)
+        # NOTE: Lightning decides zero_grad by `batch_idx % N == 0` and the step by `ready % N == 0`; after a
+        # schedule change a window need not start at a multiple of its size, so N is chosen per batch to give
+        # exactly this window's boundaries (it equals the real accumulation whenever the windows are aligned).
+        self._trainer_accumulation = trainer.accumulate_grad_batches = value
+        if zero_here:
+            for optimizer in trainer.optimizers:
+                pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        self._pos = 0 if last else self._pos + 1
+        self._last = last
+
+    def _wrap_training_step(self, pl_module: L.LightningModule) -> None:
+        if self._original_step is not _MISSING:
+            return
+        self._original_step = pl_module.__dict__.get("training_step", _MISSING)
+        step = pl_module.training_step
+
+        @functools.wraps(step)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            if self._probing:
+                return out
+            return self._weigh(pl_module.trainer, out, args[0] if args else kwargs.get("batch"))
+
+        # NOTE: an instance attribute shadows the class method for this module only; DDP and the strategies reach
+        # `training_step` through the instance, so they call the wrapper. Removed in `teardown`.
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+
+    def _weigh(self, trainer: L.Trainer, out: Any, batch: Any) -> Any:
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if loss is None:
+            return out
+        n = trainer.accumulate_grad_batches  # Lightning divides the loss by this; undone here
+        samples = int(out["num_samples"]) if isinstance(out, Mapping) and "num_samples" in out else extract_batch_size(batch)
+        if self.loss_normalization == "tokens":
+            if not isinstance(out, Mapping) or "num_tokens" not in out:
+                raise TypeError(
+                    "AccumulationScheduler(loss_normalization='tokens'): `training_step` must return "
+                    "`{'loss': sum_of_token_losses, 'num_tokens': n}` (CausalLMModule(loss_reduction='sum') does); "
+                    f"it returned {type(out).__name__}"
+                    + (f" with keys {sorted(out)}" if isinstance(out, Mapping) else "")
+                    + ". Or pass `loss_normalization='samples'` for a per-micro-batch mean loss."
+                )
+            count, weight = torch.as_tensor(out["num_tokens"]).detach().to(torch.float64), 1.0
+        else:
+            count, weight = samples, float(samples)
+        self._samples += samples
+        if self._engine:
+            # DeepSpeed divides by its own gradient_accumulation_steps: weight relative to a full micro-batch
+            scale = n * weight / self._micro
+        else:
+            if self._k is None:
+                if self._n_ref is None:
+                    first = torch.as_tensor(count, dtype=torch.float64, device=trainer.strategy.root_device)
+                    self._n_ref = trainer.strategy.reduce(first.clamp(min=1), reduce_op="mean")
+                self._k = 1.0 / self._n_ref
+            self._count = self._count + count
+            # NOTE: each micro-batch backpropagates weight * k * loss, with k = 1 / (mean count per micro-batch),
+            # fixed for the whole window and equal on every process, so gradients keep the size of a mean loss
+            # (fp16 headroom); the exact 1 / window total is applied to the gradients before the step.
+            scale = (n * weight) * self._k.to(loss.device, loss.dtype)
+        weighted = loss * scale
+        return {**out, "loss": weighted} if isinstance(out, Mapping) else weighted
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self._engine or self._k is None:
+            return
+        strategy, world = trainer.strategy, trainer.world_size
+        total = torch.as_tensor(self._count, dtype=torch.float64, device=strategy.root_device)
+        samples = torch.tensor(float(self._samples), dtype=torch.float64, device=strategy.root_device)
+        if world > 1:
+            # NOTE: one all_reduce of two scalars per optimizer step (a sync point); DDP averaged the gradients
+            total, samples = strategy.reduce(torch.stack([total, samples]), reduce_op="sum").unbind()
+        factor = world / (self._k * total.clamp(min=1))
+        per_device: dict[torch.device, torch.Tensor] = {}
+        # NOTE: the gradients of what the optimizer steps: under `lowmem_offload` these are the host masters
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    f = per_device.get(p.grad.device)
+                    if f is None:
+                        f = per_device[p.grad.device] = factor.to(p.grad.device)
+                    p.grad.mul_(f)
+        micro_batches = self._window_done()
+        self._n_ref = total.clamp(min=1) / (micro_batches * world)
+        self.last_window = WindowStats(
+            micro_batches * world, int(samples.item()) if world > 1 else self._samples,
+            None if self.loss_normalization == "samples" else total,
+        )
+        self._count, self._samples, self._k = 0, 0, None
+
+    def _window_done(self) -> int:
+        return self._pos_at_step if hasattr(self, "_pos_at_step") else 0
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._engine or self.last_window is None or not getattr(self, "_last", False):
+            return
+        w = self.last_window
+        metrics = {"accumulation/micro_batches": float(w.micro_batches), "accumulation/samples": float(w.samples)}
+        if w.tokens is not None:
+            metrics["accumulation/tokens"] = w.tokens
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._original_step is _MISSING and "training_step" in pl_module.__dict__:
+            del pl_module.training_step
+        elif self._original_step is not _MISSING:
+            pl_module.training_step = self._original_step
+        self._original_step = _MISSING
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self._micro, "n_ref": None if self._n_ref is None else float(self._n_ref)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # NOTE: a resumed run keeps the micro-batch it chose, so the loader's batches (and a mid-epoch position)
+        # stay what they were; "auto" does not search again.
+        if self.micro_batch_size == "auto" and state_dict.get("micro_batch_size"):
+            self._micro = int(state_dict["micro_batch_size"])
+        if state_dict.get("n_ref") is not None:
+            self._n_ref = torch.tensor(state_dict["n_ref"], dtype=torch.float64)

@@ -1,0 +1,309 @@
+"""``LowBitOptimizer``: swap the LightningModule's optimizer for its bitsandbytes 8-bit equivalent, by flag."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any, Literal, get_args
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_lowmem._compat import check_lightning_object, require
+from lightning_lowmem.memory.categories import host_storage_keys, mark_host, storage_key
+
+Kind = Literal["adamw8bit", "paged_adamw8bit", "lion8bit", "adam8bit"]
+KINDS: tuple[str, ...] = get_args(Kind)
+
+# kind -> (bitsandbytes.optim class, algorithm family)
+_TARGETS: dict[str, tuple[str, str]] = {
+    "adamw8bit": ("AdamW8bit", "adam"),
+    "paged_adamw8bit": ("PagedAdamW8bit", "adam"),
+    "adam8bit": ("Adam8bit", "adam"),
+    "lion8bit": ("Lion8bit", "lion"),
+}
+# family -> what a source optimizer of that family is, for messages
+_FAMILY_SOURCES = {
+    "adam": "torch.optim.AdamW, torch.optim.Adam, or a bitsandbytes Adam/AdamW",
+    "lion": "a Lion optimizer (bitsandbytes.optim.Lion/Lion32bit, lion_pytorch.Lion)",
+}
+# param-group keys of torch optimizers that bitsandbytes has no use for (dropped from the groups)
+_TORCH_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+# hyper-parameters carried into the new optimizer's defaults (for groups added later)
+_DEFAULT_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _family(optimizer: torch.optim.Optimizer) -> str | None:
+    """The algorithm family of ``optimizer``: ``"adam"``, ``"lion"`` or None (no 8-bit equivalent here)."""
+    name = getattr(optimizer, "optimizer_name", None)  # bitsandbytes optimizers say it themselves
+    if name in ("adam", "lion"):
+        return name
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    if type(optimizer).__name__ in ("Lion", "PagedLion", "Lion32bit", "PagedLion32bit", "Lion8bit", "PagedLion8bit"):
+        return "lion"
+    return None
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> str:
+    return f"`{type(optimizer).__module__}.{type(optimizer).__qualname__}`"
+
+
+class LowBitOptimizer(Callback):
+    """Replace the optimizer your LightningModule configured by its bitsandbytes 8-bit equivalent.
+
+    Memory saved: Adam/AdamW keep two fp32 moments, 8 B per parameter; the 8-bit block-wise state
+    keeps them in 1 B each plus one fp32 absmax per 256 values, about 2.03 B per parameter (measured
+    by ``benchmarks/bench_low_bit_optimizer.py``): 75 % of the optimizer state. Lion: 4 B -> ~1.02 B.
+    Tensors with fewer than ``min_8bit_size`` elements (biases, norms) keep 32-bit state.
+    Cost: the update is quantized (block-wise dynamic quantization; it tracks fp32 AdamW closely, see
+    the tests for the measured gap); on CPU bitsandbytes dequantizes a tensor's state into fp32
+    temporaries for the update (transient 8 B per element of the largest tensor being stepped).
+
+    The swap happens in ``on_fit_start``: after ``configure_optimizers`` built the optimizer, before
+    Lightning restores a checkpoint, so ``Trainer.fit(ckpt_path=...)`` loads the 8-bit state. Param
+    groups (their params, ``lr``, ``betas``, ``eps``, ``weight_decay`` and any other keys such as a
+    scheduler's ``initial_lr``) are kept; LR schedulers are re-pointed at the new optimizer.
+    Under ``strategy="lowmem_offload"`` the optimizer's groups hold the host fp32 masters, so the
+    8-bit state is allocated on the host next to them (and marked as host memory).
+
+    Args:
+        kind: the bitsandbytes optimizer to use. ``"adamw8bit"`` and ``"adam8bit"`` replace a
+            ``torch.optim.AdamW``/``Adam`` (bitsandbytes applies weight decay decoupled, as AdamW does,
+            so an ``Adam`` with L2 ``weight_decay > 0`` is refused); ``"paged_adamw8bit"`` is the same
+            with CUDA unified-memory paging (on CPU bitsandbytes falls back to non-paged, with a warning);
+            ``"lion8bit"`` replaces a Lion optimizer.
+        min_8bit_size: tensors with fewer elements keep 32-bit state (bitsandbytes' default 4096).
+        stable_embedding: keep the optimizer state of every ``nn.Embedding`` weight (tied LM heads
+            included) in 32 bit, the optimizer half of bitsandbytes' ``StableEmbedding``. The module is
+            left as it is (no extra LayerNorm, no re-initialisation, which would change a pretrained
+            model); use ``bitsandbytes.nn.StableEmbedding`` in your model for those.
+
+    Raises:
+        ValueError: an unknown ``kind``, a negative ``min_8bit_size``; at fit start, an optimizer with no
+            8-bit equivalent of ``kind``, or options bitsandbytes cannot honour (``amsgrad``,
+            ``maximize``, L2 weight decay); a strategy that builds its own optimizer (DeepSpeed) or
+            shards parameters (FSDP).
+        ModuleNotFoundError: bitsandbytes is not installed (says ``pip install 'lightning-lowmem[bnb]'``).
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[LowBitOptimizer(kind="adamw8bit")])
+        trainer.fit(model)  # model.configure_optimizers() returns torch.optim.AdamW(...)
+    """
+
+    def __init__(self, kind: Kind = "adamw8bit", min_8bit_size: int = 4096, stable_embedding: bool = False) -> None:
+        problems = []
+        if kind not in KINDS:
+            problems.append(f"`kind={kind!r}`; expected one of {', '.join(repr(k) for k in KINDS)}")
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            problems.append(f"`min_8bit_size={min_8bit_size!r}`; expected an int >= 0 (elements of a tensor)")
+        if not isinstance(stable_embedding, bool):
+            problems.append(f"`stable_embedding={stable_embedding!r}`; expected True or False")
+        if problems:
+            raise ValueError("LowBitOptimizer: passed " + "; passed ".join(problems) + ".")
+        self.kind = kind
+        self.min_8bit_size = min_8bit_size
+        self.stable_embedding = stable_embedding
+        # NOTE: bitsandbytes' override registry is a process-wide singleton keyed by id(param); the ids we
+        # register are removed in teardown so that a later optimizer cannot inherit them through id reuse.
+        self._override_ids: list[int] = []
+        self._n_state_marked: dict[int, int] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(kind={self.kind!r}, min_8bit_size={self.min_8bit_size}, "
+            f"stable_embedding={self.stable_embedding})"
+        )
+
+    # --- Trainer hooks --------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_lightning_object(trainer, "the Trainer")
+        require("bitsandbytes", f"LowBitOptimizer(kind={self.kind!r})")
+        if stage != "fit":
+            return
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+        strategy = trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy):
+            raise ValueError(
+                f"LowBitOptimizer cannot be used with `{type(strategy).__name__}`: DeepSpeed wraps the optimizer "
+                "in its engine (and offloads it with its own CPU Adam). Remove the callback, or use "
+                "`strategy='lowmem_offload'`, whose host optimizer it can replace."
+            )
+        if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+            raise ValueError(
+                f"LowBitOptimizer cannot be used with `{type(strategy).__name__}`: bitsandbytes' 8-bit state is "
+                "block-quantized per whole tensor and cannot follow sharded parameters (bitsandbytes#89). Use "
+                "`strategy='ddp'`, a single device, or `strategy='lowmem_offload'`."
+            )
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # NOTE: runs after `Strategy.setup` built the optimizers and before `restore_training_state`,
+        # so a checkpoint's optimizer state is loaded into the 8-bit optimizer, never into the original.
+        strategy = trainer.strategy
+        new_optimizers = [self.convert(opt) for opt in strategy.optimizers]
+        for old, new in zip(strategy.optimizers, new_optimizers):
+            if new is not old:
+                for config in strategy.lr_scheduler_configs:
+                    _repoint_scheduler(config.scheduler, old, new)
+        strategy.optimizers = new_optimizers  # the setter rebuilds Lightning's LightningOptimizer wrappers
+        if self.stable_embedding:
+            self._keep_embeddings_32bit(pl_module, new_optimizers)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        for optimizer in trainer.optimizers:
+            self._mark_host_state(optimizer)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._override_ids:
+            manager = require("bitsandbytes", "LowBitOptimizer").optim.GlobalOptimManager.get_instance()
+            for pid in self._override_ids:
+                manager.pid2config.pop(pid, None)
+            self._override_ids.clear()
+
+    # --- the swap ---------------------------------------------------------------------------------------
+    def target_class(self) -> type[torch.optim.Optimizer]:
+        """The ``bitsandbytes.optim`` class of ``kind``."""
+        bnb = require("bitsandbytes", f"LowBitOptimizer(kind={self.kind!r})")
+        return getattr(bnb.optim, _TARGETS[self.kind][0])
+
+    def convert(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Build the 8-bit equivalent of ``optimizer`` over the same param groups and hyper-parameters.
+
+        Returns ``optimizer`` itself when it already is an instance of the target class.
+        """
+        cls = self.target_class()
+        if type(optimizer) is cls:
+            return optimizer
+        self.check_convertible(optimizer)
+        if any(len(s) for s in optimizer.state.values()):
+            warnings.warn(
+                f"LowBitOptimizer: {_describe(optimizer)} already holds state; it is not carried into the 8-bit "
+                "optimizer, which starts from zero moments.",
+                stacklevel=2,
+            )
+        groups = []
+        for group in optimizer.param_groups:
+            # NOTE: every key is kept (not only lr/betas/eps/weight_decay): schedulers store `initial_lr`
+            # and momentum schedules in the groups, and `params` is the same list object's contents, so
+            # under lowmem_offload the groups keep pointing at the host masters.
+            groups.append({k: v for k, v in group.items() if k not in _TORCH_ONLY_KEYS})
+        defaults = {k: optimizer.defaults[k] for k in _DEFAULT_KEYS if k in optimizer.defaults}
+        if _TARGETS[self.kind][1] == "lion":
+            defaults.pop("eps", None)
+        new = cls(groups, min_8bit_size=self.min_8bit_size, **defaults)
+        if getattr(new, "is_paged", False) and any(p.device.type == "cpu" for g in groups for p in g["params"]):
+            # bitsandbytes warns once itself at the first step; say it where the choice is made too.
+            warnings.warn(
+                "LowBitOptimizer(kind='paged_adamw8bit'): the parameters are on the CPU, where bitsandbytes "
+                "does not page; it runs as 'adamw8bit'.",
+                stacklevel=2,
+            )
+        return new
+
+    def check_convertible(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise ``ValueError`` naming every reason ``optimizer`` has no exact 8-bit equivalent of ``kind``."""
+        family = _TARGETS[self.kind][1]
+        source = _family(optimizer)
+        if source is None:
+            raise ValueError(
+                f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}: it has no 8-bit "
+                "equivalent here. The kinds that exist are " + "; ".join(
+                    f"{k!r} (replaces {_FAMILY_SOURCES[f]})" for k, (_, f) in _TARGETS.items()
+                ) + ". Configure one of those optimizers in `configure_optimizers`, or remove the callback."
+            )
+        if source != family:
+            fitting = [k for k, (_, f) in _TARGETS.items() if f == source]
+            raise ValueError(
+                f"LowBitOptimizer(kind={self.kind!r}) replaces {_FAMILY_SOURCES[family]}, not "
+                f"{_describe(optimizer)}: swapping it would change the algorithm. For this optimizer use "
+                f"kind={' or '.join(repr(k) for k in fitting)}."
+            )
+        problems = []
+        for i, group in enumerate(optimizer.param_groups):
+            if group.get("amsgrad"):
+                problems.append(f"param group {i} has `amsgrad=True`, which bitsandbytes does not implement")
+            if group.get("maximize"):
+                problems.append(f"param group {i} has `maximize=True`, which bitsandbytes does not implement")
+            l2 = isinstance(optimizer, torch.optim.Adam) and not isinstance(optimizer, torch.optim.AdamW)
+            if l2 and group.get("weight_decay", 0) and not group.get("decoupled_weight_decay", False):
+                problems.append(
+                    f"param group {i} has `weight_decay={group['weight_decay']}` on `torch.optim.Adam`, i.e. L2 "
+                    "added to the gradient; bitsandbytes decays the weights decoupled (AdamW). Use "
+                    "`torch.optim.AdamW` (a different regulariser) or weight_decay=0"
+                )
+        if problems:
+            raise ValueError(f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}: " + "; ".join(problems) + ".")
+
+    # --- stable embedding -----------------------------------------------------------------------------
+    def _keep_embeddings_32bit(self, pl_module: L.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
+        manager = require("bitsandbytes", "LowBitOptimizer").optim.GlobalOptimManager.get_instance()
+        embeddings = {id(m.weight) for m in pl_module.modules() if isinstance(m, torch.nn.Embedding)}
+        # NOTE: under lowmem_offload the optimizer steps host masters, not the module's parameters; a
+        # strategy that keeps masters says which module parameter each one stands for (`master_of`).
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) in embeddings or id(_module_param_of(pl_module, p)) in embeddings:
+                        manager.override_config(p, key_value_dict={"optim_bits": 32})
+                        self._override_ids.append(id(p))
+
+    # --- host role --------------------------------------------------------------------------------------
+    def _mark_host_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mark the state of host-marked parameters (lowmem_offload masters) as host memory."""
+        n = len(optimizer.state)
+        if self._n_state_marked.get(id(optimizer)) == n:
+            return
+        self._n_state_marked[id(optimizer)] = n
+        host = host_storage_keys()
+        if not host:
+            return
+        for p, state in optimizer.state.items():
+            if isinstance(p, torch.Tensor) and storage_key(p) in host:
+                mark_host(*(v for v in state.values() if isinstance(v, torch.Tensor)))
+
+
+def _module_param_of(pl_module: L.LightningModule, p: torch.Tensor) -> torch.Tensor | None:
+    strategy = pl_module._trainer.strategy if pl_module._trainer is not None else None
+    master_of = getattr(strategy, "master_of", None)
+    return master_of(p) if callable(master_of) else None
+
+
+def _repoint_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """Point ``scheduler`` (and the schedulers it chains) from ``old`` to ``new``."""
+    for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
+        _repoint_scheduler(child, old, new)
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            _track_step_called(new)
+
+
+def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` the way ``LRScheduler.__init__`` does.
+
+    NOTE: torch schedulers wrap ``optimizer.step`` at construction to warn when ``scheduler.step()`` runs
+    before ``optimizer.step()``; without the same wrapper on the new optimizer every re-pointed scheduler
+    would warn "optimizer.step() has been overridden" at its first step.
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]

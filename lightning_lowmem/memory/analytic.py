@@ -1,0 +1,206 @@
+"""Closed-form memory bounds for decoder-only transformers: the sanity check beside the dry run.
+
+These formulas are the published rules, generalised to the element sizes of the run, and nothing
+more: per-parameter model states (4 B weights + 4 B gradients + 8 B AdamW moments in fp32,
+bitsandbytes' 8-bit state at 2 B/param plus one fp32 absmax per 256 values, 4 B SGD momentum) and
+Korthikanti et al. 2022 (arXiv 2205.05198) for saved activations, ``sbh(34 + 5as/h)`` per layer at
+2-byte activations and 1-byte dropout masks, with the logits / cross-entropy terms of the LM head.
+
+On Hugging Face models they come out low (40-71 % below the measured peak for GPT-2, see
+``shared/reference/memory-measurement.md``): they miss HF's Python GELU intermediates, fp32
+dropout masks on CPU, view-vs-copy effects and optimizer temporaries. They are therefore used
+only as a bound printed beside the traced figure, and as the fallback when a model cannot be
+traced (an op with no fake implementation); :func:`analytic_estimate` says so in its notes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_lowmem.memory.categories import MemoryBreakdown
+
+#: bytes of one element of a compute dtype named by a Lightning precision string
+_PARAM_BYTES = {"32-true": 4, "bf16-true": 2, "16-true": 2, "bf16-mixed": 4, "16-mixed": 4}
+_ACT_BYTES = {"32-true": 4, "bf16-true": 2, "16-true": 2, "bf16-mixed": 2, "16-mixed": 2}
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The few numbers of a decoder-only transformer that the formulas need."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    gated_mlp: bool
+    dropout: bool
+    num_params: int
+    largest_param: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def transformer_shape(config: Any, num_params: int | None = None, largest_param: int | None = None) -> TransformerShape:
+    """Read layer count, widths and vocabulary from a Hugging Face config (object or dict).
+
+    ``num_params`` and ``largest_param`` are exact counts when the caller has a (meta) model; without
+    them the GPT-2 / LLaMA closed forms are used.
+
+    Raises:
+        ValueError: the config lacks a layer count, a hidden size or a head count.
+    """
+    layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
+    heads = _first(config, "num_attention_heads", "n_head")
+    if not (layers and hidden and heads):
+        raise ValueError(
+            "The analytic bound needs a decoder-only transformer config with a layer count "
+            "(`num_hidden_layers`/`n_layer`), a width (`hidden_size`/`n_embd`) and a head count "
+            f"(`num_attention_heads`/`n_head`); got {type(config).__name__} without them."
+        )
+    model_type = _first(config, "model_type", default="")
+    gated = model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3") or (
+        _first(config, "hidden_act", default="") in ("silu", "swiglu") and model_type != "opt"
+    )
+    ffn = _first(config, "intermediate_size", "ffn_dim", "n_inner") or 4 * hidden
+    kv_heads = _first(config, "num_key_value_heads", default=heads)
+    vocab = _first(config, "vocab_size", default=50257)
+    dropouts = [_first(config, n, default=0.0) or 0.0 for n in ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout")]
+    if num_params is None:
+        head_dim = hidden // heads
+        attn = hidden * (heads * head_dim + 2 * kv_heads * head_dim) + heads * head_dim * hidden
+        mlp = (3 if gated else 2) * hidden * ffn
+        num_params = vocab * hidden + layers * (attn + mlp + 4 * hidden)
+        if not _first(config, "tie_word_embeddings", default=True):
+            num_params += vocab * hidden
+        if model_type == "gpt2":
+            num_params += _first(config, "n_positions", default=1024) * hidden + layers * (3 * hidden + ffn + 2 * hidden)
+    if largest_param is None:
+        largest_param = max(vocab * hidden, hidden * ffn)
+    return TransformerShape(
+        num_layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
+        vocab=int(vocab), gated_mlp=bool(gated), dropout=any(d > 0 for d in dropouts),
+        num_params=int(num_params), largest_param=int(largest_param),
+    )
+
+
+def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int, numel: int) -> float:
+    """State bytes of one parameter tensor of ``numel`` values under ``optimizer``."""
+    if optimizer == "adamw":
+        return 2 * param_bytes * numel
+    if optimizer == "adamw8bit":
+        # NOTE: bitsandbytes keeps tensors under 4096 values in 32-bit state (min_8bit_size)
+        if numel < 4096:
+            return 8 * numel
+        return 2 * numel + 2 * 4 * math.ceil(numel / 256)
+    if optimizer == "sgd":
+        return param_bytes * numel
+    raise ValueError(f"Passed `optimizer={optimizer!r}`; expected 'adamw', 'adamw8bit' or 'sgd'.")
+
+
+def layer_activation_bytes(shape: TransformerShape, b: int, s: int, act_bytes: int, mask_bytes: int,
+                           *, keep_scores: bool = True) -> int:
+    """Saved activations of one layer, Korthikanti et al.'s decomposition at the given element sizes.
+
+    Attention: 5 sbh tensors (QKV input, Q, K, V, projection input) + the residual dropout mask +
+    ``a s^2 b`` scores (softmax output, dropout output and mask). MLP: input, 2 (3 gated) ffn-wide
+    tensors, dropout mask. Two norms. ``keep_scores=False`` drops the s^2 terms (flash attention,
+    or selective recompute).
+    """
+    sbh = s * b * shape.hidden
+    kv = 2 * shape.kv_heads * shape.head_dim * s * b
+    m = mask_bytes if shape.dropout else 0
+    attn = (3 * sbh + kv) * act_bytes + sbh * m
+    if keep_scores:
+        scores = shape.heads * s * s * b
+        attn += scores * (2 * act_bytes + m) if shape.dropout else scores * act_bytes
+    ffn_width = shape.ffn * s * b
+    mlp = sbh * act_bytes + (3 if shape.gated_mlp else 2) * ffn_width * act_bytes + sbh * m
+    norms = 2 * sbh * act_bytes
+    return attn + mlp + norms
+
+
+def analytic_phases(
+    config: Any,
+    batch_size: int,
+    seq_len: int,
+    *,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    checkpointing: str | None = None,
+    checkpointing_every_n: int = 2,
+    num_params: int | None = None,
+    largest_param: int | None = None,
+) -> dict[str, MemoryBreakdown]:
+    """Peak bytes per phase (forward, backward, optimizer) by category, device role, in closed form.
+
+    Phase model (Lightning's automatic-optimization order): the forward ends with weights, last
+    step's gradients, optimizer state, saved activations and the fp32 logits; backward starts with
+    gradients freed but the head's 2 x fp32 ``b s V`` transient on top of every saved activation;
+    the optimizer step holds weights + gradients + state (+ 2 x the largest parameter of
+    temporaries for single-tensor AdamW).
+    """
+    if precision not in _PARAM_BYTES:
+        raise ValueError(f"Passed `precision={precision!r}`; expected one of {sorted(_PARAM_BYTES)}.")
+    shape = transformer_shape(config, num_params, largest_param)
+    p_bytes, a_bytes = _PARAM_BYTES[precision], _ACT_BYTES[precision]
+    P = shape.num_params
+    weights = P * p_bytes
+    grads = P * p_bytes
+    state = int(optimizer_state_bytes_per_param(optimizer, p_bytes, P))
+    b, s, L = batch_size, seq_len, shape.num_layers
+    per_layer = layer_activation_bytes(shape, b, s, a_bytes, 1)
+    layer_input = s * b * shape.hidden * a_bytes
+    if checkpointing is None:
+        acts = L * per_layer
+    elif checkpointing == "all":
+        acts = L * layer_input + per_layer
+    elif checkpointing == "every_n":
+        n_ckpt = math.ceil(L / max(1, checkpointing_every_n))
+        acts = n_ckpt * layer_input + (L - n_ckpt) * per_layer + per_layer
+    elif checkpointing == "sqrt":
+        k = max(1, round(math.sqrt(L)))
+        acts = math.ceil(L / k) * layer_input + k * per_layer
+    elif checkpointing == "selective":
+        acts = L * layer_activation_bytes(shape, b, s, a_bytes, 1, keep_scores=False)
+    else:
+        raise ValueError(
+            f"Passed `checkpointing={checkpointing!r}`; expected one of 'all', 'every_n', 'sqrt', 'selective' or None."
+        )
+    bsv = b * s * shape.vocab
+    logits = bsv * 4  # NOTE: the loss upcasts logits to fp32; log_softmax keeps one fp32 b*s*V tensor
+    head_saved = logits + b * s * shape.hidden * a_bytes
+    temporaries = 2 * shape.largest_param * p_bytes if optimizer == "adamw" else 0
+
+    def breakdown(**device: int) -> MemoryBreakdown:
+        out = MemoryBreakdown()
+        for cat, nbytes in device.items():
+            out.add("device", cat, int(nbytes))  # type: ignore[arg-type]
+        return out
+
+    return {
+        "forward": breakdown(weights=weights, gradients=grads, optimizer_state=state,
+                             activations=acts + head_saved, other=logits),
+        "backward": breakdown(weights=weights, optimizer_state=state, activations=acts + head_saved,
+                              other=2 * logits),
+        "optimizer": breakdown(weights=weights, gradients=grads, optimizer_state=state, other=temporaries),
+    }
+
+
+def per_param_rule_bytes(num_params: int, precision: str = "32-true") -> int:
+    """The accelerate / Hugging Face rule: 16 B/param in fp32, 18 B/param mixed, with no activations."""
+    return num_params * (16 if precision == "32-true" else 18)

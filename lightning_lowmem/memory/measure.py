@@ -1,0 +1,716 @@
+"""Measured memory: live tensor-storage bytes over a training step, by phase, category and role.
+
+:class:`MemoryTracker` is a ``TorchDispatchMode`` that sees every aten op's outputs, registers each
+new untyped storage once (views, in-place ops and tied weights share a storage and add nothing) and
+drops it through a weakref finaliser when the storage is freed. It keeps the live bytes and their
+peak, overall and per phase, in the five categories of :mod:`lightning_lowmem.memory.categories`,
+for the ``device`` role and the ``host`` role. It runs on real CPU/CUDA tensors and under
+``torch._subclasses.fake_tensor.FakeTensorMode`` (fake tensors allocate nothing; their storage
+``nbytes`` are counted, so a dry run measures a model too big to build).
+
+Example::
+
+    tracker = MemoryTracker(module=model, optimizers=[opt])
+    with tracker:
+        with tracker.phase("forward"):
+            loss = model(x).sum()
+        with tracker.phase("backward"):
+            loss.backward()
+        with tracker.phase("optimizer"):
+            opt.step()
+            opt.zero_grad()
+    tracker.peak_bytes                       # device-role peak, bytes
+    tracker.peak_bytes_role("host")          # host-role peak, bytes
+    tracker.peaks["backward"].total          # device-role peak inside the "backward" phase(s)
+    tracker.peaks["backward"].by_category    # bytes per category at that moment
+    tracker.report()                         # everything above as a JSON-able dict
+
+Under a fake mode, enter the tracker *inside* it (``with FakeTensorMode(): ... with tracker: ...``):
+a dispatch mode only sees the ops of the modes entered after it.
+
+How a storage gets its category:
+
+* ``weights``: parameters and buffers of ``module`` (and parameters the optimizers hold that the
+  module does not: fp32 masters of a CPU-master strategy are ``optimizer_state``, see below).
+* ``gradients``: ``.grad`` of those parameters, re-tagged by ``register_post_accumulate_grad_hook``
+  when autograd accumulates them and re-checked at every phase boundary.
+* ``optimizer_state``: every tensor in ``optimizer.state`` and optimizer parameters that are not
+  module parameters (masters), re-tagged after every ``optimizer.step()`` and at phase boundaries.
+* ``activations``: storages created in a phase named ``"forward"`` and still alive at its end (what
+  autograd saved for backward, plus the forward's outputs such as logits and loss). A storage created
+  in forward and freed before the forward phase ends was a temporary and counts as ``other``.
+  Saved tensors that are views of parameters (``linear`` saves ``weight.t()``) share the parameter's
+  storage and stay ``weights``. Forward storages still alive at the end of a ``"backward"`` phase are
+  no longer held for backward and become ``other`` from then on.
+* ``other``: everything else: inputs registered with :meth:`MemoryTracker.track`, backward
+  temporaries (before autograd hands a gradient to its parameter), optimizer temporaries,
+  recomputation inside backward under activation checkpointing.
+
+Re-tagging is retroactive for the recorded peaks: a storage that becomes a gradient or optimizer
+state (or turns out to be a forward temporary) is moved to its category in every peak snapshot taken
+while it was alive, so the breakdown at the peak names what the bytes were, not what they looked like
+when they were created. The peak *total* never changes through a category re-tag.
+
+How a storage gets its role: ``host`` when a tensor on it was marked with
+:func:`~lightning_lowmem.memory.categories.mark_host` (before or while tracking; marks made while
+tracking re-tag at once), or when it is a CPU storage while the tracked module computes on an
+accelerator; ``device`` otherwise.
+
+What it does not see: tensors alive before ``__enter__`` that are not parameters, buffers, gradients
+or optimizer state of the given objects (pass them to :meth:`MemoryTracker.track`, e.g. the batch);
+memory outside tensor storages (allocator slack and fragmentation, the CUDA context, cuBLAS
+workspaces, kernels' internal scratch, Python objects) and storages resized outside dispatch
+(``untyped_storage().resize_()``). On CPU this is the right figure: process RSS overshoots the live
+tensor bytes by 13-18 % with glibc's default allocator and never comes back down, so RSS is *not*
+what this module measures. On CUDA, each phase also records ``torch.cuda.max_memory_allocated`` /
+``max_memory_reserved`` through :func:`reset_cuda_peak_stats`, the project's wrapper around
+``torch.cuda.reset_peak_memory_stats`` that keeps every open :class:`CudaPeakWindow` correct.
+
+Cost: about 10-20 µs of Python per aten op (one ``__torch_dispatch__`` call, one dict look-up per
+output storage), a fraction of ``torch.distributed._tools.mem_tracker.MemTracker``'s cost, which loops
+over every tracked module on each op (see ``benchmarks/results/memory_report_overhead.md``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_lowmem.memory import categories as _cat
+from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown, Role
+
+__all__ = [
+    "MemoryTracker",
+    "PhasePeak",
+    "CudaPeakWindow",
+    "reset_cuda_peak_stats",
+    "tensor_storages",
+]
+
+_W, _G, _O, _A, _X = range(5)  # indices into CATEGORIES: weights, gradients, optimizer_state, activations, other
+_DEV, _HOST = 0, 1  # indices into ROLES
+_CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
+_FORWARD = "forward"
+_BACKWARD = "backward"
+
+
+# --- CUDA peak statistics, shared by every consumer of the process ------------------------------------
+class CudaPeakWindow:
+    """The CUDA allocator's peak since this window's last :meth:`lap`, safe to use beside other windows.
+
+    ``torch.cuda.reset_peak_memory_stats`` is process-wide: one consumer resetting it hides the peak
+    from every other. Every project component resets through :func:`reset_cuda_peak_stats`, which
+    first folds the current maxima into every open window, so each window still reads its own peak.
+
+    Example::
+
+        window = CudaPeakWindow(device=0)
+        ...                                     # a training step
+        allocated, reserved = window.lap()      # peaks since the window opened; starts a new lap
+        window.close()
+    """
+
+    _open: weakref.WeakSet[CudaPeakWindow] = weakref.WeakSet()
+
+    def __init__(self, device: torch.device | int | str | None = None) -> None:
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"Passed `device={device!r}`; a CudaPeakWindow reads CUDA statistics, give a CUDA device.")
+        self._folded = (0, 0)
+        reset_cuda_peak_stats(self.device)
+        CudaPeakWindow._open.add(self)
+
+    def _fold(self, allocated: int, reserved: int) -> None:
+        self._folded = (max(self._folded[0], allocated), max(self._folded[1], reserved))
+
+    def read(self) -> tuple[int, int]:
+        """``(max allocated, max reserved)`` bytes since the last lap, without starting a new one."""
+        return (
+            max(self._folded[0], torch.cuda.max_memory_allocated(self.device)),
+            max(self._folded[1], torch.cuda.max_memory_reserved(self.device)),
+        )
+
+    def lap(self) -> tuple[int, int]:
+        """Read the peaks since the last lap and start a new lap (one global reset, folded into the others)."""
+        peaks = self.read()
+        reset_cuda_peak_stats(self.device)
+        self._folded = (0, 0)
+        return peaks
+
+    def close(self) -> None:
+        CudaPeakWindow._open.discard(self)
+
+
+def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> None:
+    """Reset CUDA's peak statistics without losing them for any open :class:`CudaPeakWindow`.
+
+    Use this instead of ``torch.cuda.reset_peak_memory_stats`` everywhere in the project. A no-op when
+    CUDA is not available.
+    """
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    for window in list(CudaPeakWindow._open):
+        if window.device == device:
+            window._fold(allocated, reserved)
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+# --- results --------------------------------------------------------------------------------------------
+@dataclass
+class PhasePeak:
+    """The peak of one phase (the maximum over all its repetitions, e.g. accumulation micro-batches).
+
+    ``total``/``by_category`` are the device role at the moment the device-role bytes were highest;
+    ``host_total``/``host_by_category`` the host role at the moment the host-role bytes were highest.
+    ``cuda_max_allocated``/``cuda_max_reserved`` are CUDA's own peaks over the phase (None off CUDA).
+    """
+
+    name: str
+    total: int = 0
+    by_category: dict[str, int] = field(default_factory=_cat._zeros)
+    host_total: int = 0
+    host_by_category: dict[str, int] = field(default_factory=_cat._zeros)
+    cuda_max_allocated: int | None = None
+    cuda_max_reserved: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": {**self.by_category, "total": self.total},
+            "host": {**self.host_by_category, "total": self.host_total},
+            "cuda_max_allocated": self.cuda_max_allocated,
+            "cuda_max_reserved": self.cuda_max_reserved,
+        }
+
+
+class _Snap:
+    """Bytes by category at the moment a role's total was highest (within a scope: overall or one phase)."""
+
+    __slots__ = ("seq", "total", "cats", "phase")
+
+    def __init__(self) -> None:
+        self.seq = -1
+        self.total = -1
+        self.cats = [0, 0, 0, 0, 0]
+        self.phase: str | None = None
+
+
+class _Rec:
+    __slots__ = ("nbytes", "cat", "role", "seq", "fwd", "ref")
+
+    def __init__(self, nbytes: int, cat: int, role: int, seq: int, fwd: int) -> None:
+        self.nbytes = nbytes
+        self.cat = cat
+        self.role = role
+        self.seq = seq
+        self.fwd = fwd  # forward-phase epoch that created it (0: not created in forward)
+        self.ref: weakref.ref | None = None
+
+
+def tensor_storages(tensors: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors found in an arbitrary (nested) structure: dicts, lists, tuples, dataclass-free pytrees."""
+    for leaf in tree_leaves(tensors):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some wrapper subclasses
+        return None
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.tracker._ops += 1
+        see = self.tracker._see
+        if isinstance(out, torch.Tensor):
+            see(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    see(o)
+                elif isinstance(o, (tuple, list)):
+                    for oo in o:
+                        if isinstance(oo, torch.Tensor):
+                            see(oo)
+        return out
+
+
+class MemoryTracker:
+    """Live tensor-storage bytes by phase, category and role, with peaks (see the module docstring).
+
+    Args:
+        module: the model whose parameters and buffers are ``weights`` (and their ``.grad``
+            ``gradients``). ``None``: no storage is a weight.
+        optimizers: optimizers whose state is ``optimizer_state``.
+        device: the compute device; CPU storages count as ``host`` when it is an accelerator.
+            Default: the device of ``module``'s first parameter (CPU without one).
+        timeline: also record the bytes by category after every change (for a plot of one step);
+            costs one tuple per allocation and free.
+
+    Attributes (after or during tracking):
+        peak_bytes: the device-role peak, bytes.
+        peaks: ``{phase name: PhasePeak}``.
+        peak_phase: the phase in which the device-role peak happened (None: outside every phase).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        optimizers: Iterable[torch.optim.Optimizer] | torch.optim.Optimizer | None = None,
+        *,
+        device: torch.device | str | None = None,
+        timeline: bool = False,
+    ) -> None:
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"Passed `module` of type {type(module).__name__}; expected a `torch.nn.Module` or None.")
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        optimizers = list(optimizers or [])
+        # NOTE: Lightning's LightningOptimizer wraps the optimizer; accept it and track the inner one.
+        optimizers = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers]
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(
+                    f"Passed an optimizer of type {type(opt).__name__}; expected `torch.optim.Optimizer` instances."
+                )
+        self.module = module
+        self.optimizers: list[torch.optim.Optimizer] = optimizers
+        if device is None:
+            first = next(iter(module.parameters()), None) if module is not None else None
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.timeline_enabled = timeline
+        self._lock = threading.RLock()
+        self._mode: _Mode | None = None
+        self._reset()
+
+    # --- state --------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._recs: dict[int, _Rec] = {}
+        self._live = ([0] * 5, [0] * 5)
+        self._tot = [0, 0]
+        self._seq = 0
+        self._peak = (_Snap(), _Snap())
+        self._phase_snaps: dict[str, tuple[_Snap, _Snap]] = {}
+        self._phase: str | None = None
+        self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
+        self._in_fwd = False
+        self._fwd_epoch = 0
+        self._weight_keys: set[int] = set()
+        self._host_keys: set[int] = set()
+        self._handles: list[Any] = []
+        self._cuda_window: CudaPeakWindow | None = None
+        self._cuda: dict[str, list[int]] = {}
+        self._phase_order: list[str] = []
+        self._timeline: list[tuple[int, int, int, int, int, int, int]] = []
+        self._ops = 0
+        self._host_on_accel = self.device.type not in ("cpu", "meta")
+
+    # --- the hot path ---------------------------------------------------------------------------------
+    def _see(self, t: torch.Tensor) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        key = st._cdata
+        rec = self._recs.get(key)
+        if rec is not None:
+            n = self._nbytes(st, t)
+            if n != rec.nbytes:  # resize_, set_, out= variants
+                self._resize(rec, n)
+            return
+        self._add(st, t, key, self._classify_new())
+
+    def _nbytes(self, st: torch.UntypedStorage, t: torch.Tensor) -> int:
+        n = st.nbytes()
+        if self._host_on_accel and t.is_cuda and n % _CUDA_BLOCK:
+            n += _CUDA_BLOCK - n % _CUDA_BLOCK
+        return n
+
+    def _classify_new(self) -> int:
+        return _A if self._in_fwd else _X
+
+    def _add(self, st: torch.UntypedStorage, t: torch.Tensor, key: int, cat: int) -> _Rec | None:
+        n = self._nbytes(st, t)
+        role = _HOST if (key in self._host_keys or (self._host_on_accel and t.device.type == "cpu")) else _DEV
+        with self._lock:
+            self._seq += 1
+            rec = _Rec(n, cat, role, self._seq, self._fwd_epoch if cat == _A else 0)
+            rec.ref = weakref.ref(st, self._finaliser(key))
+            self._recs[key] = rec
+            if n:
+                self._live[role][cat] += n
+                self._tot[role] += n
+                self._update_peaks(role)
+        return rec
+
+    def _finaliser(self, key: int):  # type: ignore[no-untyped-def]
+        def on_free(_ref: weakref.ref) -> None:
+            self._free(key)
+
+        return on_free
+
+    def _update_peaks(self, role: int) -> None:
+        total = self._tot[role]
+        for snap in (self._peak[role], self._cur[role]):
+            if total > snap.total:
+                snap.total = total
+                snap.cats = self._live[role].copy()
+                snap.seq = self._seq
+                snap.phase = self._phase
+        if self.timeline_enabled:
+            d = self._live[_DEV]
+            self._timeline.append((len(self._phase_order) - 1, d[0], d[1], d[2], d[3], d[4], self._tot[_HOST]))
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            rec = self._recs.pop(key, None)
+            if rec is None:
+                return
+            if rec.cat == _A and self._in_fwd and rec.fwd == self._fwd_epoch:
+                # NOTE: created and freed inside one forward: a temporary, not a saved activation.
+                self._retag(rec, _X, rec.role, retro=True)
+            self._live[rec.role][rec.cat] -= rec.nbytes
+            self._tot[rec.role] -= rec.nbytes
+            self._seq += 1
+            if self.timeline_enabled:
+                d = self._live[_DEV]
+                self._timeline.append((len(self._phase_order) - 1, d[0], d[1], d[2], d[3], d[4], self._tot[_HOST]))
+
+    def _resize(self, rec: _Rec, n: int) -> None:
+        with self._lock:
+            delta = n - rec.nbytes
+            rec.nbytes = n
+            self._live[rec.role][rec.cat] += delta
+            self._tot[rec.role] += delta
+            self._seq += 1
+            if delta > 0:
+                self._update_peaks(rec.role)
+
+    def _snapshots(self) -> Iterator[tuple[_Snap, _Snap]]:
+        yield self._peak
+        yield from self._phase_snaps.values()
+
+    def _retag(self, rec: _Rec, cat: int, role: int, *, retro: bool) -> None:
+        """Move ``rec`` to ``(cat, role)``; with ``retro``, also in every peak snapshot taken while it was alive."""
+        if rec.cat == cat and rec.role == role:
+            return
+        with self._lock:
+            n = rec.nbytes
+            self._live[rec.role][rec.cat] -= n
+            self._tot[rec.role] -= n
+            self._live[role][cat] += n
+            self._tot[role] += n
+            if retro and n:
+                moved = role != rec.role
+                for snaps in self._snapshots():
+                    # NOTE: the record is alive now, so it was alive at every snapshot taken since its creation.
+                    old, new = snaps[rec.role], snaps[role]
+                    if old.seq >= rec.seq:
+                        old.cats[rec.cat] -= n
+                        if moved:
+                            old.total -= n
+                    if new.seq >= rec.seq:
+                        new.cats[cat] += n
+                        if moved:
+                            new.total += n
+            rec.cat, rec.role = cat, role
+            if cat != _A:
+                rec.fwd = 0
+            if self._tot[role] > self._cur[role].total or self._tot[role] > self._peak[role].total:
+                self._update_peaks(role)
+
+    # --- classification from the objects we know -----------------------------------------------------
+    def _tag(self, t: torch.Tensor | None, cat: int, *, retro: bool = True) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        st = _storage(t)
+        if st is None:
+            return
+        key = st._cdata
+        rec = self._recs.get(key)
+        if rec is None:
+            self._add(st, t, key, cat)
+            return
+        n = self._nbytes(st, t)
+        if n != rec.nbytes:
+            self._resize(rec, n)
+        if rec.cat != cat:
+            self._retag(rec, cat, rec.role, retro=retro)
+
+    def _params(self) -> list[torch.Tensor]:
+        return list(self.module.parameters()) if self.module is not None else []
+
+    def _scan(self) -> None:
+        """Re-tag what the module and the optimizers hold (called on enter and at every phase boundary)."""
+        if self.module is not None:
+            keys = set()
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                self._tag(t, _W)
+                st = _storage(t)
+                if st is not None:
+                    keys.add(st._cdata)
+            self._weight_keys = keys
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    self._tag(p.grad, _G)
+        for opt in self.optimizers:
+            self._scan_optimizer(opt)
+
+    def _scan_optimizer(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = _storage(p)
+                if st is not None and st._cdata not in self._weight_keys:
+                    self._tag(p, _O)  # NOTE: a master copy the module does not hold (CPU-master strategies)
+                if p.grad is not None:
+                    self._tag(p.grad, _G)
+        for state in opt.state.values():
+            if isinstance(state, dict):
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        self._tag(value, _O)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._tag(p.grad, _G)
+
+    def _on_mark_host(self, t: torch.Tensor) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        key = st._cdata
+        self._host_keys.add(key)
+        rec = self._recs.get(key)
+        if rec is not None and rec.role != _HOST:
+            self._retag(rec, rec.cat, _HOST, retro=True)
+
+    # --- public API -------------------------------------------------------------------------------------
+    def track(self, *tensors: Any, category: str = "other") -> None:
+        """Count tensors that existed before tracking started (e.g. the batch), in ``category``.
+
+        Accepts tensors or nested structures (dicts, lists, tuples) holding them. Storages already
+        tracked keep their category.
+        """
+        if category not in CATEGORIES:
+            raise ValueError(f"Passed `category={category!r}`; expected one of {CATEGORIES}.")
+        cat = CATEGORIES.index(category)
+        for t in tensor_storages(tensors):
+            st = _storage(t)
+            if st is not None and st._cdata not in self._recs:
+                self._add(st, t, st._cdata, cat)
+
+    def __enter__(self) -> MemoryTracker:
+        if self._mode is not None:
+            raise RuntimeError("This MemoryTracker is already active; a tracker cannot be entered twice at once.")
+        self._reset()
+        for t in _cat.host_tensors():
+            st = _storage(t)
+            if st is not None:
+                self._host_keys.add(st._cdata)
+        _cat.add_host_listener(self._on_mark_host)
+        self._phase_order.append("<start>")
+        self._scan()
+        for p in self._params():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    st = _storage(p)
+                    if p.requires_grad and st is not None and st._cdata not in self._weight_keys:
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._handles.append(opt.register_step_post_hook(self._scan_optimizer))
+        if self._cuda_enabled():
+            self._cuda_window = CudaPeakWindow(self.device)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+        finally:
+            self._mode = None
+            if self._phase is not None:
+                self._end_phase()
+            self._scan()
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            _cat.remove_host_listener(self._on_mark_host)
+            if self._cuda_window is not None:
+                self._cuda_window.close()
+                self._cuda_window = None
+            self._final = self.breakdown()
+            # NOTE: drop the weakrefs, so storages freed after tracking do not call back into us.
+            self._recs = {}
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def _cuda_enabled(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_available()
+
+    def set_phase(self, name: str | None) -> None:
+        """End the current phase (if any) and start ``name`` (None: outside every phase).
+
+        For callers whose boundaries are hooks rather than a ``with`` block (a Lightning callback).
+        A name may repeat (accumulation: forward, backward, forward, backward, optimizer); its peak is
+        the maximum over the repetitions. ``"forward"`` is the phase whose surviving storages are
+        activations.
+        """
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Passed a phase name of type {type(name).__name__}; expected a str or None.")
+        if self._mode is None:
+            raise RuntimeError("`set_phase` needs an active tracker: call it inside `with tracker:`.")
+        if self._phase is not None:
+            self._end_phase()  # re-scans the module and optimizers
+        else:
+            self._scan()
+        if name is None:
+            return
+        self._phase = name
+        self._phase_order.append(name)
+        snaps = self._phase_snaps.get(name)
+        if snaps is None:
+            snaps = self._phase_snaps[name] = (_Snap(), _Snap())
+        self._cur = snaps
+        if name == _FORWARD:
+            self._in_fwd = True
+            self._fwd_epoch += 1
+        with self._lock:
+            self._seq += 1
+            for role in (_DEV, _HOST):
+                if self._tot[role] > snaps[role].total:
+                    snaps[role].total = self._tot[role]
+                    snaps[role].cats = self._live[role].copy()
+                    snaps[role].seq = self._seq
+                    snaps[role].phase = name
+        if self._cuda_window is not None:
+            self._cuda_window.lap()
+
+    def _end_phase(self) -> None:
+        name = self._phase
+        assert name is not None
+        if self._cuda_window is not None:
+            allocated, reserved = self._cuda_window.lap()
+            prev = self._cuda.get(name, [0, 0])
+            self._cuda[name] = [max(prev[0], allocated), max(prev[1], reserved)]
+        self._in_fwd = False
+        self._scan()
+        if name == _BACKWARD:
+            # NOTE: what forward created and backward did not free is no longer held for backward
+            # (the loss, logits kept by the user): "other" from now on, not retroactively.
+            for rec in list(self._recs.values()):
+                if rec.cat == _A:
+                    self._retag(rec, _X, rec.role, retro=False)
+        self._phase = None
+        self._cur = self._peak
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute what happens inside the block to phase ``name`` (see :meth:`set_phase`)."""
+        self.set_phase(name)
+        try:
+            yield
+        finally:
+            if self._mode is not None and self._phase == name:
+                self.set_phase(None)
+
+    # --- readings ---------------------------------------------------------------------------------------
+    @property
+    def peak_bytes(self) -> int:
+        """The highest device-role live bytes seen while tracking."""
+        return max(self._peak[_DEV].total, 0)
+
+    def peak_bytes_role(self, role: Role) -> int:
+        """The highest live bytes of ``role`` (``"device"`` or ``"host"``) seen while tracking."""
+        if role not in ROLES:
+            raise ValueError(f"Passed `role={role!r}`; expected one of {ROLES}.")
+        return max(self._peak[ROLES.index(role)].total, 0)
+
+    @property
+    def peak_phase(self) -> str | None:
+        return self._peak[_DEV].phase
+
+    @property
+    def peaks(self) -> dict[str, PhasePeak]:
+        out = {}
+        for name, (dev, host) in self._phase_snaps.items():
+            cuda = self._cuda.get(name)
+            out[name] = PhasePeak(
+                name=name,
+                total=max(dev.total, 0),
+                by_category=dict(zip(CATEGORIES, dev.cats)),
+                host_total=max(host.total, 0),
+                host_by_category=dict(zip(CATEGORIES, host.cats)),
+                cuda_max_allocated=cuda[0] if cuda else None,
+                cuda_max_reserved=cuda[1] if cuda else None,
+            )
+        return out
+
+    def peak_breakdown(self) -> MemoryBreakdown:
+        """Bytes by category at the device-role peak (device) and at the host-role peak (host)."""
+        return MemoryBreakdown(
+            device=dict(zip(CATEGORIES, self._peak[_DEV].cats)), host=dict(zip(CATEGORIES, self._peak[_HOST].cats))
+        )
+
+    def breakdown(self) -> MemoryBreakdown:
+        """Live bytes by category and role now (after exit: at exit)."""
+        if self._mode is None and hasattr(self, "_final"):
+            return self._final
+        return MemoryBreakdown(device=dict(zip(CATEGORIES, self._live[_DEV])), host=dict(zip(CATEGORIES, self._live[_HOST])))
+
+    def live_bytes(self, role: Role = "device") -> int:
+        return self.breakdown().total(role)
+
+    @property
+    def num_ops(self) -> int:
+        """Aten ops seen while tracking."""
+        return self._ops
+
+    def timeline(self) -> dict[str, Any]:
+        """With ``timeline=True``: device-role bytes by category after every allocation and free.
+
+        Returns ``{"phases": [phase names], "phase": [index into phases per event],
+        "<category>": [bytes per event], ..., "host_total": [bytes per event]}``.
+        """
+        cols = list(zip(*self._timeline)) if self._timeline else [()] * 7
+        out: dict[str, Any] = {"phases": list(self._phase_order), "phase": list(cols[0])}
+        for i, cat in enumerate(CATEGORIES):
+            out[cat] = list(cols[i + 1])
+        out["host_total"] = list(cols[6])
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """A JSON-able summary: peaks (overall and per phase, both roles), the binding phase, live bytes."""
+        peaks = self.peaks
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_bytes_host": self.peak_bytes_role("host"),
+            "peak_phase": self.peak_phase,
+            "peak": self.peak_breakdown().to_dict(),
+            "phases": {name: p.to_dict() for name, p in peaks.items()},
+            "live_at_end": self.breakdown().to_dict(),
+            "device": str(self.device),
+        }

@@ -1,0 +1,224 @@
+"""The precision side of ``lowmem_offload``: compute dtype on the device, fp32 masters on the host.
+
+:class:`MasterHalfPrecision` casts the module to the compute dtype, runs forward under that dtype
+(``*-true``) or under autocast (``*-mixed``), scales the loss for fp16, and at the optimizer step
+unscales the *master* gradients, skips the step on an overflow and clips on the masters. It never
+allocates the masters itself: :class:`~lightning_lowmem.strategies.offload.OffloadStrategy` keeps
+them and re-points the optimizer at them, so ``main_params(optimizer)`` are the masters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lowmem.precision.loss_scaler import DynamicLossScaler
+
+log = logging.getLogger(__name__)
+
+PrecisionName = Literal["bf16-true", "16-true", "bf16-mixed", "16-mixed", "32-true"]
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+
+
+class MasterHalfPrecision(Precision):
+    """Half-precision compute weights with fp32 masters kept by the strategy; fp16 dynamic loss scaling.
+
+    Memory: the device holds only the compute weights (2 B/param for bf16/fp16); the fp32 masters
+    (4 B/param), their gradients and the optimizer state are on the host (see ``OffloadStrategy``).
+    Cost: fp16 runs a host-side inf/nan check over every gradient at each step.
+
+    * ``"bf16-true"`` / ``"16-true"``: weights, activations and inputs in that dtype.
+    * ``"bf16-mixed"`` / ``"16-mixed"``: the same weights, plus ``torch.autocast`` so the ops
+      autocast keeps in fp32 (softmax, norms, losses) run in fp32.
+    * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
+    * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in
+      any master gradient after accumulation) skips the step, multiplies the scale by
+      ``backoff_factor`` and is logged; the masters never see an inf or nan. The scaler's state is
+      saved in the checkpoint under the key ``"MasterHalfPrecision"`` and restored on resume.
+
+    Logged metrics (fp16 only, every optimizer step): ``lowmem/loss_scale``, ``lowmem/skipped_steps``.
+
+    Args:
+        precision: one of ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``.
+        init_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler (ignored
+            otherwise), see :class:`~lightning_lowmem.precision.loss_scaler.DynamicLossScaler`.
+
+    Example::
+
+        trainer = L.Trainer(strategy="lowmem_offload", plugins=[MasterHalfPrecision("16-mixed", init_scale=2**12)])
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "bf16-true",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"Passed `MasterHalfPrecision(precision={precision!r})`; expected one of {', '.join(map(repr, PRECISIONS))}."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.compute_dtype: torch.dtype = _DTYPES[precision.split("-")[0]]
+        self.mixed = precision.endswith("-mixed")
+        self.scaler: DynamicLossScaler | None = (
+            DynamicLossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
+            if self.compute_dtype == torch.float16
+            else None
+        )
+        # the device type autocast runs on; the strategy sets it in `setup` (it knows the root device)
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.last_step_skipped = False
+        self._skip_clipping = False
+
+    # --- the module and the forward ---------------------------------------------------------------
+    @override
+    def convert_module(self, module: Module) -> Module:
+        # NOTE: in place (module.to keeps the Parameter objects), so optimizers and hooks that hold
+        # them stay valid; strategies that ignore the return value (DDP's) still see the cast.
+        if self.compute_dtype != torch.float32:
+            module.to(dtype=self.compute_dtype)
+        return module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        # NOTE: modules are built in fp32 on purpose: the masters are copied from them, and a model
+        # initialised in half precision would give masters that already lost their low bits.
+        return nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.mixed:
+            with torch.autocast(self.device_type, dtype=self.compute_dtype):
+                yield
+            return
+        default = torch.get_default_dtype()
+        if self.compute_dtype != torch.float32:
+            torch.set_default_dtype(self.compute_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.mixed or self.compute_dtype == torch.float32:
+            return data  # autocast casts per op
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
+
+    # --- backward and step ---------------------------------------------------------------------------
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+        """The parameters the optimizer steps: under ``lowmem_offload``, the fp32 host masters."""
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def unscale_gradients(self, optimizer: Optimizer) -> bool:
+        """Unscale the gradients of ``optimizer``'s parameters (fp16); return whether one overflowed."""
+        if self.scaler is None:
+            return False
+        return self.scaler.unscale_([p.grad for p in self.main_params(optimizer) if p.grad is not None])
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        step_fn: Callable[[Optimizer], Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure, unscale and check (fp16), call ``on_before_optimizer_step`` and clip, then step.
+
+        ``step_fn(optimizer)`` replaces ``optimizer.step()`` (the strategy's host step); an overflow or a
+        skipped backward (``training_step`` returned None) skips it.
+        """
+        closure_result = closure()
+        found_inf = self.unscale_gradients(optimizer)
+        self._skip_clipping = found_inf  # NOTE: a norm over inf/nan gradients is meaningless; the step is skipped
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._skip_clipping = False
+        skipped_backward = closure_result is None and model.automatic_optimization
+        self.last_step_skipped = found_inf or skipped_backward
+        if found_inf:
+            assert self.scaler is not None
+            old = self.scaler.scale
+            self.scaler.update(found_inf=True)
+            log.info(
+                "fp16 gradient overflow (inf/nan): skipped the optimizer step at global step %s and lowered the loss "
+                "scale from %g to %g (%d step(s) skipped so far).",
+                model.trainer.global_step if model._trainer is not None else "?",
+                old,
+                self.scaler.scale,
+                self.scaler.overflows,
+            )
+            for p in self.main_params(optimizer):
+                p.grad = None  # NOTE: never let an inf/nan gradient reach the masters or the optimizer state
+            self._log_scale(model)
+            return closure_result
+        if skipped_backward:
+            return closure_result
+        out = step_fn(optimizer) if step_fn is not None else optimizer.step(**kwargs)
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+            self._log_scale(model)
+        return closure_result if out is None else out
+
+    def _log_scale(self, model: pl.LightningModule) -> None:
+        if self.scaler is None or model._trainer is None:
+            return
+        model.log("lowmem/loss_scale", self.scaler.scale, on_step=True, on_epoch=False, batch_size=1)
+        model.log("lowmem/skipped_steps", float(self.scaler.overflows), on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if self._skip_clipping:
+            return
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    # --- checkpoint -------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r})"

@@ -1,0 +1,104 @@
+"""Optimizer swap for ZeRO-Offload: ``torch.optim.Adam``/``AdamW`` -> ``DeepSpeedCPUAdam`` (private helper).
+
+DeepSpeed refuses a client optimizer that is not one of its CPU optimizers under optimizer offload
+(``zero_force_ds_cpu_optimizer``), and a torch Adam stepping fp32 masters on the host would be several
+times slower than the vectorised C++ kernel anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from weakref import ref
+
+import torch
+from torch.optim import Optimizer
+
+_CPU_OPTIMIZERS = ("DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion")
+# per-group keys of torch's Adam that DeepSpeedCPUAdam cannot honour when set
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
+
+
+def _is_deepspeed_cpu_optimizer(optimizer: Optimizer) -> bool:
+    return any(cls.__name__ in _CPU_OPTIMIZERS and cls.__module__.startswith("deepspeed.") for cls in type(optimizer).__mro__)
+
+
+def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Optimizer, str]:
+    """``DeepSpeedCPUAdam`` with ``optimizer``'s parameter groups and hyper-parameters, and a log line.
+
+    Returns ``optimizer`` itself when it already is a DeepSpeed CPU optimizer, or when the user set
+    ``zero_force_ds_cpu_optimizer: false`` in the DeepSpeed config.
+
+    Raises:
+        ValueError: any other optimizer, or an Adam flag ``DeepSpeedCPUAdam`` does not implement.
+    """
+    if _is_deepspeed_cpu_optimizer(optimizer):
+        return optimizer, ""
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        if config.get("zero_force_ds_cpu_optimizer") is False:
+            return optimizer, ""
+        raise ValueError(
+            f"`configure_optimizers` returned a `{name}`, which an optimizer-offload preset cannot run: DeepSpeed "
+            "steps offloaded state with its own CPU optimizers only. Return `torch.optim.Adam` or `AdamW` (swapped "
+            "for `DeepSpeedCPUAdam` automatically) or a `deepspeed.ops.adam.DeepSpeedCPUAdam`/`DeepSpeedCPUAdagrad`/"
+            "`deepspeed.ops.lion.DeepSpeedCPULion`; or use a preset without offload (`lowmem_zero2`, `lowmem_zero3`) "
+            "or `lowmem_offload`; or pass `config={'zero_force_ds_cpu_optimizer': False}` to run it as is (slow)."
+        )
+    bad = sorted({flag for g in optimizer.param_groups for flag in _UNSUPPORTED_FLAGS if g.get(flag)})
+    if bad:
+        raise ValueError(
+            f"`configure_optimizers` returned a `{name}` with {', '.join(f'`{b}=True`' for b in bad)}, which "
+            "`DeepSpeedCPUAdam` (used by the optimizer-offload presets) does not implement. Drop the flag, or use "
+            "a preset without offload (`lowmem_zero2`, `lowmem_zero3`)."
+        )
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    # NOTE: torch's AdamW is a subclass of Adam; `decoupled_weight_decay=True` makes Adam an AdamW too.
+    adamw = isinstance(optimizer, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)
+    keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+    groups = [
+        {"params": g["params"], **{k: g[k] for k in keep if k in g}, **{k: v for k, v in g.items() if k not in _TORCH_ONLY}}
+        for g in optimizer.param_groups
+    ]
+    defaults = optimizer.defaults
+    cpu_adam = DeepSpeedCPUAdam(
+        groups,
+        lr=float(defaults["lr"]),
+        betas=tuple(defaults["betas"]),
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        adamw_mode=adamw,
+    )
+    summary = "; ".join(
+        f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
+        for i, g in enumerate(cpu_adam.param_groups)
+    )
+    message = (
+        f"ZeroStrategy: optimizer offload steps on the CPU, so `{name}` was replaced by "
+        f"`DeepSpeedCPUAdam(adamw_mode={adamw})` with the same parameter groups ({summary})."
+    )
+    return cpu_adam, message
+
+
+# torch-only per-group switches that mean nothing to DeepSpeedCPUAdam (the unsupported ones are refused above)
+_TORCH_ONLY = {"params", "foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
+
+
+def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point an LR scheduler built on the replaced optimizer at ``optimizer`` (same param groups, same order)."""
+    if not hasattr(scheduler, "optimizer"):
+        return
+    scheduler.optimizer = optimizer
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        # NOTE: what `LRScheduler.__init__` does to its optimizer, so torch does not warn that the scheduler
+        # stepped before the optimizer.
+        opt_ref = ref(optimizer)
+        func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            opt = opt_ref()
+            opt._opt_called = True  # type: ignore[union-attr]
+            return func(opt, *args, **kwargs)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = step  # type: ignore[method-assign]

@@ -1,0 +1,392 @@
+"""DeepSpeed ZeRO presets that run on GPU clusters and on the CPU accelerator (gloo), and ``consolidate``.
+
+``Trainer(strategy="lowmem_zero3_offload")`` and its siblings are :class:`ZeroStrategy` with the reference
+settings of article 004. ``consolidate(checkpoint_dir, out_file)`` (also ``lowmem consolidate DIR FILE``)
+turns the directory checkpoint DeepSpeed writes into one fp32 state dict a plain model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lowmem._compat import require
+from lightning_lowmem.strategies import _zero_config as zc
+
+if TYPE_CHECKING:
+    import deepspeed
+
+_FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
+# callbacks that change the Trainer's accumulation while fitting: DeepSpeed fixes it when the engine is built
+_ACCUMULATION_CALLBACKS = ("AccumulationScheduler", "GradientAccumulationScheduler")
+
+
+class ZeroStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO with article 004's reference settings, Trainer flags flowing in, on CUDA or on the CPU.
+
+    Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
+    fp32 masters, Adam moments and gradients (``16P -> 2P + 14P/N`` bytes of model state on the device);
+    stage 3 shards the 16-bit weights too (``16P/N``). ``offload_optimizer`` moves the sharded fp32 state and
+    the Adam step to host memory (``DeepSpeedCPUAdam``), ``offload_parameters`` (stage 3) the weights as
+    well, fetched layer by layer; ``offload_device="nvme"`` puts both on a local SSD. The cost: gradients
+    cross to the host and weights back every step, and the step runs on the CPU (see the benchmark).
+
+    Defaults (article 004): fp16 dynamic loss scaling when ``Trainer(precision="16-mixed")`` (bf16 for
+    ``"bf16-mixed"``), ``overlap_comm``, ``contiguous_gradients``, pinned host buffers, 2e8-element buckets
+    (stage 2), hidden-size-derived buckets (stage 3) and ``stage3_gather_16bit_weights_on_model_save``.
+    ``accumulate_grad_batches``, ``gradient_clip_val``, the precision and the loader's batch size are put in
+    the DeepSpeed config; ``config=`` (a dict or JSON path) is deep-merged over the result and wins, except
+    where Lightning applies the setting too (accumulation, fp16/bf16): a contradiction there is an error.
+    With an offload preset the module's ``torch.optim.Adam``/``AdamW`` is swapped for ``DeepSpeedCPUAdam``
+    with the same parameter groups and hyper-parameters (logged).
+
+    Example::
+
+        trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
+        trainer = L.Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
+                                                  offload_device="nvme", nvme_path="/local_nvme"))
+
+    Args:
+        stage: ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters).
+        offload_optimizer: keep optimizer state and its step on ``offload_device``.
+        offload_parameters: keep the parameters on ``offload_device`` (stage 3 only).
+        offload_device: ``"cpu"`` or ``"nvme"``; ``nvme`` needs ``nvme_path`` (or ``LOWMEM_NVME_PATH``).
+        nvme_path: an existing, writable directory on a fast local drive.
+        pin_memory: page-locked host buffers for the offloaded state (faster copies on CUDA).
+        overlap_comm, contiguous_gradients, reduce_bucket_size, allgather_bucket_size, sub_group_size:
+            DeepSpeed's ``zero_optimization`` keys; ``reduce_bucket_size=None`` means 2e8 (stage 1/2) or
+            ``hidden_size**2`` (stage 3, as Hugging Face's ``"auto"``).
+        gather_16bit_weights_on_model_save: ``stage3_gather_16bit_weights_on_model_save``.
+        cpu_optimizer: with offload, replace ``torch.optim.Adam``/``AdamW`` by ``DeepSpeedCPUAdam``.
+        config: a DeepSpeed config dict or JSON path merged over everything above.
+        **kwargs: any other ``lightning.pytorch.strategies.DeepSpeedStrategy`` argument
+            (``parallel_devices``, ``cluster_environment``, ``process_group_backend``, ``timeout``,
+            ``load_full_weights``, ``exclude_frozen_parameters``, ``remote_device``, ``logging_level``, ...).
+    """
+
+    strategy_name = "lowmem_zero"
+
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        offload_device: zc.OffloadDevice = "cpu",
+        nvme_path: str | os.PathLike | None = None,
+        pin_memory: bool = True,
+        overlap_comm: bool = True,
+        contiguous_gradients: bool = True,
+        reduce_bucket_size: int | None = None,
+        allgather_bucket_size: int = int(2e8),
+        sub_group_size: int = int(1e9),
+        gather_16bit_weights_on_model_save: bool = True,
+        cpu_optimizer: bool = True,
+        config: str | os.PathLike | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        require("deepspeed", _FEATURE)
+        problems = []
+        if stage not in (1, 2, 3):
+            problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
+        if offload_device not in ("cpu", "nvme"):
+            problems.append(f"Passed `offload_device={offload_device!r}`; expected 'cpu' or 'nvme'.")
+        if offload_parameters and stage != 3:
+            problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
+        unknown = set(kwargs) - _PASSTHROUGH
+        if unknown:
+            problems.append(
+                f"Passed unknown argument(s) {sorted(unknown)}; ZeroStrategy takes its own arguments and "
+                f"these of DeepSpeedStrategy: {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
+            )
+        if problems:
+            raise ValueError(" ".join(problems))
+        if offload_device == "nvme":
+            nvme_path = zc.check_nvme_path(nvme_path or os.environ.get("LOWMEM_NVME_PATH"))
+            kwargs.setdefault("remote_device", "nvme")
+        self._user_config = zc.load_user_config(config)
+        self._cpu_optimizer = cpu_optimizer
+        self._offload_optimizer = offload_optimizer
+        preset = zc.reference_config(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            offload_device=offload_device,
+            nvme_path=None if nvme_path is None else str(nvme_path),
+            pin_memory=pin_memory,
+            overlap_comm=overlap_comm,
+            contiguous_gradients=contiguous_gradients,
+            reduce_bucket_size=reduce_bucket_size or ("auto" if stage == 3 else int(2e8)),
+            allgather_bucket_size=allgather_bucket_size,
+            sub_group_size=sub_group_size,
+            gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save,
+            zero_force_ds_cpu_optimizer=True,
+        )
+        # NOTE: the parent gets the preset merged with the user's JSON so that `zero_stage_3` and
+        # `model_sharded_context` (called before `setup`) already see the final ZeRO section.
+        super().__init__(config=zc.merge(preset, self._user_config), **kwargs)
+
+    # ---- the three CPU obstacles (lightning-internals addendum) ------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return super().setup_distributed()
+        # NOTE: `_validate_device_index_selection` fails on the CPU device's `None` index; the rest is kept.
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+        return None
+
+    @property
+    def _device_rank(self) -> int:
+        # NOTE: DeepSpeed compares `device_rank` with 0; the CPU device's index is None.
+        index = self.root_device.index
+        return self.local_rank if index is None else index
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        root = self.root_device
+        if root.index is not None:
+            return super()._initialize_deepspeed_inference(model)
+        # NOTE: the parent builds `Namespace(device_rank=root_device.index)`; present the local rank instead
+        # for the duration of the call (the strategy's own `root_device` is not changed).
+        import deepspeed
+
+        original = deepspeed.initialize
+
+        def initialize(*args: Any, **kw: Any) -> Any:
+            if "args" in kw and getattr(kw["args"], "device_rank", 0) is None:
+                kw["args"] = argparse.Namespace(device_rank=self._device_rank)
+            return original(*args, **kw)
+
+        deepspeed.initialize = initialize
+        try:
+            super()._initialize_deepspeed_inference(model)
+        finally:
+            deepspeed.initialize = original
+        return None
+
+    # ---- config: preset <- Trainer <- user JSON ------------------------------------------------------------
+
+    @override
+    def _format_config(self) -> None:
+        assert self.lightning_module is not None and self.config is not None
+        trainer = self.lightning_module.trainer
+        precision = str(self.precision_plugin.precision)
+        trainer_cfg = zc.trainer_settings(
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+            precision=precision,
+            micro_batch_size=self._auto_select_batch_size(),
+            fp16={
+                "loss_scale": self.loss_scale,
+                "initial_scale_power": self.initial_scale_power,
+                "loss_scale_window": self.loss_scale_window,
+                "hysteresis": self.hysteresis,
+                "min_loss_scale": self.min_loss_scale,
+            },
+        )
+        errors, warnings = zc.conflicts(trainer_cfg, self._user_config, precision)
+        errors += self._setup_problems(trainer, precision)
+        if errors:
+            raise ValueError(
+                f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(errors)
+            )
+        for message in warnings:
+            rank_zero_warn(f"{type(self).__name__}: {message}.")
+        merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
+        zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
+        self.config.clear()
+        self.config.update(merged)
+
+    def _setup_problems(self, trainer: Any, precision: str) -> list[str]:
+        problems = []
+        if precision.startswith("16") and not isinstance(self.accelerator, CUDAAccelerator):
+            accel = require("deepspeed", _FEATURE).accelerator.get_accelerator()
+            if not accel.is_fp16_supported():
+                problems.append(
+                    f"`Trainer(precision={precision!r})` on the {type(self.accelerator).__name__}: DeepSpeed's CPU "
+                    "accelerator has no fp16 on this processor. Use `precision='bf16-mixed'` or '32-true'"
+                )
+        if str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
+            problems.append(
+                "`Trainer(gradient_clip_algorithm='value')`: DeepSpeed clips by norm only. Use "
+                "`gradient_clip_algorithm='norm'`"
+            )
+        for callback in trainer.callbacks:
+            if type(callback).__name__ in _ACCUMULATION_CALLBACKS:
+                problems.append(
+                    f"`{type(callback).__name__}` changes `accumulate_grad_batches` while fitting, but DeepSpeed fixes "
+                    "`gradient_accumulation_steps` when its engine is built. Use a constant "
+                    "`Trainer(accumulate_grad_batches=...)` with this strategy, or keep the callback with "
+                    "`strategy='lowmem_offload'`"
+                )
+        return problems
+
+    # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
+
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, Any]:
+        optimizer, scheduler_config = super()._init_optimizers()
+        if not (self._offload_optimizer and self._cpu_optimizer):
+            return optimizer, scheduler_config
+        from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
+
+        cpu_optimizer, message = to_cpu_optimizer(optimizer, self.config)
+        if cpu_optimizer is not optimizer:
+            rank_zero_info(message)
+            if scheduler_config is not None:
+                from lightning_lowmem.strategies._zero_optim import rebind_scheduler
+
+                rebind_scheduler(scheduler_config.scheduler, cpu_optimizer)
+        return cpu_optimizer, scheduler_config
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # NOTE: Lightning's loop already divides the loss by `accumulate_grad_batches`; DeepSpeed's
+        # `engine.backward` would divide it again (gradients 1/k^2 of the right value).
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+
+_PASSTHROUGH = {
+    "accelerator",
+    "zero_optimization",
+    "remote_device",
+    "zero_allow_untested_optimizer",
+    "logging_batch_size_per_gpu",
+    "logging_level",
+    "parallel_devices",
+    "cluster_environment",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+    "partition_activations",
+    "cpu_checkpointing",
+    "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary",
+    "load_full_weights",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "exclude_frozen_parameters",
+}
+
+
+# ---- consolidate ------------------------------------------------------------------------------------------
+
+
+def consolidate(
+    checkpoint_dir: str | os.PathLike,
+    out_file: str | os.PathLike,
+    *,
+    tag: str | None = None,
+    strip_prefix: str = "",
+) -> dict[str, torch.Tensor]:
+    """Merge a DeepSpeed ZeRO directory checkpoint into one fp32 state dict and write it to ``out_file``.
+
+    ``checkpoint_dir`` is what ``Trainer.save_checkpoint(path)`` / ``ModelCheckpoint`` wrote with a
+    ``lowmem_zero*`` strategy (a directory holding ``latest`` and ``checkpoint/``). The keys are the
+    LightningModule's (``module.load_state_dict(torch.load(out_file))``); ``strip_prefix="model."`` gives
+    the keys of the wrapped model (a Hugging Face model built from the same config loads them).
+    A ``.safetensors`` ``out_file`` is written with safetensors, anything else with ``torch.save``; the
+    file is written to a temporary name and renamed, so a crash never leaves half a file.
+
+    Returns:
+        the state dict that was written.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` is not a DeepSpeed checkpoint directory.
+    """
+    require("deepspeed", "`lowmem consolidate` / `lightning_lowmem.zero.consolidate`")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ckpt = Path(checkpoint_dir).expanduser()
+    if not ckpt.is_dir() or not ((ckpt / "latest").is_file() or (tag and (ckpt / tag).is_dir())):
+        raise FileNotFoundError(
+            f"Passed `checkpoint_dir={str(checkpoint_dir)!r}`, which is not a DeepSpeed checkpoint directory "
+            "(expected a directory with a `latest` file and a tag folder, as `Trainer.save_checkpoint` writes with "
+            "a `lowmem_zero*` strategy). For a single-file Lightning checkpoint there is nothing to consolidate."
+        )
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+    # NOTE: Lightning wraps the module; its checkpoints may carry the wrapper's prefix.
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        key = key.removeprefix("_forward_module.")
+        if strip_prefix and key.startswith(strip_prefix):
+            key = key[len(strip_prefix) :]
+        out[key] = value.float() if value.is_floating_point() else value
+    target = Path(out_file).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        if target.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            # NOTE: safetensors refuses shared storages (tied embeddings): each tensor gets its own copy.
+            save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, tmp)
+        else:
+            torch.save(out, tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def consolidate_main(argv: Sequence[str] | None = None) -> int:
+    """``lowmem consolidate CHECKPOINT_DIR OUT_FILE [--tag TAG] [--strip-prefix model.]``."""
+    parser = argparse.ArgumentParser(
+        prog="lowmem consolidate",
+        description="Write a DeepSpeed ZeRO directory checkpoint as one plain fp32 state dict.",
+    )
+    parser.add_argument("checkpoint_dir", help="the directory Trainer.save_checkpoint wrote with a lowmem_zero* strategy")
+    parser.add_argument("out_file", help="output file (.pt/.ckpt: torch.save; .safetensors: safetensors)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in `latest`)")
+    parser.add_argument("--strip-prefix", default="", help="drop this key prefix, e.g. `model.` for the bare HF model")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    state = consolidate(args.checkpoint_dir, args.out_file, tag=args.tag, strip_prefix=args.strip_prefix)
+    n = sum(t.numel() for t in state.values())
+    print(f"Wrote {len(state)} tensors ({n:,} elements, fp32) to {args.out_file}")
+    return 0

@@ -1,0 +1,78 @@
+import lightning as L
+import pytest
+import torch
+
+from lightning_lowmem.demo.module import CausalLMModule, build_causal_lm
+from lightning_lowmem.demo.tokenizer import ByteTokenizer
+from tests.helpers.models import GPT2_TINY, random_batch, tiny_gpt2, tiny_lm_module
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return 'é' * x\n"
+    ids = tok.encode(text, add_eos=True)
+    assert ids[-1] == tok.eos_token_id and max(ids) < tok.vocab_size
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_builds_from_config_with_byte_vocab(model_type):
+    module = tiny_lm_module(model_type)
+    assert module.model.config.vocab_size == ByteTokenizer.vocab_size
+    logits = module(random_batch()["input_ids"])
+    assert logits.shape == (2, 32, ByteTokenizer.vocab_size)
+
+
+def test_loss_is_mean_over_labelled_tokens():
+    module = tiny_lm_module().eval()  # no dropout: the two forwards must match
+    batch = random_batch(seq_len=16)
+    batch["labels"][0, 8:] = -100  # padding: ignored
+    loss_sum, n = module.loss_sum_and_tokens(batch)
+    assert n.item() == 2 * 15 - 8  # shifted: 15 targets per row, 8 of row 0 ignored
+    reference = module.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss  # HF's own mean
+    torch.testing.assert_close(loss_sum / n, reference)
+
+
+def test_sum_reduction_returns_token_count():
+    module = tiny_lm_module(loss_reduction="sum")
+    out = module.training_step(random_batch(), 0)
+    assert set(out) == {"loss", "num_tokens"} and out["num_tokens"].item() == 2 * 31
+
+
+def test_from_pretrained_local_directory(tmp_path):
+    model = tiny_gpt2()
+    model.save_pretrained(tmp_path)
+    module = CausalLMModule(pretrained_path=str(tmp_path))
+    for (name, p), q in zip(module.model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_bad_model_inputs():
+    with pytest.raises(ValueError, match=r"Passed `model_type='t5'`.*causal LM"):
+        build_causal_lm("t5", {})
+    with pytest.raises(FileNotFoundError, match=r"Passed `pretrained_path='/no/such/dir'`"):
+        build_causal_lm(pretrained_path="/no/such/dir")
+    with pytest.raises(ValueError, match="loss_reduction"):
+        CausalLMModule(config=GPT2_TINY, loss_reduction="avg")
+
+
+@pytest.mark.integration
+def test_loss_goes_down_on_stdlib_text():
+    from lightning_lowmem.demo.data import StdlibTextDataModule
+
+    L.seed_everything(0)
+    module = tiny_lm_module(learning_rate=3e-3)
+    data = StdlibTextDataModule(seq_len=64, batch_size=8, max_bytes=100_000)
+    losses = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, callbacks=[Record()],
+    )
+    trainer.fit(module, data)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 1.0, (first, last)  # byte-level LM: ~5.5 nats at random init
