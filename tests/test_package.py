@@ -42,3 +42,14 @@ def test_pytorch_lightning_object_refused():
     with pytest.raises(TypeError, match="lightning.pytorch"):
         check_lightning_object(pl.LightningModule(), "the model")
     check_lightning_object(L.LightningModule(), "the model")
+
+
+def test_pytorch_lightning_trainer_gets_clear_error():
+    pytest.importorskip("pytorch_lightning")
+    code = (
+        "import pytorch_lightning as pl, lightning_lowmem\n"
+        "pl.Trainer(strategy='lowmem_offload', accelerator='cpu', logger=False)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "lightning_lowmem works with the unified `lightning` package" in out.stderr

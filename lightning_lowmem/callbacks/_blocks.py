@@ -164,9 +164,24 @@ class CheckpointedForward:
             return call_inner(self.module, self.inner, args, kwargs)
         refuse_kv_cache(self.module, args, kwargs)
         extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        # NOTE: top-level tensor arguments are handed to `checkpoint` one by one, not inside the `args` tuple:
+        # checkpoint then keeps them as saved tensors, which saved-tensor hooks see (ActivationOffload's
+        # `boundaries_only=True` moves them to the host); inside a tuple they were plain, unreachable references.
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        rest = tuple(None if i in slots else a for i, a in enumerate(args))
         return checkpoint(
-            call_inner, self.module, self.inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra
-        )
+            _call_with_tensors, self.module, self.inner, rest, kwargs, slots, *(args[i] for i in slots),
+            use_reentrant=False, preserve_rng_state=True, **extra,
+        )  # fmt: skip
+
+
+def _call_with_tensors(
+    module: nn.Module, inner: Callable[..., Any] | None, rest: tuple, kwargs: dict, slots: list[int], *tensors: Any
+) -> Any:
+    args = list(rest)
+    for i, t in zip(slots, tensors):
+        args[i] = t
+    return call_inner(module, inner, tuple(args), kwargs)
 
 
 def has_foreign_checkpointing(module: nn.Module) -> str | None:

@@ -38,8 +38,8 @@ def _checkpoint_file() -> str:
     return _CHECKPOINT_FILE
 
 
-def saved_by_checkpoint() -> bool:
-    """Whether the tensor being packed right now is an input that ``torch.utils.checkpoint`` saves for recompute.
+def saved_by_checkpoint(frame: Any) -> bool:
+    """Whether the pack hook called from ``frame`` packs an input that ``torch.utils.checkpoint`` saves for recompute.
 
     NOTE: checkpointing (reentrant or not, called directly, through Hugging Face's gradient checkpointing or
     through ``checkpoint_wrapper``) saves the inputs of the checkpointed block from ``torch/utils/checkpoint.py``
@@ -49,7 +49,6 @@ def saved_by_checkpoint() -> bool:
     is a block boundary. This reads torch internals: ``ActivationOffload`` warns when ``boundaries_only=True``
     sees no boundary in a training step, which is how a torch change here would show.
     """
-    frame = sys._getframe(2)  # past this function and the pack hook
     ckpt = _checkpoint_file()
     for _ in range(6):
         if frame is None:
@@ -177,7 +176,7 @@ class _StorageEntry:
 class _Packed:
     """What autograd stores in place of an offloaded saved tensor: its storage entry and its view geometry."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "requires_grad")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset")
 
     def __init__(self, entry: _StorageEntry, t: torch.Tensor) -> None:
         self.entry = entry
@@ -293,14 +292,14 @@ class SavedTensorOffloader:
 
     # -- pack -----------------------------------------------------------------------------------------------
 
-    def _keep(self, t: torch.Tensor) -> bool:
+    def _keep(self, t: torch.Tensor, caller: Any) -> bool:
         """Whether a saved tensor stays in place; counts the kept bytes."""
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device != self.device:
             return True
         if t.untyped_storage().data_ptr() in self._skip_ptrs:
             return True  # a parameter, buffer or batch tensor: it stays alive anyway, a copy would free nothing
         nbytes = t.numel() * t.element_size()
-        boundary = self.boundaries_only and saved_by_checkpoint()
+        boundary = self.boundaries_only and saved_by_checkpoint(caller)
         if boundary:
             self.stats.boundary_saves += 1
         if nbytes < self.min_bytes or nbytes == 0 or (self.boundaries_only and not boundary):
@@ -312,7 +311,7 @@ class SavedTensorOffloader:
     def pack(self, t: torch.Tensor) -> Any:
         if self._phase != "forward":
             self._begin_forward()
-        if self._keep(t):
+        if self._keep(t, sys._getframe(1)):
             return t
         storage = t.untyped_storage()
         # NOTE: keyed by storage *and* version: a storage changed in place after one save and saved again needs
@@ -363,8 +362,7 @@ class SavedTensorOffloader:
         self._prefetched.discard(entry)
         self.copier.compute_waits(entry.event, entry.restored)
         entry.event = None
-        restored = entry.restored
-        assert restored is not None
+        restored: torch.Tensor = entry.restored  # type: ignore[assignment]
         out = torch.empty(0, dtype=packed.dtype, device=restored.device)
         out.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         entry.pending -= 1

@@ -234,11 +234,12 @@ def wrap_segment(modules: list[nn.Module], segment_index: int) -> tuple[Segment,
     return segment, True
 
 
-def close_segments_hook(segments: list[Segment]) -> Any:
-    """A forward hook for the module that owns the blocks: closes any segment its forward left open."""
+class CloseSegments:
+    """A forward hook for the module that owns the blocks: closes any segment its forward left open (picklable)."""
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        for segment in segments:
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        for segment in self.segments:
             segment.close()
-
-    return hook

@@ -204,6 +204,11 @@ class AccumulationScheduler(L.Callback):
                 problems.append("a `schedule` is not available with DeepSpeed: its accumulation is fixed at start-up")
             if self.micro_batch_size == "auto":
                 problems.append("`micro_batch_size='auto'` is not available with DeepSpeed: pass an int")
+        if self.micro_batch_size == "auto" and not lightning_hasattr(pl_module, self.batch_arg_name):
+            problems.append(
+                f"`micro_batch_size='auto'` needs a `{self.batch_arg_name}` attribute on the LightningModule or "
+                "DataModule that `train_dataloader()` uses (like BatchSizeFinder), for the trials and the result"
+            )
         if self.micro_batch_size == "auto" and trainer.strategy.root_device.type != "cuda" and self.memory_budget is None:
             problems.append(
                 "`micro_batch_size='auto'` off CUDA needs `memory_budget` (bytes a training step may peak at)"
@@ -277,6 +282,8 @@ class AccumulationScheduler(L.Callback):
         self._window = 0  # micro-batches in the current window
         self._count: Any = 0  # samples or tokens seen, this process
         self._samples = 0
+        self._micro_batches = 0
+        self._last = False
         self._k: torch.Tensor | None = None
 
     @override
@@ -300,7 +307,7 @@ class AccumulationScheduler(L.Callback):
             self._window = e // (self._micro * trainer.world_size)
         epoch_end = ready == trainer.num_training_batches or loop.batch_progress.is_last_batch
         first, last = self._pos == 0, self._pos == self._window - 1 or epoch_end
-        value, zero_here = lightning_accumulation(batch_idx, ready, first, last, self._window)
+        value, zero_here = lightning_accumulation(batch_idx, ready, first, last, epoch_end, self._window)
         # NOTE: Lightning decides zero_grad by `batch_idx % N == 0` and the step by `ready % N == 0`; after a
         # schedule change a window need not start at a multiple of its size, so N is chosen per batch to give
         # exactly this window's boundaries (it equals the real accumulation whenever the windows are aligned).
@@ -347,6 +354,7 @@ class AccumulationScheduler(L.Callback):
         else:
             count, weight = samples, float(samples)
         self._samples += samples
+        self._micro_batches += 1
         if self._engine:
             # DeepSpeed divides by its own gradient_accumulation_steps: weight relative to a full micro-batch
             scale = n * weight / self._micro
@@ -384,16 +392,13 @@ class AccumulationScheduler(L.Callback):
                     if f is None:
                         f = per_device[p.grad.device] = factor.to(p.grad.device)
                     p.grad.mul_(f)
-        micro_batches = self._window_done()
+        micro_batches = self._micro_batches
         self._n_ref = total.clamp(min=1) / (micro_batches * world)
         self.last_window = WindowStats(
             micro_batches * world, int(samples.item()) if world > 1 else self._samples,
             None if self.loss_normalization == "samples" else total,
         )
-        self._count, self._samples, self._k = 0, 0, None
-
-    def _window_done(self) -> int:
-        return self._pos_at_step if hasattr(self, "_pos_at_step") else 0
+        self._count, self._samples, self._micro_batches, self._k = 0, 0, 0, None
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -425,3 +430,194 @@ class AccumulationScheduler(L.Callback):
             self._micro = int(state_dict["micro_batch_size"])
         if state_dict.get("n_ref") is not None:
             self._n_ref = torch.tensor(state_dict["n_ref"], dtype=torch.float64)
+
+    # --- "auto": the largest micro-batch that fits ------------------------------------------------------------------
+    def _search(self, trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[dict[int, int | None], int]:
+        """Binary search over the divisors of effective / world size; ``peaks[m]`` is ``None`` for out of memory."""
+        world, device = trainer.world_size, trainer.strategy.root_device
+        base = math.gcd(*[e // world for e in self._effective_batches()])
+        candidates = [d for d in range(1, base + 1) if base % d == 0]
+        budget = self.memory_budget
+        if budget is None:  # CUDA only (checked in setup)
+            budget = int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+        peaks: dict[int, int | None] = {}
+        with self._trials(trainer, pl_module, candidates[0]) as trial:
+
+            def fits(m: int) -> bool:
+                peaks[m] = trial(m)
+                return peaks[m] is not None and peaks[m] <= budget
+
+            if not fits(candidates[0]):
+                what = "runs out of memory" if peaks[1] is None else f"peaks at {peaks[1]} B"
+                raise RuntimeError(
+                    f"AccumulationScheduler: a micro-batch of 1 {what}, over the budget of {budget} B. Switch on "
+                    "activation checkpointing (`ActivationCheckpointing` callback), keep the optimizer and fp32 master "
+                    "weights on the host (`strategy='lowmem_offload'`), offload activations (`ActivationOffload`), "
+                    "or raise `memory_budget`."
+                )
+            lo, hi = 0, len(candidates)  # candidates[lo] fits; candidates[hi] does not (or is past the end)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(candidates[mid]) else (lo, mid)
+        return peaks, budget
+
+    @contextlib.contextmanager
+    def _trials(self, trainer: L.Trainer, pl_module: L.LightningModule, warmup: int) -> Iterator[Any]:
+        """Run trial steps with the learning rate at 0, then put everything back as it was."""
+        optimizers, device = trainer.optimizers, trainer.strategy.root_device
+        lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
+        was_training = pl_module.training
+        # NOTE: `self.log` raises outside the training loop; the trial steps log nothing.
+        pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        self._probing = True
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+                for opt in optimizers:
+                    for group in opt.param_groups:
+                        lr = group["lr"]
+                        group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+                pl_module.train()
+                # NOTE: one unmeasured step first, so gradients and optimizer state exist, as in steady training
+                self._trial(trainer, pl_module, warmup, measure=False)
+                yield functools.partial(self._trial, trainer, pl_module)
+        finally:
+            for opt, group_lrs in zip(optimizers, lrs):
+                for group, lr in zip(opt.param_groups, group_lrs):
+                    group["lr"] = lr
+                opt.zero_grad(set_to_none=True)
+                opt.state.clear()  # the trial steps' moments are not the run's
+            pl_module.zero_grad(set_to_none=True)
+            del pl_module.log, pl_module.log_dict
+            self._probing = False
+            pl_module.train(was_training)
+            _collect(device)
+
+    def _trial(self, trainer: L.Trainer, pl_module: L.LightningModule, micro: int, measure: bool = True) -> int | None:
+        """Peak bytes of one training step (forward, backward, optimizer step at lr 0) at micro-batch ``micro``."""
+        strategy, device = trainer.strategy, trainer.strategy.root_device
+        lightning_setattr(pl_module, self.batch_arg_name, micro)
+        batch = _first_batch(trainer, pl_module)
+        if extract_batch_size(batch) < micro:
+            return None  # the data set holds fewer samples than this micro-batch
+        meter = _PeakMeter(device, pl_module, trainer.optimizers, batch, enabled=measure)
+        peak: int | None = None
+        try:
+            # NOTE: no gradient all_reduce in trials: a process running out of memory cannot hang the others
+            with getattr(strategy, "block_backward_sync", contextlib.nullcontext)(), meter:
+                with meter.phase("forward"):
+                    out = strategy.training_step(batch, 0)
+                    loss = out["loss"] if isinstance(out, Mapping) else out
+                with meter.phase("backward"):
+                    loss.backward()
+                    del out, loss
+                with meter.phase("optimizer"):
+                    for opt in trainer.optimizers:
+                        opt.step()
+            peak = meter.peak if measure else None
+        except RuntimeError as err:
+            if not (device.type == "cuda" and is_oom_error(err)):
+                raise
+        finally:
+            del batch
+            _collect(device)
+        if measure and trainer.world_size > 1:  # every process must take the same decisions
+            worst = torch.tensor(float("inf") if peak is None else float(peak), device=device)
+            worst = float(strategy.reduce(worst, reduce_op="max"))
+            peak = None if math.isinf(worst) else int(worst)
+        return peak
+
+
+class _PeakMeter:
+    """Peak bytes of the device role over a block: CUDA's allocator peak on CUDA, ``MemoryTracker`` elsewhere."""
+
+    def __init__(self, device: torch.device, module: Any, optimizers: list[Any], batch: Any, enabled: bool) -> None:
+        self.device, self.enabled, self.peak = device, enabled, 0
+        self._tracker: Any = None
+        self._window: Any = None
+        if enabled and device.type != "cuda":
+            from lightning_lowmem.memory.measure import MemoryTracker
+
+            self._tracker = MemoryTracker(module=module, optimizers=optimizers, device=device)
+            self._batch = batch
+
+    def phase(self, name: str) -> Any:
+        return self._tracker.phase(name) if self._tracker is not None else contextlib.nullcontext()
+
+    def __enter__(self) -> _PeakMeter:
+        if self._tracker is not None:
+            self._tracker.__enter__()
+            self._tracker.track(self._batch)  # the micro-batch counts too
+        elif self.enabled:
+            from lightning_lowmem.memory.measure import CudaPeakWindow
+
+            torch.cuda.synchronize(self.device)
+            self._window = CudaPeakWindow(self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self.peak = int(self._tracker.peak_bytes_role("device"))
+        elif self._window is not None:
+            torch.cuda.synchronize(self.device)
+            self.peak = int(self._window.read()[0])
+            self._window.close()
+
+
+def _first_batch(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+    """The first batch of a fresh train loader (built with the batch size just set), on the device."""
+    dm = trainer.datamodule
+    source = dm if dm is not None and is_overridden("train_dataloader", dm) else pl_module
+    batch = next(iter(source.train_dataloader()))
+    batch = trainer.precision_plugin.convert_input(batch)
+    return trainer.strategy.batch_to_device(batch)
+
+
+def _collect(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def lightning_accumulation(
+    batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool, window: int
+) -> tuple[int, bool]:
+    """The ``trainer.accumulate_grad_batches`` that makes Lightning zero and step exactly at this window's edges.
+
+    Lightning zeroes the gradients before a batch when ``batch_idx % N == 0`` and steps after it when
+    ``ready % N == 0`` or the epoch ends. Returns ``(N, zero_here)``: ``zero_here`` says the caller must zero
+    the gradients itself (a window's first batch where no ``N`` makes Lightning do it without breaking the rest).
+    ``N`` is ``window`` whenever that gives the right edges (windows aligned with ``batch_idx``).
+    """
+    for n in (window, ready, ready + 1):
+        zeroes = batch_idx % n == 0
+        steps = ready % n == 0 or epoch_end
+        if steps == last and (first or not zeroes):
+            return n, first and not zeroes
+    raise RuntimeError(f"no accumulation value fits batch {batch_idx} (ready {ready}, first {first}, last {last})")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _divisibility_message(effective: int, micro: int, world: int) -> str:
+    """Say why ``effective`` does not split into micro-batches, and the nearest values that do."""
+    unit = micro * world
+    below, above = (effective // unit) * unit, (effective // unit + 1) * unit
+    nearest = f"{below} or {above}" if below else f"{above}"
+    msg = (
+        f"`effective_batch_size` {effective} is not a multiple of micro-batch {micro} x world size {world} = {unit}: "
+        f"the nearest valid effective batch sizes are {nearest}"
+    )
+    if effective % world == 0:
+        per_process = effective // world
+        divisors = [d for d in range(1, per_process + 1) if per_process % d == 0]
+        smaller = [d for d in divisors if d < micro]
+        larger = [d for d in divisors if d > micro]
+        options = [str(d) for d in (smaller[-1:] + larger[:1])]
+        msg += f", or keep {effective} with micro-batch {' or '.join(options)}"
+    return msg
+
+
+__all__ = ["AccumulationScheduler", "Choice", "WindowStats", "lightning_accumulation"]

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_lowmem._compat import check_lightning_object
 from lightning_lowmem.callbacks import _blocks
 from lightning_lowmem.callbacks._blocks import CheckpointInfo, find_repeated_blocks, owner_of, select_modules
-from lightning_lowmem.callbacks._segments import Segment, close_segments_hook, wrap_segment
+from lightning_lowmem.callbacks._segments import CloseSegments, Segment, wrap_segment
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class ActivationCheckpointing(Callback):
                 self.wrapped.extend(name for name, _ in group)
         owners = {id(o): o for o in (owner_of(self._root, name) for group in groups for name, _ in group)}  # type: ignore[arg-type]
         for owner in owners.values():
-            self._hook_handles.append(owner.register_forward_hook(close_segments_hook(segments), always_call=True))
+            self._hook_handles.append(owner.register_forward_hook(CloseSegments(segments), always_call=True))
         self._log(segments=[len(g) for g in groups])
 
     def _log(self, segments: list[int] | None = None) -> None:
@@ -296,13 +296,20 @@ class ActivationCheckpointing(Callback):
         """Hugging Face models: no double checkpointing, no KV cache while training."""
         for module in root.modules():
             config = getattr(module, "config", None)
-            if getattr(module, "is_gradient_checkpointing", False) and hasattr(module, "gradient_checkpointing_disable"):
+            # NOTE: transformers 5 renamed gradient_* to activation_* (the old names warn); accept both.
+            is_on = getattr(module, "is_activation_checkpointing", None)
+            if is_on is None:
+                is_on = getattr(module, "is_gradient_checkpointing", False)
+            disable = getattr(module, "activation_checkpointing_disable", None) or getattr(
+                module, "gradient_checkpointing_disable", None
+            )
+            if is_on and disable is not None:
                 rank_zero_warn(
-                    f"ActivationCheckpointing: turning off `{type(module).__name__}`'s own gradient checkpointing "
+                    f"ActivationCheckpointing: turning off `{type(module).__name__}`'s own activation checkpointing "
                     "(`gradient_checkpointing_enable()` was called); the callback's policy replaces it."
                 )
-                module.gradient_checkpointing_disable()
-            if config is not None and getattr(config, "use_cache", False) and hasattr(module, "gradient_checkpointing_enable"):
+                disable()
+            if config is not None and getattr(config, "use_cache", False) and disable is not None:
                 self._use_cache.append((config, config.use_cache))
                 config.use_cache = False
 

@@ -124,8 +124,10 @@ class CausalLMModule(L.LightningModule):
         logits = self(batch["input_ids"], batch.get("attention_mask"))
         labels = batch.get("labels", batch["input_ids"])
         # NOTE: the logits are upcast for the loss (as Hugging Face does): softmax in half precision loses
-        # the small probabilities. The fp32 copy is the LM head's memory spike in backward.
-        shift_logits = logits[:, :-1, :].float().reshape(-1, logits.size(-1))
+        # the small probabilities. The fp32 copy is the LM head's memory spike in backward. A float64 model
+        # (precision="64-true", the reference runs of the tests) keeps float64.
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        shift_logits = logits[:, :-1, :].to(dtype).reshape(-1, logits.size(-1))
         shift_labels = labels[:, 1:].reshape(-1)
         loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, (shift_labels != IGNORE_INDEX).sum()

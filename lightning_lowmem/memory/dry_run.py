@@ -35,7 +35,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import math
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -111,14 +111,14 @@ def _restore(undo: list) -> None:
 
 
 def find_blocks(module: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
-    """The model's repeated blocks: the ModuleList of >= 2 same-class children holding the most parameters."""
-    best, best_size = None, -1
+    """The model's repeated blocks: the longest ModuleList of >= 2 same-class children (as ActivationCheckpointing)."""
+    best, best_size = None, (-1, -1)
     for parent in module.modules():
         for name, child in parent.named_children():
             if isinstance(child, torch.nn.ModuleList) and len(child) >= 2:
                 if len({type(c) for c in child}) != 1:
                     continue
-                size = sum(p.numel() for p in child.parameters())
+                size = (len(child), sum(p.numel() for p in child.parameters()))
                 if size > best_size:
                     best, best_size = (parent, name, child), size
     return best
@@ -141,85 +141,38 @@ def _truncate_blocks(module: torch.nn.Module, keep: int) -> int:
 
 
 # --- techniques applied in the trace ---------------------------------------------------------------------
-def checkpointed_block_indices(num_blocks: int, policy: str | None, every_n: int = 2) -> list[list[int]]:
-    """Segments of block indices recomputed as one unit in backward, for a checkpointing policy.
-
-    ``all``: every block alone. ``every_n``: every n-th block (0, n, 2n, ...). ``sqrt``: segments of
-    ``round(sqrt(L))`` consecutive blocks, so ~sqrt(L) segment inputs are kept and one segment is
-    recomputed at a time. ``selective``: none here (the attention sub-module of every block instead).
-    """
-    if policy in (None, "selective"):
-        return []
-    if policy == "all":
-        return [[i] for i in range(num_blocks)]
-    if policy == "every_n":
-        return [[i] for i in range(0, num_blocks, max(1, every_n))]
-    if policy == "sqrt":
-        k = max(1, round(math.sqrt(num_blocks)))
-        return [list(range(i, min(i + k, num_blocks))) for i in range(0, num_blocks, k)]
-    raise ValueError(f"Passed `checkpointing={policy!r}`; expected one of {CHECKPOINTING}.")
-
-
-def _checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
-    return run
-
-
-def _apply_checkpointing(module: torch.nn.Module, policy: str | None, every_n: int) -> list[torch.nn.Module]:
-    """Wrap blocks' forwards in non-reentrant ``torch.utils.checkpoint``; returns the patched modules."""
+def _apply_checkpointing(module: torch.nn.Module, policy: str | None, every_n: int) -> Callable[[], None]:
+    """Checkpoint the blocks exactly as the ``ActivationCheckpointing`` callback does; returns the undo."""
     if policy is None:
-        return []
-    found = find_blocks(module)
-    if found is None:
-        raise ValueError(
-            f"Passed `checkpointing={policy!r}`, but the model has no ModuleList of repeated blocks to checkpoint."
-        )
-    blocks = list(found[2])
-    patched: list[torch.nn.Module] = []
-    if policy == "selective":
-        for block in blocks:
-            attn = next((c for n, c in block.named_children() if "attn" in n.lower() or "attention" in n.lower()), None)
-            if attn is None:
-                raise ValueError(f"`checkpointing='selective'` found no attention sub-module in {type(block).__name__}.")
-            attn.forward = _checkpoint(attn.forward)
-            patched.append(attn)
-        return patched
-    for segment in checkpointed_block_indices(len(blocks), policy, every_n):
-        head, rest = blocks[segment[0]], [blocks[i] for i in segment[1:]]
-        if not rest:
-            head.forward = _checkpoint(head.forward)
-            patched.append(head)
-            continue
-        # NOTE: a segment runs its blocks inside one checkpoint from its first block; the other blocks
-        # pass the segment's output through (the parent loop still calls them with the same kwargs).
-        forwards = [b.forward for b in [head, *rest]]
-        state: dict[str, Any] = {}
+        return lambda: None
+    from lightning_lowmem.callbacks import _blocks
+    from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
 
-        def segment_forward(hidden: Any, *args: Any, _fw=forwards, _st=state, **kwargs: Any) -> Any:
-            def body(h: Any, *a: Any, **kw: Any) -> Any:
-                out = h
-                for fw in _fw:
-                    out = fw(out, *a, **kw)
-                    if isinstance(out, tuple):
-                        out = out[0] if len(_fw) > 1 else out
-                return out
+    callback = ActivationCheckpointing(policy=policy, n=every_n if policy == "every_n" else None)  # type: ignore[arg-type]
+    quiet = [logging.getLogger(name) for name in ("lightning_lowmem.callbacks.activation_checkpointing",
+                                                  "lightning.pytorch.utilities.rank_zero")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
+    try:
+        # NOTE: `_apply` is the callback's own application of its policy (what its `configure_model` wrapper
+        # calls); it needs no Trainer, so the trace checkpoints exactly the blocks a real run would.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            callback._apply(module)  # type: ignore[arg-type]
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
 
-            _st["out"] = torch.utils.checkpoint.checkpoint(body, hidden, *args, use_reentrant=False, **kwargs)
-            return _st["out"]
+    def undo() -> None:
+        for _, wrapped, _ in _blocks.checkpointed_modules(module):
+            _blocks.unwrap(wrapped)
+        for handle in callback._hook_handles:
+            handle.remove()
+        for config, value in callback._use_cache:
+            config.use_cache = value
 
-        head.forward = segment_forward
-        patched.append(head)
-        for block in rest:
-            block.forward = lambda *a, _st=state, **k: _st["out"]
-            patched.append(block)
-    return patched
-
-
-def _unpatch(modules: Iterable[torch.nn.Module]) -> None:
-    for m in modules:
-        m.__dict__.pop("forward", None)
+    return undo
 
 
 @contextlib.contextmanager
@@ -324,17 +277,15 @@ def _trace(
 
     kind, _, mode = precision.partition("-")
     half = _HALF.get(kind)
-    module = build()
     fake_mode = _fake.FakeTensorMode(allow_non_fake_inputs=True)
+    module = build()
     undo = _swap_in_fake(module, fake_mode, half if mode == "true" else None)
-    patched: list[torch.nn.Module] = []
     handles: list[Any] = []
+    undo_checkpointing: Callable[[], None] = lambda: None  # noqa: E731
     was_training = module.training
     try:
-        if hasattr(module, "tie_weights"):
-            module.tie_weights()
         module.train()
-        patched = _apply_checkpointing(module, checkpointing, checkpointing_every_n)
+        undo_checkpointing = _apply_checkpointing(module, checkpointing, checkpointing_every_n)
         params = [p for p in module.parameters() if p.requires_grad]
         param_keys = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
         # NOTE: outside the fake mode: bitsandbytes' constructor needs real `.tolist()`
@@ -426,25 +377,21 @@ def _trace(
                             with torch.no_grad():
                                 for p in params:
                                     p.copy_(masters[id(p)])
-                    if offload:
-                        with host_tracker:
-                            host_tracker.track(list(masters.values()), category="optimizer_state")
-                            host_tracker.track([m.grad for m in masters.values()], category="gradients")
-                            with host_tracker.phase("optimizer"):
-                                for opt in host_opt:
-                                    opt.step()
-                                    for m in masters.values():
-                                        m.grad.zero_()
-                        for opt in host_opt:
-                            for state in opt.state.values():
-                                mark_host(*[v for v in state.values() if isinstance(v, torch.Tensor)])
+            if offload:
+                # NOTE: the host step is traced apart, after the device trace: its state and temporaries are
+                # host memory, which the device tracker (every unmarked storage is `device`) would misfile.
+                with host_tracker:
+                    with host_tracker.phase("optimizer"):
+                        for _ in range(steps):
+                            for opt in host_opt:
+                                opt.step()
     except _FAKE_ERRORS as err:
         op = getattr(err, "func", None)
         raise DryRunUnsupportedError(str(op) if op is not None else type(err).__name__, str(err)) from err
     finally:
         for h in handles:
             h.remove()
-        _unpatch(patched)
+        undo_checkpointing()
         _restore(undo)
         module.train(was_training)
     return _flatten(tracker, host_tracker if offload else None)
@@ -463,25 +410,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def _flatten(tracker: MemoryTracker, host_tracker: MemoryTracker | None) -> dict[tuple[str, str, str], int]:
     out: dict[tuple[str, str, str], int] = {}
     peaks = tracker.peaks
-    host_peak = host_tracker.peaks.get("optimizer") if host_tracker is not None else None
     for phase in PHASES:
         peak = peaks.get(phase)
         for cat in CATEGORIES:
             out[(phase, "device", cat)] = peak.by_category[cat] if peak else 0
-            host = peak.host_by_category[cat] if peak else 0
-            if host_peak is not None and phase == "optimizer":
-                host = max(host, 0) + host_peak.by_category[cat] - (peak.host_by_category[cat] if peak else 0)
-            out[(phase, "host", cat)] = host
+            out[(phase, "host", cat)] = peak.host_by_category[cat] if peak else 0
     if host_tracker is not None:
-        # NOTE: the host keeps masters + gradients + state through forward and backward too
-        steady = host_tracker.breakdown().device
+        # NOTE: in the host trace the (marked) masters and their gradients are `host`, while the optimizer's
+        # state and temporaries, created unmarked, are `device`: on the host machine they add up.
+        step = host_tracker.peaks["optimizer"]
+        state = host_tracker.breakdown().device["optimizer_state"]
         for phase in ("forward", "backward"):
-            for cat in CATEGORIES:
-                if (phase, "host", cat) in out:
-                    out[(phase, "host", cat)] = max(out[(phase, "host", cat)], steady[cat])
-        if "optimizer" not in peaks:
-            for cat in CATEGORIES:
-                out[("optimizer", "host", cat)] = host_peak.by_category[cat] if host_peak else 0
+            out[(phase, "host", "optimizer_state")] += state
+        for cat in CATEGORIES:
+            out[("optimizer", "host", cat)] = step.host_by_category[cat] + step.by_category[cat]
     return out
 
 

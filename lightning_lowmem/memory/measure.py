@@ -528,6 +528,10 @@ class MemoryTracker:
         _cat.add_host_listener(self._on_mark_host)
         self._phase_order.append("<start>")
         self._scan()
+        if self.timeline_enabled:
+            # NOTE: what existed before tracking is the baseline, not a ramp of "allocations".
+            d = self._live[_DEV]
+            self._timeline[:] = [(0, d[0], d[1], d[2], d[3], d[4], self._tot[_HOST])]
         for p in self._params():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -638,20 +642,30 @@ class MemoryTracker:
                 self.set_phase(None)
 
     # --- readings ---------------------------------------------------------------------------------------
+    def _best(self, role: int) -> _Snap:
+        # NOTE: a storage marked host after it was counted moves out of the device-role snapshots taken while it
+        # was alive, so the overall snapshot may no longer be the highest moment: take the best of all scopes.
+        best = self._peak[role]
+        for snaps in self._phase_snaps.values():
+            if snaps[role].total > best.total:
+                best = snaps[role]
+        return best
+
     @property
     def peak_bytes(self) -> int:
         """The highest device-role live bytes seen while tracking."""
-        return max(self._peak[_DEV].total, 0)
+        return max(self._best(_DEV).total, 0)
 
     def peak_bytes_role(self, role: Role) -> int:
         """The highest live bytes of ``role`` (``"device"`` or ``"host"``) seen while tracking."""
         if role not in ROLES:
             raise ValueError(f"Passed `role={role!r}`; expected one of {ROLES}.")
-        return max(self._peak[ROLES.index(role)].total, 0)
+        return max(self._best(ROLES.index(role)).total, 0)
 
     @property
     def peak_phase(self) -> str | None:
-        return self._peak[_DEV].phase
+        """The phase in which the device-role peak happened (None: outside every phase)."""
+        return self._best(_DEV).phase
 
     @property
     def peaks(self) -> dict[str, PhasePeak]:
@@ -672,7 +686,7 @@ class MemoryTracker:
     def peak_breakdown(self) -> MemoryBreakdown:
         """Bytes by category at the device-role peak (device) and at the host-role peak (host)."""
         return MemoryBreakdown(
-            device=dict(zip(CATEGORIES, self._peak[_DEV].cats)), host=dict(zip(CATEGORIES, self._peak[_HOST].cats))
+            device=dict(zip(CATEGORIES, self._best(_DEV).cats)), host=dict(zip(CATEGORIES, self._best(_HOST).cats))
         )
 
     def breakdown(self) -> MemoryBreakdown:

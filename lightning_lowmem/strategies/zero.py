@@ -214,7 +214,7 @@ class ZeroStrategy(DeepSpeedStrategy):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val,
             precision=precision,
-            micro_batch_size=self._auto_select_batch_size(),
+            micro_batch_size=self._micro_batch_size(),
             fp16={
                 "loss_scale": self.loss_scale,
                 "initial_scale_power": self.initial_scale_power,
@@ -235,6 +235,16 @@ class ZeroStrategy(DeepSpeedStrategy):
         zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
         self.config.clear()
         self.config.update(merged)
+
+    def _micro_batch_size(self) -> int:
+        # NOTE: the parent's `_auto_select_batch_size` fails on loaders with `batch_size=None` (no batch sampler).
+        assert self.lightning_module is not None
+        source = self.lightning_module.trainer.fit_loop._data_source
+        if not source.is_defined():
+            return 1
+        loader = source.dataloader()
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
+        return int(size) if isinstance(size, int) and size > 0 else 1
 
     def _setup_problems(self, trainer: Any, precision: str) -> list[str]:
         problems = []

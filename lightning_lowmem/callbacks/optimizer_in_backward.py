@@ -1,0 +1,189 @@
+"""``OptimizerInBackward``: step each parameter as soon as its gradient is ready, and free the gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
+
+from lightning_lowmem._compat import check_lightning_object
+
+
+class OptimizerInBackward(Callback):
+    """Fuse the optimizer step into backward: gradients never all exist at once.
+
+    Each trainable parameter gets a ``register_post_accumulate_grad_hook``. When autograd has written
+    its gradient, the hook steps that one parameter with the optimizer your LightningModule configured
+    (the same object: same class, param groups, hyper-parameters, LR scheduler and checkpointed state)
+    and sets its ``.grad`` to ``None``. Lightning's own ``optimizer.step()`` then finds no gradient
+    and changes nothing, so its loops, schedulers, logging and checkpoints work unchanged.
+
+    Memory saved: the gradients of all parameters but the few in flight, about 4 B per parameter in
+    fp32 (the training-step peak drops by at least the gradient bytes minus the largest parameter's;
+    measured in ``benchmarks/bench_low_bit_optimizer.py``). Cost: the optimizer runs one parameter at a
+    time (no multi-tensor kernels) and scans the optimizer's parameter list once per parameter, a
+    Python overhead that grows with the square of the number of parameter tensors (~600 for GPT-2-XL).
+    The weights are bit-identical to the normal step for SGD and AdamW (tested).
+
+    Limits, enforced at fit start with a message:
+
+    * ``accumulate_grad_batches > 1`` is refused: the step would run on every micro-batch.
+    * gradient clipping by norm (``gradient_clip_val`` with ``gradient_clip_algorithm="norm"``) is
+      refused: the global norm needs every gradient before the first step, which would take a second
+      backward pass (LOMO's approach); it is not implemented. Clipping by **value** is per element and
+      is applied in the hook.
+    * a ``configure_gradient_clipping`` or ``optimizer_step`` override on the LightningModule is refused
+      (it would run after the parameters were already updated); so is manual optimization, more than
+      one optimizer, and fp16 loss scaling (``precision="16-mixed"``: the hook would step with scaled
+      gradients).
+    * strategies: a single device. DDP is refused: DDP reduces gradients in buckets *after* the
+      per-parameter hook fires, and keeps them in persistent bucket buffers, so stepping there would use
+      unreduced gradients and would save no memory. Under ``lowmem_offload`` use
+      ``OffloadStrategy(optimizer_in_backward=True)``; DeepSpeed and FSDP are refused.
+    * gradients are ``None`` in ``on_after_backward`` and ``on_before_optimizer_step``: gradient-norm
+      logging there sees nothing.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[OptimizerInBackward()])
+        trainer.fit(model)  # any optimizer; combine with LowBitOptimizer for 8-bit state as well
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._trainer: L.Trainer | None = None
+        self._clip_value: float | None = None
+
+    # --- Trainer hooks --------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_lightning_object(trainer, "the Trainer")
+        if stage != "fit":
+            return
+        problems = self.conflicts(trainer, pl_module)
+        if problems:
+            raise ValueError(
+                "OptimizerInBackward cannot run with this Trainer:\n- " + "\n- ".join(problems)
+            )
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # NOTE: after Strategy.setup built the optimizer (and after any LowBitOptimizer swap listed before
+        # this callback). The hook reads `trainer.optimizers[0]` at call time, so a swap at any point of
+        # on_fit_start is followed either way.
+        if len(trainer.optimizers) != 1:
+            raise ValueError(
+                f"OptimizerInBackward needs exactly one optimizer; `configure_optimizers` returned "
+                f"{len(trainer.optimizers)}."
+            )
+        self._trainer = trainer
+        clip = trainer.gradient_clip_val
+        self._clip_value = float(clip) if clip else None
+        self._remove_hooks()
+        seen: set[int] = set()
+        for group in trainer.optimizers[0].param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._step_param))
+        # NOTE: a gradient left from before fit (or zeroed with set_to_none=False) would be stepped again by
+        # the first hook's optimizer.step(); every trainable gradient must be None when backward starts.
+        for group in trainer.optimizers[0].param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # NOTE: GradientAccumulationScheduler and AccumulationScheduler change this between epochs.
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"OptimizerInBackward: `accumulate_grad_batches` became {trainer.accumulate_grad_batches} at epoch "
+                f"{trainer.current_epoch}; the step in backward cannot accumulate. Remove the accumulation "
+                "scheduler or the callback."
+            )
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._remove_hooks()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+        self._trainer = None
+
+    # --- the step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _step_param(self, p: torch.Tensor) -> None:
+        trainer = self._trainer
+        if trainer is None or p.grad is None:
+            return
+        if self._clip_value is not None:
+            p.grad.clamp_(-self._clip_value, self._clip_value)
+        # NOTE: the whole optimizer is stepped, and it updates only `p`: every other parameter's gradient
+        # is None here (not produced yet in this backward, or already stepped and freed), and torch and
+        # bitsandbytes optimizers skip parameters without a gradient. Stepping the user's own optimizer
+        # object (not one optimizer per parameter) keeps its param-group hyper-parameters, the LR the
+        # scheduler set, and its state_dict for checkpoints exactly as in the normal step.
+        # NOTE: updating `p` in place here is safe: autograd calls this hook after the last use of `p` in
+        # the graph has produced its gradient, and those nodes have released what they saved.
+        trainer.optimizers[0].step()
+        p.grad = None
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --- validation -----------------------------------------------------------------------------------
+    @staticmethod
+    def conflicts(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+        """Every reason this Trainer/module cannot step in backward (empty when it can)."""
+        from lightning.pytorch.plugins.precision import MixedPrecision
+        from lightning.pytorch.strategies import SingleDeviceStrategy
+
+        problems = []
+        strategy = trainer.strategy
+        name = type(strategy).__name__
+        if name == "OffloadStrategy":
+            problems.append(
+                "under `strategy='lowmem_offload'` the optimizer steps host masters; use "
+                "`OffloadStrategy(optimizer_in_backward=True)` instead of this callback"
+            )
+        elif not isinstance(strategy, SingleDeviceStrategy):
+            reason = (
+                "DDP reduces gradients in buckets after the per-parameter hook fires and keeps them in "
+                "persistent buffers, so the step would see unreduced gradients and save no memory"
+                if "DDP" in name
+                else "it manages gradients or the optimizer itself"
+            )
+            problems.append(f"strategy `{name}` is not supported ({reason}); use a single device")
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(
+                f"`accumulate_grad_batches={trainer.accumulate_grad_batches}`: the step in backward cannot "
+                "accumulate gradients; set it to 1"
+            )
+        if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") == "norm":
+            problems.append(
+                f"`gradient_clip_val={trainer.gradient_clip_val}` with clipping by norm: the global norm needs "
+                "every gradient before the first step (a second backward pass, not implemented); remove it or "
+                "use `gradient_clip_algorithm='value'`, which is applied per parameter"
+            )
+        if not pl_module.automatic_optimization:
+            problems.append("manual optimization: you call `optimizer.step()` yourself; remove the callback")
+        for hook in ("optimizer_step", "configure_gradient_clipping"):
+            if is_overridden(hook, pl_module):
+                problems.append(
+                    f"`{type(pl_module).__name__}.{hook}` is overridden, but the parameters are updated during "
+                    "backward, before it runs; remove the override or the callback"
+                )
+        precision = trainer.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+            problems.append(
+                "`precision='16-mixed'` scales the loss and unscales gradients only before the normal step; "
+                "use `precision='bf16-mixed'` or `'bf16-true'`"
+            )
+        return problems
