@@ -144,6 +144,7 @@ class OffloadStats:
     boundary_saves: int = 0  # saves recognised as checkpoint block inputs
     bytes_restored: int = 0  # bytes copied back in backward (a storage restored twice counts twice)
     prefetched: int = 0  # restores issued before the tensor was asked for
+    restore_misses: int = 0  # unpacks that found their storage not restored yet (compute waits for the copy)
     host_bytes_peak: int = 0  # most bytes of host copies alive at once
 
     def to_dict(self) -> dict[str, int]:
@@ -357,6 +358,7 @@ class SavedTensorOffloader:
             self._begin_backward()
         entry: _StorageEntry = packed.entry
         if entry.restored is None:
+            self.stats.restore_misses += 1
             self._restore(entry)
         self._prefetch_before(entry.index)
         self._prefetched.discard(entry)
@@ -383,10 +385,24 @@ class SavedTensorOffloader:
             self.stats.prefetched += 1
 
     def _prefetch_before(self, index: int) -> None:
-        """Restore the entries packed just before ``index`` (backward meets them next), up to ``prefetch``."""
-        self._cursor = min(self._cursor, index)
+        """Restore, up to ``prefetch`` ahead, what backward is expected to ask for next.
+
+        Backward meets saved tensors roughly in reverse pack order, but one node unpacks its own saves in pack
+        order (attention saves q, k, v, out and asks for them in that order). So when backward jumps below the
+        frontier, the entries it skipped over are restored first, then the frontier walks down.
+        """
+        frontier = self._cursor
+        if index < frontier:
+            self._cursor = index
+            for j in range(index + 1, min(frontier, index + 1 + self.prefetch)):
+                if len(self._prefetched) >= self.prefetch:
+                    return
+                self._maybe_prefetch(j)
         while len(self._prefetched) < self.prefetch and self._cursor > 0:
             self._cursor -= 1
-            entry = self._order[self._cursor]()
-            if entry is not None and entry.restored is None and entry.pending > 0:
-                self._restore(entry, prefetch=True)
+            self._maybe_prefetch(self._cursor)
+
+    def _maybe_prefetch(self, j: int) -> None:
+        entry = self._order[j]()
+        if entry is not None and entry.restored is None and entry.pending > 0:
+            self._restore(entry, prefetch=True)

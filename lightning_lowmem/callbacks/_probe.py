@@ -30,27 +30,37 @@ def _quiet_logging(pl_module: pl.LightningModule) -> Iterator[None]:
 def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], batch: Any, batch_idx: int) -> dict[str, Any]:
     """Bytes of distinct storages saved for backward outside the blocks, inside each block, and of each block's inputs.
 
-    The forward runs with a pack hook that records sizes and keeps nothing (no backward follows), so the
-    probe itself needs no activation memory; the RNG state is forked so training is unchanged. Parameters
-    and buffers are not activations and are not counted.
+    The forward runs with a pack hook that records sizes (no backward follows). Saved tensors are held only
+    until their block returns, so the probe needs the activations outside the blocks plus one block's, the
+    same as checkpointing every block; the RNG state is forked so training is unchanged. Parameters and
+    buffers are not activations and are not counted.
     """
     params = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
-    seen: set[tuple[str, int]] = set()
     outside = 0
     per_block = [0] * len(blocks)
     inputs = [0] * len(blocks)
     current: list[int] = []
+    # NOTE: storages are identified by address, and a freed address is reused at once: what was saved is
+    # held (as training would hold it) until its block returns, so a reused address is never taken for a
+    # seen one. Tensors saved outside the blocks are held to the end: training keeps them under any policy.
+    seen_outside: set[tuple[str, int]] = set()
+    seen_block: set[tuple[str, int]] = set()
+    held_outside: list[torch.Tensor] = []
+    held_block: list[torch.Tensor] = []
 
     def pack(x: torch.Tensor) -> None:
         nonlocal outside
         key = storage_key(x)
-        if key in params or key in seen:
+        if key in params or key in seen_outside or key in seen_block:
             return None
-        seen.add(key)
         nbytes = x.untyped_storage().nbytes()
         if current:
+            seen_block.add(key)
+            held_block.append(x)
             per_block[current[-1]] += nbytes
         else:
+            seen_outside.add(key)
+            held_outside.append(x)
             outside += nbytes
         return None
 
@@ -62,12 +72,16 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
 
         def pre(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
             current.append(index)
+            seen_block.clear()
+            held_block.clear()
             first = next((t for t in tensors_in(args) if t.is_floating_point()), None)
             inputs[index] = 0 if first is None else first.untyped_storage().nbytes()
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             if current:
                 current.pop()
+            seen_block.clear()
+            held_block.clear()
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, always_call=True))
@@ -79,4 +93,6 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
     finally:
         for h in handles:
             h.remove()
+        held_outside.clear()
+        held_block.clear()
     return {"outside": outside, "blocks": per_block, "block_inputs": inputs}

@@ -57,6 +57,7 @@ class OptimizerInBackward(Callback):
         self._handles: list[Any] = []
         self._trainer: L.Trainer | None = None
         self._clip_value: float | None = None
+        self._saved_clip_val: float | int | None = None
 
     # --- Trainer hooks --------------------------------------------------------------------------------
     @override
@@ -83,6 +84,12 @@ class OptimizerInBackward(Callback):
         self._trainer = trainer
         clip = trainer.gradient_clip_val
         self._clip_value = float(clip) if clip else None
+        if self._clip_value is not None:
+            # NOTE: value clipping moves into the hook. Lightning's own clipping would then run on parameters
+            # that all have `grad=None`, where torch's clip_grad_value_ fails on the empty list; the Trainer's
+            # flag is lifted for the fit and put back in `teardown`.
+            self._saved_clip_val = clip
+            trainer.gradient_clip_val = None
         self._remove_hooks()
         seen: set[int] = set()
         for group in trainer.optimizers[0].param_groups:
@@ -113,6 +120,9 @@ class OptimizerInBackward(Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._remove_hooks()
+        if self._saved_clip_val is not None:
+            trainer.gradient_clip_val = self._saved_clip_val
+            self._saved_clip_val = None
         self._trainer = None
 
     # --- the step -------------------------------------------------------------------------------------

@@ -114,10 +114,19 @@ _HOST_TENSORS: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 _HOST_LISTENERS: list[Callable[[torch.Tensor], None]] = []
 
 
+_MARKED: dict[int, weakref.ref] = {}  # id -> ref of every marked tensor, to make marking idempotent
+
+
 def mark_host(*tensors: torch.Tensor) -> None:
-    """Mark tensors as kept in the host role (their storage is counted on the host side)."""
+    """Mark tensors as kept in the host role (their storage is counted on the host side). Idempotent."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
+            # NOTE: WeakSet.add compares two live refs to one tensor with Tensor.__eq__ (elementwise: "Boolean
+            # value of Tensor ... is ambiguous"), so a tensor already marked must not reach it again.
+            ref = _MARKED.get(id(t))
+            if ref is not None and ref() is t:
+                continue
+            _MARKED[id(t)] = weakref.ref(t, lambda r, key=id(t): _MARKED.pop(key, None) if _MARKED.get(key) is r else None)
             _HOST_TENSORS.add(t)
             for listener in list(_HOST_LISTENERS):
                 listener(t)

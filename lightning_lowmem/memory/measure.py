@@ -100,6 +100,7 @@ _DEV, _HOST = 0, 1  # indices into ROLES
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
 _FORWARD = "forward"
 _BACKWARD = "backward"
+_OPTIMIZER = "optimizer"
 
 
 # --- CUDA peak statistics, shared by every consumer of the process ------------------------------------
@@ -238,19 +239,28 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        self.tracker._ops += 1
-        see = self.tracker._see
+        tracker = self.tracker
+        tracker._ops += 1
+        mutates = _MUTATES.get(func)
+        if mutates is None:
+            # NOTE: only ops that write into an argument (in-place, out=, resize_, set_) can change the size of
+            # a storage we already count; the others' outputs that share a storage are views.
+            mutates = _MUTATES[func] = bool(func._schema.is_mutable)
+        see = tracker._see
         if isinstance(out, torch.Tensor):
-            see(out)
+            see(out, mutates)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
-                    see(o)
+                    see(o, mutates)
                 elif isinstance(o, (tuple, list)):
                     for oo in o:
                         if isinstance(oo, torch.Tensor):
-                            see(oo)
+                            see(oo, mutates)
         return out
+
+
+_MUTATES: dict[Any, bool] = {}
 
 
 class MemoryTracker:
@@ -317,6 +327,8 @@ class MemoryTracker:
         self._weight_keys: set[int] = set()
         self._host_keys: set[int] = set()
         self._handles: list[Any] = []
+        self._params: list[torch.Tensor] = []
+        self._extra_params: list[torch.Tensor] = []  # optimizer parameters the module does not hold (masters)
         self._cuda_window: CudaPeakWindow | None = None
         self._cuda: dict[str, list[int]] = {}
         self._phase_order: list[str] = []
@@ -325,27 +337,25 @@ class MemoryTracker:
         self._host_on_accel = self.device.type not in ("cpu", "meta")
 
     # --- the hot path ---------------------------------------------------------------------------------
-    def _see(self, t: torch.Tensor) -> None:
+    def _see(self, t: torch.Tensor, mutates: bool = True) -> None:
         st = _storage(t)
         if st is None:
             return
         key = st._cdata
         rec = self._recs.get(key)
         if rec is not None:
-            n = self._nbytes(st, t)
-            if n != rec.nbytes:  # resize_, set_, out= variants
-                self._resize(rec, n)
+            if mutates:
+                n = self._nbytes(st, t)
+                if n != rec.nbytes:  # resize_, set_, out= variants
+                    self._resize(rec, n)
             return
-        self._add(st, t, key, self._classify_new())
+        self._add(st, t, key, _A if self._in_fwd else _X)
 
     def _nbytes(self, st: torch.UntypedStorage, t: torch.Tensor) -> int:
         n = st.nbytes()
         if self._host_on_accel and t.is_cuda and n % _CUDA_BLOCK:
             n += _CUDA_BLOCK - n % _CUDA_BLOCK
         return n
-
-    def _classify_new(self) -> int:
-        return _A if self._in_fwd else _X
 
     def _add(self, st: torch.UntypedStorage, t: torch.Tensor, key: int, cat: int) -> _Rec | None:
         n = self._nbytes(st, t)
@@ -455,24 +465,29 @@ class MemoryTracker:
         if rec.cat != cat:
             self._retag(rec, cat, rec.role, retro=retro)
 
-    def _params(self) -> list[torch.Tensor]:
-        return list(self.module.parameters()) if self.module is not None else []
-
     def _scan(self) -> None:
-        """Re-tag what the module and the optimizers hold (called on enter and at every phase boundary)."""
+        """Re-tag everything the module and the optimizers hold (on enter and exit)."""
+        self._params = list(self.module.parameters()) if self.module is not None else []
         if self.module is not None:
             keys = set()
-            for t in [*self.module.parameters(), *self.module.buffers()]:
+            for t in [*self._params, *self.module.buffers()]:
                 self._tag(t, _W)
                 st = _storage(t)
                 if st is not None:
                     keys.add(st._cdata)
             self._weight_keys = keys
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    self._tag(p.grad, _G)
         for opt in self.optimizers:
             self._scan_optimizer(opt)
+        self._scan_grads()
+
+    def _scan_grads(self) -> None:
+        """Re-tag gradients (at every phase boundary): catches ``.grad`` set outside autograd's accumulation."""
+        for p in self._params:
+            if p.grad is not None:
+                self._tag(p.grad, _G)
+        for p in self._extra_params:
+            if p.grad is not None:
+                self._tag(p.grad, _G)
 
     def _scan_optimizer(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         for group in opt.param_groups:
@@ -532,15 +547,17 @@ class MemoryTracker:
             # NOTE: what existed before tracking is the baseline, not a ramp of "allocations".
             d = self._live[_DEV]
             self._timeline[:] = [(0, d[0], d[1], d[2], d[3], d[4], self._tot[_HOST])]
-        for p in self._params():
+        for p in self._params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for opt in self.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
                     st = _storage(p)
-                    if p.requires_grad and st is not None and st._cdata not in self._weight_keys:
-                        self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    if st is not None and st._cdata not in self._weight_keys:
+                        self._extra_params.append(p)
+                        if p.requires_grad:
+                            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
             self._handles.append(opt.register_step_post_hook(self._scan_optimizer))
         if self._cuda_enabled():
             self._cuda_window = CudaPeakWindow(self.device)
@@ -588,9 +605,9 @@ class MemoryTracker:
         if self._mode is None:
             raise RuntimeError("`set_phase` needs an active tracker: call it inside `with tracker:`.")
         if self._phase is not None:
-            self._end_phase()  # re-scans the module and optimizers
+            self._end_phase()  # re-scans the gradients
         else:
-            self._scan()
+            self._scan_grads()
         if name is None:
             return
         self._phase = name
@@ -621,7 +638,11 @@ class MemoryTracker:
             prev = self._cuda.get(name, [0, 0])
             self._cuda[name] = [max(prev[0], allocated), max(prev[1], reserved)]
         self._in_fwd = False
-        self._scan()
+        self._scan_grads()
+        if name == _OPTIMIZER:
+            # NOTE: optimizers whose `step` bypasses torch's step hooks still get their state re-tagged here.
+            for opt in self.optimizers:
+                self._scan_optimizer(opt)
         if name == _BACKWARD:
             # NOTE: what forward created and backward did not free is no longer held for backward
             # (the loss, logits kept by the user): "other" from now on, not retroactively.

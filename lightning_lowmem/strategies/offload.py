@@ -134,6 +134,8 @@ class OffloadStrategy(SingleDeviceStrategy):
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
         self._clip_value: float | None = None
+        # NOTE: ids of the masters whose optimizer state is marked host; `mark_host` must not see a tensor twice
+        self._state_marked: dict[int, set[int]] = {}
 
     # --- where things run ------------------------------------------------------------------------------
     @property
@@ -417,11 +419,21 @@ class OffloadStrategy(SingleDeviceStrategy):
                 self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
             elif self.host_optimizer == "torch_fused":
                 raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer: {reason}. Use 'auto'.")
-        n_state = len(optimizer.state)
         out = optimizer.step()
-        if len(optimizer.state) != n_state:  # new state tensors: count them as host memory
-            mark_host(*(v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)))
+        self._mark_state(optimizer)
         return out
+
+    def _mark_state(self, optimizer: Optimizer, reset: bool = False) -> None:
+        """Count optimizer state created since the last call as host memory (each tensor marked once)."""
+        seen = self._state_marked.setdefault(id(optimizer), set())
+        if reset:
+            seen.clear()
+        if len(seen) == len(optimizer.state):
+            return
+        for p, state in optimizer.state.items():
+            if id(p) not in seen:
+                seen.add(id(p))
+                mark_host(*(v for v in state.values() if isinstance(v, Tensor)))
 
     def _owner(self, p_host: Tensor) -> tuple[Optimizer, dict[str, Any]]:
         """The optimizer and param group that hold ``p_host``, looked up in the *current* ``self.optimizers``."""
@@ -518,7 +530,7 @@ class OffloadStrategy(SingleDeviceStrategy):
                 # NOTE: load_state_dict restores the groups' saved `fused`/`foreach` flags too; keep the host kernel
                 # this run chose, so a resumed run steps exactly like an uninterrupted one.
                 _host_optimizer.enable_fused(optimizer)
-            mark_host(*(v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)))
+            self._mark_state(optimizer, reset=True)  # load_state_dict made new state tensors
 
     # --- memory report ------------------------------------------------------------------------------------------
     def memory_breakdown(self) -> MemoryBreakdown:

@@ -213,7 +213,7 @@ def _plain_trial_peak(module0: CausalLMModule, batch: dict[str, torch.Tensor]) -
     a warm-up step creates gradients and AdamW state, then forward + backward + step run under the tracker."""
     from lightning_lowmem.memory.measure import MemoryTracker
 
-    module = copy.deepcopy(module0)
+    module = copy.deepcopy(module0).double()
     optimizer = module.configure_optimizers()
     for group in optimizer.param_groups:
         group["lr"] = 0.0
@@ -233,6 +233,7 @@ def _plain_trial_peak(module0: CausalLMModule, batch: dict[str, torch.Tensor]) -
 def test_auto_picks_the_largest_micro_batch_whose_measured_peak_fits_the_budget():
     samples = padded_samples(128)
     module = make_module("tokens")
+    module0 = copy.deepcopy(module)
     peak8 = _plain_trial_peak(module, collate(samples[:8]))
     peak16 = _plain_trial_peak(module, collate(samples[:16]))
     assert peak16 > peak8
@@ -240,7 +241,7 @@ def test_auto_picks_the_largest_micro_batch_whose_measured_peak_fits_the_budget(
 
     capture = GradCapture()
     callback = AccumulationScheduler(64, "auto", loss_normalization="tokens", memory_budget=budget)
-    trainer = L.Trainer(max_steps=1, callbacks=[callback, capture], **fit_kwargs())
+    trainer = L.Trainer(precision="64-true", max_steps=1, callbacks=[callback, capture], **fit_kwargs())
     data = ListData(samples)
     trainer.fit(module, data)
 
@@ -252,3 +253,42 @@ def test_auto_picks_the_largest_micro_batch_whose_measured_peak_fits_the_budget(
     # and they agree with the plain loop's (Lightning adds no tensor of its own to a step)
     assert choice.peaks[8] == pytest.approx(peak8, rel=0.02)
     assert choice.peaks[16] == pytest.approx(peak16, rel=0.02)
+    # the trial steps (learning rate 0, optimizer state discarded) left no trace on the run
+    ref_grads, ref_weights = reference_run(module0, [samples[:64]], "tokens")
+    assert_close_rel(capture.grads[0], ref_grads[0])
+    assert_close_rel({n: p.detach() for n, p in module.named_parameters()}, ref_weights)
+
+
+class SavingGradCapture(GradCapture):
+    """GradCapture that hands its gradients back from rank 0 of a spawned DDP run through a file."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            weights = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            torch.save({"grads": self.grads, "weights": weights, "batch_sizes": self.batch_sizes}, self.path)
+
+
+@pytest.mark.distributed
+def test_ddp_two_processes_token_mean_over_both(tmp_path):
+    # 2 processes x micro-batch 4 x accumulation 4 = 32: each process sees every other sample, with its own token
+    # count; the step must get the mean over all 32 samples' tokens (counts all-reduced, DDP's average undone).
+    samples = padded_samples(64)
+    module = make_module("tokens")
+    module0 = copy.deepcopy(module)
+    path = str(tmp_path / "rank0.pt")
+    callback = AccumulationScheduler(32, 4, loss_normalization="tokens")
+    trainer = L.Trainer(
+        precision="64-true", max_steps=2, callbacks=[callback, SavingGradCapture(path)],
+        **fit_kwargs(strategy="ddp_spawn", devices=2),
+    )
+    trainer.fit(module, ListData(samples))
+    got = torch.load(path)
+    assert got["batch_sizes"] == [4] * 8
+    ref_grads, ref_weights = reference_run(module0, [samples[:32], samples[32:]], "tokens")
+    for grads, want in zip(got["grads"], ref_grads, strict=True):
+        assert_close_rel(grads, want)
+    assert_close_rel(got["weights"], ref_weights)

@@ -151,7 +151,6 @@ def test_bit_identical_to_plain_model(model_name, policy):
         assert torch.equal(ref_weights[name], weights[name]), f"weight {name} differs"
 
 
-@pytest.mark.parametrize("policy", ["sqrt", "all"])
 def test_explicit_class_names_bit_identical():
     torch.manual_seed(0)
     reference = EncoderModel()
@@ -164,6 +163,7 @@ def test_explicit_class_names_bit_identical():
     assert all(torch.equal(ref_weights[k], weights[k]) for k in ref_weights)
 
 
+@pytest.mark.parametrize("policy", ["sqrt", "all"])
 def test_code_between_blocks_and_dropout_outside(policy):
     torch.manual_seed(0)
     reference = BetweenBlocks()

@@ -287,7 +287,7 @@ def test_fake_tensors_measure_like_real_ones(which):
     if which == "mlp":
         args = (_mlp, lambda: torch.randn(32, 64), _mlp_loss)
     else:
-        args = (tiny_gpt2, _lm_batch, _lm_loss)
+        args = (lambda: tiny_gpt2(n_layer=2), _lm_batch, _lm_loss)
     real = _run_two_steps(*args)
     with FakeTensorMode():
         fake = _run_two_steps(*args)
@@ -410,3 +410,22 @@ def test_cuda_phase_peaks_and_shared_windows():
     allocated, _ = outer.lap()
     assert allocated >= tracker.peak_bytes
     outer.close()
+
+
+def test_marking_host_late_does_not_hide_the_device_peak():
+    """State created on the device role and marked host after the step (as an offload strategy does) must not
+    leave the overall peak pointing at the optimizer step."""
+    tracker = MemoryTracker()
+    with tracker:
+        with tracker.phase("forward"):
+            acts = torch.ones(1000)
+        del acts
+        with tracker.phase("optimizer"):
+            state = torch.zeros(2000)  # the device-role total is highest here ...
+            small = torch.zeros(10)
+        mark_host(state)  # ... until the strategy says where the state lives
+    assert tracker.peak_phase == "forward"
+    assert tracker.peak_bytes == 1000 * F32
+    assert tracker.peaks["optimizer"].total == 10 * F32
+    assert tracker.peak_bytes_role("host") == 2000 * F32
+    del small

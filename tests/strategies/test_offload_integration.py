@@ -131,8 +131,8 @@ def reference_loop(module: LM, batches, *, precision: str, kind: str, fused: boo
             for m in masters:
                 m.grad.mul_(1.0 / scale)
         grads_per_step.append({n: m.grad.clone() for n, m in zip(names, masters)})
-        if clip:
-            torch.nn.utils.clip_grad_norm_(masters, clip)
+        if clip:  # NOTE: in param-group order, as Lightning passes them: the norm's summation order is part of the bits
+            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
         opt.step()
         sched.step()
         with torch.no_grad():

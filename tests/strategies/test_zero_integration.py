@@ -1,0 +1,189 @@
+"""The ``lowmem_zero*`` presets through a real ``Trainer.fit`` on the CPU accelerator (gloo), against plain PyTorch.
+
+The first fit of an offload preset builds DeepSpeed's ``cpu_adam`` C++ op (~100 s on 2 cores, once per
+machine, cached in ``~/.cache/torch_extensions``).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_lowmem.demo.module import CausalLMModule
+from tests.helpers.models import GPT2_TINY, random_batch
+from tests.helpers.runif import RunIf
+
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed, RunIf(deepspeed=True)]
+
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+BATCH, SEQ = 2, 16
+
+
+class SGDModule(CausalLMModule):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _samples(n: int) -> list[dict[str, torch.Tensor]]:
+    full = random_batch(n, SEQ, seed=1)
+    return [{k: v[i] for k, v in full.items()} for i in range(n)]
+
+
+def _loader(n: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(_samples(n), batch_size=BATCH, shuffle=False)
+
+
+def _trainer(strategy, max_steps: int, accumulate: int = 1, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
+
+
+class _WeightsAfterEachStep(L.Callback):
+    """Full (gathered under ZeRO-3) fp32 weights after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[list[torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        import deepspeed
+
+        params = list(pl_module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            self.snapshots.append([p.detach().float().clone() for p in params])
+
+
+def _reference(module: CausalLMModule, steps: int, accumulate: int, clip: float | None = None) -> list[list[torch.Tensor]]:
+    """Plain PyTorch: the same micro-batches, loss / accumulate, clip by norm, the module's own optimizer."""
+    optimizer = module.configure_optimizers()
+    batches = list(_loader(steps * accumulate * BATCH))
+    out = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            loss_sum, n = module.loss_sum_and_tokens(batches[step * accumulate + micro])
+            (loss_sum / n / accumulate).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append([p.detach().clone() for p in module.parameters()])
+    return out
+
+
+def test_zero2_sgd_accumulation_equals_plain_pytorch_exactly():
+    """SGD makes the weights a linear image of the gradients: equal weights mean equal gradients.
+
+    Also the regression test for Lightning's double loss scaling (its loop divides by
+    ``accumulate_grad_batches`` and ``engine.backward`` divided again), which ZeroStrategy turns off.
+    """
+    L.seed_everything(0)
+    module = SGDModule(config={**GPT2_TINY, **NO_DROPOUT})
+    reference = _reference(copy.deepcopy(module), steps=2, accumulate=2)
+    record = _WeightsAfterEachStep()
+    _trainer("lowmem_zero2", max_steps=2, accumulate=2, callbacks=[record]).fit(module, _loader(8))
+    assert len(record.snapshots) == 2
+    for got_step, want_step in zip(record.snapshots, reference):
+        for got, want in zip(got_step, want_step):
+            assert torch.equal(got, want)
+
+
+def test_zero3_offload_adamw_becomes_cpu_adam_and_matches_plain_adamw(tmp_path, caplog):
+    """AdamW -> DeepSpeedCPUAdam (logged), accumulation + clipping from the Trainer, then consolidate -> plain load.
+
+    Tolerance 2e-5 absolute on the weights (lr 1e-3, 3 steps): DeepSpeedCPUAdam's vectorised C++ update rounds
+    differently from torch's AdamW (different operation order in fp32), the difference grows by ~1e-6 per step.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    import lightning_lowmem
+
+    L.seed_everything(0)
+    module = CausalLMModule(config={**GPT2_TINY, **NO_DROPOUT}, learning_rate=1e-3)
+    reference_module = copy.deepcopy(module)
+    reference = _reference(reference_module, steps=3, accumulate=2, clip=0.5)
+    record = _WeightsAfterEachStep()
+    trainer = _trainer("lowmem_zero3_offload", max_steps=3, accumulate=2, gradient_clip_val=0.5, callbacks=[record])
+    with caplog.at_level("INFO"):
+        trainer.fit(module, _loader(12))
+
+    assert isinstance(trainer.strategy.optimizers[0].optimizer, DeepSpeedCPUAdam)
+    assert "replaced by `DeepSpeedCPUAdam(adamw_mode=True)`" in caplog.text
+    config = trainer.strategy.config
+    assert config["gradient_accumulation_steps"] == 2
+    assert config["gradient_clipping"] == 0.5
+    assert config["train_micro_batch_size_per_gpu"] == BATCH
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["pin_memory"] and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["stage3_gather_16bit_weights_on_model_save"] and zero["overlap_comm"] and zero["contiguous_gradients"]
+    assert zero["reduce_bucket_size"] == GPT2_TINY["n_embd"] ** 2  # "auto" resolved from the model's hidden size
+
+    assert len(record.snapshots) == 3
+    for got_step, want_step in zip(record.snapshots, reference):
+        for got, want in zip(got_step, want_step):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+    # the directory checkpoint -> one plain fp32 state dict, loadable by the bare Hugging Face model
+    ckpt_dir = tmp_path / "zero.ckpt"
+    trainer.save_checkpoint(ckpt_dir)
+    out = tmp_path / "model.pt"
+    state = lightning_lowmem.zero.consolidate(ckpt_dir, out, strip_prefix="model.")
+    assert all(t.dtype == torch.float32 for t in state.values())
+    plain = copy.deepcopy(reference_module.model)
+    plain.load_state_dict(torch.load(out), strict=True)
+    for got, want in zip(plain.parameters(), record.snapshots[-1]):
+        assert torch.equal(got, want)
+
+
+def test_bad_setups_are_reported_together():
+    """fp16 on a CPU without fp16, accumulation contradicting the JSON, and an accumulation-changing callback."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_lowmem.strategies.zero import ZeroStrategy
+
+    strategy = ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 4, "gradient_clipping": 2.0})
+    module = CausalLMModule(config={**GPT2_TINY, **NO_DROPOUT})
+    precision = "16-mixed" if not _cpu_fp16() else "32-true"
+    trainer = _trainer(
+        strategy,
+        max_steps=1,
+        accumulate=2,
+        precision=precision,
+        gradient_clip_val=1.0,
+        callbacks=[GradientAccumulationScheduler({0: 2})],
+    )
+    with pytest.raises(ValueError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _loader(4))
+    message = str(err.value)
+    assert "gradient_accumulation_steps=4" in message and "accumulate_grad_batches=2" in message
+    assert "GradientAccumulationScheduler" in message
+    if precision == "16-mixed":
+        assert "bf16-mixed" in message
+
+
+def test_offload_refuses_sgd_with_what_to_use():
+    module = SGDModule(config={**GPT2_TINY, **NO_DROPOUT})
+    with pytest.raises(ValueError, match="torch.optim.sgd.SGD.*lowmem_zero2"):
+        _trainer("lowmem_zero2_offload", max_steps=1).fit(module, _loader(2))
+
+
+def _cpu_fp16() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
