@@ -54,6 +54,7 @@ class _Start(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
         self.clock["t0"] = time.perf_counter()
+        self.clock["c0"] = time.process_time()
 
 
 class _End(L.Callback):
@@ -63,12 +64,13 @@ class _End(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         if batch_idx >= 2:
             self.clock["steps"].append(time.perf_counter() - self.clock["t0"])
+            self.clock["cpu"].append(time.process_time() - self.clock["c0"])
 
 
 def _fit(variant: str, steps: int, out_dir: str) -> dict[str, Any]:
     torch.manual_seed(0)
     module = CausalLMModule(config=CONFIG)
-    clock: dict[str, Any] = {"steps": []}
+    clock: dict[str, Any] = {"steps": [], "cpu": []}
     report = None
     callbacks: list[L.Callback] = [_Start(clock)]
     if variant != "none":
@@ -97,7 +99,7 @@ def _fit(variant: str, steps: int, out_dir: str) -> dict[str, Any]:
     )
     trainer.fit(module, DataLoader(_Batches(BATCH * (steps + 2)), batch_size=BATCH))
     ops = report.steps[-1]["aten_ops"] if report is not None and report.steps else None
-    return {"steps": clock["steps"], "end_s": end_s, "ops": ops, "report": report}
+    return {"steps": clock["steps"], "cpu": clock["cpu"], "end_s": end_s, "ops": ops, "report": report}
 
 
 def _plain_loop_comparison(rounds: int) -> tuple[list[dict[str, Any]], int]:
@@ -139,24 +141,48 @@ def _plain_loop_comparison(rounds: int) -> tuple[list[dict[str, Any]], int]:
             step()
         peaks["torch MemTracker"] = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
-    times = interleaved({"untracked": step, "MemoryTracker": ours, "torch MemTracker": torch_memtracker}, rounds=rounds)
-    base = times["untracked"]["median_s"]
+    # NOTE: two pairs, each against its own untracked runs: torch's MemTracker leaves garbage behind that slows
+    # the steps run after it, which would blur our (much smaller) overhead if all three were interleaved.
     rows = []
-    for name, t in times.items():
-        rows.append(
-            {
-                "part": "plain loop",
-                "variant": name,
-                "median_step_s": t["median_s"],
-                "min_s": t["min_s"],
-                "max_s": t["max_s"],
-                "ratio_vs_none": t["median_s"] / base,
-                "overhead_ms_per_step": (t["median_s"] - base) * 1e3,
-                "overhead_us_per_aten_op": (t["median_s"] - base) / ops["n"] * 1e6 if name != "untracked" else None,
-                "peak_bytes": peaks.get(name),
-                "peak": fmt_bytes(peaks[name]) if name in peaks else None,
-            }
-        )
+    for pair, tracked, fn, n_rounds in (
+        ("plain loop", "MemoryTracker", ours, 3 * rounds),
+        ("plain loop (torch)", "torch MemTracker", torch_memtracker, rounds),
+    ):
+        fns = {"untracked": step, tracked: fn}
+        cpu: dict[str, list[float]] = {name: [] for name in fns}
+
+        def cpu_timed(name: str, fn: Any) -> Any:
+            def run() -> None:
+                c0 = time.process_time()
+                fn()
+                cpu[name].append(time.process_time() - c0)
+
+            return run
+
+        times = interleaved({name: cpu_timed(name, f) for name, f in fns.items()}, rounds=n_rounds, warmup=1)
+        cpu_med = {name: statistics.median(ts[1:]) for name, ts in cpu.items()}  # [0] is the warm-up
+        base, cpu_base = times["untracked"]["median_s"], cpu_med["untracked"]
+        for name, t in times.items():
+            rows.append(
+                {
+                    "part": pair,
+                    "variant": name,
+                    "median_step_s": t["median_s"],
+                    "min_s": t["min_s"],
+                    "max_s": t["max_s"],
+                    "n_steps": n_rounds,
+                    "ratio_vs_none": t["median_s"] / base,
+                    "cpu_step_s": cpu_med[name],
+                    "cpu_ratio_vs_none": cpu_med[name] / cpu_base,
+                    "overhead_ms_per_step": (t["median_s"] - base) * 1e3,
+                    "cpu_overhead_ms_per_step": (cpu_med[name] - cpu_base) * 1e3,
+                    "cpu_overhead_us_per_aten_op": (cpu_med[name] - cpu_base) / ops["n"] * 1e6
+                    if name != "untracked"
+                    else None,
+                    "peak_bytes": peaks.get(name),
+                    "peak": fmt_bytes(peaks[name]) if name in peaks else None,
+                }
+            )
     return rows, ops["n"]
 
 
@@ -165,10 +191,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per fit (after 2 untimed ones)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    # NOTE: one intra-op thread: on a shared 2-core machine the CPU-time figures are then the work done, not
+    # OpenMP spin-waiting, and the wall-time figures are less sensitive to other processes.
+    torch.set_num_threads(1)
 
     variants = ("none", "unsampled", "sampled")
     per_step: dict[str, list[float]] = {v: [] for v in variants}
+    per_step_cpu: dict[str, list[float]] = {v: [] for v in variants}
     end_s: dict[str, list[float]] = {v: [] for v in variants}
     ops = None
     peak = None
@@ -177,14 +206,17 @@ def main() -> None:
             for v in variants:
                 res = _fit(v, args.steps, out_dir)
                 per_step[v] += res["steps"]
+                per_step_cpu[v] += res["cpu"]
                 end_s[v].append(res["end_s"])
                 if v == "sampled":
                     ops = res["ops"]
                     peak = res["report"].steps[-1]["peak_bytes"]
     base = statistics.median(per_step["none"])
+    cpu_base = statistics.median(per_step_cpu["none"])
     rows: list[dict[str, Any]] = []
     for v in variants:
         med = statistics.median(per_step[v])
+        cpu_med = statistics.median(per_step_cpu[v])
         rows.append(
             {
                 "part": "Trainer.fit",
@@ -194,8 +226,11 @@ def main() -> None:
                 "max_s": max(per_step[v]),
                 "n_steps": len(per_step[v]),
                 "ratio_vs_none": med / base,
+                "cpu_step_s": cpu_med,
+                "cpu_ratio_vs_none": cpu_med / cpu_base,
                 "overhead_ms_per_step": (med - base) * 1e3,
-                "overhead_us_per_aten_op": (med - base) / ops * 1e6 if v == "sampled" and ops else None,
+                "cpu_overhead_ms_per_step": (cpu_med - cpu_base) * 1e3,
+                "cpu_overhead_us_per_aten_op": (cpu_med - cpu_base) / ops * 1e6 if v == "sampled" and ops else None,
                 "end_of_fit_s": statistics.median(end_s[v]) if v != "none" else None,
                 "peak": fmt_bytes(peak) if v == "sampled" else None,
             }
@@ -207,14 +242,17 @@ def main() -> None:
     notes = [
         f"GPT-2 {CONFIG}, vocab 258, batch {BATCH} x seq {SEQ}, fp32 AdamW on CPU; {ops} aten ops per tracked step "
         f"(plain loop: {plain_ops}).",
-        "Trainer.fit rows: per-step wall time from the first on_train_batch_start to the last on_train_batch_end, "
+        "Wall time is noisy on a shared machine; cpu_* columns are process CPU time (1 intra-op thread), the "
+        "figure to read for the overhead. "
+        "Trainer.fit rows: per-step time from the first on_train_batch_start to the last on_train_batch_end, "
         f"median over {args.rounds} interleaved rounds x {args.steps} steps; steps 0 and 1 (always sampled) untimed.",
         "end_of_fit_s: MemoryReport.on_fit_end (table, JSON, PNG; predict=False), paid once per fit.",
-        "Plain-loop rows: one step untracked / MemoryTracker / torch MemTracker, interleaved; peaks must agree.",
+        "Plain-loop rows: one step untracked vs MemoryTracker, then untracked vs torch MemTracker, each pair "
+        "interleaved; the two trackers' peaks must agree.",
         "Overhead of torch MemTracker vs ours (plain loop): "
         + (
-            f"{mt['overhead_ms_per_step'] / lite['overhead_ms_per_step']:.1f}x"
-            if lite["overhead_ms_per_step"] > 0
+            f"{mt['cpu_overhead_ms_per_step'] / lite['cpu_overhead_ms_per_step']:.1f}x (CPU time)"
+            if lite["cpu_overhead_ms_per_step"] > 0
             else "ours within noise of untracked"
         ),
     ]
@@ -226,8 +264,10 @@ def main() -> None:
             "variant",
             "median_step_s",
             "ratio_vs_none",
-            "overhead_ms_per_step",
-            "overhead_us_per_aten_op",
+            "cpu_step_s",
+            "cpu_ratio_vs_none",
+            "cpu_overhead_ms_per_step",
+            "cpu_overhead_us_per_aten_op",
             "end_of_fit_s",
             "peak",
         ],

@@ -154,7 +154,7 @@ class OffloadStats:
 class _StorageEntry:
     """One storage offloaded to the host, shared by every saved tensor that aliases it."""
 
-    __slots__ = ("__weakref__", "host", "nbytes", "device", "index", "pending", "restored", "event", "owner")
+    __slots__ = ("__weakref__", "host", "nbytes", "device", "index", "handles", "pending", "restored", "event", "owner")
 
     def __init__(self, owner: SavedTensorOffloader, host: torch.Tensor, device: torch.device, index: int) -> None:
         self.owner = owner
@@ -162,7 +162,8 @@ class _StorageEntry:
         self.nbytes = host.numel()
         self.device = device
         self.index = index  # position in the forward's pack order, for prefetching
-        self.pending = 0  # handles packed but not yet unpacked in this backward
+        self.handles = 0  # saved-tensor handles packed on this storage
+        self.pending = 0  # handles not yet unpacked in this backward
         self.restored: torch.Tensor | None = None  # uint8 copy of the storage on the compute device
         self.event: Any = None  # completion of the restore copy
 
@@ -267,6 +268,10 @@ class SavedTensorOffloader:
         self._by_storage.clear()  # NOTE: the weak storage refs go too, so storage addresses may be reused now
         self._drain_forward(limit=0)
         self._cursor = len(self._order)
+        for ref in self._order:  # a second backward through a retained graph meets every handle again
+            entry = ref()
+            if entry is not None:
+                entry.pending = entry.handles
         if torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -325,6 +330,7 @@ class SavedTensorOffloader:
         else:
             entry = self._offload(t, storage)
             self._by_storage[key] = (entry, StorageWeakRef(storage))
+        entry.handles += 1
         entry.pending += 1
         self.stats.tensors_offloaded += 1
         return _Packed(entry, t)

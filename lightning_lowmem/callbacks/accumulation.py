@@ -25,7 +25,6 @@ from lightning_lowmem._compat import check_lightning_object
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
 MicroBatch = Union[int, Literal["auto"]]
-_MISSING = object()
 
 
 @dataclass
@@ -156,7 +155,8 @@ class AccumulationScheduler(L.Callback):
         self._sets_loader = False
         self._warned_bn = False
         self._trainer_accumulation: int | None = None
-        self._original_step: Any = _MISSING
+        self._wrapped_step = False
+        self._instance_step: Any = None  # a `training_step` the module instance had before ours (rare)
         self._probing = False
         self._reset_window()
         self._n_ref: torch.Tensor | None = None  # mean count per micro-batch, all processes: keeps grads O(mean)
@@ -319,9 +319,11 @@ class AccumulationScheduler(L.Callback):
         self._last = last
 
     def _wrap_training_step(self, pl_module: L.LightningModule) -> None:
-        if self._original_step is not _MISSING:
+        # NOTE: flags, not a sentinel object: the callback is pickled into the processes of `ddp_spawn`, and a
+        # sentinel's identity does not survive that.
+        if self._wrapped_step:
             return
-        self._original_step = pl_module.__dict__.get("training_step", _MISSING)
+        self._wrapped_step, self._instance_step = True, pl_module.__dict__.get("training_step")
         step = pl_module.training_step
 
         @functools.wraps(step)
@@ -412,11 +414,13 @@ class AccumulationScheduler(L.Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._original_step is _MISSING and "training_step" in pl_module.__dict__:
+        if not self._wrapped_step:
+            return
+        if self._instance_step is not None:
+            pl_module.training_step = self._instance_step  # type: ignore[method-assign]
+        elif "training_step" in pl_module.__dict__:
             del pl_module.training_step
-        elif self._original_step is not _MISSING:
-            pl_module.training_step = self._original_step
-        self._original_step = _MISSING
+        self._wrapped_step, self._instance_step = False, None
 
     @override
     def state_dict(self) -> dict[str, Any]:

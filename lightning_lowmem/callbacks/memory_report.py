@@ -502,12 +502,12 @@ def _reporters(trainer: pl.Trainer, exclude: Any) -> list[tuple[str, ReportsMemo
 
 
 def _batch_shape(batch: Any) -> tuple[int, ...] | None:
-    from lightning_lowmem.memory.measure import tensor_storages
+    from lightning_lowmem.memory.measure import iter_tensors
 
-    for t in tensor_storages(batch):
+    for t in iter_tensors(batch):
         if t.dim() >= 2 and not t.is_floating_point():  # token ids: (batch, sequence)
             return tuple(t.shape)
-    for t in tensor_storages(batch):
+    for t in iter_tensors(batch):
         if t.dim() >= 1:
             return tuple(t.shape)
     return None

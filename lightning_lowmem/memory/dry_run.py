@@ -315,6 +315,9 @@ def _trace(
             for opt in opts:
                 for group in opt.param_groups:
                     group["params"] = [masters[id(p)] for p in group["params"]]
+                    # NOTE: as OffloadStrategy(host_optimizer="auto"): torch's fused CPU kernel for Adam/AdamW
+                    if type(opt) in (torch.optim.Adam, torch.optim.AdamW) and not group.get("foreach"):
+                        group["fused"], group["foreach"] = True, False
             host_opt, opts = opts, []
 
             def to_host(p: torch.Tensor) -> None:
@@ -323,7 +326,8 @@ def _trace(
 
             handles += [p.register_post_accumulate_grad_hook(to_host) for p in params]
         elif optimizer_in_backward:
-            per_param = {id(p): type(o)([p], **o.defaults) for o in opts for g in o.param_groups for p in g["params"]}
+            # NOTE: one optimizer per parameter with its group's settings (as OptimizerInBackward does)
+            per_param = {id(p): type(o)([{**g, "params": [p]}]) for o in opts for g in o.param_groups for p in g["params"]}
 
             def step_now(p: torch.Tensor) -> None:
                 per_param[id(p)].step()
@@ -347,6 +351,7 @@ def _trace(
         with fake_mode, contextlib.ExitStack() as stack:
             if target == "cuda":
                 stack.enter_context(_cuda_kernels(counts))
+            stack.enter_context(_hf_value_checks(batch))
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message=".*self.log.*")
             warnings.filterwarnings("ignore", message=".*trainer.*")
@@ -409,6 +414,40 @@ def _without_trivial_mask(batch: Any) -> Any:
         if not isinstance(mask, _fake.FakeTensor) and not mask.is_meta and bool(mask.all()):
             return {**batch, "attention_mask": None}
     return batch
+
+
+@contextlib.contextmanager
+def _hf_value_checks(batch: Any) -> Iterator[None]:
+    """Answer Hugging Face's value checks from the real batch, as a real run would.
+
+    NOTE: without a KV cache (training with checkpointing) HF looks for packed sequences in ``position_ids``;
+    on fake tensors it cannot read them, assumes packing and builds a (b, 1, s, s) mask that the real run
+    skips. Default positions (none in the batch) are never packed; given ones are checked on real values.
+    """
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        yield
+        return
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    real_positions = batch.get("position_ids") if isinstance(batch, dict) else None
+
+    def find_packed(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(position_ids, _fake.FakeTensor):
+            return original(position_ids)
+        if not isinstance(real_positions, torch.Tensor) or isinstance(real_positions, _fake.FakeTensor):
+            return None
+        with _fake.unset_fake_temporarily():
+            return original(real_positions.expand(position_ids.shape[0], -1))
+
+    masking.find_packed_sequence_indices = find_packed
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager

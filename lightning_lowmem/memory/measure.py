@@ -75,14 +75,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_lowmem.memory import categories as _cat
 from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown, Role
@@ -92,7 +92,7 @@ __all__ = [
     "PhasePeak",
     "CudaPeakWindow",
     "reset_cuda_peak_stats",
-    "tensor_storages",
+    "iter_tensors",
 ]
 
 _W, _G, _O, _A, _X = range(5)  # indices into CATEGORIES: weights, gradients, optimizer_state, activations, other
@@ -218,11 +218,16 @@ class _Rec:
         self.ref: weakref.ref | None = None
 
 
-def tensor_storages(tensors: Iterable[Any]) -> Iterator[torch.Tensor]:
-    """The tensors found in an arbitrary (nested) structure: dicts, lists, tuples, dataclass-free pytrees."""
-    for leaf in tree_leaves(tensors):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a nested structure of mappings (dicts, ``BatchEncoding``), lists, tuples and sets."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for value in obj:
+            yield from iter_tensors(value)
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -261,6 +266,22 @@ class _Mode(TorchDispatchMode):
 
 
 _MUTATES: dict[Any, bool] = {}
+
+
+def _exit_mode(mode: TorchDispatchMode, exc: tuple[Any, ...]) -> None:
+    """Leave ``mode`` even when a mode entered after it is still active (two callbacks' hooks interleaving)."""
+    stack = _pd._get_current_dispatch_mode_stack()
+    if not stack or stack[-1] is mode or not any(m is mode for m in stack):
+        mode.__exit__(*exc)
+        return
+    # NOTE: a dispatch mode can only leave from the top of the stack; lift the later ones off and put them back,
+    # so their own `__exit__` still finds them on top.
+    above = []
+    while _pd._get_current_dispatch_mode_stack()[-1] is not mode:
+        above.append(_pd._pop_mode())
+    mode.__exit__(*exc)
+    for m in reversed(above):
+        _pd._push_mode(m)
 
 
 class MemoryTracker:
@@ -392,6 +413,8 @@ class MemoryTracker:
     def _free(self, key: int) -> None:
         with self._lock:
             rec = self._recs.pop(key, None)
+            # NOTE: a freed storage's key (its address) is reused by later storages: drop its host mark.
+            self._host_keys.discard(key)
             if rec is None:
                 return
             if rec.cat == _A and self._in_fwd and rec.fwd == self._fwd_epoch:
@@ -527,7 +550,7 @@ class MemoryTracker:
         if category not in CATEGORIES:
             raise ValueError(f"Passed `category={category!r}`; expected one of {CATEGORIES}.")
         cat = CATEGORIES.index(category)
-        for t in tensor_storages(tensors):
+        for t in iter_tensors(tensors):
             st = _storage(t)
             if st is not None and st._cdata not in self._recs:
                 self._add(st, t, st._cdata, cat)
@@ -568,7 +591,7 @@ class MemoryTracker:
     def __exit__(self, *exc: Any) -> None:
         try:
             if self._mode is not None:
-                self._mode.__exit__(*exc)
+                _exit_mode(self._mode, exc)
         finally:
             self._mode = None
             if self._phase is not None:

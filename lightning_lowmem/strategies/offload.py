@@ -402,7 +402,11 @@ class OffloadStrategy(SingleDeviceStrategy):
         assert isinstance(precision, MasterHalfPrecision)
         if self.optimizer_in_backward:
             out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
-            precision._after_closure(model, optimizer)  # on_before_optimizer_step hooks; masters hold no gradient
+            precision._skip_clipping = True  # value clipping happened per parameter; norm clipping is refused
+            try:
+                precision._after_closure(model, optimizer)  # on_before_optimizer_step hooks; masters hold no gradient
+            finally:
+                precision._skip_clipping = False
             precision.last_step_skipped = out is None
         else:
             out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)

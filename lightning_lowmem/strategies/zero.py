@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     import deepspeed
 
 _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
-# callbacks that change the Trainer's accumulation while fitting: DeepSpeed fixes it when the engine is built
-_ACCUMULATION_CALLBACKS = ("AccumulationScheduler", "GradientAccumulationScheduler")
+# callbacks that change the Trainer's accumulation while fitting: DeepSpeed fixes it when the engine is built.
+# NOTE: our AccumulationScheduler checks DeepSpeed itself (fixed window only) and composes.
+_ACCUMULATION_CALLBACKS = ("GradientAccumulationScheduler",)
 
 
 class ZeroStrategy(DeepSpeedStrategy):
@@ -157,6 +158,21 @@ class ZeroStrategy(DeepSpeedStrategy):
         self._init_deepspeed_distributed()
         return None
 
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.utils import groups
+
+        if ds_comm.cdb is not None and not torch.distributed.is_initialized():
+            # NOTE: DeepSpeed caches its backend object and its process groups in module globals and keeps
+            # them after `destroy_process_group`; a second fit in the same process (notebooks, tests) would
+            # use the dead groups ("Group ... is not registered"). Drop them so DeepSpeed builds fresh ones.
+            ds_comm.cdb = None
+            for name, value in list(vars(groups).items()):
+                if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
+                    setattr(groups, name, {} if isinstance(value, dict) else None)
+        super()._init_deepspeed_distributed()
+
     @property
     def _device_rank(self) -> int:
         # NOTE: DeepSpeed compares `device_rank` with 0; the CPU device's index is None.
@@ -265,8 +281,8 @@ class ZeroStrategy(DeepSpeedStrategy):
                 problems.append(
                     f"`{type(callback).__name__}` changes `accumulate_grad_batches` while fitting, but DeepSpeed fixes "
                     "`gradient_accumulation_steps` when its engine is built. Use a constant "
-                    "`Trainer(accumulate_grad_batches=...)` with this strategy, or keep the callback with "
-                    "`strategy='lowmem_offload'`"
+                    "`Trainer(accumulate_grad_batches=...)` or `lightning_lowmem.AccumulationScheduler` with a fixed "
+                    "window; for a schedule that changes, use `strategy='lowmem_offload'`"
                 )
         return problems
 

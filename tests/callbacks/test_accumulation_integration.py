@@ -54,7 +54,9 @@ class ListData(L.LightningDataModule):
         self.samples, self.batch_size = samples, batch_size
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.samples, batch_size=self.batch_size, shuffle=False, collate_fn=collate)
+        # NOTE: under DDP each process takes every world_size-th sample (Lightning's own sampler would shuffle)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        return DataLoader(self.samples[rank::world], batch_size=self.batch_size, shuffle=False, collate_fn=collate)
 
 
 def per_sample_loss(module: CausalLMModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -283,7 +285,7 @@ def test_ddp_two_processes_token_mean_over_both(tmp_path):
     callback = AccumulationScheduler(32, 4, loss_normalization="tokens")
     trainer = L.Trainer(
         precision="64-true", max_steps=2, callbacks=[callback, SavingGradCapture(path)],
-        **fit_kwargs(strategy="ddp_spawn", devices=2),
+        **fit_kwargs(strategy="ddp_spawn", devices=2, use_distributed_sampler=False),
     )
     trainer.fit(module, ListData(samples))
     got = torch.load(path)
@@ -292,3 +294,26 @@ def test_ddp_two_processes_token_mean_over_both(tmp_path):
     for grads, want in zip(got["grads"], ref_grads, strict=True):
         assert_close_rel(grads, want)
     assert_close_rel(got["weights"], ref_weights)
+
+
+class MasterGradCapture(GradCapture):
+    """Under ``lowmem_offload`` the optimizer steps the host masters: copy their gradients."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.grads.append({n: p.grad.clone() for n, p in trainer.strategy.masters.items() if p.grad is not None})
+
+
+def test_lowmem_offload_scales_the_host_master_gradients():
+    pytest.importorskip("lightning_lowmem.strategies.offload")
+    samples = padded_samples(100)
+    module = make_module("tokens")
+    module0 = copy.deepcopy(module)
+    capture = MasterGradCapture()
+    callback = AccumulationScheduler(64, 8, loss_normalization="tokens")
+    trainer = L.Trainer(strategy="lowmem_offload", max_steps=2, callbacks=[callback, capture], **fit_kwargs())
+    trainer.fit(module, ListData(samples))
+    ref_grads, _ = reference_run(module0, [samples[:64], samples[64:]], "tokens")
+    assert len(capture.grads) == 2
+    for got, want in zip(capture.grads, ref_grads):
+        # the strategy computes in float32 (no float64 path): float32 rounding against the float64 reference
+        assert_close_rel(got, want, rtol=1e-7)

@@ -144,30 +144,36 @@ def test_combines_with_low_bit_optimizer():
         assert torch.equal(a, b), name
 
 
-class ManualLM(LM):
-    def __init__(self) -> None:
-        super().__init__("sgd")
-        self.automatic_optimization = False
-
+class OverridingLM(LM):
     def optimizer_step(self, *args, **kwargs):
         return super().optimizer_step(*args, **kwargs)
 
 
-def test_refused_configurations_are_reported_together():
-    trainer = L.Trainer(
+def _trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=1,
-        accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=[OptimizerInBackward()],
+        callbacks=[OptimizerInBackward()], **kwargs,
     )
+
+
+def test_refused_configurations_are_reported_together():
+    trainer = _trainer(accumulate_grad_batches=2, gradient_clip_val=1.0)
     with pytest.raises(ValueError) as err:
-        trainer.fit(ManualLM(), train_dataloaders=DataLoader(batches(), batch_size=None))
+        trainer.fit(OverridingLM(), train_dataloaders=DataLoader(batches(), batch_size=None))
     message = str(err.value)
     for expected in (
         "`accumulate_grad_batches=2`",
         "`gradient_clip_val=1.0` with clipping by norm",
-        "manual optimization",
-        "`ManualLM.optimizer_step` is overridden",
+        "`OverridingLM.optimizer_step` is overridden",
     ):
         assert expected in message, message
+
+
+def test_manual_optimization_is_refused():
+    module = LM()
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="manual optimization"):
+        _trainer().fit(module, train_dataloaders=DataLoader(batches(), batch_size=None))
 
 
 def test_ddp_is_refused_with_the_reason():

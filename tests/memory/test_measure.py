@@ -429,3 +429,20 @@ def test_marking_host_late_does_not_hide_the_device_peak():
     assert tracker.peaks["optimizer"].total == 10 * F32
     assert tracker.peak_bytes_role("host") == 2000 * F32
     del small
+
+
+def test_trackers_may_exit_out_of_order():
+    """Two callbacks' trackers entered A, B and left A, B (hooks interleave): both keep counting correctly."""
+    outer, inner = MemoryTracker(), MemoryTracker()
+    outer.__enter__()
+    inner.__enter__()
+    a = torch.ones(100)
+    outer.__exit__(None, None, None)
+    b = torch.ones(50)  # seen by `inner` only
+    inner.__exit__(None, None, None)
+    assert outer.peak_bytes == 400
+    assert inner.peak_bytes == 600
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert _get_current_dispatch_mode_stack() == []
+    del a, b
