@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     torch.manual_seed(0)
     config = {"n_layer": args.layers, "n_embd": args.width, "n_head": args.heads, "n_positions": args.seq, "use_cache": False}
@@ -85,10 +85,12 @@ def main() -> None:
     L = args.layers
     none, full = memory["none"], memory["all"]
     block_worth = (none["act_fwd"] - full["act_fwd"]) / L  # activations one un-checkpointed block adds
-    t_none, t_all = times["none"]["median_s"], times["all"]["median_s"]
+    # NOTE: the machine is shared with other jobs; their noise only ever adds time, so the minimum over the
+    # interleaved rounds is the figure for the targets (medians are reported beside it).
+    t_none, t_all = times["none"]["min_s"], times["all"]["min_s"]
     rows = []
     for name in policies:
-        m, t = memory[name], times[name]["median_s"]
+        m, t = memory[name], times[name]["min_s"]
         rows.append(
             {
                 "policy": name,
@@ -97,8 +99,9 @@ def main() -> None:
                 "act_peak": fmt_bytes(m["act_peak"]),
                 "act_peak_x_less": none["act_peak"] / m["act_peak"],
                 "blocks_worth_at_peak": m["act_peak"] / block_worth,
-                "step_s": t,
+                "step_s_min": t,
                 "time_x": t / t_none,
+                "time_x_median": times[name]["median_s"] / times["none"]["median_s"],
                 "act_fwd_bytes": m["act_fwd"],
                 "act_peak_bytes": m["act_peak"],
                 "peak_bytes": m["peak"],
@@ -108,7 +111,7 @@ def main() -> None:
         )
     sel = memory["selective"]
     saving_share = (none["act_fwd"] - sel["act_fwd"]) / (none["act_fwd"] - full["act_fwd"])
-    extra_share = (times["selective"]["median_s"] - t_none) / max(t_all - t_none, 1e-9)
+    extra_share = (times["selective"]["min_s"] - t_none) / max(t_all - t_none, 1e-9)
     sqrt_worth = memory["sqrt"]["act_peak"] / block_worth
     targets = {
         "all_act_fwd_x_less (>= 4)": none["act_fwd"] / full["act_fwd"],
@@ -124,10 +127,11 @@ def main() -> None:
         "act_fwd: `activations` category at the forward peak (saved for backward). act_peak: step peak minus weights, "
         "gradients and optimizer state, i.e. activations plus temporaries, recompute transients included.",
         f"one block's worth = (act_fwd[none] - act_fwd[all]) / L = {fmt_bytes(block_worth)}.",
-        f"step times: median of {args.rounds} interleaved rounds after 1 warm-up, ratio to none measured side by side.",
+        f"step times: {args.rounds} interleaved rounds after 1 warm-up; time_x = min over rounds / min of none "
+        "(shared machine: noise only adds time), time_x_median the same with medians.",
         *[f"target {k}: {v:.3g}" for k, v in targets.items()],
     ]
-    columns = ["policy", "act_fwd", "act_fwd_x_less", "act_peak", "act_peak_x_less", "blocks_worth_at_peak", "step_s", "time_x"]
+    columns = ["policy", "act_fwd", "act_fwd_x_less", "act_peak", "act_peak_x_less", "blocks_worth_at_peak", "step_s_min", "time_x", "time_x_median"]
     write_results(
         "activation_checkpointing",
         rows,

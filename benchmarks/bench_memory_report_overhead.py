@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks._harness import fmt_bytes, interleaved, write_results
@@ -34,6 +35,9 @@ from lightning_lowmem.memory.measure import MemoryTracker
 
 CONFIG = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 128}
 BATCH, SEQ = 4, 128
+# the same op count per step with ~30x the FLOPs: the tracker's per-op cost is a smaller share
+WIDE_CONFIG = {"n_layer": 4, "n_embd": 512, "n_head": 8, "n_positions": 512}
+WIDE_SEQ = 512
 
 
 class _Batches(Dataset):
@@ -102,13 +106,22 @@ def _fit(variant: str, steps: int, out_dir: str) -> dict[str, Any]:
     return {"steps": clock["steps"], "cpu": clock["cpu"], "end_s": end_s, "ops": ops, "report": report}
 
 
-def _plain_loop_comparison(rounds: int) -> tuple[list[dict[str, Any]], int]:
+class _NoopMode(TorchDispatchMode):
+    """The floor of any Python dispatch-mode tracker: PyTorch's own cost of calling into Python per aten op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_loop_comparison(
+    rounds: int, config: dict[str, Any] = CONFIG, seq: int = SEQ, label: str = "plain loop", torch_tracker: bool = True
+) -> tuple[list[dict[str, Any]], int]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
-    model = CausalLMModule(config=CONFIG).model
+    model = CausalLMModule(config=config).model
     opt = torch.optim.AdamW(model.parameters())
-    ids = torch.randint(0, 256, (BATCH, SEQ))
+    ids = torch.randint(0, 256, (BATCH, seq))
     batch = {"input_ids": ids, "labels": ids}
     peaks: dict[str, int] = {}
     ops = {"n": 0}
@@ -134,6 +147,10 @@ def _plain_loop_comparison(rounds: int) -> tuple[list[dict[str, Any]], int]:
         peaks["MemoryTracker"] = tracker.peak_bytes
         ops["n"] = tracker.num_ops
 
+    def noop_mode() -> None:
+        with _NoopMode():
+            step()
+
     def torch_memtracker() -> None:
         mt = MemTracker()
         mt.track_external(model, opt, batch)
@@ -144,11 +161,13 @@ def _plain_loop_comparison(rounds: int) -> tuple[list[dict[str, Any]], int]:
     # NOTE: two pairs, each against its own untracked runs: torch's MemTracker leaves garbage behind that slows
     # the steps run after it, which would blur our (much smaller) overhead if all three were interleaved.
     rows = []
-    for pair, tracked, fn, n_rounds in (
-        ("plain loop", "MemoryTracker", ours, 3 * rounds),
-        ("plain loop (torch)", "torch MemTracker", torch_memtracker, rounds),
-    ):
-        fns = {"untracked": step, tracked: fn}
+    pairs: list[tuple[str, dict[str, Any], int]] = [
+        (label, {"no-op dispatch mode": noop_mode, "MemoryTracker": ours}, 3 * rounds)
+    ]
+    if torch_tracker:
+        pairs.append((f"{label} (torch)", {"torch MemTracker": torch_memtracker}, rounds))
+    for pair, tracked, n_rounds in pairs:
+        fns = {"untracked": step, **tracked}
         cpu: dict[str, list[float]] = {name: [] for name in fns}
 
         def cpu_timed(name: str, fn: Any) -> Any:
@@ -237,6 +256,10 @@ def main() -> None:
         )
     plain_rows, plain_ops = _plain_loop_comparison(args.rounds)
     rows += plain_rows
+    wide_rows, _ = _plain_loop_comparison(
+        max(2, args.rounds // 3), WIDE_CONFIG, WIDE_SEQ, label="plain loop, wide", torch_tracker=False
+    )
+    rows += wide_rows
     mt = next(r for r in plain_rows if r["variant"] == "torch MemTracker")
     lite = next(r for r in plain_rows if r["variant"] == "MemoryTracker")
     notes = [
@@ -247,6 +270,8 @@ def main() -> None:
         "Trainer.fit rows: per-step time from the first on_train_batch_start to the last on_train_batch_end, "
         f"median over {args.rounds} interleaved rounds x {args.steps} steps; steps 0 and 1 (always sampled) untimed.",
         "end_of_fit_s: MemoryReport.on_fit_end (table, JSON, PNG; predict=False), paid once per fit.",
+        f"'plain loop, wide': GPT-2 {WIDE_CONFIG}, batch {BATCH} x seq {WIDE_SEQ} (same ops, more work per op). "
+        "'no-op dispatch mode': a TorchDispatchMode that only calls the op, the floor of any such tracker. "
         "Plain-loop rows: one step untracked vs MemoryTracker, then untracked vs torch MemTracker, each pair "
         "interleaved; the two trackers' peaks must agree.",
         "Overhead of torch MemTracker vs ours (plain loop): "

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import gc
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -33,7 +32,7 @@ class WindowStats:
 
     micro_batches: int
     samples: int
-    tokens: int | None
+    tokens: torch.Tensor | None  # 0-dim, on the device (read it with ``int(...)``: a sync on CUDA)
 
 
 @dataclass
@@ -99,7 +98,8 @@ class AccumulationScheduler(L.Callback):
         schedule: ``{step_or_epoch: effective_batch_size}`` changes, or ``None``.
         schedule_interval: whether ``schedule`` keys are optimizer steps or epochs.
         loss_normalization: ``"samples"`` or ``"tokens"`` (see above).
-        memory_budget: bytes a training step may peak at on the device role, for ``"auto"``.
+        memory_budget: bytes (or a size such as ``"12GiB"``) a training step may peak at on the device role,
+            for ``"auto"``; on CUDA ``None`` means 90% of the device's memory.
         batch_arg_name: the attribute that sets the loader's batch size.
 
     Example::
@@ -116,7 +116,7 @@ class AccumulationScheduler(L.Callback):
         schedule: dict[int, int] | None = None,
         schedule_interval: Interval = "step",
         loss_normalization: Normalization = "samples",
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         batch_arg_name: str = "batch_size",
     ) -> None:
         super().__init__()
@@ -133,8 +133,17 @@ class AccumulationScheduler(L.Callback):
             problems.append(f"`schedule_interval={schedule_interval!r}`; expected 'step' or 'epoch'")
         if loss_normalization not in ("samples", "tokens"):
             problems.append(f"`loss_normalization={loss_normalization!r}`; expected 'samples' or 'tokens'")
-        if memory_budget is not None and not _positive_int(memory_budget):
-            problems.append(f"`memory_budget={memory_budget!r}` must be a positive number of bytes or None")
+        if isinstance(memory_budget, str):
+            from lightning_lowmem.memory.estimate import parse_bytes
+
+            try:
+                memory_budget = parse_bytes(memory_budget)
+            except ValueError as err:
+                problems.append(f"`memory_budget`: {err}")
+                memory_budget = None
+        elif memory_budget is not None and not _positive_int(memory_budget):
+            problems.append(f"`memory_budget={memory_budget!r}` must be a positive number of bytes, a size such as "
+                            "'12GiB', or None")
         if not problems and micro_batch_size != "auto":
             for e in sorted({effective_batch_size, *schedule.values()}):
                 if e % micro_batch_size:
@@ -234,10 +243,19 @@ class AccumulationScheduler(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._micro is None:
-            peaks, budget = self._search(trainer, pl_module)
+            from lightning_lowmem.callbacks._micro_batch_search import search
+
+            world = trainer.world_size
+            per_process = math.gcd(*[e // world for e in self._effective_batches()])
+            candidates = [d for d in range(1, per_process + 1) if per_process % d == 0]
+            budget = self.memory_budget
+            if budget is None:  # CUDA only (checked in setup)
+                budget = int(0.9 * torch.cuda.get_device_properties(trainer.strategy.root_device).total_memory)
+            peaks = search(trainer, pl_module, candidates, budget, self.batch_arg_name, self._standing_aside)
             self._apply(trainer, pl_module, max(m for m, p in peaks.items() if p is not None and p <= budget))
-            assert self.choice is not None
-            self.choice.memory_budget, self.choice.peaks = budget, peaks
+            self.choice = dataclasses.replace(self.choice, memory_budget=budget, peaks=peaks)
+        elif self.choice is None:  # "auto" resumed from a checkpoint: the micro-batch it chose then
+            self._apply(trainer, pl_module, self._micro)
         if self._engine:
             self._check_engine(trainer)
         c = self.choice
@@ -284,8 +302,8 @@ class AccumulationScheduler(L.Callback):
         self._samples = 0
         self._micro_batches = 0
         self._last = False
-        self._k: torch.Tensor | None = None
-
+        self._k: torch.Tensor | None = None  # float64, equal to `_k_loss`
+        self._k_loss: torch.Tensor | None = None  # in the loss's dtype, multiplied into every micro-batch
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset_window()  # Lightning steps at the end of every epoch: windows never cross epochs
@@ -337,6 +355,14 @@ class AccumulationScheduler(L.Callback):
         # `training_step` through the instance, so they call the wrapper. Removed in `teardown`.
         pl_module.training_step = training_step  # type: ignore[method-assign]
 
+    @contextlib.contextmanager
+    def _standing_aside(self) -> Iterator[None]:
+        self._probing = True
+        try:
+            yield
+        finally:
+            self._probing = False
+
     def _weigh(self, trainer: L.Trainer, out: Any, batch: Any) -> Any:
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if loss is None:
@@ -365,14 +391,19 @@ class AccumulationScheduler(L.Callback):
                 if self._n_ref is None:
                     first = torch.as_tensor(count, dtype=torch.float64, device=trainer.strategy.root_device)
                     self._n_ref = trainer.strategy.reduce(first.clamp(min=1), reduce_op="mean")
-                self._k = 1.0 / self._n_ref
+                # NOTE: k is rounded to the loss's dtype once per window and divided out with exactly that value
+                self._k_loss = (1.0 / self._n_ref).to(loss.device, loss.dtype)
+                self._k = self._k_loss.to(torch.float64)
             self._count = self._count + count
             # NOTE: each micro-batch backpropagates weight * k * loss, with k = 1 / (mean count per micro-batch),
             # fixed for the whole window and equal on every process, so gradients keep the size of a mean loss
             # (fp16 headroom); the exact 1 / window total is applied to the gradients before the step.
-            scale = (n * weight) * self._k.to(loss.device, loss.dtype)
-        weighted = loss * scale
-        return {**out, "loss": weighted} if isinstance(out, Mapping) else weighted
+            return self._replace_loss(out, loss * float(n * weight) * self._k_loss)
+        return self._replace_loss(out, loss * scale)
+
+    @staticmethod
+    def _replace_loss(out: Any, loss: torch.Tensor) -> Any:
+        return {**out, "loss": loss} if isinstance(out, Mapping) else loss
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -434,154 +465,6 @@ class AccumulationScheduler(L.Callback):
             self._micro = int(state_dict["micro_batch_size"])
         if state_dict.get("n_ref") is not None:
             self._n_ref = torch.tensor(state_dict["n_ref"], dtype=torch.float64)
-
-    # --- "auto": the largest micro-batch that fits ------------------------------------------------------------------
-    def _search(self, trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[dict[int, int | None], int]:
-        """Binary search over the divisors of effective / world size; ``peaks[m]`` is ``None`` for out of memory."""
-        world, device = trainer.world_size, trainer.strategy.root_device
-        base = math.gcd(*[e // world for e in self._effective_batches()])
-        candidates = [d for d in range(1, base + 1) if base % d == 0]
-        budget = self.memory_budget
-        if budget is None:  # CUDA only (checked in setup)
-            budget = int(0.9 * torch.cuda.get_device_properties(device).total_memory)
-        peaks: dict[int, int | None] = {}
-        with self._trials(trainer, pl_module, candidates[0]) as trial:
-
-            def fits(m: int) -> bool:
-                peaks[m] = trial(m)
-                return peaks[m] is not None and peaks[m] <= budget
-
-            if not fits(candidates[0]):
-                what = "runs out of memory" if peaks[1] is None else f"peaks at {peaks[1]} B"
-                raise RuntimeError(
-                    f"AccumulationScheduler: a micro-batch of 1 {what}, over the budget of {budget} B. Switch on "
-                    "activation checkpointing (`ActivationCheckpointing` callback), keep the optimizer and fp32 master "
-                    "weights on the host (`strategy='lowmem_offload'`), offload activations (`ActivationOffload`), "
-                    "or raise `memory_budget`."
-                )
-            lo, hi = 0, len(candidates)  # candidates[lo] fits; candidates[hi] does not (or is past the end)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(candidates[mid]) else (lo, mid)
-        return peaks, budget
-
-    @contextlib.contextmanager
-    def _trials(self, trainer: L.Trainer, pl_module: L.LightningModule, warmup: int) -> Iterator[Any]:
-        """Run trial steps with the learning rate at 0, then put everything back as it was."""
-        optimizers, device = trainer.optimizers, trainer.strategy.root_device
-        lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
-        was_training = pl_module.training
-        # NOTE: `self.log` raises outside the training loop; the trial steps log nothing.
-        pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        self._probing = True
-        try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-                for opt in optimizers:
-                    for group in opt.param_groups:
-                        lr = group["lr"]
-                        group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-                pl_module.train()
-                # NOTE: one unmeasured step first, so gradients and optimizer state exist, as in steady training
-                self._trial(trainer, pl_module, warmup, measure=False)
-                yield functools.partial(self._trial, trainer, pl_module)
-        finally:
-            for opt, group_lrs in zip(optimizers, lrs):
-                for group, lr in zip(opt.param_groups, group_lrs):
-                    group["lr"] = lr
-                opt.zero_grad(set_to_none=True)
-                opt.state.clear()  # the trial steps' moments are not the run's
-            pl_module.zero_grad(set_to_none=True)
-            del pl_module.log, pl_module.log_dict
-            self._probing = False
-            pl_module.train(was_training)
-            _collect(device)
-
-    def _trial(self, trainer: L.Trainer, pl_module: L.LightningModule, micro: int, measure: bool = True) -> int | None:
-        """Peak bytes of one training step (forward, backward, optimizer step at lr 0) at micro-batch ``micro``."""
-        strategy, device = trainer.strategy, trainer.strategy.root_device
-        lightning_setattr(pl_module, self.batch_arg_name, micro)
-        batch = _first_batch(trainer, pl_module)
-        if extract_batch_size(batch) < micro:
-            return None  # the data set holds fewer samples than this micro-batch
-        meter = _PeakMeter(device, pl_module, trainer.optimizers, batch, enabled=measure)
-        peak: int | None = None
-        try:
-            # NOTE: no gradient all_reduce in trials: a process running out of memory cannot hang the others
-            with getattr(strategy, "block_backward_sync", contextlib.nullcontext)(), meter:
-                with meter.phase("forward"):
-                    out = strategy.training_step(batch, 0)
-                    loss = out["loss"] if isinstance(out, Mapping) else out
-                with meter.phase("backward"):
-                    loss.backward()
-                    del out, loss
-                with meter.phase("optimizer"):
-                    for opt in trainer.optimizers:
-                        opt.step()
-            peak = meter.peak if measure else None
-        except RuntimeError as err:
-            if not (device.type == "cuda" and is_oom_error(err)):
-                raise
-        finally:
-            del batch
-            _collect(device)
-        if measure and trainer.world_size > 1:  # every process must take the same decisions
-            worst = torch.tensor(float("inf") if peak is None else float(peak), device=device)
-            worst = float(strategy.reduce(worst, reduce_op="max"))
-            peak = None if math.isinf(worst) else int(worst)
-        return peak
-
-
-class _PeakMeter:
-    """Peak bytes of the device role over a block: CUDA's allocator peak on CUDA, ``MemoryTracker`` elsewhere."""
-
-    def __init__(self, device: torch.device, module: Any, optimizers: list[Any], batch: Any, enabled: bool) -> None:
-        self.device, self.enabled, self.peak = device, enabled, 0
-        self._tracker: Any = None
-        self._window: Any = None
-        if enabled and device.type != "cuda":
-            from lightning_lowmem.memory.measure import MemoryTracker
-
-            self._tracker = MemoryTracker(module=module, optimizers=optimizers, device=device)
-            self._batch = batch
-
-    def phase(self, name: str) -> Any:
-        return self._tracker.phase(name) if self._tracker is not None else contextlib.nullcontext()
-
-    def __enter__(self) -> _PeakMeter:
-        if self._tracker is not None:
-            self._tracker.__enter__()
-            self._tracker.track(self._batch)  # the micro-batch counts too
-        elif self.enabled:
-            from lightning_lowmem.memory.measure import CudaPeakWindow
-
-            torch.cuda.synchronize(self.device)
-            self._window = CudaPeakWindow(self.device)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._tracker is not None:
-            self._tracker.__exit__(*exc)
-            self.peak = int(self._tracker.peak_bytes_role("device"))
-        elif self._window is not None:
-            torch.cuda.synchronize(self.device)
-            self.peak = int(self._window.read()[0])
-            self._window.close()
-
-
-def _first_batch(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
-    """The first batch of a fresh train loader (built with the batch size just set), on the device."""
-    dm = trainer.datamodule
-    source = dm if dm is not None and is_overridden("train_dataloader", dm) else pl_module
-    batch = next(iter(source.train_dataloader()))
-    batch = trainer.precision_plugin.convert_input(batch)
-    return trainer.strategy.batch_to_device(batch)
-
-
-def _collect(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
 
 def lightning_accumulation(
     batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool, window: int

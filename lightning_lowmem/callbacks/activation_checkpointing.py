@@ -19,8 +19,17 @@ from typing_extensions import override
 
 from lightning_lowmem._compat import check_lightning_object
 from lightning_lowmem.callbacks import _blocks
-from lightning_lowmem.callbacks._blocks import CheckpointInfo, find_repeated_blocks, owner_of, select_modules
+from lightning_lowmem.callbacks._blocks import (
+    CheckpointInfo,
+    checkpoint_info,
+    checkpointed_modules,
+    find_repeated_blocks,
+    owner_of,
+    select_modules,
+)
 from lightning_lowmem.callbacks._segments import CloseSegments, Segment, wrap_segment
+
+__all__ = ["ActivationCheckpointing", "CheckpointInfo", "checkpoint_info", "checkpointed_modules", "find_repeated_blocks"]
 
 log = logging.getLogger(__name__)
 

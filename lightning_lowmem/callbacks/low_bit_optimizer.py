@@ -123,9 +123,9 @@ class LowBitOptimizer(Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer")
-        require("bitsandbytes", f"LowBitOptimizer(kind={self.kind!r})")
         if stage != "fit":
             return
+        require("bitsandbytes", f"LowBitOptimizer(kind={self.kind!r})")
         from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
         strategy = trainer.strategy

@@ -65,7 +65,7 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
     """
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
-    heads = _first(config, "num_attention_heads", "n_head")
+    heads = _first(config, "num_attention_heads", "n_head", "num_heads")
     if not (layers and hidden and heads):
         raise ValueError(
             "The analytic bound needs a decoder-only transformer config with a layer count "
@@ -76,19 +76,13 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
     gated = model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3") or (
         _first(config, "hidden_act", default="") in ("silu", "swiglu") and model_type != "opt"
     )
-    ffn = _first(config, "intermediate_size", "ffn_dim", "n_inner") or 4 * hidden
+    ffn = _first(config, "intermediate_size", "ffn_dim", "n_inner", "d_ff") or 4 * hidden
     kv_heads = _first(config, "num_key_value_heads", default=heads)
     vocab = _first(config, "vocab_size", default=50257)
     dropouts = [_first(config, n, default=0.0) or 0.0 for n in ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout")]
     if num_params is None:
-        head_dim = hidden // heads
-        attn = hidden * (heads * head_dim + 2 * kv_heads * head_dim) + heads * head_dim * hidden
-        mlp = (3 if gated else 2) * hidden * ffn
-        num_params = vocab * hidden + layers * (attn + mlp + 4 * hidden)
-        if not _first(config, "tie_word_embeddings", default=True):
-            num_params += vocab * hidden
-        if model_type == "gpt2":
-            num_params += _first(config, "n_positions", default=1024) * hidden + layers * (3 * hidden + ffn + 2 * hidden)
+        num_params = _closed_form_params(model_type, int(layers), int(hidden), int(heads), int(kv_heads), int(ffn),
+                                         int(vocab), gated, config)
     if largest_param is None:
         largest_param = max(vocab * hidden, hidden * ffn)
     return TransformerShape(
@@ -96,6 +90,24 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
         vocab=int(vocab), gated_mlp=bool(gated), dropout=any(d > 0 for d in dropouts),
         num_params=int(num_params), largest_param=int(largest_param),
     )
+
+
+def _closed_form_params(model_type: str, L: int, h: int, heads: int, kv: int, f: int, V: int, gated: bool,
+                        config: Any) -> int:
+    """Parameters of a GPT-2 / OPT / LLaMA-style decoder (biases and norms included), embeddings tied or not."""
+    hd = h // heads
+    attn = h * (heads * hd + 2 * kv * hd) + heads * hd * h
+    if model_type in ("gpt2", "opt"):
+        layer = attn + 4 * h + 2 * h * f + f + h + 4 * h  # biased projections, two LayerNorms (weight + bias)
+        positions = _first(config, "n_positions", "max_position_embeddings", default=1024) + (2 if model_type == "opt" else 0)
+        extra = positions * h + 2 * h
+    else:
+        layer = attn + (3 if gated else 2) * h * f + 2 * h  # no biases, two RMSNorms
+        extra = h
+    total = V * h + L * layer + extra
+    if not _first(config, "tie_word_embeddings", default=True):
+        total += V * h
+    return total
 
 
 def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int, numel: int) -> float:
@@ -145,6 +157,7 @@ def analytic_phases(
     checkpointing_every_n: int = 2,
     num_params: int | None = None,
     largest_param: int | None = None,
+    flash_attention: bool | None = None,
 ) -> dict[str, MemoryBreakdown]:
     """Peak bytes per phase (forward, backward, optimizer) by category, device role, in closed form.
 
@@ -152,7 +165,8 @@ def analytic_phases(
     step's gradients, optimizer state, saved activations and the fp32 logits; backward starts with
     gradients freed but the head's 2 x fp32 ``b s V`` transient on top of every saved activation;
     the optimizer step holds weights + gradients + state (+ 2 x the largest parameter of
-    temporaries for single-tensor AdamW).
+    temporaries for single-tensor AdamW). ``flash_attention``: no s^2 scores kept (CUDA's SDPA kernels,
+    CPU's without dropout); default: the CPU kernel choice (math path, scores kept, when dropout is on).
     """
     if precision not in _PARAM_BYTES:
         raise ValueError(f"Passed `precision={precision!r}`; expected one of {sorted(_PARAM_BYTES)}.")
@@ -163,7 +177,8 @@ def analytic_phases(
     grads = P * p_bytes
     state = int(optimizer_state_bytes_per_param(optimizer, p_bytes, P))
     b, s, L = batch_size, seq_len, shape.num_layers
-    per_layer = layer_activation_bytes(shape, b, s, a_bytes, 1)
+    keep_scores = shape.dropout if flash_attention is None else not flash_attention
+    per_layer = layer_activation_bytes(shape, b, s, a_bytes, 1, keep_scores=keep_scores)
     layer_input = s * b * shape.hidden * a_bytes
     if checkpointing is None:
         acts = L * per_layer

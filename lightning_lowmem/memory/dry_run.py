@@ -148,6 +148,8 @@ def _apply_checkpointing(module: torch.nn.Module, policy: str | None, every_n: i
     from lightning_lowmem.callbacks import _blocks
     from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
 
+    if _blocks.checkpointed_modules(module):
+        return lambda: None  # NOTE: already checkpointed (the user's module inside a fit): trace it as it is
     callback = ActivationCheckpointing(policy=policy, n=every_n if policy == "every_n" else None)  # type: ignore[arg-type]
     quiet = [logging.getLogger(name) for name in ("lightning_lowmem.callbacks.activation_checkpointing",
                                                   "lightning.pytorch.utilities.rank_zero")]
@@ -615,14 +617,15 @@ def dry_run(
         phases[phase] = bd
     if optimizer_in_backward:
         notes.append("optimizer-in-backward: no separate optimizer phase; the step happens inside backward")
-    corrections = _cuda_corrections(counts, phases, num_params, extrapolate) if target == "cuda" else []
+    staging = num_params * (4 if precision == "32-true" else 2) if offload else 0
+    corrections = _cuda_corrections(counts, phases, staging, extrapolate) if target == "cuda" else []
     return MemoryEstimate(
         phases=phases, method="dry_run", target=target, corrections=corrections, notes=notes, wall_s=wall,
         num_params=num_params,
     )
 
 
-def _cuda_corrections(counts: dict[str, int], phases: dict[str, MemoryBreakdown], num_params: int,
+def _cuda_corrections(counts: dict[str, int], phases: dict[str, MemoryBreakdown], staging_bytes: int,
                       extrapolated: bool) -> list[Correction]:
     scale = " (counted in the traced blocks)" if extrapolated else ""
     out = [
@@ -640,6 +643,11 @@ def _cuda_corrections(counts: dict[str, int], phases: dict[str, MemoryBreakdown]
     ]
     for bd in phases.values():
         bd.add("device", "other", CUDA_CONTEXT_BYTES)
+        bd.add("host", "other", staging_bytes)
+    if staging_bytes:
+        out.append(Correction("pinned_staging", staging_bytes, False,
+                              "OffloadStrategy's pinned host staging buffers in the compute dtype (CUDA only), "
+                              "added to every phase's host `other`"))
     out.append(Correction("allocator_rounding", 0, False,
                           "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
                           "fragmentation is not modelled (size: to be calibrated on a GPU)"))

@@ -314,7 +314,7 @@ def estimate_memory(
     )
     config = None if is_module else resolve_config(model_or_config)
     bound, num_params = _analytic(config, micro, seq_len, precision, optimizer or "adamw", checkpointing,
-                                  checkpointing_every_n)
+                                  checkpointing_every_n, flash=True if target == "cuda" else None)
     # NOTE: ZeRO keeps half-precision compute weights (and bf16/fp16 activations) whatever the mixed setting
     trace_precision = ({"bf16-mixed": "bf16-true", "16-mixed": "16-true", "32-true": "bf16-true"}.get(precision, precision)
                        if zero_stage else precision)
@@ -358,7 +358,7 @@ def estimate_memory(
 
 
 def _analytic(config: Any, micro: int, seq_len: int, precision: str, optimizer: str, checkpointing: str | None,
-              every_n: int) -> tuple[dict[str, MemoryBreakdown] | None, int | None]:
+              every_n: int, flash: bool | None = None) -> tuple[dict[str, MemoryBreakdown] | None, int | None]:
     """The closed-form bound, with exact parameter counts from a meta model when the architecture builds."""
     if config is None:
         return None, None
@@ -379,7 +379,7 @@ def _analytic(config: Any, micro: int, seq_len: int, precision: str, optimizer: 
     try:
         phases = analytic_phases(config, micro, seq_len, precision=precision, optimizer=optimizer,
                                  checkpointing=checkpointing, checkpointing_every_n=every_n,
-                                 num_params=num_params, largest_param=largest)
+                                 num_params=num_params, largest_param=largest, flash_attention=flash)
     except ValueError:
         return None, num_params
     return phases, num_params or None

@@ -43,7 +43,7 @@ class MasterHalfPrecision(Precision):
 
     * ``"bf16-true"`` / ``"16-true"``: weights, activations and inputs in that dtype.
     * ``"bf16-mixed"`` / ``"16-mixed"``: the same weights, plus ``torch.autocast`` so the ops
-      autocast keeps in fp32 (softmax, norms, losses) run in fp32.
+      autocast's policy keeps in fp32 run in fp32 (on CUDA softmax, norms and losses; on CPU losses).
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
     * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in
       any master gradient after accumulation) skips the step, multiplies the scale by
@@ -87,6 +87,17 @@ class MasterHalfPrecision(Precision):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.last_step_skipped = False
         self._skip_clipping = False
+        self._attached = False  # set by OffloadStrategy, which keeps the masters this plugin steps
+
+    @override
+    def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple[Module, list[Optimizer], list[Any]]:
+        if not self._attached:
+            raise ValueError(
+                "`MasterHalfPrecision` keeps no fp32 masters itself; without them the optimizer would step the "
+                "half-precision weights directly. Use it with `strategy='lowmem_offload'` (or use Lightning's own "
+                "`precision='bf16-true'` with another strategy)."
+            )
+        return model, optimizers, lr_schedulers
 
     # --- the module and the forward ---------------------------------------------------------------
     @override

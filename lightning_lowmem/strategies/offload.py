@@ -208,6 +208,7 @@ class OffloadStrategy(SingleDeviceStrategy):
             for i, p in enumerate(self._p_device):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
+        precision._attached = True
         self.setup_precision_plugin()
         # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
 

@@ -316,4 +316,4 @@ def test_lowmem_offload_scales_the_host_master_gradients():
     assert len(capture.grads) == 2
     for got, want in zip(capture.grads, ref_grads):
         # the strategy computes in float32 (no float64 path): float32 rounding against the float64 reference
-        assert_close_rel(got, want, rtol=1e-7)
+        assert_close_rel(got, want, rtol=2e-6)

@@ -156,12 +156,16 @@ def test_ddp_two_processes_matches_ddp_without_callback():
     def ddp() -> DDPStrategy:
         return DDPStrategy(start_method="spawn", static_graph=True)
 
-    plain = copy.deepcopy(module)
-    reference = _fit(plain, strategy=ddp(), devices=2, use_distributed_sampler=False)
-    weights = _fit(module, [ActivationCheckpointing(policy="sqrt")], strategy=ddp(), devices=2, use_distributed_sampler=False)
-    assert plain.trainer.callback_metrics["checkpointed_blocks"] == 0
-    assert module.trainer.callback_metrics["checkpointed_blocks"] == GPT2_TINY["n_layer"]
-    changed = _module().state_dict()
+    runs = []
+    for callbacks in ([], [ActivationCheckpointing(policy="sqrt")]):
+        trained = copy.deepcopy(module)
+        L.seed_everything(7, verbose=False)
+        trainer = _trainer(callbacks, strategy=ddp(), devices=2, use_distributed_sampler=False)
+        trainer.fit(trained, _loader())
+        runs.append((trainer.callback_metrics["checkpointed_blocks"].item(), trained.state_dict()))
+    (plain_count, reference), (count, weights) = runs
+    assert (plain_count, count) == (0, GPT2_TINY["n_layer"])
+    changed = module.state_dict()
     assert any(not torch.equal(changed[k], weights[k]) for k in weights), "DDP did not train"
     for name in reference:
         assert torch.equal(reference[name], weights[name]), name

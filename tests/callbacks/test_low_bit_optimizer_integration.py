@@ -226,7 +226,7 @@ def test_under_lowmem_offload_state_is_8bit_on_the_host_masters():
 
 def test_cli_optimizer_class_path_form(tmp_path):
     """`optimizer: class_path: bitsandbytes.optim.AdamW8bit` in LightningCLI YAML (the shipped config's form)."""
-    from lightning_lowmem.cli import main
+    from lightning_lowmem.cli import LowMemCLI
 
     config = tmp_path / "cfg.yaml"
     config.write_text(
@@ -238,7 +238,7 @@ def test_cli_optimizer_class_path_form(tmp_path):
         "  init_args: {seq_len: 32, batch_size: 2, max_bytes: 4000}\n"
         "optimizer:\n  class_path: bitsandbytes.optim.AdamW8bit\n  init_args: {lr: 0.001, min_8bit_size: 1024}\n"
     )
-    cli = main(["fit", "--config", str(config)])
+    cli = LowMemCLI(args=["fit", "--config", str(config)])
     opt = cli.trainer.optimizers[0]
     assert type(opt).__name__ == "AdamW8bit" and cli.trainer.global_step == 2
     assert any(t.dtype == torch.uint8 for t in state_tensors(opt))

@@ -2,7 +2,8 @@
 
 One launch runs two fits in turn: ``lowmem_zero3_offload`` (DeepSpeed ZeRO-3, parameters and optimizer
 offloaded, ``DeepSpeedCPUAdam``) and Lightning's ``ModelParallelStrategy`` with FSDP2 (``fully_shard`` in
-``configure_model``), both with our ``ActivationCheckpointing`` callback. Each rank sees half of every global
+``configure_model``), with activation checkpointing (the model's own
+non-reentrant one under ZeRO-3, which our ``ActivationCheckpointing`` callback refuses; the callback under FSDP2). Each rank sees half of every global
 batch (``DistributedSampler``); the reference is plain PyTorch AdamW in this process on the whole global batch.
 The same worker runs on several nodes unchanged: ``torchrun --nnodes N --nproc-per-node G --rdzv-endpoint
 HOST:PORT tests/strategies/test_multiprocess.py ...`` (or ``srun`` under SLURM), Lightning reads the ranks
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,11 +67,18 @@ def _fit(kind: str, out: Path) -> None:
     from lightning_lowmem import ActivationCheckpointing
 
     module = _module()
-    strategy = "lowmem_zero3_offload" if kind == "zero3_offload" else ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    if kind == "zero3_offload":
+        # NOTE: ActivationCheckpointing refuses DeepSpeed strategies (DeepSpeed's own parameter hooks) and points
+        # to the model's own non-reentrant checkpointing, which composes with ZeRO-3's parameter fetching.
+        strategy, callbacks = "lowmem_zero3_offload", []
+        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+        callbacks = [ActivationCheckpointing("all")]
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=STEPS, precision="32-true",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=[ActivationCheckpointing("all")],
+        use_distributed_sampler=False, callbacks=callbacks,
     )  # fmt: skip
     rank = int(os.environ["RANK"])
     sampler = DistributedSampler(_samples(), num_replicas=WORLD, rank=rank, shuffle=False)
@@ -129,11 +138,14 @@ def test_two_processes_equal_one_process_on_the_global_batch(tmp_path):
     from torch's AdamW. Measured: ~1e-6 after 3 steps.
     """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", "0",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", str(port),
         str(Path(__file__).resolve()), str(tmp_path),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
     want = _reference()

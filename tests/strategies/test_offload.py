@@ -52,10 +52,14 @@ def test_constructor_validates():
         OffloadStrategy(optimizer_in_backward="yes")
 
 
-@pytest.mark.parametrize("precision", ["64-true", "transformer-engine"])
-def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision):
-    with pytest.raises((ValueError, ImportError), match=r"lowmem_offload|transformer"):
-        L.Trainer(accelerator="cpu", strategy="lowmem_offload", precision=precision, logger=False)
+def test_unsupported_precision_is_refused_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"strategy='lowmem_offload'` got `precision='64-true'` \(`DoublePrecision`\)"):
+        L.Trainer(accelerator="cpu", strategy="lowmem_offload", precision="64-true", logger=False)
+
+
+def test_master_half_precision_without_the_strategy_is_refused():
+    with pytest.raises(ValueError, match=r"keeps no fp32 masters itself.*strategy='lowmem_offload'"):
+        fit(BoringModel(), strategy="auto", precision=None, plugins=[MasterHalfPrecision("bf16-true")])
 
 
 def test_model_without_parameters():
