@@ -14,6 +14,7 @@ One combination is also traced at full depth to check the extrapolation.
 
     python benchmarks/run.py estimate            # both parts
     python benchmarks/run.py estimate --quick    # smallest size only, two combinations (a smoke run)
+    python benchmarks/run.py estimate --xl-only  # part 2 only
 """
 
 from __future__ import annotations
@@ -201,7 +202,12 @@ def main(argv: list[str]) -> None:
     logging.getLogger("lightning_lowmem").setLevel(logging.ERROR)
     quick = "--quick" in argv
     torch.set_num_threads(2)
-    rows = accuracy(quick)
+    if "--xl-only" not in argv:
+        write_accuracy(accuracy(quick), quick)
+    write_xl(*gpt2_xl(quick), quick)
+
+
+def write_accuracy(rows: list[dict[str, Any]], quick: bool) -> None:
     worst_peak = max(abs(r["dry_run_error_%"]) for r in rows)
     worst_cat = max(r["worst_category_error_%"] for r in rows)
     write_results(
@@ -219,7 +225,9 @@ def main(argv: list[str]) -> None:
             "offload rows: device = bf16 compute weights + activations; host = fp32 masters, gradients, AdamW state.",
         ],
     )
-    xl_rows, extra = gpt2_xl(quick)
+
+
+def write_xl(xl_rows: list[dict[str, Any]], extra: dict[str, Any], quick: bool) -> None:
     check = extra["extrapolation_check"]
     write_results(
         "estimate_gpt2xl" + ("_quick" if quick else ""), xl_rows,

@@ -35,9 +35,9 @@ from lightning_lowmem.memory.measure import MemoryTracker
 
 CONFIG = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 128}
 BATCH, SEQ = 4, 128
-# the same op count per step with ~30x the FLOPs: the tracker's per-op cost is a smaller share
-WIDE_CONFIG = {"n_layer": 4, "n_embd": 512, "n_head": 8, "n_positions": 512}
-WIDE_SEQ = 512
+# the same op count per step with ~10x the FLOPs: the tracker's per-op cost is a smaller share
+WIDE_CONFIG = {"n_layer": 4, "n_embd": 384, "n_head": 6, "n_positions": 384}
+WIDE_SEQ = 384
 
 
 class _Batches(Dataset):

@@ -35,9 +35,11 @@ def main() -> None:
 
     L.seed_everything(0)
     if args.smoke:
-        config, steps, seq, batch, max_bytes = {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_positions": 64}, 2, 64, 2, 20_000
+        config = {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_positions": 64}
+        steps, seq, batch, max_bytes = 2, 64, 2, 20_000
     else:
-        config, steps, seq, batch, max_bytes = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 256}, args.steps, 256, 8, 1_000_000
+        config = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 256}
+        steps, seq, batch, max_bytes = args.steps, 256, 8, 1_000_000
     model = CausalLMModule(model_type="gpt2", config=config, learning_rate=1e-3, warmup_steps=min(10, steps))
     data = StdlibTextDataModule(seq_len=seq, batch_size=batch, max_bytes=max_bytes)
 

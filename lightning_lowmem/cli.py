@@ -47,10 +47,26 @@ def check_strategy_name(strategy: Any) -> None:
     )
 
 
+def import_public_classes() -> None:
+    """Import every public class, so YAML can name callbacks and strategies by short name.
+
+    NOTE: jsonargparse resolves a short ``class_path`` only among subclasses already imported, and the
+    package exports its classes lazily; a module whose optional extra is missing is skipped here and
+    says which extra to install when it is used.
+    """
+    for module in sorted(set(lightning_lowmem._LAZY.values())):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name not in ("deepspeed", "bitsandbytes"):
+                raise
+
+
 class LowMemCLI(LightningCLI):
     """LightningCLI whose model and data are any LightningModule / LightningDataModule given by ``class_path``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import_public_classes()
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)

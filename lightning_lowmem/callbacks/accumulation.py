@@ -59,11 +59,14 @@ class AccumulationScheduler(L.Callback):
     LightningDataModule (``BatchSizeFinder``'s convention) and drives ``trainer.accumulate_grad_batches`` itself:
     accumulation = effective / (micro * world size). It logs what it chose and keeps it in :attr:`choice`.
 
-    ``micro_batch_size="auto"`` tries micro-batches (divisors of effective / world size), largest that fits wins:
-    on CUDA by trial steps with out-of-memory recovery under ``memory_budget`` (default 90% of the device), on CPU
-    by trial steps measured with :class:`~lightning_lowmem.memory.measure.MemoryTracker` (device role) under
-    ``memory_budget`` bytes (required). A trial is forward + backward + an optimizer step at learning rate 0
-    (weights untouched; optimizer state discarded afterwards), so the peak includes gradients and optimizer state.
+    ``micro_batch_size="auto"`` tries micro-batches (divisors of effective / world size, binary search), and the
+    largest that fits wins: on CUDA by trial steps with out-of-memory recovery under ``memory_budget`` (default 90%
+    of the device), elsewhere by trial steps measured with :class:`~lightning_lowmem.memory.measure.MemoryTracker`
+    (device role) under ``memory_budget`` (required). A trial is the real training step (the strategy, precision
+    and other callbacks applied) on the loader's first batch: forward + backward + an optimizer step at learning
+    rate 0, after one warm-up step, so gradients and optimizer state are alive; the weights are untouched, and the
+    optimizer state, gradients, learning rates and RNG are put back. Padded data: trials see the first batch;
+    pad to a fixed length (or put the longest sequences first) so it is the largest.
 
     Loss normalisation (exact, with micro-batches of any size and a short last window):
 
@@ -407,6 +410,15 @@ class AccumulationScheduler(L.Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # NOTE: [exact normalisation] The mean over a window needs the window's total count, known only after its
+        # last forward. Two ways: prefetch the window's micro-batches and count before any backward (holds up to
+        # `accumulation` batches in memory, needs a token counter that understands the batch, and fights
+        # Lightning's fetcher), or backpropagate unnormalised sums and divide the accumulated gradients once, here,
+        # before clipping and the step. We do the latter: it costs one multiply per gradient element per step
+        # (plus one all_reduce of two scalars under DDP), uses the count the module itself computed, and is
+        # exact (the last micro-batch's count arrives before this hook). Hazard: the gradients must be those the
+        # optimizer will step (host masters under `lowmem_offload`), and nothing may read them between backward
+        # and this hook expecting a mean (`on_after_backward` sees k-scaled sums).
         if self._engine or self._k is None:
             return
         strategy, world = trainer.strategy, trainer.world_size

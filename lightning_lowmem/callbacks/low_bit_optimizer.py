@@ -241,7 +241,8 @@ class LowBitOptimizer(Callback):
                     "`torch.optim.AdamW` (a different regulariser) or weight_decay=0"
                 )
         if problems:
-            raise ValueError(f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}: " + "; ".join(problems) + ".")
+            what = f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}"
+            raise ValueError(f"{what}: " + "; ".join(problems) + ".")
 
     # --- stable embedding -----------------------------------------------------------------------------
     def _keep_embeddings_32bit(self, pl_module: L.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:

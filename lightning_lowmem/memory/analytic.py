@@ -79,7 +79,8 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
     ffn = _first(config, "intermediate_size", "ffn_dim", "n_inner", "d_ff") or 4 * hidden
     kv_heads = _first(config, "num_key_value_heads", default=heads)
     vocab = _first(config, "vocab_size", default=50257)
-    dropouts = [_first(config, n, default=0.0) or 0.0 for n in ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout")]
+    dropout_names = ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout")
+    dropouts = [_first(config, n, default=0.0) or 0.0 for n in dropout_names]
     if num_params is None:
         num_params = _closed_form_params(model_type, int(layers), int(hidden), int(heads), int(kv_heads), int(ffn),
                                          int(vocab), gated, config)
@@ -99,7 +100,8 @@ def _closed_form_params(model_type: str, L: int, h: int, heads: int, kv: int, f:
     attn = h * (heads * hd + 2 * kv * hd) + heads * hd * h
     if model_type in ("gpt2", "opt"):
         layer = attn + 4 * h + 2 * h * f + f + h + 4 * h  # biased projections, two LayerNorms (weight + bias)
-        positions = _first(config, "n_positions", "max_position_embeddings", default=1024) + (2 if model_type == "opt" else 0)
+        positions = _first(config, "n_positions", "max_position_embeddings", default=1024)
+        positions += 2 if model_type == "opt" else 0  # OPT's learned positions are offset by 2
         extra = positions * h + 2 * h
     else:
         layer = attn + (3 if gated else 2) * h * f + 2 * h  # no biases, two RMSNorms

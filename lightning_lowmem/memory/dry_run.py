@@ -38,6 +38,7 @@ import contextlib
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -150,7 +151,8 @@ def _apply_checkpointing(module: torch.nn.Module, policy: str | None, every_n: i
 
     if _blocks.checkpointed_modules(module):
         return lambda: None  # NOTE: already checkpointed (the user's module inside a fit): trace it as it is
-    callback = ActivationCheckpointing(policy=policy, n=every_n if policy == "every_n" else None)  # type: ignore[arg-type]
+    n = every_n if policy == "every_n" else None
+    callback = ActivationCheckpointing(policy=policy, n=n)  # type: ignore[arg-type]
     quiet = [logging.getLogger(name) for name in ("lightning_lowmem.callbacks.activation_checkpointing",
                                                   "lightning.pytorch.utilities.rank_zero")]
     levels = [logger.level for logger in quiet]
@@ -178,23 +180,39 @@ def _apply_checkpointing(module: torch.nn.Module, policy: str | None, every_n: i
 
 
 @contextlib.contextmanager
-def _activation_offload(param_keys: set[int]) -> Iterator[None]:
-    """Saved activations go to the host in forward and come back for backward (as ``ActivationOffload``)."""
+def _activation_offload(param_keys: set[int], enabled: bool = True, min_bytes: int = 1024) -> Iterator[None]:
+    """Saved activations go to the host in forward and come back for backward, as ``ActivationOffload`` does.
+
+    Per storage, once (views of one storage share the host copy); storages under ``min_bytes`` (the callback's
+    default 1024) and weights stay. Restored device copies live while autograd holds a view of them.
+    NOTE: identity by storage object, not ``data_ptr`` (every fake storage has address 0).
+    """
+    if not enabled:
+        yield
+        return
+    packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+    restored: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def pack(t: torch.Tensor) -> Any:
-        if t.untyped_storage()._cdata in param_keys:
-            return t  # NOTE: `linear` saves its weight; offloading it would copy the weights
-        t_host = torch.empty_like(t)
-        t_host.copy_(t)
-        mark_host(t_host)
-        return t_host
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in param_keys or st.nbytes() < min_bytes:
+            return t
+        hit = packed.get(key)
+        if hit is None or hit[0]() is not st:  # NOTE: a freed storage's key can be reused by a new one
+            host = torch.empty(st.nbytes(), dtype=torch.uint8)
+            mark_host(host)
+            hit = packed[key] = (weakref.ref(st), host)
+        return (hit[1], t.dtype, t.size(), t.stride(), t.storage_offset())
 
-    def unpack(t_host: torch.Tensor) -> torch.Tensor:
-        if t_host.untyped_storage()._cdata in param_keys:
-            return t_host
-        t_device = torch.empty_like(t_host)
-        t_device.copy_(t_host)
-        return t_device
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        host, dtype, size, stride, offset = saved
+        device = restored.get(id(host))
+        if device is None:
+            device = restored[id(host)] = torch.empty(host.numel(), dtype=torch.uint8)
+        return device.view(dtype).as_strided(size, stride, offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
@@ -252,7 +270,8 @@ def _loss_of(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
-            f"`training_step` returned {type(output).__name__}; the dry run needs a loss tensor or a dict with key 'loss'."
+            f"`training_step` returned {type(output).__name__}; the dry run needs a loss tensor or a dict with "
+            "key 'loss'."
         )
     return loss
 
@@ -297,12 +316,6 @@ def _trace(
             opts = optimizers_from(module.configure_optimizers())
         else:
             raise TypeError(f"Passed a {type(module).__name__}; `dry_run` needs a LightningModule or an `optimizer=`.")
-        if target == "cuda":
-            for opt in opts:  # NOTE: torch's optimizers default to foreach on CUDA (+4 B/param of temporaries)
-                for group in opt.param_groups:
-                    if group.get("foreach", False) is None and not group.get("fused"):
-                        group["foreach"] = True
-                        counts["foreach_groups"] += 1
 
         host_opt: list[torch.optim.Optimizer] = []
         masters: dict[int, torch.Tensor] = {}
@@ -329,7 +342,9 @@ def _trace(
             handles += [p.register_post_accumulate_grad_hook(to_host) for p in params]
         elif optimizer_in_backward:
             # NOTE: one optimizer per parameter with its group's settings (as OptimizerInBackward does)
-            per_param = {id(p): type(o)([{**g, "params": [p]}]) for o in opts for g in o.param_groups for p in g["params"]}
+            per_param = {
+                id(p): type(o)([{**g, "params": [p]}]) for o in opts for g in o.param_groups for p in g["params"]
+            }
 
             def step_now(p: torch.Tensor) -> None:
                 per_param[id(p)].step()
@@ -338,6 +353,12 @@ def _trace(
             handles += [p.register_post_accumulate_grad_hook(step_now) for p in params]
             opts = list(per_param.values())
 
+        if target == "cuda":
+            for opt in opts:  # NOTE: device optimizers default to foreach on CUDA (+4 B/param of temporaries)
+                for group in opt.param_groups:
+                    if group.get("foreach", False) is None and not group.get("fused"):
+                        group["foreach"] = True
+                        counts["foreach_groups"] += 1
         fake_batch = torch.utils._pytree.tree_map(
             lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, _without_trivial_mask(batch)
         )
@@ -365,7 +386,7 @@ def _trace(
                 for _ in range(steps):
                     for micro in range(accumulate_grad_batches):
                         with tracker.phase("forward"):
-                            with forward_ctx(), (_activation_offload(param_keys) if activation_offload else contextlib.nullcontext()):
+                            with forward_ctx(), _activation_offload(param_keys, activation_offload):
                                 loss = _loss_of(step_fn(fake_batch, 0))
                             if accumulate_grad_batches > 1:
                                 loss = loss / accumulate_grad_batches
@@ -547,7 +568,9 @@ def dry_run(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"Passed `{name}={value!r}`; expected a positive integer.")
     if offload and optimizer_in_backward:
-        raise ValueError("Passed `offload=True` and `optimizer_in_backward=True`; choose one (the offload steps on the host).")
+        raise ValueError(
+            "Passed `offload=True` and `optimizer_in_backward=True`; choose one (the offload steps on the host)."
+        )
     if batch is None:
         if not batch_size or not seq_len:
             raise ValueError("Pass `batch`, or `batch_size` and `seq_len` for a causal-LM batch of token ids.")
@@ -556,7 +579,9 @@ def dry_run(
 
     is_factory = callable(module) and not isinstance(module, torch.nn.Module)
     if not is_factory and not isinstance(module, torch.nn.Module):
-        raise TypeError(f"Passed `module` of type {type(module).__name__}; expected a LightningModule or a callable returning one.")
+        raise TypeError(
+            f"Passed `module` of type {type(module).__name__}; expected a LightningModule or a callable returning one."
+        )
 
     def build_meta(keep: int | None = None) -> Callable[[], torch.nn.Module]:
         def build() -> torch.nn.Module:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown
+from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown
 
 PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 CHECKPOINTING = ("all", "every_n", "sqrt", "selective", None)
@@ -296,7 +296,9 @@ def estimate_memory(
             raise ValueError(f"Passed `{name}={value!r}`; expected a positive integer.")
     micro = batch_size if micro_batch_size is None else micro_batch_size
     if not isinstance(micro, int) or not 1 <= micro <= batch_size:
-        raise ValueError(f"Passed `micro_batch_size={micro_batch_size!r}`; expected an integer in 1..batch_size={batch_size}.")
+        raise ValueError(
+            f"Passed `micro_batch_size={micro_batch_size!r}`; expected an integer in 1..batch_size={batch_size}."
+        )
     if zero_stage and optimizer_in_backward:
         raise ValueError("Passed `zero_stage` and `optimizer_in_backward=True`; DeepSpeed runs its own optimizer step.")
     techniques = {"precision": precision, "offload": offload, "checkpointing": checkpointing,
@@ -316,8 +318,9 @@ def estimate_memory(
     bound, num_params = _analytic(config, micro, seq_len, precision, optimizer or "adamw", checkpointing,
                                   checkpointing_every_n, flash=True if target == "cuda" else None)
     # NOTE: ZeRO keeps half-precision compute weights (and bf16/fp16 activations) whatever the mixed setting
-    trace_precision = ({"bf16-mixed": "bf16-true", "16-mixed": "16-true", "32-true": "bf16-true"}.get(precision, precision)
-                       if zero_stage else precision)
+    trace_precision = precision
+    if zero_stage:
+        trace_precision = {"bf16-mixed": "bf16-true", "16-mixed": "16-true"}.get(precision, precision)
     fallback = None
     est = None
     if method == "dry_run":
@@ -347,7 +350,17 @@ def estimate_memory(
                              fallback_reason=fallback,
                              notes=["closed form (analytic.py): a lower bound, 40-71 % below measured HF peaks"])
     if zero_stage:
-        _apply_zero(est, zero_stage, world_size, offload, optimizer or "adamw", trace_precision)
+        gathered = None
+        if config is not None:
+            from lightning_lowmem.memory.analytic import transformer_shape
+
+            try:
+                shape = transformer_shape(config)
+                gathered = max((shape.num_params - shape.vocab * shape.hidden) // shape.num_layers,
+                               shape.vocab * shape.hidden)
+            except ValueError:
+                gathered = None
+        _apply_zero(est, zero_stage, world_size, offload, optimizer or "adamw", trace_precision, gathered)
     est.techniques = techniques
     if bound is not None:
         est.analytic_bound = {phase: bd.total("device") for phase, bd in bound.items()}
@@ -386,33 +399,43 @@ def _analytic(config: Any, micro: int, seq_len: int, precision: str, optimizer: 
 
 
 def _apply_zero(est: MemoryEstimate, stage: int, world_size: int, offload: bool, optimizer: str,
-                precision: str) -> None:
-    """Replace the traced model states by DeepSpeed's partitioned ones (half weights + grads, fp32 masters + state).
+                precision: str, gathered_params: int | None) -> None:
+    """Replace the traced model states by DeepSpeed's partitioned ones (``ZeroStrategy`` presets).
 
-    Per rank, P parameters, N ranks, h = 2 B: weights hP (stage 3: hP/N), gradients hP/N, optimizer 4P masters
-    + state (AdamW 8P, 8-bit ~2P, SGD 4P) over N; with ``offload`` the optimizer and fp32 gradients are on the host.
+    Per rank, P parameters, N ranks, h = 2 B (half precision) or 4 B (fp32): weights hP (stage 3: hP/N),
+    gradients hP/N, optimizer (fp32 masters 4P when h = 2, plus AdamW 8P / 8-bit ~2P / SGD 4P) over N. With
+    ``offload``: ``offload_optimizer`` (state, its step and fp32 gradients on the host; device gradients leave as
+    they are reduced) and, for stage 3, ``offload_parameters`` (the device holds the gathered parameters of the
+    module in use and the next one, ``2 x gathered_params``).
     """
     from lightning_lowmem.memory.analytic import optimizer_state_bytes_per_param
 
     P, N = est.num_params or 0, world_size
-    state = 4 * P + int(optimizer_state_bytes_per_param(optimizer, 4, P))
-    weights = 2 * P if stage == 2 else 2 * P // N
-    grads = 2 * P // N
+    h = 4 if precision == "32-true" else 2
+    state = (4 * P if h == 2 else 0) + int(optimizer_state_bytes_per_param(optimizer, 4, P))
+    weights = h * P if stage == 2 else h * P // N
+    if stage == 3 and offload:
+        weights = 2 * h * gathered_params if gathered_params else 0
+    grads = h * P // N
     for phase, bd in est.phases.items():
         dev = bd.device
         has_grads = dev["gradients"] > 0
         dev["weights"] = weights
-        dev["gradients"] = grads if has_grads else 0
+        dev["gradients"] = 0 if offload else (grads if has_grads else 0)
         dev["optimizer_state"] = 0 if offload else state // N
-        if phase == "optimizer":
-            dev["other"] = 0 if offload else dev["other"]
+        if phase == "optimizer" and offload:
+            dev["other"] = 0
         bd.host = dict.fromkeys(CATEGORIES, 0)
         if offload:
             bd.host["optimizer_state"] = state // N
             bd.host["gradients"] = 4 * P // N
+            if stage == 3:
+                bd.host["weights"] = h * P // N
     est.notes.append(
         f"ZeRO-{stage} over {N} rank(s): model states from DeepSpeed's partitioning in closed form "
-        f"({precision} compute weights, fp32 masters in the optimizer); bucket buffers not modelled"
+        f"({precision} compute weights{', fp32 masters in the optimizer' if h == 2 else ''}"
+        f"{'; optimizer and (stage 3) parameters offloaded' if offload else ''}); reduce/all-gather buckets "
+        "not modelled"
     )
 
 
@@ -422,7 +445,8 @@ COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
     ("bf16-mixed", {"precision": "bf16-mixed"}),
     ("bf16-true", {"precision": "bf16-true"}),
     ("bf16-true + ckpt(all)", {"precision": "bf16-true", "checkpointing": "all"}),
-    ("bf16-true + ckpt(all) + 8-bit AdamW", {"precision": "bf16-true", "checkpointing": "all", "optimizer": "adamw8bit"}),
+    ("bf16-true + ckpt(all) + 8-bit AdamW", {"precision": "bf16-true", "checkpointing": "all",
+                                             "optimizer": "adamw8bit"}),
     ("offload + ckpt(all)", {"precision": "bf16-true", "offload": True, "checkpointing": "all"}),
     ("offload + ckpt(all) + 8-bit AdamW", {"precision": "bf16-true", "offload": True, "checkpointing": "all",
                                            "optimizer": "adamw8bit"}),
@@ -453,11 +477,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem estimate``: predicted device and host peaks of the suite's technique combinations."""
     parser = argparse.ArgumentParser(prog="lowmem estimate", description=main.__doc__)
     parser.add_argument("--model", required=True,
-                        help=f"shipped shape ({', '.join(shipped_shapes())}), config.json path, model type or config class")
+                        help=f"shipped shape ({', '.join(shipped_shapes())}), config.json path, model type or "
+                        "config class")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="accumulation micro-batch (default: batch size)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="accumulation micro-batch (default: the batch size)")
     parser.add_argument("--budget", default=None, help="device memory, e.g. 12GB, '12 GiB', 12e9")
     parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--world-size", type=int, default=1)
@@ -487,7 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append((name, fmt_gib(est.peak_device), fmt_gib(est.peak_host), est.binding_phase, fits,
                      est.method + (f" ({est.fallback_reason})" if est.fallback_reason else "")))
         payload.append({"combination": name, **est.to_dict()})
-    header = ("combination", "device peak", "host peak", "binds", "fits" + (f" {args.budget}" if budget else ""), "method")
+    fits_header = "fits" + (f" {args.budget}" if budget else "")
+    header = ("combination", "device peak", "host peak", "binds", fits_header, "method")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print(f"{args.model}: batch {args.batch_size}, seq {args.seq_len}, target {args.target}"
           + (f", budget {args.budget} = {budget:,} B" if budget else ""))
@@ -501,4 +528,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["MemoryEstimate", "Correction", "estimate_memory", "parse_bytes", "resolve_config", "main", "ROLES"]
+__all__ = ["MemoryEstimate", "Correction", "estimate_memory", "parse_bytes", "resolve_config", "main"]

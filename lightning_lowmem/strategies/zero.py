@@ -8,6 +8,7 @@ turns the directory checkpoint DeepSpeed writes into one fp32 state dict a plain
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import tempfile
@@ -95,11 +96,14 @@ class ZeroStrategy(DeepSpeedStrategy):
         sub_group_size: int = int(1e9),
         gather_16bit_weights_on_model_save: bool = True,
         cpu_optimizer: bool = True,
-        config: str | os.PathLike | dict[str, Any] | None = None,
+        config: dict[str, Any] | str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> None:
         require("deepspeed", _FEATURE)
         problems = []
+        # NOTE: LightningCLI (jsonargparse) follows **kwargs into DeepSpeedStrategy's signature and passes every
+        # parent default; those are dropped, a real value for a config-building argument we replace is refused.
+        kwargs = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH or _PARENT_DEFAULTS.get(k, _MISSING) != v}
         if stage not in (1, 2, 3):
             problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
         if offload_device not in ("cpu", "nvme"):
@@ -108,9 +112,12 @@ class ZeroStrategy(DeepSpeedStrategy):
             problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
         unknown = set(kwargs) - _PASSTHROUGH
         if unknown:
+            replaced = sorted(unknown & set(_PARENT_DEFAULTS))
             problems.append(
-                f"Passed unknown argument(s) {sorted(unknown)}; ZeroStrategy takes its own arguments and "
-                f"these of DeepSpeedStrategy: {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
+                f"Passed argument(s) {sorted(unknown)}: "
+                + (f"{replaced} are DeepSpeedStrategy config-building arguments that ZeroStrategy replaces by its own "
+                   "(`stage`, `offload_*`, `pin_memory`, ...) and `config=`; " if replaced else "")
+                + f"ZeroStrategy also passes on {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
             )
         if problems:
             raise ValueError(" ".join(problems))
@@ -312,9 +319,14 @@ class ZeroStrategy(DeepSpeedStrategy):
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
 
+_MISSING = object()
+_PARENT_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
 _PASSTHROUGH = {
     "accelerator",
-    "zero_optimization",
     "remote_device",
     "zero_allow_untested_optimizer",
     "logging_batch_size_per_gpu",

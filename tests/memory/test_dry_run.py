@@ -210,3 +210,54 @@ def test_bad_module_and_missing_batch():
         dry_run(42, random_batch(2, 8))
     with pytest.raises(ValueError, match="batch_size"):
         dry_run(tiny_lm_module("gpt2"))
+
+
+@pytest.mark.integration
+def test_prediction_matches_trainer_fit_with_the_suites_techniques(tmp_path):
+    import lightning as L
+
+    from lightning_lowmem import MemoryReport, estimate_memory
+
+    torch.manual_seed(0)
+    module = tiny_lm_module("gpt2", config=DROPOUT)
+    report = MemoryReport(every_n_steps=1, plot=False, predict=True, save_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, precision="bf16-true", strategy="lowmem_offload",
+        callbacks=[report, ActivationCheckpointing(policy="all")],
+    )
+    batches = [random_batch(2, 32, seed=i) for i in range(2)]
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    measured_peak = max(r["peak_bytes"] for r in report.steps)
+    measured_host = max(r["peak_bytes_host"] for r in report.steps)
+    # MemoryReport's own prediction (estimate_memory on the fitted module, techniques read from the Trainer)
+    assert report.predicted["method"] == "dry_run", report.predicted
+    assert report.predicted["techniques"]["offload"] and report.predicted["techniques"]["checkpointing"] == "all"
+    assert report.predicted["peak_device"] == pytest.approx(measured_peak, rel=0.01)
+    # and from the config alone, before any model exists
+    est = estimate_memory({"model_type": "gpt2", **GPT2_TINY, **DROPOUT, "vocab_size": 258}, 2, 32, target="cpu",
+                          precision="bf16-true", offload=True, checkpointing="all")
+    assert est.peak_device == pytest.approx(measured_peak, rel=0.01)
+    assert est.peak_host == pytest.approx(measured_host, rel=0.01)
+
+
+@pytest.mark.integration
+def test_activation_offload_prediction_matches_the_callback(tmp_path):
+    import lightning as L
+
+    from lightning_lowmem import ActivationOffload, MemoryReport
+
+    torch.manual_seed(0)
+    module = tiny_lm_module("gpt2", config=DROPOUT)
+    est = dry_run(module, random_batch(2, 32), activation_offload=True, target="cpu")
+    report = MemoryReport(every_n_steps=1, plot=False, predict=False, save_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[report, ActivationOffload()],
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([random_batch(2, 32, seed=i) for i in range(2)],
+                                                                      batch_size=None))
+    for phase in PHASES:
+        measured = [r["phases"][phase] for r in report.steps]
+        assert est.phases[phase].total("device") == pytest.approx(max(m["device"]["total"] for m in measured), rel=0.01)
+        assert est.phases[phase].total("host") == pytest.approx(max(m["host"]["total"] for m in measured), rel=0.01)

@@ -89,15 +89,20 @@ def test_technique_flags_change_the_prediction_the_expected_way():
 
 
 def test_zero_partitions_model_states_in_closed_form():
-    one = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=2)
+    one = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=2, precision="bf16-mixed")
     P = one.num_params
     assert one.phases["optimizer"].device["weights"] == 2 * P
     assert one.phases["optimizer"].device["optimizer_state"] == 12 * P  # fp32 masters + AdamW moments
-    four = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=3, world_size=4)
+    fp32 = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=2)
+    assert fp32.phases["optimizer"].device["weights"] == 4 * P
+    assert fp32.phases["optimizer"].device["optimizer_state"] == 8 * P  # no separate masters in fp32
+    four = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=3, world_size=4, precision="bf16-mixed")
     assert four.phases["optimizer"].device["weights"] == 2 * P // 4
     assert four.phases["optimizer"].device["optimizer_state"] == 12 * P // 4
-    off = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=3, world_size=4, offload=True)
-    assert off.phases["optimizer"].device["optimizer_state"] == 0 and off.peak_host == (12 + 4) * P // 4
+    off = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=3, world_size=4, offload=True, precision="bf16-mixed")
+    assert off.phases["optimizer"].device["optimizer_state"] == 0 and off.phases["forward"].device["gradients"] == 0
+    assert off.peak_host == (12 + 4 + 2) * P // 4  # state + fp32 gradients + the 16-bit parameter shards
+    assert 0 < off.phases["forward"].device["weights"] < 2 * P  # two gathered blocks, not the whole model
     assert any("ZeRO-3" in n for n in off.notes)
 
 

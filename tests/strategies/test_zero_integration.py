@@ -17,7 +17,13 @@ from lightning_lowmem.demo.module import CausalLMModule
 from tests.helpers.models import GPT2_TINY, random_batch
 from tests.helpers.runif import RunIf
 
-pytestmark = [pytest.mark.integration, pytest.mark.deepspeed, RunIf(deepspeed=True)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.deepspeed,
+    RunIf(deepspeed=True),
+    # NOTE: DeepSpeed 0.19 calls torch's deprecated `reduce_scatter_tensor` on every step
+    pytest.mark.filterwarnings("ignore:.*reduce_scatter_tensor.*:FutureWarning"),
+]
 
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 BATCH, SEQ = 2, 16
@@ -187,3 +193,26 @@ def _cpu_fp16() -> bool:
     from deepspeed.accelerator import get_accelerator
 
     return bool(get_accelerator().is_fp16_supported())
+
+
+def test_our_callbacks_compose_or_say_what_to_use_instead(tmp_path):
+    """MemoryReport and AccumulationScheduler (a fixed window) run under a ZeRO preset; ActivationCheckpointing
+    and ActivationOffload refuse DeepSpeed with what to use instead (checked before any training)."""
+    from lightning_lowmem import AccumulationScheduler, ActivationCheckpointing, ActivationOffload, MemoryReport
+
+    L.seed_everything(0)
+    module = CausalLMModule(config={**GPT2_TINY, **NO_DROPOUT})
+    report = MemoryReport(every_n_steps=1, plot=False, predict=False, save_dir=tmp_path)
+    accumulation = AccumulationScheduler(effective_batch_size=2 * BATCH, micro_batch_size=BATCH)
+    trainer = _trainer("lowmem_zero2", max_steps=2, callbacks=[report, accumulation])
+    trainer.fit(module, _loader(8))
+    assert trainer.global_step == 2
+    assert trainer.strategy.config["gradient_accumulation_steps"] == 2
+    assert len(report.steps) >= 1 and (tmp_path / "memory_report.json").is_file()
+
+    for callback, advice in ((ActivationCheckpointing("all"), "gradient_checkpointing_enable"),
+                             (ActivationOffload(), "lowmem_offload")):  # fmt: skip
+        with pytest.raises(ValueError, match=advice):
+            _trainer("lowmem_zero2", max_steps=1, callbacks=[callback]).fit(
+                CausalLMModule(config={**GPT2_TINY, **NO_DROPOUT}), _loader(2)
+            )
