@@ -84,7 +84,9 @@ class ActivationCheckpointing(Callback):
         - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
         - ``"every_n"`` with ``n``: blocks 0, n, 2n, ... are recomputed (``n=1`` is ``"all"``).
         - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only
-          the segment inputs (about 2*sqrt(L) blocks' worth at the peak, chain model). Not under FSDP.
+          the segment inputs (at most 2*sqrt(L) blocks' worth at the peak). Not under FSDP. NOTE: a
+          transformer block's input is ~1/50 of its activations, so there ``"all"`` keeps less for about
+          the same recompute; ``"sqrt"`` pays off when block boundaries are as large as the blocks.
         - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap
           element-wise ops are recomputed (PyTorch's selective activation checkpointing).
         - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings

@@ -78,8 +78,9 @@ class ActivationOffload(Callback):
             before they are asked for, and forward lets this many device-to-host copies run before compute
             waits for the oldest. More overlap costs that many tensors of device memory. 0: restore on demand.
         boundaries_only: offload only the inputs that ``torch.utils.checkpoint`` saves for checkpointed blocks
-            (with :class:`~lightning_lowmem.ActivationCheckpointing`, or a model's own gradient checkpointing);
-            everything else saved stays on the device.
+            (with :class:`~lightning_lowmem.ActivationCheckpointing`'s per-block policies, a model's own gradient
+            checkpointing, or ``torch.utils.checkpoint`` called directly); everything else saved stays on the
+            device. The ``"sqrt"`` policy's segments keep their inputs by reference, out of reach of the hooks.
 
     Logged once per optimizer step (``on_step``), summed over the micro-batches of the step:
 

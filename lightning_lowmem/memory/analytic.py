@@ -160,6 +160,7 @@ def analytic_phases(
     num_params: int | None = None,
     largest_param: int | None = None,
     flash_attention: bool | None = None,
+    offload: bool = False,
 ) -> dict[str, MemoryBreakdown]:
     """Peak bytes per phase (forward, backward, optimizer) by category, device role, in closed form.
 
@@ -169,6 +170,8 @@ def analytic_phases(
     the optimizer step holds weights + gradients + state (+ 2 x the largest parameter of
     temporaries for single-tensor AdamW). ``flash_attention``: no s^2 scores kept (CUDA's SDPA kernels,
     CPU's without dropout); default: the CPU kernel choice (math path, scores kept, when dropout is on).
+    ``offload``: CPU-master offload: the device keeps the compute weights and one gradient at a time; fp32
+    masters, gradients and the optimizer state are on the host.
     """
     if precision not in _PARAM_BYTES:
         raise ValueError(f"Passed `precision={precision!r}`; expected one of {sorted(_PARAM_BYTES)}.")
@@ -203,10 +206,17 @@ def analytic_phases(
     head_saved = logits + b * s * shape.hidden * a_bytes
     temporaries = 2 * shape.largest_param * p_bytes if optimizer == "adamw" else 0
 
+    host = {}
+    if offload:
+        host = {"gradients": 4 * P, "optimizer_state": 4 * P + int(optimizer_state_bytes_per_param(optimizer, 4, P))}
+        grads, state, temporaries = shape.largest_param * p_bytes, 0, 0
+
     def breakdown(**device: int) -> MemoryBreakdown:
         out = MemoryBreakdown()
         for cat, nbytes in device.items():
             out.add("device", cat, int(nbytes))  # type: ignore[arg-type]
+        for cat, nbytes in host.items():
+            out.add("host", cat, int(nbytes))  # type: ignore[arg-type]
         return out
 
     return {

@@ -316,7 +316,8 @@ def estimate_memory(
     )
     config = None if is_module else resolve_config(model_or_config)
     bound, num_params = _analytic(config, micro, seq_len, precision, optimizer or "adamw", checkpointing,
-                                  checkpointing_every_n, flash=True if target == "cuda" else None)
+                                  checkpointing_every_n, flash=True if target == "cuda" else None,
+                                  offload=offload and not zero_stage)
     # NOTE: ZeRO keeps half-precision compute weights (and bf16/fp16 activations) whatever the mixed setting
     trace_precision = precision
     if zero_stage:
@@ -371,7 +372,7 @@ def estimate_memory(
 
 
 def _analytic(config: Any, micro: int, seq_len: int, precision: str, optimizer: str, checkpointing: str | None,
-              every_n: int, flash: bool | None = None) -> tuple[dict[str, MemoryBreakdown] | None, int | None]:
+              every_n: int, flash: bool | None = None, offload: bool = False) -> tuple[dict[str, MemoryBreakdown] | None, int | None]:
     """The closed-form bound, with exact parameter counts from a meta model when the architecture builds."""
     if config is None:
         return None, None
@@ -392,7 +393,8 @@ def _analytic(config: Any, micro: int, seq_len: int, precision: str, optimizer: 
     try:
         phases = analytic_phases(config, micro, seq_len, precision=precision, optimizer=optimizer,
                                  checkpointing=checkpointing, checkpointing_every_n=every_n,
-                                 num_params=num_params, largest_param=largest, flash_attention=flash)
+                                 num_params=num_params, largest_param=largest, flash_attention=flash,
+                                 offload=offload)
     except ValueError:
         return None, num_params
     return phases, num_params or None

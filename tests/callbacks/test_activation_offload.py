@@ -51,7 +51,7 @@ def test_hf_gradients_and_weights_bit_identical(arch, ckpt, boundaries_only):
     model = tiny_gpt2(dropout=0.1) if arch == "gpt2" else tiny_llama()
     model.config.use_cache = False
     if ckpt == "hf":
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     ref = copy.deepcopy(model)
     opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
     engine = _engine(min_bytes=1024, prefetch=2, boundaries_only=boundaries_only)
