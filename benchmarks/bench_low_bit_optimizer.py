@@ -19,12 +19,13 @@ moments + one fp32 absmax per 256-element block, 32-bit state below ``min_8bit_s
 shapes of GPT-2-XL (1.56B parameters, built on the meta device) to relate the measurement to the
 founding figure: "~8.5 GB saved by 8-bit Adam for GPT-2-XL".
 
-The default shape is parameter-dominated, as the models this is for are (GPT-2-XL: 6.2 GB of fp32
-gradients against ~0.1 GB per MLP temporary at batch 4 x 1024): there the step's peak, once the
-gradients are gone, is set by the weights, state and activations. With many tokens per parameter
-(``--width 256 --batch 4``, results ``low_bit_optimizer_tokens_heavy``) the optimizer-in-backward
-step's peak moves to the start of backward, where the LM head's and last MLP's gradient temporaries
-(which scale with batch x sequence, not with parameters) exceed the largest parameter.
+Where the step's peak sits: Lightning zeroes gradients after ``training_step``, so the normal step's peak
+is the forward with the previous step's gradients still alive. Optimizer-in-backward removes all of
+those, and its peak moves to the start of backward. There the loss and LM-head gradient temporaries
+(which scale with batch x sequence) and the stepped parameter's own gradient and update temporaries
+(torch's for-loop AdamW allocates one parameter-sized ``denom``) sit on top of nearly all the
+activations. The default shape (4 x 512, batch 2 x 128) has few tokens per parameter;
+``--width 256 --heads 4 --batch 4 --name low_bit_optimizer_tokens_heavy`` has four times as many.
 
 Run: ``python benchmarks/run.py low_bit_optimizer [--layers 4 --width 512 --seq 128 --batch 2 --rounds 3 --name NAME]``
 """
