@@ -141,3 +141,42 @@ def write_results(
     for n in notes:
         print("-", n)
     return json_path, md_path
+
+
+def step_probe(at: int | None = 1) -> Any:
+    """A Lightning callback that tracks training step ``at`` with ``MemoryTracker`` and times every step.
+
+    Phases follow Lightning's hooks (forward until ``on_before_backward``, backward until
+    ``on_after_backward``, then the optimizer). After fit: ``probe.tracker`` and ``probe.times``.
+    """
+    import lightning as L
+
+    from lightning_lowmem.memory.measure import MemoryTracker
+
+    class StepProbe(L.Callback):
+        def __init__(self) -> None:
+            self.at, self.tracker, self.times, self._t0 = at, None, [], 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.at is not None and trainer.global_step == self.at:
+                self.tracker = MemoryTracker(module=pl_module, optimizers=trainer.optimizers)
+                self.tracker.__enter__()
+                self.tracker.track(batch)
+                self.tracker.set_phase("forward")
+            self._t0 = time.perf_counter()
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            if self.tracker is not None and self.tracker.active:
+                self.tracker.set_phase("backward")
+
+        def on_after_backward(self, trainer, pl_module):
+            if self.tracker is not None and self.tracker.active:
+                self.tracker.set_phase("optimizer")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.times.append(time.perf_counter() - self._t0)
+            if self.tracker is not None and self.tracker.active:
+                self.tracker.set_phase(None)
+                self.tracker.__exit__(None, None, None)
+
+    return StepProbe()

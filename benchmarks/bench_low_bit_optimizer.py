@@ -34,56 +34,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from benchmarks._harness import fmt_bytes, interleaved, write_results
+from benchmarks._harness import fmt_bytes, interleaved, step_probe, write_results
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.memory.categories import optimizer_state_bytes
-from lightning_lowmem.memory.measure import MemoryTracker
 
 MIN_8BIT = 4096  # bitsandbytes' default, LowBitOptimizer's default
 BLOCK = 256  # bitsandbytes' block size (fixed since 0.44)
-
-
-class StepProbe(Callback):
-    """Tracks one training step with MemoryTracker (phases from Lightning's hooks) and times every step."""
-
-    def __init__(self, track_step: int | None) -> None:
-        self.track_step = track_step
-        self.tracker: MemoryTracker | None = None
-        self.times: list[float] = []
-        self.opt_bytes = 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.track_step:
-            self.tracker = MemoryTracker(module=pl_module, optimizers=trainer.optimizers)
-            self.tracker.__enter__()
-            self.tracker.track(batch)
-            self.tracker.set_phase("forward")
-        self._t0 = time.perf_counter()
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        if self.tracker is not None and self.tracker.active:
-            self.tracker.set_phase("backward")
-
-    def on_after_backward(self, trainer, pl_module):
-        if self.tracker is not None and self.tracker.active:
-            self.tracker.set_phase("optimizer")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._t0)
-        if self.tracker is not None and self.tracker.active:
-            self.tracker.set_phase(None)
-            self.tracker.__exit__(None, None, None)
-        self.opt_bytes = optimizer_state_bytes(trainer.optimizers[0])
 
 
 def make_module(args: argparse.Namespace) -> CausalLMModule:
@@ -100,6 +64,7 @@ def fit(args, batches, callbacks, steps, probe, **kwargs) -> CausalLMModule:
         enable_model_summary=False, max_steps=steps, callbacks=[*callbacks, probe], **kwargs,
     )
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    probe.opt_bytes = optimizer_state_bytes(trainer.optimizers[0])
     return module
 
 
@@ -155,7 +120,7 @@ def main() -> None:
     # --- memory: one tracked step (the second: the optimizer state exists) per variant ------------------------
     rows, peaks = [], {}
     for name, callbacks in variants.items():
-        probe = StepProbe(track_step=1)
+        probe = step_probe(1)
         fit(args, batches, callbacks(), 2, probe)
         tracker = probe.tracker
         assert tracker is not None
@@ -179,7 +144,7 @@ def main() -> None:
 
     def timed(name: str):
         def run() -> None:
-            probe = StepProbe(track_step=None)
+            probe = step_probe(None)
             fit(args, batches, variants[name](), args.steps, probe)
             probes[name].extend(probe.times[1:])  # the first step allocates the optimizer state
 
@@ -204,7 +169,7 @@ def main() -> None:
         offload_rows.append({"variant": "lowmem_offload", "note": f"not importable: {err}"})
     else:
         for name, callbacks in (("lowmem_offload fp32 AdamW", []), ("lowmem_offload 8-bit AdamW", [LowBitOptimizer()])):
-            probe = StepProbe(track_step=1)
+            probe = step_probe(1)
             fit(args, batches, callbacks, 2, probe, strategy=OffloadStrategy(), precision="bf16-true")
             host = probe.tracker.breakdown().host  # live at the end of the tracked step
             offload_rows.append({

@@ -26,48 +26,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from benchmarks._harness import fmt_bytes, interleaved, write_results
+from benchmarks._harness import fmt_bytes, interleaved, step_probe, write_results
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.memory.measure import MemoryTracker
 from lightning_lowmem.strategies import _host_optimizer
-from lightning_lowmem.strategies.offload import OffloadStrategy
-
-
-class StepProbe(Callback):
-    """Track training step ``at`` with a MemoryTracker, and time every step."""
-
-    def __init__(self, at: int | None = 1) -> None:
-        self.at, self.tracker, self.times, self._t0 = at, None, [], 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.at is not None and trainer.global_step == self.at:
-            self.tracker = MemoryTracker(module=pl_module, optimizers=trainer.optimizers)
-            self.tracker.__enter__()
-            self.tracker.track(batch)
-            self.tracker.set_phase("forward")
-        self._t0 = time.perf_counter()
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        if self.tracker is not None and self.tracker.active:
-            self.tracker.set_phase("backward")
-
-    def on_after_backward(self, trainer, pl_module):
-        if self.tracker is not None and self.tracker.active:
-            self.tracker.set_phase("optimizer")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._t0)
-        if self.tracker is not None and self.tracker.active:
-            self.tracker.set_phase(None)
-            self.tracker.__exit__(None, None, None)
 
 
 def make_data(n: int, seq: int, vocab: int = 256) -> list[dict[str, torch.Tensor]]:
@@ -79,7 +46,7 @@ def make_data(n: int, seq: int, vocab: int = 256) -> list[dict[str, torch.Tensor
     return out
 
 
-def fit(args, strategy, precision, steps, probe: StepProbe) -> CausalLMModule:
+def fit(args, strategy, precision, steps, probe: L.Callback) -> CausalLMModule:
     torch.manual_seed(0)
     config = {"n_layer": args.layers, "n_embd": args.width, "n_head": 4, "n_positions": args.seq,
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -104,7 +71,7 @@ VARIANTS = {
 def memory_rows(args) -> list[dict]:
     rows = []
     for name, (strategy, precision) in list(VARIANTS.items())[:3]:
-        probe = StepProbe(at=1)
+        probe = step_probe(1)
         module = fit(args, strategy, precision, 2, probe)
         n = sum(p.numel() for p in module.parameters())
         peak = probe.tracker.peak_breakdown().device
@@ -178,7 +145,7 @@ def step_rows(args) -> list[dict]:
     medians: dict[str, list[float]] = {name: [] for name in pairs}
     for _ in range(args.rounds):
         for name, (strategy, precision) in pairs.items():
-            probe = StepProbe(at=None)
+            probe = step_probe(None)
             fit(args, strategy, precision, steps, probe)
             medians[name].append(statistics.median(probe.times[2:]))  # first two steps: warm-up, lazy state
     out = {name: statistics.median(v) for name, v in medians.items()}

@@ -33,7 +33,7 @@ _LAZY = {
     "ByteTokenizer": "lightning_lowmem.demo.tokenizer",
 }
 # public submodule aliases, e.g. ``lightning_lowmem.zero.consolidate(...)``
-_SUBMODULES = {"zero": "lightning_lowmem.strategies.zero"}
+_SUBMODULES = {"zero": "lightning_lowmem.zero"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "register_strategies"])
 

@@ -53,3 +53,9 @@ def test_pytorch_lightning_trainer_gets_clear_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "lightning_lowmem works with the unified `lightning` package" in out.stderr
+
+
+def test_zero_module_import_forms():
+    from lightning_lowmem.zero import consolidate
+
+    assert lightning_lowmem.zero.consolidate is consolidate

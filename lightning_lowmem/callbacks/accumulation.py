@@ -387,8 +387,10 @@ class AccumulationScheduler(L.Callback):
         self._samples += samples
         self._micro_batches += 1
         if self._engine:
-            # DeepSpeed divides by its own gradient_accumulation_steps: weight relative to a full micro-batch
-            scale = n * weight / self._micro
+            # NOTE: weight relative to a full micro-batch. Lightning's loop has divided the loss by n; Lightning's
+            # stock DeepSpeedStrategy divides it by n again in `engine.backward` (so n is undone here), while our
+            # ZeroStrategy (`loss_divided_once`) does not divide twice.
+            scale = weight / self._micro * (1 if getattr(trainer.strategy, "loss_divided_once", False) else n)
         else:
             if self._k is None:
                 if self._n_ref is None:

@@ -311,6 +311,9 @@ class ZeroStrategy(DeepSpeedStrategy):
                 rebind_scheduler(scheduler_config.scheduler, cpu_optimizer)
         return cpu_optimizer, scheduler_config
 
+    #: A micro-batch's loss is divided by the accumulation once (by Lightning's loop), not again by DeepSpeed.
+    loss_divided_once = True
+
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # NOTE: Lightning's loop already divides the loss by `accumulate_grad_batches`; DeepSpeed's

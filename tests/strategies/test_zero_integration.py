@@ -109,6 +109,22 @@ def test_zero2_sgd_accumulation_equals_plain_pytorch_exactly():
             assert torch.equal(got, want)
 
 
+def test_zero2_accumulation_scheduler_equals_plain_pytorch_exactly():
+    """AccumulationScheduler sets DeepSpeed's window and weighs each micro-batch once (no k^2, no k x)."""
+    from lightning_lowmem import AccumulationScheduler
+
+    L.seed_everything(0)
+    module = SGDModule(config={**GPT2_TINY, **NO_DROPOUT})
+    reference = _reference(copy.deepcopy(module), steps=2, accumulate=2)
+    record = _WeightsAfterEachStep()
+    accumulation = AccumulationScheduler(effective_batch_size=2 * BATCH, micro_batch_size=BATCH)
+    _trainer("lowmem_zero2", max_steps=2, callbacks=[record, accumulation]).fit(module, _loader(8))
+    assert len(record.snapshots) == 2
+    for got_step, want_step in zip(record.snapshots, reference):
+        for got, want in zip(got_step, want_step):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7)  # one multiply by (weight / micro) = 1.0
+
+
 def test_zero3_offload_adamw_becomes_cpu_adam_and_matches_plain_adamw(tmp_path, caplog):
     """AdamW -> DeepSpeedCPUAdam (logged), accumulation + clipping from the Trainer, then consolidate -> plain load.
 
