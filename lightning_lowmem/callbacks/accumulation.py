@@ -350,7 +350,8 @@ class AccumulationScheduler(L.Callback):
         @functools.wraps(step)
         def training_step(*args: Any, **kwargs: Any) -> Any:
             out = step(*args, **kwargs)
-            if self._probing:
+            # NOTE: detached from the Trainer (a dry run of the module, e.g. MemoryReport's prediction): no window
+            if self._probing or pl_module._trainer is None:
                 return out
             return self._weigh(pl_module.trainer, out, args[0] if args else kwargs.get("batch"))
 

@@ -317,3 +317,23 @@ def test_lowmem_offload_scales_the_host_master_gradients():
     for got, want in zip(capture.grads, ref_grads):
         # the strategy computes in float32 (no float64 path): float32 rounding against the float64 reference
         assert_close_rel(got, want, rtol=2e-6)
+
+
+def test_memory_report_prediction_runs_with_the_scheduler(tmp_path):
+    """The scheduler's training_step wrapper stands aside for a detached module (MemoryReport's dry run)."""
+    import json
+
+    from lightning_lowmem import AccumulationScheduler, MemoryReport
+    from tests.helpers.models import random_batch, tiny_lm_module
+
+    module = tiny_lm_module(loss_reduction="sum")
+    report = MemoryReport(every_n_steps=1, plot=False, save_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[AccumulationScheduler(effective_batch_size=4, micro_batch_size=2, loss_normalization="tokens"), report],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader([random_batch(2, 16, seed=i) for i in range(8)], batch_size=None))
+    predicted = json.loads((tmp_path / "memory_report.json").read_text())["predicted"]
+    assert "error" not in predicted, predicted
+    assert predicted["peak_device"] > 0
