@@ -33,7 +33,7 @@ class Clock(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         times.append(time.perf_counter())
 
-cli = LowMemCLI(args=sys.argv[1:], run=False)
+cli = LowMemCLI(args=sys.argv[1:], run=False)  # run=False: no subcommand
 cli.trainer.callbacks.append(Clock())
 cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 steps = cli.trainer.global_step
@@ -64,7 +64,7 @@ def plain_overrides(config: dict) -> list[str]:
 
 def run(config: Path, extra: list[str], max_steps: int) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
-    args = ["fit", "--config", str(config), f"--trainer.max_steps={max_steps}", "--trainer.limit_val_batches=0",
+    args = ["--config", str(config), f"--trainer.max_steps={max_steps}", "--trainer.limit_val_batches=0",
             "--trainer.enable_progress_bar=false", "--trainer.logger=false", *extra]
     out = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True, cwd="/tmp")
     line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
