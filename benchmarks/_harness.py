@@ -180,3 +180,25 @@ def step_probe(at: int | None = 1) -> Any:
                 self.tracker.__exit__(None, None, None)
 
     return StepProbe()
+
+
+def add_gpt2_args(parser: Any, *, rounds: int) -> None:
+    """The GPT-2-architecture shape options the activation benchmarks share (12 layers at seq 512 by default)."""
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+def build_gpt2(args: Any) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A seeded GPT-2-architecture model in train mode from :func:`add_gpt2_args` options, and a batch of ids."""
+    from lightning_lowmem.demo.module import build_causal_lm
+
+    torch.manual_seed(0)
+    config = {"n_layer": args.layers, "n_embd": args.width, "n_head": args.heads, "n_positions": args.seq, "use_cache": False}
+    model = build_causal_lm("gpt2", config)
+    model.train()
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    return model, ids

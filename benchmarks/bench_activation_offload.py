@@ -32,10 +32,9 @@ from typing import Any
 
 import torch
 
-from benchmarks._harness import fmt_bytes, interleaved, write_results
+from benchmarks._harness import add_gpt2_args, build_gpt2, fmt_bytes, interleaved, write_results
 from lightning_lowmem.callbacks._offload_engine import SavedTensorOffloader, SyncCopier
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_lowmem.demo.module import build_causal_lm
 from lightning_lowmem.memory.measure import MemoryTracker
 
 
@@ -72,19 +71,10 @@ def _block_census(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_gpt2_args(parser, rounds=3)
     parser.add_argument("--min-bytes", type=int, default=1024)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = {"n_layer": args.layers, "n_embd": args.width, "n_head": args.heads, "n_positions": args.seq, "use_cache": False}
-    base = build_causal_lm("gpt2", config)
-    base.train()
-    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    base, ids = build_gpt2(args)
     one_block, boundary = _block_census(copy.deepcopy(base), ids)
 
     # variant -> (checkpointing, offload, boundaries_only)
