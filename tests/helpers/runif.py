@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-
-def _available(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+from lightning_lowmem._compat import package_available
 
 
 def RunIf(
@@ -33,9 +30,9 @@ def RunIf(
         reasons.append(f"needs {min_cuda_gpus} CUDA GPU(s), found {torch.cuda.device_count()}")
     if bf16_cuda and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
         reasons.append("needs a CUDA GPU with bf16")
-    if deepspeed and not _available("deepspeed"):
+    if deepspeed and not package_available("deepspeed"):
         reasons.append("needs `pip install 'lightning-lowmem[deepspeed]'`")
-    if bitsandbytes and not _available("bitsandbytes"):
+    if bitsandbytes and not package_available("bitsandbytes"):
         reasons.append("needs `pip install 'lightning-lowmem[bnb]'`")
     if min_processes_cpus and (os.cpu_count() or 1) < min_processes_cpus:
         reasons.append(f"needs {min_processes_cpus} CPU cores")
