@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from types import ModuleType
 from typing import Any
 
@@ -45,3 +46,36 @@ def check_lightning_object(obj: Any, what: str) -> None:
             "`import lightning.pytorch as pl` (or `import lightning as L` and use `L.Trainer`, "
             "`L.LightningModule`, `L.Callback`)."
         )
+
+
+class Reproducible:
+    """Remembers its constructor arguments, so that an unused copy can be made: :meth:`fresh`.
+
+    A dry run (``lightning_lowmem.dry_run``, ``MemoryReport``'s prediction) runs a technique's own
+    object on fake tensors; it must get one that no Trainer has touched yet, built as the user built theirs.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__new__(cls)
+        # NOTE: unpickling calls `cls.__new__(cls)` without arguments, then restores `__dict__` (with these)
+        obj._init_args = (args, kwargs)
+        return obj
+
+    def fresh(self, **changes: Any) -> Any:
+        """A new object built with this one's constructor arguments (nested reproducible objects fresh too),
+        with ``changes`` to them by name."""
+        args, kwargs = getattr(self, "_init_args", ((), {}))
+        if changes:
+            names = list(inspect.signature(type(self).__init__).parameters)[1 : len(args) + 1]
+            args, kwargs = (), {**dict(zip(names, args)), **kwargs, **changes}
+        return type(self)(*(fresh(a) for a in args), **{k: fresh(v) for k, v in kwargs.items()})
+
+    def resolved(self) -> Any:
+        """:meth:`fresh`, with what this object decided at run time (an automatic choice) fixed; None when it
+        decided to do nothing."""
+        return self.fresh()
+
+
+def fresh(obj: Any) -> Any:
+    """``obj.fresh()`` for a :class:`Reproducible` object; any other value is returned as it is."""
+    return obj.fresh() if isinstance(obj, Reproducible) else obj

@@ -26,7 +26,7 @@ import lightning_lowmem  # noqa: F401  (registers the strategy names)
 
 # extra subcommands: name -> (module, function taking argv and returning an exit code)
 _TOOLS = {
-    "estimate": ("lightning_lowmem.memory.estimate", "main"),
+    "estimate": ("lightning_lowmem.memory.estimate_cli", "main"),
     "consolidate": ("lightning_lowmem.strategies.zero", "consolidate_main"),
 }
 # errors that mean "bad input": shown as one line, not a traceback

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
@@ -47,7 +47,7 @@ class Choice:
     peaks: dict[int, int | None] | None = None
 
 
-class AccumulationScheduler(L.Callback):
+class AccumulationScheduler(Reproducible, L.Callback):
     """Hold the effective batch (samples per optimizer step, all processes) and fit the micro-batch to memory.
 
     Memory: activations scale with the micro-batch, so a micro-batch ``k`` times smaller keeps ``1/k`` of the
@@ -267,6 +267,13 @@ class AccumulationScheduler(L.Callback):
             f"{c.world_size} process(es) = effective batch {c.effective_batch_size}"
             + (f" (auto: peak {c.peaks[c.micro_batch_size]} B within budget {c.memory_budget} B)" if c.peaks else "")
         )
+
+    @override
+    def resolved(self) -> AccumulationScheduler:
+        """A fresh copy; with ``micro_batch_size="auto"`` once it chose, the micro-batch it chose."""
+        if self.micro_batch_size == "auto" and self.choice is not None:
+            return self.fresh(micro_batch_size=self.choice.micro_batch_size)
+        return self.fresh()
 
     def _apply(self, trainer: L.Trainer, pl_module: L.LightningModule, micro: int) -> None:
         self._micro = micro

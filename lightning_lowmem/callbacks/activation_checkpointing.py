@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object
 from lightning_lowmem.callbacks import _blocks
 from lightning_lowmem.callbacks._blocks import (
     CheckpointInfo,
@@ -70,7 +70,7 @@ def parse_bytes(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-class ActivationCheckpointing(Callback):
+class ActivationCheckpointing(Reproducible, Callback):
     """Recompute the activations of chosen blocks in backward instead of keeping them: a policy for any model.
 
     Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward
@@ -199,6 +199,30 @@ class ActivationCheckpointing(Callback):
         for config, value in self._use_cache:
             config.use_cache = value
         self._use_cache = []
+
+    @override
+    def resolved(self) -> ActivationCheckpointing | None:
+        """A fresh copy; with ``policy="budget"`` once it chose, the blocks it chose (None: it chose none)."""
+        if self.policy == "budget" and self.measured is not None:
+            return ActivationCheckpointing(policy=list(self.wrapped)) if self.wrapped else None
+        return self.fresh()
+
+    @staticmethod
+    def remove(root: nn.Module) -> int:
+        """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many.
+
+        A fit leaves the blocks checkpointed (so ``trainer.validate``/``fit`` again run the same model); a copy of
+        the module as built, such as the dry run of ``MemoryReport``'s baseline, starts from this.
+        """
+        found = checkpointed_modules(root)
+        for _, module, _ in found:
+            _blocks.unwrap(module)
+        for module in root.modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if isinstance(hook, CloseSegments):
+                    del module._forward_hooks[key]
+                    module._forward_hooks_always_called.pop(key, None)
+        return len(found)
 
     # --- applying the policy --------------------------------------------------------------------
 

@@ -362,6 +362,7 @@ class MemoryTracker:
         self._fwd_epoch = 0
         self._weight_keys: set[int] = set()
         self._host_keys: set[int] = set()
+        self._host_refs: list[weakref.ref] = []
         self._handles: list[Any] = []
         self._params: list[torch.Tensor] = []
         self._extra_params: list[torch.Tensor] = []  # optimizer parameters the module does not hold (masters)
@@ -545,12 +546,21 @@ class MemoryTracker:
         if p.grad is not None:
             self._tag(p.grad, _G)
 
-    def _on_mark_host(self, t: torch.Tensor) -> None:
+    def _note_host(self, t: torch.Tensor) -> int | None:
+        """Count ``t``'s storage as host; forget it when that storage is freed (its address is then reused)."""
         st = _storage(t)
         if st is None:
-            return
+            return None
         key = st._cdata
-        self._host_keys.add(key)
+        if key not in self._host_keys:
+            self._host_keys.add(key)
+            self._host_refs.append(weakref.ref(st, lambda _r, key=key: self._host_keys.discard(key)))
+        return key
+
+    def _on_mark_host(self, t: torch.Tensor) -> None:
+        key = self._note_host(t)
+        if key is None:
+            return
         rec = self._recs.get(key)
         if rec is not None and rec.role != _HOST:
             self._retag(rec, rec.cat, _HOST, retro=True)
@@ -575,9 +585,7 @@ class MemoryTracker:
             raise RuntimeError("This MemoryTracker is already active; a tracker cannot be entered twice at once.")
         self._reset()
         for t in _cat.host_tensors():
-            st = _storage(t)
-            if st is not None:
-                self._host_keys.add(st._cdata)
+            self._note_host(t)
         _cat.add_host_listener(self._on_mark_host)
         self._phase_order.append("<start>")
         self._scan()
@@ -622,6 +630,7 @@ class MemoryTracker:
             self._final = self.breakdown()
             # NOTE: drop the weakrefs, so storages freed after tracking do not call back into us.
             self._recs = {}
+            self._host_refs = []
 
     @property
     def active(self) -> bool:

@@ -25,6 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.precision.loss_scaler import DynamicLossScaler
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 _DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
 
 
-class MasterHalfPrecision(Precision):
+class MasterHalfPrecision(Reproducible, Precision):
     """Half-precision compute weights with fp32 masters kept by the strategy; fp16 dynamic loss scaling.
 
     Memory: the device holds only the compute weights (2 B/param for bf16/fp16); the fp32 masters

@@ -37,6 +37,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.memory.categories import (
     MemoryBreakdown,
     mark_host,
@@ -54,7 +55,7 @@ from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_fo
 _GiB = 1024**3
 
 
-class OffloadStrategy(SingleDeviceStrategy):
+class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     """CPU-master training on one device: only the compute weights (and activations) stay on the accelerator.
 
     Memory on the device: 2 B/param for bf16/fp16 compute weights (4 B for ``"32-true"``) plus

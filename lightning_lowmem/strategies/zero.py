@@ -24,7 +24,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lowmem._compat import require
+from lightning_lowmem._compat import Reproducible, require
 from lightning_lowmem.strategies import _zero_config as zc
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 _ACCUMULATION_CALLBACKS = ("GradientAccumulationScheduler",)
 
 
-class ZeroStrategy(DeepSpeedStrategy):
+class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     """DeepSpeed ZeRO with article 004's reference settings, Trainer flags flowing in, on CUDA or on the CPU.
 
     Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
