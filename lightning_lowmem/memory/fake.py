@@ -10,7 +10,7 @@ there, each item named because without it a real run and its dry run part ways:
   small), so data set-up keeps its values, and masks, token counts and Hugging Face's "is this
   attention mask all ones?" checks get the answer the real run gets.
 * Stand-ins where they do not. A data-dependent read of a fake tensor (``.item()``, ``bool(t)``,
-  ``aten._local_scalar_dense``) gets ``0.0`` for a float (a logged loss; "no overflow" for an fp16
+  ``aten._local_scalar_dense``, ``torch.equal``) gets ``0.0`` for a float (a logged loss; "no overflow" for an fp16
   found-inf flag), ``1`` for an integer (a count you may divide by) and ``False`` for a bool (no
   anomaly found). :attr:`FakeExecution.stand_ins` counts them; the dry run lists them in its notes.
 * Module conversions. ``module.to(dtype)`` / ``.to(device)`` on fake parameters would go through
@@ -50,6 +50,7 @@ FAKE_ERRORS = (
 #: outputs of an all-real op up to this size are computed for real (values exist); larger ones stay fake
 REAL_OUTPUT_LIMIT = 16 * 2**20
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_BOOL_READS = frozenset({torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default})
 # NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: always fake
 # (`empty_like`/`new_empty` take the kind of their input)
 _EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
@@ -108,6 +109,8 @@ class _Values(TorchDispatchMode):
         if any(isinstance(t, FakeTensor) for t in tensors):
             if func is _SCALAR:
                 return self.execution.stand_in(tensors[0].dtype)
+            if func in _BOOL_READS:
+                return self.execution.stand_in(torch.bool)
             return func(*args, **kwargs)
         if func in _EMPTY or self.execution.passthrough:
             return func(*args, **kwargs)  # fake: an empty tensor carries no values
