@@ -51,10 +51,10 @@ def table(steps: list[dict[str, Any]], predicted: dict[str, Any] | None, baselin
         f"MemoryReport: sampled steps {[r['step'] for r in steps]}; the step with the highest device peak is step "
         f"{worst['step']} ({worst['micro_batches']} micro-batch(es)). Bytes of live tensor storage."
     )
-    steady = [r["peak_bytes_host"] for r in steps if r["step"] >= 1]
+    steady = [r["peak_bytes_host"] for r in steps if r.get("window", r["step"]) >= 1]
     tail = [
         "Host peak per sampled step: " + ", ".join(f"step {r['step']} {fmt_mib(r['peak_bytes_host'])}" for r in steps)
-        + (f"; steady state (steps >= 1) {fmt_mib(max(steady))}." if steady else ".")
+        + (f"; steady state (from the second step) {fmt_mib(max(steady))}." if steady else ".")
     ]
     if predicted and "error" in predicted:
         tail.append(f"Predicted: not available ({predicted['error']}).")

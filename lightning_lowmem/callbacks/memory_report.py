@@ -39,9 +39,9 @@ class MemoryReport(StepMemoryRecorder):
     writes ``memory_report.json`` and draws ``memory_step.png`` (bytes by category over the sampled step with
     the highest peak) into ``save_dir``. On CUDA, every step's peak is also read from CUDA's own statistics.
 
-    Sampled steps: ``global_step % every_n_steps == 0``, plus step 1 (step 0 creates the optimizer state; step 1
-    is the first steady-state step and usually the real peak). The host column lists each sampled step and the
-    steady state (the highest host peak from step 1 on).
+    Sampled steps: ``global_step % every_n_steps == 0``, plus the second optimizer step (the first creates the
+    optimizer state; the second is the first steady-state step and usually the real peak). The host column lists
+    each sampled step and the steady state (the highest host peak from the second step on).
 
     Overhead (``benchmarks/results/memory_report_overhead.md``, 4-layer 128-wide GPT-2, batch 4 x 128 tokens,
     2 CPU cores): an unsampled step costs what a step without the callback costs (a few Python hook calls); a
@@ -136,7 +136,7 @@ class MemoryReport(StepMemoryRecorder):
         # NOTE: a new list, not an in-place move: Lightning is iterating the old one to call this hook. Last, so that
         # at `teardown` every technique has given the module back as it found it before the dry runs copy it.
         trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
-        self.steps, self.first_batch = [], None
+        self.steps, self.first_batch, self._windows = [], None, -1
         self._timeline, self._timeline_peak, self._fit_ended = None, -1, False
 
     @staticmethod

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning_utilities import apply_to_collection
 import torch.nn.functional as F
 
 from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown, host_storage_keys, storage_key
@@ -64,13 +65,17 @@ class _StopBeforeEngine(Exception):
 
 # --- data ------------------------------------------------------------------------------------------------------
 class _Repeat:
-    """A loader that yields one batch ``n`` times (Lightning iterates any sized iterable)."""
+    """A loader that yields a copy of one batch ``n`` times (Lightning iterates any sized iterable).
+
+    NOTE: copies, as a real loader makes new tensors for every batch: Lightning fetches the next batch before it
+    runs the current one, so two batches are alive during a step.
+    """
 
     def __init__(self, batch: Any, n: int = 10_000) -> None:
         self.batch, self.n = batch, n
 
     def __iter__(self) -> Iterator[Any]:
-        return (self.batch for _ in range(self.n))
+        return (apply_to_collection(self.batch, torch.Tensor, torch.clone) for _ in range(self.n))
 
     def __len__(self) -> int:
         return self.n
@@ -173,6 +178,19 @@ class _CudaOptimizerDefaults(L.Callback):
                     self.counts["foreach_groups"] += 1
 
 
+class _StopAfter(L.Callback):
+    """Ends the fit after ``steps`` optimizer-step windows (a GAN's batch steps two optimizers: one window)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.windows, self.last = steps, 0, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.last:
+            self.windows, self.last = self.windows + 1, trainer.global_step
+        if self.windows >= self.steps:
+            trainer.should_stop = True
+
+
 class _StepBracket(L.Callback):
     """Tells the fake execution when a training step runs (large all-real outputs stay fake there)."""
 
@@ -186,7 +204,56 @@ class _StepBracket(L.Callback):
         self.fx.in_step = False
 
 
-def _trainer(spec: RunSpec, extra: list[Any], steps: int, root: str, zero: ZeroPlan | None) -> L.Trainer:
+class _DepthWindows(L.Callback):
+    """Cuts forward and backward into the part before the repeated blocks, the blocks and the part after them.
+
+    NOTE: each part's peak grows linearly with depth, but the phase's peak may move from one part to another as the
+    model deepens (a shallow GPT-2's backward peaks at the LM head, a deep one's at the last block, when gradients
+    outgrow the head's transient): extrapolated per part, the deep model's peak is the largest part's.
+    """
+
+    def __init__(self, recorder: StepMemoryRecorder) -> None:
+        self.recorder = recorder
+        self.handles: list[Any] = []
+        self.block_params: list[torch.Tensor] = []
+        self.seen: set[int] = set()
+
+    def _window(self, name: str, phase: str) -> None:
+        tracker = self.recorder.tracker
+        if tracker is not None and tracker.phase_name == phase:
+            tracker.set_window(name)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        found = find_blocks(pl_module)
+        if found is None:
+            return
+        blocks = found[2]
+        self.handles.append(blocks[0].register_forward_pre_hook(lambda *a: self._window("blocks", "forward")))
+        self.handles.append(blocks[-1].register_forward_hook(lambda *a: self._window("tail", "forward")))
+        self.block_params = [p for p in blocks.parameters() if p.requires_grad]
+        for p in self.block_params:
+            self.handles.append(p.register_post_accumulate_grad_hook(self._grad))
+
+    def _grad(self, p: torch.Tensor) -> None:
+        if not self.seen:
+            self._window("blocks", "backward")
+        self.seen.add(id(p))
+        if len(self.seen) == len(self.block_params):
+            self._window("tail", "backward")
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._window("head", "forward")
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.seen = set()
+        self._window("head", "backward")
+
+    def on_train_end(self, *args: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _trainer(spec: RunSpec, extra: list[Any], root: str, zero: ZeroPlan | None) -> L.Trainer:
     kwargs = spec.trainer_kwargs()
     if zero is not None:
         kwargs["strategy"] = "auto"
@@ -197,7 +264,7 @@ def _trainer(spec: RunSpec, extra: list[Any], steps: int, root: str, zero: ZeroP
         strategy.check_host_memory = False
     return L.Trainer(
         accelerator="cpu", devices=1, **{**kwargs, "callbacks": [*kwargs["callbacks"], *extra]},
-        max_steps=steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        max_steps=-1, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
     )
 
@@ -222,18 +289,20 @@ def _trace(
     target: str,
     counts: dict[str, int],
     stand_ins: dict[str, int],
+    windows: bool = False,
 ) -> list[dict[str, Any]]:
-    """One fake ``Trainer.fit``; returns the recorder's per-step records."""
+    """One fake ``Trainer.fit``; returns the recorder's per-step records (with ``windows``: per part of each phase)."""
     recorder = StepMemoryRecorder(every_n_steps=1)
     zero = spec.zero()
     with tempfile.TemporaryDirectory(prefix="lowmem-dry-run-") as root, fake_execution() as fx:
         module = build(fx)
         if zero is not None:
             _check_zero(spec, module)
-        extra: list[Any] = [_StepBracket(fx), recorder]
+        extra: list[Any] = [_StepBracket(fx), recorder, *([_DepthWindows(recorder)] if windows else []),
+                            _StopAfter(steps)]
         if target == "cuda":
             extra.insert(0, _CudaOptimizerDefaults(counts))
-        trainer = _trainer(spec, extra, steps, root, zero)
+        trainer = _trainer(spec, extra, root, zero)
         with _cuda_kernels(counts) if target == "cuda" else contextlib.nullcontext():
             trainer.fit(module, **data())
         for key, n in fx.stand_ins.items():
@@ -249,21 +318,50 @@ def _trace(
 
 
 # --- extrapolation ---------------------------------------------------------------------------------------------
-def _values(steps: list[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
-    maxima = phase_maxima(steps)
-    return {(phase, role, cat): maxima.get(phase, {}).get(role, {}).get(cat, 0)
-            for phase in PHASES for role in ("device", "host") for cat in CATEGORIES}
+def _values(steps: list[dict[str, Any]], windows: bool = False) -> dict[tuple[str, str, str], int]:
+    """``{(scope, role, category): bytes}`` at each scope's peak (highest over steps); scopes are the phases, or
+    with ``windows`` the parts of each phase (``"backward@blocks"``...)."""
+    names = {name for r in steps for name in r["phases"]}
+    if windows:  # a phase cut into parts is represented by its parts
+        scopes = sorted(n for n in names if "@" in n or not any(m.startswith(f"{n}@") for m in names))
+    else:
+        scopes = list(PHASES)
+    out = {}
+    for scope in scopes:
+        for role in ("device", "host"):
+            best: dict[str, int] | None = None
+            for record in steps:
+                p = record["phases"].get(scope)
+                if p is not None and (best is None or p[role]["total"] > best["total"]):
+                    best = p[role]
+            for cat in CATEGORIES:
+                out[(scope, role, cat)] = int(best[cat]) if best is not None else 0
+    return out
+
+
+def _phases_of(values: dict[tuple[str, str, str], int]) -> dict[tuple[str, str, str], int]:
+    """Per phase and role, the categories of its highest-total scope (a phase, or the largest of its windows)."""
+    out = {}
+    scopes = {k[0] for k in values}
+    for phase in PHASES:
+        mine = [sc for sc in scopes if sc.split("@")[0] == phase]
+        for role in ("device", "host"):
+            best = max(mine, key=lambda sc: sum(values[(sc, role, c)] for c in CATEGORIES), default=None)
+            for cat in CATEGORIES:
+                out[(phase, role, cat)] = values[(best, role, cat)] if best is not None else 0
+    return out
 
 
 def _line(va: dict, vb: dict, na: int, nb: int, n: int) -> dict:
-    return {k: round(va[k] + (vb[k] - va[k]) * (n - na) / (nb - na)) for k in va}
+    return {k: round(va.get(k, 0) + (vb.get(k, 0) - va.get(k, 0)) * (n - na) / (nb - na)) for k in {*va, *vb}}
 
 
 def _disagreement(predicted: dict, traced: dict) -> tuple[Any, int] | None:
     """The first value the line misses by more than ``AGREEMENT`` (relative, at least 4 KiB), or None."""
-    for key, value in traced.items():
-        if abs(predicted[key] - value) > max(AGREEMENT * abs(value), 4096):
-            return key, predicted[key] - value
+    for key in {*predicted, *traced}:
+        value = traced.get(key, 0)
+        if abs(predicted.get(key, 0) - value) > max(AGREEMENT * abs(value), 4096):
+            return key, predicted.get(key, 0) - value
     return None
 
 
@@ -396,12 +494,13 @@ def dry_run(
     traced_steps: list[dict[str, Any]] = []
     if extrapolate:
         depths = (2 * unit, 3 * unit, 4 * unit)  # type: ignore[operator]
-        va, vb, vc = (_values(_trace(build(d), run, data_kwargs, **kw)) for d in depths)
+        va, vb, vc = (_values(_trace(build(d), run, data_kwargs, windows=True, **kw), windows=True) for d in depths)
         miss = _disagreement(_line(va, vb, depths[0], depths[1], depths[2]), vc)
         if miss is None:
-            values = _line(vb, vc, depths[1], depths[2], num_blocks)  # type: ignore[arg-type]
+            values = _phases_of(_line(vb, vc, depths[1], depths[2], num_blocks))  # type: ignore[arg-type]
             notes.append(f"traced {depths[0]}, {depths[1]} and {depths[2]} of {num_blocks} blocks; the third depth "
-                         f"confirmed the line (within {AGREEMENT:.2%}): extrapolated per phase, role and category")
+                         f"confirmed the line (within {AGREEMENT:.2%}): extrapolated per part of each phase (before, "
+                         "in and after the blocks), role and category")
         else:
             notes.append(f"extrapolation refused (depth {depths[2]} misses the line by {miss[1]:+,} B at {miss[0]}): "
                          "traced every block")

@@ -131,6 +131,8 @@ def estimate_memory(
         module, data, run = load_run_config(model_or_config)
     elif _is_module(model_or_config):
         module = model_or_config
+    elif (cls := _module_class(model_or_config)) is not None:
+        module = cls  # built on the meta device with no arguments, its own data unless a token batch is given
     else:
         from lightning_lowmem.memory.configs import causal_lm_factory, max_positions, resolve_config
 
@@ -153,7 +155,8 @@ def estimate_memory(
         except ValueError as err:
             factory, fallback = None, str(err)
         if factory is not None:
-            tokens = {"batch_size": batch_size, "seq_len": seq_len} if config is not None else {}
+            tokens = {"batch_size": batch_size, "seq_len": seq_len} if config is not None or (
+                data is None and batch_size and seq_len) else {}
             try:
                 est = dry_run(factory, data, run=run, target=target, extrapolate=extrapolate, **tokens)
             except DryRunUnsupportedError as err:
@@ -170,6 +173,22 @@ def estimate_memory(
         est.analytic_bound = {phase: bd.total("device") for phase, bd in bound[0].items()}
         est.analytic_bound["peak"] = max(est.analytic_bound.values())
     return est
+
+
+def _module_class(name: Any) -> Any:
+    """The LightningModule class a dotted path such as ``my_project.models.MyModule`` names, or None."""
+    import importlib
+
+    import lightning as L
+
+    if not isinstance(name, str) or "." not in name or "/" in name or name.endswith(".json"):
+        return None
+    module_name, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, L.LightningModule) else None
 
 
 def _is_module(obj: Any) -> bool:

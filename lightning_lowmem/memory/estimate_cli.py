@@ -86,7 +86,7 @@ def _check(args: argparse.Namespace) -> tuple[int | None, list[tuple[str, dict[s
     else:
         for flag in ("batch_size", "seq_len"):
             value = getattr(args, flag)
-            if value is None or value < 1:
+            if (value is None and not _names_module(args.model)) or (value is not None and value < 1):
                 problems.append(f"Passed `--{flag.replace('_', '-')} {value}`; --model needs a positive integer")
         if args.micro_batch_size is not None and args.batch_size and (
             args.micro_batch_size < 1 or args.batch_size % args.micro_batch_size
@@ -99,13 +99,23 @@ def _check(args: argparse.Namespace) -> tuple[int | None, list[tuple[str, dict[s
         if not combos:
             problems.append(f"Passed `--only {' '.join(args.only)}`, which matches no combination; the names are: "
                             + "; ".join(n for n, _ in COMBINATIONS))
-        try:
-            config = _model_config(args)
-        except (ValueError, FileNotFoundError, TypeError) as err:
-            problems.append(str(err))
+        from lightning_lowmem.memory.estimate import _module_class
+
+        config = _module_class(args.model)  # a LightningModule class path: its own step (and data, unless sized)
+        if config is None:
+            try:
+                config = _model_config(args)
+            except (ValueError, FileNotFoundError, TypeError) as err:
+                problems.append(str(err))
     if problems:
         raise ValueError("\n- ".join(["the arguments do not describe an estimate:", *problems]))
     return budget, combos, config
+
+
+def _names_module(name: str) -> bool:
+    from lightning_lowmem.memory.estimate import _module_class
+
+    return _module_class(name) is not None
 
 
 def _model_config(args: argparse.Namespace) -> Any:

@@ -358,6 +358,7 @@ class MemoryTracker:
         self._phase_snaps: dict[str, tuple[_Snap, _Snap]] = {}
         self._phase: str | None = None
         self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
+        self._win: tuple[_Snap, _Snap] | None = None  # the current window's snapshots (see `set_window`)
         self._in_fwd = False
         self._fwd_epoch = 0
         self._weight_keys: set[int] = set()
@@ -416,7 +417,7 @@ class MemoryTracker:
 
     def _update_peaks(self, role: int) -> None:
         total = self._tot[role]
-        for snap in (self._peak[role], self._cur[role]):
+        for snap in (self._peak[role], self._cur[role], *((self._win[role],) if self._win is not None else ())):
             if total > snap.total:
                 snap.total = total
                 snap.cats = self._live[role].copy()
@@ -483,7 +484,9 @@ class MemoryTracker:
             rec.cat, rec.role = cat, role
             if cat != _A:
                 rec.fwd = 0
-            if self._tot[role] > self._cur[role].total or self._tot[role] > self._peak[role].total:
+            if self._tot[role] > self._cur[role].total or self._tot[role] > self._peak[role].total or (
+                self._win is not None and self._tot[role] > self._win[role].total
+            ):
                 self._update_peaks(role)
 
     # --- classification from the objects we know -----------------------------------------------------
@@ -685,6 +688,7 @@ class MemoryTracker:
             prev = self._cuda.get(name, [0, 0])
             self._cuda[name] = [max(prev[0], allocated), max(prev[1], reserved)]
         self._in_fwd = False
+        self._win = None
         self._scan_grads()
         if name == _OPTIMIZER:
             # NOTE: optimizers whose `step` bypasses torch's step hooks still get their state re-tagged here.
@@ -698,6 +702,37 @@ class MemoryTracker:
                     self._retag(rec, _X, rec.role, retro=False)
         self._phase = None
         self._cur = self._peak
+
+    def set_window(self, name: str | None) -> None:
+        """Also keep the peaks of a part of the current phase, reported as ``peaks[f"{phase}@{name}"]``.
+
+        A window changes nothing of the phase (its category rules, its own peak); it only adds snapshots.
+        The dry run cuts a phase into the part before the repeated blocks, the blocks and the part after
+        them, whose peaks each grow linearly with depth (the phase's peak may switch between them).
+        """
+        if self._phase is None:
+            raise RuntimeError("`set_window` needs a current phase: call `set_phase` first.")
+        if name is None:
+            self._win = None
+            return
+        key = f"{self._phase}@{name}"
+        snaps = self._phase_snaps.get(key)
+        if snaps is None:
+            snaps = self._phase_snaps[key] = (_Snap(), _Snap())
+        self._win = snaps
+        with self._lock:
+            self._seq += 1
+            for role in (_DEV, _HOST):
+                if self._tot[role] > snaps[role].total:
+                    snaps[role].total = self._tot[role]
+                    snaps[role].cats = self._live[role].copy()
+                    snaps[role].seq = self._seq
+                    snaps[role].phase = self._phase
+
+    @property
+    def phase_name(self) -> str | None:
+        """The current phase (None outside every phase)."""
+        return self._phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -25,8 +25,8 @@ class StepMemoryRecorder(Callback):
 
     Phases: ``forward`` from ``on_train_batch_start``, ``backward`` from ``on_before_backward`` to
     ``on_after_backward``, ``optimizer`` from ``on_before_optimizer_step`` to ``on_train_batch_end``. A
-    step is sampled when ``global_step % every_n_steps == 0``, and step 1 always (step 0 creates the
-    optimizer state; step 1 is the first steady-state step). Each sampled step appends one dict to
+    step is sampled when ``global_step % every_n_steps == 0``, and the second step always (the first creates
+    the optimizer state; the second is the first steady-state step). Each sampled step appends one dict to
     :attr:`steps` (see :meth:`record`). On CUDA, every step's peaks are also read from CUDA's own
     statistics. Strategies and callbacks implementing ``memory_breakdown()`` are asked at each sampled step.
 
@@ -50,9 +50,16 @@ class StepMemoryRecorder(Callback):
         self._micro_batches = 0
         self._act_after_fwd = 0
         self._cuda_window: CudaPeakWindow | None = None
+        self._windows = -1  # optimizer-step windows opened since the fit began
+
+    @property
+    def tracker(self) -> MemoryTracker | None:
+        """The tracker of the step being sampled (None between sampled steps)."""
+        return self._tracker
 
     def sampled(self, step: int) -> bool:
-        return step % self.every_n_steps == 0 or step == 1
+        # NOTE: the second window, not `global_step == 1`: with two optimizers (a GAN) every batch steps twice
+        return step % self.every_n_steps == 0 or self._windows == 1
 
     # --- the step's phases ----------------------------------------------------------------------------------
     @override
@@ -64,6 +71,7 @@ class StepMemoryRecorder(Callback):
         if self._window_step != step:  # the first micro-batch of an optimizer step
             self._close(trainer)
             self._window_step = step
+            self._windows += 1
             self._micro_batches = 0
             self._act_after_fwd = 0
             if device.type == "cuda" and torch.cuda.is_available():
@@ -155,6 +163,7 @@ class StepMemoryRecorder(Callback):
                 components[name] = {"error": f"{type(err).__name__}: {err}"}
         return {
             "step": self._window_step,
+            "window": self._windows,
             "micro_batches": self._micro_batches,
             "peak_bytes": report["peak_bytes"],
             "peak_bytes_host": report["peak_bytes_host"],

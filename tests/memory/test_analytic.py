@@ -12,7 +12,7 @@ from lightning_lowmem.memory.analytic import (
     per_param_rule_bytes,
     transformer_shape,
 )
-from lightning_lowmem.memory.estimate import resolve_config
+from lightning_lowmem.memory.configs import resolve_config
 
 
 @pytest.mark.parametrize(
