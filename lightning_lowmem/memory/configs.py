@@ -26,13 +26,15 @@ def resolve_config(model: Any, overrides: dict[str, Any] | None = None) -> Any:
 
     overrides = dict(overrides or {})
     if isinstance(model, PretrainedConfig):
-        return _with_overrides(model.__class__.from_dict(model.to_dict()), overrides)
+        cls_ = model.__class__
+        return _with_overrides(model, overrides, lambda o: cls_.from_dict({**model.to_diff_dict(), **o}))
     if isinstance(model, dict):
         fields = {k: v for k, v in model.items() if not k.startswith("_")}
         model_type = fields.pop("model_type", None)
         if model_type is None:
             raise ValueError(f"Passed a config dict without `model_type` (keys: {sorted(fields)[:8]}...).")
-        return _with_overrides(AutoConfig.for_model(model_type, **fields), overrides)
+        return _with_overrides(AutoConfig.for_model(model_type, **fields), overrides,
+                               lambda o: AutoConfig.for_model(model_type, **{**fields, **o}))
     if not isinstance(model, (str, Path)):
         raise TypeError(f"Passed a model of type {type(model).__name__}; expected a config, a path or a name.")
     name = str(model)
@@ -50,9 +52,9 @@ def resolve_config(model: Any, overrides: dict[str, Any] | None = None) -> Any:
         return resolve_config(data, overrides)
     cls = getattr(transformers, name.rsplit(".", 1)[-1], None)
     if isinstance(cls, type) and issubclass(cls, PretrainedConfig) and cls is not PretrainedConfig:
-        return _with_overrides(cls(), overrides)
+        return _with_overrides(cls(), overrides, lambda o: cls(**o))
     try:
-        return _with_overrides(AutoConfig.for_model(name), overrides)
+        return _with_overrides(AutoConfig.for_model(name), overrides, lambda o: AutoConfig.for_model(name, **o))
     except ValueError as err:
         if "Unrecognized model" not in str(err) and "model_type" not in str(err):
             raise
@@ -62,8 +64,16 @@ def resolve_config(model: Any, overrides: dict[str, Any] | None = None) -> Any:
         ) from None
 
 
-def _with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
+def _with_overrides(config: Any, overrides: dict[str, Any], rebuild: Any) -> Any:
+    """Check ``overrides`` against ``config``, then ``rebuild(overrides)``.
+
+    NOTE: rebuilt, not set on the built config: fields derived in a config's ``__init__`` (LLaMA's ``head_dim``
+    from ``hidden_size``) would keep their old values.
+    """
     import difflib
+
+    if not overrides:
+        return config
 
     known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
     problems = []
@@ -79,11 +89,9 @@ def _with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
         ):
             problems.append(f"`{key}={value!r}` has the wrong type: {type(config).__name__}.{key} is "
                             f"{type(current).__name__} (now {current!r})")
-            continue
-        setattr(config, key, value)
     if problems:
         raise ValueError("Passed config overrides that do not apply: " + "; ".join(problems) + ".")
-    return config
+    return rebuild(overrides)
 
 
 def causal_lm_factory(config: Any) -> Any:

@@ -221,7 +221,9 @@ class _DepthWindows(L.Callback):
     def _window(self, name: str, phase: str) -> None:
         tracker = self.recorder.tracker
         if tracker is not None and tracker.phase_name == phase:
-            tracker.set_window(name)
+            # NOTE: before and after the blocks the ops do not depend on depth: extrapolated event by event, as a
+            # transient that grows with depth (a KV cache dropped with the model's output) can move the peak
+            tracker.set_window(name, events=name != "blocks")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         found = find_blocks(pl_module)
@@ -337,6 +339,43 @@ def _values(steps: list[dict[str, Any]], windows: bool = False) -> dict[tuple[st
             for cat in CATEGORIES:
                 out[(scope, role, cat)] = int(best[cat]) if best is not None else 0
     return out
+
+
+def _events(steps: list[dict[str, Any]]) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The last traced step's live bytes after every increase, per window that recorded them."""
+    for record in reversed(steps):
+        if "window_events" in record:
+            return record["window_events"]
+    return {}
+
+
+def _event_values(ea: dict, eb: dict, ec: dict, depths: tuple[int, int, int], n: int
+                  ) -> tuple[dict[tuple[str, str, str], int], tuple[Any, int] | None]:
+    """Event-by-event lines of the windows that run the same ops at every depth; the values at depth ``n``.
+
+    Returns the extrapolated ``{(window, role, category): bytes}`` at each window's highest extrapolated event
+    (per role), and the first disagreement (a window whose event count changes with depth, or an event the
+    third depth does not confirm), or None.
+    """
+    out: dict[tuple[str, str, str], int] = {}
+    (da, db, dc) = depths
+    for key in ec:
+        a, b, c = ea.get(key), eb.get(key), ec[key]
+        if a is None or b is None or not (len(a) == len(b) == len(c)) or not c:
+            return out, ((key, "events"), len(c) - len(b or []))
+        for r, role in enumerate(("device", "host")):
+            best_total, best = -1, None
+            for i in range(len(c)):
+                va, vb, vc = a[i][r], b[i][r], c[i][r]
+                line = [round(x + (y - x) * (dc - da) / (db - da)) for x, y in zip(va, vb)]
+                if abs(sum(line) - sum(vc)) > max(AGREEMENT * sum(vc), 4096):
+                    return out, ((key, role, i), sum(line) - sum(vc))
+                at_n = [max(0, round(y + (z - y) * (n - db) / (dc - db))) for y, z in zip(vb, vc)]
+                if sum(at_n) > best_total:
+                    best_total, best = sum(at_n), at_n
+            for cat, value in zip(CATEGORIES, best):  # type: ignore[arg-type]
+                out[(key, role, cat)] = value
+    return out, None
 
 
 def _phases_of(values: dict[tuple[str, str, str], int]) -> dict[tuple[str, str, str], int]:
@@ -494,10 +533,14 @@ def dry_run(
     traced_steps: list[dict[str, Any]] = []
     if extrapolate:
         depths = (2 * unit, 3 * unit, 4 * unit)  # type: ignore[operator]
-        va, vb, vc = (_values(_trace(build(d), run, data_kwargs, windows=True, **kw), windows=True) for d in depths)
-        miss = _disagreement(_line(va, vb, depths[0], depths[1], depths[2]), vc)
+        traces = [_trace(build(d), run, data_kwargs, windows=True, **kw) for d in depths]
+        va, vb, vc = (_values(t, windows=True) for t in traces)
+        by_event, miss = _event_values(*(_events(t) for t in traces), depths, num_blocks)  # type: ignore[arg-type]
         if miss is None:
-            values = _phases_of(_line(vb, vc, depths[1], depths[2], num_blocks))  # type: ignore[arg-type]
+            miss = _disagreement(_line(va, vb, depths[0], depths[1], depths[2]), vc)
+        if miss is None:
+            line = _line(vb, vc, depths[1], depths[2], num_blocks)  # type: ignore[arg-type]
+            values = _phases_of({**line, **by_event})
             notes.append(f"traced {depths[0]}, {depths[1]} and {depths[2]} of {num_blocks} blocks; the third depth "
                          f"confirmed the line (within {AGREEMENT:.2%}): extrapolated per part of each phase (before, "
                          "in and after the blocks), role and category")

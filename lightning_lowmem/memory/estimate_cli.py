@@ -119,14 +119,11 @@ def _names_module(name: str) -> bool:
 
 
 def _model_config(args: argparse.Namespace) -> Any:
-    from lightning_lowmem.memory.analytic import transformer_shape
     from lightning_lowmem.memory.configs import max_positions, resolve_config
 
     config = resolve_config(args.model, _parse_set(args.set))
-    try:
-        layers = transformer_shape(config).num_layers
-    except ValueError:
-        layers = None
+    layers = next((getattr(config, n) for n in ("num_hidden_layers", "n_layer", "num_layers")
+                   if isinstance(getattr(config, n, None), int)), None)
     if layers is not None and layers < 1:
         raise ValueError(f"The model {args.model!r} has {layers} layers; give it at least one (`--set n_layer=...`).")
     positions = max_positions(config)
@@ -180,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       extrapolate=extrapolate, **kw)
             except ModuleNotFoundError as err:  # an optional extra (bitsandbytes) missing: say so, keep going
                 rows.append((name, "-", "-", "-", "-", f"skipped: {err}", "-"))
+                continue
+            except ValueError as err:  # the real run refuses this combination for this model: its own reason
+                rows.append((name, "-", "-", "-", "-", "refused: " + " ".join(str(err).split()), "-"))
                 continue
             fits = "-" if budget is None else ("yes" if est.fits(budget) else "no")
             rows.append((name, fmt_gib(est.peak_device), fmt_gib(est.peak_host), est.binding_phase, fits,

@@ -359,6 +359,8 @@ class MemoryTracker:
         self._phase: str | None = None
         self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
         self._win: tuple[_Snap, _Snap] | None = None  # the current window's snapshots (see `set_window`)
+        self._win_events: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+        self.window_events: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
         self._in_fwd = False
         self._fwd_epoch = 0
         self._weight_keys: set[int] = set()
@@ -417,6 +419,8 @@ class MemoryTracker:
 
     def _update_peaks(self, role: int) -> None:
         total = self._tot[role]
+        if self._win_events is not None:
+            self._win_events.append((tuple(self._live[_DEV]), tuple(self._live[_HOST])))
         for snap in (self._peak[role], self._cur[role], *((self._win[role],) if self._win is not None else ())):
             if total > snap.total:
                 snap.total = total
@@ -688,7 +692,7 @@ class MemoryTracker:
             prev = self._cuda.get(name, [0, 0])
             self._cuda[name] = [max(prev[0], allocated), max(prev[1], reserved)]
         self._in_fwd = False
-        self._win = None
+        self._win = self._win_events = None
         self._scan_grads()
         if name == _OPTIMIZER:
             # NOTE: optimizers whose `step` bypasses torch's step hooks still get their state re-tagged here.
@@ -703,19 +707,25 @@ class MemoryTracker:
         self._phase = None
         self._cur = self._peak
 
-    def set_window(self, name: str | None) -> None:
+    def set_window(self, name: str | None, events: bool = False) -> None:
         """Also keep the peaks of a part of the current phase, reported as ``peaks[f"{phase}@{name}"]``.
 
         A window changes nothing of the phase (its category rules, its own peak); it only adds snapshots.
         The dry run cuts a phase into the part before the repeated blocks, the blocks and the part after
         them, whose peaks each grow linearly with depth (the phase's peak may switch between them).
+        ``events``: also keep the live bytes by category (device, host) after every increase during the
+        window's last occurrence, in :attr:`window_events` (the parts of a step that run the same ops at any
+        depth are extrapolated event by event).
         """
         if self._phase is None:
             raise RuntimeError("`set_window` needs a current phase: call `set_phase` first.")
         if name is None:
-            self._win = None
+            self._win = self._win_events = None
             return
         key = f"{self._phase}@{name}"
+        self._win_events = None
+        if events:
+            self._win_events = self.window_events[key] = []
         snaps = self._phase_snaps.get(key)
         if snaps is None:
             snaps = self._phase_snaps[key] = (_Snap(), _Snap())

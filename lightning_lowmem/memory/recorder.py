@@ -176,6 +176,7 @@ class StepMemoryRecorder(Callback):
             "cuda_max_reserved": cuda_step[1] if cuda_step else None,
             "components": components,
             "aten_ops": tracker.num_ops,
+            **({"window_events": tracker.window_events} if tracker.window_events else {}),
         }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from lightning_lowmem.memory.run import RunSpec
@@ -22,7 +23,7 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
     from lightning_lowmem.cli import LowMemCLI  # NOTE: the CLI's parser, so the YAML means what `lowmem fit` reads
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"Passed `--config {path}`: no such file.")
+        raise FileNotFoundError(f"Passed the run config {str(path)!r}: no such file.")
 
     class RunConfig(LowMemCLI):
         def instantiate_classes(self) -> None:
@@ -35,7 +36,10 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
             self._add_configure_optimizers_method_to_model(self.subcommand)
             self.trainer = self.instantiate_trainer()
 
-    cli = RunConfig(run=False, args=["--config", str(path)], save_config_callback=None)
+    with warnings.catch_warnings():
+        # NOTE: LightningCLI warns that `args=` is meant for Python use whenever sys.argv is not empty: it is
+        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+        cli = RunConfig(run=False, args=["--config", str(path)], save_config_callback=None)
     return cli.model, cli.datamodule, RunSpec.from_trainer(cli.trainer)
 
 
