@@ -141,6 +141,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "chunked"
 
 
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
 def require_kernel(backend: str, feature: str) -> Any:
     """Import the backend's package, or raise ``ModuleNotFoundError`` naming the ``kernels`` extra."""
     package, module = _KERNELS[backend]
@@ -160,7 +164,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     if name == "chunked":
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, chunk_tokens,
                                                 compute_dtype(hidden, weight), scale, softcap)
-    if hidden.device.type != "cuda":
+    if not _on_cuda(hidden):
         raise ValueError(
             f"Passed `backend={backend!r}` with tensors on `{hidden.device}`; the {name} kernels are Triton (CUDA "
             "only). Use backend='auto' (ours off CUDA) or backend='chunked'."

@@ -260,15 +260,29 @@ def _verify_once(model: nn.Module, probe: torch.Tensor, logits: Any, scale: floa
     model.__dict__[_VERIFIED] = True
 
 
+def _causal_lm_classes() -> frozenset[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return frozenset(n for v in names for n in ([v] if isinstance(v, str) else v))
+
+
 def find_causal_lms(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost Hugging Face causal LMs under ``root``: a ``labels`` forward and a plain ``nn.Linear`` head."""
+    """The outermost Hugging Face causal LMs under ``root`` (a class of, or derived from, an ``AutoModelForCausalLM``).
+
+    NOTE: causal only: a masked LM's or a seq2seq model's ``labels`` are not shifted, and a masked LM's head is
+    more than its output embeddings.
+    """
     from transformers import PreTrainedModel
 
+    causal = _causal_lm_classes()
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
-        if any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
+        if any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
             continue
-        if not isinstance(module, PreTrainedModel) or "labels" not in inspect.signature(type(module).forward).parameters:
+        if not isinstance(module, PreTrainedModel) or not any(c.__name__ in causal for c in type(module).__mro__):
+            continue
+        if getattr(module.config, "is_encoder_decoder", False):
             continue
         try:
             head = module.get_output_embeddings()
@@ -383,9 +397,9 @@ class ChunkedLMLoss(pl.Callback):
         found = find_causal_lms(root)
         if not found:
             raise ValueError(
-                f"ChunkedLMLoss found no Hugging Face causal LM in `{type(root).__name__}` (a `PreTrainedModel` whose "
-                "forward takes `labels` and that has output embeddings, such as GPT2LMHeadModel or "
-                "LlamaForCausalLM). For a head of your own, call `chunked_causal_lm_loss(hidden, head_weight, labels)` "
+                f"ChunkedLMLoss found no Hugging Face causal LM in `{type(root).__name__}` (a model class of "
+                "`AutoModelForCausalLM`, or derived from one, with output embeddings: GPT2LMHeadModel, "
+                "LlamaForCausalLM, ...). For a head of your own, call `chunked_causal_lm_loss(hidden, head_weight, labels)` "
                 "in training_step instead of the callback."
             )
         problems = []
