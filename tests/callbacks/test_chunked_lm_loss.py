@@ -139,6 +139,25 @@ def test_half_precision_matches_upcast_reference():
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+def test_autocast_matches_the_models_own_loss():
+    """``precision="bf16-mixed"``: fp32 weights, the head's matmul in bf16 under autocast, as ``nn.Linear`` there."""
+    torch.manual_seed(0)
+    model = tiny_llama().train()
+    reference = copy.deepcopy(model)
+    batch = _padded_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = reference(**batch).loss
+    ref.backward()
+    ChunkedLMLoss(chunk_tokens=9, backend="chunked").apply(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    assert loss.dtype == torch.float32 and model.lm_head.weight.grad.dtype == torch.float32
+    # NOTE: same bf16 inputs; the chunk's matmul may block differently from the full one (bf16 rounding of a logit)
+    assert abs(loss.item() / ref.item() - 1) <= 1e-3
+    _assert_grads_close(model, reference, tol=3e-2)
+
+
 def test_bad_arguments_are_reported_together():
     with pytest.raises(ValueError, match=r"chunk_tokens=0.*backend='fast'"):
         chunked_causal_lm_loss(torch.randn(1, 3, 4), torch.randn(5, 4), torch.zeros(1, 3, dtype=torch.long),
