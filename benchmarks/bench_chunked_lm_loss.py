@@ -39,7 +39,8 @@ XL = {"n_layer": 48, "n_embd": 1600, "n_head": 25, "n_positions": 1024, "use_cac
 CHUNKS = (1024, 256, 128)
 
 
-def loss_memory(chunk: int | None, batch: int = 4, seq: int = 1024, hidden: int = 1600, vocab: int = 50257) -> dict[str, Any]:
+def loss_memory(chunk: int | None, recompute: bool = True, batch: int = 4, seq: int = 1024, hidden: int = 1600,
+                vocab: int = 50257) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -56,14 +57,15 @@ def loss_memory(chunk: int | None, batch: int = 4, seq: int = 1024, hidden: int 
                     loss = F.cross_entropy(logits.view(-1, vocab), targets, ignore_index=-100)
                     del logits
                 else:
-                    loss = chunked_causal_lm_loss(h, head.weight, labels, chunk_tokens=chunk)
+                    loss = chunked_causal_lm_loss(h, head.weight, labels, chunk_tokens=chunk, recompute=recompute)
             with tracker.phase("backward"):
                 loss.backward()
     interface = h.numel() * 2 * 2 + labels.numel() * 8  # hidden + its gradient (bf16), labels
     by_phase = {name: p.by_category["activations"] + p.by_category["other"] - interface for name, p in tracker.peaks.items()}
     return {
         "part": "loss",
-        "variant": "model's own loss (bf16 logits -> fp32 CE)" if chunk is None else "chunked_causal_lm_loss",
+        "variant": "model's own loss (bf16 logits -> fp32 CE)" if chunk is None
+        else "chunked_causal_lm_loss" + ("" if recompute else "(recompute=False)"),
         "chunk_tokens": chunk,
         "loss_fwd_MiB": round(by_phase["forward"] / MiB, 1),
         "loss_bwd_MiB": round(by_phase["backward"] / MiB, 1),
@@ -76,22 +78,23 @@ def dry_run_rows() -> list[dict[str, Any]]:
     from lightning_lowmem.demo.module import CausalLMModule
     from lightning_lowmem.memory.dry_run import dry_run
 
-    def build(chunk: int | None) -> Any:
+    def build(chunk: int | None, recompute: bool) -> Any:
         def make() -> CausalLMModule:
             module = CausalLMModule(config=XL)
             if chunk is not None:
-                ChunkedLMLoss(chunk_tokens=chunk, backend="chunked").apply(module)
+                ChunkedLMLoss(chunk_tokens=chunk, backend="chunked", recompute=recompute).apply(module)
             return module
 
         return make
 
     rows = []
     for recipe, kwargs in (("offload + ckpt(all)", {}), ("offload + ckpt(all) + act. offload", {"activation_offload": True})):
-        for chunk in (None, 1024, 128):
-            est = dry_run(build(chunk), batch_size=4, seq_len=1024, precision="bf16-true", checkpointing="all",
-                          offload=True, target="cuda", **kwargs)
+        for chunk, recompute in ((None, True), (1024, True), (128, True), (128, False)):
+            est = dry_run(build(chunk, recompute), batch_size=4, seq_len=1024, precision="bf16-true",
+                          checkpointing="all", offload=True, target="cuda", **kwargs)
+            name = "" if chunk is None else " + ChunkedLMLoss" + ("" if recompute else "(recompute=False)")
             rows.append({
-                "part": "dry_run", "variant": recipe + ("" if chunk is None else " + ChunkedLMLoss"),
+                "part": "dry_run", "variant": recipe + name,
                 "chunk_tokens": chunk, "device_peak_GiB": round(est.peak_device / GiB, 2), "binds": est.binding_phase,
             })
     return rows
@@ -110,10 +113,10 @@ def cpu_time_rows(rounds: int) -> list[dict[str, Any]]:
         base = build_causal_lm("gpt2", {**config, "use_cache": False, "vocab_size": vocab}, vocab_size=None).train()
         ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
         models = {"model's own loss": base}
-        for chunk in (1024, 128):
+        for chunk, recompute in ((1024, True), (128, True), (1024, False)):
             model = copy.deepcopy(base)
-            ChunkedLMLoss(chunk_tokens=chunk, backend="chunked").apply(model)
-            models[f"ChunkedLMLoss({chunk})"] = model
+            ChunkedLMLoss(chunk_tokens=chunk, backend="chunked", recompute=recompute).apply(model)
+            models[f"ChunkedLMLoss({chunk}{'' if recompute else ', recompute=False'})"] = model
 
         def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
             opt.zero_grad(set_to_none=True)
@@ -154,7 +157,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--skip-dry-run", action="store_true")
     args = parser.parse_args()
-    rows = [loss_memory(None), *(loss_memory(c) for c in CHUNKS)]
+    rows = [loss_memory(None), *(loss_memory(c) for c in CHUNKS), loss_memory(128, recompute=False)]
     if not args.skip_dry_run:
         rows += dry_run_rows()
     threads = torch.get_num_threads()

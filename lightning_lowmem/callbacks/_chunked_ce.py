@@ -42,6 +42,52 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comp
     return z
 
 
+class _Gradients:
+    """The gradients of hidden, weight and bias, accumulated chunk by chunk from each chunk's logit gradients."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w: torch.Tensor,
+                 needs: tuple[bool, bool, bool], compute: torch.dtype, acc: torch.dtype) -> None:
+        self.hidden, self.weight, self.bias, self.w, self.compute = hidden, weight, bias, w, compute
+        self.need_h, self.need_w, self.need_b = needs
+        self.h = torch.empty_like(hidden) if self.need_h else None
+        self.wt: torch.Tensor | None = None
+        self.b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if self.need_b else None
+
+    def add(self, s: int, e: int, p: torch.Tensor) -> None:
+        """``p``: d loss / d logits of rows ``s:e`` in the accumulation dtype (consumed)."""
+        if self.b is not None:
+            self.b += p.sum(dim=0)
+        g = p.to(self.compute)
+        del p
+        if self.h is not None:
+            if self.h.dtype == self.compute:
+                torch.mm(g, self.w, out=self.h[s:e])
+            else:
+                self.h[s:e].copy_(g @ self.w)
+        if self.need_w:
+            h = self.hidden[s:e].to(self.compute)
+            if self.wt is None:
+                self.wt = g.t() @ h
+            else:
+                self.wt.addmm_(g.t(), h)
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        wt = self.wt
+        if self.need_w and wt is None:  # no rows at all
+            wt = torch.zeros_like(self.weight)
+        return (self.h, None if wt is None else wt.to(self.weight.dtype),
+                None if self.b is None else self.b.to(self.bias.dtype))
+
+
+def _logit_grad_(p: torch.Tensor, safe: torch.Tensor, coef: torch.Tensor, dcap: torch.Tensor | None) -> torch.Tensor:
+    """Softmax ``p`` of a chunk -> d loss / d logits, in place: ``coef * (p - onehot) * softcap'``."""
+    p.scatter_add_(1, safe[:, None], p.new_full((p.size(0), 1), -1.0))
+    p.mul_(coef[:, None])
+    if dcap is not None:
+        p.mul_(dcap)
+    return p
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Sum of the cross-entropies of ``hidden @ W^T`` over chunks of rows; logits recomputed per chunk in backward.
 
@@ -50,84 +96,78 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     accumulates in fp32 inside cuBLAS/oneDNN, so there is one extra rounding per chunk in half precision), then cast
     to the weight's dtype. NOTE: an fp32 accumulator would be a V x H fp32 buffer (300 MiB for GPT-2-XL), more than
     the chunked logits save; the weight's own gradient is that size in its dtype anyway.
+
+    ``recompute=False`` (Liger's schedule): the gradients are computed in forward, from the chunk's logits already
+    there, and held until backward scales them by the incoming gradient: no second head matmul, at the price of
+    holding d hidden and d weight from the loss's forward to its backward. The loss is a scalar, so its gradients
+    are that incoming scalar times these.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, ignore_index: int, chunk: int, compute: torch.dtype,
-                scale: float | None, softcap: float | None) -> torch.Tensor:
+                scale: float | None, softcap: float | None, recompute: bool) -> torch.Tensor:
         acc = torch.promote_types(compute, torch.float32)
         n = hidden.size(0)
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
+        early = not recompute and any(ctx.needs_input_grad[:3])
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)
             b = None if bias is None else bias.to(compute)
             lse = torch.empty(n, dtype=acc, device=hidden.device)
             total = torch.zeros((), dtype=acc, device=hidden.device)
+            grads = _Gradients(hidden, weight, bias, w, ctx.needs_input_grad[:3], compute, acc) if early else None
+            coef = valid.to(acc) * (1.0 if scale is None else scale)
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 z = _chunk_logits(hidden[s:e], w, b, compute, acc, scale, softcap)
                 target_logit = z.gather(1, safe[s:e, None]).squeeze(1)
+                dcap = (z / softcap).square_().neg_().add_(1) if early and softcap is not None else None
                 # NOTE: log-sum-exp in place on the chunk (torch.logsumexp would allocate two more chunk-sized temporaries)
                 m = z.amax(dim=1, keepdim=True)
-                chunk_lse = z.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
-                del z
+                sumexp = z.sub_(m).exp_().sum(dim=1)
+                chunk_lse = sumexp.log().add_(m.squeeze(1))
+                if grads is not None:
+                    grads.add(s, e, _logit_grad_(z.div_(sumexp[:, None]), safe[s:e], coef[s:e], dcap))
+                del z, dcap
                 lse[s:e] = chunk_lse
                 total += torch.where(valid[s:e], chunk_lse - target_logit, 0).sum()
-        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
-        ctx.settings = (chunk, compute, acc, scale, softcap)
+        ctx.early = grads.result() if grads is not None else None
+        if grads is None:
+            ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
+        ctx.settings = (chunk, compute, acc, scale, softcap, recompute)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        chunk, compute, acc, scale, softcap, recompute = ctx.settings
+        none = (None,) * 7
+        if not recompute:
+            if ctx.early is None:
+                raise RuntimeError(
+                    "chunked_causal_lm_loss(recompute=False) computed its gradients in forward and handed them to the "
+                    "first backward; a second backward through the same loss (retain_graph) needs recompute=True."
+                )
+            early, ctx.early = ctx.early, None
+            # NOTE: in place: these buffers are the gradients handed to autograd (no second weight-sized copy)
+            return (*(None if g is None else g.mul_(grad_out.to(acc)) for g in early), *none)
         hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
-        chunk, compute, acc, scale, softcap = ctx.settings
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.size(0)
-        grad_h = grad_w = grad_b = None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)
             b = None if bias is None else bias.to(compute)
+            grads = _Gradients(hidden, weight, bias, w, ctx.needs_input_grad[:3], compute, acc)
             # d loss / d logit_ij = g * valid_i * (softmax_ij - onehot_ij) * scale * softcap'(.)
             coef = valid.to(acc) * grad_out.to(acc) * (1.0 if scale is None else scale)
-            if need_h:
-                grad_h = torch.empty_like(hidden)
-            if need_b:
-                grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device)
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 z = _chunk_logits(hidden[s:e], w, b, compute, acc, scale, softcap)
                 dcap = None if softcap is None else (z / softcap).square_().neg_().add_(1)
                 p = z.sub_(lse[s:e, None]).exp_()
-                p.scatter_add_(1, safe[s:e, None], p.new_full((e - s, 1), -1.0))
-                p.mul_(coef[s:e, None])
-                if dcap is not None:
-                    p.mul_(dcap)
-                    del dcap
-                if need_b:
-                    grad_b += p.sum(dim=0)
-                g = p.to(compute)
-                del z, p
-                if need_h:
-                    if grad_h.dtype == compute:
-                        torch.mm(g, w, out=grad_h[s:e])
-                    else:
-                        grad_h[s:e].copy_(g @ w)
-                if need_w:
-                    h = hidden[s:e].to(compute)
-                    if grad_w is None:
-                        grad_w = g.t() @ h
-                    else:
-                        grad_w.addmm_(g.t(), h)
-                del g
-            if need_w and grad_w is None:  # no rows at all
-                grad_w = torch.zeros_like(weight)
-            if grad_w is not None:
-                grad_w = grad_w.to(weight.dtype)
-            if grad_b is not None:
-                grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+                grads.add(s, e, _logit_grad_(p, safe[s:e], coef[s:e], dcap))
+                del z, p, dcap
+            return (*grads.result(), *none)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -155,7 +195,7 @@ def require_kernel(backend: str, feature: str) -> Any:
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                              bias: torch.Tensor | None = None, ignore_index: int = -100, chunk_tokens: int = 1024,
                              scale: float | None = None, softcap: float | None = None,
-                             backend: str = "chunked") -> torch.Tensor:
+                             backend: str = "chunked", recompute: bool = True) -> torch.Tensor:
     """Sum over rows of ``CE(softcap(scale * (hidden @ weight^T + bias)), targets)``, rows ``[N, H]``, targets ``[N]``.
 
     The sum is in fp32 (fp64 for a fp64 compute dtype) for ``"chunked"``; the kernels return their own dtype.
@@ -163,7 +203,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     name = resolve_backend(backend, hidden.device)
     if name == "chunked":
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, chunk_tokens,
-                                                compute_dtype(hidden, weight), scale, softcap)
+                                                compute_dtype(hidden, weight), scale, softcap, recompute)
     if not _on_cuda(hidden):
         raise ValueError(
             f"Passed `backend={backend!r}` with tensors on `{hidden.device}`; the {name} kernels are Triton (CUDA "

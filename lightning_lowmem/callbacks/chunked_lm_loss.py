@@ -52,6 +52,7 @@ def chunked_causal_lm_loss_sum(
     logit_scale: float | None = None,
     logit_softcap: float | None = None,
     backend: Backend = "auto",
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed next-token cross-entropy and the number of tokens it sums over: ``(loss_sum, num_tokens)``.
 
@@ -83,7 +84,7 @@ def chunked_causal_lm_loss_sum(
     rows = hidden.reshape(-1, hidden.size(-1))
     loss_sum = linear_cross_entropy_sum(
         rows, head_weight, targets, bias=head_bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-        scale=logit_scale, softcap=logit_softcap, backend=backend,
+        scale=logit_scale, softcap=logit_softcap, backend=backend, recompute=recompute,
     )
     return loss_sum, (targets != ignore_index).sum()
 
@@ -101,6 +102,7 @@ def chunked_causal_lm_loss(
     logit_scale: float | None = None,
     logit_softcap: float | None = None,
     backend: Backend = "auto",
+    recompute: bool = True,
 ) -> torch.Tensor:
     """Next-token cross-entropy of ``hidden @ head_weight^T`` computed ``chunk_tokens`` rows at a time.
 
@@ -120,6 +122,9 @@ def chunked_causal_lm_loss(
             Gemma's ``final_logit_softcapping``), applied in fp32.
         backend: ``"auto"`` (Liger Kernel, else Cut Cross-Entropy where installed and on CUDA, else ours),
             ``"chunked"`` (ours), ``"liger"``, ``"cce"``.
+        recompute: ours recomputes each chunk's logits in backward. ``False``: computes the gradients in forward
+            from the logits it has (no second head matmul) and holds them (``[tokens, hidden]`` and
+            ``[vocab, hidden]`` in the compute dtype) until backward; no second backward through the loss.
 
     Example::
 
@@ -130,7 +135,7 @@ def chunked_causal_lm_loss(
         raise ValueError(f"chunked_causal_lm_loss: passed `reduction={reduction!r}`; expected 'mean' or 'sum'.")
     loss_sum, count = chunked_causal_lm_loss_sum(
         hidden, head_weight, labels, head_bias=head_bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
-        shift=shift, logit_scale=logit_scale, logit_softcap=logit_softcap, backend=backend,
+        shift=shift, logit_scale=logit_scale, logit_softcap=logit_softcap, backend=backend, recompute=recompute,
     )
     return loss_sum if reduction == "sum" else loss_sum / count.clamp(min=1)
 
@@ -140,6 +145,7 @@ def chunked_causal_lm_loss(
 class _Settings:
     chunk_tokens: int
     backend: str
+    recompute: bool
 
 
 def is_chunked(model: nn.Module) -> bool:
@@ -200,7 +206,7 @@ def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         result["sum"], result["count"] = chunked_causal_lm_loss_sum(
             hidden, head.weight, target.to(hidden.device), head_bias=head.bias, ignore_index=ignore_index,
             chunk_tokens=settings.chunk_tokens, shift=shift_labels is None, logit_scale=scale, logit_softcap=softcap,
-            backend=settings.backend,  # type: ignore[arg-type]
+            backend=settings.backend, recompute=settings.recompute,  # type: ignore[arg-type]
         )
         dtype = torch.promote_types(hidden.dtype, head.weight.dtype)
         if torch.is_autocast_enabled(hidden.device.type):
@@ -318,6 +324,10 @@ class ChunkedLMLoss(pl.Callback):
         backend: ``"auto"``: Liger Kernel's fused linear cross-entropy, else Apple's Cut Cross-Entropy, where
             installed (``pip install 'lightning-lowmem[kernels]'``) and on CUDA; our chunked loss otherwise.
             ``"chunked"``, ``"liger"`` or ``"cce"`` force one.
+        recompute: our loss recomputes each chunk's logits in backward (one more head matmul). ``False``
+            computes the gradients in the loss's forward instead, from the logits it has, and holds them (the head
+            weight's gradient and the hidden states') until backward, which follows at once: no extra matmul
+            (where the head dominates the step, e.g. a large vocabulary on a small model), about the same peak.
 
     Composes with ``lowmem_offload``, DDP, ``ActivationCheckpointing``, ``ActivationOffload``,
     ``AccumulationScheduler`` and ``LowBitOptimizer``. Not with DeepSpeed ZeRO stage 3 (refused: the head's
@@ -333,15 +343,18 @@ class ChunkedLMLoss(pl.Callback):
         wrapped: qualified names of the wrapped models, after setup.
     """
 
-    def __init__(self, chunk_tokens: int = 1024, backend: Backend = "auto") -> None:
+    def __init__(self, chunk_tokens: int = 1024, backend: Backend = "auto", recompute: bool = True) -> None:
         super().__init__()
         problems = _validate(chunk_tokens, backend)
+        if not isinstance(recompute, bool):
+            problems.append(f"`recompute={recompute!r}`; expected True or False")
         if problems:
             raise ValueError("ChunkedLMLoss: passed " + "; ".join(problems) + ".")
         if backend in ("liger", "cce"):
             require_kernel(backend, f"ChunkedLMLoss(backend={backend!r})")
         self.chunk_tokens = chunk_tokens
         self.backend = backend
+        self.recompute = recompute
         self.wrapped: list[str] = []
         self._models: list[nn.Module] = []
         self._patched_configure_model = False
@@ -414,7 +427,7 @@ class ChunkedLMLoss(pl.Callback):
                 )
         if problems:
             raise ValueError("ChunkedLMLoss: " + "; ".join(problems) + ".")
-        settings = _Settings(self.chunk_tokens, self.backend)
+        settings = _Settings(self.chunk_tokens, self.backend, self.recompute)
         for name, model in found:
             if "forward" in model.__dict__:
                 raise ValueError(
@@ -426,7 +439,7 @@ class ChunkedLMLoss(pl.Callback):
             self._models.append(model)
         self.wrapped = [name or type(model).__name__ for name, model in found]
         rank_zero_info(f"ChunkedLMLoss: chunked training loss for {', '.join(self.wrapped)} "
-                       f"(chunk_tokens={self.chunk_tokens}, backend={self.backend!r})")
+                       f"(chunk_tokens={self.chunk_tokens}, backend={self.backend!r}, recompute={self.recompute})")
         return self.wrapped
 
     def remove(self) -> None:

@@ -58,8 +58,9 @@ def _reference_loss(hidden, weight, labels, bias=None, scale=None, softcap=None,
 
 
 # --- the function -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
-def test_function_matches_cross_entropy_in_float64(chunk):
+def test_function_matches_cross_entropy_in_float64(chunk, recompute):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 9, 8, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
@@ -70,11 +71,20 @@ def test_function_matches_cross_entropy_in_float64(chunk):
     ref = _reference_loss(hidden, weight, labels, bias, **kw)
     ref_grads = torch.autograd.grad(ref, (hidden, weight, bias))
     loss = chunked_causal_lm_loss(hidden, weight, labels, head_bias=bias, chunk_tokens=chunk,
-                                  logit_scale=kw["scale"], logit_softcap=kw["softcap"])
-    grads = torch.autograd.grad(loss, (hidden, weight, bias))
+                                  logit_scale=kw["scale"], logit_softcap=kw["softcap"], recompute=recompute)
+    grads = torch.autograd.grad(loss * 0.3, (hidden, weight, bias))
+    ref_grads = [g * 0.3 for g in ref_grads]  # a non-unit incoming gradient, as under accumulation
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_gradients_in_forward_allow_one_backward_only():
+    hidden = torch.randn(1, 4, 3, requires_grad=True)
+    loss = chunked_causal_lm_loss(hidden, torch.randn(5, 3), torch.tensor([[1, 2, 3, 4]]), recompute=False)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward.*recompute=True"):
+        loss.backward()
 
 
 def test_function_passes_gradcheck():
@@ -235,15 +245,15 @@ def test_kernel_backend_receives_sum_reduction_and_folded_scale(monkeypatch):
 
 # --- the callback on Hugging Face models ----------------------------------------------------------------------------
 @pytest.mark.parametrize("model_type", ["gpt2", "llama"])
-@pytest.mark.parametrize("chunk", [7, 4096])
-def test_callback_matches_the_models_own_loss(model_type, chunk):
+@pytest.mark.parametrize(("chunk", "recompute"), [(7, True), (4096, True), (7, False)])
+def test_callback_matches_the_models_own_loss(model_type, chunk, recompute):
     torch.manual_seed(0)
     model = BUILDERS[model_type]().train()
     reference = copy.deepcopy(model)
     batch = _padded_batch()
     ref_out = reference(**batch)
     ref_out.loss.backward()
-    callback = ChunkedLMLoss(chunk_tokens=chunk, backend="chunked")
+    callback = ChunkedLMLoss(chunk_tokens=chunk, backend="chunked", recompute=recompute)
     assert callback.apply(model) == [type(model).__name__] and is_chunked(model)
     out = model(**batch)
     out.loss.backward()
@@ -365,7 +375,8 @@ def _transient(tracker: MemoryTracker, *inputs: torch.Tensor) -> int:
     return highest - interface
 
 
-def _loss_transient_bytes(chunk: int | None, n: int = 512, hidden_size: int = 32, vocab: int = 2000) -> tuple[int, int]:
+def _loss_transient_bytes(chunk: int | None, n: int = 512, hidden_size: int = 32, vocab: int = 2000,
+                          recompute: bool = True) -> tuple[int, int]:
     """The loss's transient bytes (forward + backward), and the bytes of one row of fp32 logits."""
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(hidden_size, vocab, bias=False)
@@ -378,15 +389,15 @@ def _loss_transient_bytes(chunk: int | None, n: int = 512, hidden_size: int = 32
             if chunk is None:
                 loss = _reference_loss(hidden, head.weight, labels)
             else:
-                loss = chunked_causal_lm_loss(hidden, head.weight, labels, chunk_tokens=chunk)
+                loss = chunked_causal_lm_loss(hidden, head.weight, labels, chunk_tokens=chunk, recompute=recompute)
         with tracker.phase("backward"):
             loss.backward()
     return _transient(tracker, hidden, labels), vocab * 4
 
 
-@pytest.mark.parametrize("chunk", [32, 128])
-def test_peak_is_at_most_two_chunks_of_logits_plus_their_gradient(chunk):
-    transient, row_bytes = _loss_transient_bytes(chunk)
+@pytest.mark.parametrize(("chunk", "recompute"), [(32, True), (128, True), (32, False)])
+def test_peak_is_at_most_two_chunks_of_logits_plus_their_gradient(chunk, recompute):
+    transient, row_bytes = _loss_transient_bytes(chunk, recompute=recompute)
     logits_chunk = chunk * row_bytes  # one chunk of fp32 logits
     assert transient <= 3 * logits_chunk  # two chunks' logits + their gradient
     full, _ = _loss_transient_bytes(None)

@@ -111,13 +111,14 @@ def _assert_updates_close(got: dict, want: dict, start: dict, rtol: float) -> No
     assert moved > 0
 
 
-def _compare(make: Any, callbacks: Any, rtol: float, **kwargs: Any) -> tuple[L.Trainer, L.LightningModule]:
+def _compare(make: Any, callbacks: Any, rtol: float, recompute: bool = True,
+             **kwargs: Any) -> tuple[L.Trainer, L.LightningModule]:
     """Fit the same seeded module with and without ChunkedLMLoss (other callbacks alike); compare the updates."""
     torch.manual_seed(0)
     module = make()
     plain = copy.deepcopy(module)
     start = {n: p.detach().float().clone() for n, p in module.named_parameters()}
-    chunked = ChunkedLMLoss(chunk_tokens=7, backend="auto")
+    chunked = ChunkedLMLoss(chunk_tokens=7, backend="auto", recompute=recompute)
     trainer = _fit(module, [*callbacks(), chunked], **kwargs)
     reference = _fit(plain, callbacks(), **kwargs)
     assert chunked.wrapped == [] and not is_chunked(module.model)  # teardown gave the forward back
@@ -134,9 +135,10 @@ def _compare(make: Any, callbacks: Any, rtol: float, **kwargs: Any) -> tuple[L.T
 FP32_RTOL = 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_fit_matches_the_models_own_loss(arch):
-    trainer, module = _compare(lambda: LabelsLM(arch), list, FP32_RTOL, val_check_interval=2, limit_val_batches=1)
+@pytest.mark.parametrize(("arch", "recompute"), [("gpt2", True), ("llama", True), ("gpt2", False)])
+def test_fit_matches_the_models_own_loss(arch, recompute):
+    trainer, module = _compare(lambda: LabelsLM(arch), list, FP32_RTOL, recompute=recompute, val_check_interval=2,
+                               limit_val_batches=1)
     assert module.val_logits_seen and all(module.val_logits_seen)  # validation ran the model untouched
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
 
@@ -167,11 +169,12 @@ def test_fit_with_activation_offload():
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning_lowmem.strategies.offload") is None,
                     reason="lowmem_offload is not available")
-def test_fit_with_lowmem_offload_bf16_true():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_fit_with_lowmem_offload_bf16_true(recompute):
     # NOTE: bf16 compute: both runs round the same logits to bf16 before the fp32 softmax, but the weight's gradient
     # is accumulated over chunks in bf16 (one rounding per chunk, 2^-8 relative each) and the matmuls block
     # differently, so updates agree to bf16 precision, not fp32.
-    _compare(LabelsLM, list, 5e-2, strategy="lowmem_offload", precision="bf16-true")
+    _compare(LabelsLM, list, 5e-2, recompute=recompute, strategy="lowmem_offload", precision="bf16-true")
 
 
 @pytest.mark.bnb
