@@ -24,6 +24,8 @@ _LAZY = {
     "AccumulationScheduler": "lightning_lowmem.callbacks.accumulation",
     "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
     "OptimizerInBackward": "lightning_lowmem.callbacks.optimizer_in_backward",
+    "ChunkedLMLoss": "lightning_lowmem.callbacks.chunked_lm_loss",
+    "chunked_causal_lm_loss": "lightning_lowmem.callbacks.chunked_lm_loss",
     "MemoryReport": "lightning_lowmem.callbacks.memory_report",
     "MemoryBreakdown": "lightning_lowmem.memory.categories",
     "estimate_memory": "lightning_lowmem.memory.estimate",

@@ -9,7 +9,7 @@ from types import ModuleType
 from typing import Any
 
 # package import name -> extra of lightning-lowmem that installs it
-_EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb"}
+_EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb", "liger_kernel": "kernels", "cut_cross_entropy": "kernels"}
 
 
 def package_available(name: str) -> bool:
