@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object
 from lightning_lowmem.callbacks._chunked_ce import BACKENDS, Backend, linear_cross_entropy_sum, require_kernel
 
 __all__ = ["ChunkedLMLoss", "chunked_causal_lm_loss", "chunked_causal_lm_loss_sum", "is_chunked"]
@@ -302,7 +302,7 @@ def find_causal_lms(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-class ChunkedLMLoss(pl.Callback):
+class ChunkedLMLoss(Reproducible, pl.Callback):
     """Compute a Hugging Face causal LM's training loss ``chunk_tokens`` tokens at a time, without the full logits.
 
     Memory: the logits of a step (``tokens x vocab``: 4 x 1024 x 50257 for GPT-2-XL at batch 4, 0.39 GiB in bf16,

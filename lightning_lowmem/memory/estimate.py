@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -60,6 +59,7 @@ def estimate_memory(
     optimizer_in_backward: bool = False,
     zero_stage: Literal[0, 2, 3] = 0,
     world_size: int = 1,
+    chunked_loss: int | None = None,
 ) -> MemoryEstimate:
     """Predict peak memory per phase, role and category of one run.
 
@@ -77,9 +77,10 @@ def estimate_memory(
         method: ``"analytic"`` skips the trace (closed form only; 40-71 % low on HF models).
         extrapolate: see :func:`~lightning_lowmem.memory.dry_run.dry_run`.
         offload, checkpointing, checkpointing_every_n, activation_offload, micro_batch_size, optimizer,
-        optimizer_in_backward, zero_stage, world_size: shorthands for the suite's techniques (``OffloadStrategy``,
-            ``ActivationCheckpointing``, ``ActivationOffload``, ``AccumulationScheduler``, ``LowBitOptimizer``,
-            ``OptimizerInBackward``, the ``lowmem_zero*`` presets); not together with ``strategy``/``callbacks``.
+        optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands for the suite's techniques
+            (``OffloadStrategy``, ``ActivationCheckpointing``, ``ActivationOffload``, ``AccumulationScheduler``,
+            ``LowBitOptimizer``, ``OptimizerInBackward``, the ``lowmem_zero*`` presets, ``ChunkedLMLoss(chunk_tokens=)``);
+            not together with ``strategy``/``callbacks``.
 
     Raises:
         ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run
@@ -103,7 +104,7 @@ def estimate_memory(
             )
     flags = {"offload": offload, "checkpointing": checkpointing, "activation_offload": activation_offload,
              "micro_batch_size": micro_batch_size, "optimizer": optimizer, "optimizer_in_backward": optimizer_in_backward,
-             "zero_stage": zero_stage}
+             "zero_stage": zero_stage, "chunked_loss": chunked_loss}
     used = [k for k in SHORTHANDS if flags[k] not in (None, False, 0, "adamw")]
     if used and (strategy != "auto" or callbacks):
         raise ValueError(
@@ -117,7 +118,7 @@ def estimate_memory(
                                  checkpointing_every_n=checkpointing_every_n, activation_offload=activation_offload,
                                  batch_size=batch_size, micro_batch_size=micro_batch_size, optimizer=optimizer,
                                  optimizer_in_backward=optimizer_in_backward, zero_stage=zero_stage,
-                                 world_size=world_size)
+                                 world_size=world_size, chunked_loss=chunked_loss)
     else:
         run = RunSpec(strategy=strategy, precision=precision, callbacks=list(callbacks),
                       accumulate_grad_batches=accumulate_grad_batches, world_size=world_size)
@@ -251,15 +252,14 @@ COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
                                            "optimizer": "adamw8bit"}),
     ("offload + ckpt(all) + act. offload", {"precision": "bf16-true", "offload": True, "checkpointing": "all",
                                             "activation_offload": True}),
+    ("offload + ckpt(all) + act. offload + chunked loss", {"precision": "bf16-true", "offload": True,
+                                                            "checkpointing": "all", "activation_offload": True,
+                                                            "chunked_loss": 128}),
     ("bf16-true + ckpt(all) + opt-in-bwd", {"precision": "bf16-true", "checkpointing": "all",
                                             "optimizer_in_backward": True}),
     ("ZeRO-2", {"precision": "bf16-mixed", "zero_stage": 2}),
     ("ZeRO-3 + offload", {"precision": "bf16-mixed", "zero_stage": 3, "offload": True}),
 ]
-
-
-def accumulation_steps(batch_size: int, micro_batch_size: int | None) -> int:
-    return 1 if micro_batch_size is None else math.ceil(batch_size / micro_batch_size)
 
 
 __all__ = ["MemoryEstimate", "estimate_memory", "COMBINATIONS", "validate_choice"]

@@ -21,7 +21,7 @@ from lightning_lowmem._compat import Reproducible, fresh
 
 #: technique flags of :func:`~lightning_lowmem.estimate_memory`, for messages
 SHORTHANDS = ("offload", "checkpointing", "activation_offload", "micro_batch_size", "optimizer", "optimizer_in_backward",
-              "zero_stage")
+              "zero_stage", "chunked_loss")
 
 
 @dataclass
@@ -177,6 +177,7 @@ class RunSpec:
         optimizer_in_backward: bool = False,
         zero_stage: int = 0,
         world_size: int = 1,
+        chunked_loss: int | None = None,
     ) -> RunSpec:
         """The run that :func:`~lightning_lowmem.estimate_memory`'s keyword shorthands name."""
         from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
@@ -193,6 +194,10 @@ class RunSpec:
         if micro_batch_size is not None and batch_size is not None and micro_batch_size != batch_size:
             callbacks.append(AccumulationScheduler(effective_batch_size=batch_size * world_size,
                                                    micro_batch_size=micro_batch_size))
+        if chunked_loss:
+            from lightning_lowmem.callbacks.chunked_lm_loss import ChunkedLMLoss
+
+            callbacks.append(ChunkedLMLoss(chunk_tokens=chunked_loss))
         if optimizer == "adamw8bit":
             from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 
