@@ -11,8 +11,9 @@ What is unusual about each, i.e. what it tests in our code:
 - ``classifier``: conv net, ``self.log`` of an accuracy, validation/test/predict steps, SGD with momentum.
 - ``gan``: manual optimization, two optimizers, ``toggle_optimizer``, plain image-tensor batch, noise drawn
   from the global RNG inside ``training_step``.
-- ``transformer_lm``: ``nn.Transformer`` with a *persistent fp32 buffer* (sinusoidal positions) added to the
-  embeddings before a ``LayerNorm``-carrying encoder, a float causal mask built in ``forward`` with the
+- ``transformer_lm``: ``nn.Transformer`` with an *fp32 buffer* (sinusoidal positions, built on first use as
+  Lightning's demo builds them, so no ``module.to(dtype)`` casts it) added to the embeddings before the
+  ``LayerNorm``s of ``nn.Transformer``, a float causal mask built in ``forward`` with the
   default dtype, dropout, and ``loss.item()`` inside ``training_step``; plain LongTensor batch.
 - ``hf_bert``: Hugging Face ``BertForSequenceClassification`` from a tiny config, dict batch with padding,
   decay/no-decay param groups, a linear-warmup scheduler sized by ``trainer.estimated_stepping_batches``
@@ -225,26 +226,36 @@ class LitGAN(_Loaders, L.LightningModule):
 
 
 class PositionalEncoding(nn.Module):
-    """Sinusoidal positions as a registered fp32 buffer (the PyTorch word-language-model tutorial's way)."""
+    """Sinusoidal positions in a buffer built on first use, the way Lightning's transformer demo builds them.
 
-    def __init__(self, dim: int, dropout: float = 0.1, max_len: int = 64) -> None:
+    The table is made in the default dtype (fp32 unless a ``*-true`` precision changed it) *after* any
+    ``module.to(dtype)``, so under mixed precision an fp32 buffer meets whatever dtype the embeddings have.
+    """
+
+    def __init__(self, dim: int, dropout: float = 0.1) -> None:
         super().__init__()
+        self.dim = dim
         self.dropout = nn.Dropout(p=dropout)
-        position = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
-        pe = torch.zeros(1, max_len, dim, dtype=torch.float32)
+        self.register_buffer("pe", torch.zeros(1, 0, dim), persistent=False)
+
+    def _table(self, length: int, device: torch.device) -> Tensor:
+        position = torch.arange(length, dtype=torch.float, device=device).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, self.dim, 2, dtype=torch.float, device=device) * (-math.log(10000.0) / self.dim))
+        pe = torch.zeros(1, length, self.dim, device=device)  # the default dtype, as in Lightning's demo
         pe[0, :, 0::2] = torch.sin(position * div_term)
         pe[0, :, 1::2] = torch.cos(position * div_term)
-        self.register_buffer("pe", pe)
+        return pe
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.pe.size(1) < x.size(1):
+            self.pe = self._table(x.size(1), x.device)
         return self.dropout(x + self.pe[:, : x.size(1)])
 
 
 class LitTransformerLM(_EvalLoaders, L.LightningModule):
     """Lightning's ``nn.Transformer`` language-model demo, positions kept in an fp32 buffer.
 
-    Unusual: the fp32 buffer is added to the (possibly half) embeddings before ``nn.Transformer``'s
+    Unusual: the fp32 position buffer is added to the (possibly half) embeddings before ``nn.Transformer``'s
     ``LayerNorm``s; the causal mask is made in ``forward`` in the default dtype; dropout; ``loss.item()``
     for a perplexity inside ``training_step``. The batch is a plain ``LongTensor`` of shape (batch, seq + 1).
     """
@@ -254,7 +265,7 @@ class LitTransformerLM(_EvalLoaders, L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.pos_encoder = PositionalEncoding(d_model, dropout, max_len=seq_len)
+        self.pos_encoder = PositionalEncoding(d_model, dropout)
         self.transformer = nn.Transformer(
             d_model=d_model, nhead=nhead, num_encoder_layers=num_layers, num_decoder_layers=num_layers,
             dim_feedforward=dim_feedforward, dropout=dropout, batch_first=True,
