@@ -45,3 +45,15 @@ def check_lightning_object(obj: Any, what: str) -> None:
             "`import lightning.pytorch as pl` (or `import lightning as L` and use `L.Trainer`, "
             "`L.LightningModule`, `L.Callback`)."
         )
+
+
+def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+    """The positional arguments Lightning's loop gives ``step`` (a ``training_step``): ``batch``, and ``batch_idx``
+    only when the signature takes it (``training_step(self, batch)`` is allowed).
+
+    NOTE: the same rule as Lightning's ``_build_kwargs`` (decorators unwrapped through ``__wrapped__``), so code
+    that runs a module's step itself (trials, probes) calls it as the Trainer would.
+    """
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    return (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)

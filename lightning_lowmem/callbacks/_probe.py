@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from lightning_lowmem._compat import training_step_args
 from lightning_lowmem.callbacks._blocks import tensors_in
 from lightning_lowmem.memory.categories import storage_key
 
@@ -88,7 +89,7 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), saved_tensors_hooks(pack, unpack), _quiet_logging(pl_module):
-            out = pl_module.training_step(batch, batch_idx)
+            out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
         for h in handles:
