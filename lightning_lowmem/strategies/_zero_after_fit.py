@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -81,9 +80,3 @@ def gather_full_weights(module: nn.Module) -> None:
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
                 sub._buffers[name] = buffer.to(torch.float32)
 
-
-def any_partitioned(module: nn.Module) -> bool:
-    return any(is_partitioned(p) for p in module.parameters())
-
-
-__all__: list[Any] = ["PARTITIONED_MESSAGE", "PartitionWarning", "any_partitioned", "gather_full_weights", "is_partitioned"]
