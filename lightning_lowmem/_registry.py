@@ -8,6 +8,8 @@ imported the first time a ``lowmem_zero*`` name is used, and a missing extra is 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 from typing import Any, Callable
 
@@ -80,13 +82,48 @@ def _refuse_pytorch_lightning(name: str) -> Callable[..., Any]:
     return refuse
 
 
-def register_pytorch_lightning_guard() -> None:
-    """If the standalone ``pytorch_lightning`` package is already imported, make our names there fail clearly.
+_PL_STRATEGIES = "pytorch_lightning.strategies"
 
-    NOTE: only when it is already imported: importing it just for this would cost every user seconds.
+
+def register_pytorch_lightning_guard() -> None:
+    """Make our names fail clearly in the standalone ``pytorch_lightning`` package's registry, now or on its import.
+
+    NOTE: never imports ``pytorch_lightning`` (that would cost every user seconds): if it is not imported yet, a
+    one-shot import hook registers the guard right after ``pytorch_lightning.strategies`` is first executed, so
+    the import order of the two packages does not matter.
     """
-    module = sys.modules.get("pytorch_lightning.strategies")
+    module = sys.modules.get(_PL_STRATEGIES)
     if module is None:
+        if not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _GuardOnImport())
         return
     for name, (_, _, description, _) in STRATEGIES.items():
         module.StrategyRegistry.register(name, _refuse_pytorch_lightning(name), description=description, override=True)
+
+
+class _GuardOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of ``pytorch_lightning.strategies`` to register the guard after it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _PL_STRATEGIES:
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder again
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                spec.loader = module.__loader__ = loader  # NOTE: the module keeps its real loader (reload, source)
+                loader.exec_module(module)
+                register_pytorch_lightning_guard()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loader, name)
+
+        spec.loader = _Loader()
+        return spec

@@ -6,6 +6,7 @@
 
 A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in
 ``class_path:`` form, and callbacks by their short names (``class_path: ActivationCheckpointing``).
+Modules in the current directory are importable (``class_path: my_module.MyModel``), as under ``python -m``.
 Bad input ends with one ``lowmem: error: ...`` line naming the value and the fix; set
 ``LOWMEM_TRACEBACK=1`` to see the full traceback instead.
 """
@@ -88,8 +89,23 @@ def _root_cause(err: BaseException) -> BaseException:
     return found
 
 
+def _current_directory_importable() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` and ``python script.py``'s folder are.
+
+    NOTE: a console script's ``sys.path[0]`` is its ``bin`` folder, so ``class_path: my_module.MyModel`` in a YAML
+    file next to ``my_module.py`` would fail with "No module named 'my_module'". ``python -P`` /
+    ``PYTHONSAFEPATH`` (the user asked for no such entry) is respected.
+    """
+    if sys.flags.safe_path:
+        return
+    cwd = os.getcwd()
+    if not any(entry in ("", ".", cwd) for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    _current_directory_importable()
     try:
         if args and args[0] in _TOOLS:
             module, function = _TOOLS[args[0]]

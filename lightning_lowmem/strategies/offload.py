@@ -318,7 +318,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             grad = torch.empty_like(p_host) if with_grads and p.requires_grad and not self.optimizer_in_backward else None
             self._grad_host.append(grad)
         mark_host(*self._p_host, *(g for g in self._grad_host if g is not None))
-        if self.precision_plugin.compute_dtype != torch.float32:  # type: ignore[attr-defined]
+        precision = self.precision_plugin
+        # NOTE: under "*-mixed" buffers keep fp32 (see MasterHalfPrecision.convert_module): nothing to restore
+        if precision.compute_dtype != torch.float32 and not precision.mixed:  # type: ignore[attr-defined]
             for name, b in module.named_buffers():
                 if b.is_floating_point():
                     self._buffers[name] = (b.detach().to("cpu", copy=True), b)
@@ -365,6 +367,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _grad_ready(self, i: int, sink: Callable[[int, Tensor], None], p_device: Tensor) -> None:
         grad = p_device.grad
         if grad is None:
+            return
+        if not self._p_host[i].requires_grad:
+            # NOTE: `LightningModule.toggle_optimizer` (manual optimization, e.g. a GAN) turns off `requires_grad`
+            # on the parameters of the *optimizers*, i.e. on the masters, not on these device weights; plain Lightning
+            # would compute no gradient for them, so the one backward produced here must not reach the master.
+            p_device.grad = None
             return
         assert self._transfer is not None
         self._transfer.grad_to_host(i, grad, sink)

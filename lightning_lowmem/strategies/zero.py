@@ -73,6 +73,11 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             ``hidden_size**2`` (stage 3, as Hugging Face's ``"auto"``).
         gather_16bit_weights_on_model_save: ``stage3_gather_16bit_weights_on_model_save``.
         cpu_optimizer: with offload, replace ``torch.optim.Adam``/``AdamW`` by ``DeepSpeedCPUAdam``.
+        gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value (the master)
+            back into the module, so ``module.state_dict()`` and plain-PyTorch use see the trained weights. Without
+            it the parameters stay partitioned (empty) after fit, and the first ``state_dict()`` of them warns,
+            pointing to this option and to ``lowmem consolidate``. The partitions are kept either way
+            (``trainer.save_checkpoint`` after fit works); a later forward under DeepSpeed partitions them again.
         config: a DeepSpeed config dict or JSON path merged over everything above.
         **kwargs: any other ``lightning.pytorch.strategies.DeepSpeedStrategy`` argument
             (``parallel_devices``, ``cluster_environment``, ``process_group_backend``, ``timeout``,
@@ -97,10 +102,18 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         gather_16bit_weights_on_model_save: bool = True,
         cpu_optimizer: bool = True,
         config: dict[str, Any] | str | os.PathLike | None = None,
+        gather_on_fit_end: bool = False,
         **kwargs: Any,
     ) -> None:
         require("deepspeed", _FEATURE)
         problems = []
+        if not isinstance(gather_on_fit_end, bool):
+            problems.append(f"Passed `gather_on_fit_end={gather_on_fit_end!r}`; expected True or False.")
+        elif gather_on_fit_end and stage != 3:
+            problems.append(
+                f"Passed `gather_on_fit_end=True` with `stage={stage}`; only stage 3 partitions the module's "
+                "parameters (remove it, or use stage=3)."
+            )
         # NOTE: LightningCLI (jsonargparse) follows **kwargs into DeepSpeedStrategy's signature and passes every
         # parent default; those are dropped, a real value for a config-building argument we replace is refused.
         kwargs = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH or _PARENT_DEFAULTS.get(k, _MISSING) != v}
@@ -124,6 +137,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if offload_device == "nvme":
             nvme_path = zc.check_nvme_path(nvme_path or os.environ.get("LOWMEM_NVME_PATH"))
             kwargs.setdefault("remote_device", "nvme")
+        self.gather_on_fit_end = gather_on_fit_end
+        self._warning_filters: list[Any] = []
+        self._partition_warning: Any = None
         self._user_config = zc.load_user_config(config)
         self._cpu_optimizer = cpu_optimizer
         self._offload_optimizer = offload_optimizer
@@ -152,6 +168,52 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
         DDPStrategy.setup_environment(self)
+        from lightning_lowmem import _warnings
+
+        _warnings.remove(self._warning_filters)
+        specs = [_warnings.DEEPSPEED_COLLECTIVES] + ([_warnings.SYNC_DIST_ONE_PROCESS] if self.world_size == 1 else [])
+        self._warning_filters = _warnings.install(*specs)  # removed in `teardown`
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self._partition_warning is not None:
+            self._partition_warning.remove()
+            self._partition_warning = None
+        super().setup(trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        module = self.lightning_module
+        if not self.zero_stage_3 or module is None:
+            return
+        from lightning_lowmem.strategies._zero_after_fit import PartitionWarning, gather_full_weights
+
+        if self.gather_on_fit_end:
+            gather_full_weights(module)
+        # NOTE: also after a gather: the next forward under DeepSpeed partitions the weights again
+        self._partition_warning = PartitionWarning(module)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # NOTE: Lightning's checkpoint dict; DeepSpeed drops its "state_dict" and writes the partitions itself, so
+        # the partition warning (meant for the user's own `state_dict()`) stays quiet here.
+        hooks = self._partition_warning
+        if hooks is None:
+            return super().lightning_module_state_dict()
+        hooks.suspended = True
+        try:
+            return super().lightning_module_state_dict()
+        finally:
+            hooks.suspended = False
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        from lightning_lowmem import _warnings
+
+        _warnings.remove(self._warning_filters)
+        self._warning_filters = []
 
     @override
     def setup_distributed(self) -> None:
