@@ -2,7 +2,9 @@
 
 Each name maps to a small factory that imports its strategy module only when a Trainer asks for
 it, so ``import lightning_lowmem`` stays light and works without the optional extras (deepspeed is
-imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then).
+imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then). When
+Lightning itself is not imported yet, the names are registered the moment it is (a one-shot import
+hook), so ``import lightning_lowmem`` costs nothing and ``lowmem --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import importlib.machinery
 import sys
 from typing import Any, Callable
 
-from lightning.pytorch.strategies import StrategyRegistry
-
+_STRATEGIES_MODULE = "lightning.pytorch.strategies"
 # name -> (module, class, description, preset keyword arguments)
 STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "lowmem_offload": (
@@ -65,8 +66,18 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
     return build
 
 
-def register_strategies(registry: Any = StrategyRegistry) -> None:
-    """Register every ``lowmem_*`` name. Idempotent: registering again replaces the entries."""
+def register_strategies(registry: Any = None) -> None:
+    """Register every ``lowmem_*`` name, now or as soon as Lightning is imported. Idempotent.
+
+    NOTE: never imports Lightning itself (seconds of start-up): without ``registry`` and before Lightning's
+    strategies are imported, a one-shot import hook registers the names right after they are.
+    """
+    if registry is None:
+        module = sys.modules.get(_STRATEGIES_MODULE)
+        if module is None:
+            after_import(_STRATEGIES_MODULE, register_strategies)
+            return
+        registry = module.StrategyRegistry
     for name, (module, cls, description, init_params) in STRATEGIES.items():
         registry.register(name, _factory(module, cls), description=description, override=True, **init_params)
 
@@ -94,24 +105,32 @@ def register_pytorch_lightning_guard() -> None:
     """
     module = sys.modules.get(_PL_STRATEGIES)
     if module is None:
-        if not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _GuardOnImport())
+        after_import(_PL_STRATEGIES, register_pytorch_lightning_guard)
         return
     for name, (_, _, description, _) in STRATEGIES.items():
         module.StrategyRegistry.register(name, _refuse_pytorch_lightning(name), description=description, override=True)
 
 
-class _GuardOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of ``pytorch_lightning.strategies`` to register the guard after it."""
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` right after module ``name`` is first executed (once; nothing if already pending)."""
+    if not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of one module to run a callback after the module is executed."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name, self.callback = name, callback
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _PL_STRATEGIES:
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder again
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader = spec.loader
+        loader, callback = spec.loader, self.callback
 
         class _Loader(importlib.abc.Loader):
             def create_module(self, spec: Any) -> Any:
@@ -120,7 +139,7 @@ class _GuardOnImport(importlib.abc.MetaPathFinder):
             def exec_module(self, module: Any) -> None:
                 spec.loader = module.__loader__ = loader  # NOTE: the module keeps its real loader (reload, source)
                 loader.exec_module(module)
-                register_pytorch_lightning_guard()
+                callback()
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(loader, name)

@@ -141,11 +141,11 @@ def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem estimate``: predicted device and host peaks of a run (``--config``) or of the suite's combinations."""
-    from lightning_lowmem.memory.categories import CATEGORIES
-    from lightning_lowmem.memory.estimate import estimate_memory
-
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    from lightning_lowmem.memory.categories import CATEGORIES  # NOTE: after parsing: `--help` imports no torch
+    from lightning_lowmem.memory.estimate import estimate_memory
+
     try:
         budget, combos, config = _check(args)
     except ValueError as err:

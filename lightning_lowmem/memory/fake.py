@@ -58,8 +58,8 @@ _BOOL_READS = frozenset({torch.ops.aten.equal.default, torch.ops.aten.is_nonzero
 # (`empty_like`/`new_empty` take the kind of their input)
 _EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
 _HALF = (torch.bfloat16, torch.float16)
-# frames that are not "the model's code" when an op cannot be traced: torch, this package, the standard library
-_INFRA = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+# frames that are not "the model's code" when an op cannot be traced: torch, the dry run itself, the standard library
+_INFRA = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _STDLIB = os.path.dirname(contextlib.__file__) + os.sep
 
 
@@ -85,7 +85,7 @@ def _is_infra(filename: str) -> bool:
 
 
 def model_line(tb: Any) -> str | None:
-    """``file:line (code)`` of the innermost frame of ``tb`` outside torch, Lightning, this package and stdlib."""
+    """``file:line (code)`` of the innermost frame of ``tb`` outside torch, Lightning, the dry run and stdlib."""
     where = None
     for frame in traceback.extract_tb(tb):
         if not _is_infra(frame.filename):
@@ -117,7 +117,7 @@ class _Values(TorchDispatchMode):
             return func(*args, **kwargs)
         if func in _EMPTY or self.execution.passthrough:
             return func(*args, **kwargs)  # fake: an empty tensor carries no values
-        if func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step):
+        if func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step) or not _makes_tensors(func):
             # NOTE: reads and in-place changes of real tensors stay real (the fake mode refuses to change a real
             # tensor's metadata); outside the training step (data set-up, loading a batch) every op on real tensors
             # stays real: the data must keep its values whatever its size.
@@ -131,6 +131,17 @@ class _Values(TorchDispatchMode):
             return out
         with _fake.unset_fake_temporarily():
             return func(*args, **kwargs)
+
+
+_MAKES_TENSORS: dict[Any, bool] = {}
+
+
+def _makes_tensors(func: Any) -> bool:
+    """Whether an op returns tensors (``allclose`` returns a bool: its value can only come from a real run)."""
+    known = _MAKES_TENSORS.get(func)
+    if known is None:
+        known = _MAKES_TENSORS[func] = any("Tensor" in str(r.type) for r in func._schema.returns)
+    return known
 
 
 class FakeExecution:
