@@ -341,7 +341,7 @@ def _values(steps: list[dict[str, Any]], windows: bool = False) -> dict[tuple[st
     return out
 
 
-def _events(steps: list[dict[str, Any]]) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+def _events(steps: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
     """The last traced step's live bytes after every increase, per window that recorded them."""
     for record in reversed(steps):
         if "window_events" in record:
@@ -366,11 +366,11 @@ def _event_values(ea: dict, eb: dict, ec: dict, depths: tuple[int, int, int], n:
         for r, role in enumerate(("device", "host")):
             best_total, best = -1, None
             for i in range(len(c)):
-                va, vb, vc = a[i][r], b[i][r], c[i][r]
+                va, vb, vc = a[i][1 + r], b[i][1 + r], c[i][1 + r]  # NOTE: [seq, device, host]
                 line = [round(x + (y - x) * (dc - da) / (db - da)) for x, y in zip(va, vb)]
                 if abs(sum(line) - sum(vc)) > max(AGREEMENT * sum(vc), 4096):
                     return out, ((key, role, i), sum(line) - sum(vc))
-                at_n = [max(0, round(y + (z - y) * (n - db) / (dc - db))) for y, z in zip(vb, vc)]
+                at_n = [round(y + (z - y) * (n - db) / (dc - db)) for y, z in zip(vb, vc)]
                 if sum(at_n) > best_total:
                     best_total, best = sum(at_n), at_n
             for cat, value in zip(CATEGORIES, best):  # type: ignore[arg-type]
@@ -402,6 +402,20 @@ def _disagreement(predicted: dict, traced: dict) -> tuple[Any, int] | None:
         if abs(predicted.get(key, 0) - value) > max(AGREEMENT * abs(value), 4096):
             return key, predicted.get(key, 0) - value
     return None
+
+
+def _non_negative(values: list[int]) -> dict[str, int]:
+    """Categories with no negative entry and the same total.
+
+    NOTE: extrapolated per category, a category that shrinks with depth at the chosen moment can come out
+    negative; clamping it alone would inflate the total, so the deficit is taken from the largest category.
+    """
+    deficit = sum(v for v in values if v < 0)
+    out = [max(0, v) for v in values]
+    if deficit:
+        largest = max(range(len(out)), key=out.__getitem__)
+        out[largest] = max(0, out[largest] + deficit)
+    return dict(zip(CATEGORIES, out))
 
 
 def _depth_unit(spec: RunSpec) -> int | None:
@@ -559,8 +573,8 @@ def dry_run(
     for phase in PHASES:
         bd = MemoryBreakdown()
         for role in ("device", "host"):
-            for cat in CATEGORIES:
-                bd.add(role, cat, max(0, values[(phase, role, cat)]))  # type: ignore[arg-type]
+            for cat, nbytes in _non_negative([values[(phase, role, c)] for c in CATEGORIES]).items():
+                bd.add(role, cat, nbytes)  # type: ignore[arg-type]
         phases[phase] = bd
     estimate = MemoryEstimate(phases=phases, method="dry_run", target=target, notes=notes, num_params=num_params,
                               run=run.describe(), steps=traced_steps)

@@ -359,8 +359,9 @@ class MemoryTracker:
         self._phase: str | None = None
         self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
         self._win: tuple[_Snap, _Snap] | None = None  # the current window's snapshots (see `set_window`)
-        self._win_events: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
-        self.window_events: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        self._win_events: list[list[Any]] | None = None
+        #: ``{window: [[seq, device bytes by category, host bytes by category], ...]}`` (see `set_window`)
+        self.window_events: dict[str, list[list[Any]]] = {}
         self._in_fwd = False
         self._fwd_epoch = 0
         self._weight_keys: set[int] = set()
@@ -420,7 +421,7 @@ class MemoryTracker:
     def _update_peaks(self, role: int) -> None:
         total = self._tot[role]
         if self._win_events is not None:
-            self._win_events.append((tuple(self._live[_DEV]), tuple(self._live[_HOST])))
+            self._win_events.append([self._seq, self._live[_DEV].copy(), self._live[_HOST].copy()])
         for snap in (self._peak[role], self._cur[role], *((self._win[role],) if self._win is not None else ())):
             if total > snap.total:
                 snap.total = total
@@ -485,6 +486,11 @@ class MemoryTracker:
                         new.cats[cat] += n
                         if moved:
                             new.total += n
+                for events in self.window_events.values():  # NOTE: the same correction, event by event
+                    for event in events:
+                        if event[0] >= rec.seq:
+                            event[1 + rec.role][rec.cat] -= n
+                            event[1 + role][cat] += n
             rec.cat, rec.role = cat, role
             if cat != _A:
                 rec.fwd = 0
