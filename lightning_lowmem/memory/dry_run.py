@@ -313,8 +313,8 @@ def _trace(
         raise RuntimeError(
             "The dry run traced no backward pass: `training_step` returned None (a skipped batch) or the run stopped "
             "before its first optimizer step. A data-dependent check on a value computed from the weights (e.g. "
-            "`if not torch.isfinite(loss): return None`) sees a stand-in value (bool: False) in a dry run; compute "
-            "such checks from the batch, or skip them when `self.trainer` is None."
+            "`if not loss < 1e6: return None`) sees a stand-in value (a comparison: False) in a dry run; compute "
+            "such checks from the batch, or with `torch.isfinite`/`torch.isnan` (answered as in a healthy run)."
         )
     return recorder.steps
 

@@ -10,9 +10,12 @@ there, each item named because without it a real run and its dry run part ways:
   small), so data set-up keeps its values, and masks, token counts and Hugging Face's "is this
   attention mask all ones?" checks get the answer the real run gets.
 * Stand-ins where they do not. A data-dependent read of a fake tensor (``.item()``, ``bool(t)``,
-  ``aten._local_scalar_dense``, ``torch.equal``) gets ``0.0`` for a float (a logged loss; "no overflow" for an fp16
-  found-inf flag), ``1`` for an integer (a count you may divide by) and ``False`` for a bool (no
-  anomaly found). :attr:`FakeExecution.stand_ins` counts them; the dry run lists them in its notes.
+  ``aten._local_scalar_dense``, ``torch.equal``) gets the value a healthy run gives where the op that made
+  it says so (``isfinite(x)`` is all True, ``isnan(x)``/``isinf(x)`` all False, through ``all``/``any``/``~``:
+  a non-finite guard or ``if not torch.isfinite(loss): return None`` does not skip the predicted step),
+  ``torch.equal`` True, and otherwise ``0.0`` for a float (a logged loss; "no overflow" for an fp16 found-inf
+  flag), ``1`` for an integer (a count you may divide by) and ``False`` for a bool.
+  :attr:`FakeExecution.stand_ins` counts them; the dry run lists them in its notes.
 * Module conversions. ``module.to(dtype)`` / ``.to(device)`` on fake parameters would go through
   ``torch.utils.swap_tensors``, which refuses tensors that have weak references (every fake tensor
   does); here the parameter's ``.data`` is replaced instead, keeping the ``Parameter`` object (and so
@@ -40,8 +43,10 @@ from typing import Any
 
 import torch
 from torch._subclasses import fake_tensor as _fake
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 FakeTensor = _fake.FakeTensor
 FAKE_ERRORS = (
@@ -53,7 +58,17 @@ FAKE_ERRORS = (
 #: outputs of an all-real op up to this size are computed for real (values exist); larger ones stay fake
 REAL_OUTPUT_LIMIT = 16 * 2**20
 _SCALAR = torch.ops.aten._local_scalar_dense.default
-_BOOL_READS = frozenset({torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default})
+_EQUAL = torch.ops.aten.equal.default
+_BOOL_READS = frozenset({_EQUAL, torch.ops.aten.is_nonzero.default})
+_aten = torch.ops.aten
+# NOTE: the value a check of weight-derived values has in a healthy run (finite numbers): `if not torch.isfinite(loss)`
+# and a non-finite-gradient guard must not skip the step a dry run predicts
+_HEALTHY_OUTPUT = {_aten.isfinite: True, _aten.isnan: False, _aten.isinf: False, _aten.isposinf: False,
+                   _aten.isneginf: False}
+_KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.view, _aten.reshape, _aten._unsafe_view,
+                          _aten.squeeze, _aten.unsqueeze, _aten.expand, _aten.select, _aten.slice, _aten.clone,
+                          _aten.detach, _aten._to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
+_NEGATES = frozenset({_aten.logical_not, _aten.bitwise_not})
 # NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: always fake
 # (`empty_like`/`new_empty` take the kind of their input)
 _EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
@@ -110,11 +125,15 @@ class _Values(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
+            execution = self.execution
             if func is _SCALAR:
-                return self.execution.stand_in(tensors[0].dtype)
+                return execution.stand_in(tensors[0].dtype, execution.healthy.get(tensors[0]))
             if func in _BOOL_READS:
-                return self.execution.stand_in(torch.bool)
-            return func(*args, **kwargs)
+                return execution.stand_in(torch.bool, True if func is _EQUAL else execution.healthy.get(tensors[0]))
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+                execution.note_health(func, tensors, out)
+            return out
         if func in _EMPTY or self.execution.passthrough:
             return func(*args, **kwargs)  # fake: an empty tensor carries no values
         if func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step) or not _makes_tensors(func):
@@ -144,6 +163,26 @@ def _makes_tensors(func: Any) -> bool:
     return known
 
 
+_CHECKS = {torch.isfinite: True, torch.isnan: False, torch.isinf: False, torch.isposinf: False, torch.isneginf: False,
+           torch.Tensor.isfinite: True, torch.Tensor.isnan: False, torch.Tensor.isinf: False,
+           torch.Tensor.isposinf: False, torch.Tensor.isneginf: False}
+
+
+class _HealthyChecks(TorchFunctionMode):
+    """Notes the healthy-run value of ``isfinite``/``isnan``/``isinf`` results (they decompose before dispatch)."""
+
+    def __init__(self, execution: FakeExecution) -> None:
+        super().__init__()
+        self.execution = execution
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        healthy = _CHECKS.get(func)
+        if healthy is not None and isinstance(out, FakeTensor):
+            self.execution.healthy[out] = healthy
+        return out
+
+
 class FakeExecution:
     """The state of one :func:`fake_execution`: its fake mode and the stand-in values it handed out."""
 
@@ -154,10 +193,25 @@ class FakeExecution:
         self.in_step = False
         #: every op goes to the fake mode (see :meth:`fake`)
         self.passthrough = False
+        #: fake boolean tensors whose value in a healthy run is known (``isfinite(x)`` is all True)
+        self.healthy: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def stand_in(self, dtype: torch.dtype) -> Any:
-        if dtype == torch.bool:
-            value: Any = False
+    def note_health(self, func: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Remember what a boolean result is in a healthy run, when its op says (see ``_HEALTHY_OUTPUT``)."""
+        packet = func.overloadpacket
+        known = [self.healthy.get(t) for t in inputs if t.dtype == torch.bool]
+        if packet in _HEALTHY_OUTPUT:
+            self.healthy[out] = _HEALTHY_OUTPUT[packet]
+        elif packet in _KEEPS_VALUE and known and None not in known and len(set(known)) == 1:
+            self.healthy[out] = known[0]
+        elif packet in _NEGATES and known and known[0] is not None:
+            self.healthy[out] = not known[0]
+
+    def stand_in(self, dtype: torch.dtype, healthy: bool | None = None) -> Any:
+        if healthy is not None:
+            value: Any = healthy if dtype == torch.bool else (float(healthy) if dtype.is_floating_point else int(healthy))
+        elif dtype == torch.bool:
+            value = False
         elif dtype.is_floating_point or dtype.is_complex:
             value = 0.0
         else:
@@ -229,7 +283,7 @@ def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
         with warnings.catch_warnings():
             if quiet:
                 warnings.simplefilter("ignore")  # NOTE: a dry run's warnings are about the simulation, not the run
-            with execution.mode, _Values(execution):
+            with execution.mode, _Values(execution), _HealthyChecks(execution):
                 yield execution
     except FAKE_ERRORS as err:
         raise unsupported(err) from err

@@ -209,12 +209,26 @@ def test_a_step_that_skips_every_batch_is_reported():
     class Skips(_ItemAndBatchValues):
         def training_step(self, batch):
             loss = self.layer(batch).sum()
-            if not torch.isfinite(loss):  # a weight-derived check: a stand-in (False) in a dry run
+            if not loss < 1e6:  # a weight-derived comparison: a stand-in (False) in a dry run
                 return None
             return loss
 
-    with pytest.raises(RuntimeError, match="traced no backward pass"):
+    with pytest.raises(RuntimeError, match="traced no backward pass"):  # noqa: PT012
         dry_run(Skips(), batch=torch.ones(3, 4))
+
+
+class _GuardsAgainstNaN(_ItemAndBatchValues):
+    def training_step(self, batch):
+        loss = self.layer(batch).pow(2).mean()
+        if not torch.isfinite(loss) or torch.isnan(loss).any():  # healthy-run values in a dry run: not skipped
+            return None
+        return loss
+
+
+def test_finite_checks_get_the_value_of_a_healthy_run():
+    est = dry_run(_GuardsAgainstNaN(), batch=torch.ones(3, 4))
+    assert est.phases["optimizer"].device["optimizer_state"] > 0  # the step was not skipped
+
 
 
 @pytest.mark.deepspeed
