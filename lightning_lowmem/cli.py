@@ -19,10 +19,12 @@ import sys
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
+from lightning_lowmem import _cli_errors
+from lightning_lowmem._host_memory import HostMemoryError
 
 # extra subcommands: name -> (module, function taking argv and returning an exit code)
 _TOOLS = {
@@ -30,7 +32,17 @@ _TOOLS = {
     "consolidate": ("lightning_lowmem.strategies.zero", "consolidate_main"),
 }
 # errors that mean "bad input": shown as one line, not a traceback
-_USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError, MisconfigurationException)
+_USER_ERRORS = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    IsADirectoryError,
+    ModuleNotFoundError,
+    MisconfigurationException,
+    HostMemoryError,
+    _cli_errors.ArgumentError,
+    _cli_errors.NonFiniteGradientError,
+)
 
 
 def check_strategy_name(strategy: Any) -> None:
@@ -72,6 +84,27 @@ class LowMemCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(*args, **kwargs)
 
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # NOTE: jsonargparse would print 60 lines of usage around a bad value and exit; raising lets `main` say
+        # what is wrong in one line (see `_cli_errors.explain`).
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        # NOTE: LightningCLI torch.loads `--ckpt_path` itself (for the hyperparameters) before any strategy sees it;
+        # a damaged file must be named here, not surface as a bare EOFError.
+        from lightning_lowmem.strategies._atomic_checkpoint_io import torch_file_problem
+
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and os.path.isfile(ckpt_path):
+            reason = torch_file_problem(ckpt_path)
+            if reason is not None:
+                raise ValueError(
+                    f"Passed `--ckpt_path {ckpt_path}`, which {reason}. Pass another checkpoint (an earlier one), or "
+                    "leave `--ckpt_path` out to start from scratch."
+                )
+        super()._parse_ckpt_path()
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_strategy_name(config.get("trainer", {}).get("strategy"))
@@ -94,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         if args and args[0] in _TOOLS:
             module, function = _TOOLS[args[0]]
             return int(getattr(importlib.import_module(module), function)(args[1:]) or 0)
+        _cli_errors.check_config_files(args)
         LowMemCLI(args=argv)
     except _USER_ERRORS as err:
         if os.environ.get("LOWMEM_TRACEBACK"):
             raise
-        print(f"lowmem: error: {_root_cause(err)}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
+        cause = err if isinstance(err, _cli_errors.ArgumentError) else _root_cause(err)
+        message = _cli_errors.explain(cause, args) if isinstance(cause, _cli_errors.ArgumentError) else str(cause)
+        print(f"lowmem: error: {message}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
         return 2
     return 0
 

@@ -94,9 +94,13 @@ def zero_offload_host_bytes(
             if pinned and cuda:
                 parts["pageable copy while pinning"] = 4 * max(partitions, default=0)
             if not cuda:
-                reduce_bucket = zero.get("reduce_bucket_size", int(5e8))
-                parts["device buffers in host RAM (flat 16-bit model, reduce bucket)"] = (
-                    w * sum(all_params) + w * largest + w * (reduce_bucket if isinstance(reduce_bucket, int) else 0)
+                # NOTE: the flat copy replaces the module's own tensors (a transient of one model copy); the reduce
+                # buckets (two with overlap_comm) are `torch.empty`, so only the part gradients fill becomes RAM.
+                bucket = zero.get("reduce_bucket_size", int(5e8))
+                bucket = min(bucket if isinstance(bucket, int) else int(5e8), sum(all_params))
+                buckets = 2 if zero.get("overlap_comm", False) else 1
+                parts["device buffers in host RAM (flat model copy, gradient staging, reduce buckets)"] = (
+                    w * sum(all_params) + w * largest + buckets * w * bucket
                 )
     elif stage == 3:
         sub_group_size = int(zero.get("sub_group_size", int(1e9)) or int(1e9))
@@ -118,12 +122,15 @@ def zero_offload_host_bytes(
         if opt_device in ("cpu", "nvme"):
             pinned = bool(off_opt.get("pin_memory", False)) or opt_device == "nvme"
             parts["gradient partitions"] = pin(grad_accum * p_total, pinned)
-            parts["init gradient buffer (largest sub-group, full size)"] = 4 * largest_sub_full
         if opt_device == "cpu":
             parts["fp32 gradient buffers"] = sum(pin(4 * s[0], pinned) for s in sub_groups)
             parts["fp32 partitions"] = 4 * p_total
             parts["optimizer state"] = state_bytes_per_element * p_total
-            parts["fp32 conversion copy"] = 4 * largest_sub_partition
+        if opt_device in ("cpu", "nvme"):
+            # NOTE: two transients at different moments: the fp32 conversion copy of a sub-group while the
+            # partitions are built, then `gradient_buffer` (the largest sub-group's full size) while the state is
+            # initialised; the larger one counts.
+            parts["init transient (largest sub-group)"] = 4 * max(largest_sub_full, largest_sub_partition)
         elif opt_device == "nvme":
             count = int(off_opt.get("buffer_count", 4))
             parts["NVMe optimizer swap buffers"] = count * 4 * largest_sub_partition
