@@ -411,3 +411,34 @@ def test_state_bytes_table_is_the_analytic_one():
 
     assert offload.optimizer_state_bytes_per_param is optimizer_state_bytes_per_param
     assert math.isclose(optimizer_state_bytes_per_param("adamw8bit", 4, 2**20) / 2**20, 2.03125)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_kills_during_offload_saves_lose_no_checkpoint(tmp_path):
+    """SIGKILL halfway through writing ``last.ckpt``'s temp file, before its rename, and at random moments."""
+    import signal
+
+    from tests.strategies.test_zero_reliability import _run
+
+    code, out = _run(tmp_path, 2, "none", resume=False, offload=True)
+    assert code == 0 and "DONE step=2" in out, out[-3000:]
+    step, kills, lost = 2, 0, 0
+    for phase in ["write_file", "before_replace", "random", "random"]:
+        code, out = _run(tmp_path, step + 3, "random" if phase == "random" else f"{phase}@2", resume=True, offload=True)
+        assert code == -signal.SIGKILL and f"START step={step}" in out, out[-3000:]
+        kills += 1
+        if phase != "random":
+            assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")], phase
+        try:
+            survived = torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"]
+        except Exception:
+            lost += 1
+            continue
+        assert survived in ({step + 1} if phase != "random" else {step + 1, step + 2})
+        step = survived
+    assert kills == 4 and lost == 0
+    code, out = _run(tmp_path, step + 2, "none", resume=True, offload=True)
+    assert code == 0 and f"START step={step}" in out and f"DONE step={step + 2}" in out, out[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    print(f"\nlowmem_offload kill test: {kills} kills during saves, {lost} checkpoints lost")

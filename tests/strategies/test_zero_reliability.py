@@ -227,11 +227,12 @@ PHASES = ["write_model", "write_optim", "before_latest", "before_swap", "mid_swa
 RANDOM_KILLS = 4
 
 
-def _run(directory: Path, max_steps: int, kill: str, resume: bool) -> tuple[int, str]:
+def _run(directory: Path, max_steps: int, kill: str, resume: bool, offload: bool = False) -> tuple[int, str]:
     """Run the child; with ``kill="random"`` SIGKILL it at a random moment of its 2nd save."""
     cmd = [sys.executable, str(CHILD), str(directory), str(max_steps), "announce" if kill == "random" else kill]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen(cmd + (["--resume"] if resume else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cmd += (["--resume"] if resume else []) + (["--offload"] if offload else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=ROOT, env=env)
     lines = []
     assert proc.stdout is not None
