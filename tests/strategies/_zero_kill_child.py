@@ -49,6 +49,7 @@ def main() -> None:
     directory, max_steps, kill = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     resume = "--resume" in sys.argv
     offload = "--offload" in sys.argv
+    devices = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--devices=")), 1)  # >1: under torchrun
     phase, _, nth = kill.partition("@")
     target_save = int(nth) if nth else -1
     saves = {"n": 0}
@@ -161,7 +162,7 @@ def main() -> None:
     L.seed_everything(0)
     module = CausalLMModule(config=dict(GPT2_TINY, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy="lowmem_offload" if offload else "lowmem_zero2", max_steps=max_steps,
+        accelerator="cpu", devices=devices, strategy="lowmem_offload" if offload else "lowmem_zero2", max_steps=max_steps,
         precision="bf16-true" if offload else "32-true", logger=False,
         callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0, every_n_train_steps=1), Report()],
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,

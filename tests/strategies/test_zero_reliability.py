@@ -299,3 +299,33 @@ def test_kills_during_zero_saves_lose_no_checkpoint(tmp_path):
         f"moments, {random_inside} of those inside the write), {lost} checkpoints lost; control (in-place save): "
         "1 kill, 1 lost"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.integration
+def test_two_process_save_is_swapped_in_once_and_resumes(tmp_path):
+    """Two ranks (gloo, torchrun): one temp directory named by rank 0, both shards in it, one swap, resume."""
+    import socket
+
+    from lightning_lowmem.zero import consolidate
+
+    def launch(max_steps, resume):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               str(CHILD), str(tmp_path), str(max_steps), "none", "--devices=2"] + (["--resume"] if resume else [])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    first = launch(2, resume=False)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    ckpt = tmp_path / "last.ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert len(list(ckpt.glob("checkpoint/*optim_states.pt"))) == 2 and zero_checkpoint_problem(ckpt) is None
+    second = launch(4, resume=True)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    assert second.stdout.count("START step=2") == 2 and _saved_step(ckpt) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert consolidate(ckpt, tmp_path.parent / "two.pt")
