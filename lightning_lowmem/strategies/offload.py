@@ -480,7 +480,8 @@ class OffloadStrategy(SingleDeviceStrategy):
             out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
         if not precision.last_step_skipped:
             self._weights_to_device(optimizer)
-        if self._guarding() and model._trainer is not None:
+        if self._guarding() and model._trainer is not None and model._current_fx_name is not None:
+            # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
             model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         return out
 
