@@ -4,15 +4,48 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import logging
+import sys
 from types import ModuleType
 from typing import Any
 
 # package import name -> extra of lightning-lowmem that installs it
-_EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb"}
+_EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb", "liger_kernel": "kernels", "cut_cross_entropy": "kernels"}
 
 
 def package_available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
+
+
+# package -> (logger, message start) of an import-time notice about a feature lightning_lowmem never uses
+_IMPORT_NOTICES = {
+    # NOTE: bitsandbytes >= 0.49 logs on every import on AVX512-bf16 CPUs that its optional 4-bit CPU matmul
+    # kernel (the `kernels` package) is missing; the 8-bit optimizers we import it for do not use that kernel.
+    "bitsandbytes": ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def _import_quietly(name: str) -> ModuleType:
+    """Import ``name``, dropping its known import-time notice (only that message, only during this import)."""
+    if name in sys.modules or name not in _IMPORT_NOTICES:
+        return importlib.import_module(name)
+    logger_name, start = _IMPORT_NOTICES[name]
+    logger, drop = logging.getLogger(logger_name), _DropMessage(start)
+    logger.addFilter(drop)
+    try:
+        return importlib.import_module(name)
+    finally:
+        logger.removeFilter(drop)
 
 
 def require(name: str, feature: str) -> ModuleType:
@@ -22,7 +55,7 @@ def require(name: str, feature: str) -> ModuleType:
         ModuleNotFoundError: naming ``feature``, the missing package and the ``pip install`` line.
     """
     try:
-        return importlib.import_module(name)
+        return _import_quietly(name)
     except ImportError as err:
         extra = _EXTRAS.get(name, name)
         raise ModuleNotFoundError(
@@ -45,3 +78,48 @@ def check_lightning_object(obj: Any, what: str) -> None:
             "`import lightning.pytorch as pl` (or `import lightning as L` and use `L.Trainer`, "
             "`L.LightningModule`, `L.Callback`)."
         )
+
+
+class Reproducible:
+    """Remembers its constructor arguments, so that an unused copy can be made: :meth:`fresh`.
+
+    A dry run (``lightning_lowmem.dry_run``, ``MemoryReport``'s prediction) runs a technique's own
+    object on fake tensors; it must get one that no Trainer has touched yet, built as the user built theirs.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__new__(cls)
+        # NOTE: unpickling calls `cls.__new__(cls)` without arguments, then restores `__dict__` (with these)
+        obj._init_args = (args, kwargs)
+        return obj
+
+    def fresh(self, **changes: Any) -> Any:
+        """A new object built with this one's constructor arguments (nested reproducible objects fresh too),
+        with ``changes`` to them by name."""
+        args, kwargs = getattr(self, "_init_args", ((), {}))
+        if changes:
+            names = list(inspect.signature(type(self).__init__).parameters)[1 : len(args) + 1]
+            args, kwargs = (), {**dict(zip(names, args)), **kwargs, **changes}
+        return type(self)(*(fresh(a) for a in args), **{k: fresh(v) for k, v in kwargs.items()})
+
+    def resolved(self) -> Any:
+        """:meth:`fresh`, with what this object decided at run time (an automatic choice) fixed; None when it
+        decided to do nothing."""
+        return self.fresh()
+
+
+def fresh(obj: Any) -> Any:
+    """``obj.fresh()`` for a :class:`Reproducible` object; any other value is returned as it is."""
+    return obj.fresh() if isinstance(obj, Reproducible) else obj
+
+
+def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+    """The positional arguments Lightning's loop gives ``step`` (a ``training_step``): ``batch``, and ``batch_idx``
+    only when the signature takes it (``training_step(self, batch)`` is allowed).
+
+    NOTE: the same rule as Lightning's ``_build_kwargs`` (decorators unwrapped through ``__wrapped__``), so code
+    that runs a module's step itself (trials, probes) calls it as the Trainer would.
+    """
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    return (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)

@@ -2,17 +2,20 @@
 
 Each name maps to a small factory that imports its strategy module only when a Trainer asks for
 it, so ``import lightning_lowmem`` stays light and works without the optional extras (deepspeed is
-imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then).
+imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then). When
+Lightning itself is not imported yet, the names are registered the moment it is (a one-shot import
+hook), so ``import lightning_lowmem`` costs nothing and ``lowmem --help`` answers at once.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 from typing import Any, Callable
 
-from lightning.pytorch.strategies import StrategyRegistry
-
+_STRATEGIES_MODULE = "lightning.pytorch.strategies"
 # name -> (module, class, description, preset keyword arguments)
 STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "lowmem_offload": (
@@ -63,8 +66,18 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
     return build
 
 
-def register_strategies(registry: Any = StrategyRegistry) -> None:
-    """Register every ``lowmem_*`` name. Idempotent: registering again replaces the entries."""
+def register_strategies(registry: Any = None) -> None:
+    """Register every ``lowmem_*`` name, now or as soon as Lightning is imported. Idempotent.
+
+    NOTE: never imports Lightning itself (seconds of start-up): without ``registry`` and before Lightning's
+    strategies are imported, a one-shot import hook registers the names right after they are.
+    """
+    if registry is None:
+        module = sys.modules.get(_STRATEGIES_MODULE)
+        if module is None:
+            after_import(_STRATEGIES_MODULE, register_strategies)
+            return
+        registry = module.StrategyRegistry
     for name, (module, cls, description, init_params) in STRATEGIES.items():
         registry.register(name, _factory(module, cls), description=description, override=True, **init_params)
 
@@ -80,13 +93,56 @@ def _refuse_pytorch_lightning(name: str) -> Callable[..., Any]:
     return refuse
 
 
-def register_pytorch_lightning_guard() -> None:
-    """If the standalone ``pytorch_lightning`` package is already imported, make our names there fail clearly.
+_PL_STRATEGIES = "pytorch_lightning.strategies"
 
-    NOTE: only when it is already imported: importing it just for this would cost every user seconds.
+
+def register_pytorch_lightning_guard() -> None:
+    """Make our names fail clearly in the standalone ``pytorch_lightning`` package's registry, now or on its import.
+
+    NOTE: never imports ``pytorch_lightning`` (that would cost every user seconds): if it is not imported yet, a
+    one-shot import hook registers the guard right after ``pytorch_lightning.strategies`` is first executed, so
+    the import order of the two packages does not matter.
     """
-    module = sys.modules.get("pytorch_lightning.strategies")
+    module = sys.modules.get(_PL_STRATEGIES)
     if module is None:
+        after_import(_PL_STRATEGIES, register_pytorch_lightning_guard)
         return
     for name, (_, _, description, _) in STRATEGIES.items():
         module.StrategyRegistry.register(name, _refuse_pytorch_lightning(name), description=description, override=True)
+
+
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` right after module ``name`` is first executed (once; nothing if already pending)."""
+    if not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of one module to run a callback after the module is executed."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder again
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, callback = spec.loader, self.callback
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                spec.loader = module.__loader__ = loader  # NOTE: the module keeps its real loader (reload, source)
+                loader.exec_module(module)
+                callback()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(loader, name)
+
+        spec.loader = _Loader()
+        return spec

@@ -6,135 +6,131 @@
 
 A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in
 ``class_path:`` form, and callbacks by their short names (``class_path: ActivationCheckpointing``).
+Modules in the current directory are importable (``class_path: my_module.MyModel``), as under ``python -m``.
 Bad input ends with one ``lowmem: error: ...`` line naming the value and the fix; set
 ``LOWMEM_TRACEBACK=1`` to see the full traceback instead.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
 import sys
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies import StrategyRegistry
-
-import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem import _cli_errors
-from lightning_lowmem._host_memory import HostMemoryError
-
 # extra subcommands: name -> (module, function taking argv and returning an exit code)
 _TOOLS = {
-    "estimate": ("lightning_lowmem.memory.estimate", "main"),
+    "estimate": ("lightning_lowmem.memory.estimate_cli", "main"),
     "consolidate": ("lightning_lowmem.strategies.zero", "consolidate_main"),
 }
-# errors that mean "bad input": shown as one line, not a traceback
-_USER_ERRORS = (
-    ValueError,
-    TypeError,
-    FileNotFoundError,
-    IsADirectoryError,
-    ModuleNotFoundError,
-    MisconfigurationException,
-    HostMemoryError,
-    _cli_errors.ArgumentError,
-    _cli_errors.NonFiniteGradientError,
-)
+# every subcommand, for `lowmem --help` (answered without importing Lightning or torch)
+SUBCOMMANDS = {
+    "fit": "train: `lowmem fit --config run.yaml` (LightningCLI; `lowmem fit --help` lists every option)",
+    "validate": "run the validation loop of a config",
+    "test": "run the test loop of a config",
+    "predict": "run the predict loop of a config",
+    "estimate": "predicted device and host peaks of a run (`--config run.yaml`) or of the suite's combinations "
+                "(`--model gpt2-xl --batch-size 4 --seq-len 1024`), from a dry run on fake tensors",
+    "consolidate": "a DeepSpeed ZeRO checkpoint directory -> one plain fp32 state dict",
+}
+_LAZY_NAMES = {"LowMemCLI", "check_strategy_name", "import_public_classes"}
 
 
-def check_strategy_name(strategy: Any) -> None:
-    """Refuse an unknown strategy string before Lightning does, suggesting the nearest registered names."""
-    if not isinstance(strategy, str) or strategy.lower() in ("auto", *StrategyRegistry.available_strategies()):
-        return
-    names = ["auto", *StrategyRegistry.available_strategies()]
-    close = difflib.get_close_matches(strategy.lower(), names, n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    ours = ", ".join(n for n in StrategyRegistry.available_strategies() if n.startswith("lowmem_"))
-    raise ValueError(
-        f"Passed `trainer.strategy={strategy!r}`, which is not a registered strategy name.{hint} "
-        f"lightning_lowmem registers: {ours}; Lightning's own names (ddp, fsdp, deepspeed_stage_2, ...) work too."
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module("lightning_lowmem._lightning_cli"), name)
+    raise AttributeError(f"module 'lightning_lowmem.cli' has no attribute {name!r}")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "bad input": shown as one line, not a traceback."""
+    from jsonargparse import ArgumentError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_lowmem._host_memory import HostMemoryError
+    from lightning_lowmem.strategies.offload import NonFiniteGradientError
+
+    return (
+        ValueError,
+        TypeError,
+        FileNotFoundError,
+        IsADirectoryError,
+        ModuleNotFoundError,
+        MisconfigurationException,
+        HostMemoryError,
+        NonFiniteGradientError,
+        ArgumentError,  # jsonargparse's, raised instead of printing the usage text (see `_cli_errors`)
     )
 
 
-def import_public_classes() -> None:
-    """Import every public class, so YAML can name callbacks and strategies by short name.
-
-    NOTE: jsonargparse resolves a short ``class_path`` only among subclasses already imported, and the
-    package exports its classes lazily; a module whose optional extra is missing is skipped here and
-    says which extra to install when it is used.
-    """
-    for module in sorted(set(lightning_lowmem._LAZY.values())):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name not in ("deepspeed", "bitsandbytes"):
-                raise
-
-
-class LowMemCLI(LightningCLI):
-    """LightningCLI whose model and data are any LightningModule / LightningDataModule given by ``class_path``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import_public_classes()
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("subclass_mode_model", True)
-        kwargs.setdefault("subclass_mode_data", True)
-        super().__init__(*args, **kwargs)
-
-    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        # NOTE: jsonargparse would print 60 lines of usage around a bad value and exit; raising lets `main` say
-        # what is wrong in one line (see `_cli_errors.explain`).
-        kwargs.setdefault("exit_on_error", False)
-        return super().init_parser(**kwargs)
-
-    def _parse_ckpt_path(self) -> None:
-        # NOTE: LightningCLI torch.loads `--ckpt_path` itself (for the hyperparameters) before any strategy sees it;
-        # a damaged file must be named here, not surface as a bare EOFError.
-        from lightning_lowmem.strategies._atomic_checkpoint_io import torch_file_problem
-
-        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
-        if ckpt_path and os.path.isfile(ckpt_path):
-            reason = torch_file_problem(ckpt_path)
-            if reason is not None:
-                raise ValueError(
-                    f"Passed `--ckpt_path {ckpt_path}`, which {reason}. Pass another checkpoint (an earlier one), or "
-                    "leave `--ckpt_path` out to start from scratch."
-                )
-        super()._parse_ckpt_path()
-
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        check_strategy_name(config.get("trainer", {}).get("strategy"))
+def print_help() -> None:
+    width = max(map(len, SUBCOMMANDS))
+    print("usage: lowmem {" + ",".join(SUBCOMMANDS) + "} ...\n")
+    print("lightning_lowmem: train models larger than the GPU's memory with Lightning flags.\n")
+    for name, what in SUBCOMMANDS.items():
+        print(f"  {name.ljust(width)}  {what}")
+    print("\n`lowmem SUBCOMMAND --help` describes one. Set LOWMEM_TRACEBACK=1 to see full tracebacks.")
 
 
 def _root_cause(err: BaseException) -> BaseException:
     """The innermost bad-input error behind ``err`` (jsonargparse wraps a constructor's error in its own)."""
     found, seen = err, set()
+    user_errors = _user_errors()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, _USER_ERRORS):
+        if isinstance(err, user_errors):
             found = err
         err = err.__cause__ or err.__context__
     return found
 
 
+def _current_directory_importable() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` and ``python script.py``'s folder are.
+
+    NOTE: a console script's ``sys.path[0]`` is its ``bin`` folder, so ``class_path: my_module.MyModel`` in a YAML
+    file next to ``my_module.py`` would fail with "No module named 'my_module'". ``python -P`` /
+    ``PYTHONSAFEPATH`` (the user asked for no such entry) is respected.
+    """
+    if sys.flags.safe_path:
+        return
+    cwd = os.getcwd()
+    if not any(entry in ("", ".", cwd) for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _message(err: BaseException, args: list[str]) -> str:
+    """The one line for ``err``: jsonargparse's errors explained (``_cli_errors.explain``), others' root cause."""
+    from jsonargparse import ArgumentError
+
+    cause = err if isinstance(err, ArgumentError) else _root_cause(err)
+    if isinstance(cause, ArgumentError):
+        from lightning_lowmem import _cli_errors
+
+        return _cli_errors.explain(cause, args)
+    return str(cause)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print_help()
+        return 0
+    _current_directory_importable()
     try:
-        if args and args[0] in _TOOLS:
+        if args[0] in _TOOLS:
             module, function = _TOOLS[args[0]]
             return int(getattr(importlib.import_module(module), function)(args[1:]) or 0)
+        from lightning_lowmem import _cli_errors
+        from lightning_lowmem._lightning_cli import LowMemCLI
+
         _cli_errors.check_config_files(args)
         LowMemCLI(args=argv)
-    except _USER_ERRORS as err:
+    except Exception as err:
+        if not isinstance(err, _user_errors()):
+            raise
         if os.environ.get("LOWMEM_TRACEBACK"):
             raise
-        cause = err if isinstance(err, _cli_errors.ArgumentError) else _root_cause(err)
-        message = _cli_errors.explain(cause, args) if isinstance(cause, _cli_errors.ArgumentError) else str(cause)
-        print(f"lowmem: error: {message}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
+        print(f"lowmem: error: {_message(err, args)}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
         return 2
     return 0
 

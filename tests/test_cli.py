@@ -1,5 +1,7 @@
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -224,3 +226,28 @@ def test_consolidate_errors_are_one_line(tmp_path, capsys):
     assert f"Passed `out_file='{tmp_path}'`, which is a directory" in err
     _assert_one_line(err)
     assert not list(tmp_path.glob(".*tmp*")) and not (tmp_path / "out.pt").exists()
+
+@pytest.mark.integration
+def test_users_own_module_by_class_path_from_the_current_directory(tmp_path):
+    """`lowmem fit --config` naming `my_module.MyModel` next to the YAML, with no PYTHONPATH set."""
+    project, bin_dir = tmp_path / "project", tmp_path / "bin"
+    project.mkdir()
+    bin_dir.mkdir()
+    (project / "my_module.py").write_text(
+        "from tests.helpers.foreign import LitPlainTensor\n\n\nclass MyModel(LitPlainTensor):\n    pass\n"
+    )
+    cfg = {"trainer": {**TINY["trainer"], "strategy": "lowmem_offload"}, "model": {"class_path": "my_module.MyModel"}}
+    (project / "config.yaml").write_text(yaml.safe_dump(cfg))
+    # NOTE: run as a console script is: from a file outside the project, so sys.path[0] is not the project
+    runner = bin_dir / "lowmem_runner.py"
+    runner.write_text("import sys\nfrom lightning_lowmem.cli import main\nsys.exit(main())\n")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop("PYTHONSAFEPATH", None)
+    out = subprocess.run([sys.executable, str(runner), "fit", "--config", "config.yaml"], cwd=project, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "No module named" not in out.stderr
+    safe = subprocess.run([sys.executable, "-P", str(runner), "fit", "--config", "config.yaml"], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert safe.returncode == 2 and "my_module" in safe.stderr  # python -P: the user asked for no such entry

@@ -1,4 +1,5 @@
-"""``lowmem estimate``: the table of technique combinations, JSON output, and clear errors for bad input."""
+"""``lowmem estimate``: the table of technique combinations (--model), the run of a YAML (--config), JSON output,
+and every problem with the arguments reported at once (exit 2) before anything is traced."""
 
 from __future__ import annotations
 
@@ -7,11 +8,40 @@ import json
 import pytest
 
 from lightning_lowmem import cli
-from lightning_lowmem.memory.estimate import main
+from lightning_lowmem.memory.estimate import COMBINATIONS
+from lightning_lowmem.memory.estimate_cli import main
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*self.log.*")
+pytestmark = pytest.mark.filterwarnings("ignore:.*self.log.*", "ignore:.*LightningCLI's args parameter.*")
 
 TINY = ["--model", "gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2", "--set", "vocab_size=258"]
+
+YAML = """
+trainer:
+  accelerator: cpu
+  strategy: lowmem_offload
+  precision: bf16-true
+  logger: false
+  callbacks:
+    - class_path: ActivationCheckpointing
+      init_args: {policy: all}
+model:
+  class_path: lightning_lowmem.demo.module.CausalLMModule
+  init_args:
+    config: {n_layer: 2, n_embd: 64, n_head: 2, n_positions: 64}
+data:
+  class_path: lightning_lowmem.demo.data.StdlibTextDataModule
+  init_args: {seq_len: 32, batch_size: 2, max_bytes: 20000}
+"""
+
+
+def _error(argv, capsys) -> str:  # type: ignore[no-untyped-def]
+    """Run ``main`` on arguments it must refuse; the one error message."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("lowmem estimate: error:") == 1
+    return err
 
 
 def test_table_with_budget_and_json(tmp_path, capsys):
@@ -23,15 +53,28 @@ def test_table_with_budget_and_json(tmp_path, capsys):
     assert "budget 12 GiB = 12,884,901,888 B" in text
     assert "fp32 AdamW (baseline)" in text and "bf16-true + ckpt(all)" in text
     assert "yes" in text  # a tiny model fits
+    assert "uncalibrated" not in text  # no CUDA corrections for a CPU target
     rows = json.loads(out.read_text())
-    assert [r["combination"] for r in rows][0] == "fp32 AdamW (baseline)"
+    # --only matches by substring: "bf16-true + ckpt(all)" also names the 8-bit AdamW and opt-in-bwd rows
+    names = [r["combination"] for r in rows]
+    assert names[:2] == ["fp32 AdamW (baseline)", "bf16-true + ckpt(all)"]
+    assert set(names) <= {n for n, _ in COMBINATIONS if n == "fp32 AdamW (baseline)" or "bf16-true + ckpt(all)" in n}
     assert all(r["method"] == "dry_run" and r["peak_device"] > 0 for r in rows)
+    assert rows[0]["run"]["precision"] == "32-true" and rows[1]["run"]["precision"] == "bf16-true"
     assert rows[0]["peak_device"] > rows[1]["peak_device"]
 
 
+def test_zero_rows_have_no_checkpointing_combination():
+    # the real ActivationCheckpointing refuses DeepSpeed: the table offers no combination the run would refuse
+    zero = [kw for _, kw in COMBINATIONS if kw.get("zero_stage")]
+    assert zero and not any(kw.get("checkpointing") or kw.get("activation_offload") for kw in zero)
+
+
 def test_budget_decides_fits(capsys):
-    main([*TINY, "--batch-size", "2", "--seq-len", "32", "--budget", "1e3", "--target", "cpu", "--only", "baseline"])
-    assert "no " in capsys.readouterr().out
+    assert main([*TINY, "--batch-size", "2", "--seq-len", "32", "--budget", "1e3", "--target", "cpu",
+                 "--only", "baseline"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fp32 AdamW (baseline)")]
+    assert len(rows) == 1 and " no " in rows[0]
 
 
 def test_analytic_flag_and_cuda_corrections_line(capsys):
@@ -40,28 +83,70 @@ def test_analytic_flag_and_cuda_corrections_line(capsys):
     assert "analytic" in text and "uncalibrated" in text
 
 
+def test_config_predicts_the_run_of_a_yaml(tmp_path, capsys):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(YAML)
+    out = tmp_path / "estimate.json"
+    assert main(["--config", str(yaml), "--target", "cpu", "--budget", "1GB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "device peak" in text and "host peak" in text and "fits 1GB" in text
+    for phase in ("forward", "backward", "optimizer"):
+        assert any(line.startswith(phase) for line in text.splitlines()), phase
+    [row] = json.loads(out.read_text())
+    assert row["config"] == str(yaml) and row["method"] == "dry_run"
+    assert row["run"]["precision"] == "bf16-true" and row["run"]["strategy"].startswith("OffloadStrategy(")
+    assert row["peak_host"] > 0  # fp32 masters and AdamW state on the host
+
+
+def test_config_refuses_the_model_flags(tmp_path, capsys):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(YAML)
+    err = _error(["--config", str(yaml), "--batch-size", "2", "--set", "n_layer=2", "--only", "baseline"], capsys)
+    assert "`--batch-size` is for --model" in err and "`--only` is for --model" in err
+    assert "`--set` is for --model; with --config edit the YAML" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--budget", "12 G"], "ambiguous"),
-        (["--budget", "lots"], "does not parse"),
+        (["--budget", "lots"], "Passed `--budget` 'lots' that does not parse"),
+        (["--budget=-5GB"], "Passed `--budget` '-5GB' that does not parse"),
+        (["--budget", "0"], "it must be positive"),
         (["--set", "n_layer"], "KEY=VALUE"),
+        (["--set", "n_layers=3"], "`n_layers` is not a field of GPT2Config (did you mean 'n_layer'"),
+        (["--set", "n_head=two"], "`n_head='two'` has the wrong type"),
+        (["--micro-batch-size", "3"], "it must divide `--batch-size 2`"),
+        (["--world-size", "0"], "--world-size 0"),
+        (["--only", "ZeRO-7"], "Passed `--only ZeRO-7`, which matches no combination; the names are: fp32 AdamW"),
+        (["--json", "."], "which is a directory"),
+        (["--json", "no/such/dir/out.json"], "does not exist"),
     ],
 )
 def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([*TINY, "--batch-size", "2", "--seq-len", "32", *argv])
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in _error([*TINY, "--batch-size", "2", "--seq-len", "32", *argv], capsys)
+
+
+def test_every_problem_is_reported_at_once(tmp_path, capsys):
+    err = _error(["--model", "gpt2", "--set", "n_embdd=64", "--batch-size", "2", "--seq-len", "32",
+                  "--micro-batch-size", "3", "--only", "nothing", "--json", str(tmp_path), "--budget=-5GB"], capsys)
+    for message in ("`--budget` '-5GB'", "which is a directory", "`--micro-batch-size 3`", "`--only nothing`",
+                    "did you mean 'n_embd'"):
+        assert message in err, message
+    err = _error(["--model", "gpt2", "--batch-size", "2", "--seq-len", "2048", "--budget", "-"], capsys)
+    assert "`--seq-len 2048`, beyond the 1024 learned positions of 'gpt2'" in err and "`--budget` '-'" in err
+
+
+def test_zero_layers_refused_before_anything_is_traced(capsys):
+    err = _error([*TINY, "--set", "n_layer=0", "--batch-size", "2", "--seq-len", "32", "--target", "cpu",
+                  "--only", "opt-in-bwd"], capsys)
+    assert "has 0 layers" in err
 
 
 def test_unknown_model_and_bad_sizes(capsys, tmp_path):
-    with pytest.raises(SystemExit):
-        main(["--model", "gpt9", "--batch-size", "2", "--seq-len", "8"])
-    assert "shipped shape" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--model", str(tmp_path / "nope.json"), "--batch-size", "2", "--seq-len", "8"])
-    assert "no such config file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main([*TINY, "--batch-size", "0", "--seq-len", "8"])
-    assert "--batch-size 0" in capsys.readouterr().err
+    assert "shipped shape" in _error(["--model", "gpt9", "--batch-size", "2", "--seq-len", "8"], capsys)
+    err = _error(["--model", str(tmp_path / "nope.json"), "--batch-size", "2", "--seq-len", "8"], capsys)
+    assert "no such config file" in err
+    assert "--batch-size 0" in _error([*TINY, "--batch-size", "0", "--seq-len", "8"], capsys)
+    err = _error([*TINY], capsys)  # a model shape needs both sizes
+    assert "--batch-size None" in err and "--seq-len None" in err

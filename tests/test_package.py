@@ -59,3 +59,36 @@ def test_zero_module_import_forms():
     from lightning_lowmem.zero import consolidate
 
     assert lightning_lowmem.zero.consolidate is consolidate
+
+
+@pytest.mark.parametrize(
+    "imports",
+    ["import pytorch_lightning as pl, lightning_lowmem", "import lightning_lowmem, pytorch_lightning as pl"],
+    ids=["pytorch_lightning-first", "lightning_lowmem-first"],
+)
+def test_pytorch_lightning_trainer_gets_clear_error_whatever_the_import_order(imports):
+    pytest.importorskip("pytorch_lightning")
+    code = (
+        f"{imports}\n"
+        "import inspect, pytorch_lightning.strategies as s\n"
+        "assert type(s.__loader__).__name__ == 'SourceFileLoader' and inspect.getsource(s)  # real loader kept\n"
+        "pl.Trainer(strategy='lowmem_offload', accelerator='cpu', logger=False)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "lightning_lowmem works with the unified `lightning` package" in out.stderr, out.stderr[-1500:]
+    assert "invalid strategy name" not in out.stderr
+
+
+def test_pytorch_lightning_module_to_lightning_trainer_is_named():
+    """Lightning itself refuses it before any code of ours runs, naming the fix (one import style)."""
+    pytest.importorskip("pytorch_lightning")
+    code = (
+        "import lightning_lowmem, lightning as L\n"
+        "from pytorch_lightning.demos.boring_classes import BoringModel\n"
+        "L.Trainer(strategy='lowmem_offload', accelerator='cpu', logger=False).fit(BoringModel())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "You passed a `pytorch_lightning` object (BoringModel) to a `lightning.pytorch` Trainer" in out.stderr
+    assert "invalid strategy name" not in out.stderr

@@ -22,6 +22,8 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_setattr
 
+from lightning_lowmem._compat import training_step_args
+
 
 def search(
     trainer: L.Trainer,
@@ -109,7 +111,7 @@ def _trial(
         # NOTE: no gradient all_reduce in trials: a process running out of memory cannot hang the others
         with getattr(strategy, "block_backward_sync", contextlib.nullcontext)(), meter:
             with meter.phase("forward"):
-                out = strategy.training_step(batch, 0)
+                out = strategy.training_step(*training_step_args(pl_module.training_step, batch, 0))
                 loss = out["loss"] if isinstance(out, Mapping) else out
             with meter.phase("backward"):
                 loss.backward()

@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_lowmem.memory.categories import mark_host
 
+# NOTE: wrapper subclasses (DTensor, quantized tensors) stay in place; a dry run's fake tensors stand for plain ones
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 _CHECKPOINT_FILE = sys.modules["torch.utils.checkpoint"].__file__ if "torch.utils.checkpoint" in sys.modules else None
 _FUNCTION_FILE = torch.autograd.function.__file__
 
@@ -191,7 +194,11 @@ class _Packed:
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage of ``t`` (no copy)."""
     storage = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    nbytes, size = storage.nbytes(), t.element_size()
+    if nbytes % size == 0:
+        # NOTE: a view, not `set_`: on a dry run's fake tensors `set_` keeps the storage alive after the tensor dies
+        return t.as_strided((nbytes // size,), (1,), 0).view(torch.uint8)
+    return t.new_empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
 class SavedTensorOffloader:
@@ -251,7 +258,8 @@ class SavedTensorOffloader:
         self.refresh_skip(skip)
 
     def refresh_skip(self, skip: list[torch.Tensor]) -> None:
-        self._skip_ptrs = frozenset(t.untyped_storage().data_ptr() for t in skip if isinstance(t, torch.Tensor))
+        # NOTE: storages by StorageImpl (`_cdata`), not `data_ptr`: every fake storage of a dry run has address 0.
+        self._skip_ptrs = frozenset(t.untyped_storage()._cdata for t in skip if isinstance(t, torch.Tensor))
 
     @property
     def host_bytes_live(self) -> int:
@@ -300,9 +308,9 @@ class SavedTensorOffloader:
 
     def _keep(self, t: torch.Tensor, caller: Any) -> bool:
         """Whether a saved tensor stays in place; counts the kept bytes."""
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device != self.device:
+        if type(t) not in _PLAIN or t.layout != torch.strided or t.device != self.device:
             return True
-        if t.untyped_storage().data_ptr() in self._skip_ptrs:
+        if t.untyped_storage()._cdata in self._skip_ptrs:
             return True  # a parameter, buffer or batch tensor: it stays alive anyway, a copy would free nothing
         nbytes = t.numel() * t.element_size()
         boundary = self.boundaries_only and saved_by_checkpoint(caller)
@@ -371,8 +379,12 @@ class SavedTensorOffloader:
         self.copier.compute_waits(entry.event, entry.restored)
         entry.event = None
         restored: torch.Tensor = entry.restored  # type: ignore[assignment]
-        out = torch.empty(0, dtype=packed.dtype, device=restored.device)
-        out.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+        size = packed.dtype.itemsize
+        if restored.numel() % size == 0:  # NOTE: a view, not `set_` (see `_storage_bytes`)
+            out = restored.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
+        else:
+            out = restored.new_empty(0, dtype=packed.dtype)
+            out.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         entry.pending -= 1
         if entry.pending <= 0:
             # NOTE: every save of this storage has been handed to autograd, which keeps what it still needs;

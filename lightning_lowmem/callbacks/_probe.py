@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from lightning_lowmem._compat import training_step_args
 from lightning_lowmem.callbacks._blocks import tensors_in
 from lightning_lowmem.memory.categories import storage_key
 
@@ -88,7 +90,7 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), saved_tensors_hooks(pack, unpack), _quiet_logging(pl_module):
-            out = pl_module.training_step(batch, batch_idx)
+            out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
         for h in handles:
@@ -96,3 +98,115 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
         held_outside.clear()
         held_block.clear()
     return {"outside": outside, "blocks": per_block, "block_inputs": inputs}
+
+
+@dataclasses.dataclass
+class ModuleActivations:
+    """What one submodule's forward calls save for backward, from :func:`measure_submodules`."""
+
+    name: str
+    order: int  # position of its first call in the forward
+    saved: int  # bytes of storages first saved while it (or a module inside it) ran
+    inputs: int  # bytes of its calls' tensor inputs (what checkpointing it keeps)
+
+    @property
+    def saving(self) -> int:
+        """Bytes checkpointing it frees: what it saves, less the input a checkpoint keeps."""
+        return max(0, self.saved - self.inputs)
+
+
+def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> tuple[dict[str, ModuleActivations], int]:
+    """Activation bytes saved for backward inside each called submodule (inclusive of its children), and in total.
+
+    One forward of ``training_step`` under the same rules as :func:`measure_saved_bytes` (RNG forked, logging off,
+    nothing backpropagated; parameters and buffers not counted). A storage counts for every module running when
+    it is *first* saved: a module's input saved again inside it belongs to whoever saved it first.
+    """
+    params = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
+    stack: list[ModuleActivations] = []
+    found: dict[str, ModuleActivations] = {}
+    seen: set[tuple[str, int]] = set()
+    held: list[torch.Tensor] = []  # NOTE: held to the end, as training holds them: no address is reused
+    total = 0
+
+    def pack(x: torch.Tensor) -> None:
+        nonlocal total
+        key = storage_key(x)
+        if key in params or key in seen:
+            return None
+        seen.add(key)
+        held.append(x)
+        nbytes = x.untyped_storage().nbytes()
+        total += nbytes
+        for entry in {id(e): e for e in stack}.values():
+            entry.saved += nbytes
+        return None
+
+    def unpack(_: Any) -> torch.Tensor:
+        raise RuntimeError("internal error: the activation probe's graph was backpropagated")
+
+    handles = []
+    for name, module in pl_module.named_modules():
+        if not name:
+            continue
+
+        def pre(module: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+            entry = found.get(name)
+            if entry is None:
+                entry = found[name] = ModuleActivations(name, len(found), 0, 0)
+            kept = {storage_key(t): t for t in tensors_in((args, kwargs))}  # a checkpoint keeps every tensor input
+            entry.inputs += sum(t.untyped_storage().nbytes() for k, t in kept.items() if k not in params)
+            stack.append(entry)
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if stack:
+                stack.pop()
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), saved_tensors_hooks(pack, unpack), _quiet_logging(pl_module):
+            out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
+            del out
+    finally:
+        for h in handles:
+            h.remove()
+        held.clear()
+    return found, total
+
+
+def choose_submodules(root: nn.Module, measured: dict[str, ModuleActivations], total: int) -> list[str]:
+    """The blocks for a model without repeated blocks: the largest submodules whose checkpointing frees memory.
+
+    From the top of the module tree, each called submodule is a block if checkpointing it frees at least 1% of all
+    activations, unless it saves more than half of them and has called submodules: then (recomputing it would bring
+    most of the peak back in backward) the blocks are looked for among its children first, and it is taken itself
+    only if none qualifies. Returns names in call order.
+    """
+    names = set(measured)
+    least = max(1, total // 100)  # NOTE: a wrapper that frees less is not worth its recompute
+
+    def parent(name: str) -> str:
+        while "." in name:
+            name = name.rpartition(".")[0]
+            if name in names:
+                return name
+        return ""
+
+    children: dict[str, list[str]] = {}
+    for name in measured:
+        children.setdefault(parent(name), []).append(name)
+
+    def pick(name: str) -> list[str]:
+        entry = measured[name]
+        if entry.saved < least:
+            return []
+        if 2 * entry.saved > total and children.get(name):
+            inner = [n for child in children[name] for n in pick(child)]
+            if inner:
+                return inner
+        return [name] if entry.saving >= least else []
+
+    chosen = [n for child in children.get("", []) for n in pick(child)]
+    return sorted(chosen, key=lambda n: measured[n].order)

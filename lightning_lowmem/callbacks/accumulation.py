@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
@@ -47,7 +47,7 @@ class Choice:
     peaks: dict[int, int | None] | None = None
 
 
-class AccumulationScheduler(L.Callback):
+class AccumulationScheduler(Reproducible, L.Callback):
     """Hold the effective batch (samples per optimizer step, all processes) and fit the micro-batch to memory.
 
     Memory: activations scale with the micro-batch, so a micro-batch ``k`` times smaller keeps ``1/k`` of the
@@ -91,6 +91,12 @@ class AccumulationScheduler(L.Callback):
     (scales the host master gradients the optimizer steps), DeepSpeed (sets DeepSpeed's
     ``gradient_accumulation_steps`` through ``trainer.accumulate_grad_batches`` before the engine is built; only
     ``"samples"``, a fixed int micro-batch and no schedule: DeepSpeed owns the gradient buffers and the window).
+
+    What other code sees: ``outputs["loss"]`` in ``on_train_batch_end`` is the micro-batch's mean loss as
+    ``training_step`` computed it (``"tokens"``: its sum / its ``num_tokens``), *not* divided by the accumulation,
+    on every strategy (plain Lightning's ``accumulate_grad_batches`` divides it). The callback puts itself first in
+    ``trainer.callbacks``, so other callbacks' ``on_before_optimizer_step`` see the normalised gradients; only
+    ``on_after_backward`` sees the scaled, not yet normalised, sums.
 
     Logged at each optimizer step: ``accumulation/micro_batches``, ``accumulation/samples`` and, with ``"tokens"``,
     ``accumulation/tokens`` (what the step held, all processes).
@@ -242,6 +248,11 @@ class AccumulationScheduler(L.Callback):
         if self._micro is not None:
             self._apply(trainer, pl_module, self._micro)
         self._wrap_training_step(pl_module)
+        # NOTE: first among the callbacks, so that every other callback's `on_before_optimizer_step` sees the
+        # normalised gradients and its `on_train_batch_end` the reported loss (see [reported loss])
+        if trainer.callbacks and trainer.callbacks[0] is not self:
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -267,6 +278,13 @@ class AccumulationScheduler(L.Callback):
             f"{c.world_size} process(es) = effective batch {c.effective_batch_size}"
             + (f" (auto: peak {c.peaks[c.micro_batch_size]} B within budget {c.memory_budget} B)" if c.peaks else "")
         )
+
+    @override
+    def resolved(self) -> AccumulationScheduler:
+        """A fresh copy; with ``micro_batch_size="auto"`` once it chose, the micro-batch it chose."""
+        if self.micro_batch_size == "auto" and self.choice is not None:
+            return self.fresh(micro_batch_size=self.choice.micro_batch_size)
+        return self.fresh()
 
     def _apply(self, trainer: L.Trainer, pl_module: L.LightningModule, micro: int) -> None:
         self._micro = micro
@@ -307,6 +325,7 @@ class AccumulationScheduler(L.Callback):
         self._last = False
         self._k: torch.Tensor | None = None  # float64, equal to `_k_loss`
         self._k_loss: torch.Tensor | None = None  # in the loss's dtype, multiplied into every micro-batch
+        self._reported: torch.Tensor | None = None  # the micro-batch's mean loss, for `outputs["loss"]`
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset_window()  # Lightning steps at the end of every epoch: windows never cross epochs
@@ -387,6 +406,7 @@ class AccumulationScheduler(L.Callback):
             count, weight = samples, float(samples)
         self._samples += samples
         self._micro_batches += 1
+        self._reported = (loss / count.clamp(min=1).to(loss.dtype) if self.loss_normalization == "tokens" else loss).detach()
         if self._engine:
             # NOTE: weight relative to a full micro-batch. Lightning's loop has divided the loss by n; Lightning's
             # stock DeepSpeedStrategy divides it by n again in `engine.backward` (so n is undone here), while our
@@ -450,6 +470,13 @@ class AccumulationScheduler(L.Callback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # NOTE: [reported loss] Lightning hands every callback (and then the module) the same `outputs` dict, whose
+        # "loss" is what was backpropagated: here a k-scaled sum, or under DeepSpeed the loss / accumulation. Every
+        # strategy reports the micro-batch's mean loss instead (as `training_step` computed it; tokens: sum / count),
+        # undivided by the accumulation. This callback runs first (see `setup`), so the others see that value.
+        if self._reported is not None and isinstance(outputs, dict) and "loss" in outputs:
+            outputs["loss"] = self._reported
+        self._reported = None
         if self._engine or self.last_window is None or not getattr(self, "_last", False):
             return
         w = self.last_window

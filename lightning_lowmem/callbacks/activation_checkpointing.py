@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object
 from lightning_lowmem.callbacks import _blocks
 from lightning_lowmem.callbacks._blocks import (
     CheckpointInfo,
@@ -70,12 +70,17 @@ def parse_bytes(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-class ActivationCheckpointing(Callback):
+class ActivationCheckpointing(Reproducible, Callback):
     """Recompute the activations of chosen blocks in backward instead of keeping them: a policy for any model.
 
     Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward
     work in backward. Blocks are found automatically (the longest ``nn.ModuleList`` of same-class modules:
-    GPT-2, LLaMA, BERT, T5, ViT, ``nn.TransformerEncoder``) or named with ``blocks``. Checkpointing is
+    GPT-2, LLaMA, BERT, T5, ViT, ``nn.TransformerEncoder``) or named with ``blocks``. A model with no such list
+    (an MLP, an autoencoder, a CNN, a one-layer ``nn.Transformer``) gets its blocks by measurement on the first
+    training batch (one extra forward, RNG untouched): the largest submodules whose checkpointing frees memory,
+    splitting any that holds more than half of all activations into its children (:attr:`chosen_by_measurement`);
+    if none frees anything it warns and trains unchanged. Manual-optimization modules without repeated blocks
+    (GANs) must name ``blocks``: measuring would run their ``training_step``, which steps optimizers. Checkpointing is
     non-reentrant (``use_reentrant=False``) with the RNG state preserved, so gradients are bit-identical to
     training without it, dropout included. Blocks are wrapped by giving them an instance-level ``forward``,
     so ``state_dict`` keys do not change: checkpoints load into a model without the callback and back.
@@ -107,6 +112,8 @@ class ActivationCheckpointing(Callback):
     Attributes:
         wrapped: qualified names of the checkpointed modules, after setup.
         measured: for ``"budget"``, the measured bytes (``outside``, per-block ``blocks``, ``block_inputs``).
+        chosen_by_measurement: for a model without repeated blocks, ``{module name: bytes its checkpointing
+            frees}`` of the modules chosen on the first batch (``None`` otherwise).
     """
 
     def __init__(
@@ -157,6 +164,8 @@ class ActivationCheckpointing(Callback):
         self._hook_handles: list[Any] = []
         self._use_cache: list[tuple[Any, Any]] = []
         self._patched_configure_model = False
+        self._pending_choice = False  # no repeated blocks: choose submodules on the first training batch
+        self.chosen_by_measurement: dict[str, int] | None = None
 
     # --- Lightning hooks ------------------------------------------------------------------------
 
@@ -186,6 +195,8 @@ class ActivationCheckpointing(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._pending_choice:
+            self._choose_by_measurement(trainer, pl_module, batch, batch_idx)
         if self.policy == "budget" and self.measured is None:
             self._measure_and_choose(trainer, pl_module, batch, batch_idx)
 
@@ -199,6 +210,30 @@ class ActivationCheckpointing(Callback):
         for config, value in self._use_cache:
             config.use_cache = value
         self._use_cache = []
+
+    @override
+    def resolved(self) -> ActivationCheckpointing | None:
+        """A fresh copy; with ``policy="budget"`` once it chose, the blocks it chose (None: it chose none)."""
+        if self.policy == "budget" and self.measured is not None:
+            return ActivationCheckpointing(policy=list(self.wrapped)) if self.wrapped else None
+        return self.fresh()
+
+    @staticmethod
+    def remove(root: nn.Module) -> int:
+        """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many.
+
+        A fit leaves the blocks checkpointed (so ``trainer.validate``/``fit`` again run the same model); a copy of
+        the module as built, such as the dry run of ``MemoryReport``'s baseline, starts from this.
+        """
+        found = checkpointed_modules(root)
+        for _, module, _ in found:
+            _blocks.unwrap(module)
+        for module in root.modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if isinstance(hook, CloseSegments):
+                    del module._forward_hooks[key]
+                    module._forward_hooks_always_called.pop(key, None)
+        return len(found)
 
     # --- applying the policy --------------------------------------------------------------------
 
@@ -235,10 +270,12 @@ class ActivationCheckpointing(Callback):
             what = f"the blocks named by `blocks={self.blocks!r}`"
         else:
             found = find_repeated_blocks(root)
-            what = "repeated blocks (no `nn.ModuleList` of at least two same-class modules)"
+            if not found:
+                return []  # chosen by measurement on the first training batch (see `_choose_by_measurement`)
+            return found
         if not found:
             raise ValueError(
-                f"ActivationCheckpointing found no {what} in `{type(root).__name__}`. Name the blocks to checkpoint: "
+                f"ActivationCheckpointing found none of {what} in `{type(root).__name__}`. Name the blocks to checkpoint: "
                 "`ActivationCheckpointing(blocks='model.layers')` (a ModuleList or module name, a pattern such as "
                 "'encoder.*.block' or a class name such as 'MyBlock'), or pass them as the policy: "
                 "`ActivationCheckpointing(policy=['MyBlock'])`."
@@ -249,6 +286,19 @@ class ActivationCheckpointing(Callback):
         if self._root is not None:
             return
         blocks = self._find_blocks(pl_module)
+        if not blocks:  # no repeated blocks and none named: measured on the first training batch
+            if not getattr(pl_module, "automatic_optimization", True):
+                children = [n for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
+                raise ValueError(
+                    f"ActivationCheckpointing found no repeated blocks (no `nn.ModuleList` of at least two same-class "
+                    f"modules) in `{type(pl_module).__name__}`, and cannot measure which submodules to checkpoint: "
+                    "that runs `training_step` once more, which a manual-optimization module would use to step its "
+                    f"optimizers. Name the blocks: `ActivationCheckpointing(blocks={children!r})` (module names, "
+                    "patterns such as 'encoder.*' or class names)."
+                )
+            self._root, self._pending_choice = pl_module, True
+            self._prepare_hf(pl_module)
+            return
         foreign = {_blocks.has_foreign_checkpointing(m) for _, m in blocks} - {None}
         if foreign:
             rank_zero_warn(
@@ -259,6 +309,10 @@ class ActivationCheckpointing(Callback):
             return
         self._root, self._block_list = pl_module, blocks
         self._prepare_hf(pl_module)
+        self._apply_policy()
+
+    def _apply_policy(self) -> None:
+        blocks = self._block_list
         if self.policy == "budget":
             return  # chosen on the first training batch, from measured sizes
         L = len(blocks)
@@ -323,6 +377,28 @@ class ActivationCheckpointing(Callback):
             if config is not None and getattr(config, "use_cache", False) and disable is not None:
                 self._use_cache.append((config, config.use_cache))
                 config.use_cache = False
+
+    # --- models without repeated blocks ----------------------------------------------------------
+
+    def _choose_by_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Blocks for a model with no repeated blocks: the largest submodules whose checkpointing frees memory."""
+        from lightning_lowmem.callbacks._probe import choose_submodules, measure_submodules
+
+        self._pending_choice = False
+        with trainer.precision_plugin.train_step_context():
+            measured, total = measure_submodules(pl_module, batch, batch_idx)
+        # NOTE: every rank must wrap the same modules: rank 0's measurement decides
+        names = trainer.strategy.broadcast(choose_submodules(pl_module, measured, total), src=0)
+        self.chosen_by_measurement = {n: measured[n].saving for n in names if n in measured}
+        if not names:
+            rank_zero_warn(
+                f"ActivationCheckpointing: `{type(pl_module).__name__}` has no repeated blocks and no submodule whose "
+                "checkpointing frees activation memory (measured on the first training batch); training continues "
+                "without checkpointing. Name modules with `blocks=` to checkpoint them anyway."
+            )
+            return
+        self._block_list = [(n, pl_module.get_submodule(n)) for n in names]
+        self._apply_policy()
 
     # --- budget ---------------------------------------------------------------------------------
 

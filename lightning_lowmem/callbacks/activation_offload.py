@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object
 from lightning_lowmem.callbacks._offload_engine import (
     CudaStreamCopier,
     OffloadStats,
@@ -54,7 +54,7 @@ def _unsupported_strategy(strategy: Any) -> str | None:
     return None
 
 
-class ActivationOffload(Callback):
+class ActivationOffload(Reproducible, Callback):
     """Move the tensors autograd saves in the training forward to host memory, and bring them back in backward.
 
     Saves: the activations of the training step on the compute device, down to the tensors kept in place

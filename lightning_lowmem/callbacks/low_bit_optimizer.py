@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object, require
+from lightning_lowmem._compat import Reproducible, check_lightning_object, require
 from lightning_lowmem.memory.categories import host_storage_keys, mark_host, storage_key
 
 Kind = Literal["adamw8bit", "paged_adamw8bit", "lion8bit", "adam8bit"]
@@ -52,7 +52,7 @@ def _describe(optimizer: torch.optim.Optimizer) -> str:
     return f"`{type(optimizer).__module__}.{type(optimizer).__qualname__}`"
 
 
-class LowBitOptimizer(Callback):
+class LowBitOptimizer(Reproducible, Callback):
     """Replace the optimizer your LightningModule configured by its bitsandbytes 8-bit equivalent.
 
     Memory saved: Adam/AdamW keep two fp32 moments, 8 B per parameter; the 8-bit block-wise state

@@ -10,10 +10,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_lowmem._compat import check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object
 
 
-class OptimizerInBackward(Callback):
+class OptimizerInBackward(Reproducible, Callback):
     """Fuse the optimizer step into backward: gradients never all exist at once.
 
     Each trainable parameter gets a ``register_post_accumulate_grad_hook``. When autograd has written

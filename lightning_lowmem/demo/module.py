@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lightning_lowmem.callbacks.chunked_lm_loss import is_chunked
 from lightning_lowmem.demo.tokenizer import ByteTokenizer
 
 IGNORE_INDEX = -100
@@ -157,8 +158,12 @@ class CausalLMModule(L.LightningModule):
 
     def loss_sum_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of next-token cross-entropies over the labelled tokens, and their number."""
-        logits = self(batch["input_ids"], batch.get("attention_mask"))
         labels = batch.get("labels", batch["input_ids"])
+        if self.training and is_chunked(self.model):
+            # NOTE: `ChunkedLMLoss` wraps the model: its labels= loss never builds the logits (they come back None)
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=labels)
+            return out.loss_sum, out.num_tokens
+        logits = self(batch["input_ids"], batch.get("attention_mask"))
         # NOTE: the logits are upcast for the loss (as Hugging Face does): softmax in half precision loses
         # the small probabilities. The fp32 copy is the LM head's memory spike in backward. A float64 model
         # (precision="64-true", the reference runs of the tests) keeps float64.

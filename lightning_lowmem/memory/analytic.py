@@ -231,3 +231,47 @@ def analytic_phases(
 def per_param_rule_bytes(num_params: int, precision: str = "32-true") -> int:
     """The accelerate / Hugging Face rule: 16 B/param in fp32, 18 B/param mixed, with no activations."""
     return num_params * (16 if precision == "32-true" else 18)
+
+
+def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: int | None) -> None:
+    """Replace a single-device trace's model states by DeepSpeed ZeRO's partitioned ones, in place.
+
+    DeepSpeed's engine cannot run on fake tensors, so a ``lowmem_zero*`` run is traced on one device in the
+    same compute precision, with the same callbacks, and its weights, gradients and optimizer state are then
+    replaced by the closed form of DeepSpeed's partitioning (exact arithmetic; its reduce/all-gather buckets
+    are not modelled). Per rank, P parameters, N ranks, h = 2 B (half precision) or 4 B (fp32): weights hP
+    (stage 3: hP/N), gradients hP/N, optimizer state (fp32 masters 4P when h = 2, plus Adam's 8P) over N.
+    ``offload_optimizer``: state, its step and fp32 gradients on the host; device gradients leave as they are
+    reduced. ``offload_parameters`` (stage 3): the device holds the gathered parameters of the module in use
+    and the next one (``2 x gathered_params``), the host the partitioned half-precision weights.
+    """
+    P, N = estimate.num_params or 0, plan.world_size
+    h = 4 if precision == "32-true" else 2
+    state = (4 * P if h == 2 else 0) + int(optimizer_state_bytes_per_param("adamw", 4, P))
+    weights = h * P if plan.stage < 3 else h * P // N
+    if plan.stage == 3 and plan.offload_parameters:
+        weights = 2 * h * gathered_params if gathered_params else 0
+    grads = h * P // N if plan.stage >= 2 else h * P
+    offload = plan.offload_optimizer
+    for phase, bd in estimate.phases.items():
+        dev = bd.device
+        has_grads = dev["gradients"] > 0
+        dev["weights"] = weights
+        dev["gradients"] = 0 if offload else (grads if has_grads else 0)
+        dev["optimizer_state"] = 0 if offload else state // N
+        if phase == "optimizer" and offload:
+            dev["other"] = 0
+        bd.host = dict.fromkeys(bd.host, 0)
+        if offload:
+            bd.host["optimizer_state"] = state // N
+            bd.host["gradients"] = 4 * P // N
+        if plan.stage == 3 and plan.offload_parameters:
+            bd.host["weights"] = h * P // N
+    estimate.method = "dry_run+zero_closed_form"
+    estimate.steps = []
+    estimate.notes.append(
+        f"ZeRO-{plan.stage} over {N} rank(s): traced on one device, model states from DeepSpeed's partitioning in "
+        f"closed form ({precision} compute weights{', fp32 masters in the optimizer' if h == 2 else ''}"
+        f"{'; optimizer offloaded' if offload else ''}{'; parameters offloaded' if plan.offload_parameters else ''}); "
+        "reduce/all-gather buckets not modelled"
+    )

@@ -64,9 +64,12 @@ class ReportsMemory(Protocol):
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of a tensor's storage: two views of one storage have the same key."""
-    storage = t.untyped_storage()
-    return (str(t.device), storage.data_ptr() if storage.data_ptr() else id(storage))
+    """Identity of a tensor's storage: two views of one storage have the same key.
+
+    NOTE: the StorageImpl (``_cdata``), not ``data_ptr``: the storages of fake tensors (a dry run) and empty
+    ones all have address 0.
+    """
+    return (str(t.device), t.untyped_storage()._cdata)
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

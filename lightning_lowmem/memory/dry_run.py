@@ -1,223 +1,136 @@
-"""One training step of a LightningModule on fake tensors: the peak of a model too big to build.
+"""The dry run: a real ``Trainer.fit`` of the user's module and data in which every weight is a fake tensor.
 
-:func:`dry_run` builds the user's LightningModule on the ``meta`` device, gives every parameter and
-buffer a fake CPU storage (``FakeTensorMode``: shapes, dtypes and storage sizes, no bytes), and runs
-their own ``training_step`` and ``configure_optimizers`` for two optimizer steps in Lightning's
-automatic-optimization order (``training_step`` -> ``zero_grad`` -> ``backward`` -> ``step``), under
-:class:`~lightning_lowmem.memory.measure.MemoryTracker`. Nothing is allocated; the tracker counts what
-*would* be. The techniques of the suite are applied in the trace itself (precision, activation
-checkpointing of the repeated blocks, activation offload, CPU-master offload, optimizer-in-backward,
-accumulation), so their effect is traced, not guessed.
+:func:`dry_run` runs the run a :class:`~lightning_lowmem.memory.run.RunSpec` describes (strategy, precision,
+technique callbacks, accumulation, clipping) for two optimizer steps, with Lightning's own loop,
+``configure_optimizers`` with the trainer attached, the data's first batches (whatever their
+structure) and the techniques' own code: nothing of a technique is written twice. The parameters are
+fake (``FakeTensorMode``: sizes and dtypes, no bytes; see :mod:`lightning_lowmem.memory.fake`), so a model
+far larger than this machine is predicted at no memory cost. The step is measured by the same
+:class:`~lightning_lowmem.memory.recorder.StepMemoryRecorder` that ``MemoryReport`` measures real runs with.
 
-Deep models are traced at 2 and 4 repeated blocks and extrapolated linearly, per phase, role and
-category (each is affine in the block count; a probe matched a 48-layer trace within 1 MiB).
+What is not traced, and so predicted in closed form and labelled as such in the result:
 
-Traps handled here, named because each one silently gives a wrong figure or kills the process:
+* DeepSpeed ZeRO: its engine cannot run on fake tensors. The run is traced on one device with the
+  same callbacks (after the callbacks' own checks against the real ``ZeroStrategy``, so a
+  combination DeepSpeed refuses is refused here too) and DeepSpeed's partitioned model states replace
+  the traced ones (:func:`~lightning_lowmem.memory.analytic.zero_states`).
+* A CUDA target (``target="cuda"``): the trace runs on fake CPU tensors (fake CUDA tensors abort a
+  CPU-only build at the first autograd edge) with CUDA's kernel choices emulated (1-byte dropout masks,
+  flash attention, foreach optimizers) and the CUDA context and pinned staging added; each is listed in
+  ``result.corrections``, uncalibrated until a GPU run confirms it.
 
-* ``Module.to_empty`` unties shared weights (HF's ``lm_head``/``wte``): parameters are swapped in
-  through one memo per parameter object, so a tied weight stays one storage.
-* bitsandbytes' optimizers call ``.tolist()`` in their constructor: ``configure_optimizers`` runs
-  *outside* the fake mode (its parameters are already fake; its own small tensors stay real).
-* Fake ``cuda`` tensors abort a CPU-only build at the first autograd edge (C++ terminate): the trace
-  is always on fake CPU tensors. A GPU target gets explicit corrections instead (see
-  :func:`dry_run`'s ``target``), each listed in the result and marked uncalibrated.
+Deep models are traced at three depths and extrapolated when every per-block increment agrees (see
+:func:`dry_run`'s ``extrapolate``); otherwise, and with ``extrapolate=False``, every block is traced.
 
 Example::
 
-    from lightning_lowmem import dry_run
+    from lightning_lowmem import ActivationCheckpointing, dry_run
     from lightning_lowmem.demo.module import CausalLMModule
 
     est = dry_run(lambda: CausalLMModule(config={"n_layer": 48, "n_embd": 1600, "n_head": 25}),
-                  batch_size=4, seq_len=1024, precision="bf16-true", checkpointing="all")
-    print(est.peak_device, est.binding_phase)
+                  batch_size=4, seq_len=1024, strategy="lowmem_offload", precision="bf16-true",
+                  callbacks=[ActivationCheckpointing("all")])
+    est.peak_device, est.peak_host, est.binding_phase
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import tempfile
 import time
-import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+import lightning as L
 import torch
+from lightning_utilities import apply_to_collection
 import torch.nn.functional as F
-from torch._subclasses import fake_tensor as _fake
 
-from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown, mark_host
-from lightning_lowmem.memory.estimate import (
-    CHECKPOINTING,
-    PRECISIONS,
-    Correction,
-    MemoryEstimate,
-    validate_choice,
-)
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown, host_storage_keys, storage_key
+from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_lowmem.memory.fake import DryRunUnsupportedError, FakeExecution, fake_copy, fake_execution
+from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder, phase_maxima
+from lightning_lowmem.memory.result import Correction, MemoryEstimate
+from lightning_lowmem.memory.run import RunSpec, ZeroPlan
 
-PHASES = ("forward", "backward", "optimizer")
-_HALF = {"bf16": torch.bfloat16, "16": torch.float16}
 #: CUDA context + cuBLAS workspace on a recent driver with lazy module loading (uncalibrated)
 CUDA_CONTEXT_BYTES = 512 * 2**20
-_FAKE_ERRORS = (
-    _fake.UnsupportedOperatorException,
-    _fake.DataDependentOutputException,
-    _fake.DynamicOutputShapeException,
-    _fake.UnsupportedFakeTensorException,
-)
+#: extrapolation is used when the third depth lands this close to the line through the first two (per value)
+AGREEMENT = 1e-4
 
 
-class DryRunUnsupportedError(RuntimeError):
-    """The model runs an op that fake tensors cannot execute (no fake/meta kernel, data-dependent output)."""
-
-    def __init__(self, op: str, detail: str) -> None:
-        self.op = op
-        super().__init__(
-            f"The dry run cannot trace op `{op}`: it has no fake-tensor implementation or its output depends on "
-            f"tensor values ({detail}). Register one with `torch.library.register_fake`, or use the analytic "
-            "estimate (`estimate_memory(..., method='analytic')`)."
-        )
+class _StopBeforeEngine(Exception):
+    """Raised in place of DeepSpeed's engine set-up, once every callback has checked the run."""
 
 
-# --- the model on fake storage ---------------------------------------------------------------------------
-def _swap_in_fake(module: torch.nn.Module, fake_mode: _fake.FakeTensorMode, dtype: torch.dtype | None) -> list:
-    """Give every parameter and buffer a fake CPU storage; returns what restores the originals.
+# --- data ------------------------------------------------------------------------------------------------------
+class _Repeat:
+    """A loader that yields a copy of one batch ``n`` times (Lightning iterates any sized iterable).
 
-    NOTE: one memo per tensor object keeps tied weights tied (``to_empty`` does not).
+    NOTE: copies, as a real loader makes new tensors for every batch: Lightning fetches the next batch before it
+    runs the current one, so two batches are alive during a step.
     """
-    memo: dict[int, torch.Tensor] = {}
-    undo: list[tuple[dict, str, Any]] = []
 
-    def fake_of(t: torch.Tensor, is_param: bool) -> torch.Tensor:
-        if id(t) not in memo:
-            cast = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-            with fake_mode:
-                f = torch.empty_strided(t.size(), t.stride(), dtype=cast, device="cpu")
-            memo[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if is_param else f
-        return memo[id(t)]
+    def __init__(self, batch: Any, n: int = 10_000) -> None:
+        self.batch, self.n = batch, n
 
-    for mod in module.modules():
-        for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
-            for name, t in list(table.items()):
-                if t is not None:
-                    undo.append((table, name, t))
-                    table[name] = fake_of(t, is_param)
-    return undo
+    def __iter__(self) -> Iterator[Any]:
+        return (apply_to_collection(self.batch, torch.Tensor, torch.clone) for _ in range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
 
 
-def _restore(undo: list) -> None:
-    for table, name, value in reversed(undo):
-        table[name] = value
+class _TokenBatches(L.LightningDataModule):
+    """Causal-LM token batches whose ``batch_size`` an ``AccumulationScheduler`` sets, as it would yours."""
+
+    def __init__(self, batch_size: int, seq_len: int) -> None:
+        super().__init__()
+        self.batch_size, self.seq_len = batch_size, seq_len
+
+    def train_dataloader(self) -> _Repeat:
+        ids = torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
+        return _Repeat({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
 
 
+def _fit_data(data: Any, batch: Any) -> dict[str, Any]:
+    if batch is not None:
+        return {"train_dataloaders": _Repeat(batch)}
+    if data is None:
+        return {}
+    if isinstance(data, L.LightningDataModule):
+        return {"datamodule": data}
+    return {"train_dataloaders": data}
+
+
+# --- the model at a chosen depth ---------------------------------------------------------------------------------
 def find_blocks(module: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
-    """The model's repeated blocks: the longest ModuleList of >= 2 same-class children (as ActivationCheckpointing)."""
+    """The model's repeated blocks: the longest ModuleList of >= 2 same-class children."""
     best, best_size = None, (-1, -1)
     for parent in module.modules():
         for name, child in parent.named_children():
-            if isinstance(child, torch.nn.ModuleList) and len(child) >= 2:
-                if len({type(c) for c in child}) != 1:
-                    continue
+            if isinstance(child, torch.nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1:
                 size = (len(child), sum(p.numel() for p in child.parameters()))
                 if size > best_size:
                     best, best_size = (parent, name, child), size
     return best
 
 
-def _truncate_blocks(module: torch.nn.Module, keep: int) -> int:
-    """Keep the first ``keep`` repeated blocks (on the meta model); returns the original count."""
+def _truncate_blocks(module: torch.nn.Module, keep: int) -> None:
+    """Keep the first ``keep`` repeated blocks (on a fake copy)."""
     found = find_blocks(module)
-    if found is None:
-        raise ValueError("Cannot extrapolate: the model has no ModuleList of repeated blocks.")
+    assert found is not None
     parent, name, blocks = found
     full = len(blocks)
     setattr(parent, name, torch.nn.ModuleList(list(blocks)[:keep]))
-    for sub in module.modules():  # NOTE: HF loops over `layers[: config.num_hidden_layers]`
+    for sub in module.modules():  # NOTE: Hugging Face loops over `layers[: config.num_hidden_layers]`
         config = getattr(sub, "config", None)
         for attr in ("num_hidden_layers", "n_layer", "num_layers"):
             if config is not None and getattr(config, attr, None) == full:
                 setattr(config, attr, keep)
-    return full
 
 
-# --- techniques applied in the trace ---------------------------------------------------------------------
-def _apply_checkpointing(module: torch.nn.Module, policy: str | None, every_n: int) -> Callable[[], None]:
-    """Checkpoint the blocks exactly as the ``ActivationCheckpointing`` callback does; returns the undo."""
-    if policy is None:
-        return lambda: None
-    from lightning_lowmem.callbacks import _blocks
-    from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-
-    if _blocks.checkpointed_modules(module):
-        return lambda: None  # NOTE: already checkpointed (the user's module inside a fit): trace it as it is
-    n = every_n if policy == "every_n" else None
-    callback = ActivationCheckpointing(policy=policy, n=n)  # type: ignore[arg-type]
-    quiet = [logging.getLogger(name) for name in ("lightning_lowmem.callbacks.activation_checkpointing",
-                                                  "lightning.pytorch.utilities.rank_zero")]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.WARNING)
-    try:
-        # NOTE: `_apply` is the callback's own application of its policy (what its `configure_model` wrapper
-        # calls); it needs no Trainer, so the trace checkpoints exactly the blocks a real run would.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            callback._apply(module)  # type: ignore[arg-type]
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
-
-    def undo() -> None:
-        for _, wrapped, _ in _blocks.checkpointed_modules(module):
-            _blocks.unwrap(wrapped)
-        for handle in callback._hook_handles:
-            handle.remove()
-        for config, value in callback._use_cache:
-            config.use_cache = value
-
-    return undo
-
-
-@contextlib.contextmanager
-def _activation_offload(param_keys: set[int], enabled: bool = True, min_bytes: int = 1024) -> Iterator[None]:
-    """Saved activations go to the host in forward and come back for backward, as ``ActivationOffload`` does.
-
-    Per storage, once (views of one storage share the host copy); storages under ``min_bytes`` (the callback's
-    default 1024) and weights stay. Restored device copies live while autograd holds a view of them.
-    NOTE: identity by storage object, not ``data_ptr`` (every fake storage has address 0).
-    """
-    if not enabled:
-        yield
-        return
-    packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-    restored: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-    def pack(t: torch.Tensor) -> Any:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in param_keys or st.nbytes() < min_bytes:
-            return t
-        hit = packed.get(key)
-        if hit is None or hit[0]() is not st:  # NOTE: a freed storage's key can be reused by a new one
-            host = torch.empty(st.nbytes(), dtype=torch.uint8)
-            mark_host(host)
-            hit = packed[key] = (weakref.ref(st), host)
-        return (hit[1], t.dtype, t.size(), t.stride(), t.storage_offset())
-
-    def unpack(saved: Any) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
-        host, dtype, size, stride, offset = saved
-        device = restored.get(id(host))
-        if device is None:
-            device = restored[id(host)] = torch.empty(host.numel(), dtype=torch.uint8)
-        return device.view(dtype).as_strided(size, stride, offset)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
+# --- one trace ---------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
     """Trace CUDA's kernel choices on CPU: fused dropout with a 1-byte mask, SDPA with O(s) saved state."""
@@ -249,431 +162,472 @@ def _cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
         F.dropout, F.scaled_dot_product_attention = dropout, sdpa
 
 
-# --- optimizers ------------------------------------------------------------------------------------------
-def optimizers_from(conf: Any) -> list[torch.optim.Optimizer]:
-    """The optimizers in any output of ``configure_optimizers`` (optimizer, list, dict, (opts, scheds))."""
-    if isinstance(conf, torch.optim.Optimizer):
-        return [conf]
-    if isinstance(conf, dict):
-        return optimizers_from(conf.get("optimizer"))
-    if isinstance(conf, (list, tuple)):
-        if len(conf) == 2 and isinstance(conf[0], (list, tuple)):
-            return optimizers_from(list(conf[0]))
-        return [o for c in conf for o in optimizers_from(c)]
-    raise TypeError(
-        f"`configure_optimizers` returned {type(conf).__name__}; the dry run needs an optimizer, a list of "
-        "optimizers, a dict with key 'optimizer', or ([optimizers], [schedulers])."
+class _CudaOptimizerDefaults(L.Callback):
+    """``target="cuda"``: torch optimizers of the device role take CUDA's default, ``foreach`` (+4 B/param transient)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        host = host_storage_keys()
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                on_device = any(storage_key(p) not in host for p in group["params"])
+                if on_device and group.get("foreach", False) is None and not group.get("fused"):
+                    group["foreach"] = True
+                    self.counts["foreach_groups"] += 1
+
+
+class _StopAfter(L.Callback):
+    """Ends the fit after ``steps`` optimizer-step windows (a GAN's batch steps two optimizers: one window)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.windows, self.last = steps, 0, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.last:
+            self.windows, self.last = self.windows + 1, trainer.global_step
+        if self.windows >= self.steps:
+            trainer.should_stop = True
+
+
+class _StepBracket(L.Callback):
+    """Tells the fake execution when a training step runs (large all-real outputs stay fake there)."""
+
+    def __init__(self, fx: FakeExecution) -> None:
+        self.fx = fx
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.fx.in_step = True
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.fx.in_step = False
+
+
+class _DepthWindows(L.Callback):
+    """Cuts forward and backward into the part before the repeated blocks, the blocks and the part after them.
+
+    NOTE: each part's peak grows linearly with depth, but the phase's peak may move from one part to another as the
+    model deepens (a shallow GPT-2's backward peaks at the LM head, a deep one's at the last block, when gradients
+    outgrow the head's transient): extrapolated per part, the deep model's peak is the largest part's.
+    """
+
+    def __init__(self, recorder: StepMemoryRecorder) -> None:
+        self.recorder = recorder
+        self.handles: list[Any] = []
+        self.block_params: list[torch.Tensor] = []
+        self.seen: set[int] = set()
+
+    def _window(self, name: str, phase: str) -> None:
+        tracker = self.recorder.tracker
+        if tracker is not None and tracker.phase_name == phase:
+            # NOTE: before and after the blocks the ops do not depend on depth: extrapolated event by event, as a
+            # transient that grows with depth (a KV cache dropped with the model's output) can move the peak
+            tracker.set_window(name, events=name != "blocks")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        found = find_blocks(pl_module)
+        if found is None:
+            return
+        blocks = found[2]
+        self.handles.append(blocks[0].register_forward_pre_hook(lambda *a: self._window("blocks", "forward")))
+        self.handles.append(blocks[-1].register_forward_hook(lambda *a: self._window("tail", "forward")))
+        self.block_params = [p for p in blocks.parameters() if p.requires_grad]
+        for p in self.block_params:
+            self.handles.append(p.register_post_accumulate_grad_hook(self._grad))
+
+    def _grad(self, p: torch.Tensor) -> None:
+        if not self.seen:
+            self._window("blocks", "backward")
+        self.seen.add(id(p))
+        if len(self.seen) == len(self.block_params):
+            self._window("tail", "backward")
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._window("head", "forward")
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.seen = set()
+        self._window("head", "backward")
+
+    def on_train_end(self, *args: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _trainer(spec: RunSpec, extra: list[Any], root: str, zero: ZeroPlan | None) -> L.Trainer:
+    kwargs = spec.trainer_kwargs()
+    if zero is not None:
+        kwargs["strategy"] = "auto"
+        kwargs["precision"] = {"bf16-mixed": "bf16-true", "16-mixed": "16-true"}.get(spec.precision, spec.precision)
+    strategy = kwargs["strategy"]
+    if hasattr(strategy, "check_host_memory"):
+        # NOTE: the run being predicted is not this machine's: its host RAM is reported, not checked
+        strategy.check_host_memory = False
+    return L.Trainer(
+        accelerator="cpu", devices=1, **{**kwargs, "callbacks": [*kwargs["callbacks"], *extra]},
+        max_steps=-1, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
     )
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"`training_step` returned {type(output).__name__}; the dry run needs a loss tensor or a dict with "
-            "key 'loss'."
-        )
-    return loss
+def _check_zero(spec: RunSpec, module: Any) -> None:
+    """Run every callback's own checks against the real ZeRO strategy, without starting DeepSpeed."""
+    kwargs = spec.trainer_kwargs()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    for callback in trainer.callbacks:
+        if hasattr(callback, "_init_args"):  # the suite's techniques
+            callback.setup(trainer, module, "fit")
+            callback.teardown(trainer, module, "fit")
 
 
-# --- one trace ---------------------------------------------------------------------------------------------
 def _trace(
-    build: Callable[[], torch.nn.Module],
-    batch: Any,
+    build: Callable[[FakeExecution], torch.nn.Module],
+    spec: RunSpec,
+    data: Callable[[], dict[str, Any]],
     *,
-    precision: str,
-    checkpointing: str | None,
-    checkpointing_every_n: int,
-    activation_offload: bool,
-    offload: bool,
-    optimizer_in_backward: bool,
-    accumulate_grad_batches: int,
-    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None,
-    target: str,
     steps: int,
+    target: str,
     counts: dict[str, int],
-) -> dict[tuple[str, str, str], int]:
-    """Run the steps once under fake tensors; returns ``{(phase, role, category): bytes}``."""
-    import lightning as L
-
-    kind, _, mode = precision.partition("-")
-    half = _HALF.get(kind)
-    fake_mode = _fake.FakeTensorMode(allow_non_fake_inputs=True)
-    module = build()
-    undo = _swap_in_fake(module, fake_mode, half if mode == "true" else None)
-    handles: list[Any] = []
-    undo_checkpointing: Callable[[], None] = lambda: None  # noqa: E731
-    was_training = module.training
-    try:
-        module.train()
-        undo_checkpointing = _apply_checkpointing(module, checkpointing, checkpointing_every_n)
-        params = [p for p in module.parameters() if p.requires_grad]
-        param_keys = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
-        # NOTE: outside the fake mode: bitsandbytes' constructor needs real `.tolist()`
-        if optimizer is not None:
-            opts = [optimizer(params)]
-        elif isinstance(module, L.LightningModule):
-            opts = optimizers_from(module.configure_optimizers())
-        else:
-            raise TypeError(f"Passed a {type(module).__name__}; `dry_run` needs a LightningModule or an `optimizer=`.")
-
-        host_opt: list[torch.optim.Optimizer] = []
-        masters: dict[int, torch.Tensor] = {}
-        if offload:
-            # device keeps compute weights; fp32 masters, fp32 gradients and the optimizer live on the host
-            with fake_mode:
-                for p in params:
-                    master = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32))
-                    master.grad = torch.zeros(p.shape, dtype=torch.float32)
-                    mark_host(master, master.grad)
-                    masters[id(p)] = master
-            for opt in opts:
-                for group in opt.param_groups:
-                    group["params"] = [masters[id(p)] for p in group["params"]]
-                    # NOTE: as OffloadStrategy(host_optimizer="auto"): torch's fused CPU kernel for Adam/AdamW
-                    if type(opt) in (torch.optim.Adam, torch.optim.AdamW) and not group.get("foreach"):
-                        group["fused"], group["foreach"] = True, False
-            host_opt, opts = opts, []
-
-            def to_host(p: torch.Tensor) -> None:
-                masters[id(p)].grad.add_(p.grad)  # NOTE: the real strategy copies on a side stream on CUDA
-                p.grad = None
-
-            handles += [p.register_post_accumulate_grad_hook(to_host) for p in params]
-        elif optimizer_in_backward:
-            # NOTE: one optimizer per parameter with its group's settings (as OptimizerInBackward does)
-            per_param = {
-                id(p): type(o)([{**g, "params": [p]}]) for o in opts for g in o.param_groups for p in g["params"]
-            }
-
-            def step_now(p: torch.Tensor) -> None:
-                per_param[id(p)].step()
-                p.grad = None
-
-            handles += [p.register_post_accumulate_grad_hook(step_now) for p in params]
-            opts = list(per_param.values())
-
+    stand_ins: dict[str, int],
+    windows: bool = False,
+) -> list[dict[str, Any]]:
+    """One fake ``Trainer.fit``; returns the recorder's per-step records (with ``windows``: per part of each phase)."""
+    recorder = StepMemoryRecorder(every_n_steps=1)
+    zero = spec.zero()
+    with tempfile.TemporaryDirectory(prefix="lowmem-dry-run-") as root, fake_execution() as fx:
+        module = build(fx)
+        if zero is not None:
+            _check_zero(spec, module)
+        extra: list[Any] = [_StepBracket(fx), recorder, *([_DepthWindows(recorder)] if windows else []),
+                            _StopAfter(steps)]
         if target == "cuda":
-            for opt in opts:  # NOTE: device optimizers default to foreach on CUDA (+4 B/param of temporaries)
-                for group in opt.param_groups:
-                    if group.get("foreach", False) is None and not group.get("fused"):
-                        group["foreach"] = True
-                        counts["foreach_groups"] += 1
-        fake_batch = torch.utils._pytree.tree_map(
-            lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, _without_trivial_mask(batch)
+            extra.insert(0, _CudaOptimizerDefaults(counts))
+        trainer = _trainer(spec, extra, root, zero)
+        with _cuda_kernels(counts) if target == "cuda" else contextlib.nullcontext():
+            trainer.fit(module, **data())
+        for key, n in fx.stand_ins.items():
+            stand_ins[key] = stand_ins.get(key, 0) + n
+    if not recorder.steps or not any(r["phases"].get("backward") for r in recorder.steps):
+        raise RuntimeError(
+            "The dry run traced no backward pass: `training_step` returned None (a skipped batch) or the run stopped "
+            "before its first optimizer step. A data-dependent check on a value computed from the weights (e.g. "
+            "`if not torch.isfinite(loss): return None`) sees a stand-in value (bool: False) in a dry run; compute "
+            "such checks from the batch, or skip them when `self.trainer` is None."
         )
-        if mode == "mixed":
-            forward_ctx: Callable[[], Any] = lambda: torch.autocast("cpu", dtype=half)  # noqa: E731
-        elif half is not None:
-            forward_ctx = lambda: _default_dtype(half)  # noqa: E731
-        else:
-            forward_ctx = contextlib.nullcontext
-        step_fn = module.training_step if isinstance(module, L.LightningModule) else None
-        tracker = MemoryTracker(module=module, optimizers=opts)
-        host_tracker = MemoryTracker(module=None, optimizers=host_opt)
-        with fake_mode, contextlib.ExitStack() as stack:
-            if target == "cuda":
-                stack.enter_context(_cuda_kernels(counts))
-            stack.enter_context(_hf_value_checks(batch))
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message=".*self.log.*")
-            warnings.filterwarnings("ignore", message=".*trainer.*")
-            with tracker:
-                tracker.track(fake_batch)
-                if offload:
-                    tracker.track(list(masters.values()), category="optimizer_state")
-                    tracker.track([m.grad for m in masters.values()], category="gradients")
-                for _ in range(steps):
-                    for micro in range(accumulate_grad_batches):
-                        with tracker.phase("forward"):
-                            with forward_ctx(), _activation_offload(param_keys, activation_offload):
-                                loss = _loss_of(step_fn(fake_batch, 0))
-                            if accumulate_grad_batches > 1:
-                                loss = loss / accumulate_grad_batches
-                            if micro == 0:
-                                for opt in opts:
-                                    opt.zero_grad()
-                        with tracker.phase("backward"):
-                            loss.backward()
-                        del loss
-                    if optimizer_in_backward:
-                        continue
-                    with tracker.phase("optimizer"):
-                        for opt in opts:
-                            opt.step()
-                        if offload:
-                            with torch.no_grad():
-                                for p in params:
-                                    p.copy_(masters[id(p)])
-            if offload:
-                # NOTE: the host step is traced apart, after the device trace: its state and temporaries are
-                # host memory, which the device tracker (every unmarked storage is `device`) would misfile.
-                with host_tracker:
-                    with host_tracker.phase("optimizer"):
-                        for _ in range(steps):
-                            for opt in host_opt:
-                                opt.step()
-    except _FAKE_ERRORS as err:
-        op = getattr(err, "func", None)
-        raise DryRunUnsupportedError(str(op) if op is not None else type(err).__name__, str(err)) from err
-    finally:
-        for h in handles:
-            h.remove()
-        undo_checkpointing()
-        _restore(undo)
-        module.train(was_training)
-    return _flatten(tracker, host_tracker if offload else None)
+    return recorder.steps
 
 
-def _without_trivial_mask(batch: Any) -> Any:
-    """The batch with an all-ones ``attention_mask`` replaced by None.
-
-    NOTE: Hugging Face models skip an all-ones mask (SDPA then runs causal, no mask tensor), but on fake
-    tensors they cannot look at its values and build the (b, 1, s, s) mask, and GQA models then repeat K/V
-    for SDPA: ~2-3 % more activations than the real run. None is what an all-ones mask means to them.
-    """
-    if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), torch.Tensor):
-        mask = batch["attention_mask"]
-        if not isinstance(mask, _fake.FakeTensor) and not mask.is_meta and bool(mask.all()):
-            return {**batch, "attention_mask": None}
-    return batch
-
-
-@contextlib.contextmanager
-def _hf_value_checks(batch: Any) -> Iterator[None]:
-    """Answer Hugging Face's value checks from the real batch, as a real run would.
-
-    NOTE: without a KV cache (training with checkpointing) HF looks for packed sequences in ``position_ids``;
-    on fake tensors it cannot read them, assumes packing and builds a (b, 1, s, s) mask that the real run
-    skips. Default positions (none in the batch) are never packed; given ones are checked on real values.
-    """
-    try:
-        import transformers.masking_utils as masking
-    except ImportError:
-        yield
-        return
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    real_positions = batch.get("position_ids") if isinstance(batch, dict) else None
-
-    def find_packed(position_ids: torch.Tensor) -> torch.Tensor | None:
-        if not isinstance(position_ids, _fake.FakeTensor):
-            return original(position_ids)
-        if not isinstance(real_positions, torch.Tensor) or isinstance(real_positions, _fake.FakeTensor):
-            return None
-        with _fake.unset_fake_temporarily():
-            return original(real_positions.expand(position_ids.shape[0], -1))
-
-    masking.find_packed_sequence_indices = find_packed
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _flatten(tracker: MemoryTracker, host_tracker: MemoryTracker | None) -> dict[tuple[str, str, str], int]:
-    out: dict[tuple[str, str, str], int] = {}
-    peaks = tracker.peaks
-    for phase in PHASES:
-        peak = peaks.get(phase)
-        for cat in CATEGORIES:
-            out[(phase, "device", cat)] = peak.by_category[cat] if peak else 0
-            out[(phase, "host", cat)] = peak.host_by_category[cat] if peak else 0
-    if host_tracker is not None:
-        # NOTE: in the host trace the (marked) masters and their gradients are `host`, while the optimizer's
-        # state and temporaries, created unmarked, are `device`: on the host machine they add up.
-        step = host_tracker.peaks["optimizer"]
-        state = host_tracker.breakdown().device["optimizer_state"]
-        for phase in ("forward", "backward"):
-            out[(phase, "host", "optimizer_state")] += state
-        for cat in CATEGORIES:
-            out[("optimizer", "host", cat)] = step.host_by_category[cat] + step.by_category[cat]
+# --- extrapolation ---------------------------------------------------------------------------------------------
+def _values(steps: list[dict[str, Any]], windows: bool = False) -> dict[tuple[str, str, str], int]:
+    """``{(scope, role, category): bytes}`` at each scope's peak (highest over steps); scopes are the phases, or
+    with ``windows`` the parts of each phase (``"backward@blocks"``...)."""
+    names = {name for r in steps for name in r["phases"]}
+    if windows:  # a phase cut into parts is represented by its parts
+        scopes = sorted(n for n in names if "@" in n or not any(m.startswith(f"{n}@") for m in names))
+    else:
+        scopes = list(PHASES)
+    out = {}
+    for scope in scopes:
+        for role in ("device", "host"):
+            best: dict[str, int] | None = None
+            for record in steps:
+                p = record["phases"].get(scope)
+                if p is not None and (best is None or p[role]["total"] > best["total"]):
+                    best = p[role]
+            for cat in CATEGORIES:
+                out[(scope, role, cat)] = int(best[cat]) if best is not None else 0
     return out
 
 
-def _extrapolate(v_a: dict, v_b: dict, n_a: int, n_b: int, n: int) -> dict:
-    return {k: max(0, round(v_a[k] + (v_b[k] - v_a[k]) * (n - n_a) / (n_b - n_a))) for k in v_a}
+def _events(steps: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
+    """The last traced step's live bytes after every increase, per window that recorded them."""
+    for record in reversed(steps):
+        if "window_events" in record:
+            return record["window_events"]
+    return {}
 
 
-# --- public entry -------------------------------------------------------------------------------------------
+def _event_values(ea: dict, eb: dict, ec: dict, depths: tuple[int, int, int], n: int
+                  ) -> tuple[dict[tuple[str, str, str], int], tuple[Any, int] | None]:
+    """Event-by-event lines of the windows that run the same ops at every depth; the values at depth ``n``.
+
+    Returns the extrapolated ``{(window, role, category): bytes}`` at each window's highest extrapolated event
+    (per role), and the first disagreement (a window whose event count changes with depth, or an event the
+    third depth does not confirm), or None.
+    """
+    out: dict[tuple[str, str, str], int] = {}
+    (da, db, dc) = depths
+    for key in ec:
+        a, b, c = ea.get(key), eb.get(key), ec[key]
+        if a is None or b is None or not (len(a) == len(b) == len(c)) or not c:
+            return out, ((key, "events"), len(c) - len(b or []))
+        for r, role in enumerate(("device", "host")):
+            best_total, best = -1, None
+            for i in range(len(c)):
+                va, vb, vc = a[i][1 + r], b[i][1 + r], c[i][1 + r]  # NOTE: [seq, device, host]
+                line = [round(x + (y - x) * (dc - da) / (db - da)) for x, y in zip(va, vb)]
+                if abs(sum(line) - sum(vc)) > max(AGREEMENT * sum(vc), 4096):
+                    return out, ((key, role, i), sum(line) - sum(vc))
+                at_n = [round(y + (z - y) * (n - db) / (dc - db)) for y, z in zip(vb, vc)]
+                if sum(at_n) > best_total:
+                    best_total, best = sum(at_n), at_n
+            for cat, value in zip(CATEGORIES, best):  # type: ignore[arg-type]
+                out[(key, role, cat)] = value
+    return out, None
+
+
+def _phases_of(values: dict[tuple[str, str, str], int]) -> dict[tuple[str, str, str], int]:
+    """Per phase and role, the categories of its highest-total scope (a phase, or the largest of its windows)."""
+    out = {}
+    scopes = {k[0] for k in values}
+    for phase in PHASES:
+        mine = [sc for sc in scopes if sc.split("@")[0] == phase]
+        for role in ("device", "host"):
+            best = max(mine, key=lambda sc: sum(values[(sc, role, c)] for c in CATEGORIES), default=None)
+            for cat in CATEGORIES:
+                out[(phase, role, cat)] = values[(best, role, cat)] if best is not None else 0
+    return out
+
+
+def _line(va: dict, vb: dict, na: int, nb: int, n: int) -> dict:
+    return {k: round(va.get(k, 0) + (vb.get(k, 0) - va.get(k, 0)) * (n - na) / (nb - na)) for k in {*va, *vb}}
+
+
+def _disagreement(predicted: dict, traced: dict) -> tuple[Any, int] | None:
+    """The first value the line misses by more than ``AGREEMENT`` (relative, at least 4 KiB), or None."""
+    for key in {*predicted, *traced}:
+        value = traced.get(key, 0)
+        if abs(predicted.get(key, 0) - value) > max(AGREEMENT * abs(value), 4096):
+            return key, predicted.get(key, 0) - value
+    return None
+
+
+def _non_negative(values: list[int]) -> dict[str, int]:
+    """Categories with no negative entry and the same total.
+
+    NOTE: extrapolated per category, a category that shrinks with depth at the chosen moment can come out
+    negative; clamping it alone would inflate the total, so the deficit is taken from the largest category.
+    """
+    deficit = sum(v for v in values if v < 0)
+    out = [max(0, v) for v in values]
+    if deficit:
+        largest = max(range(len(out)), key=out.__getitem__)
+        out[largest] = max(0, out[largest] + deficit)
+    return dict(zip(CATEGORIES, out))
+
+
+def _depth_unit(spec: RunSpec) -> int | None:
+    """Blocks per repeating unit of the run's techniques, or None when a technique is not linear in depth."""
+    unit = 1
+    for cb in spec.callbacks:
+        policy = getattr(cb, "policy", None)
+        if type(cb).__name__ != "ActivationCheckpointing":
+            continue
+        if policy not in ("all", "selective", "every_n") or getattr(cb, "blocks", None):
+            return None  # sqrt segments, a budget or an explicit list do not repeat per block
+        if policy == "every_n":
+            unit = cb.n
+    return unit
+
+
+# --- public entry ------------------------------------------------------------------------------------------------
 def dry_run(
     module: Any,
-    batch: Any = None,
+    data: Any = None,
     *,
+    batch: Any = None,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    run: RunSpec | None = None,
+    strategy: Any = "auto",
     precision: str = "32-true",
-    checkpointing: Literal["all", "every_n", "sqrt", "selective"] | None = None,
-    checkpointing_every_n: int = 2,
-    activation_offload: bool = False,
-    offload: bool = False,
-    optimizer_in_backward: bool = False,
+    callbacks: Sequence[Any] = (),
     accumulate_grad_batches: int = 1,
-    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     target: Literal["cpu", "cuda"] = "cpu",
     extrapolate: bool | None = None,
     steps: int = 2,
+    upcast_half: bool = False,
 ) -> MemoryEstimate:
-    """Predict the peak memory of training ``module`` by running its step once on fake tensors.
+    """Predict the memory of training ``module`` by running the real ``Trainer.fit`` on fake tensors.
 
     Args:
-        module: a LightningModule instance (its parameters are swapped for fake ones during the run and
-            restored after), or a zero-argument callable returning one (a class, a lambda): it is built
-            on the ``meta`` device, so a model far larger than this machine's memory costs nothing.
-        batch: the batch passed to ``training_step`` (real tensors are fine: they are converted to fake
-            ones). Default: a causal-LM batch ``{"input_ids", "attention_mask", "labels"}`` of
-            ``batch_size x seq_len`` token ids.
-        precision: a Lightning precision string: ``"32-true"``, ``"bf16-true"``/``"16-true"`` (module cast
-            to half precision), ``"bf16-mixed"``/``"16-mixed"`` (autocast around ``training_step``).
-        checkpointing: activation checkpointing of the repeated blocks (non-reentrant
-            ``torch.utils.checkpoint``): ``"all"``, ``"every_n"`` (every ``checkpointing_every_n``-th
-            block), ``"sqrt"`` (segments of sqrt(L) blocks), ``"selective"`` (each block's attention).
-        activation_offload: saved activations (not weights) kept in the host role between forward and backward.
-        offload: ``lowmem_offload``: compute weights on the device, gradients moved to fp32 host buffers as
-            they are produced, fp32 masters and the optimizer on the host.
-        optimizer_in_backward: each parameter steps as soon as its gradient is ready, then drops it.
-        accumulate_grad_batches: micro-batches per optimizer step (``batch`` is one micro-batch).
-        optimizer: builds the optimizer from the parameters instead of ``configure_optimizers``.
-        target: ``"cpu"`` predicts this trace as is. ``"cuda"`` applies the known CPU-vs-CUDA differences:
-            fused dropout's 1-byte mask and SDPA's flash kernel are traced, foreach optimizers are traced,
-            the CUDA context is added; each is listed in ``result.corrections`` (uncalibrated: no GPU run yet).
-        extrapolate: trace 2 and 4 blocks and extrapolate linearly. Default: when ``module`` is a callable
-            and the model has more than 8 blocks (not with ``checkpointing="sqrt"``, which is not linear).
+        module: a LightningModule (a fake copy is run; yours is never touched), or a callable returning one
+            (a class, a lambda): it is built on the ``meta`` device, so a model far larger than this machine
+            costs nothing.
+        data: a LightningDataModule or a train dataloader (its first batches are used, whatever their
+            structure). Default: the module's own ``train_dataloader``.
+        batch: one batch, fed at every step (instead of ``data``).
+        batch_size, seq_len: a causal-LM batch of token ids (``input_ids``, ``attention_mask``, ``labels``),
+            from a data module whose ``batch_size`` an ``AccumulationScheduler`` sets, as it would yours.
+        run: the run to predict (:class:`~lightning_lowmem.memory.run.RunSpec`); or give its parts:
+        strategy, precision, callbacks, accumulate_grad_batches: what ``Trainer`` accepts (registered names such as
+            ``"lowmem_offload"``, strategy and callback objects: unused ones are copied, never run themselves).
+        target: ``"cpu"`` predicts the traced run as is; ``"cuda"`` applies the CPU-vs-CUDA differences, each listed
+            in ``result.corrections`` (uncalibrated: no GPU run yet).
+        extrapolate: trace the model cut to 2, 3 and 4 repeated blocks (per checkpointing unit) and extrapolate
+            each phase, role and category linearly, used only when the third depth confirms the line (within
+            0.01 %); otherwise every block is traced (noted in the result). ``None``: try it for models of more
+            than 8 units whose techniques repeat per block. ``False``: always trace every block.
         steps: optimizer steps traced (2: the first creates the optimizer state, the second is steady state).
+        upcast_half: give bf16/fp16 floating parameters fp32 fakes (the module as built, before a
+            half-precision plugin converted it).
 
     Returns:
-        A :class:`~lightning_lowmem.memory.estimate.MemoryEstimate` (per phase, role and category).
+        A :class:`~lightning_lowmem.memory.result.MemoryEstimate` (per phase, role and category; per step).
 
     Raises:
-        DryRunUnsupportedError: an op of the model has no fake implementation (the op is named).
-        ValueError / TypeError: bad arguments, each naming what was given.
+        DryRunUnsupportedError: an op cannot run on fake tensors (the op and the model's line are named).
+        ValueError / TypeError: bad arguments, or a combination the real run refuses (with its own message).
     """
-    validate_choice("precision", precision, PRECISIONS)
-    validate_choice("checkpointing", checkpointing, CHECKPOINTING)
-    validate_choice("target", target, ("cpu", "cuda"))
-    for name, value in (("accumulate_grad_batches", accumulate_grad_batches), ("steps", steps),
-                        ("checkpointing_every_n", checkpointing_every_n)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"Passed `{name}={value!r}`; expected a positive integer.")
-    if offload and optimizer_in_backward:
-        raise ValueError(
-            "Passed `offload=True` and `optimizer_in_backward=True`; choose one (the offload steps on the host)."
-        )
-    if batch is None:
-        if not batch_size or not seq_len:
-            raise ValueError("Pass `batch`, or `batch_size` and `seq_len` for a causal-LM batch of token ids.")
-        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
+    if run is None:
+        run = RunSpec(strategy=strategy, precision=precision, callbacks=list(callbacks),
+                      accumulate_grad_batches=accumulate_grad_batches)
+    if target not in ("cpu", "cuda"):
+        raise ValueError(f"Passed `target={target!r}`; expected 'cpu' or 'cuda'.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"Passed `steps={steps!r}`; expected a positive integer.")
+    if batch is None and data is None and (batch_size or seq_len):
+        if not (batch_size and seq_len):
+            raise ValueError(f"Passed `batch_size={batch_size!r}`, `seq_len={seq_len!r}`; a token batch needs both.")
+        token_data = (batch_size, seq_len)
+    else:
+        token_data = None
     is_factory = callable(module) and not isinstance(module, torch.nn.Module)
-    if not is_factory and not isinstance(module, torch.nn.Module):
+    if not is_factory and not isinstance(module, L.LightningModule):
         raise TypeError(
             f"Passed `module` of type {type(module).__name__}; expected a LightningModule or a callable returning one."
         )
 
-    def build_meta(keep: int | None = None) -> Callable[[], torch.nn.Module]:
-        def build() -> torch.nn.Module:
-            with torch.device("meta"):
-                m = module()
+    def build(keep: int | None) -> Callable[[FakeExecution], torch.nn.Module]:
+        def make(fx: FakeExecution) -> torch.nn.Module:
+            if is_factory:
+                with torch.device("meta"):
+                    source = module()
+                copy = fake_copy(source, fx, upcast_half)
+            else:
+                copy = fake_copy(module, fx, upcast_half)
+            # NOTE: a module that went through a fit keeps its checkpointed blocks; the run decides its own policy
+            ActivationCheckpointing.remove(copy)
             if keep is not None:
-                _truncate_blocks(m, keep)
-            return m
+                _truncate_blocks(copy, keep)
+            return copy
 
-        return build
+        return make
+
+    def data_kwargs() -> dict[str, Any]:
+        if token_data is not None:
+            return {"datamodule": _TokenBatches(*token_data)}
+        return _fit_data(data, batch)
 
     counts = {"dropout_mask_elements": 0, "sdpa_dropout_calls": 0, "foreach_groups": 0}
-    kw = dict(precision=precision, checkpointing=checkpointing, checkpointing_every_n=checkpointing_every_n,
-              activation_offload=activation_offload, offload=offload, optimizer_in_backward=optimizer_in_backward,
-              accumulate_grad_batches=min(accumulate_grad_batches, 2), optimizer=optimizer, target=target,
-              steps=steps, counts=counts)
+    stand_ins: dict[str, int] = {}
+    notes = list(run.notes)
     t0 = time.perf_counter()
-    notes: list[str] = []
-    num_blocks = None
-    if is_factory:
-        probe = build_meta()()
-        found = find_blocks(probe)
-        num_blocks = len(found[2]) if found else None
-        num_params = sum(p.numel() for p in {id(p): p for p in probe.parameters()}.values())
-        del probe
-    else:
-        found = find_blocks(module)
-        num_blocks = len(found[2]) if found else None
-        num_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-    unit = checkpointing_every_n if checkpointing == "every_n" else 1
-    can_extrapolate = is_factory and num_blocks is not None and checkpointing != "sqrt" and num_blocks > 4 * unit
+    with torch.device("meta"):
+        probe = module() if is_factory else None
+    found = find_blocks(probe if probe is not None else module)
+    num_blocks = len(found[2]) if found else None
+    unique = {id(p): p for p in (probe if probe is not None else module).parameters()}.values()
+    num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in unique)
+    del probe, unique
+    unit = _depth_unit(run)
+    can = num_blocks is not None and unit is not None and num_blocks > 4 * unit
     if extrapolate is None:
-        extrapolate = can_extrapolate and num_blocks > 8
-    elif extrapolate and not can_extrapolate:
+        extrapolate = can and num_blocks > 8 * unit  # type: ignore[operator]
+    elif extrapolate and not can:
         raise ValueError(
-            "Passed `extrapolate=True`, but extrapolation needs `module` as a callable (to rebuild it with fewer "
-            "blocks), a ModuleList of repeated blocks with more than 4 blocks per checkpointing unit, and a policy "
-            f"linear in depth (not 'sqrt'); got {'a callable' if is_factory else 'an instance'}, "
-            f"{num_blocks} blocks, checkpointing={checkpointing!r}."
+            f"Passed `extrapolate=True`, but the model has {num_blocks or 'no'} repeated blocks and the run's "
+            "techniques need " + ("a depth-linear checkpointing policy ('all', 'every_n', 'selective')"
+                                  if unit is None else f"more than {4 * unit} of them") + "; use extrapolate=False."
         )
+    kw = {"steps": steps, "target": target, "counts": counts, "stand_ins": stand_ins}
+    values = None
+    traced_steps: list[dict[str, Any]] = []
     if extrapolate:
-        n_a, n_b = 2 * unit, 4 * unit
-        v_a = _trace(build_meta(n_a), batch, **kw)
-        v_b = _trace(build_meta(n_b), batch, **kw)
-        values = _extrapolate(v_a, v_b, n_a, n_b, num_blocks)
-        notes.append(f"traced {n_a} and {n_b} of {num_blocks} blocks, extrapolated linearly per phase/role/category")
-    else:
-        values = _trace(build_meta() if is_factory else (lambda: module), batch, **kw)
-        notes.append(f"traced all {num_blocks or 'the'} blocks")
-    wall = time.perf_counter() - t0
-
+        depths = (2 * unit, 3 * unit, 4 * unit)  # type: ignore[operator]
+        traces = [_trace(build(d), run, data_kwargs, windows=True, **kw) for d in depths]
+        va, vb, vc = (_values(t, windows=True) for t in traces)
+        by_event, miss = _event_values(*(_events(t) for t in traces), depths, num_blocks)  # type: ignore[arg-type]
+        if miss is None:
+            miss = _disagreement(_line(va, vb, depths[0], depths[1], depths[2]), vc)
+        if miss is None:
+            line = _line(vb, vc, depths[1], depths[2], num_blocks)  # type: ignore[arg-type]
+            values = _phases_of({**line, **by_event})
+            notes.append(f"traced {depths[0]}, {depths[1]} and {depths[2]} of {num_blocks} blocks; the third depth "
+                         f"confirmed the line (within {AGREEMENT:.2%}): extrapolated per part of each phase (before, "
+                         "in and after the blocks), role and category")
+        else:
+            notes.append(f"extrapolation refused (depth {depths[2]} misses the line by {miss[1]:+,} B at {miss[0]}): "
+                         "traced every block")
+    if values is None:
+        traced_steps = _trace(build(None), run, data_kwargs, **kw)
+        values = _values(traced_steps)
+        if not extrapolate:
+            notes.append(f"traced all {num_blocks or 'the'} blocks")
+    if stand_ins:
+        notes.append("data-dependent reads of fake values answered with stand-ins: "
+                     + ", ".join(f"{k} ({n}x)" for k, n in sorted(stand_ins.items())))
     phases = {}
     for phase in PHASES:
         bd = MemoryBreakdown()
         for role in ("device", "host"):
-            for cat in CATEGORIES:
-                bd.add(role, cat, values[(phase, role, cat)])  # type: ignore[arg-type]
+            for cat, nbytes in _non_negative([values[(phase, role, c)] for c in CATEGORIES]).items():
+                bd.add(role, cat, nbytes)  # type: ignore[arg-type]
         phases[phase] = bd
-    if optimizer_in_backward:
-        notes.append("optimizer-in-backward: no separate optimizer phase; the step happens inside backward")
-    staging = num_params * (4 if precision == "32-true" else 2) if offload else 0
-    corrections = _cuda_corrections(counts, phases, staging, extrapolate) if target == "cuda" else []
-    return MemoryEstimate(
-        phases=phases, method="dry_run", target=target, corrections=corrections, notes=notes, wall_s=wall,
-        num_params=num_params,
-    )
+    estimate = MemoryEstimate(phases=phases, method="dry_run", target=target, notes=notes, num_params=num_params,
+                              run=run.describe(), steps=traced_steps)
+    zero = run.zero()
+    if zero is not None:
+        from lightning_lowmem.memory.analytic import zero_states
+
+        zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module, is_factory))
+    if target == "cuda":
+        estimate.corrections = _cuda_corrections(counts, estimate, run, num_params, extrapolate and not traced_steps)
+    estimate.wall_s = time.perf_counter() - t0
+    return estimate
 
 
-def _cuda_corrections(counts: dict[str, int], phases: dict[str, MemoryBreakdown], staging_bytes: int,
+def _largest_block_params(module: Any, is_factory: bool) -> int | None:
+    """Parameters of the largest repeated block or embedding (what ZeRO-3 offload gathers at once)."""
+    with torch.device("meta"):
+        m = module() if is_factory else module
+    found = find_blocks(m)
+    sizes = [sum(p.numel() for p in found[2][0].parameters())] if found else []
+    sizes += [e.weight.numel() for e in m.modules() if isinstance(e, torch.nn.Embedding)]
+    return max(sizes) if sizes else None
+
+
+def _cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: RunSpec, num_params: int,
                       extrapolated: bool) -> list[Correction]:
     scale = " (counted in the traced blocks)" if extrapolated else ""
     out = [
         Correction("dropout_mask_1_byte", 0, True,
                    f"F.dropout traced as CUDA's native_dropout: bool masks, {counts['dropout_mask_elements']:,} "
-                   f"mask elements per step{scale} at 1 B instead of 4 B (CPU)"),
+                   f"mask elements{scale} at 1 B instead of 4 B (CPU)"),
         Correction("sdpa_flash_kernel", 0, True,
                    f"{counts['sdpa_dropout_calls']} SDPA calls with dropout traced without the CPU math fallback "
                    "(no s^2 probabilities kept), as CUDA's flash/memory-efficient kernels"),
         Correction("foreach_optimizer", 0, True,
-                   f"{counts['foreach_groups']} torch optimizer param groups traced with foreach=True, CUDA's default"),
+                   f"{counts['foreach_groups']} device optimizer param groups traced with foreach=True, CUDA's default"),
         Correction("cuda_context", CUDA_CONTEXT_BYTES, False,
                    "CUDA context + cuBLAS workspace added to every phase's device `other` (lazy loading; "
                    "driver-dependent, 300-600 MiB)"),
     ]
-    for bd in phases.values():
+    offload = "offload" in run.strategy_name and run.zero() is None
+    staging = num_params * (4 if run.precision == "32-true" else 2) if offload else 0
+    for bd in estimate.phases.values():
         bd.add("device", "other", CUDA_CONTEXT_BYTES)
-        bd.add("host", "other", staging_bytes)
-    if staging_bytes:
-        out.append(Correction("pinned_staging", staging_bytes, False,
+        bd.add("host", "other", staging)
+    if staging:
+        out.append(Correction("pinned_staging", staging, False,
                               "OffloadStrategy's pinned host staging buffers in the compute dtype (CUDA only), "
                               "added to every phase's host `other`"))
     out.append(Correction("allocator_rounding", 0, False,
                           "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
                           "fragmentation is not modelled (size: to be calibrated on a GPU)"))
     return out
+
+
+__all__ = ["dry_run", "find_blocks", "DryRunUnsupportedError"]

@@ -358,10 +358,15 @@ class MemoryTracker:
         self._phase_snaps: dict[str, tuple[_Snap, _Snap]] = {}
         self._phase: str | None = None
         self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
+        self._win: tuple[_Snap, _Snap] | None = None  # the current window's snapshots (see `set_window`)
+        self._win_events: list[list[Any]] | None = None
+        #: ``{window: [[seq, device bytes by category, host bytes by category], ...]}`` (see `set_window`)
+        self.window_events: dict[str, list[list[Any]]] = {}
         self._in_fwd = False
         self._fwd_epoch = 0
         self._weight_keys: set[int] = set()
         self._host_keys: set[int] = set()
+        self._host_refs: list[weakref.ref] = []
         self._handles: list[Any] = []
         self._params: list[torch.Tensor] = []
         self._extra_params: list[torch.Tensor] = []  # optimizer parameters the module does not hold (masters)
@@ -415,7 +420,9 @@ class MemoryTracker:
 
     def _update_peaks(self, role: int) -> None:
         total = self._tot[role]
-        for snap in (self._peak[role], self._cur[role]):
+        if self._win_events is not None:
+            self._win_events.append([self._seq, self._live[_DEV].copy(), self._live[_HOST].copy()])
+        for snap in (self._peak[role], self._cur[role], *((self._win[role],) if self._win is not None else ())):
             if total > snap.total:
                 snap.total = total
                 snap.cats = self._live[role].copy()
@@ -479,10 +486,17 @@ class MemoryTracker:
                         new.cats[cat] += n
                         if moved:
                             new.total += n
+                for events in self.window_events.values():  # NOTE: the same correction, event by event
+                    for event in events:
+                        if event[0] >= rec.seq:
+                            event[1 + rec.role][rec.cat] -= n
+                            event[1 + role][cat] += n
             rec.cat, rec.role = cat, role
             if cat != _A:
                 rec.fwd = 0
-            if self._tot[role] > self._cur[role].total or self._tot[role] > self._peak[role].total:
+            if self._tot[role] > self._cur[role].total or self._tot[role] > self._peak[role].total or (
+                self._win is not None and self._tot[role] > self._win[role].total
+            ):
                 self._update_peaks(role)
 
     # --- classification from the objects we know -----------------------------------------------------
@@ -545,12 +559,21 @@ class MemoryTracker:
         if p.grad is not None:
             self._tag(p.grad, _G)
 
-    def _on_mark_host(self, t: torch.Tensor) -> None:
+    def _note_host(self, t: torch.Tensor) -> int | None:
+        """Count ``t``'s storage as host; forget it when that storage is freed (its address is then reused)."""
         st = _storage(t)
         if st is None:
-            return
+            return None
         key = st._cdata
-        self._host_keys.add(key)
+        if key not in self._host_keys:
+            self._host_keys.add(key)
+            self._host_refs.append(weakref.ref(st, lambda _r, key=key: self._host_keys.discard(key)))
+        return key
+
+    def _on_mark_host(self, t: torch.Tensor) -> None:
+        key = self._note_host(t)
+        if key is None:
+            return
         rec = self._recs.get(key)
         if rec is not None and rec.role != _HOST:
             self._retag(rec, rec.cat, _HOST, retro=True)
@@ -575,9 +598,7 @@ class MemoryTracker:
             raise RuntimeError("This MemoryTracker is already active; a tracker cannot be entered twice at once.")
         self._reset()
         for t in _cat.host_tensors():
-            st = _storage(t)
-            if st is not None:
-                self._host_keys.add(st._cdata)
+            self._note_host(t)
         _cat.add_host_listener(self._on_mark_host)
         self._phase_order.append("<start>")
         self._scan()
@@ -622,6 +643,7 @@ class MemoryTracker:
             self._final = self.breakdown()
             # NOTE: drop the weakrefs, so storages freed after tracking do not call back into us.
             self._recs = {}
+            self._host_refs = []
 
     @property
     def active(self) -> bool:
@@ -676,6 +698,7 @@ class MemoryTracker:
             prev = self._cuda.get(name, [0, 0])
             self._cuda[name] = [max(prev[0], allocated), max(prev[1], reserved)]
         self._in_fwd = False
+        self._win = self._win_events = None
         self._scan_grads()
         if name == _OPTIMIZER:
             # NOTE: optimizers whose `step` bypasses torch's step hooks still get their state re-tagged here.
@@ -689,6 +712,43 @@ class MemoryTracker:
                     self._retag(rec, _X, rec.role, retro=False)
         self._phase = None
         self._cur = self._peak
+
+    def set_window(self, name: str | None, events: bool = False) -> None:
+        """Also keep the peaks of a part of the current phase, reported as ``peaks[f"{phase}@{name}"]``.
+
+        A window changes nothing of the phase (its category rules, its own peak); it only adds snapshots.
+        The dry run cuts a phase into the part before the repeated blocks, the blocks and the part after
+        them, whose peaks each grow linearly with depth (the phase's peak may switch between them).
+        ``events``: also keep the live bytes by category (device, host) after every increase during the
+        window's last occurrence, in :attr:`window_events` (the parts of a step that run the same ops at any
+        depth are extrapolated event by event).
+        """
+        if self._phase is None:
+            raise RuntimeError("`set_window` needs a current phase: call `set_phase` first.")
+        if name is None:
+            self._win = self._win_events = None
+            return
+        key = f"{self._phase}@{name}"
+        self._win_events = None
+        if events:
+            self._win_events = self.window_events[key] = []
+        snaps = self._phase_snaps.get(key)
+        if snaps is None:
+            snaps = self._phase_snaps[key] = (_Snap(), _Snap())
+        self._win = snaps
+        with self._lock:
+            self._seq += 1
+            for role in (_DEV, _HOST):
+                if self._tot[role] > snaps[role].total:
+                    snaps[role].total = self._tot[role]
+                    snaps[role].cats = self._live[role].copy()
+                    snaps[role].seq = self._seq
+                    snaps[role].phase = self._phase
+
+    @property
+    def phase_name(self) -> str | None:
+        """The current phase (None outside every phase)."""
+        return self._phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -20,11 +20,12 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
-from torch import Tensor
-from torch.nn import Module
+from torch import Tensor, nn
+from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.precision.loss_scaler import DynamicLossScaler
 
 log = logging.getLogger(__name__)
@@ -32,9 +33,50 @@ log = logging.getLogger(__name__)
 PrecisionName = Literal["bf16-true", "16-true", "bf16-mixed", "16-mixed", "32-true"]
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 _DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV_FORWARDS = tuple(c.forward for c in _CONV)
+_MHA_PROJECTIONS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
-class MasterHalfPrecision(Precision):
+def _casts_at_every_use(module: Module, name: str) -> bool:
+    """Whether ``module``'s own forward passes its parameter ``name`` only to ops in autocast's lower-precision list."""
+    forward = type(module).forward
+    if isinstance(module, nn.Linear):
+        return forward is nn.Linear.forward and name in ("weight", "bias")
+    if isinstance(module, _CONV):
+        return forward in _CONV_FORWARDS and name in ("weight", "bias")
+    if isinstance(module, nn.MultiheadAttention):
+        # NOTE: only the input projections (F.linear); `bias_k`/`bias_v` are concatenated, not multiplied
+        return forward is nn.MultiheadAttention.forward and name in _MHA_PROJECTIONS
+    cls = type(module)
+    # Hugging Face's GPT-2-style `Conv1D` is `torch.addmm(bias, x, weight)` (matched by name: transformers is optional)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and name in ("weight", "bias")
+
+
+def autocast_cast_params(module: Module) -> list[Parameter]:
+    """The floating-point parameters of ``module`` that ``torch.autocast`` casts to the compute dtype at every use.
+
+    A parameter qualifies when every module that owns it (tied weights have several owners) hands it only to
+    an op of autocast's lower-precision list (linear, convolution, addmm; the same on CPU and CUDA). Storing
+    such a parameter in the compute dtype changes nothing in the forward: autocast would round it the same way.
+    A parameter used elsewhere too (an embedding tied to an LM head, a LayerNorm weight, ``x * self.scale``)
+    does not qualify and keeps fp32, where plain mixed precision keeps it.
+
+    NOTE: a module's own code that reads ``linear.weight`` directly (not through ``linear(x)``) sees the
+    compute dtype here and fp32 under plain mixed precision; that is the one difference.
+    """
+    yes: dict[int, Parameter] = {}
+    no: set[int] = set()
+    for sub in module.modules():
+        for name, p in sub.named_parameters(recurse=False):
+            if p.is_floating_point() and _casts_at_every_use(sub, name):
+                yes[id(p)] = p
+            else:
+                no.add(id(p))
+    return [p for key, p in yes.items() if key not in no]
+
+
+class MasterHalfPrecision(Reproducible, Precision):
     """Half-precision compute weights with fp32 masters kept by the strategy; fp16 dynamic loss scaling.
 
     Memory: the device holds only the compute weights (2 B/param for bf16/fp16); the fp32 masters
@@ -42,8 +84,18 @@ class MasterHalfPrecision(Precision):
     Cost: fp16 runs a host-side inf/nan check over every gradient at each step.
 
     * ``"bf16-true"`` / ``"16-true"``: weights, activations and inputs in that dtype.
-    * ``"bf16-mixed"`` / ``"16-mixed"``: the same weights, plus ``torch.autocast`` so the ops
-      autocast's policy keeps in fp32 run in fp32 (on CUDA softmax, norms and losses; on CPU losses).
+    * ``"bf16-mixed"`` / ``"16-mixed"``: plain Lightning mixed precision (fp32 module under
+      ``torch.autocast``), with the weights autocast would cast at every use stored in the compute dtype:
+      the parameters of ``nn.Linear``, ``nn.Conv*``/``nn.ConvTranspose*`` (forward not overridden), the
+      input projections of ``nn.MultiheadAttention`` and Hugging Face's ``Conv1D`` (see
+      :func:`autocast_cast_params`). Everything else stays fp32: norm layers, embeddings, tied weights,
+      custom parameters and every buffer. The forward is therefore the same computation as plain
+      ``*-mixed`` (the stored copy is the rounding autocast would make), and a module that runs under
+      plain mixed precision runs here (an fp32 buffer or tensor meets fp32 LayerNorm weights, as there).
+      Gradients are bit-identical to plain mixed precision except for a half weight used several times in
+      one backward (a GAN's discriminator on real and fake images, a layer applied in a loop): its
+      contributions are summed in the compute dtype, where plain mixed precision sums them in fp32.
+      Device weights: 2 B/param for those layers, 4 B/param for the rest.
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
     * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in
       any master gradient after accumulation) skips the step, multiplies the scale by
@@ -102,10 +154,19 @@ class MasterHalfPrecision(Precision):
     # --- the module and the forward ---------------------------------------------------------------
     @override
     def convert_module(self, module: Module) -> Module:
-        # NOTE: in place (module.to keeps the Parameter objects), so optimizers and hooks that hold
-        # them stay valid; strategies that ignore the return value (DDP's) still see the cast.
-        if self.compute_dtype != torch.float32:
+        """Cast ``module`` in place: all of it under ``*-true``; under ``*-mixed`` only :func:`autocast_cast_params`.
+
+        NOTE: in place (the Parameter objects are kept), so optimizers and hooks that hold them stay valid;
+        strategies that ignore the return value (DDP's) still see the cast.
+        """
+        if self.compute_dtype == torch.float32:
+            return module
+        if not self.mixed:
             module.to(dtype=self.compute_dtype)
+            return module
+        with torch.no_grad():
+            for p in autocast_cast_params(module):
+                p.data = p.data.to(self.compute_dtype)
         return module
 
     @override
@@ -122,7 +183,10 @@ class MasterHalfPrecision(Precision):
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.mixed:
-            with torch.autocast(self.device_type, dtype=self.compute_dtype):
+            # NOTE: cache_enabled=False as in Lightning's MixedPrecision: a cached cast would outlive an in-place
+            # update of its fp32 weight inside one training_step (manual optimization), and the same fp32 tensor
+            # cast at each use has its gradients summed in fp32, as under plain mixed precision.
+            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
                 yield
             return
         default = torch.get_default_dtype()

@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lowmem import _host_memory
+from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.memory.analytic import optimizer_state_bytes_per_param
 from lightning_lowmem.memory.categories import (
     MemoryBreakdown,
@@ -62,7 +63,7 @@ class NonFiniteGradientError(FloatingPointError):
     """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
 
 
-class OffloadStrategy(SingleDeviceStrategy):
+class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     """CPU-master training on one device: only the compute weights (and activations) stay on the accelerator.
 
     Memory on the device: 2 B/param for bf16/fp16 compute weights (4 B for ``"32-true"``) plus
@@ -317,7 +318,7 @@ class OffloadStrategy(SingleDeviceStrategy):
         """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part.
 
         The optimizer state is that of the optimizer that will step: ``optimizers`` as configured, or the
-        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`optimizer_state_bytes`).
+        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`expected_state_bytes`).
         """
         numel = sum(p.numel() for _, p in self._unique_params(module))
         trainable = sum(p.numel() for _, p in self._unique_params(module) if p.requires_grad)
@@ -329,7 +330,7 @@ class OffloadStrategy(SingleDeviceStrategy):
         parts = {
             "masters": 4 * numel,
             "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
-            "optimizer_state": sum(optimizer_state_bytes(opt, low_bit, embeddings) for opt in optimizers),
+            "optimizer_state": sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers),
             # on CUDA: pinned staging in the compute dtype, one buffer per parameter (each rounded up to a power
             # of two by torch's pinned allocator); on CPU: the compute weights share host RAM
             "staging_or_compute_weights": sum(
@@ -369,7 +370,9 @@ class OffloadStrategy(SingleDeviceStrategy):
             grad = torch.empty_like(p_host) if with_grads and p.requires_grad and not self.optimizer_in_backward else None
             self._grad_host.append(grad)
         mark_host(*self._p_host, *(g for g in self._grad_host if g is not None))
-        if self.precision_plugin.compute_dtype != torch.float32:  # type: ignore[attr-defined]
+        precision = self.precision_plugin
+        # NOTE: under "*-mixed" buffers keep fp32 (see MasterHalfPrecision.convert_module): nothing to restore
+        if precision.compute_dtype != torch.float32 and not precision.mixed:  # type: ignore[attr-defined]
             for name, b in module.named_buffers():
                 if b.is_floating_point():
                     self._buffers[name] = (b.detach().to("cpu", copy=True), b)
@@ -416,6 +419,12 @@ class OffloadStrategy(SingleDeviceStrategy):
     def _grad_ready(self, i: int, sink: Callable[[int, Tensor], None], p_device: Tensor) -> None:
         grad = p_device.grad
         if grad is None:
+            return
+        if not self._p_host[i].requires_grad:
+            # NOTE: `LightningModule.toggle_optimizer` (manual optimization, e.g. a GAN) turns off `requires_grad`
+            # on the parameters of the *optimizers*, i.e. on the masters, not on these device weights; plain Lightning
+            # would compute no gradient for them, so the one backward produced here must not reach the master.
+            p_device.grad = None
             return
         assert self._transfer is not None
         self._transfer.grad_to_host(i, grad, sink)
@@ -790,7 +799,7 @@ def _check_flags(**flags: Any) -> None:
         raise (TypeError if type_error else ValueError)("OffloadStrategy: passed " + "; passed ".join(problems) + ".")
 
 
-def optimizer_state_bytes(
+def expected_state_bytes(
     optimizer: Optimizer, low_bit: Any | None = None, keep_32bit: set[int] | frozenset[int] = frozenset()
 ) -> int:
     """Host bytes of the state ``optimizer`` will create for its fp32 masters (before its first step).

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lowmem import _atomic, _host_memory
-from lightning_lowmem._compat import require
+from lightning_lowmem._compat import Reproducible, require
 from lightning_lowmem.strategies import _zero_config as zc
 from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
 
@@ -40,7 +40,7 @@ _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 _ACCUMULATION_CALLBACKS = ("GradientAccumulationScheduler",)
 
 
-class ZeroStrategy(DeepSpeedStrategy):
+class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     """DeepSpeed ZeRO with article 004's reference settings, Trainer flags flowing in, on CUDA or on the CPU.
 
     Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
@@ -80,6 +80,11 @@ class ZeroStrategy(DeepSpeedStrategy):
         check_host_memory: with offload, refuse to start when the host RAM DeepSpeed will allocate on this
             machine (every local process's pinned and pageable buffers and optimizer state, see
             ``_zero_host_bytes``) is more than this process may use (available RAM, cgroup limit, ``ulimit -v``).
+        gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value (the master)
+            back into the module, so ``module.state_dict()`` and plain-PyTorch use see the trained weights. Without
+            it the parameters stay partitioned (empty) after fit, and the first ``state_dict()`` of them warns,
+            pointing to this option and to ``lowmem consolidate``. The partitions are kept either way
+            (``trainer.save_checkpoint`` after fit works); a later forward under DeepSpeed partitions them again.
         config: a DeepSpeed config dict or JSON path merged over everything above.
         **kwargs: any other ``lightning.pytorch.strategies.DeepSpeedStrategy`` argument
             (``parallel_devices``, ``cluster_environment``, ``process_group_backend``, ``timeout``,
@@ -105,10 +110,18 @@ class ZeroStrategy(DeepSpeedStrategy):
         cpu_optimizer: bool = True,
         check_host_memory: bool = True,
         config: dict[str, Any] | str | os.PathLike | None = None,
+        gather_on_fit_end: bool = False,
         **kwargs: Any,
     ) -> None:
         require("deepspeed", _FEATURE)
         problems = []
+        if not isinstance(gather_on_fit_end, bool):
+            problems.append(f"Passed `gather_on_fit_end={gather_on_fit_end!r}`; expected True or False.")
+        elif gather_on_fit_end and stage != 3:
+            problems.append(
+                f"Passed `gather_on_fit_end=True` with `stage={stage}`; only stage 3 partitions the module's "
+                "parameters (remove it, or use stage=3)."
+            )
         # NOTE: LightningCLI (jsonargparse) follows **kwargs into DeepSpeedStrategy's signature and passes every
         # parent default; those are dropped, a real value for a config-building argument we replace is refused.
         kwargs = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH or _PARENT_DEFAULTS.get(k, _MISSING) != v}
@@ -116,8 +129,9 @@ class ZeroStrategy(DeepSpeedStrategy):
             problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
         if offload_device not in ("cpu", "nvme"):
             problems.append(f"Passed `offload_device={offload_device!r}`; expected 'cpu' or 'nvme'.")
-        if not isinstance(check_host_memory, bool):
-            raise TypeError(f"Passed `check_host_memory={check_host_memory!r}`; expected True or False.")
+        bad_type = not isinstance(check_host_memory, bool)
+        if bad_type:
+            problems.append(f"Passed `check_host_memory={check_host_memory!r}`; expected True or False.")
         if offload_parameters and stage != 3:
             problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
         unknown = set(kwargs) - _PASSTHROUGH
@@ -130,10 +144,13 @@ class ZeroStrategy(DeepSpeedStrategy):
                 + f"ZeroStrategy also passes on {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
             )
         if problems:
-            raise ValueError(" ".join(problems))
+            raise (TypeError if bad_type else ValueError)(" ".join(problems))
         if offload_device == "nvme":
             nvme_path = zc.check_nvme_path(nvme_path or os.environ.get("LOWMEM_NVME_PATH"))
             kwargs.setdefault("remote_device", "nvme")
+        self.gather_on_fit_end = gather_on_fit_end
+        self._warning_filters: list[Any] = []
+        self._partition_warning: Any = None
         self._user_config = zc.load_user_config(config)
         self._cpu_optimizer = cpu_optimizer
         self.check_host_memory = check_host_memory
@@ -163,6 +180,52 @@ class ZeroStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
         DDPStrategy.setup_environment(self)
+        from lightning_lowmem import _warnings
+
+        _warnings.remove(self._warning_filters)
+        specs = [_warnings.DEEPSPEED_COLLECTIVES] + ([_warnings.SYNC_DIST_ONE_PROCESS] if self.world_size == 1 else [])
+        self._warning_filters = _warnings.install(*specs)  # removed in `teardown`
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self._partition_warning is not None:
+            self._partition_warning.remove()
+            self._partition_warning = None
+        super().setup(trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        module = self.lightning_module
+        if not self.zero_stage_3 or module is None:
+            return
+        from lightning_lowmem.strategies._zero_after_fit import PartitionWarning, gather_full_weights
+
+        if self.gather_on_fit_end:
+            gather_full_weights(module)
+        # NOTE: also after a gather: the next forward under DeepSpeed partitions the weights again
+        self._partition_warning = PartitionWarning(module)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # NOTE: Lightning's checkpoint dict; DeepSpeed drops its "state_dict" and writes the partitions itself, so
+        # the partition warning (meant for the user's own `state_dict()`) stays quiet here.
+        hooks = self._partition_warning
+        if hooks is None:
+            return super().lightning_module_state_dict()
+        hooks.suspended = True
+        try:
+            return super().lightning_module_state_dict()
+        finally:
+            hooks.suspended = False
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        from lightning_lowmem import _warnings
+
+        _warnings.remove(self._warning_filters)
+        self._warning_filters = []
 
     @override
     def setup_distributed(self) -> None:
@@ -331,9 +394,9 @@ class ZeroStrategy(DeepSpeedStrategy):
         name = type(optimizer).__name__
         per_element = 4.0 if ("Adagrad" in name or "Lion" in name) else 8.0
         if not ("Adam" in name or per_element == 4.0):
-            from lightning_lowmem.strategies.offload import optimizer_state_bytes
+            from lightning_lowmem.strategies.offload import expected_state_bytes
 
-            per_element = optimizer_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
+            per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
         cuda = isinstance(self.accelerator, CUDAAccelerator)
         per_rank = zero_offload_host_bytes(
             self.config, groups, world_size=self.world_size, cuda=cuda, state_bytes_per_element=per_element

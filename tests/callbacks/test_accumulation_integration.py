@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
 from lightning_lowmem.demo.module import IGNORE_INDEX, CausalLMModule
 from tests.helpers.models import GPT2_TINY
+from tests.helpers.runif import RunIf
 
 pytestmark = pytest.mark.integration
 
@@ -337,3 +338,48 @@ def test_memory_report_prediction_runs_with_the_scheduler(tmp_path):
     predicted = json.loads((tmp_path / "memory_report.json").read_text())["predicted"]
     assert "error" not in predicted, predicted
     assert predicted["peak_device"] > 0
+
+
+class ReturnedLoss(L.Callback):
+    """Put *before* the scheduler in `callbacks`: what a user's loss callback sees in `outputs["loss"]`."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append(outputs["loss"].detach().clone())
+
+
+class RecordingLM(CausalLMModule):
+    """Keeps the micro-batch mean loss of each `training_step` (for tokens: its sum / its token count)."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        loss = out["loss"] / out["num_tokens"] if isinstance(out, dict) else out
+        self.means.append(loss.detach().clone())
+        return out
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mode"),
+    [("auto", "tokens"), ("auto", "samples"), ("lowmem_offload", "tokens"),
+     pytest.param("lowmem_zero2", "samples", marks=[pytest.mark.deepspeed, RunIf(deepspeed=True)])],
+)
+def test_callbacks_see_the_micro_batch_mean_loss_undivided_on_every_strategy(strategy, mode):
+    """One convention: `outputs["loss"]` is the micro-batch's mean loss, not divided by the accumulation (4 here).
+
+    Lightning's loop hands callbacks the loss it backpropagated (/ accumulation; under the scheduler a scaled sum,
+    or under DeepSpeed the loss / accumulation); the scheduler reports the mean instead, exactly.
+    """
+    torch.manual_seed(0)
+    module = RecordingLM(config=CONFIG, loss_reduction="sum" if mode == "tokens" else "mean", learning_rate=1e-3)
+    module.means = []
+    seen = ReturnedLoss()
+    trainer = L.Trainer(
+        strategy=strategy, max_steps=2, **fit_kwargs(use_distributed_sampler=False),
+        callbacks=[seen, AccumulationScheduler(effective_batch_size=8, micro_batch_size=2, loss_normalization=mode)],
+    )
+    trainer.fit(module, ListData(padded_samples(16)))
+    assert len(seen.seen) == len(module.means) == 8
+    for got, want in zip(seen.seen, module.means):
+        assert torch.equal(got, want)

@@ -318,12 +318,44 @@ def test_options_of_other_policies_are_refused():
         ActivationCheckpointing(policy="budget", budget="lots")
 
 
-def test_no_repeated_blocks_says_how_to_name_one():
+def test_no_repeated_blocks_defers_to_measurement_and_named_blocks_must_exist():
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
-    with pytest.raises(ValueError, match=r"found no repeated blocks.*blocks='model.layers'.*policy=\['MyBlock'\]"):
-        _apply(mlp)
-    with pytest.raises(ValueError, match="found no the blocks named by"):
+    cb = _apply(mlp)  # nothing wrapped yet: the blocks are chosen by measurement on the first training batch
+    assert cb._pending_choice and cb.wrapped == [] and cb.chosen_by_measurement is None
+    with pytest.raises(ValueError, match=r"found none of the blocks named by.*blocks='model.layers'.*policy=\['MyBlock'\]"):
         _apply(_gpt2(), blocks="nope.*")
+
+
+def test_manual_optimization_without_repeated_blocks_is_asked_to_name_them():
+    class GAN(nn.Module):
+        automatic_optimization = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.generator, self.discriminator, self.act = nn.Linear(2, 4), nn.Linear(4, 1), nn.ReLU()
+
+    with pytest.raises(ValueError, match=r"manual-optimization.*blocks=\['generator', 'discriminator'\]"):
+        _apply(GAN())
+
+
+def _measured(**entries):
+    from lightning_lowmem.callbacks._probe import ModuleActivations
+
+    return {name: ModuleActivations(name, i, saved, inputs) for i, (name, (saved, inputs)) in enumerate(entries.items())}
+
+
+def test_choose_submodules_splits_the_dominant_module_and_skips_the_negligible():
+    from lightning_lowmem.callbacks._probe import choose_submodules
+
+    # `body` holds 80% of 1000 bytes: split into its children; `head` frees 0.5%: not worth a wrapper
+    measured = _measured(body=(800, 100), **{"body.a": (500, 100), "body.b": (300, 50)}, head=(105, 100))
+    assert choose_submodules(nn.Module(), measured, 1000) == ["body.a", "body.b"]
+    # no child frees anything (each keeps what it saves as its input): the dominant module itself
+    measured = _measured(body=(800, 100), **{"body.a": (100, 100), "body.b": (200, 200)})
+    assert choose_submodules(nn.Module(), measured, 1000) == ["body"]
+    # a module below half stays whole, in call order
+    measured = _measured(enc=(400, 50), dec=(400, 60))
+    assert choose_submodules(nn.Module(), measured, 1000) == ["enc", "dec"]
 
 
 def test_deepspeed_refused_and_sqrt_under_fsdp_refused():

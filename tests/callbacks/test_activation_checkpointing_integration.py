@@ -169,3 +169,43 @@ def test_ddp_two_processes_matches_ddp_without_callback():
     assert any(not torch.equal(changed[k], weights[k]) for k in weights), "DDP did not train"
     for name in reference:
         assert torch.equal(reference[name], weights[name]), name
+
+
+def _kept_for_backward(module: L.LightningModule) -> int:
+    """Bytes of the distinct non-parameter storages one `training_step` keeps for backward, seen from outside
+    (a checkpointed region keeps only its inputs)."""
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    module.log = module.log_dict = lambda *a, **k: None  # detached from a loop: logging is refused
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            module.training_step(next(iter(module.train_dataloader())), 0)
+    finally:
+        del module.log, module.log_dict
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize(("name", "chosen"), [("classifier", ["features"]), ("autoencoder", ["encoder", "decoder"])])
+def test_module_without_repeated_blocks_gets_measured_blocks_bit_identical(name, chosen):
+    """No `nn.ModuleList` anywhere: the largest submodules that free memory are chosen on the first batch."""
+    from tests.helpers.foreign import make
+
+    def fit(callbacks):
+        module = make(name)
+        L.seed_everything(7, verbose=False)
+        _trainer(callbacks, limit_val_batches=0).fit(module)
+        return module, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    plain, reference = fit([])
+    cb = ActivationCheckpointing()
+    checkpointed, weights = fit([cb])
+    assert cb.wrapped == chosen and list(cb.chosen_by_measurement) == chosen
+    assert all(v > 0 for v in cb.chosen_by_measurement.values())
+    assert _kept_for_backward(checkpointed) < _kept_for_backward(plain)  # classifier: 245 kB -> 32 kB
+    for key in reference:
+        assert torch.equal(reference[key], weights[key]), key

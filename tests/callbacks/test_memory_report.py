@@ -1,20 +1,29 @@
-"""MemoryReport: constructor validation and the helpers (sampling, downsampling, reporters, prediction arguments)."""
+"""MemoryReport: constructor validation and the pieces it is built from (sampling, downsampling, reporters).
+
+Behaviour through a real ``Trainer.fit`` (measurement, prediction, plain fp32 baseline) is in
+``test_memory_report_integration.py``.
+"""
 
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from lightning_lowmem.callbacks import memory_report as mr
+from lightning_lowmem.callbacks import _memory_report_render as render
 from lightning_lowmem.callbacks.memory_report import MemoryReport
 from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown
+from lightning_lowmem.memory.recorder import StepMemoryRecorder, reporters
 
 
-@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "10"])
-def test_every_n_steps_must_be_a_positive_int(bad):
+@pytest.mark.parametrize("bad", [1.5, True, "10", None])
+def test_every_n_steps_of_the_wrong_type_is_a_type_error(bad):
+    with pytest.raises(TypeError, match=f"every_n_steps={bad!r}"):
+        MemoryReport(every_n_steps=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_every_n_steps_below_one_is_a_value_error(bad):
     with pytest.raises(ValueError, match=f"every_n_steps={bad!r}"):
         MemoryReport(every_n_steps=bad)
 
@@ -24,12 +33,24 @@ def test_flags_and_save_dir_validated(tmp_path):
         MemoryReport(phases="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="plot=1"):
         MemoryReport(plot=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="predict=None"):
+        MemoryReport(predict=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="save_dir` of type int"):
         MemoryReport(save_dir=3)  # type: ignore[arg-type]
     a_file = tmp_path / "report.json"
     a_file.write_text("{}")
     with pytest.raises(ValueError, match="which is a file"):
         MemoryReport(save_dir=a_file)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    a_file = tmp_path / "report.json"
+    a_file.write_text("{}")
+    # a wrong type and a wrong value together: TypeError (the type is the first thing to fix), naming both
+    with pytest.raises(TypeError, match=r"(?s)plot='no'.*which is a file"):
+        MemoryReport(plot="no", save_dir=a_file)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"(?s)every_n_steps=0.*which is a file"):
+        MemoryReport(every_n_steps=0, save_dir=a_file)
 
 
 def test_unwritable_save_dir_named(tmp_path):
@@ -39,22 +60,57 @@ def test_unwritable_save_dir_named(tmp_path):
         MemoryReport._check_writable(blocker / "sub")  # a directory under a file: fails even as root
 
 
+def test_memory_report_is_the_shared_step_recorder():
+    cb = MemoryReport(every_n_steps=4)
+    assert isinstance(cb, StepMemoryRecorder)
+    assert cb.every_n_steps == 4 and cb.predicted is None and cb.baseline is None
+
+
 def test_sampling():
     cb = MemoryReport(every_n_steps=3)
-    assert [s for s in range(10) if cb._sampled(s)] == [0, 1, 3, 6, 9]
-    assert all(MemoryReport(every_n_steps=1)._sampled(s) for s in range(5))
+    sampled = []
+    for step in range(10):
+        cb._windows = step  # one optimizer: one window per global step
+        if cb.sampled(step):
+            sampled.append(step)
+    assert sampled == [0, 1, 3, 6, 9]
+    every = MemoryReport(every_n_steps=1)
+    assert all(every.sampled(s) for s in range(5))
+
+
+def test_second_window_is_sampled_with_two_optimizers():
+    # a GAN's batch steps two optimizers: global_step goes 0, 2, 4, ...; the second window is step 2
+    cb = MemoryReport(every_n_steps=5)
+    sampled = []
+    for window, step in enumerate(range(0, 20, 2)):
+        cb._windows = window
+        if cb.sampled(step):
+            sampled.append(step)
+    assert sampled == [0, 2, 10]
 
 
 def test_downsample_keeps_the_peak(monkeypatch):
-    monkeypatch.setattr(mr, "_MAX_TIMELINE_POINTS", 10)
+    monkeypatch.setattr(render, "_MAX_TIMELINE_POINTS", 10)
     n = 95
     tl = {"phases": ["<start>", "forward"], "phase": [1] * n, **{c: [0] * n for c in CATEGORIES}, "host_total": [0] * n}
     tl["activations"] = [i % 17 for i in range(n)]
     tl["activations"][42] = 1000
-    out = mr._downsample(tl)
+    out = render.downsample(tl)
     assert len(out["phase"]) <= 10 and len(out["activations"]) == len(out["phase"])
     assert max(out["activations"]) == 1000
     assert out["phases"] == tl["phases"]
+
+
+def test_downsample_leaves_a_short_timeline_alone():
+    tl = {"phases": ["forward"], "phase": [0, 0], **{c: [1, 2] for c in CATEGORIES}, "host_total": [0, 0]}
+    assert render.downsample(tl) is tl
+
+
+def test_atomic_write_is_readable_by_others(tmp_path):
+    path = tmp_path / "sub" / "memory_report.json"
+    render.atomic_write(path, "{}\n")
+    assert path.read_text() == "{}\n" and path.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in path.parent.iterdir()] == ["memory_report.json"]  # no temporary left behind
 
 
 class _Reporter:
@@ -64,50 +120,9 @@ class _Reporter:
         return bd
 
 
-def test_reporters_found_and_self_excluded():
+def test_reporters_found_once_and_self_excluded():
     cb = MemoryReport()
     reporter = _Reporter()
     trainer = SimpleNamespace(strategy=object(), callbacks=[cb, reporter, reporter])
-    found = mr._reporters(trainer, exclude=cb)  # type: ignore[arg-type]
+    found = reporters(trainer, exclude=cb)  # type: ignore[arg-type]
     assert found == [("_Reporter", reporter)]
-
-
-def test_prediction_arguments_from_the_trainer():
-    class ActivationCheckpointing:
-        policy, n = "every_n", 2
-
-    class ActivationOffload:
-        pass
-
-    trainer = SimpleNamespace(
-        accumulate_grad_batches=4,
-        precision="bf16-true",
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        callbacks=[ActivationCheckpointing(), ActivationOffload()],
-    )
-    kwargs = mr._techniques(trainer, (2, 128))  # type: ignore[arg-type]
-    assert kwargs == {
-        "batch_size": 8,
-        "seq_len": 128,
-        "micro_batch_size": 2,
-        "precision": "bf16-true",
-        "target": "cpu",
-        "checkpointing": "every_n",
-        "checkpointing_every_n": 2,
-        "activation_offload": True,
-    }
-    assert mr._techniques(trainer, (4,)) is None  # type: ignore[arg-type]
-
-
-def test_batch_shape_prefers_token_ids():
-    batch = {"x": torch.randn(3, 5, 7), "input_ids": torch.zeros(3, 5, dtype=torch.long)}
-    assert mr._batch_shape(batch) == (3, 5)
-    assert mr._batch_shape([torch.randn(4)]) == (4,)
-    assert mr._batch_shape({"n": 3}) is None
-
-
-def test_missing_estimator_is_tolerated(monkeypatch):
-    monkeypatch.setitem(sys.modules, "lightning_lowmem.memory.estimate", None)  # import fails
-    cb = MemoryReport()
-    out = cb._predict(SimpleNamespace(), torch.nn.Linear(1, 1))  # type: ignore[arg-type]
-    assert out is not None and "not available" in out["error"]

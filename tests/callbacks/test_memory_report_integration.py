@@ -1,8 +1,8 @@
-"""MemoryReport through a real ``Trainer.fit`` with the demo causal-LM module (tiny GPT-2)."""
+"""MemoryReport through a real ``Trainer.fit``: what it measures, logs and writes, its prediction of the same run
+and the plain fp32 baseline (both dry runs made at ``teardown``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -12,11 +12,14 @@ import torch
 from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_lowmem import ActivationCheckpointing
 from lightning_lowmem.callbacks.memory_report import PHASES, MemoryReport
 from lightning_lowmem.memory.categories import CATEGORIES, module_weight_bytes
 from tests.helpers.models import random_batch, tiny_lm_module
 
 pytestmark = pytest.mark.integration
+
+PLAIN_FP32 = {"strategy": "auto", "precision": "32-true", "callbacks": [], "accumulate_grad_batches": 1}
 
 
 class _Batches(Dataset):
@@ -76,8 +79,13 @@ def _documented_keys() -> set[str]:
     return keys
 
 
-def _adamw_state_bytes(module: torch.nn.Module) -> int:
-    return sum(2 * p.numel() * p.element_size() + 4 for p in module.parameters())
+def _adamw_state_bytes(module: torch.nn.Module, element_size: int | None = None) -> int:
+    """Two moments per parameter and one fp32 step counter per tensor (torch's AdamW, capturable=False)."""
+    return sum(2 * p.numel() * (element_size or p.element_size()) + 4 for p in module.parameters())
+
+
+def _worst(report: MemoryReport) -> dict:
+    return max(report.steps, key=lambda r: r["peak_bytes"])
 
 
 def test_fit_with_accumulation(tmp_path):
@@ -110,16 +118,86 @@ def test_fit_with_accumulation(tmp_path):
     # the first one's gradients alive, so the forward peak holds a full set of gradients
     assert step1["phases"]["forward"]["device"]["gradients"] == weights
 
+    # the prediction: the same run (accumulation included) on the run's first batch, equal to the measurement
+    assert cb.predicted is not None and "error" not in cb.predicted, cb.predicted
+    assert cb.predicted["method"] == "dry_run" and cb.predicted["target"] == "cpu"
+    assert cb.predicted["run"] == {**PLAIN_FP32, "accumulate_grad_batches": 2}
+    assert cb.predicted["batch"] == "the run's first batch"
+    assert cb.predicted["peak_device"] == pytest.approx(_worst(cb)["peak_bytes"], rel=0.01)
+    # the baseline: plain fp32, no accumulation, the two micro-batches in one batch (twice the activations)
+    assert cb.baseline is not None and "error" not in cb.baseline, cb.baseline
+    assert cb.baseline["run"] == PLAIN_FP32 and cb.baseline["batch"] == "2 micro-batch(es) in one batch"
+    assert cb.baseline["num_params"] == sum(p.numel() for p in module.parameters())
+    assert cb.baseline["phases"]["forward"]["device"]["activations"] > cb.predicted["phases"]["forward"]["device"][
+        "activations"]
+
     report = json.loads((tmp_path / "mem" / "memory_report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [0, 1, 2]
-    assert report["plain_fp32_adamw"]["num_params"] == sum(p.numel() for p in module.parameters())
+    assert report["worst_step"] == _worst(cb)["step"]
+    assert report["predicted"]["peak_device"] == cb.predicted["peak_device"]
+    assert report["plain_fp32"]["peak_device"] == cb.baseline["peak_device"]
     png = (tmp_path / "mem" / "memory_step.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "measured backward" in cb.table and "Plain fp32 AdamW" in cb.table
-    if importlib.util.find_spec("lightning_lowmem.memory.estimate") is not None:
-        assert cb.predicted is not None and "error" not in cb.predicted, cb.predicted
-        assert "predicted backward" in cb.table
-        assert cb.predicted["arguments"]["micro_batch_size"] == 2 and cb.predicted["arguments"]["batch_size"] == 4
+    assert "measured backward" in cb.table and "predicted backward" in cb.table and "plain fp32 backward" in cb.table
+    assert "Predicted / measured peak: device" in cb.table and "Plain fp32 training of this module" in cb.table
+
+
+def test_technique_run_predicted_and_compared_with_plain_fp32(tmp_path):
+    """bf16 weights and checkpointing: the prediction is this run; the baseline is the module as built, in fp32."""
+    cb = MemoryReport(every_n_steps=1, plot=False, save_dir=tmp_path)
+    module = tiny_lm_module()
+    n_params = sum(p.numel() for p in module.parameters())
+    # MemoryReport first: it moves itself last at setup, so it predicts after the techniques gave the module back
+    trainer = _trainer([cb, ActivationCheckpointing("all")], precision="bf16-true", max_steps=2)
+    trainer.fit(module, DataLoader(_Batches(), batch_size=2))
+    assert trainer.callbacks[-1] is cb
+
+    assert "error" not in cb.predicted, cb.predicted
+    assert cb.predicted["run"]["precision"] == "bf16-true"
+    assert [c.split("(")[0] for c in cb.predicted["run"]["callbacks"]] == ["ActivationCheckpointing"]
+    assert cb.predicted["peak_device"] == pytest.approx(_worst(cb)["peak_bytes"], rel=0.01)
+    assert cb.predicted["phases"]["optimizer"]["device"]["weights"] == 2 * n_params
+
+    assert "error" not in cb.baseline, cb.baseline
+    assert cb.baseline["run"] == PLAIN_FP32
+    optimizer = cb.baseline["phases"]["optimizer"]["device"]
+    assert optimizer["weights"] == 4 * n_params  # the fp32 module, not the bf16 one the plugin left behind
+    assert optimizer["optimizer_state"] == _adamw_state_bytes(module, element_size=4)
+    assert cb.baseline["peak_device"] > _worst(cb)["peak_bytes"]
+    saving = cb.baseline["peak_device"] - _worst(cb)["peak_bytes"]
+    assert f"saving {saving / 2**20:,.2f} MiB" in cb.table
+
+
+def test_baseline_uses_the_modules_own_optimizer(tmp_path):
+    """Lightning's image-classifier example steps SGD with momentum: 4 B/param of state, not AdamW's 8."""
+    from tests.helpers.foreign import make
+
+    cb = MemoryReport(every_n_steps=1, plot=False, save_dir=tmp_path)
+    module = make("classifier")
+    n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    _trainer([cb], max_steps=2, limit_val_batches=0).fit(module)
+    assert cb.steps[1]["live_at_end"]["device"]["optimizer_state"] == 4 * n_params  # one momentum buffer
+    assert cb.baseline["run"] == PLAIN_FP32
+    assert cb.baseline["phases"]["optimizer"]["device"]["optimizer_state"] == 4 * n_params
+    assert cb.predicted["phases"]["optimizer"]["device"]["optimizer_state"] == 4 * n_params
+
+
+def test_a_failed_prediction_is_reported_not_raised(tmp_path, monkeypatch):
+    import lightning_lowmem.memory.dry_run as dry_run_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no trace today")
+
+    monkeypatch.setattr(dry_run_module, "dry_run", broken)
+    cb = MemoryReport(every_n_steps=1, plot=False, save_dir=tmp_path)
+    with pytest.warns(UserWarning, match="no prediction"):
+        _trainer([cb], max_steps=2).fit(tiny_lm_module(), DataLoader(_Batches(), batch_size=2))
+    assert cb.predicted["error"] == "RuntimeError: no trace today"
+    assert cb.baseline["error"] == "RuntimeError: no trace today" and cb.baseline["run"] == PLAIN_FP32
+    assert "Predicted: not available (RuntimeError: no trace today)" in cb.table
+    assert "Plain fp32 baseline: not available" in cb.table
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert report["predicted"]["error"] == "RuntimeError: no trace today" and len(report["steps"]) == 2
 
 
 def test_unsampled_steps_log_nothing(tmp_path):
@@ -133,8 +211,20 @@ def test_unsampled_steps_log_nothing(tmp_path):
     keys = {k for _, m in logger.logged for k in m if k.startswith("memory/")}
     assert not any(k.startswith(("memory/forward", "memory/backward", "memory/optimizer")) for k in keys)
     assert not (tmp_path / "memory_step.png").exists()
-    assert (tmp_path / "memory_report.json").is_file()
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert report["predicted"] is None and report["plain_fp32"] is None
+    assert cb.predicted is None and cb.baseline is None  # predict=False: no dry run
     assert "measured backward" not in cb.table and "measured step peak" in cb.table
+    assert "predicted" not in cb.table and "plain fp32" not in cb.table
+
+
+def test_second_window_of_a_two_optimizer_module_is_sampled(tmp_path):
+    """The GAN example steps two optimizers per batch: global_step moves by 2, the second batch is still sampled."""
+    from tests.helpers.foreign import make
+
+    cb = MemoryReport(every_n_steps=10, plot=False, save_dir=tmp_path, predict=False)
+    _trainer([cb], max_steps=6).fit(make("gan"))
+    assert [(s["step"], s["window"]) for s in cb.steps] == [(0, 0), (2, 1)]
 
 
 def test_unwritable_save_dir_fails_before_training(tmp_path):
@@ -147,9 +237,6 @@ def test_unwritable_save_dir_fails_before_training(tmp_path):
     assert cb.steps == []
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("lightning_lowmem.strategies.offload") is None, reason="lowmem_offload not landed yet"
-)
 def test_fit_with_offload_strategy(tmp_path):
     import lightning_lowmem  # noqa: F401  (registers the strategy names)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -126,3 +127,70 @@ def test_overflow_skips_step_and_never_touches_the_masters(monkeypatch):
     plugin.optimizer_step(opt, _Module(), clean)
     assert not plugin.last_step_skipped
     assert torch.equal(master.detach(), torch.full((3,), 0.9))
+
+
+class _Block(torch.nn.Module):
+    """Every kind of parameter owner `-mixed` must tell apart, plus an fp32 buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.embed = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: an embedding too, so it must stay fp32
+        self.proj = torch.nn.Linear(8, 8)
+        self.conv = torch.nn.Conv1d(8, 8, 3)
+        self.hf_conv = Conv1D(8, 8)
+        self.attn = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
+        self.norm = torch.nn.LayerNorm(8)
+        self.scale = torch.nn.Parameter(torch.ones(8))
+        self.custom = _ScaledLinear(8, 8)
+        self.register_buffer("table", torch.randn(4, 8))
+
+
+class _ScaledLinear(torch.nn.Linear):
+    def forward(self, x):  # reads its weight outside F.linear too
+        return super().forward(x) * self.weight.norm()
+
+
+def test_mixed_casts_exactly_the_weights_autocast_casts_at_every_use():
+    module = _Block()
+    plugin = MasterHalfPrecision("bf16-mixed")
+    plugin.convert_module(module)
+    half = {n for n, p in module.named_parameters(remove_duplicate=False) if p.dtype == torch.bfloat16}
+    assert half == {
+        "proj.weight", "proj.bias", "conv.weight", "conv.bias", "hf_conv.weight", "hf_conv.bias",
+        "attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias",
+    }
+    # fp32: tied embedding/LM head, norm, custom parameter, an overridden forward, MHA's concatenated bias_k/v
+    assert module.embed.weight.dtype == module.head.weight.dtype == torch.float32
+    assert module.attn.bias_k.dtype == module.norm.weight.dtype == module.custom.weight.dtype == torch.float32
+    assert module.table.dtype == torch.float32  # buffers are never cast under -mixed
+
+
+def test_true_casts_everything_buffers_included():
+    module = _Block()
+    MasterHalfPrecision("bf16-true").convert_module(module)
+    assert {p.dtype for p in module.parameters()} | {b.dtype for b in module.buffers()} == {torch.bfloat16}
+
+
+def test_mixed_forward_equals_plain_autocast_bit_for_bit():
+    """The stored bf16 copies are the roundings autocast makes: same outputs and same gradients as plain mixed."""
+    torch.manual_seed(0)
+    ref = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                      norm=torch.nn.LayerNorm(16), enable_nested_tensor=False)
+    ours = copy.deepcopy(ref)
+    plugin = MasterHalfPrecision("bf16-mixed")
+    plugin.device_type = "cpu"
+    plugin.convert_module(ours)
+    x = torch.randn(3, 5, 16)  # fp32 input straight into an fp32 LayerNorm after bf16 attention: mixed dtypes
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        want = ref(x)
+    with plugin.forward_context():
+        got = ours(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    want.float().square().sum().backward()
+    got.float().square().sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p.grad, q.grad.float()), name

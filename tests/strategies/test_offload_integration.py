@@ -106,12 +106,14 @@ def reference_loop(module: LM, batches, *, precision: str, kind: str, fused: boo
     model = copy.deepcopy(module)
     names = [n for n, _ in model.named_parameters()]
     masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
-    model.to(dtype)
     config = make_optimizer(model, kind, fused, params=masters)
     opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
     if precision.endswith("-mixed"):
-        ctx = lambda: torch.autocast("cpu", dtype=dtype)  # noqa: E731
+        # plain mixed precision: the fp32 module under autocast (Lightning's settings), fp32 weights kept
+        ctx = lambda: torch.autocast("cpu", dtype=dtype, cache_enabled=False)  # noqa: E731
     else:
+        model.to(dtype)
+
         @contextlib.contextmanager
         def ctx():
             default = torch.get_default_dtype()

@@ -221,3 +221,13 @@ def test_consolidate_refuses_a_non_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a DeepSpeed checkpoint directory: it has no `latest` file"):
         lightning_lowmem.zero.consolidate(tmp_path, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_gather_on_fit_end_is_for_stage_3_only():
+    from lightning_lowmem.strategies.zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match=r"`gather_on_fit_end=True` with `stage=2`; only stage 3 partitions"):
+        ZeroStrategy(stage=2, gather_on_fit_end=True)
+    with pytest.raises(ValueError, match=r"`gather_on_fit_end='yes'`; expected True or False"):
+        ZeroStrategy(stage=3, gather_on_fit_end="yes")
+    assert ZeroStrategy(stage=3, gather_on_fit_end=True).gather_on_fit_end is True

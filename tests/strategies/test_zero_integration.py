@@ -232,3 +232,92 @@ def test_our_callbacks_compose_or_say_what_to_use_instead(tmp_path):
             _trainer("lowmem_zero2", max_steps=1, callbacks=[callback]).fit(
                 CausalLMModule(config={**GPT2_TINY, **NO_DROPOUT}), _loader(2)
             )
+
+
+class _WarnsItself(L.LightningModule):
+    """Plain-tensor regression that logs `val_loss` per epoch and warns once itself (a user's own warning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.helpers.foreign import LitPlainTensor
+
+        self.inner = LitPlainTensor()
+
+    def training_step(self, batch, batch_idx):
+        warnings.warn("the user's own FutureWarning", FutureWarning)
+        return (self.inner(batch) - self.inner.target(batch)).square().mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.inner(batch).square().mean())
+
+    def train_dataloader(self):
+        return self.inner.train_dataloader()
+
+    def val_dataloader(self):
+        return self.inner.val_dataloader()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_deepspeed_deprecations_and_single_process_sync_dist_filtered_only_while_running():
+    """ZeRO-3 calls deprecated torch.distributed collectives ~40 times per step, and Lightning asks a single process
+    for `sync_dist`; both are filtered (by message and module) while the strategy runs, and nothing else is."""
+    before = list(warnings.filters)
+    module = _WarnsItself()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer("lowmem_zero3", max_steps=3, limit_val_batches=2, val_check_interval=3).fit(module)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "reduce_scatter_tensor" in m or "all_gather_into_tensor" in m]
+    assert not [m for m in messages if "sync_dist=True" in m]
+    assert messages.count("the user's own FutureWarning") == 3
+    assert warnings.filters == before  # removed at teardown
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn_explicit("`torch.distributed.reduce_scatter_tensor` is deprecated.", FutureWarning,
+                               "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
+    assert len(caught) == 1  # outside a fit the same message is shown again
+
+
+_PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+
+
+def test_zero3_state_dict_after_fit_warns_once_and_names_both_fixes(tmp_path):
+    from lightning_lowmem.strategies._zero_after_fit import PARTITIONED_MESSAGE
+
+    from lightning_lowmem.strategies.zero import ZeroStrategy
+
+    module = _WarnsItself()
+    # NOTE: no persistence threshold: ZeRO-3 would otherwise keep this tiny model's parameters whole
+    trainer = _trainer(ZeroStrategy(stage=3, config=_PARTITION_ALL), max_steps=2, limit_val_batches=0)
+    trainer.fit(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_checkpoint(tmp_path / "last.ckpt")  # DeepSpeed's own state dict: no warning
+        assert not [w for w in caught if "partitioned" in str(w.message)]
+        first, second = module.state_dict(), module.inner.state_dict()
+    assert all(v.numel() == 0 for v in first.values()) and all(v.numel() == 0 for v in second.values())
+    ours = [str(w.message) for w in caught if "partitioned" in str(w.message)]
+    assert ours == [PARTITIONED_MESSAGE]
+    assert "gather_on_fit_end=True" in ours[0] and "lowmem consolidate" in ours[0]
+
+
+def test_zero3_gather_on_fit_end_gives_the_module_its_fp32_weights(tmp_path):
+    from lightning_lowmem.strategies.zero import ZeroStrategy, consolidate
+
+    module = _WarnsItself()
+    trainer = _trainer(ZeroStrategy(stage=3, gather_on_fit_end=True, config=_PARTITION_ALL), max_steps=2, limit_val_batches=2,
+                       precision="bf16-mixed")
+    trainer.fit(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = {k: v.clone() for k, v in module.state_dict().items()}
+    assert not [w for w in caught if "partitioned" in str(w.message)]
+    trainer.save_checkpoint(tmp_path / "last.ckpt")  # the partitions were kept: DeepSpeed still saves
+    consolidate(tmp_path / "last.ckpt", tmp_path / "model.pt")
+    masters = torch.load(tmp_path / "model.pt")
+    assert masters.keys() == state.keys()
+    for key, value in masters.items():
+        assert value.dtype == state[key].dtype == torch.float32 and torch.equal(value, state[key]), key
+    trainer.validate(module, verbose=False)  # the engine is intact

@@ -1,0 +1,275 @@
+"""Real code on fake tensors: the environment a dry run executes the user's training in.
+
+Inside :func:`fake_execution`, every tensor made from a parameter is a ``FakeTensor`` (shape, dtype
+and storage size, no bytes), so the real ``Trainer``, strategy, precision plugin, callbacks and
+``training_step`` run on a model far larger than this machine's memory. What makes real code run
+there, each item named because without it a real run and its dry run part ways:
+
+* Values where they exist. Ops whose tensor inputs are all real (the batch, ``torch.arange``
+  positions, Lightning's scalars) run for real (inside a training step only when their outputs are
+  small), so data set-up keeps its values, and masks, token counts and Hugging Face's "is this
+  attention mask all ones?" checks get the answer the real run gets.
+* Stand-ins where they do not. A data-dependent read of a fake tensor (``.item()``, ``bool(t)``,
+  ``aten._local_scalar_dense``, ``torch.equal``) gets ``0.0`` for a float (a logged loss; "no overflow" for an fp16
+  found-inf flag), ``1`` for an integer (a count you may divide by) and ``False`` for a bool (no
+  anomaly found). :attr:`FakeExecution.stand_ins` counts them; the dry run lists them in its notes.
+* Module conversions. ``module.to(dtype)`` / ``.to(device)`` on fake parameters would go through
+  ``torch.utils.swap_tensors``, which refuses tensors that have weak references (every fake tensor
+  does); here the parameter's ``.data`` is replaced instead, keeping the ``Parameter`` object (and so
+  every optimizer and hook holding it).
+* ``LightningModule.log``/``log_dict`` are no-ops: Lightning's result collection moves logged values
+  with storage swaps that a fake tensor cannot take (the logged scalars are a few bytes).
+* What fake kernels cannot show: memory a real kernel keeps beyond its output's size. CPU's ``mse_loss``
+  returns its 0-d loss as a view of the unreduced ``(N, ...)`` buffer, which stays alive with the loss; the
+  fake kernel allocates the 0-d output only (a 25 kB difference on a batch of 8 MNIST images).
+* Ops that truly cannot run on fake tensors (no fake kernel, an output shape that depends on values
+  of a fake tensor) raise :class:`DryRunUnsupportedError`, naming the op and the line of the model's
+  code that called it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import traceback
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses import fake_tensor as _fake
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+FakeTensor = _fake.FakeTensor
+FAKE_ERRORS = (
+    _fake.UnsupportedOperatorException,
+    _fake.DataDependentOutputException,
+    _fake.DynamicOutputShapeException,
+    _fake.UnsupportedFakeTensorException,
+)
+#: outputs of an all-real op up to this size are computed for real (values exist); larger ones stay fake
+REAL_OUTPUT_LIMIT = 16 * 2**20
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_BOOL_READS = frozenset({torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default})
+# NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: always fake
+# (`empty_like`/`new_empty` take the kind of their input)
+_EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
+_HALF = (torch.bfloat16, torch.float16)
+# frames that are not "the model's code" when an op cannot be traced: torch, the dry run itself, the standard library
+_INFRA = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_STDLIB = os.path.dirname(contextlib.__file__) + os.sep
+
+
+class DryRunUnsupportedError(RuntimeError):
+    """An op of the model cannot run on fake tensors; names the op and the model's line that called it."""
+
+    def __init__(self, op: str, detail: str, where: str | None) -> None:
+        self.op, self.where = op, where
+        at = f" at {where}" if where else ""
+        super().__init__(
+            f"The dry run cannot execute `{op}`{at}: it has no fake-tensor implementation, or its output depends "
+            f"on the values of a tensor computed from the weights ({detail}). Register a fake implementation with "
+            "`torch.library.register_fake`, compute it from the batch instead (batch values are real in a dry run), "
+            "or estimate in closed form with `estimate_memory(..., method='analytic')`."
+        )
+
+
+def _is_infra(filename: str) -> bool:
+    name = os.path.abspath(filename)
+    if name.startswith(_INFRA) or (name.startswith(_STDLIB) and f"{os.sep}site-packages{os.sep}" not in name):
+        return True
+    return any(f"{os.sep}{package}{os.sep}" in name for package in ("lightning", "lightning_utilities"))
+
+
+def model_line(tb: Any) -> str | None:
+    """``file:line (code)`` of the innermost frame of ``tb`` outside torch, Lightning, the dry run and stdlib."""
+    where = None
+    for frame in traceback.extract_tb(tb):
+        if not _is_infra(frame.filename):
+            where = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return where
+
+
+def unsupported(err: BaseException) -> DryRunUnsupportedError:
+    op = getattr(err, "func", None)
+    return DryRunUnsupportedError(str(op) if op is not None else type(err).__name__, str(err) or type(err).__name__,
+                                  model_line(err.__traceback__))
+
+
+class _Values(TorchDispatchMode):
+    """Above the fake mode: real values where the inputs are real, stand-ins for reads of fake values."""
+
+    def __init__(self, execution: FakeExecution) -> None:
+        super().__init__()
+        self.execution = execution
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            if func is _SCALAR:
+                return self.execution.stand_in(tensors[0].dtype)
+            if func in _BOOL_READS:
+                return self.execution.stand_in(torch.bool)
+            return func(*args, **kwargs)
+        if func in _EMPTY or self.execution.passthrough:
+            return func(*args, **kwargs)  # fake: an empty tensor carries no values
+        if func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step) or not _makes_tensors(func):
+            # NOTE: reads and in-place changes of real tensors stay real (the fake mode refuses to change a real
+            # tensor's metadata); outside the training step (data set-up, loading a batch) every op on real tensors
+            # stays real: the data must keep its values whatever its size.
+            with _fake.unset_fake_temporarily():
+                return func(*args, **kwargs)
+        # NOTE: factories, and ops in the step: run under the fake mode first (cheap) to learn the output sizes; only
+        # small outputs are worth their real bytes and compute (a causal mask of 64k x 64k tokens is not).
+        out = func(*args, **kwargs)
+        sizes = [t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if sum(sizes) > REAL_OUTPUT_LIMIT:
+            return out
+        with _fake.unset_fake_temporarily():
+            return func(*args, **kwargs)
+
+
+_MAKES_TENSORS: dict[Any, bool] = {}
+
+
+def _makes_tensors(func: Any) -> bool:
+    """Whether an op returns tensors (``allclose`` returns a bool: its value can only come from a real run)."""
+    known = _MAKES_TENSORS.get(func)
+    if known is None:
+        known = _MAKES_TENSORS[func] = any("Tensor" in str(r.type) for r in func._schema.returns)
+    return known
+
+
+class FakeExecution:
+    """The state of one :func:`fake_execution`: its fake mode and the stand-in values it handed out."""
+
+    def __init__(self) -> None:
+        self.mode = _fake.FakeTensorMode(allow_non_fake_inputs=True)
+        self.stand_ins: dict[str, int] = {}
+        #: inside a training step (set by the dry run's hooks): all-real ops with large outputs stay fake there
+        self.in_step = False
+        #: every op goes to the fake mode (see :meth:`fake`)
+        self.passthrough = False
+
+    def stand_in(self, dtype: torch.dtype) -> Any:
+        if dtype == torch.bool:
+            value: Any = False
+        elif dtype.is_floating_point or dtype.is_complex:
+            value = 0.0
+        else:
+            value = 1
+        key = f"{dtype} -> {value!r}"
+        self.stand_ins[key] = self.stand_ins.get(key, 0) + 1
+        return value
+
+    def fake(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fake CPU tensor with ``t``'s size, stride and (or) ``dtype``: no bytes are allocated."""
+        passthrough, self.passthrough = self.passthrough, True
+        try:
+            with self.mode:
+                return torch.empty_strided(t.size(), t.stride(), dtype=dtype or t.dtype, device="cpu")
+        finally:
+            self.passthrough = passthrough
+
+
+def _apply_on_fake(original: Any) -> Any:
+    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        params = [p for p in self._parameters.values() if p is not None]
+        if not any(isinstance(p, FakeTensor) for p in params):
+            return original(self, fn, recurse)
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        with torch.no_grad():
+            for p in params:
+                new = fn(p)
+                if new is not p:
+                    # NOTE: `.data` keeps the Parameter object that optimizers and hooks hold (as `.to()` does on
+                    # real tensors); swap_tensors, which `.to()` picks for fake ones, refuses weakly referenced ones.
+                    p.data = new
+                if p.grad is not None:
+                    grad = fn(p.grad)
+                    if grad is not p.grad:
+                        p.grad = grad
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[key] = fn(buf)
+        return self
+
+    return _apply
+
+
+def _no_log(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
+    """Run the block with fake tensors from parameters on, real values where they exist (see module docstring).
+
+    Raises:
+        DryRunUnsupportedError: an op of the model cannot run on fake tensors.
+    """
+    import lightning.pytorch as pl
+
+    execution = FakeExecution()
+    original_apply = torch.nn.Module._apply
+    original_log = (pl.LightningModule.log, pl.LightningModule.log_dict)
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning_lowmem")] if quiet else []
+    levels = [lg.level for lg in loggers]
+    torch.nn.Module._apply = _apply_on_fake(original_apply)  # type: ignore[method-assign]
+    pl.LightningModule.log = pl.LightningModule.log_dict = _no_log  # type: ignore[method-assign]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            if quiet:
+                warnings.simplefilter("ignore")  # NOTE: a dry run's warnings are about the simulation, not the run
+            with execution.mode, _Values(execution):
+                yield execution
+    except FAKE_ERRORS as err:
+        raise unsupported(err) from err
+    finally:
+        torch.nn.Module._apply = original_apply  # type: ignore[method-assign]
+        pl.LightningModule.log, pl.LightningModule.log_dict = original_log  # type: ignore[method-assign]
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bool = False) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are fake (same sizes, strides, tying); nothing allocated.
+
+    The module objects are deep-copied (cheap: no tensor bytes), so the caller's module is never touched;
+    tied weights stay one tensor. ``upcast_half``: bf16/fp16 floating tensors become fp32 (the module as
+    built, before a half-precision plugin converted it). A Trainer reference is not copied.
+    """
+    memo: dict[int, Any] = {}
+
+    def fake_of(t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if upcast_half and t.dtype in _HALF else t.dtype
+        shape = getattr(t, "ds_shape", None)  # NOTE: DeepSpeed ZeRO-3 leaves empty partitions; this is the full size
+        f = execution.fake(t if shape is None else torch.empty(shape, device="meta"), dtype)
+        if isinstance(t, torch.nn.Parameter):
+            f = torch.nn.Parameter(f, requires_grad=t.requires_grad)
+        return f
+
+    originals = (torch.Tensor.__deepcopy__, torch.nn.Parameter.__deepcopy__)
+
+    def deepcopy_tensor(self: torch.Tensor, memo_: dict[int, Any]) -> torch.Tensor:
+        if id(self) not in memo_:
+            memo_[id(self)] = fake_of(self)
+        return memo_[id(self)]
+
+    # NOTE: every tensor reachable from the module (parameters, buffers, plain tensor attributes) becomes fake
+    torch.Tensor.__deepcopy__ = torch.nn.Parameter.__deepcopy__ = deepcopy_tensor  # type: ignore[method-assign]
+    try:
+        return copy.deepcopy(module, memo)
+    finally:
+        torch.Tensor.__deepcopy__, torch.nn.Parameter.__deepcopy__ = originals  # type: ignore[method-assign]
+
+
+__all__ = ["DryRunUnsupportedError", "FakeExecution", "fake_execution", "fake_copy", "model_line"]

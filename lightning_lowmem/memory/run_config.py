@@ -1,0 +1,46 @@
+"""A run described by a LightningCLI YAML (what ``lowmem fit --config`` reads), loaded for a dry run."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from lightning_lowmem.memory.run import RunSpec
+
+
+def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
+    """The module (built on the meta device: no weights allocated), the data module and the run of a YAML.
+
+    The YAML is parsed exactly as ``lowmem fit --config`` parses it (same parser, short names, checks), and
+    the Trainer it describes is built but never run; :meth:`RunSpec.from_trainer` reads the run from it.
+
+    Raises:
+        ValueError / FileNotFoundError: the file is missing or does not describe a run.
+    """
+    import torch
+
+    from lightning_lowmem.cli import LowMemCLI  # NOTE: the CLI's parser, so the YAML means what `lowmem fit` reads
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Passed the run config {str(path)!r}: no such file.")
+
+    class RunConfig(LowMemCLI):
+        def instantiate_classes(self) -> None:
+            # NOTE: as LightningCLI.instantiate_classes, with the classes built on the meta device: a model too large
+            # for this machine is described without allocating it. The Trainer is built outside (it is never run).
+            with torch.device("meta"):
+                self.config_init = self.parser.instantiate_classes(self.config)
+            self.datamodule = self._get(self.config_init, "data")
+            self.model = self._get(self.config_init, "model")
+            self._add_configure_optimizers_method_to_model(self.subcommand)
+            self.trainer = self.instantiate_trainer()
+
+    with warnings.catch_warnings():
+        # NOTE: LightningCLI warns that `args=` is meant for Python use whenever sys.argv is not empty: it is
+        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+        cli = RunConfig(run=False, args=["--config", str(path)], save_config_callback=None)
+    return cli.model, cli.datamodule, RunSpec.from_trainer(cli.trainer)
+
+
+__all__ = ["load_run_config"]

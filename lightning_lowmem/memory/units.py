@@ -1,0 +1,45 @@
+"""Byte sizes: one parser and one formatter for every size the package accepts or prints (CLI included)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_bytes(text: str | int | float, name: str = "a memory size") -> int:
+    """``"12 GiB"`` -> 12 * 2**30, ``"12GB"`` -> 12e9, ``"12e9"`` -> 12e9, ``"1.5 TB"``; numbers pass through.
+
+    Raises:
+        ValueError: not a positive number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB
+            (``name`` says which argument, e.g. ``"`budget`"``).
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        match = _SIZE.fullmatch(str(text))
+        if match is None or match.group(2).lower() not in _UNITS:
+            hint = " ('G' alone is ambiguous: write GB for 10^9 or GiB for 2^30)" if match and match.group(2) else ""
+            raise ValueError(
+                f"Passed {name} {text!r} that does not parse{hint}; expected a number with an optional unit, "
+                "e.g. '12GB' (12e9 bytes), '12 GiB' (12 * 2^30), '12e9' or '6144MiB'."
+            )
+        value, unit = float(match.group(1)), match.group(2).lower()
+    nbytes = value * _UNITS[unit]
+    if not math.isfinite(nbytes) or nbytes <= 0:
+        raise ValueError(f"Passed {name} {text!r}; it must be positive.")
+    return int(nbytes)
+
+
+def fmt_gib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def fmt_mib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.2f} MiB"
+
+
+__all__ = ["parse_bytes", "fmt_gib", "fmt_mib"]
