@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_lowmem
@@ -54,6 +55,27 @@ class LowMemCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # NOTE: jsonargparse would print 60 lines of usage around a bad value and exit; raising lets `lowmem` say
+        # what is wrong in one line (see `_cli_errors.explain`).
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        # NOTE: LightningCLI torch.loads `--ckpt_path` itself (for the hyperparameters) before any strategy sees it;
+        # a damaged file must be named here, not surface as a bare EOFError.
+        from lightning_lowmem.strategies._atomic_checkpoint_io import torch_file_problem
+
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and os.path.isfile(ckpt_path):
+            reason = torch_file_problem(ckpt_path)
+            if reason is not None:
+                raise ValueError(
+                    f"Passed `--ckpt_path {ckpt_path}`, which {reason}. Pass another checkpoint (an earlier one), or "
+                    "leave `--ckpt_path` out to start from scratch."
+                )
+        super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

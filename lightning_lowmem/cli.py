@@ -44,9 +44,23 @@ def __getattr__(name: str) -> Any:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean "bad input": shown as one line, not a traceback."""
+    from jsonargparse import ArgumentError
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    return (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError, MisconfigurationException)
+    from lightning_lowmem._host_memory import HostMemoryError
+    from lightning_lowmem.strategies.offload import NonFiniteGradientError
+
+    return (
+        ValueError,
+        TypeError,
+        FileNotFoundError,
+        IsADirectoryError,
+        ModuleNotFoundError,
+        MisconfigurationException,
+        HostMemoryError,
+        NonFiniteGradientError,
+        ArgumentError,  # jsonargparse's, raised instead of printing the usage text (see `_cli_errors`)
+    )
 
 
 def print_help() -> None:
@@ -84,6 +98,18 @@ def _current_directory_importable() -> None:
         sys.path.insert(0, cwd)
 
 
+def _message(err: BaseException, args: list[str]) -> str:
+    """The one line for ``err``: jsonargparse's errors explained (``_cli_errors.explain``), others' root cause."""
+    from jsonargparse import ArgumentError
+
+    cause = err if isinstance(err, ArgumentError) else _root_cause(err)
+    if isinstance(cause, ArgumentError):
+        from lightning_lowmem import _cli_errors
+
+        return _cli_errors.explain(cause, args)
+    return str(cause)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -94,15 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         if args[0] in _TOOLS:
             module, function = _TOOLS[args[0]]
             return int(getattr(importlib.import_module(module), function)(args[1:]) or 0)
+        from lightning_lowmem import _cli_errors
         from lightning_lowmem._lightning_cli import LowMemCLI
 
+        _cli_errors.check_config_files(args)
         LowMemCLI(args=argv)
     except Exception as err:
         if not isinstance(err, _user_errors()):
             raise
         if os.environ.get("LOWMEM_TRACEBACK"):
             raise
-        print(f"lowmem: error: {_root_cause(err)}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
+        print(f"lowmem: error: {_message(err, args)}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
         return 2
     return 0
 

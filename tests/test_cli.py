@@ -55,10 +55,10 @@ def test_misspelled_strategy_one_clear_line(tmp_path, capsys):
 
 
 def test_unknown_config_key_names_it(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["fit", "--config", _config(tmp_path, max_stepz=3)])
-    assert exc.value.code != 0
-    assert "max_stepz" in capsys.readouterr().err
+    assert main(["fit", "--config", _config(tmp_path, max_stepz=3)]) == 2
+    err = capsys.readouterr().err
+    assert "max_stepz" in err
+    _assert_one_line(err)
 
 
 def test_bad_model_type_one_clear_line(tmp_path, capsys):
@@ -80,6 +80,152 @@ def test_console_script_exit_code(tmp_path):
     )
     assert out.returncode == 2 and "lowmem: error: Passed `trainer.strategy='nope'`" in out.stderr
 
+
+# --- bad input through `lowmem fit`: one `lowmem: error:` line, no usage text, no traceback ---------------------
+def _assert_one_line(err: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("lowmem: error: ")]
+    assert len(errors) == 1, err
+    assert "usage:" not in err and "Traceback" not in err and "[--trainer" not in err, err
+
+
+def _write(tmp_path, cfg, name="config.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _with_callbacks(*callbacks):
+    return {**TINY, "trainer": {**TINY["trainer"], "callbacks": list(callbacks)}}
+
+
+def test_misspelled_callback_class_path_did_you_mean(tmp_path, capsys):
+    path = _write(tmp_path, _with_callbacks({"class_path": "ActivationCheckpointin"}))
+    assert main(["fit", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "`trainer.callbacks[0].class_path='ActivationCheckpointin'`" in err
+    assert "Did you mean 'ActivationCheckpointing'" in err
+    _assert_one_line(err)
+
+
+def test_wrong_callback_argument_value_without_usage_text(tmp_path, capsys):
+    path = _write(tmp_path, _with_callbacks({"class_path": "ActivationCheckpointing", "init_args": {"policy": "bogus"}}))
+    assert main(["fit", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "Passed `policy='bogus'` to `trainer.callbacks[0]` (ActivationCheckpointing); expected one of 'all'" in err
+    _assert_one_line(err)
+
+
+def test_wrong_callback_argument_type_and_name(tmp_path, capsys):
+    path = _write(tmp_path, _with_callbacks({"class_path": "MemoryReport", "init_args": {"every_n_steps": "often"}}))
+    assert main(["fit", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "Passed `every_n_steps='often'` to `trainer.callbacks[0]` (MemoryReport); expected an int" in err
+    _assert_one_line(err)
+    path = _write(tmp_path, _with_callbacks({"class_path": "ActivationCheckpointing", "init_args": {"polcy": "all"}}))
+    assert main(["fit", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "`init_args.polcy`" in err and "Did you mean 'policy'?" in err
+    _assert_one_line(err)
+
+
+def test_callback_constructor_error_is_one_line(tmp_path, capsys):
+    path = _write(tmp_path, _with_callbacks({"class_path": "AccumulationScheduler", "init_args": {"effective_batch_size": -3}}))
+    assert main(["fit", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "effective_batch_size=-3" in err
+    _assert_one_line(err)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# only a comment\n"], ids=["empty", "blank", "comment"])
+def test_empty_config_file(tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    assert main(["fit", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"Passed `--config {path}`, which is empty" in err
+    _assert_one_line(err)
+
+
+def test_config_file_that_is_not_a_mapping(tmp_path, capsys):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    assert main(["fit", "--config", str(path)]) == 2
+    assert "top level is a list" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_sequence_length_beyond_the_models_positions_at_setup(tmp_path, capsys):
+    cfg = {**TINY, "data": {**TINY["data"], "init_args": {**TINY["data"]["init_args"], "seq_len": 64}}}
+    assert main(["fit", "--config", _write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "`StdlibTextDataModule(seq_len=64)`" in err and "at most 32 positions" in err and "IndexError" not in err
+    _assert_one_line(err)
+
+
+@pytest.mark.integration
+def test_host_ram_refusal_is_one_line(tmp_path, capsys, monkeypatch):
+    import psutil
+
+    class Tiny:
+        available = 1000
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    assert main(["fit", "--config", _config(tmp_path, strategy="lowmem_offload")]) == 2
+    err = capsys.readouterr().err
+    assert "lowmem: error: `OffloadStrategy` (strategy='lowmem_offload') needs" in err
+    assert "may allocate only 1000 B, limited by the machine's available RAM" in err
+    _assert_one_line(err)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("content", [b"", b"\x00garbage" * 100, "truncated"], ids=["empty", "random-bytes", "truncated"])
+def test_bad_ckpt_path_is_one_line_naming_the_file(tmp_path, capsys, content):
+    import torch
+
+    ckpt = tmp_path / "bad.ckpt"
+    if content == "truncated":
+        torch.save({"state_dict": {"w": torch.zeros(1000)}}, ckpt)
+        ckpt.write_bytes(ckpt.read_bytes()[:1500])
+    else:
+        ckpt.write_bytes(content)
+    assert main(["fit", "--config", _config(tmp_path, strategy="lowmem_offload"), "--ckpt_path", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert str(ckpt) in err and {b"": "is empty", "truncated": "is truncated"}.get(content, "is not a `torch.save` file") in err
+    _assert_one_line(err)
+
+
+@pytest.mark.integration
+def test_deepspeed_directory_as_ckpt_path_of_lowmem_offload(tmp_path, capsys):
+    ckpt = tmp_path / "last.ckpt"
+    (ckpt / "checkpoint").mkdir(parents=True)
+    (ckpt / "latest").write_text("checkpoint")
+    assert main(["fit", "--config", _config(tmp_path, strategy="lowmem_offload"), "--ckpt_path", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "is a DeepSpeed checkpoint directory" in err and f"lowmem consolidate {ckpt} model.ckpt" in err
+    _assert_one_line(err)
+
+
+def test_consolidate_errors_are_one_line(tmp_path, capsys):
+    pytest.importorskip("deepspeed")
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["consolidate", str(tmp_path), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a DeepSpeed checkpoint directory: it has no `latest` file" in err
+    _assert_one_line(err)
+    ckpt = tmp_path / "zero.ckpt"
+    (ckpt / "checkpoint").mkdir(parents=True)
+    (ckpt / "latest").write_text("checkpoint")
+    (ckpt / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert main(["consolidate", str(ckpt), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "mp_rank_00_model_states.pt' is empty (0 bytes)" in err
+    _assert_one_line(err)
+    assert main(["consolidate", str(ckpt), str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"Passed `out_file='{tmp_path}'`, which is a directory" in err
+    _assert_one_line(err)
+    assert not list(tmp_path.glob(".*tmp*")) and not (tmp_path / "out.pt").exists()
 
 @pytest.mark.integration
 def test_users_own_module_by_class_path_from_the_current_directory(tmp_path):

@@ -117,7 +117,43 @@ class CausalLMModule(L.LightningModule):
         self.save_hyperparameters()
         self.model = build_causal_lm(model_type, config, pretrained_path)
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model can embed, for models with learned absolute position embeddings.
+
+        None for rotary/relative positions (LLaMA, ...), which have no hard limit.
+        """
+        cached = self.__dict__.get("_max_positions")
+        if cached is not None and cached[0] is self.model:
+            return cached[1]
+        config = getattr(self.model, "config", None)
+        limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        learned = any(
+            isinstance(m, torch.nn.Embedding) and (name.endswith("wpe") or "position" in name)
+            for name, m in self.model.named_modules()
+        )
+        value = int(limit) if learned and limit else None
+        self.__dict__["_max_positions"] = (self.model, value)
+        return value
+
+    def _check_seq_len(self, seq_len: int, where: str) -> None:
+        limit = self.max_positions
+        if limit is not None and seq_len > limit:
+            raise ValueError(
+                f"{where} has sequences of {seq_len} tokens, but the `{self.hparams.model_type}` model embeds at most "
+                f"{limit} positions (`n_positions`/`max_position_embeddings` in `config`). Lower `seq_len` to {limit} "
+                f"or less, or raise the model's positions (e.g. `config: {{n_positions: {seq_len}}}`)."
+            )
+
+    def setup(self, stage: str) -> None:
+        # NOTE: caught here, before the first step, instead of an IndexError deep inside the embedding lookup.
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        seq_len = getattr(datamodule, "seq_len", None)
+        if isinstance(seq_len, int):
+            self._check_seq_len(seq_len, f"The datamodule (`{type(datamodule).__name__}(seq_len={seq_len})`)")
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_seq_len(input_ids.size(-1), "The batch")
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
     def loss_sum_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,21 @@
-"""A ``TorchCheckpointIO`` whose local writes are atomic: temp file in the same directory, fsync, ``os.replace``.
+"""A ``TorchCheckpointIO`` whose local writes are atomic and whose loads say what is wrong with a bad file.
 
-A crash or a full disk mid-write leaves the previous checkpoint intact instead of a truncated file
-that ``torch.load`` fails on at resume time. Remote (fsspec) paths use Lightning's own writer.
+Writes go through :func:`lightning_lowmem._atomic.atomic_write` (temp file in the same directory, fsync,
+``os.replace``, fsync of the directory; see there why Lightning's ``_atomic_save`` is not enough): a
+crash or a full disk mid-write leaves the previous checkpoint intact, and the ``.NAME.tmp-PID`` orphans
+of killed processes are removed at the next save. Remote (fsspec) paths use Lightning's own writer.
+
+Loads check the file before ``torch.load`` reads it, so that an empty, truncated or foreign file, or a
+DeepSpeed checkpoint directory, is an error naming the file and what to do instead of an
+``EOFError``, an ``OSError`` without the file's name, or an ``UnpicklingError`` suggesting
+``weights_only=False``.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +24,8 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
+
+from lightning_lowmem import _atomic
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -25,16 +36,79 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not _is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # NOTE: same directory as the target, so os.replace is a rename on one filesystem (atomic on POSIX)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        if Path(path).is_dir():
+            raise IsADirectoryError(
+                f"Cannot write the checkpoint to {str(path)!r}: it is a directory (a DeepSpeed checkpoint of an earlier "
+                "`lowmem_zero*` run?). Save under another name, or remove the directory first."
+            )
+        _atomic.atomic_write(path, lambda f: torch.save(checkpoint, f))
+
+    @override
+    def load_checkpoint(self, path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if not _is_local_file_protocol(path):
+            return super().load_checkpoint(path, *args, **kwargs)
+        problem = single_file_problem(path)
+        if problem is not None:
+            raise (FileNotFoundError if not os.path.lexists(path) else ValueError)(problem)
         try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            return super().load_checkpoint(path, *args, **kwargs)
+        except (EOFError, pickle.UnpicklingError, RuntimeError, OSError, zipfile.BadZipFile) as err:
+            if isinstance(err, FileNotFoundError) or "Weights only load failed" in str(err):
+                raise  # NOTE: a readable file holding objects outside torch's allow-list: torch's advice applies
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise ValueError(
+                f"Cannot read the checkpoint {str(path)!r} ({os.path.getsize(path):,} bytes; {type(err).__name__}: "
+                f"{first}): the file is damaged. {_FIX}"
+            ) from err
+
+
+_FIX = (
+    "Pass another `ckpt_path` (an earlier checkpoint, or `ckpt_path=None` to start from scratch); the previous "
+    "`last.ckpt` of a run that was killed while saving is still complete."
+)
+
+
+def single_file_problem(path: _PATH) -> str | None:
+    """What is wrong with ``path`` as a single-file Lightning checkpoint, or None if it looks like one.
+
+    Cheap: reads the first bytes and the zip directory at the end of the file, never the tensors.
+    """
+    p = Path(path)
+    if not os.path.lexists(p):
+        return f"The checkpoint {str(path)!r} does not exist. Check `ckpt_path` (relative paths start at {os.getcwd()!r})."
+    if p.is_dir():
+        if (p / "latest").is_file() or (p / "checkpoint").is_dir():
+            return (
+                f"{str(path)!r} is a DeepSpeed checkpoint directory (written by a `lowmem_zero*` / DeepSpeed strategy), "
+                "and `lowmem_offload` reads single-file checkpoints. Resume it with the strategy that wrote it, or "
+                f"convert its weights with `lowmem consolidate {path} model.ckpt` and load those into the module "
+                "(`module.load_state_dict(torch.load('model.ckpt'))`; the optimizer state is not carried over)."
+            )
+        return f"{str(path)!r} is a directory, not a checkpoint file. Pass the `.ckpt` file inside it as `ckpt_path`."
+    reason = torch_file_problem(p)
+    if reason is None:
+        return None
+    return f"The checkpoint {str(path)!r} {reason}. {_FIX}"
+
+
+def torch_file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be a complete ``torch.save`` file (``"is empty (0 bytes)..."``), or None.
+
+    Reads the first 4 bytes and, for a zip archive, its central directory at the end: a file cut short
+    (a killed save, a full disk) has lost that directory.
+    """
+    size = os.path.getsize(path)
+    if size == 0:
+        return "is empty (0 bytes): its save was interrupted or the disk was full"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(b"PK\x03\x04"):
+        if not zipfile.is_zipfile(path):
+            return (
+                f"is truncated ({size:,} bytes: a `torch.save` archive whose end is missing; its save was interrupted "
+                "or the disk was full)"
+            )
+        return None
+    if head[:1] == b"\x80":  # a pickle (torch's legacy, non-zip format)
+        return None
+    return f"is not a `torch.save` file ({size:,} bytes, neither a zip archive nor a pickle: it starts with {head!r})"

@@ -18,12 +18,13 @@ The flow of one optimizer step (see ``DESIGN.md``):
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
-import psutil
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -37,7 +38,9 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem import _host_memory
 from lightning_lowmem._compat import Reproducible
+from lightning_lowmem.memory.analytic import optimizer_state_bytes_per_param
 from lightning_lowmem.memory.categories import (
     MemoryBreakdown,
     mark_host,
@@ -52,7 +55,12 @@ from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_optimizer import HOST_OPTIMIZERS, HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
 
-_GiB = 1024**3
+NonFinite = Literal["skip", "raise", "ignore"]
+NONFINITE: tuple[str, ...] = get_args(NonFinite)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
 
 
 class OffloadStrategy(Reproducible, SingleDeviceStrategy):
@@ -82,8 +90,20 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             (same update rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host);
             ``"as_is"`` runs the user's optimizer bit for bit as configured; ``"torch_fused"`` is
             ``"auto"`` but refuses optimizers it cannot fuse.
-        check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers
-            and (estimated) optimizer state, instead of being killed mid-setup.
+        check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers,
+            the state of the optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD
+            without momentum, ...) and pinned staging, instead of being killed mid-setup. The RAM counted
+            is what this process may allocate: the least of the machine's available memory, its cgroup
+            (container) limit and ``ulimit -v``/``-d``.
+        nonfinite: what a non-finite (inf/nan) fp32 master gradient does in bf16 and fp32 (fp16 always
+            skips through its loss scaler). ``"skip"`` (default): skip that optimizer step (masters and
+            optimizer state untouched, gradients dropped), log ``lowmem/skipped_steps``, warn once, and raise
+            :class:`NonFiniteGradientError` naming the parameter after ``max_consecutive_skips`` skips in a
+            row; ``"raise"``: raise at the first; ``"ignore"``: step anyway (plain Lightning's behaviour: the
+            masters become nan for good). Cost: one vectorised norm over the host gradients per step
+            (``torch._foreach_norm``). With ``optimizer_in_backward`` the loss is checked before backward
+            (a non-finite loss skips the whole step) and each gradient before its parameter steps.
+        max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
 
     Example::
 
@@ -103,20 +123,28 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         optimizer_in_backward: bool = False,
         host_optimizer: HostOptimizer = "auto",
         check_host_memory: bool = True,
+        nonfinite: NonFinite = "skip",
+        max_consecutive_skips: int = 10,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if not isinstance(optimizer_in_backward, bool):
-            raise TypeError(f"Passed `optimizer_in_backward={optimizer_in_backward!r}`; expected True or False.")
-        if host_optimizer not in HOST_OPTIMIZERS:
-            raise ValueError(
-                f"Passed `host_optimizer={host_optimizer!r}`; expected one of {', '.join(map(repr, HOST_OPTIMIZERS))}."
-            )
+        _check_flags(
+            optimizer_in_backward=optimizer_in_backward,
+            host_optimizer=host_optimizer,
+            check_host_memory=check_host_memory,
+            nonfinite=nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
+        )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
         self.host_optimizer = host_optimizer
         self.check_host_memory = check_host_memory
+        self.nonfinite = nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.skipped_steps = 0  # steps skipped by the non-finite guard (bf16/fp32), over the strategy's life
+        self._consecutive_skips = 0
+        self._warned_nonfinite = False
         # NOTE: Lightning fills `parallel_devices` (the accelerator's device) only on strategies that have the
         # attribute; without it a strategy picked by name stays on "cpu" even with accelerator="cuda".
         self.parallel_devices: list[torch.device] | None = None
@@ -135,6 +163,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
         self._clip_value: float | None = None
+        self._skip_backward = False  # optimizer_in_backward: this backward's loss was not finite
+        self._bad_in_backward: list[str] = []  # optimizer_in_backward: parameters whose gradient was not finite
         # NOTE: ids of the masters whose optimizer state is marked host; `mark_host` must not see a tensor twice
         self._state_marked: dict[int, set[int]] = {}
 
@@ -279,34 +309,56 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 yield name, p
 
     def host_bytes_needed(
-        self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool = True
+        self,
+        module: torch.nn.Module,
+        optimizers: list[Optimizer],
+        with_grads: bool = True,
+        callbacks: Sequence[Any] = (),
     ) -> dict[str, int]:
-        """Host bytes the strategy will allocate for ``module`` and ``optimizers`` (state estimated), by part."""
+        """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part.
+
+        The optimizer state is that of the optimizer that will step: ``optimizers`` as configured, or the
+        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`expected_state_bytes`).
+        """
         numel = sum(p.numel() for _, p in self._unique_params(module))
         trainable = sum(p.numel() for _, p in self._unique_params(module) if p.requires_grad)
         dtype = self.precision_plugin.compute_dtype  # type: ignore[attr-defined]
+        size = torch.tensor([], dtype=dtype).element_size()
+        low_bit = next((cb for cb in callbacks if type(cb).__name__ == "LowBitOptimizer"), None)
+        embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+        cuda = self.root_device.type == "cuda"
         parts = {
             "masters": 4 * numel,
             "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
-            "optimizer_state": sum(_state_bytes_estimate(opt) for opt in optimizers),
-            # on CUDA: pinned staging in the compute dtype; on CPU: the compute weights share host RAM
-            "staging_or_compute_weights": torch.tensor([], dtype=dtype).element_size() * numel,
+            "optimizer_state": sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers),
+            # on CUDA: pinned staging in the compute dtype, one buffer per parameter (each rounded up to a power
+            # of two by torch's pinned allocator); on CPU: the compute weights share host RAM
+            "staging_or_compute_weights": sum(
+                _host_memory.pinned_bytes(size * p.numel(), cuda=cuda) for _, p in self._unique_params(module)
+            ),
         }
         parts["total"] = sum(parts.values())
         return parts
 
     def _build_masters(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
         if self.check_host_memory:
-            need = self.host_bytes_needed(module, optimizers, with_grads)
-            available = psutil.virtual_memory().available
-            if need["total"] > available:
-                detail = ", ".join(f"{k} {v / _GiB:.2f} GiB" for k, v in need.items() if k != "total")
-                raise MemoryError(
-                    f"`OffloadStrategy` needs {need['total'] / _GiB:.2f} GiB of host RAM for this model ({detail}) but "
-                    f"only {available / _GiB:.2f} GiB is available. Free host memory, use a smaller model, use "
-                    "`optimizer_in_backward=True` (no gradient buffers) or an 8-bit optimizer (`LowBitOptimizer`), "
-                    "or pass `check_host_memory=False` to try anyway."
-                )
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            need = self.host_bytes_needed(module, optimizers, with_grads, trainer.callbacks if trainer else ())
+            need.pop("total")
+            low_bit = any(type(cb).__name__ == "LowBitOptimizer" for cb in (trainer.callbacks if trainer else ()))
+            fixes = []
+            if need["optimizer_state"] and not low_bit:
+                fixes.append("8-bit optimizer state (`callbacks=[LowBitOptimizer()]`, ~2 B/param for Adam instead of 8)")
+            if need["gradient_buffers"]:
+                fixes.append("`OffloadStrategy(optimizer_in_backward=True)` (no gradient buffers)")
+            fixes += [
+                "a smaller model, or a machine/container with more RAM (or raise the limit named above)",
+                "`OffloadStrategy(check_host_memory=False)` to try anyway",
+            ]
+            _host_memory.check_host_memory(
+                {k.replace("_", " "): v for k, v in need.items()}, who="`OffloadStrategy` (strategy='lowmem_offload')",
+                fixes=fixes,
+            )
         self._reset()
         for i, (name, p) in enumerate(self._unique_params(module)):
             p_host = Parameter(p.detach().to("cpu", torch.float32, copy=True), requires_grad=p.requires_grad)
@@ -391,6 +443,14 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             p_host.grad.add_(grad)
 
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # NOTE: with optimizer_in_backward each parameter steps inside backward: a non-finite loss must be caught
+        # before the first one does (one scalar; a device sync on CUDA).
+        self._skip_backward = bool(
+            self.optimizer_in_backward and self._guarding() and not torch.isfinite(closure_loss.detach()).all()
+        )
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         # NOTE: sync point (CUDA): every gradient of this backward is on the host before user code
         # (on_after_backward, manual clip_gradients, the step) can read the masters' gradients.
@@ -411,20 +471,98 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         precision = self.precision_plugin
         assert isinstance(precision, MasterHalfPrecision)
         if self.optimizer_in_backward:
+            self._bad_in_backward = []
             out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
             precision._skip_clipping = True  # value clipping happened per parameter; norm clipping is refused
             try:
                 precision._after_closure(model, optimizer)  # on_before_optimizer_step hooks; masters hold no gradient
             finally:
                 precision._skip_clipping = False
-            precision.last_step_skipped = out is None
+            precision.last_step_skipped = out is None or self._skip_backward
+            if self._skip_backward or self._bad_in_backward:
+                where = self._bad_in_backward or ["the loss"]
+                self._skip_backward = False
+                self._nonfinite_step(where[:3], len(where), model, whole=precision.last_step_skipped)
+            elif out is not None:
+                self._consecutive_skips = 0
         else:
             out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
         if not precision.last_step_skipped:
             self._weights_to_device(optimizer)
+        if self._guarding() and model._trainer is not None and model._current_fx_name is not None:
+            # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
+            model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         return out
 
+    # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
+    def _guarding(self) -> bool:
+        """Whether the guard runs: ``nonfinite != "ignore"`` and no fp16 loss scaler (which skips overflows itself)."""
+        return self.nonfinite != "ignore" and getattr(self.precision_plugin, "scaler", None) is None
+
+    def _nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[str], int] | None:
+        """None if every master gradient of ``optimizer`` is finite; else (names of the first bad ones, how many)."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return None
+        # NOTE: one vectorised pass (an L2 norm per tensor) instead of an isfinite mask per tensor; a norm that
+        # overflows fp32 (|g| ~ 1e19) counts as non-finite too, which AdamW's g*g would have turned into inf state.
+        if bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
+            return None
+        bad = [
+            self._names[self._host_index[id(p)]] if id(p) in self._host_index else f"tensor of shape {tuple(p.shape)}"
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
+        return bad[:3], len(bad) or 1
+
+    def _nonfinite_step(self, names: list[str], count: int, model: pl.LightningModule, whole: bool = True) -> None:
+        """Count a step skipped for non-finite gradients; warn once; raise per ``nonfinite``/``max_consecutive_skips``."""
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        step = model.trainer.global_step if model._trainer is not None else "?"
+        what = ", ".join(f"`{n}`" if not n.startswith(("the ", "tensor ")) else n for n in names)
+        more = f" and {count - len(names)} more" if count > len(names) else ""
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more} "
+                "(`OffloadStrategy(nonfinite='raise')`). Look for the batch or loss that produced it "
+                "(`Trainer(detect_anomaly=True)`), or pass `nonfinite='skip'` to skip such steps."
+            )
+        if self._consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteGradientError(
+                f"lowmem_offload: {self._consecutive_skips} optimizer steps in a row had non-finite (inf/nan) gradients "
+                f"(the last at global step {step}, in {what}{more}); training is not progressing. Lower the learning "
+                "rate, check the data and the loss for inf/nan (`Trainer(detect_anomaly=True)`), or raise "
+                f"`OffloadStrategy(max_consecutive_skips={self.max_consecutive_skips})`."
+            )
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            partial = "" if whole else " (optimizer_in_backward: only those parameters' updates were skipped)"
+            warnings.warn(
+                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more}: skipped the "
+                f"optimizer step{partial}; the masters and the optimizer state are unchanged. Skips are counted in "
+                "`lowmem/skipped_steps`; this warning is shown once. "
+                f"{self.max_consecutive_skips} skips in a row raise an error.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     def _host_step(self, optimizer: Optimizer) -> Any:
+        """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
+        if self._guarding():
+            found = self._nonfinite_grads(optimizer)
+            if found is not None:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None  # NOTE: the inf/nan gradient must not reach the next accumulation window
+                self.precision_plugin.last_step_skipped = True  # type: ignore[attr-defined]
+                self._nonfinite_step(*found, self.lightning_module)  # type: ignore[arg-type]
+                return None
+            self._consecutive_skips = 0
+        return self._raw_step(optimizer)
+
+    def _raw_step(self, optimizer: Optimizer) -> Any:
         """``optimizer.step()`` on the host (with the fused kernel where it applies)."""
         if self.host_optimizer != "as_is" and id(optimizer) not in self._fused:
             # an optimizer swapped in after setup (e.g. by a callback in on_fit_start)
@@ -467,6 +605,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _step_in_backward(self, i: int, grad: Tensor) -> None:
         """Step master ``i`` alone, now, with the user's optimizer; then free its gradient."""
         p_host = self._p_host[i]
+        if self._skip_backward:
+            return  # NOTE: the loss was not finite (see `pre_backward`): no parameter steps in this backward
+        if self._guarding() and not bool(torch._foreach_norm([grad])[0].isfinite()):
+            self._bad_in_backward.append(self._names[i])
+            return
         p_host.grad = grad.to(torch.float32)  # NOTE: a copy for half gradients; aliases an fp32 one (freed below)
         if self._clip_value is not None:
             p_host.grad.clamp_(-self._clip_value, self._clip_value)  # what clip_grad_value_ does, per parameter
@@ -476,7 +619,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         # one parameter for the call makes the update (state, hyperparameters, schedulers) exactly the usual one.
         group["params"] = [p_host]
         try:
-            self._host_step(optimizer)
+            self._raw_step(optimizer)
         finally:
             group["params"] = params
             p_host.grad = None
@@ -634,20 +777,75 @@ def _check_host_can_run(optimizer: Optimizer, host_optimizer: str) -> None:
         )
 
 
-def _state_bytes_estimate(optimizer: Optimizer) -> int:
-    """Bytes of fp32 optimizer state ``optimizer`` will create for its parameters (an estimate for unknown classes)."""
-    total = 0
+def _check_flags(**flags: Any) -> None:
+    """TypeError/ValueError for every bad constructor argument at once, each naming the value and what is expected."""
+    problems: list[str] = []
+    type_error = False
+    for name in ("optimizer_in_backward", "check_host_memory"):
+        if not isinstance(flags[name], bool):
+            problems.append(f"`{name}={flags[name]!r}`; expected True or False")
+            type_error = True
+    if flags["host_optimizer"] not in HOST_OPTIMIZERS:
+        problems.append(f"`host_optimizer={flags['host_optimizer']!r}`; expected one of {', '.join(map(repr, HOST_OPTIMIZERS))}")
+    if flags["nonfinite"] not in NONFINITE:
+        problems.append(f"`nonfinite={flags['nonfinite']!r}`; expected one of {', '.join(map(repr, NONFINITE))}")
+    skips = flags["max_consecutive_skips"]
+    if isinstance(skips, bool) or not isinstance(skips, int):
+        problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
+        type_error = True
+    elif skips < 1:
+        problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
+    if problems:
+        raise (TypeError if type_error else ValueError)("OffloadStrategy: passed " + "; passed ".join(problems) + ".")
+
+
+def expected_state_bytes(
+    optimizer: Optimizer, low_bit: Any | None = None, keep_32bit: set[int] | frozenset[int] = frozenset()
+) -> int:
+    """Host bytes of the state ``optimizer`` will create for its fp32 masters (before its first step).
+
+    ``low_bit``: a ``LowBitOptimizer`` callback that will swap an Adam/Lion optimizer for its bitsandbytes
+    8-bit version in ``on_fit_start`` (tensors under its ``min_8bit_size``, and ``keep_32bit`` ids with
+    ``stable_embedding``, keep 32-bit state). The per-tensor rules are
+    :func:`lightning_lowmem.memory.analytic.optimizer_state_bytes_per_param`'s; unknown optimizer classes
+    count as Adam (8 B/param).
+    """
+    name = type(optimizer).__name__
+    eight_bit = "8bit" in name
+    min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)
+    lion = "lion" in name.lower()
+    if low_bit is not None and (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or name in _LION_32BIT):
+        eight_bit, min_8bit = True, low_bit.min_8bit_size
+        if not low_bit.stable_embedding:
+            keep_32bit = frozenset()
+    total = 0.0
     for group in optimizer.param_groups:
-        n = sum(p.numel() for p in group["params"] if p.requires_grad)
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            per = 8 + (4 if group.get("amsgrad") else 0)
-        elif isinstance(optimizer, torch.optim.SGD):
-            per = 4 if group.get("momentum") else 0
-        elif isinstance(optimizer, (torch.optim.Adagrad, torch.optim.Adadelta)):
-            per = 4 if isinstance(optimizer, torch.optim.Adagrad) else 8
-        elif isinstance(optimizer, torch.optim.RMSprop):
-            per = 4 + (4 if group.get("momentum") else 0) + (4 if group.get("centered") else 0)
-        else:
-            per = 8  # NOTE: unknown optimizer: assume Adam-sized state
-        total += per * n
-    return total
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            n = p.numel()
+            if eight_bit:
+                if n < min_8bit or id(p) in keep_32bit:
+                    per = optimizer_state_bytes_per_param("adamw", 4, n)
+                else:
+                    per = optimizer_state_bytes_per_param("adamw8bit", 4, n)
+                total += per / 2 if lion else per  # NOTE: Lion keeps one moment, Adam two
+            elif lion:
+                total += optimizer_state_bytes_per_param("sgd", 4, n)  # one fp32 moment
+            elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                total += optimizer_state_bytes_per_param("adamw", 4, n) + (4 * n if group.get("amsgrad") else 0)
+            elif isinstance(optimizer, torch.optim.SGD):
+                total += optimizer_state_bytes_per_param("sgd", 4, n) if group.get("momentum") else 0
+            elif isinstance(optimizer, (torch.optim.Adagrad, torch.optim.ASGD)):
+                total += 4 * n
+            elif isinstance(optimizer, torch.optim.RMSprop):
+                total += 4 * n * (1 + bool(group.get("momentum")) + bool(group.get("centered")))
+            elif isinstance(optimizer, torch.optim.Adafactor):
+                rows, cols = (p.shape[0], math.prod(p.shape[1:])) if p.dim() >= 2 else (n, 0)
+                total += 4 * (rows + cols) if cols else 4 * n
+            else:  # Adadelta, Adamax, NAdam, RAdam, Rprop, and unknown classes: two fp32 tensors per parameter
+                total += optimizer_state_bytes_per_param("adamw", 4, n)
+    return int(total)
+
+
+_LION_32BIT = ("Lion", "Lion32bit", "PagedLion", "PagedLion32bit")

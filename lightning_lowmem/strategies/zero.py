@@ -11,12 +11,14 @@ import argparse
 import inspect
 import logging
 import os
-import tempfile
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -24,8 +26,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem import _atomic, _host_memory
 from lightning_lowmem._compat import Reproducible, require
 from lightning_lowmem.strategies import _zero_config as zc
+from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
 
 if TYPE_CHECKING:
     import deepspeed
@@ -73,6 +77,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             ``hidden_size**2`` (stage 3, as Hugging Face's ``"auto"``).
         gather_16bit_weights_on_model_save: ``stage3_gather_16bit_weights_on_model_save``.
         cpu_optimizer: with offload, replace ``torch.optim.Adam``/``AdamW`` by ``DeepSpeedCPUAdam``.
+        check_host_memory: with offload, refuse to start when the host RAM DeepSpeed will allocate on this
+            machine (every local process's pinned and pageable buffers and optimizer state, see
+            ``_zero_host_bytes``) is more than this process may use (available RAM, cgroup limit, ``ulimit -v``).
         gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value (the master)
             back into the module, so ``module.state_dict()`` and plain-PyTorch use see the trained weights. Without
             it the parameters stay partitioned (empty) after fit, and the first ``state_dict()`` of them warns,
@@ -101,6 +108,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         sub_group_size: int = int(1e9),
         gather_16bit_weights_on_model_save: bool = True,
         cpu_optimizer: bool = True,
+        check_host_memory: bool = True,
         config: dict[str, Any] | str | os.PathLike | None = None,
         gather_on_fit_end: bool = False,
         **kwargs: Any,
@@ -121,6 +129,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
         if offload_device not in ("cpu", "nvme"):
             problems.append(f"Passed `offload_device={offload_device!r}`; expected 'cpu' or 'nvme'.")
+        bad_type = not isinstance(check_host_memory, bool)
+        if bad_type:
+            problems.append(f"Passed `check_host_memory={check_host_memory!r}`; expected True or False.")
         if offload_parameters and stage != 3:
             problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
         unknown = set(kwargs) - _PASSTHROUGH
@@ -133,7 +144,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                 + f"ZeroStrategy also passes on {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
             )
         if problems:
-            raise ValueError(" ".join(problems))
+            raise (TypeError if bad_type else ValueError)(" ".join(problems))
         if offload_device == "nvme":
             nvme_path = zc.check_nvme_path(nvme_path or os.environ.get("LOWMEM_NVME_PATH"))
             kwargs.setdefault("remote_device", "nvme")
@@ -142,6 +153,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self._partition_warning: Any = None
         self._user_config = zc.load_user_config(config)
         self._cpu_optimizer = cpu_optimizer
+        self.check_host_memory = check_host_memory
         self._offload_optimizer = offload_optimizer
         preset = zc.reference_config(
             stage=stage,
@@ -360,6 +372,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler_config = super()._init_optimizers()
+        if self.check_host_memory:
+            self._check_host_memory(optimizer)  # NOTE: before DeepSpeedCPUAdam and the engine allocate anything
         if not (self._offload_optimizer and self._cpu_optimizer):
             return optimizer, scheduler_config
         from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
@@ -372,6 +386,104 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
                 rebind_scheduler(scheduler_config.scheduler, cpu_optimizer)
         return cpu_optimizer, scheduler_config
+
+    def _check_host_memory(self, optimizer: Optimizer) -> None:
+        from lightning_lowmem.strategies._zero_host_bytes import zero_offload_host_bytes
+
+        groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+        name = type(optimizer).__name__
+        per_element = 4.0 if ("Adagrad" in name or "Lion" in name) else 8.0
+        if not ("Adam" in name or per_element == 4.0):
+            from lightning_lowmem.strategies.offload import expected_state_bytes
+
+            per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
+        cuda = isinstance(self.accelerator, CUDAAccelerator)
+        per_rank = zero_offload_host_bytes(
+            self.config, groups, world_size=self.world_size, cuda=cuda, state_bytes_per_element=per_element
+        )
+        if not per_rank:
+            return
+        local = max(1, len(self.parallel_devices or [None]))
+        need = {k: v * local for k, v in per_rank.items()}
+        problem = None
+        if self.is_global_zero:
+            try:
+                _host_memory.check_host_memory(
+                    need,
+                    who=(
+                        f"`{type(self).__name__}` (ZeRO-{self.config['zero_optimization'].get('stage')} with offload, "
+                        f"{local} process(es) on this machine)"
+                    ),
+                    fixes=self._host_memory_fixes(cuda),
+                )
+            except _host_memory.HostMemoryError as err:
+                problem = str(err)
+        # NOTE: rank 0 decides for every process, so that all of them stop (none waits in a collective).
+        problem = self.broadcast(problem)
+        if problem:
+            raise _host_memory.HostMemoryError(problem)
+
+    def _host_memory_fixes(self, cuda: bool) -> list[str]:
+        zero = self.config.get("zero_optimization", {})
+        offloads = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
+        fixes = ["more processes or machines to shard over (each process holds 1/N of the masters and optimizer state)"]
+        if cuda and any(o.get("pin_memory") for o in offloads):
+            fixes.append("`ZeroStrategy(pin_memory=False)` (torch rounds each pinned buffer up to a power of two)")
+        if not any(o.get("device") == "nvme" for o in offloads):
+            fixes.append("`strategy='lowmem_zero3_nvme'` to keep the optimizer state and parameters on an SSD")
+        return fixes + [
+            "a machine/container with more RAM (or raise the limit named above)",
+            "`ZeroStrategy(check_host_memory=False)` to try anyway",
+        ]
+
+    # ---- checkpoints: atomic directory saves, checked loads ---------------------------------------------------
+
+    def _writes_shared_files(self) -> bool:
+        """Whether this process writes the checkpoint's shared files (``latest``, the swap): DeepSpeed's rank 0."""
+        engine = getattr(self, "deepspeed_engine", None)
+        if engine is not None and engine.use_node_local_storage():
+            return self.local_rank == 0
+        return self.is_global_zero
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """DeepSpeed's directory checkpoint, written to ``.NAME.tmp-PID/`` beside ``filepath``, fsync-ed, swapped in.
+
+        The previous checkpoint at ``filepath`` stays complete until the new one is; a process killed midway
+        leaves at most the temp directory, removed at the next save (see ``_zero_checkpoint``).
+        """
+        if storage_options is not None or not _is_local_file_protocol(filepath):
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # the parent refuses storage_options
+            return
+        target = Path(self.broadcast(str(Path(filepath).absolute())))
+        tmp = Path(self.broadcast(str(_atomic.temp_path(target))))
+        writer = self._writes_shared_files()
+        if writer:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _atomic.clean_orphans(target, keep=tmp)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # an earlier save of this process that failed midway
+        self.barrier("lowmem_zero_save_begin")
+        super().save_checkpoint(checkpoint, tmp)  # every process writes its shards (DeepSpeed ends with a barrier)
+        if writer:
+            _atomic.fsync_tree(tmp)
+            _atomic.replace_dir(tmp, target)
+        self.barrier("lowmem_zero_save_end")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if (self.load_full_weights and self.zero_stage_3) or not _is_local_file_protocol(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(checkpoint_path)
+        if self._writes_shared_files():
+            _atomic.recover(path)  # a previous version left under `.NAME.old-PID` by a kill mid-swap
+        self.barrier("lowmem_zero_load")
+        problem = zero_checkpoint_problem(path)
+        if problem is not None:
+            raise (FileNotFoundError if not path.exists() else ValueError)(
+                f"Cannot resume from `ckpt_path={str(checkpoint_path)!r}` with `{type(self).__name__}`: {problem}"
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     #: A micro-batch's loss is divided by the accumulation once (by Lightning's loop), not again by DeepSpeed.
     loss_divided_once = True
@@ -438,19 +550,28 @@ def consolidate(
         the state dict that was written.
 
     Raises:
-        FileNotFoundError: ``checkpoint_dir`` is not a DeepSpeed checkpoint directory.
+        FileNotFoundError: ``checkpoint_dir`` does not exist.
+        ValueError: ``checkpoint_dir`` is not a complete DeepSpeed checkpoint directory (names the damaged file),
+            or ``out_file`` is a directory or cannot be written.
     """
     require("deepspeed", "`lowmem consolidate` / `lightning_lowmem.zero.consolidate`")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    target = _check_out_file(out_file)  # NOTE: before the (long) read, so a bad output path fails at once
     ckpt = Path(checkpoint_dir).expanduser()
-    if not ckpt.is_dir() or not ((ckpt / "latest").is_file() or (tag and (ckpt / tag).is_dir())):
-        raise FileNotFoundError(
-            f"Passed `checkpoint_dir={str(checkpoint_dir)!r}`, which is not a DeepSpeed checkpoint directory "
-            "(expected a directory with a `latest` file and a tag folder, as `Trainer.save_checkpoint` writes with "
-            "a `lowmem_zero*` strategy). For a single-file Lightning checkpoint there is nothing to consolidate."
+    problem = zero_checkpoint_problem(ckpt, tag)
+    if problem is not None:
+        raise (FileNotFoundError if not ckpt.exists() else ValueError)(
+            f"Passed `checkpoint_dir={str(checkpoint_dir)!r}`: {problem}"
         )
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+    except (EOFError, RuntimeError, ValueError, KeyError, OSError) as err:
+        raise ValueError(
+            f"Cannot consolidate `checkpoint_dir={str(checkpoint_dir)!r}`: DeepSpeed failed to read it "
+            f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}). It was probably "
+            "written by another DeepSpeed version or layout, or damaged; use an earlier checkpoint."
+        ) from err
     # NOTE: Lightning wraps the module; its checkpoints may carry the wrapper's prefix.
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -458,23 +579,33 @@ def consolidate(
         if strip_prefix and key.startswith(strip_prefix):
             key = key[len(strip_prefix) :]
         out[key] = value.float() if value.is_floating_point() else value
-    target = Path(out_file).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    try:
-        if target.suffix == ".safetensors":
-            from safetensors.torch import save_file
+    if target.suffix == ".safetensors":
+        from safetensors.torch import save
 
-            # NOTE: safetensors refuses shared storages (tied embeddings): each tensor gets its own copy.
-            save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, tmp)
-        else:
-            torch.save(out, tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        # NOTE: safetensors refuses shared storages (tied embeddings): each tensor gets its own copy.
+        data = save({k: v.detach().clone().contiguous() for k, v in out.items()})
+        _atomic.atomic_write(target, lambda f: f.write(data))
+    else:
+        _atomic.atomic_write(target, lambda f: torch.save(out, f))
     return out
+
+
+def _check_out_file(out_file: str | os.PathLike) -> Path:
+    """``out_file`` as a path to write, or a ValueError saying why it cannot be one."""
+    text = os.fspath(out_file)
+    target = Path(text).expanduser()
+    if not text or text.endswith(("/", os.sep)) or target.is_dir():
+        raise ValueError(
+            f"Passed `out_file={text!r}`, which is a directory; give the file to write, e.g. "
+            f"`{os.path.join(text or '.', 'model.pt')}` (`.safetensors` for safetensors, anything else for torch.save)."
+        )
+    parent = target.parent
+    existing = next((a for a in (parent, *parent.parents) if a.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"Passed `out_file={text!r}`, but {str(existing)!r} is a file, not a directory.")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"Passed `out_file={text!r}`, but this process cannot write to {str(existing)!r}.")
+    return target
 
 
 def consolidate_main(argv: Sequence[str] | None = None) -> int:

@@ -76,3 +76,20 @@ def test_loss_goes_down_on_stdlib_text():
     trainer.fit(module, data)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)  # byte-level LM: ~5.5 nats at random init
+
+
+def test_batch_longer_than_the_learned_positions_is_a_clear_error():
+    import pytest
+    import torch
+
+    from lightning_lowmem.demo.module import CausalLMModule
+
+    module = CausalLMModule(config={"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 16})
+    assert module.max_positions == 16
+    module(torch.zeros(1, 16, dtype=torch.long))  # the limit itself is fine
+    with pytest.raises(ValueError, match=r"The batch has sequences of 17 tokens.*at most 16 positions.*n_positions: 17"):
+        module(torch.zeros(1, 17, dtype=torch.long))
+    llama = CausalLMModule(model_type="llama", config={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                        "num_attention_heads": 2, "max_position_embeddings": 16})
+    assert llama.max_positions is None  # rotary positions: no hard limit, no refusal
+    llama(torch.zeros(1, 17, dtype=torch.long))

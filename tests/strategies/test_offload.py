@@ -125,11 +125,14 @@ def test_manual_optimization_with_fp16_is_refused_with_what_works():
 def test_too_little_host_ram_is_refused_before_allocating(monkeypatch):
     import psutil
 
+    from lightning_lowmem._host_memory import HostMemoryError
+
     class Tiny:
         available = 100  # bytes: less than the 660 the BoringModel's 66 parameters need
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
-    with pytest.raises(MemoryError, match=r"needs 0\.00 GiB of host RAM.*masters.*only 0\.00 GiB is available"):
+    with pytest.raises(HostMemoryError, match=r"needs 660 B of host RAM \(masters 264 B.*may allocate only 100 B, limited by "
+                       r"the machine's available RAM"):
         fit(BoringModel())
     strategy = OffloadStrategy()
     need = strategy.host_bytes_needed(torch.nn.Linear(1000, 1000), [torch.optim.AdamW(torch.nn.Linear(1000, 1000).parameters())])

@@ -218,7 +218,7 @@ def test_scheduler_follows_the_swapped_optimizer():
 def test_consolidate_refuses_a_non_checkpoint(tmp_path):
     import lightning_lowmem
 
-    with pytest.raises(FileNotFoundError, match="not a DeepSpeed checkpoint directory"):
+    with pytest.raises(ValueError, match="not a DeepSpeed checkpoint directory: it has no `latest` file"):
         lightning_lowmem.zero.consolidate(tmp_path, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
 

@@ -1,0 +1,237 @@
+"""One-line explanations of bad ``lowmem fit`` input (private helper of ``cli.py``).
+
+jsonargparse reports a bad value with the whole usage text (60+ lines) and a nested "Does not validate
+against any of the Union subtypes" tree. ``LowMemCLI`` makes it raise instead (``exit_on_error=False``)
+and :func:`explain` turns the error into one sentence naming the key, the value and what is expected:
+first by checking the config files' ``class_path`` entries and our classes' ``init_args`` against their
+signatures (with a did-you-mean), else by condensing jsonargparse's chain of causes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ArgumentError
+
+from lightning_lowmem.strategies.offload import NonFiniteGradientError
+
+__all__ = ["ArgumentError", "NonFiniteGradientError", "check_config_files", "explain"]
+
+
+def config_paths(args: Sequence[str]) -> list[str]:
+    """The files given with ``--config FILE``, ``--config=FILE`` or ``-c FILE``."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif arg.startswith("--config="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def check_config_files(args: Sequence[str]) -> None:
+    """Refuse a missing, empty or non-mapping ``--config`` file before jsonargparse reads it."""
+    import yaml
+
+    for path in config_paths(args):
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"Passed `--config {path}`, which is not a file. Check the path (relative to {Path.cwd()}).")
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if not text.strip() or not any(line.split("#", 1)[0].strip() for line in text.splitlines()):
+            raise ValueError(
+                f"Passed `--config {path}`, which is empty (only blanks and comments). Put `trainer:`, `model:` and `data:` "
+                "sections in it; see `configs/demo.yaml`, or `lowmem fit --print_config` for every key."
+            )
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"Passed `--config {path}`, which is not valid YAML: {' '.join(str(err).split())}") from err
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"Passed `--config {path}`, whose top level is a {type(loaded).__name__}, not a mapping of sections "
+                "(`trainer:`, `model:`, `data:`)."
+            )
+
+
+# --- explaining an ArgumentError -----------------------------------------------------------------------------
+def explain(err: BaseException, args: Sequence[str]) -> str:
+    """One line for a jsonargparse ``ArgumentError``."""
+    try:
+        found = list(_check_class_paths(args))
+    except Exception:  # NOTE: the diagnosis must never hide the original error
+        found = []
+    return " ".join(found) if found else _condense(err)
+
+
+def _entries(args: Sequence[str]) -> Iterator[tuple[str, Any, type]]:
+    """``(key, entry, base class)`` for every ``class_path`` entry of the config files."""
+    import lightning.pytorch as pl
+    import yaml
+
+    for path in config_paths(args):
+        try:
+            cfg = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        cfg = cfg.get("fit", cfg) if isinstance(cfg, dict) else {}
+        trainer = cfg.get("trainer") or {}
+        callbacks = trainer.get("callbacks") or []
+        for i, cb in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+            yield f"trainer.callbacks[{i}]", cb, pl.Callback
+        if isinstance(trainer.get("strategy"), dict):
+            yield "trainer.strategy", trainer["strategy"], pl.strategies.Strategy
+        for key, base in (("model", pl.LightningModule), ("data", pl.LightningDataModule)):
+            if isinstance(cfg.get(key), dict):
+                yield key, cfg[key], base
+
+
+def _subclasses(base: type) -> dict[str, type]:
+    out: dict[str, type] = {}
+    todo = [base]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if not sub.__name__.startswith("_"):
+                out.setdefault(sub.__name__, sub)
+                out.setdefault(f"{sub.__module__}.{sub.__qualname__}", sub)
+            todo.append(sub)
+    return out
+
+
+def _resolve(class_path: str, known: dict[str, type]) -> type | None:
+    if class_path in known:
+        return known[class_path]
+    module, _, name = class_path.rpartition(".")
+    if not module:
+        return None
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except Exception:
+        return None
+
+
+def _check_class_paths(args: Sequence[str]) -> Iterator[str]:
+    for key, entry, base in _entries(args):
+        if not isinstance(entry, dict) or "class_path" not in entry:
+            continue
+        class_path = str(entry["class_path"])
+        known = _subclasses(base)
+        cls = _resolve(class_path, known)
+        if cls is None:
+            short = sorted(n for n in known if "." not in n)
+            close = difflib.get_close_matches(class_path.rpartition(".")[2], short, n=3, cutoff=0.6)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            ours = ", ".join(n for n in short if known[n].__module__.startswith("lightning_lowmem"))
+            yield (
+                f"Passed `{key}.class_path={class_path!r}`, which is not a {base.__name__} class.{hint} Give a class "
+                f"name (lightning_lowmem's: {ours or 'none'}; Lightning's: ModelCheckpoint, EarlyStopping, ...) or a "
+                "full import path such as `my_package.callbacks.MyCallback`."
+            )
+            continue
+        init_args = entry.get("init_args") or {}
+        if isinstance(init_args, dict):
+            yield from _check_init_args(key, cls, init_args)
+
+
+def _check_init_args(key: str, cls: type, init_args: dict[str, Any]) -> Iterator[str]:
+    try:
+        params = inspect.signature(cls.__init__).parameters
+        hints = typing.get_type_hints(cls.__init__)
+    except (TypeError, ValueError, NameError):
+        return
+    names = [n for n in params if n != "self"]
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name, value in init_args.items():
+        where = f"`{key}` ({cls.__name__})"
+        if name not in params:
+            if takes_kwargs:
+                continue
+            close = difflib.get_close_matches(name, names, n=2, cutoff=0.6)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            yield f"Passed `init_args.{name}` to {where}, which takes no such argument.{hint} It takes: {', '.join(names)}."
+            continue
+        expected = _mismatch(hints.get(name), value)
+        if expected is not None:
+            yield f"Passed `{name}={value!r}` to {where}; expected {expected}."
+
+
+_SIMPLE = {bool: "True or False", int: "an int", float: "a number", str: "a string"}
+
+
+def _fits(kind: type, value: Any) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def _is_container(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation) or annotation
+    return isinstance(origin, type) and issubclass(origin, (list, tuple, dict, set, Sequence))
+
+
+def _mismatch(annotation: Any, value: Any) -> str | None:
+    """What ``annotation`` expects, when ``value`` clearly is not it (Literal choices, bool/int/float/str); else None.
+
+    Anything this cannot judge (classes, callables, nested types) is left to jsonargparse.
+    """
+    if annotation is None:
+        return None
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    alternatives = typing.get_args(annotation) if union else (annotation,)
+    if value is None and type(None) in alternatives:
+        return None
+    choices = [c for a in alternatives if typing.get_origin(a) is typing.Literal for c in typing.get_args(a)]
+    simple = [a for a in alternatives if a in _SIMPLE]
+    other = [a for a in alternatives if a not in _SIMPLE and a is not type(None) and typing.get_origin(a) is not typing.Literal]
+    if value in choices or any(_fits(a, value) for a in simple):
+        return None
+    if other and not (isinstance(value, str) and choices and all(_is_container(a) for a in other)):
+        return None
+    if not choices and not simple:
+        return None
+    parts = (["one of " + ", ".join(repr(c) for c in choices)] if choices else []) + [_SIMPLE[a] for a in simple]
+    parts += [_type_name(a) for a in other] + (["null"] if type(None) in alternatives else [])
+    return ", or ".join(parts)
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("collections.abc.", "")
+    text = re.sub(r"<class '([\w.]+)'>", lambda m: m.group(1).rpartition(".")[2], text)
+    text = re.sub(r"Union\[([^\[\]]*)\]", lambda m: " or ".join(t.strip() for t in m.group(1).split(",")), text)
+    return re.sub(r"^(?:Sequence|list|List|tuple|Tuple)\[(.*)\]$", r"a list of \1", text)
+
+
+def _condense(err: BaseException) -> str:
+    """jsonargparse's chain of causes as one line: the keys from outside in, then the innermost complaint."""
+    keys: list[str] = []
+    innermost = str(err)
+    seen = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        for pattern in (r'Parser key "([^"]+)"', r"Problem with given class_path '([^']+)'"):
+            m = re.match(pattern, first)
+            if m and m.group(1) not in keys:
+                keys.append(m.group(1))
+        if text:
+            innermost = text
+        e = e.__cause__ or e.__context__
+    line = " ".join(innermost.split())
+    line = re.sub(r"typing\.Literal\[([^\]]*)\]", r"one of \1", line)
+    where = " > ".join(keys)
+    return f"{where}: {line}" if where and not line.startswith(where) else line or "invalid arguments"

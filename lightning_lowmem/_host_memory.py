@@ -1,0 +1,170 @@
+"""How much host RAM this process may still allocate, and the refusal when a strategy needs more.
+
+``psutil.virtual_memory().available`` is the machine's figure; a process can have much less:
+
+- a cgroup memory limit (containers, Kubernetes pods, Slurm jobs, systemd slices): v2 ``memory.max``
+  minus ``memory.current``, v1 ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes``, the smallest over
+  the process's cgroup and its ancestors; reclaimable page cache (``inactive_file``) counts as free,
+  as the kernel reclaims it before it OOM-kills;
+- ``ulimit -v`` (``RLIMIT_AS``: address space, compared with the process's virtual size) and
+  ``ulimit -d`` (``RLIMIT_DATA``: its data segment), past which allocations fail.
+
+Used by ``lowmem_offload`` and the ``lowmem_zero*`` offload presets before they allocate.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+_UNLIMITED = 1 << 60  # cgroup v1 writes 0x7FFFFFFFFFFFF000 for "no limit"
+
+
+class HostMemoryError(MemoryError):
+    """A strategy refused to start: the host RAM it would allocate is more than this process may use."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Bytes this process may still allocate (``available``) and which limit decided it (``limited_by``)."""
+
+    available: int
+    limited_by: str
+    limits: dict[str, int] = field(default_factory=dict)  # every limit found: description -> bytes left
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _UNLIMITED else value
+
+
+def _stat_value(path: Path, *keys: str) -> int:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    values = dict(line.split(maxsplit=1) for line in lines if " " in line)
+    for key in keys:
+        if key in values:
+            try:
+                return int(values[key])
+            except ValueError:
+                return 0
+    return 0
+
+
+def _ancestors(relative: str) -> list[str]:
+    parts = [p for p in relative.strip("/").split("/") if p]
+    return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def cgroup_limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> dict[str, int]:
+    """Bytes left under each cgroup memory limit of this process: ``{"cgroup v2 memory.max of /sys/...": bytes}``."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    base = Path(root)
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, relative = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # cgroup v2 (unified)
+            dirs = [base / rel if rel else base for rel in _ancestors(relative)]
+            for d in dirs:
+                limit = _read_int(d / "memory.max")
+                if limit is None:
+                    continue
+                used = _read_int(d / "memory.current") or 0
+                used -= _stat_value(d / "memory.stat", "inactive_file")
+                out[f"cgroup v2 limit ({d / 'memory.max'} = {_fmt(limit)})"] = max(0, limit - max(0, used))
+        elif "memory" in controllers.split(","):  # cgroup v1
+            mount = base / "memory" if (base / "memory").is_dir() else base
+            for rel in _ancestors(relative):
+                d = mount / rel if rel else mount
+                limit = _read_int(d / "memory.limit_in_bytes")
+                if limit is None:
+                    continue
+                used = _read_int(d / "memory.usage_in_bytes") or 0
+                used -= _stat_value(d / "memory.stat", "total_inactive_file", "inactive_file")
+                out[f"cgroup v1 limit ({d / 'memory.limit_in_bytes'} = {_fmt(limit)})"] = max(0, limit - max(0, used))
+    return out
+
+
+def rlimit_limits() -> dict[str, int]:
+    """Bytes left under ``RLIMIT_AS`` (``ulimit -v``) and ``RLIMIT_DATA`` (``ulimit -d``) for this process."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return {}
+    out: dict[str, int] = {}
+    info = psutil.Process().memory_info()
+    for name, flag, used, shell in (
+        ("RLIMIT_AS", "v", info.vms, "address space"),
+        ("RLIMIT_DATA", "d", getattr(info, "data", 0), "data segment"),
+    ):
+        soft, _ = resource.getrlimit(getattr(resource, name))
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            out[f"{name} (`ulimit -{flag}` = {_fmt(soft)} of {shell}, {_fmt(used)} in use)"] = max(0, soft - used)
+    return out
+
+
+def available_host_memory() -> HostMemory:
+    """The least of: the machine's available RAM, each cgroup memory limit's headroom, each rlimit's headroom."""
+    limits = {"the machine's available RAM": int(psutil.virtual_memory().available)}
+    limits.update(cgroup_limits())
+    limits.update(rlimit_limits())
+    limited_by = min(limits, key=limits.__getitem__)
+    return HostMemory(available=limits[limited_by], limited_by=limited_by, limits=limits)
+
+
+def check_host_memory(need: Mapping[str, int], *, who: str, fixes: Sequence[str]) -> HostMemory:
+    """Raise :class:`HostMemoryError` when ``sum(need.values())`` is more than :func:`available_host_memory`.
+
+    ``need`` names the parts (``{"fp32 masters": bytes, ...}``); the message gives the total, the parts,
+    the available figure and the limit that decided it, and ``fixes`` (what to change).
+    """
+    total = sum(need.values())
+    host = available_host_memory()
+    if total > host.available:
+        parts = ", ".join(f"{name} {_fmt(n)}" for name, n in need.items() if n)
+        raise HostMemoryError(
+            f"{who} needs {_fmt(total)} of host RAM ({parts}), but this process may allocate only "
+            f"{_fmt(host.available)}, limited by {host.limited_by}. Fix: " + "; or ".join(fixes) + "."
+        )
+    return host
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+fmt_bytes = _fmt
+
+
+def pinned_bytes(nbytes: int, *, cuda: bool = True) -> int:
+    """Host bytes a page-locked buffer of ``nbytes`` takes.
+
+    NOTE: torch's ``CachingHostAllocator`` (behind ``pin_memory=True`` and ``Tensor.pin_memory()`` on CUDA)
+    rounds every request up to the next power of two (``pinned_max_round_threshold`` is unlimited by default):
+    a 5 GiB pinned buffer takes 8 GiB of RAM. Nothing is pinned on the CPU accelerator (``cuda=False``).
+    """
+    if not cuda or nbytes <= 0:
+        return max(0, nbytes)
+    return 1 << (int(nbytes) - 1).bit_length()
