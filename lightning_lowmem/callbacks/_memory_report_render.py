@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from lightning_lowmem._atomic import atomic_write, atomic_write_text
 
 from lightning_lowmem.memory.categories import CATEGORIES
 from lightning_lowmem.memory.recorder import PHASES
@@ -113,28 +113,7 @@ def plot(timeline: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Memory over step {tl['step']} by category")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=100)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # NOTE: mkstemp creates 0600; a report is meant to be read by others
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"))
 
 
 def downsample(tl: dict[str, Any]) -> dict[str, Any]:

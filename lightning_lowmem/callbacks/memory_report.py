@@ -217,7 +217,7 @@ class MemoryReport(StepMemoryRecorder):
             "plain_fp32": self.baseline,
             "timeline": self._timeline,
         }
-        render.atomic_write(self.save_dir / "memory_report.json", json.dumps(payload, indent=2, default=str) + "\n")
+        render.atomic_write_text(self.save_dir / "memory_report.json", json.dumps(payload, indent=2, default=str) + "\n")
         if self.plot and self._timeline is not None:
             render.plot(self._timeline, self.save_dir / "memory_step.png")
 

@@ -108,7 +108,7 @@ def test_downsample_leaves_a_short_timeline_alone():
 
 def test_atomic_write_is_readable_by_others(tmp_path):
     path = tmp_path / "sub" / "memory_report.json"
-    render.atomic_write(path, "{}\n")
+    render.atomic_write_text(path, "{}\n")
     assert path.read_text() == "{}\n" and path.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in path.parent.iterdir()] == ["memory_report.json"]  # no temporary left behind
 
