@@ -19,7 +19,7 @@ What is not traced, and so predicted in closed form and labelled as such in the 
   flash attention, foreach optimizers) and the CUDA context and pinned staging added; each is listed in
   ``result.corrections``, uncalibrated until a GPU run confirms it.
 
-Deep models are traced at three depths and extrapolated when every per-block increment agrees (see
+Deep models are traced at three depths (3, 4, 5 blocks) and extrapolated when every per-block increment agrees (see
 :func:`dry_run`'s ``extrapolate``); otherwise, and with ``extrapolate=False``, every block is traced.
 
 Example::
@@ -466,7 +466,7 @@ def dry_run(
             ``"lowmem_offload"``, strategy and callback objects: unused ones are copied, never run themselves).
         target: ``"cpu"`` predicts the traced run as is; ``"cuda"`` applies the CPU-vs-CUDA differences, each listed
             in ``result.corrections`` (uncalibrated: no GPU run yet).
-        extrapolate: trace the model cut to 2, 3 and 4 repeated blocks (per checkpointing unit) and extrapolate
+        extrapolate: trace the model cut to 3, 4 and 5 repeated blocks (per checkpointing unit) and extrapolate
             each phase, role and category linearly, used only when the third depth confirms the line (within
             0.01 %); otherwise every block is traced (noted in the result). ``None``: try it for models of more
             than 8 units whose techniques repeat per block. ``False``: always trace every block.
@@ -533,20 +533,21 @@ def dry_run(
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in unique)
     del probe, unique
     unit = _depth_unit(run)
-    can = num_blocks is not None and unit is not None and num_blocks > 4 * unit
+    can = num_blocks is not None and unit is not None and num_blocks > 5 * unit
     if extrapolate is None:
         extrapolate = can and num_blocks > 8 * unit  # type: ignore[operator]
     elif extrapolate and not can:
         raise ValueError(
             f"Passed `extrapolate=True`, but the model has {num_blocks or 'no'} repeated blocks and the run's "
             "techniques need " + ("a depth-linear checkpointing policy ('all', 'every_n', 'selective')"
-                                  if unit is None else f"more than {4 * unit} of them") + "; use extrapolate=False."
+                                  if unit is None else f"more than {5 * unit} of them") + "; use extrapolate=False."
         )
     kw = {"steps": steps, "target": target, "counts": counts, "stand_ins": stand_ins}
     values = None
     traced_steps: list[dict[str, Any]] = []
     if extrapolate:
-        depths = (2 * unit, 3 * unit, 4 * unit)  # type: ignore[operator]
+        # NOTE: from 3 blocks: with 2, a prefetch of 2 restores (activation offload) spans the whole model
+        depths = (3 * unit, 4 * unit, 5 * unit)  # type: ignore[operator]
         traces = [_trace(build(d), run, data_kwargs, windows=True, **kw) for d in depths]
         va, vb, vc = (_values(t, windows=True) for t in traces)
         by_event, miss = _event_values(*(_events(t) for t in traces), depths, num_blocks)  # type: ignore[arg-type]
