@@ -143,7 +143,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
         if loss_normalization not in ("samples", "tokens"):
             problems.append(f"`loss_normalization={loss_normalization!r}`; expected 'samples' or 'tokens'")
         if isinstance(memory_budget, str):
-            from lightning_lowmem.memory.estimate import parse_bytes
+            from lightning_lowmem.memory.units import parse_bytes
 
             try:
                 memory_budget = parse_bytes(memory_budget)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import re
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
@@ -28,6 +27,7 @@ from lightning_lowmem.callbacks._blocks import (
     select_modules,
 )
 from lightning_lowmem.callbacks._segments import CloseSegments, Segment, wrap_segment
+from lightning_lowmem.memory.units import parse_bytes
 
 __all__ = ["ActivationCheckpointing", "CheckpointInfo", "checkpoint_info", "checkpointed_modules", "find_repeated_blocks"]
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 PolicyName = Literal["all", "every_n", "sqrt", "selective", "budget"]
 POLICIES: tuple[str, ...] = ("all", "every_n", "sqrt", "selective", "budget")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def _aten(*names: str) -> frozenset:
@@ -58,16 +57,6 @@ SELECTIVE_SAVE_OPS = _aten(
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def parse_bytes(value: int | str) -> int:
-    """``1073741824``, ``"1GiB"``, ``"512 MB"`` -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"Passed `budget={value!r}`; expected bytes as an int or a string such as '512MiB' or '2GB'.")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 class ActivationCheckpointing(Reproducible, Callback):
@@ -145,7 +134,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         if policy == "budget":
             if budget is None:
                 raise ValueError("Passed policy='budget' without `budget`; give the activation budget, e.g. budget='4GiB'.")
-            self.budget: int | None = parse_bytes(budget)
+            self.budget: int | None = parse_bytes(budget, "`budget`")
             if self.budget <= 0:
                 raise ValueError(f"Passed `budget={budget!r}`; it must be positive.")
         elif budget is not None:
