@@ -314,8 +314,13 @@ def test_options_of_other_policies_are_refused():
         ActivationCheckpointing(policy="budget")
     with pytest.raises(ValueError, match="only used by policy='budget'"):
         ActivationCheckpointing(policy="sqrt", budget=10)
-    with pytest.raises(ValueError, match="expected bytes"):
+    with pytest.raises(ValueError, match="Passed `budget` 'lots' that does not parse; expected a number"):
         ActivationCheckpointing(policy="budget", budget="lots")
+    # one parser for every size (the CLI's, AccumulationScheduler's): TB, exponents, and a clear error, not a float's
+    assert ActivationCheckpointing(policy="budget", budget="1TB").budget == 10**12
+    assert ActivationCheckpointing(policy="budget", budget="1e9").budget == 10**9
+    with pytest.raises(ValueError, match="does not parse"):
+        ActivationCheckpointing(policy="budget", budget="1.2.3GB")
 
 
 def test_no_repeated_blocks_defers_to_measurement_and_named_blocks_must_exist():
