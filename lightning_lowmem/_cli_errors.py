@@ -107,16 +107,21 @@ def _subclasses(base: type) -> dict[str, type]:
     return out
 
 
-def _resolve(class_path: str, known: dict[str, type]) -> type | None:
+def _resolve(class_path: str, known: dict[str, type]) -> tuple[type | None, str | None]:
+    """The class named by ``class_path`` (or None), and why its module failed to import if it exists but did."""
     if class_path in known:
-        return known[class_path]
+        return known[class_path], None
     module, _, name = class_path.rpartition(".")
     if not module:
-        return None
+        return None, None
     try:
-        return getattr(importlib.import_module(module), name, None)
-    except Exception:
-        return None
+        return getattr(importlib.import_module(module), name, None), None
+    except ModuleNotFoundError as err:
+        if err.name and module.startswith(err.name):
+            return None, None  # the module itself does not exist: a misspelling
+        return None, f"{type(err).__name__}: {err}"
+    except Exception as err:  # the module exists but fails to import: say so, not "did you mean"
+        return None, f"{type(err).__name__}: {err}"
 
 
 def _check_class_paths(args: Sequence[str]) -> Iterator[str]:
@@ -125,7 +130,10 @@ def _check_class_paths(args: Sequence[str]) -> Iterator[str]:
             continue
         class_path = str(entry["class_path"])
         known = _subclasses(base)
-        cls = _resolve(class_path, known)
+        cls, import_error = _resolve(class_path, known)
+        if import_error is not None:
+            yield f"Passed `{key}.class_path={class_path!r}`, whose module fails to import: {import_error}"
+            continue
         if cls is None:
             short = sorted(n for n in known if "." not in n)
             close = difflib.get_close_matches(class_path.rpartition(".")[2], short, n=3, cutoff=0.6)
