@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem.memory.units import fmt_gib, parse_bytes
+from lightning_lowmem.memory.units import fmt_size, parse_bytes
 
 _EPILOG = (
     "--config predicts the run a LightningCLI YAML describes (model, data, strategy, precision, callbacks, "
@@ -157,12 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.config:
         t0 = time.perf_counter()
         est = estimate_memory(args.config, target=args.target, method=method, extrapolate=extrapolate)
-        rows = [(phase, fmt_gib(bd.total("device")), *(fmt_gib(bd.device[c]) for c in CATEGORIES),
-                 fmt_gib(bd.total("host"))) for phase, bd in est.phases.items()]
+        rows = [(phase, fmt_size(bd.total("device")), *(fmt_size(bd.device[c]) for c in CATEGORIES),
+                 fmt_size(bd.total("host"))) for phase, bd in est.phases.items()]
         print(f"{args.config}: target {args.target}; {est.run}")
         print("\n".join(_table(rows, ("phase", "device peak", *CATEGORIES, "host peak"))))
         verdict = "" if budget is None else f"; {'fits' if est.fits(budget) else 'does NOT fit'} {args.budget}"
-        print(f"device peak {fmt_gib(est.peak_device)} ({est.binding_phase}), host peak {fmt_gib(est.peak_host)}"
+        print(f"device peak {fmt_size(est.peak_device)} ({est.binding_phase}), host peak {fmt_size(est.peak_host)}"
               f"{verdict}; {est.method}, {time.perf_counter() - t0:.1f} s")
         for note in est.notes:
             print(f"  note: {note}")
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append((name, "-", "-", "-", "-", "refused: " + " ".join(str(err).split()), "-"))
                 continue
             fits = "-" if budget is None else ("yes" if est.fits(budget) else "no")
-            rows.append((name, fmt_gib(est.peak_device), fmt_gib(est.peak_host), est.binding_phase, fits,
+            rows.append((name, fmt_size(est.peak_device), fmt_size(est.peak_host), est.binding_phase, fits,
                          est.method + (f" ({est.fallback_reason})" if est.fallback_reason else ""),
                          f"{time.perf_counter() - t0:.1f} s"))
             payload.append({"combination": name, **est.to_dict()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any
@@ -36,11 +37,23 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
             self._add_configure_optimizers_method_to_model(self.subcommand)
             self.trainer = self.instantiate_trainer()
 
+    quiet = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:  # NOTE: the Trainer is only described here ("GPU available: ..." would be about nothing)
+        lg.setLevel(logging.WARNING)
+    try:
+        cli = _load(RunConfig, path)
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+    return cli.model, cli.datamodule, RunSpec.from_trainer(cli.trainer)
+
+
+def _load(cls: Any, path: str | os.PathLike) -> Any:
     with warnings.catch_warnings():
         # NOTE: LightningCLI warns that `args=` is meant for Python use whenever sys.argv is not empty: it is
         warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
-        cli = RunConfig(run=False, args=["--config", str(path)], save_config_callback=None)
-    return cli.model, cli.datamodule, RunSpec.from_trainer(cli.trainer)
+        return cls(run=False, args=["--config", str(path)], save_config_callback=None)
 
 
 __all__ = ["load_run_config"]

@@ -38,8 +38,13 @@ def fmt_gib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def fmt_size(n: int | float | None) -> str:
+    """GiB from 1 GiB up, MiB below (a small model's peaks are not all "0.01 GiB")."""
+    return "-" if n is None else (fmt_gib(n) if abs(n) >= 2**30 else fmt_mib(n))
+
+
 def fmt_mib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.2f} MiB"
 
 
-__all__ = ["parse_bytes", "fmt_gib", "fmt_mib"]
+__all__ = ["parse_bytes", "fmt_gib", "fmt_mib", "fmt_size"]
