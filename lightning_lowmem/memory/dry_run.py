@@ -328,17 +328,9 @@ def _values(steps: list[dict[str, Any]], windows: bool = False) -> dict[tuple[st
         scopes = sorted(n for n in names if "@" in n or not any(m.startswith(f"{n}@") for m in names))
     else:
         scopes = list(PHASES)
-    out = {}
-    for scope in scopes:
-        for role in ("device", "host"):
-            best: dict[str, int] | None = None
-            for record in steps:
-                p = record["phases"].get(scope)
-                if p is not None and (best is None or p[role]["total"] > best["total"]):
-                    best = p[role]
-            for cat in CATEGORIES:
-                out[(scope, role, cat)] = int(best[cat]) if best is not None else 0
-    return out
+    maxima = phase_maxima(steps, scopes)
+    return {(scope, role, cat): maxima.get(scope, {}).get(role, {}).get(cat, 0)
+            for scope in scopes for role in ("device", "host") for cat in CATEGORIES}
 
 
 def _events(steps: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:

@@ -679,14 +679,7 @@ class MemoryTracker:
         if name == _FORWARD:
             self._in_fwd = True
             self._fwd_epoch += 1
-        with self._lock:
-            self._seq += 1
-            for role in (_DEV, _HOST):
-                if self._tot[role] > snaps[role].total:
-                    snaps[role].total = self._tot[role]
-                    snaps[role].cats = self._live[role].copy()
-                    snaps[role].seq = self._seq
-                    snaps[role].phase = name
+        self._open(snaps)
         if self._cuda_window is not None:
             self._cuda_window.lap()
 
@@ -736,6 +729,10 @@ class MemoryTracker:
         if snaps is None:
             snaps = self._phase_snaps[key] = (_Snap(), _Snap())
         self._win = snaps
+        self._open(snaps)
+
+    def _open(self, snaps: tuple[_Snap, _Snap]) -> None:
+        """A scope (phase or window) starts from what is live now."""
         with self._lock:
             self._seq += 1
             for role in (_DEV, _HOST):

@@ -180,18 +180,19 @@ class StepMemoryRecorder(Callback):
         }
 
 
-def phase_maxima(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, int]]]:
-    """Per phase and role, the bytes by category at the highest total over ``steps`` (records of the recorder)."""
+def phase_maxima(steps: list[dict[str, Any]], scopes: Any = PHASES) -> dict[str, dict[str, dict[str, int]]]:
+    """Per phase (or other scope of the records) and role, the bytes by category at the highest total over
+    ``steps`` (records of the recorder); a scope no step ran is absent."""
     out: dict[str, dict[str, dict[str, int]]] = {}
-    for phase in PHASES:
+    for scope in scopes:
         for role in ("device", "host"):
             best: dict[str, int] | None = None
             for record in steps:
-                p = record["phases"].get(phase)
+                p = record["phases"].get(scope)
                 if p is not None and (best is None or p[role]["total"] > best["total"]):
                     best = p[role]
             if best is not None:
-                out.setdefault(phase, {})[role] = {c: int(best[c]) for c in (*CATEGORIES, "total")}
+                out.setdefault(scope, {})[role] = {c: int(best[c]) for c in (*CATEGORIES, "total")}
     return out
 
 
