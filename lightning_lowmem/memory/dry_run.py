@@ -43,20 +43,32 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning_utilities import apply_to_collection
 import torch.nn.functional as F
+from lightning_utilities import apply_to_collection
 
-from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown, host_storage_keys, storage_key
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown, host_storage_keys, storage_key
+from lightning_lowmem.memory.depth import (
+    AGREEMENT,
+    DepthWindows,
+    depth_unit,
+    disagreement,
+    event_values,
+    events,
+    find_blocks,
+    line,
+    non_negative,
+    phases_of,
+    truncate_blocks,
+    values_of,
+)
 from lightning_lowmem.memory.fake import DryRunUnsupportedError, FakeExecution, fake_copy, fake_execution
-from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder, phase_maxima
+from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder
 from lightning_lowmem.memory.result import Correction, MemoryEstimate
 from lightning_lowmem.memory.run import RunSpec, ZeroPlan
 
 #: CUDA context + cuBLAS workspace on a recent driver with lazy module loading (uncalibrated)
 CUDA_CONTEXT_BYTES = 512 * 2**20
-#: extrapolation is used when the third depth lands this close to the line through the first two (per value)
-AGREEMENT = 1e-4
 
 
 class _StopBeforeEngine(Exception):
@@ -101,33 +113,6 @@ def _fit_data(data: Any, batch: Any) -> dict[str, Any]:
     if isinstance(data, L.LightningDataModule):
         return {"datamodule": data}
     return {"train_dataloaders": data}
-
-
-# --- the model at a chosen depth ---------------------------------------------------------------------------------
-def find_blocks(module: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
-    """The model's repeated blocks: the longest ModuleList of >= 2 same-class children."""
-    best, best_size = None, (-1, -1)
-    for parent in module.modules():
-        for name, child in parent.named_children():
-            if isinstance(child, torch.nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1:
-                size = (len(child), sum(p.numel() for p in child.parameters()))
-                if size > best_size:
-                    best, best_size = (parent, name, child), size
-    return best
-
-
-def _truncate_blocks(module: torch.nn.Module, keep: int) -> None:
-    """Keep the first ``keep`` repeated blocks (on a fake copy)."""
-    found = find_blocks(module)
-    assert found is not None
-    parent, name, blocks = found
-    full = len(blocks)
-    setattr(parent, name, torch.nn.ModuleList(list(blocks)[:keep]))
-    for sub in module.modules():  # NOTE: Hugging Face loops over `layers[: config.num_hidden_layers]`
-        config = getattr(sub, "config", None)
-        for attr in ("num_hidden_layers", "n_layer", "num_layers"):
-            if config is not None and getattr(config, attr, None) == full:
-                setattr(config, attr, keep)
 
 
 # --- one trace ---------------------------------------------------------------------------------------------------
@@ -204,57 +189,6 @@ class _StepBracket(L.Callback):
         self.fx.in_step = False
 
 
-class _DepthWindows(L.Callback):
-    """Cuts forward and backward into the part before the repeated blocks, the blocks and the part after them.
-
-    NOTE: each part's peak grows linearly with depth, but the phase's peak may move from one part to another as the
-    model deepens (a shallow GPT-2's backward peaks at the LM head, a deep one's at the last block, when gradients
-    outgrow the head's transient): extrapolated per part, the deep model's peak is the largest part's.
-    """
-
-    def __init__(self, recorder: StepMemoryRecorder) -> None:
-        self.recorder = recorder
-        self.handles: list[Any] = []
-        self.block_params: list[torch.Tensor] = []
-        self.seen: set[int] = set()
-
-    def _window(self, name: str, phase: str) -> None:
-        tracker = self.recorder.tracker
-        if tracker is not None and tracker.phase_name == phase:
-            # NOTE: before and after the blocks the ops do not depend on depth: extrapolated event by event, as a
-            # transient that grows with depth (a KV cache dropped with the model's output) can move the peak
-            tracker.set_window(name, events=name != "blocks")
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        found = find_blocks(pl_module)
-        if found is None:
-            return
-        blocks = found[2]
-        self.handles.append(blocks[0].register_forward_pre_hook(lambda *a: self._window("blocks", "forward")))
-        self.handles.append(blocks[-1].register_forward_hook(lambda *a: self._window("tail", "forward")))
-        self.block_params = [p for p in blocks.parameters() if p.requires_grad]
-        for p in self.block_params:
-            self.handles.append(p.register_post_accumulate_grad_hook(self._grad))
-
-    def _grad(self, p: torch.Tensor) -> None:
-        if not self.seen:
-            self._window("blocks", "backward")
-        self.seen.add(id(p))
-        if len(self.seen) == len(self.block_params):
-            self._window("tail", "backward")
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._window("head", "forward")
-
-    def on_before_backward(self, *args: Any) -> None:
-        self.seen = set()
-        self._window("head", "backward")
-
-    def on_train_end(self, *args: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
 def _trainer(spec: RunSpec, extra: list[Any], root: str, zero: ZeroPlan | None) -> L.Trainer:
     kwargs = spec.trainer_kwargs()
     if zero is not None:
@@ -300,7 +234,7 @@ def _trace(
         module = build(fx)
         if zero is not None:
             _check_zero(spec, module)
-        extra: list[Any] = [_StepBracket(fx), recorder, *([_DepthWindows(recorder)] if windows else []),
+        extra: list[Any] = [_StepBracket(fx), recorder, *([DepthWindows(recorder)] if windows else []),
                             _StopAfter(steps)]
         if target == "cuda":
             extra.insert(0, _CudaOptimizerDefaults(counts))
@@ -317,111 +251,6 @@ def _trace(
             "such checks from the batch, or with `torch.isfinite`/`torch.isnan` (answered as in a healthy run)."
         )
     return recorder.steps
-
-
-# --- extrapolation ---------------------------------------------------------------------------------------------
-def _values(steps: list[dict[str, Any]], windows: bool = False) -> dict[tuple[str, str, str], int]:
-    """``{(scope, role, category): bytes}`` at each scope's peak (highest over steps); scopes are the phases, or
-    with ``windows`` the parts of each phase (``"backward@blocks"``...)."""
-    names = {name for r in steps for name in r["phases"]}
-    if windows:  # a phase cut into parts is represented by its parts
-        scopes = sorted(n for n in names if "@" in n or not any(m.startswith(f"{n}@") for m in names))
-    else:
-        scopes = list(PHASES)
-    maxima = phase_maxima(steps, scopes)
-    return {(scope, role, cat): maxima.get(scope, {}).get(role, {}).get(cat, 0)
-            for scope in scopes for role in ("device", "host") for cat in CATEGORIES}
-
-
-def _events(steps: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
-    """The last traced step's live bytes after every increase, per window that recorded them."""
-    for record in reversed(steps):
-        if "window_events" in record:
-            return record["window_events"]
-    return {}
-
-
-def _event_values(ea: dict, eb: dict, ec: dict, depths: tuple[int, int, int], n: int
-                  ) -> tuple[dict[tuple[str, str, str], int], tuple[Any, int] | None]:
-    """Event-by-event lines of the windows that run the same ops at every depth; the values at depth ``n``.
-
-    Returns the extrapolated ``{(window, role, category): bytes}`` at each window's highest extrapolated event
-    (per role), and the first disagreement (a window whose event count changes with depth, or an event the
-    third depth does not confirm), or None.
-    """
-    out: dict[tuple[str, str, str], int] = {}
-    (da, db, dc) = depths
-    for key in ec:
-        a, b, c = ea.get(key), eb.get(key), ec[key]
-        if a is None or b is None or not (len(a) == len(b) == len(c)) or not c:
-            return out, ((key, "events"), len(c) - len(b or []))
-        for r, role in enumerate(("device", "host")):
-            best_total, best = -1, None
-            for i in range(len(c)):
-                va, vb, vc = a[i][1 + r], b[i][1 + r], c[i][1 + r]  # NOTE: [seq, device, host]
-                line = [round(x + (y - x) * (dc - da) / (db - da)) for x, y in zip(va, vb)]
-                if abs(sum(line) - sum(vc)) > max(AGREEMENT * sum(vc), 4096):
-                    return out, ((key, role, i), sum(line) - sum(vc))
-                at_n = [round(y + (z - y) * (n - db) / (dc - db)) for y, z in zip(vb, vc)]
-                if sum(at_n) > best_total:
-                    best_total, best = sum(at_n), at_n
-            for cat, value in zip(CATEGORIES, best):  # type: ignore[arg-type]
-                out[(key, role, cat)] = value
-    return out, None
-
-
-def _phases_of(values: dict[tuple[str, str, str], int]) -> dict[tuple[str, str, str], int]:
-    """Per phase and role, the categories of its highest-total scope (a phase, or the largest of its windows)."""
-    out = {}
-    scopes = {k[0] for k in values}
-    for phase in PHASES:
-        mine = [sc for sc in scopes if sc.split("@")[0] == phase]
-        for role in ("device", "host"):
-            best = max(mine, key=lambda sc: sum(values[(sc, role, c)] for c in CATEGORIES), default=None)
-            for cat in CATEGORIES:
-                out[(phase, role, cat)] = values[(best, role, cat)] if best is not None else 0
-    return out
-
-
-def _line(va: dict, vb: dict, na: int, nb: int, n: int) -> dict:
-    return {k: round(va.get(k, 0) + (vb.get(k, 0) - va.get(k, 0)) * (n - na) / (nb - na)) for k in {*va, *vb}}
-
-
-def _disagreement(predicted: dict, traced: dict) -> tuple[Any, int] | None:
-    """The first value the line misses by more than ``AGREEMENT`` (relative, at least 4 KiB), or None."""
-    for key in {*predicted, *traced}:
-        value = traced.get(key, 0)
-        if abs(predicted.get(key, 0) - value) > max(AGREEMENT * abs(value), 4096):
-            return key, predicted.get(key, 0) - value
-    return None
-
-
-def _non_negative(values: list[int]) -> dict[str, int]:
-    """Categories with no negative entry and the same total.
-
-    NOTE: extrapolated per category, a category that shrinks with depth at the chosen moment can come out
-    negative; clamping it alone would inflate the total, so the deficit is taken from the largest category.
-    """
-    deficit = sum(v for v in values if v < 0)
-    out = [max(0, v) for v in values]
-    if deficit:
-        largest = max(range(len(out)), key=out.__getitem__)
-        out[largest] = max(0, out[largest] + deficit)
-    return dict(zip(CATEGORIES, out))
-
-
-def _depth_unit(spec: RunSpec) -> int | None:
-    """Blocks per repeating unit of the run's techniques, or None when a technique is not linear in depth."""
-    unit = 1
-    for cb in spec.callbacks:
-        policy = getattr(cb, "policy", None)
-        if type(cb).__name__ != "ActivationCheckpointing":
-            continue
-        if policy not in ("all", "selective", "every_n") or getattr(cb, "blocks", None):
-            return None  # sqrt segments, a budget or an explicit list do not repeat per block
-        if policy == "every_n":
-            unit = cb.n
-    return unit
 
 
 # --- public entry ------------------------------------------------------------------------------------------------
@@ -503,7 +332,7 @@ def dry_run(
             # NOTE: a module that went through a fit keeps its checkpointed blocks; the run decides its own policy
             ActivationCheckpointing.remove(copy)
             if keep is not None:
-                _truncate_blocks(copy, keep)
+                truncate_blocks(copy, keep)
             return copy
 
         return make
@@ -524,7 +353,7 @@ def dry_run(
     unique = {id(p): p for p in (probe if probe is not None else module).parameters()}.values()
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in unique)
     del probe, unique
-    unit = _depth_unit(run)
+    unit = depth_unit(run)
     can = num_blocks is not None and unit is not None and num_blocks > 5 * unit
     if extrapolate is None:
         extrapolate = can and num_blocks > 8 * unit  # type: ignore[operator]
@@ -541,13 +370,13 @@ def dry_run(
         # NOTE: from 3 blocks: with 2, a prefetch of 2 restores (activation offload) spans the whole model
         depths = (3 * unit, 4 * unit, 5 * unit)  # type: ignore[operator]
         traces = [_trace(build(d), run, data_kwargs, windows=True, **kw) for d in depths]
-        va, vb, vc = (_values(t, windows=True) for t in traces)
-        by_event, miss = _event_values(*(_events(t) for t in traces), depths, num_blocks)  # type: ignore[arg-type]
+        va, vb, vc = (values_of(t, windows=True) for t in traces)
+        by_event, miss = event_values(*(events(t) for t in traces), depths, num_blocks)  # type: ignore[arg-type]
         if miss is None:
-            miss = _disagreement(_line(va, vb, depths[0], depths[1], depths[2]), vc)
+            miss = disagreement(line(va, vb, depths[0], depths[1], depths[2]), vc)
         if miss is None:
-            line = _line(vb, vc, depths[1], depths[2], num_blocks)  # type: ignore[arg-type]
-            values = _phases_of({**line, **by_event})
+            at_depth = line(vb, vc, depths[1], depths[2], num_blocks)  # type: ignore[arg-type]
+            values = phases_of({**at_depth, **by_event})
             notes.append(f"traced {depths[0]}, {depths[1]} and {depths[2]} of {num_blocks} blocks; the third depth "
                          f"confirmed the line (within {AGREEMENT:.2%}): extrapolated per part of each phase (before, "
                          "in and after the blocks), role and category")
@@ -556,7 +385,7 @@ def dry_run(
                          "traced every block")
     if values is None:
         traced_steps = _trace(build(None), run, data_kwargs, **kw)
-        values = _values(traced_steps)
+        values = values_of(traced_steps)
         if not extrapolate:
             notes.append(f"traced all {num_blocks or 'the'} blocks")
     if stand_ins:
@@ -566,7 +395,7 @@ def dry_run(
     for phase in PHASES:
         bd = MemoryBreakdown()
         for role in ("device", "host"):
-            for cat, nbytes in _non_negative([values[(phase, role, c)] for c in CATEGORIES]).items():
+            for cat, nbytes in non_negative([values[(phase, role, c)] for c in CATEGORIES]).items():
                 bd.add(role, cat, nbytes)  # type: ignore[arg-type]
         phases[phase] = bd
     estimate = MemoryEstimate(phases=phases, method="dry_run", target=target, notes=notes, num_params=num_params,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
-import lightning as L
 
 from lightning_lowmem import (
     AccumulationScheduler,
