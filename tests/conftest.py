@@ -9,13 +9,29 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# NOTE: an in-process DeepSpeed/DDP run leaves these in os.environ (and DeepSpeed keeps its store listening on
+# MASTER_PORT): a later two-process test would reuse the port and fail with EADDRINUSE / connection refused.
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+              "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
-    """Give every test the default dtype, seed-independent grad mode and no leftover process group."""
+    """Give every test the default dtype, grad mode, distributed environment and no leftover process group."""
     dtype = torch.get_default_dtype()
     grad = torch.is_grad_enabled()
+    dist_env = {k: os.environ.get(k) for k in _DIST_VARS}
+    autocast_cache = torch.is_autocast_cache_enabled()
+    matmul_precision = torch.get_float32_matmul_precision()
     yield
     torch.set_default_dtype(dtype)
     torch.set_grad_enabled(grad)
+    torch.set_autocast_cache_enabled(autocast_cache)
+    torch.set_float32_matmul_precision(matmul_precision)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    for key, value in dist_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
