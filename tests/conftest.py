@@ -21,11 +21,13 @@ def _restore_global_state():
     dtype = torch.get_default_dtype()
     grad = torch.is_grad_enabled()
     dist_env = {k: os.environ.get(k) for k in _DIST_VARS}
+    linear = torch.nn.functional.linear  # NOTE: DeepSpeed ZeRO-3 patches it (its own autograd function) globally
     autocast_cache = torch.is_autocast_cache_enabled()
     matmul_precision = torch.get_float32_matmul_precision()
     yield
     torch.set_default_dtype(dtype)
     torch.set_grad_enabled(grad)
+    torch.nn.functional.linear = linear
     torch.set_autocast_cache_enabled(autocast_cache)
     torch.set_float32_matmul_precision(matmul_precision)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
