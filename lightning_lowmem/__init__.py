@@ -34,6 +34,8 @@ _LAZY = {
     "MemoryEstimate": "lightning_lowmem.memory.result",
     "RunSpec": "lightning_lowmem.memory.run",
     "StepMemoryRecorder": "lightning_lowmem.memory.recorder",
+    "AutoStrategy": "lightning_lowmem.plan.auto",
+    "plan": "lightning_lowmem.plan.search",
     "CausalLMModule": "lightning_lowmem.demo.module",
     "StdlibTextDataModule": "lightning_lowmem.demo.data",
     "ByteTokenizer": "lightning_lowmem.demo.tokenizer",

@@ -24,6 +24,12 @@ STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "CPU-master half precision: compute weights on the accelerator, fp32 masters, gradients and optimizer on the host",
         {},
     ),
+    "lowmem_auto": (
+        "lightning_lowmem.plan.auto",
+        "AutoStrategy",
+        "the fastest recipe of the suite that fits the device, planned at fit start from dry runs (`lowmem plan`)",
+        {},
+    ),
     "lowmem_zero2": (
         "lightning_lowmem.strategies.zero",
         "ZeroStrategy",

@@ -21,6 +21,7 @@ from typing import Any
 # extra subcommands: name -> (module, function taking argv and returning an exit code)
 _TOOLS = {
     "estimate": ("lightning_lowmem.memory.estimate_cli", "main"),
+    "plan": ("lightning_lowmem.plan.plan_cli", "main"),
     "consolidate": ("lightning_lowmem.strategies.zero", "consolidate_main"),
 }
 # every subcommand, for `lowmem --help` (answered without importing Lightning or torch)
@@ -31,6 +32,8 @@ SUBCOMMANDS = {
     "predict": "run the predict loop of a config",
     "estimate": "predicted device and host peaks of a run (`--config run.yaml`) or of the suite's combinations "
                 "(`--model gpt2-xl --batch-size 4 --seq-len 1024`), from a dry run on fake tensors",
+    "plan": "the fastest recipe that fits a device (and host) budget: `--config run.yaml --device-memory 12GB "
+            "--write plan.yaml`, then `lowmem fit --config plan.yaml`",
     "consolidate": "a DeepSpeed ZeRO checkpoint directory -> one plain fp32 state dict",
 }
 _LAZY_NAMES = {"LowMemCLI", "check_strategy_name", "import_public_classes"}

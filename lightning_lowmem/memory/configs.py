@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ def causal_lm_factory(config: Any) -> Any:
     fields = {k: v for k, v in config.to_diff_dict().items()
               if k not in ("model_type", "transformers_version", "architectures", "_name_or_path")}
     fields["vocab_size"] = config.vocab_size  # NOTE: the demo module defaults to its 258-token byte vocabulary
-    return lambda: CausalLMModule(model_type=config.model_type, config=fields)
+    return functools.partial(CausalLMModule, model_type=config.model_type, config=fields)
 
 
 def max_positions(config: Any) -> int | None:

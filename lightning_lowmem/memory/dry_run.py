@@ -105,6 +105,23 @@ class _TokenBatches(L.LightningDataModule):
         return _Repeat({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
 
 
+@contextlib.contextmanager
+def _data_kept(kwargs: dict[str, Any]) -> Iterator[None]:
+    """Put back what a traced run changes on the user's own data module: the micro-batch an
+    ``AccumulationScheduler`` sets, and its ``trainer``.
+
+    NOTE: without it, the next trace of the same data module (a planner traces many) would start from the last
+    trace's micro-batch.
+    """
+    dm = kwargs.get("datamodule")
+    saved = {k: v for k, v in vars(dm).items() if k in ("batch_size", "trainer", "_trainer")} if dm is not None else {}
+    try:
+        yield
+    finally:
+        if dm is not None:
+            vars(dm).update(saved)
+
+
 def _fit_data(data: Any, batch: Any) -> dict[str, Any]:
     if batch is not None:
         return {"train_dataloaders": _Repeat(batch)}
@@ -239,8 +256,9 @@ def _trace(
         if target == "cuda":
             extra.insert(0, _CudaOptimizerDefaults(counts))
         trainer = _trainer(spec, extra, root, zero)
-        with _cuda_kernels(counts) if target == "cuda" else contextlib.nullcontext():
-            trainer.fit(module, **data())
+        fit_data = data()
+        with _cuda_kernels(counts) if target == "cuda" else contextlib.nullcontext(), _data_kept(fit_data):
+            trainer.fit(module, **fit_data)
         for key, n in fx.stand_ins.items():
             stand_ins[key] = stand_ins.get(key, 0) + n
     if not recorder.steps or not any(r["phases"].get("backward") for r in recorder.steps):

@@ -232,7 +232,7 @@ def test_ddp_two_processes_bit_identical():
     torch.manual_seed(0)
     module = tiny_lm_module(config={"n_layer": 2}, learning_rate=1e-2)
     plain, initial = copy.deepcopy(module), copy.deepcopy(module)
-    kwargs = {"max_steps": 2, "devices": 2, "strategy": "ddp_fork"}
+    kwargs = {"max_steps": 2, "devices": 2, "strategy": "ddp_spawn"}
     offload = ActivationOffload(min_bytes=1024)
     _fit(module, [offload, _AssertOffloaded(offload)], 4, **kwargs)
     _fit(plain, [], 4, **kwargs)

@@ -1,0 +1,143 @@
+"""``AutoStrategy`` (``strategy="lowmem_auto"``): plan at fit start, then train with the chosen recipe."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_lowmem._compat import Reproducible, fresh
+from lightning_lowmem.memory.units import parse_bytes
+
+#: what a device budget leaves free by default (CUDA context growth, allocator slack, fragmentation)
+DEFAULT_MARGIN = 0.1
+#: recipe field a user's own technique callback fixes (the plan keeps the user's, and does not add its own)
+_FIXED_BY = {"ActivationCheckpointing": "checkpointing", "ActivationOffload": "activation_offload",
+             "ChunkedLMLoss": "chunked_loss", "LowBitOptimizer": "optimizer_8bit",
+             "AccumulationScheduler": "micro_batch_size"}
+
+
+class AutoStrategy(Reproducible, SingleDeviceStrategy):
+    """Choose the fastest recipe of the suite that fits the device, when ``fit`` starts, and train with it.
+
+    Memory: whatever the chosen recipe saves (see ``lowmem plan``): the plan is made for this module, its data
+    and the device's free memory by dry runs of the real run on fake tensors. Cost: the planning (seconds to a
+    minute, once per fit; nothing is allocated on the device), and each chosen technique's own cost.
+
+    At fit start the plan's strategy takes over (``trainer.strategy`` is the chosen one from then on), its
+    technique callbacks are added, except those of a kind the user already passed (a user's own
+    ``ActivationCheckpointing`` is kept, and the plan is made with it), and the choice is printed once with
+    the YAML lines that reproduce it. The Trainer's ``precision`` flag is replaced by the plan's (every recipe keeps
+    fp32 master weights unless ``pure_half=True``).
+
+    Args:
+        device_budget: bytes or a size (``"10GB"``) for the device peak. Default: the device's free memory minus
+            10 % (on CUDA); required on CPU.
+        host_budget: bytes or a size for the host peak. Default: the host's available memory minus 10 %.
+        hardware: the profile the cost model prices steps with (``lightning_lowmem.plan.PROFILES``, ``"measure"``).
+        pure_half: also consider half weights without fp32 master weights.
+
+    Example::
+
+        trainer = L.Trainer(strategy="lowmem_auto", max_steps=1000)
+        trainer = L.Trainer(strategy=AutoStrategy(device_budget="10GB", hardware="rtx3060-12gb"))
+    """
+
+    strategy_name = "lowmem_auto"
+
+    def __init__(self, device_budget: int | str | None = None, host_budget: int | str | None = None,
+                 hardware: str | None = None, pure_half: bool = False) -> None:
+        super().__init__()
+        problems = []
+        for name, value in (("device_budget", device_budget), ("host_budget", host_budget)):
+            if value is not None:
+                try:
+                    parse_bytes(value, f"`{name}`")
+                except ValueError as err:
+                    problems.append(str(err))
+        if hardware is not None:
+            from lightning_lowmem.plan.hardware import PROFILES
+
+            if hardware not in PROFILES and hardware != "measure" and not str(hardware).endswith((".yaml", ".yml")):
+                problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
+                                "or a YAML file.")
+        if problems:
+            raise ValueError("\n- ".join(["AutoStrategy:", *problems]))
+        self.device_budget, self.host_budget, self.hardware, self.pure_half = device_budget, host_budget, hardware, \
+            pure_half
+        self.plan: Any = None
+        self.chosen_strategy: Any = None
+
+    # --- budgets ---------------------------------------------------------------------------------------------------
+    def _budgets(self, device: torch.device) -> tuple[int, int]:
+        import psutil
+
+        if self.device_budget is not None:
+            device_budget = parse_bytes(self.device_budget, "`device_budget`")
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            device_budget = int(free * (1 - DEFAULT_MARGIN))
+        else:
+            raise ValueError(
+                f"`strategy='lowmem_auto'` on {device.type!r} has no device memory to plan for; pass "
+                "`AutoStrategy(device_budget='8GB')` (the memory the run may use)."
+            )
+        host_budget = (parse_bytes(self.host_budget, "`host_budget`") if self.host_budget is not None
+                       else int(psutil.virtual_memory().available * (1 - DEFAULT_MARGIN)))
+        return device_budget, host_budget
+
+    # --- the hand-over ---------------------------------------------------------------------------------------------
+    @override
+    def connect(self, model: L.LightningModule) -> None:
+        trainer = model.trainer
+        if self.chosen_strategy is not None:  # a second fit with the same Trainer: the plan stands
+            trainer._accelerator_connector.strategy = self.chosen_strategy
+            self.chosen_strategy.connect(model)
+            return
+        from lightning_lowmem.plan.output import trainer_yaml
+        from lightning_lowmem.plan.search import plan
+
+        device_budget, host_budget = self._budgets(self.root_device)
+        user = [c for c in trainer.callbacks if type(c).__name__ in _FIXED_BY and isinstance(c, Reproducible)]
+        data = trainer.fit_loop._data_source.instance
+        data = None if data is model else data
+        self.plan = plan(model, data=data, device_memory=device_budget, host_memory=host_budget,
+                         hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
+                         target="cuda" if self.root_device.type == "cuda" else "cpu")
+        run = self.plan.run
+        added = [c for c in run.callbacks if not any(type(u) is type(c) for u in user)]
+        strategy = self._build(trainer, run.strategy, run.precision)
+        trainer._accelerator_connector.strategy = strategy
+        trainer._accelerator_connector.precision_plugin = strategy.precision_plugin
+        trainer.callbacks[:0] = added  # NOTE: before the user's own: MemoryReport moves itself last at setup
+        self.chosen_strategy = strategy
+        import yaml
+
+        described = trainer_yaml(run)
+        described["callbacks"] = [d for d, c in zip(described["callbacks"], run.callbacks) if c in added]
+        rank_zero_info(f"lowmem_auto: {self.plan.summary()}\nreproduce it with (trainer: in a YAML):\n"
+                       + yaml.safe_dump(described, sort_keys=False).rstrip())
+        strategy.connect(model)
+
+    def _build(self, trainer: L.Trainer, strategy: Any, precision: str) -> Any:
+        """The chosen strategy, set up by Lightning's own connector (accelerator, device, precision plugin)."""
+        connector = trainer._accelerator_connector
+        devices = [self.root_device.index or 0] if self.root_device.type == "cuda" else 1
+        quiet = logging.getLogger("lightning.pytorch")
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)  # NOTE: this Trainer only builds the strategy ("GPU available" said once)
+        try:
+            built = L.Trainer(accelerator=self.root_device.type, devices=devices, strategy=fresh(strategy),
+                              precision=precision, logger=False, enable_checkpointing=False,
+                              enable_progress_bar=False, enable_model_summary=False)
+        finally:
+            quiet.setLevel(level)
+        return built.strategy
+
+
+__all__ = ["AutoStrategy"]

@@ -1,0 +1,127 @@
+"""The planner's cost model: predicted seconds of one optimizer step of a recipe, on a hardware profile.
+
+One step is priced from four quantities, each from the model's shape and the recipe's techniques:
+
+* **compute**: the step's FLOPs, ``6 N T`` for the weights' matmuls plus ``12 L S T d`` for attention over ``T``
+  tokens (Kaplan et al. 2020; Korthikanti et al. 2022), plus the forward that activation checkpointing runs
+  again (``2 N_blocks T + 4 L S T d`` per recomputed block fraction) and the LM head's matmul that the chunked
+  loss runs again in backward; at the profile's 16-bit or fp32 rate times its efficiency. Each micro-batch adds
+  a launch cost per block.
+* **link**: bytes over the host link: ``lowmem_offload`` sends the half weights once per step and the half
+  gradients once per micro-batch; ZeRO-2 offload the same; ZeRO-3 offload fetches the weights in forward and in
+  backward of every micro-batch; activation offload sends what each block keeps for backward out and back.
+  Transfers overlap compute (side streams): the step takes ``max(compute, link)``, except the weights' copy
+  after the optimizer step, which the next forward waits for.
+* **host optimizer**: AdamW over the fp32 masters on the host, ``28 B/param`` read and written (16 with 8-bit
+  state), at the host's memory bandwidth; with the optimizer in backward it overlaps the backward pass.
+* **device optimizer**: the same bytes at the device's memory bandwidth when the optimizer state is on the device.
+
+Only ratios between recipes rank them; ``benchmarks/results/plan_cost.md`` compares the model with measured
+CPU step times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_lowmem.plan.hardware import GB, HardwareProfile
+from lightning_lowmem.plan.recipes import Recipe
+
+#: bytes of activations a transformer block keeps for backward per token per hidden unit, in 16-bit
+#: (Korthikanti et al. 2022, table 2: 34 s b h without recomputation; with flash attention no s^2 term)
+_SAVED_PER_TOKEN_HIDDEN = 34
+#: AdamW on the host: read param, grad, exp_avg, exp_avg_sq (16 B) and write param, exp_avg, exp_avg_sq (12 B)
+ADAMW_BYTES = 28
+#: with 8-bit state: 2 B of state read and written instead of 8
+ADAMW_8BIT_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a model; ``None`` where a module does not say (its terms are left out)."""
+
+    num_params: int
+    num_blocks: int | None = None
+    hidden: int | None = None
+    seq_len: int | None = None
+    vocab: int | None = None
+
+    @classmethod
+    def of(cls, num_params: int, config: Any = None, seq_len: int | None = None, num_blocks: int | None = None
+           ) -> ModelShape:
+        def field(*names: str) -> int | None:
+            return next((int(getattr(config, n)) for n in names if isinstance(getattr(config, n, None), int)), None)
+
+        return cls(num_params, field("num_hidden_layers", "n_layer", "num_layers") or num_blocks,
+                   field("hidden_size", "n_embd", "d_model"), seq_len, field("vocab_size"))
+
+
+@dataclass
+class StepCost:
+    """Predicted seconds of one optimizer step, by part; ``total`` is what recipes are ranked by."""
+
+    compute_s: float
+    link_s: float
+    link_serial_s: float
+    host_optimizer_s: float
+    device_optimizer_s: float
+    total_s: float
+    flops: float
+    link_bytes: float
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: HardwareProfile) -> StepCost:
+    """Seconds of one optimizer step of ``recipe`` (effective batch ``batch_size``) on ``profile``."""
+    n = shape.num_params
+    layers, d, s = shape.num_blocks or 0, shape.hidden or 0, shape.seq_len or 1
+    tokens = batch_size * s
+    micro = math.ceil(batch_size / recipe.micro_batch_size)
+    head = (shape.vocab or 0) * d
+    block_params = max(n - head, 0)
+    attention = 4 * layers * s * tokens * d  # forward: QK^T and AV
+    flops = 6 * n * tokens + 3 * attention
+    recompute = {None: 0.0, "every_n": 0.5, "all": 1.0}[recipe.checkpointing]
+    flops += recompute * (2 * block_params * tokens + attention)
+    if recipe.chunked_loss:
+        flops += 2 * head * tokens
+    half = recipe.base != "fp32"
+    rate = (profile.half_tflops if half else profile.fp32_tflops) * 1e12 * profile.efficiency
+    compute = flops / rate + micro * max(layers, 1) * profile.launch_s_per_block
+
+    weight_bytes = 2 if half else 4
+    link, serial = 0.0, 0.0
+    if recipe.base in ("offload", "offload_obw", "zero2_offload"):
+        serial = n * weight_bytes  # the updated weights, before the next forward
+        link += micro * n * weight_bytes  # gradients, per micro-batch
+    elif recipe.base == "zero3_offload":
+        link += micro * 3 * n * weight_bytes  # weights in forward and in backward, gradients out
+    if recipe.activation_offload and layers and d:
+        inputs_only = d * weight_bytes  # a checkpointed block keeps its input
+        everything = _SAVED_PER_TOKEN_HIDDEN * d * weight_bytes / 2
+        per_token_block = {None: everything, "every_n": (inputs_only + everything) / 2,
+                           "all": inputs_only}[recipe.checkpointing]
+        link += 2 * layers * tokens * per_token_block  # out in forward, back in backward
+    link_s, serial_s = link / (profile.link_gbps * GB), serial / (profile.link_gbps * GB)
+
+    state = ADAMW_8BIT_BYTES if recipe.optimizer_8bit else ADAMW_BYTES
+    host_opt = dev_opt = 0.0
+    if recipe.base in ("offload", "offload_obw", "zero2_offload", "zero3_offload"):
+        host_opt = n * state / (profile.host_gbps * GB)
+    else:
+        dev_opt = n * state / (profile.device_gbps * GB)
+    gpu = max(compute, link_s)
+    if recipe.base == "offload_obw":
+        # NOTE: the host step of each parameter runs while backward goes on: what is left after the last
+        # micro-batch's backward (two thirds of its compute) is paid
+        total = gpu + serial_s + max(0.0, host_opt - (2 / 3) * compute / micro)
+    else:
+        total = gpu + serial_s + host_opt + dev_opt
+    return StepCost(compute, link_s, serial_s, host_opt, dev_opt, total, flops, link + serial)
+
+
+__all__ = ["ADAMW_8BIT_BYTES", "ADAMW_BYTES", "ModelShape", "StepCost", "step_cost"]

@@ -1,0 +1,146 @@
+"""Hardware profiles: the rates the planner's cost model prices a step with.
+
+A profile names a device (its memory, its dense matmul rate in fp32 and in 16-bit, its memory bandwidth) and
+the host it sits in (the host link's bandwidth, the host memory bandwidth the CPU optimizer step runs at).
+Shipped profiles carry the vendor's figures, with their source; ``measure_host()`` measures this machine
+(the CPU as the "device": what the CPU benchmarks run on). A profile can be overridden from YAML::
+
+    base: rtx3060-12gb     # a shipped profile (optional)
+    link_gbps: 12          # e.g. a card in a PCIe 3.0 slot
+
+Only ratios between recipes are used for ranking; absolute seconds are printed as "predicted", uncalibrated
+until a GPU run has been compared (see the README's planner section).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Rates of one device and its host. Bandwidths in GB/s (1e9 B/s), rates in TFLOP/s (dense)."""
+
+    name: str
+    #: device memory in bytes (the default budget of ``lowmem plan`` and ``lowmem_auto``)
+    memory_bytes: int
+    #: dense matmul rate in fp32 and in 16-bit (tensor cores, fp32 accumulation)
+    fp32_tflops: float
+    half_tflops: float
+    #: whether the device computes in bfloat16 (pre-Ampere NVIDIA cards do not: 16-bit means fp16 there)
+    bf16: bool
+    #: device memory bandwidth
+    device_gbps: float
+    #: host <-> device link, per direction, pinned memory (PCIe 3.0 x16 ~ 12, 4.0 ~ 25, 5.0 ~ 50 in practice)
+    link_gbps: float
+    #: host memory bandwidth available to the CPU optimizer step (read + write)
+    host_gbps: float
+    #: fraction of the matmul rate a transformer step reaches (model FLOPs utilisation)
+    efficiency: float = 0.45
+    #: fixed cost of one micro-batch (kernel launches, Python): seconds per repeated block
+    launch_s_per_block: float = 2e-4
+    source: str = ""
+
+    def override(self, **changes: Any) -> HardwareProfile:
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise ValueError(f"Passed the hardware field(s) {unknown}; a profile has: {', '.join(sorted(fields))}.")
+        return dataclasses.replace(self, **changes)
+
+
+GiB = 2**30
+# NOTE: vendor datasheet figures (dense, no sparsity); link and host figures are typical measured values of the
+# platform named, not the card's. Each is an input to a ranking, not a promise of speed.
+PROFILES: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        HardwareProfile("rtx2060-6gb", 6 * GiB, 6.45, 25.8, False, 336, 12, 20,
+                        source="NVIDIA Turing whitepaper (RTX 2060: 6.45 TFLOPS fp32, 51.6 fp16 tensor with fp16 "
+                               "accumulate, half with fp32); PCIe 3.0 x16; dual-channel DDR4"),
+        HardwareProfile("rtx3060-12gb", 12 * GiB, 12.7, 25.4, True, 360, 24, 25,
+                        source="NVIDIA Ampere GA10x whitepaper (RTX 3060: 12.7 TFLOPS fp32, 25.4 dense fp16/bf16 "
+                               "tensor with fp32 accumulate); PCIe 4.0 x16; dual-channel DDR4-3200"),
+        HardwareProfile("rtx4090-24gb", 24 * GiB, 82.6, 165.2, True, 1008, 24, 40,
+                        source="NVIDIA Ada Lovelace whitepaper (RTX 4090: 82.6 TFLOPS fp32, 165.2 dense fp16/bf16 "
+                               "tensor with fp32 accumulate); PCIe 4.0 x16; dual-channel DDR5"),
+        HardwareProfile("a100-40gb", 40 * GiB, 19.5, 312, True, 1555, 24, 80,
+                        source="NVIDIA A100 datasheet (19.5 TFLOPS fp32, 312 bf16 tensor, 1555 GB/s); PCIe 4.0 "
+                               "x16 host link; server DDR4"),
+        HardwareProfile("a100-80gb", 80 * GiB, 19.5, 312, True, 2039, 24, 80,
+                        source="NVIDIA A100 80GB datasheet (19.5 TFLOPS fp32, 312 bf16, 2039 GB/s); PCIe 4.0 x16"),
+        HardwareProfile("h100-80gb", 80 * GiB, 67, 989, True, 3350, 50, 150,
+                        source="NVIDIA H100 SXM datasheet (67 TFLOPS fp32, 989 dense bf16, 3.35 TB/s); PCIe 5.0 "
+                               "x16; server DDR5"),
+    )
+}
+
+
+def measure_host(seconds: float = 0.5) -> HardwareProfile:
+    """This machine's CPU as the device: matmul rates (fp32, bf16), memory copy bandwidth (the "link" and the
+    host optimizer's memory both are main memory here) and its RAM. Takes about ``4 * seconds``."""
+    import psutil
+    import torch
+
+    def rate(dtype: torch.dtype) -> float:
+        a = torch.randn(512, 512, dtype=dtype)
+        b = torch.randn(512, 512, dtype=dtype)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            n += 1
+        return 2 * 512**3 * n / (time.perf_counter() - t0) / 1e12
+
+    src = torch.empty(64 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        dst.copy_(src)
+        n += 1
+    copy_gbps = 2 * src.numel() * n / (time.perf_counter() - t0) / GB  # read + write
+    fp32 = rate(torch.float32)
+    return HardwareProfile(
+        "measured-host", int(psutil.virtual_memory().total), fp32, rate(torch.bfloat16), True, copy_gbps,
+        copy_gbps / 2, copy_gbps, efficiency=1.0, launch_s_per_block=2e-4,
+        source=f"measured on this machine ({torch.get_num_threads()} threads): 512x512 matmuls, 64 MiB copies",
+    )
+
+
+def load_profile(spec: str | dict[str, Any] | HardwareProfile | None) -> HardwareProfile | None:
+    """A profile from a shipped name, ``"measure"``, a YAML file (``base:`` + overridden fields) or a dict."""
+    if spec is None or isinstance(spec, HardwareProfile):
+        return spec
+    if isinstance(spec, str):
+        if spec == "measure":
+            return measure_host()
+        if spec in PROFILES:
+            return PROFILES[spec]
+        path = Path(spec).expanduser()
+        if path.suffix not in (".yaml", ".yml") or not path.is_file():
+            raise ValueError(
+                f"Passed `hardware={spec!r}`; expected a shipped profile ({', '.join(PROFILES)}), 'measure' (this "
+                "machine), or a YAML file of profile fields (optionally `base: <profile>`)."
+            )
+        import yaml
+
+        spec = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(spec, dict):
+            raise ValueError(f"Passed the hardware file {path}; expected a mapping of profile fields.")  # noqa: TRY004
+    fields = dict(spec)
+    base_name = fields.pop("base", None)
+    if base_name is not None:
+        return load_profile(str(base_name)).override(**fields)  # type: ignore[union-attr]
+    try:
+        return HardwareProfile(**fields)
+    except TypeError as err:
+        raise ValueError(f"Passed the hardware fields {sorted(fields)}: {err}; give `base: <profile>` to "
+                         "override a shipped profile, or every field.") from None
+
+
+__all__ = ["PROFILES", "HardwareProfile", "load_profile", "measure_host"]

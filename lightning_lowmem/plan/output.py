@@ -1,0 +1,93 @@
+"""A chosen recipe as something to run: LightningCLI YAML for ``lowmem fit``, and Python ``Trainer`` arguments."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+from lightning_lowmem.memory.run import RunSpec
+
+#: the suite's technique callbacks: a plan replaces the ones a YAML already has
+TECHNIQUES = ("ActivationCheckpointing", "ActivationOffload", "AccumulationScheduler", "LowBitOptimizer",
+              "OptimizerInBackward", "ChunkedLMLoss")
+
+
+def _changed_arguments(obj: Any) -> dict[str, Any]:
+    """The constructor arguments of a suite object that differ from their defaults, by name."""
+    args, kwargs = getattr(obj, "_init_args", ((), {}))
+    bound = inspect.signature(type(obj)).bind(*args, **kwargs).arguments
+    params = inspect.signature(type(obj)).parameters
+    return {k: v for k, v in bound.items() if params[k].default is inspect.Parameter.empty or params[k].default != v}
+
+
+def _strategy_yaml(strategy: Any) -> Any:
+    if isinstance(strategy, str):
+        return strategy
+    changed = _changed_arguments(strategy)
+    name = getattr(strategy, "strategy_name", None)
+    if not changed and name:
+        return name
+    return {"class_path": f"{type(strategy).__module__}.{type(strategy).__name__}", "init_args": changed}
+
+
+def _callback_yaml(callback: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {"class_path": type(callback).__name__}
+    changed = _changed_arguments(callback)
+    if changed:
+        entry["init_args"] = changed
+    return entry
+
+
+def trainer_yaml(run: RunSpec) -> dict[str, Any]:
+    """The ``trainer:`` keys of a run (strategy, precision, technique callbacks)."""
+    return {"strategy": _strategy_yaml(run.strategy), "precision": run.precision,
+            "callbacks": [_callback_yaml(c) for c in run.callbacks]}
+
+
+def trainer_arguments(run: RunSpec) -> str:
+    """``L.Trainer(...)`` with the run's strategy, precision and callbacks, as Python source."""
+
+    def call(obj: Any) -> str:
+        return f"{type(obj).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in _changed_arguments(obj).items()) + ")"
+
+    strategy = _strategy_yaml(run.strategy)
+    parts = [f"strategy={strategy!r}" if isinstance(strategy, str) else f"strategy={call(run.strategy)}",
+             f"precision={run.precision!r}"]
+    if run.callbacks:
+        parts.append("callbacks=[" + ", ".join(call(c) for c in run.callbacks) + "]")
+    return "L.Trainer(" + ", ".join(parts) + ")"
+
+
+def write_yaml(path: str | Path, run: RunSpec, *, header: str, base_yaml: str | Path | None = None,
+               model: dict[str, Any] | None = None, data: dict[str, Any] | None = None) -> Path:
+    """Write a YAML ``lowmem fit --config`` runs: ``base_yaml`` with its techniques replaced by the run's, or a
+    new file with ``model`` and ``data`` (``class_path``/``init_args`` dicts). Written atomically."""
+    import yaml
+
+    from lightning_lowmem._atomic import atomic_write_text
+
+    config: dict[str, Any] = {}
+    if base_yaml is not None:
+        config = yaml.safe_load(Path(base_yaml).read_text()) or {}
+    trainer = config.setdefault("trainer", {}) or {}
+    config["trainer"] = trainer
+    kept = [c for c in (trainer.get("callbacks") or [])
+            if not (isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] in TECHNIQUES)]
+    planned = trainer_yaml(run)
+    trainer.update(strategy=planned["strategy"], precision=planned["precision"],
+                   callbacks=planned["callbacks"] + kept)
+    if any(c["class_path"] == "AccumulationScheduler" for c in planned["callbacks"]):
+        trainer.pop("accumulate_grad_batches", None)
+    trainer.setdefault("max_steps", 100)
+    if model is not None:
+        config["model"] = model
+    if data is not None:
+        config["data"] = data
+    text = "".join(f"# {line}\n" for line in header.splitlines()) + yaml.safe_dump(config, sort_keys=False)
+    path = Path(path)
+    atomic_write_text(path, text)
+    return path
+
+
+__all__ = ["TECHNIQUES", "trainer_arguments", "trainer_yaml", "write_yaml"]

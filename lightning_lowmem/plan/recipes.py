@@ -1,0 +1,146 @@
+"""Candidate recipes: every combination of the suite's techniques the planner considers, and how they compare.
+
+A :class:`Recipe` is one way of running the same training (same model, same effective batch): a base
+(precision and where the model states live) and the techniques on top of it. It becomes the run description
+the dry run traces and the Trainer runs (:meth:`Recipe.run`, the same ``RunSpec.from_flags`` that
+``estimate_memory``'s shorthands use), YAML for ``lowmem fit`` and Python ``Trainer`` arguments.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from lightning_lowmem.memory.run import RunSpec
+
+Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "zero2_offload", "zero3_offload"]
+Checkpointing = Literal["every_n", "all"]
+
+#: base -> (label, where the model states live)
+BASES: dict[str, tuple[str, str]] = {
+    "fp32": ("fp32", "fp32 weights, gradients and AdamW state on the device"),
+    "mixed": ("{h}-mixed", "fp32 weights and optimizer on the device, {h} compute"),
+    "half": ("{h}-true (no fp32 master)", "{h} weights and optimizer state on the device: numerics change"),
+    "offload": ("lowmem_offload", "{h} weights on the device; fp32 masters, gradients and optimizer on the host"),
+    "offload_obw": ("lowmem_offload + opt-in-bwd", "as lowmem_offload, host step overlapped with backward"),
+    "zero2_offload": ("lowmem_zero2_offload", "DeepSpeed ZeRO-2, optimizer on the host"),
+    "zero3_offload": ("lowmem_zero3_offload", "DeepSpeed ZeRO-3, parameters and optimizer on the host"),
+}
+_DEEPSPEED = ("zero2_offload", "zero3_offload")
+_CKPT_RANK = {None: 0, "every_n": 1, "all": 2}
+#: the chunk of ``ChunkedLMLoss`` the planner uses (GPT-2-XL's loss under 64 MiB)
+CHUNK_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One candidate: a base, the techniques on it, and the micro-batch (for the same effective batch)."""
+
+    base: Base
+    micro_batch_size: int
+    checkpointing: Checkpointing | None = None
+    activation_offload: bool = False
+    chunked_loss: bool = False
+    optimizer_8bit: bool = False
+
+    def name(self, half: str = "bf16") -> str:
+        parts = [BASES[self.base][0].format(h=half)]
+        if self.checkpointing:
+            parts.append("ckpt(every 2nd)" if self.checkpointing == "every_n" else "ckpt(all)")
+        parts += [n for n, on in (("act. offload", self.activation_offload), ("chunked loss", self.chunked_loss),
+                                  ("8-bit AdamW", self.optimizer_8bit)) if on]
+        return " + ".join(parts) + f", micro {self.micro_batch_size}"
+
+    def flags(self, batch_size: int | None, half: str = "bf16") -> dict[str, Any]:
+        """``RunSpec.from_flags`` / ``estimate_memory`` shorthands for this recipe."""
+        precision = {"fp32": "32-true", "mixed": f"{half}-mixed", "half": f"{half}-true", "offload": f"{half}-true",
+                     "offload_obw": f"{half}-true"}.get(self.base, f"{half}-mixed")
+        flags: dict[str, Any] = {"precision": precision}
+        if self.base in ("offload", "offload_obw", *_DEEPSPEED):
+            flags["offload"] = True
+        if self.base == "offload_obw":
+            flags["optimizer_in_backward"] = True
+        if self.base in _DEEPSPEED:
+            flags["zero_stage"] = 2 if self.base == "zero2_offload" else 3
+        if self.checkpointing:
+            flags["checkpointing"] = self.checkpointing
+        if self.activation_offload:
+            flags["activation_offload"] = True
+        if self.chunked_loss:
+            flags["chunked_loss"] = CHUNK_TOKENS
+        if self.optimizer_8bit:
+            flags["optimizer"] = "adamw8bit"
+        if batch_size is not None and self.micro_batch_size != batch_size:
+            flags["micro_batch_size"] = self.micro_batch_size
+        return flags
+
+    def run(self, batch_size: int | None, half: str = "bf16") -> RunSpec:
+        """The run description the dry run traces and ``lowmem fit`` runs."""
+        flags = self.flags(batch_size, half)
+        micro = flags.pop("micro_batch_size", None)
+        return RunSpec.from_flags(batch_size=batch_size, micro_batch_size=micro, **flags)
+
+    def saves_at_least(self, other: Recipe) -> bool:
+        """Every technique of ``other`` is on here too, at least as strongly, with a micro-batch no larger.
+
+        NOTE: the planner's pruning rests on this order: a recipe that saves at least as much as one that does
+        not fit is taken not to fit either (each technique lowers the device peak, or leaves it where it is).
+        """
+        return (self.base == other.base and self.micro_batch_size <= other.micro_batch_size
+                and _CKPT_RANK[self.checkpointing] >= _CKPT_RANK[other.checkpointing]
+                and self.activation_offload >= other.activation_offload and self.chunked_loss >= other.chunked_loss
+                and self.optimizer_8bit >= other.optimizer_8bit)
+
+    def conflict(self, batch_size: int) -> str | None:
+        """Why the real run refuses this combination, for the pairs known not to compose (not traced)."""
+        if self.base == "offload_obw" and self.micro_batch_size != batch_size:
+            return "the optimizer in backward steps at every backward: no accumulation"
+        if self.base == "offload_obw" and self.optimizer_8bit:
+            return "the optimizer in backward runs its own per-parameter AdamW"
+        if self.base == "zero3_offload" and self.chunked_loss:
+            return "ZeRO-3 re-gathers a partitioned weight only for its own module's backward, not the loss's"
+        return None
+
+
+def micro_batches(batch_size: int) -> list[int]:
+    """Micro-batches for the same effective batch: the batch, then halved while it divides (4 -> 4, 2, 1)."""
+    out = [batch_size]
+    while out[-1] % 2 == 0:
+        out.append(out[-1] // 2)
+    if out[-1] != 1:
+        out.append(1)
+    return out
+
+
+def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = True, eight_bit: bool = True,
+               chunked_loss: bool = True, micro: bool = True, checkpointing: bool = True,
+               activation_offload: bool = True, bases: Sequence[str] | None = None) -> list[Recipe]:
+    """Every recipe considered, for an effective batch of ``batch_size`` on one device.
+
+    DeepSpeed bases take no checkpointing callback, activation offload or 8-bit optimizer (the callbacks refuse
+    DeepSpeed, and its engine runs its own optimizer), and pairs the real run refuses (:meth:`Recipe.conflict`) are
+    left out; ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only the bases named.
+    """
+    if bases is not None:
+        unknown = [b for b in bases if b not in BASES]
+        if unknown:
+            raise ValueError(f"Passed `bases={list(bases)!r}`; {unknown} are not bases: expected some of {list(BASES)}.")
+    bases = [b for b in (bases or BASES) if (pure_half or b != "half" or bases) and (deepspeed or b not in _DEEPSPEED)]
+    out = []
+    for base in bases:
+        ds = base in _DEEPSPEED
+        for mb, ckpt, act, chunk, q in itertools.product(
+            micro_batches(batch_size) if micro else [batch_size],
+            [None] if ds or not checkpointing else [None, "every_n", "all"],
+            [False] if ds or not activation_offload else [False, True], [False, True] if chunked_loss else [False],
+            [False] if ds or not eight_bit else [False, True],
+        ):
+            recipe = Recipe(base, mb, ckpt, act, chunk, q)  # type: ignore[arg-type]
+            if recipe.conflict(batch_size) is None:
+                out.append(recipe)
+    return out
+
+
+__all__ = ["BASES", "CHUNK_TOKENS", "Recipe", "candidates", "micro_batches"]

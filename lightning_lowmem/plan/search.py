@@ -1,0 +1,407 @@
+"""``plan``: the fastest recipe of the suite that fits a device (and host) memory budget.
+
+Every candidate (:func:`~lightning_lowmem.plan.recipes.candidates`) is priced by the cost model
+(:func:`~lightning_lowmem.plan.cost.step_cost`, no tracing), then the candidates are taken fastest first and
+each is predicted by the dry run (the real ``Trainer.fit`` on fake tensors) until one fits both budgets. Traces
+are saved two ways:
+
+* each base's floor (every technique on, micro-batch 1) is traced first: a base whose floor does not fit is
+  out as a whole, and the floors give the smallest memory any recipe needs when none fits;
+* a candidate that saves no more than one already traced and too big (:meth:`Recipe.saves_at_least`) is taken
+  to be too big as well, without a trace.
+
+Example::
+
+    from lightning_lowmem.plan import plan
+
+    p = plan("gpt2-xl", batch_size=4, seq_len=1024, device_memory="12GB", host_memory="64GB",
+             hardware="rtx3060-12gb")
+    print(p.table())
+    trainer = L.Trainer(**p.chosen.run.trainer_kwargs(), max_steps=1000)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning_lowmem._compat import fresh
+from lightning_lowmem.memory.result import MemoryEstimate
+from lightning_lowmem.memory.run import RunSpec
+from lightning_lowmem.memory.units import fmt_size, parse_bytes
+from lightning_lowmem.plan.cost import ModelShape, StepCost, step_cost
+from lightning_lowmem.plan.hardware import PROFILES, HardwareProfile, load_profile
+from lightning_lowmem.plan.recipes import Recipe, candidates
+
+Status = Literal["fits", "too big", "refused", "not traced"]
+
+
+class NoRecipeFitsError(ValueError):
+    """No recipe of the suite fits the budgets; the message says the smallest memory any recipe needs."""
+
+
+@dataclass
+class Row:
+    """One candidate: its prediction (where traced), its predicted step time, and the verdict."""
+
+    recipe: Recipe
+    name: str
+    cost: StepCost
+    status: Status = "not traced"
+    why: str = ""
+    estimate: MemoryEstimate | None = None
+
+    @property
+    def peak_device(self) -> int | None:
+        return None if self.estimate is None else self.estimate.peak_device
+
+    @property
+    def peak_host(self) -> int | None:
+        return None if self.estimate is None else self.estimate.peak_host
+
+
+@dataclass
+class Plan:
+    """The ranked candidates, the chosen one (the fastest that fits), and how to run it."""
+
+    rows: list[Row]
+    chosen: Row
+    device_budget: int
+    host_budget: int | None
+    hardware: HardwareProfile
+    batch_size: int | None
+    half: str
+    traces: int
+    wall_s: float
+    notes: list[str] = field(default_factory=list)
+    #: what a written YAML takes from the planned source (``base_yaml``, or ``model`` and ``data``)
+    yaml_parts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run(self) -> RunSpec:
+        """The chosen run (fresh objects: give ``run.trainer_kwargs()`` to a Trainer)."""
+        return self.chosen.recipe.run(self.batch_size, self.half)
+
+    def table(self) -> str:
+        """The traced candidates (and the chosen one), fastest first; the rest counted by why they were not traced."""
+        fastest = min(r.cost.total_s for r in self.rows)
+        shown = [r for r in self.rows if r.estimate is not None or r.status == "refused"]
+        body = [("*" if r is self.chosen else "", r.name, r.status, _size(r.peak_device), _size(r.peak_host),
+                 f"{r.cost.total_s / fastest:.2f}x", r.why) for r in shown]
+        header = ("", "recipe", "verdict", "device peak", "host peak", "step time", "why")
+        widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(x, widths)).rstrip() for x in [header, *body]]
+        pruned = sum(r.estimate is None and r.status == "too big" for r in self.rows)
+        slower = sum(r.status == "not traced" for r in self.rows)
+        lines.append(f"not traced: {pruned} candidates that save no more than a traced one that is too big, "
+                     f"{slower} slower than the chosen one (step time: relative to the fastest candidate)")
+        return "\n".join(lines)
+
+    def trainer_arguments(self) -> str:
+        """The chosen recipe as Python ``Trainer`` arguments."""
+        from lightning_lowmem.plan.output import trainer_arguments
+
+        return trainer_arguments(self.run)
+
+    def write_yaml(self, path: str | Path, command: str = "") -> Path:
+        """The chosen recipe as a YAML ``lowmem fit --config`` runs: the planned YAML with its techniques replaced,
+        or (for a model shape) the demo causal-LM module and data at the planned batch and sequence length."""
+        from lightning_lowmem.plan.output import write_yaml
+
+        header = "\n".join([f"Written by `{command or 'lightning_lowmem.plan.plan'}`.", self.summary(),
+                            f"Python: {self.trainer_arguments()}"])
+        return write_yaml(path, self.run, header=header, **self.yaml_parts)
+
+    def summary(self) -> str:
+        r = self.chosen
+        return (f"chosen: {r.name}: device peak {_size(r.peak_device)} of {fmt_size(self.device_budget)}, host peak "
+                f"{_size(r.peak_host)}" + (f" of {fmt_size(self.host_budget)}" if self.host_budget else "")
+                + f"; predicted step {r.cost.total_s:.3g} s on {self.hardware.name} (uncalibrated)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chosen": self.chosen.name, "run": self.run.describe(), "device_budget": self.device_budget,
+            "host_budget": self.host_budget, "hardware": self.hardware.name, "traces": self.traces,
+            "wall_s": round(self.wall_s, 2), "notes": self.notes,
+            "rows": [{"recipe": r.name, "status": r.status, "why": r.why, "peak_device": r.peak_device,
+                      "peak_host": r.peak_host, **{k: round(v, 6) for k, v in r.cost.to_dict().items()}}
+                     for r in self.rows if r.status != "not traced" or r is self.chosen],
+        }
+
+
+def _size(n: int | None) -> str:
+    return "-" if n is None else fmt_size(n)
+
+
+def _py(strategy: Any) -> str:
+    if isinstance(strategy, str):
+        return repr(strategy)
+    args, kwargs = getattr(strategy, "_init_args", ((), {}))
+    return f"{type(strategy).__name__}(" + ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
+
+
+def _deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def plan(
+    model: Any,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    *,
+    device_memory: int | str | None = None,
+    host_memory: int | str | None = None,
+    hardware: str | dict[str, Any] | HardwareProfile | None = None,
+    data: Any = None,
+    pure_half: bool = False,
+    fixed_callbacks: Sequence[Any] = (),
+    bases: Sequence[str] | None = None,
+    target: Literal["cpu", "cuda"] = "cuda",
+    cache: dict[Any, Any] | None = None,
+) -> Plan:
+    """Choose the fastest recipe whose predicted device peak fits ``device_memory`` (and host peak ``host_memory``).
+
+    Args:
+        model: a shipped shape name / config (the demo causal-LM step, with ``batch_size`` and ``seq_len``), a
+            LightningModule or a callable building one (with ``data``, or its own dataloader), or a LightningCLI
+            YAML path (its model and data; the YAML's own techniques are replaced by the plan's).
+        batch_size: the effective batch (samples per optimizer step); with a module or YAML, the data's
+            ``batch_size`` (the micro-batches the plan considers set it, as ``AccumulationScheduler`` does).
+        device_memory: bytes or a size (``"12GB"``); default: the hardware profile's memory.
+        host_memory: bytes or a size; default: no host check (the host peak is still reported).
+        hardware: a profile name (see ``lightning_lowmem.plan.PROFILES``), ``"measure"``, a YAML path or a dict.
+        pure_half: also consider half weights without fp32 masters (``bf16-true``: numerics change).
+        fixed_callbacks: technique callbacks the run keeps whatever the plan (``lowmem_auto``: the user's own);
+            every candidate is traced with them, and none adds a technique of the same kind.
+        bases: consider only these bases (``lightning_lowmem.plan.recipes.BASES``: ``"fp32"``, ``"mixed"``, ``"half"``,
+            ``"offload"``, ``"offload_obw"``, ``"zero2_offload"``, ``"zero3_offload"``); default: all but ``"half"``.
+        cache: a dict reused across calls: dry runs keyed by model, batch and recipe are not repeated.
+
+    Raises:
+        NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
+            to change.
+        ValueError: bad arguments (named, with what is accepted).
+    """
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    profile = None
+    try:
+        profile = load_profile(hardware)
+    except ValueError as err:
+        problems.append(str(err))
+    device_budget = host_budget = None
+    for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
+        if value is None:
+            continue
+        try:
+            parsed = parse_bytes(value, f"`{name}`")
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        if name == "device_memory":
+            device_budget = parsed
+        else:
+            host_budget = parsed
+    if device_budget is None and device_memory is None:
+        if profile is None:
+            problems.append("Passed neither `device_memory` nor `hardware`; give the device's memory (e.g. "
+                            f"device_memory='12GB') or a profile ({', '.join(PROFILES)}).")
+        else:
+            device_budget = profile.memory_bytes
+    if target not in ("cpu", "cuda"):
+        problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
+    source = _Source.of(model, batch_size, seq_len, data, problems)
+    if problems or source is None or device_budget is None:
+        raise ValueError("\n- ".join(["the arguments do not describe a plan:", *problems]))
+    if profile is None:
+        profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
+    half = "bf16" if profile.bf16 else "16"
+    cache = {} if cache is None else cache
+    b = source.batch_size
+    fixed = {type(c).__name__ for c in fixed_callbacks}
+    rows = [Row(r, r.name(half), step_cost(r, source.shape, b or 1, profile))
+            for r in candidates(b or 1, pure_half=pure_half, deepspeed=_deepspeed_available(),
+                                chunked_loss=source.causal_lm and "ChunkedLMLoss" not in fixed,
+                                micro=source.can_split and "AccumulationScheduler" not in fixed,
+                                checkpointing="ActivationCheckpointing" not in fixed,
+                                activation_offload="ActivationOffload" not in fixed,
+                                eight_bit="LowBitOptimizer" not in fixed, bases=bases)]
+    if fixed_callbacks:
+        rows = [r for r in rows if r.recipe.base not in ("zero2_offload", "zero3_offload")] or rows
+    rows.sort(key=lambda r: r.cost.total_s)
+    traces = 0
+
+    def judge(row: Row) -> None:
+        nonlocal traces
+        key = (source.key, b, target, row.recipe, half, tuple(sorted(fixed)))
+        if key not in cache:
+            traces += 1
+            try:
+                run = row.recipe.run(b, half)
+                run.callbacks += [fresh(c) for c in fixed_callbacks]
+                cache[key] = source.estimate(run, target)
+            except (ValueError, TypeError, ModuleNotFoundError, NotImplementedError) as err:
+                cache[key] = err
+        result = cache[key]
+        if isinstance(result, BaseException):
+            row.status, row.why = "refused", " ".join(str(result).split())[:160]
+            return
+        row.estimate = result
+        over = []
+        if result.peak_device > device_budget:
+            over.append(f"device {fmt_size(result.peak_device)} > {fmt_size(device_budget)} ({result.binding_phase})")
+        if host_budget is not None and result.peak_host > host_budget:
+            over.append(f"host {fmt_size(result.peak_host)} > {fmt_size(host_budget)}")
+        row.status, row.why = ("too big", "; ".join(over)) if over else ("fits", f"binds in {result.binding_phase}")
+
+    # the floors first: the candidates that save the most (no other saves more), a base whose floors are all too
+    # big is out whatever else is switched on; a refused floor (techniques that do not compose) says nothing
+    floors = [r for r in rows if not any(o is not r and o.recipe.saves_at_least(r.recipe)
+                                         and not r.recipe.saves_at_least(o.recipe) for o in rows)]
+    for row in floors:
+        judge(row)
+    too_big = [r for r in floors if r.status == "too big"]
+    chosen = None
+    for row in rows:
+        if row.status == "not traced":
+            beaten = next((t for t in too_big if t.recipe.saves_at_least(row.recipe)), None)
+            if beaten is not None:
+                row.status, row.why = "too big", f"saves no more than `{beaten.name}`, which is too big"
+                continue
+            judge(row)
+            if row.status == "too big":
+                too_big.append(row)
+        if row.status == "fits":
+            chosen = row
+            break
+    if chosen is None:
+        raise NoRecipeFitsError(_no_fit_message(floors, device_budget, host_budget, source))
+    notes = [f"{traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
+    return Plan(rows, chosen, device_budget, host_budget, profile, b, half, traces, time.perf_counter() - t0, notes,
+                source.yaml_parts)
+
+
+def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | None, source: _Source) -> str:
+    traced = [r for r in floors if r.estimate is not None]
+    if not traced:
+        reasons = "; ".join(f"{r.name}: {r.why}" for r in floors)
+        return f"No recipe could be predicted for this model: {reasons}"
+    least = min(traced, key=lambda r: r.peak_device or 0)
+    lines = [f"No recipe fits a device budget of {fmt_size(device_budget)}"
+             + (f" and a host budget of {fmt_size(host_budget)}" if host_budget else "") + ".",
+             (f"The smallest device peak of any recipe is {fmt_size(least.peak_device or 0)} ({least.name}, host peak "
+             f"{fmt_size(least.peak_host or 0)}).")]
+    if host_budget is not None:
+        fit_device = [r for r in traced if (r.peak_device or 0) <= device_budget]
+        if fit_device:
+            need = min(fit_device, key=lambda r: r.peak_host or 0)
+            lines.append(f"It would fit with {fmt_size(need.peak_host or 0)} of host memory ({need.name}).")
+    what = "a smaller batch" + (" or sequence length" if source.shape.seq_len else "") if source.batch_size and \
+        source.batch_size > 1 else "a shorter sequence" if source.shape.seq_len else "a smaller model"
+    lines.append(f"To fit: a device with at least that memory, or {what} (activations scale with it); parameter "
+                 "streaming (`lowmem_offload_params`) is not among the candidates yet.")
+    return " ".join(lines)
+
+
+@dataclass
+class _Source:
+    """What is planned for: a model shape, a module (with data) or a YAML, and how to dry-run a recipe on it."""
+
+    key: Any
+    shape: ModelShape
+    batch_size: int | None
+    causal_lm: bool
+    can_split: bool
+    module: Any
+    data: Any
+    tokens: dict[str, int]
+    notes: list[str]
+    yaml_parts: dict[str, Any] = field(default_factory=dict)
+
+    def estimate(self, run: RunSpec, target: str) -> MemoryEstimate:
+        from lightning_lowmem.memory.dry_run import dry_run
+
+        return dry_run(self.module, self.data, run=run, target=target, **self.tokens)
+
+    @classmethod
+    def of(cls, model: Any, batch_size: int | None, seq_len: int | None, data: Any, problems: list[str]
+           ) -> _Source | None:
+        import torch
+
+        from lightning_lowmem.memory.estimate import _is_module, _module_class
+
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                problems.append(f"Passed `{name}={value!r}`; expected a positive integer.")
+        if isinstance(model, (str, Path)) and str(model).endswith((".yaml", ".yml")):
+            from lightning_lowmem.memory.run_config import load_run_config
+
+            try:
+                module, data, _ = load_run_config(model)
+            except (ValueError, FileNotFoundError) as err:
+                problems.append(str(err))
+                return None
+            source = cls._of_module(module, data, batch_size, seq_len, key=("yaml", str(Path(model).resolve())),
+                                    problems=problems)
+            if source is not None:
+                source.yaml_parts = {"base_yaml": model}
+            return source
+        if _is_module(model) or _module_class(model) is not None:
+            module = model if _is_module(model) else _module_class(model)
+            return cls._of_module(module, data, batch_size, seq_len, key=("module", id(model)), problems=problems)
+        from lightning_lowmem.memory.configs import causal_lm_factory, resolve_config
+
+        try:
+            config = resolve_config(model)
+        except (ValueError, FileNotFoundError, TypeError) as err:
+            problems.append(str(err))
+            return None
+        if batch_size is None or seq_len is None:
+            problems.append(f"Passed the model shape {model!r} without `batch_size` and `seq_len`.")
+            return None
+        factory = causal_lm_factory(config)
+        fields = factory.keywords
+        yaml_parts = {
+            "model": {"class_path": "lightning_lowmem.demo.module.CausalLMModule", "init_args": fields},
+            "data": {"class_path": "lightning_lowmem.demo.data.StdlibTextDataModule",
+                     "init_args": {"seq_len": seq_len, "batch_size": batch_size}},
+        }
+        with torch.device("meta"):
+            num_params = sum(p.numel() for p in {id(p): p for p in factory().parameters()}.values())
+        return cls(("shape", config.to_json_string()), ModelShape.of(num_params, config, seq_len), batch_size, True,
+                   True, factory, None, {"batch_size": batch_size, "seq_len": seq_len}, [], yaml_parts)
+
+    @classmethod
+    def _of_module(cls, module: Any, data: Any, batch_size: int | None, seq_len: int | None, *, key: Any,
+                   problems: list[str]) -> _Source | None:
+        import torch
+
+        from lightning_lowmem.memory.depth import find_blocks
+
+        is_factory = callable(module) and not isinstance(module, torch.nn.Module)
+        with torch.device("meta"):
+            probe = module() if is_factory else module
+        holder = data if hasattr(data, "batch_size") else probe if hasattr(probe, "batch_size") else None
+        data_batch = getattr(holder, "batch_size", None)
+        if batch_size is None:
+            batch_size = data_batch if isinstance(data_batch, int) else None
+        notes = []
+        if holder is None:
+            notes.append("no `batch_size` attribute on the module or data module: micro-batches not considered")
+        config = getattr(getattr(probe, "model", probe), "config", None)
+        found = find_blocks(probe)
+        num_params = sum(p.numel() for p in {id(p): p for p in probe.parameters()}.values())
+        causal_lm = config is not None and hasattr(getattr(probe, "model", None), "get_output_embeddings")
+        shape = ModelShape.of(num_params, config, seq_len or getattr(data, "seq_len", None),
+                              len(found[2]) if found else None)
+
+        return cls(key, shape, batch_size, causal_lm, holder is not None and batch_size is not None, module, data, {},
+                   notes)
+
+
+__all__ = ["NoRecipeFitsError", "Plan", "Row", "plan"]
