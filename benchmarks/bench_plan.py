@@ -3,6 +3,7 @@ its cost model ranks recipes against step times measured side by side on this CP
 
     python benchmarks/bench_plan.py planning     # -> results/plan.{json,md}
     python benchmarks/bench_plan.py cost         # -> results/plan_cost.{json,md}
+    python benchmarks/bench_plan.py              # both
 """
 
 from __future__ import annotations
@@ -158,4 +159,6 @@ def cost() -> None:
 
 
 if __name__ == "__main__":
-    {"planning": planning, "cost": cost}[sys.argv[1] if len(sys.argv) > 1 else "planning"]()
+    parts = {"planning": planning, "cost": cost}
+    for part in sys.argv[1:] or list(parts):
+        parts[part]()

@@ -91,6 +91,10 @@ def single_file_problem(path: _PATH) -> str | None:
     return f"The checkpoint {str(path)!r} {reason}. {_FIX}"
 
 
+#: the pickled magic number that opens torch's legacy (non-zip) format, whatever the pickle protocol
+_LEGACY_MAGIC = b"\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
 def torch_file_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be a complete ``torch.save`` file (``"is empty (0 bytes)..."``), or None.
 
@@ -101,7 +105,7 @@ def torch_file_problem(path: str | os.PathLike) -> str | None:
     if size == 0:
         return "is empty (0 bytes): its save was interrupted or the disk was full"
     with open(path, "rb") as f:
-        head = f.read(4)
+        head = f.read(32)
     if head.startswith(b"PK\x03\x04"):
         if not zipfile.is_zipfile(path):
             return (
@@ -109,6 +113,6 @@ def torch_file_problem(path: str | os.PathLike) -> str | None:
                 "or the disk was full)"
             )
         return None
-    if head[:1] == b"\x80":  # a pickle (torch's legacy, non-zip format)
+    if head[:1] == b"\x80" and _LEGACY_MAGIC in head:  # torch's legacy (non-zip) format: a pickle of its magic first
         return None
-    return f"is not a `torch.save` file ({size:,} bytes, neither a zip archive nor a pickle: it starts with {head!r})"
+    return f"is not a `torch.save` file ({size:,} bytes, neither a zip archive nor a pickle: it starts with {head[:4]!r})"

@@ -127,21 +127,28 @@ def test_extrapolation_equals_the_full_trace(spec_name):
             assert est.phases[phase].total(role) == pytest.approx(full.phases[phase].total(role), rel=1e-3)
 
 
+#: a sample of the shipped combinations per architecture (benchmarks/bench_estimate.py --xl-only checks every one on
+#: GPT-2-XL at batch 1 and 4: results/estimate_gpt2xl.md)
+_SWEEP = [("gpt2", "bf16-mixed"), ("gpt2", "offload + ckpt(all) + act. offload + chunked loss"),
+          ("gpt2", "ZeRO-3 + offload"), ("llama", "offload + ckpt(all) + 8-bit AdamW"),
+          ("llama", "bf16-true + ckpt(all) + opt-in-bwd")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
-@pytest.mark.parametrize("batch_size", [1, 2, 4])
-def test_default_estimate_equals_full_trace_for_every_shipped_combination(model_type, batch_size):
+@pytest.mark.parametrize(("model_type", "combination"), _SWEEP)
+def test_default_estimate_equals_full_trace_for_shipped_combinations(model_type, combination):
     config = {"gpt2": {"model_type": "gpt2", "n_layer": 12, "n_embd": 64, "n_head": 4, "n_positions": 64,
                        "vocab_size": 512},
               "llama": {"model_type": "llama", "num_hidden_layers": 12, "hidden_size": 64, "intermediate_size": 128,
                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}}[model_type]
-    for name, kw in COMBINATIONS:
-        if kw.get("optimizer") == "adamw8bit" and not _has_bnb():
-            continue
-        default = estimate_memory(config, batch_size, 32, target="cpu", **kw)
-        full = estimate_memory(config, batch_size, 32, target="cpu", extrapolate=False, **kw)
-        for role in ("device", "host"):
-            assert default.peak(role) == pytest.approx(full.peak(role), rel=1e-3), (name, role, default.notes)
+    kw = dict(COMBINATIONS)[combination]
+    if kw.get("optimizer") == "adamw8bit" and not _has_bnb():
+        pytest.skip("bitsandbytes is not installed")
+    default = estimate_memory(config, 2, 32, target="cpu", **kw)
+    full = estimate_memory(config, 2, 32, target="cpu", extrapolate=False, **kw)
+    assert any("extrapolated" in n for n in default.notes), default.notes
+    for role in ("device", "host"):
+        assert default.peak(role) == pytest.approx(full.peak(role), rel=1e-3), (role, default.notes)
 
 
 def _has_bnb() -> bool:

@@ -376,7 +376,8 @@ def _bad_file(tmp_path, kind):
     if kind == "empty":
         path.write_bytes(b"")
     elif kind == "random":
-        path.write_bytes(os.urandom(4096))
+        # NOTE: a pickle's first byte (0x80) as well: legacy-looking garbage must be refused too
+        path.write_bytes(b"\x80" + os.urandom(4095))
     elif kind == "truncated":
         torch.save({"state_dict": BoringModel().state_dict()}, path)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
