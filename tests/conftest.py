@@ -37,3 +37,25 @@ def _restore_global_state():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(params=["immediate", "deferred"])
+def transfer_mode(request):
+    """Run a test on the plain CPU transfers, then on the CUDA transfer logic with copies deferred (``DeferredOps``).
+
+    Yields ``(mode, ops)``: ``ops`` lists the ``DeferredOps`` built (empty in ``"immediate"``), so a test can check
+    that copies really were in flight.
+    """
+    from lightning_lowmem._streams import DeferredOps, cpu_stand_in
+
+    if request.param == "immediate":
+        yield request.param, []
+        return
+    built: list[DeferredOps] = []
+
+    def factory() -> DeferredOps:
+        built.append(DeferredOps("run_ahead"))
+        return built[-1]
+
+    with cpu_stand_in(factory):
+        yield request.param, built

@@ -12,10 +12,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem._streams import CudaOps, cpu_ops
 from lightning_lowmem.callbacks._offload_engine import (
-    CudaStreamCopier,
     OffloadStats,
     SavedTensorOffloader,
+    StreamCopier,
     SyncCopier,
 )
 from lightning_lowmem.memory.categories import MemoryBreakdown
@@ -167,7 +168,8 @@ class ActivationOffload(Reproducible, Callback):
                     f"training runs on `{device}`; falling back to pageable host copies. "
                     "Pass `pin_memory=False` (or leave it None) to silence this."
                 )
-            return SyncCopier()
+            ops = cpu_ops()
+            return SyncCopier() if ops is None else StreamCopier(device, ops)
         pin = self.pin_memory is not False
         if pin:
             try:
@@ -178,7 +180,7 @@ class ActivationOffload(Reproducible, Callback):
                     "host copies, which are synchronous. Raise the locked-memory limit (`ulimit -l`) to pin."
                 )
                 pin = False
-        return CudaStreamCopier(device, pin_memory=pin)
+        return StreamCopier(device, CudaOps(device, pin_memory=pin))
 
     # -- the training batch ----------------------------------------------------------------------------------
 
