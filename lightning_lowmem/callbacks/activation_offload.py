@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -159,6 +161,17 @@ class ActivationOffload(Reproducible, Callback):
             boundaries_only=self.boundaries_only,
             before_host_alloc=self._watch_host_ram,
         )
+
+    @contextlib.contextmanager
+    def offloading(self, pl_module: pl.LightningModule, batch: Any) -> Iterator[None]:
+        """Offload the saved tensors of a forward run outside the training loop (``AccumulationScheduler``'s
+        micro-batch search measures its trial steps with this), building the engine if ``fit`` has not yet."""
+        if self.engine is None:
+            self.on_train_start(pl_module.trainer, pl_module)
+        engine = self._require_engine()
+        engine.begin_step([*pl_module.parameters(), *pl_module.buffers(), *_tensors_in(batch)])
+        with engine.hooks():
+            yield
 
     def _make_copier(self, device: torch.device) -> SyncCopier:
         if device.type != "cuda":
