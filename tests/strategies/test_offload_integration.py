@@ -286,7 +286,7 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_optimizer_in_backward_matches_the_normal_step(kind):
+def test_optimizer_in_backward_matches_the_normal_step(kind, transfer_mode):
     torch.manual_seed(0)
     normal = LM(kind)
     in_backward = copy.deepcopy(normal)
@@ -296,6 +296,7 @@ def test_optimizer_in_backward_matches_the_normal_step(kind):
     t.fit(in_backward, DataLoader(data, batch_size=2))
     for (name, a), b in zip(normal.named_parameters(), in_backward.parameters()):
         assert torch.equal(a, b), name
+    assert_copies_were_deferred(transfer_mode)
 
 
 def test_optimizer_in_backward_value_clipping_matches_the_normal_step():
