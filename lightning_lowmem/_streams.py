@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
@@ -167,7 +168,8 @@ class DeferredOps(StreamOps):
         pins: count host buffers as CUDA's pinned allocator takes them (rounded up to a power of two); nothing is
             page-locked on the CPU.
 
-    ``copies_queued``, ``copies_run`` and ``most_in_flight`` count what happened; :meth:`run_all` lands every copy.
+    ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` (host time spent doing the device's
+    copies) count what happened; :meth:`run_all` lands every copy.
     """
 
     def __init__(self, progress: Progress = "run_ahead", *, seed: int = 0, pins: bool = True) -> None:
@@ -180,6 +182,7 @@ class DeferredOps(StreamOps):
         self.copies_queued = 0
         self.copies_run = 0
         self.most_in_flight = 0
+        self.copy_seconds = 0.0
 
     # -- streams and events ---------------------------------------------------------------------------------------
     def side_stream(self) -> DeferredStream:
@@ -277,7 +280,9 @@ class DeferredOps(StreamOps):
             _, item = stream.queue.popleft()
             stream.done += 1
             if callable(item):
+                t0 = time.perf_counter()
                 item()
+                self.copy_seconds += time.perf_counter() - t0
                 self.copies_run += 1
             else:
                 self._run(*item)

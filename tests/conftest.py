@@ -15,6 +15,12 @@ _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", 
               "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
 
 
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # RunIf(min_cuda_gpus=...) / RunIf(bf16_cuda=True) tests are `cuda` tests (`pytest -m cuda`)
+        if any(m.kwargs.get("needs_cuda") for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """Give every test the default dtype, grad mode, distributed environment and no leftover process group."""

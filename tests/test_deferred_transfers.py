@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import lightning_lowmem  # noqa: F401  (registers "lowmem_offload")
 from lightning_lowmem._host_memory import pinned_bytes
-from lightning_lowmem._streams import DeferredOps, cpu_stand_in
+from lightning_lowmem._streams import CudaOps, DeferredOps, cpu_stand_in
 from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
 from lightning_lowmem.callbacks.activation_offload import ActivationOffload
 from lightning_lowmem.demo.module import CausalLMModule
@@ -28,6 +28,7 @@ from lightning_lowmem.memory import measure
 from lightning_lowmem.strategies._host_transfer import StreamTransfer
 from lightning_lowmem.strategies.offload import OffloadStrategy
 from tests.helpers.models import GPT2_TINY, random_batch
+from tests.helpers.runif import RunIf
 
 TINY = {**GPT2_TINY, "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 16, "resid_pdrop": 0.0,
         "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -281,3 +282,35 @@ def test_deferred_cuda_peak_window_folds_resets_of_its_device_named_without_inde
         measure.reset_cuda_peak_stats(other)  # another component resets the global peak
         assert window.read() == (100, 100), name
         window.close()
+
+
+def test_staging_layout_first_fit_aligned_and_large_slots_share_their_rounding():
+    from lightning_lowmem.strategies._host_transfer import staging_layout
+
+    sizes, slots = staging_layout([100, 600, 70000, 300, 60000], bucket_bytes=1024)
+    assert slots == [(0, 0), (1, 0), (2, 0), (0, 512), (2, 70144)]  # 512 B aligned; the 128 KiB bucket's tail is used
+    assert sizes == [812, 600, 130144]
+    assert all(s % 512 == 0 for _, s in slots)
+
+
+@RunIf(min_cuda_gpus=1)
+def test_cuda_stream_transfer_folds_every_gradient_exactly_once_in_queue_order():
+    """The real CUDA ops: gradients (one parameter twice in a row, hazard 3) folded as the CPU path folds them."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    params = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in (3000, 17, 100_000)]
+    transfer = StreamTransfer(device, params, CudaOps(device))
+    grads = [(i, torch.randn(p.shape, dtype=torch.bfloat16, device=device)) for i, p in [(0, params[0]), (2, params[2]),
+                                                                                         (2, params[2]), (1, params[1])]]
+    got: dict[int, torch.Tensor] = {}
+    want: dict[int, torch.Tensor] = {}
+
+    def fold(into: dict[int, torch.Tensor], i: int, g: torch.Tensor) -> None:
+        into[i] = g.float() if i not in into else into[i] + g.float()
+
+    for i, g in grads:
+        transfer.grad_to_host(i, g * 1, lambda i, g: fold(got, i, g))  # `g * 1`: a fresh gradient, dropped at once
+        fold(want, i, g.cpu())
+    transfer.synchronize()
+    assert got.keys() == want.keys() and all(torch.equal(got[i], want[i]) for i in want)
+    assert all(t.is_pinned() for t in transfer.staging())
+    assert transfer.staging_bytes() == sum(pinned_bytes(b.numel()) for b in transfer._buckets)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem._host_memory import pinned_bytes
 from lightning_lowmem._streams import CudaOps, StreamOps, cpu_ops
 from lightning_lowmem.memory.categories import mark_host
 
@@ -48,26 +49,32 @@ class HostTransfer:
 
 
 # NOTE: [staging buckets] one flat pinned buffer per bucket, allocated once: torch's pinned caching allocator rounds
-# every request up to a power of two, so per-parameter buffers could take up to 2x their bytes; full buckets of a
-# power-of-two size take exactly their size, and only the last bucket and parameters larger than a bucket round up.
+# every request up to a power of two, so per-parameter buffers could take up to 2x their bytes; buckets of a
+# power-of-two capacity, filled first-fit, lose only what the last slots leave free.
 BUCKET_BYTES = 64 * 2**20
 _ALIGN_BYTES = 512  # each slot starts on a 512 B boundary (DMA-friendly)
 
 
 def staging_layout(nbytes: Sequence[int], bucket_bytes: int = BUCKET_BYTES) -> tuple[list[int], list[tuple[int, int]]]:
-    """Bucket sizes in bytes, and ``(bucket, byte offset)`` of each slot, packed greedily in order.
+    """Bucket sizes in bytes, and ``(bucket, byte offset)`` of each slot: first fit, in order.
 
-    A slot larger than ``bucket_bytes`` gets a bucket of its own.
+    A bucket holds up to ``bucket_bytes``, or the power of two above the slot that opened it when that is more:
+    a parameter larger than a bucket is rounded up by the pinned allocator anyway, and later slots fill that tail.
     """
     sizes: list[int] = []
+    caps: list[int] = []
     slots: list[tuple[int, int]] = []
     for n in nbytes:
-        start = -(-sizes[-1] // _ALIGN_BYTES) * _ALIGN_BYTES if sizes else 0
-        if not sizes or start + n > bucket_bytes:
+        for b, used in enumerate(sizes):
+            start = -(-used // _ALIGN_BYTES) * _ALIGN_BYTES
+            if start + n <= caps[b]:
+                break
+        else:
+            b, start = len(sizes), 0
             sizes.append(0)
-            start = 0
-        slots.append((len(sizes) - 1, start))
-        sizes[-1] = start + n
+            caps.append(max(bucket_bytes, pinned_bytes(n)))
+        slots.append((b, start))
+        sizes[b] = max(sizes[b], start + n)
     return sizes, slots
 
 
