@@ -181,17 +181,23 @@ def main() -> None:
         "transfer", thread, ["policy", "autograd_thread_ms_per_step", "drain_ms_per_step", "fit_ms_per_step", "bit_identical"],
         title="lowmem_offload transfers: host work on the autograd thread (CPU, deferred seam)",
         notes=[
-            f"GPT-2 architecture, {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, bf16-true, "
-            f"{args.steps} steps per fit, median of {args.rounds} rounds (before/after interleaved).",
-            "autograd_thread = host time inside the gradient hooks (the stand-in's copies left out); drain = the fold "
-            "at the end of backward (main thread, after the autograd engine returned); fit = whole fit wall time / steps "
-            "(setup included; noisy on a shared 2-core machine).",
+            (
+                f"GPT-2 architecture, {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}, "
+                f"bf16-true, {args.steps} steps per fit, median of {args.rounds} rounds (before/after interleaved)."
+            ),
+            (
+                "autograd_thread = host time inside the gradient hooks (the stand-in's copies left out); drain = the "
+                "fold at the end of backward (main thread, after the autograd engine returned); fit = whole fit wall "
+                "time / steps (setup included; noisy on a shared 2-core machine)."
+            ),
             "Pinned staging, reserved by torch's pinned allocator (power-of-two rounding), bf16:",
             *(f"{r['model']}: {r['layout']}: {r['reserved']} for {r['payload']} of gradients (+{r['overhead_pct']}%)"
               for r in pinned),
-            f"Measured in fit (tiny model, deferred stand-in with pinned accounting): planned {measured['planned']} B, "
-            f"memory_breakdown {measured['reported']} B, allocator rounding of the buffers allocated {measured['allocated']} B "
-            f"(per-parameter buffers would reserve {measured['per_parameter_reserved']} B).",
+            (
+                f"Measured in fit (tiny model, deferred stand-in with pinned accounting): planned {measured['planned']} B, "
+                f"memory_breakdown {measured['reported']} B, allocator rounding of the buffers allocated "
+                f"{measured['allocated']} B (per-parameter buffers would reserve {measured['per_parameter_reserved']} B)."
+            ),
         ],
         extra={"pinned": pinned, "measured": measured},
     )

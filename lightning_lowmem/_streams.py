@@ -144,7 +144,7 @@ class DeferredStream:
 
 
 class DeferredEvent:
-    __slots__ = ("stream", "position")
+    __slots__ = ("position", "stream")
 
     def __init__(self, stream: DeferredStream | None, position: int) -> None:
         self.stream, self.position = stream, position
