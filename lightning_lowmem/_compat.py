@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import logging
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -111,6 +113,27 @@ class Reproducible:
 def fresh(obj: Any) -> Any:
     """``obj.fresh()`` for a :class:`Reproducible` object; any other value is returned as it is."""
     return obj.fresh() if isinstance(obj, Reproducible) else obj
+
+
+def run_after_configure_model(pl_module: Any, apply: Callable[[], None]) -> None:
+    """Make ``pl_module.configure_model`` run ``apply`` after itself (undo with :func:`restore_configure_model`).
+
+    NOTE: Lightning calls ``configure_model`` after the callbacks' ``setup``: a model built there exists only
+    after it, so a technique that rewrites the model applies itself there.
+    """
+    original = pl_module.configure_model
+
+    @functools.wraps(original)
+    def configure_model() -> None:
+        original()
+        apply()
+
+    pl_module.configure_model = configure_model
+
+
+def restore_configure_model(pl_module: Any) -> None:
+    """Drop the wrapper(s) :func:`run_after_configure_model` set on the instance."""
+    pl_module.__dict__.pop("configure_model", None)
 
 
 def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:

@@ -6,7 +6,7 @@ import functools
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -16,7 +16,12 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem._compat import (
+    Reproducible,
+    check_lightning_object,
+    restore_configure_model,
+    run_after_configure_model,
+)
 from lightning_lowmem.callbacks import _blocks
 from lightning_lowmem.callbacks._blocks import (
     CheckpointInfo,
@@ -107,10 +112,10 @@ class ActivationCheckpointing(Reproducible, Callback):
 
     def __init__(
         self,
-        policy: Union[PolicyName, Sequence[Union[str, type]]] = "all",
+        policy: PolicyName | Sequence[str | type] = "all",
         n: int | None = None,
         budget: int | str | None = None,
-        blocks: Union[str, Sequence[str], None] = None,
+        blocks: str | Sequence[str] | None = None,
     ) -> None:
         self.targets: list[str | type] | None = None
         if isinstance(policy, str):
@@ -164,15 +169,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             return
         check_lightning_object(trainer, "the Trainer of ActivationCheckpointing")
         self._check_strategy(trainer)
-        original = pl_module.configure_model
-
-        # NOTE: Lightning calls `configure_model` after this hook; models built there exist only after it.
-        @functools.wraps(original)
-        def configure_model() -> None:
-            original()
-            self._apply(pl_module)
-
-        pl_module.configure_model = configure_model  # type: ignore[method-assign]
+        run_after_configure_model(pl_module, lambda: self._apply(pl_module))
         self._patched_configure_model = True
 
     @override
@@ -194,7 +191,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         if stage != "fit":
             return
         if self._patched_configure_model:
-            pl_module.__dict__.pop("configure_model", None)
+            restore_configure_model(pl_module)
             self._patched_configure_model = False
         for config, value in self._use_cache:
             config.use_cache = value

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 from dataclasses import dataclass
@@ -15,7 +14,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem._compat import (
+    Reproducible,
+    check_lightning_object,
+    restore_configure_model,
+    run_after_configure_model,
+)
 from lightning_lowmem.callbacks._chunked_ce import BACKENDS, Backend, linear_cross_entropy_sum, require_kernel
 
 __all__ = ["ChunkedLMLoss", "chunked_causal_lm_loss", "chunked_causal_lm_loss_sum", "is_chunked"]
@@ -381,15 +385,7 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
                 f"Passed `backend={self.backend!r}` with the Trainer on `{strategy.root_device}`; the {self.backend} "
                 "kernels are Triton (CUDA only). Use backend='auto' (ours off CUDA) or backend='chunked'."
             )
-        original = pl_module.configure_model
-
-        # NOTE: Lightning calls `configure_model` after this hook; models built there exist only after it.
-        @functools.wraps(original)
-        def configure_model() -> None:
-            original()
-            self.apply(pl_module)
-
-        pl_module.configure_model = configure_model  # type: ignore[method-assign]
+        run_after_configure_model(pl_module, lambda: self.apply(pl_module))
         self._patched_configure_model = True
 
     @override
@@ -402,7 +398,7 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
         if stage != "fit":
             return
         if self._patched_configure_model:
-            pl_module.__dict__.pop("configure_model", None)
+            restore_configure_model(pl_module)
             self._patched_configure_model = False
         self.remove()
 

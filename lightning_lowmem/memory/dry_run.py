@@ -369,6 +369,7 @@ def dry_run(
     found = find_blocks(probe if probe is not None else module)
     num_blocks = len(found[2]) if found else None
     unique = {id(p): p for p in (probe if probe is not None else module).parameters()}.values()
+    numels = [int(getattr(p, "ds_numel", p.numel())) for p in unique if p.requires_grad]
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in unique)
     del probe, unique
     unit = depth_unit(run)
@@ -424,7 +425,7 @@ def dry_run(
 
         zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module, is_factory))
     if target == "cuda":
-        estimate.corrections = _cuda_corrections(counts, estimate, run, num_params, extrapolate and not traced_steps)
+        estimate.corrections = _cuda_corrections(counts, estimate, run, numels, extrapolate and not traced_steps)
     estimate.wall_s = time.perf_counter() - t0
     return estimate
 
@@ -439,7 +440,7 @@ def _largest_block_params(module: Any, is_factory: bool) -> int | None:
     return max(sizes) if sizes else None
 
 
-def _cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: RunSpec, num_params: int,
+def _cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: RunSpec, numels: list[int],
                       extrapolated: bool) -> list[Correction]:
     scale = " (counted in the traced blocks)" if extrapolated else ""
     out = [
@@ -456,14 +457,19 @@ def _cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: Run
                    "driver-dependent, 300-600 MiB)"),
     ]
     offload = "offload" in run.strategy_name and run.zero() is None
-    staging = num_params * (4 if run.precision == "32-true" else 2) if offload else 0
+    staging = 0
+    if offload:
+        from lightning_lowmem.strategies._host_transfer import pinned_staging_bytes
+
+        dtype = torch.float32 if run.precision == "32-true" else torch.bfloat16
+        staging = pinned_staging_bytes([(n, dtype) for n in numels])
     for bd in estimate.phases.values():
         bd.add("device", "other", CUDA_CONTEXT_BYTES)
         bd.add("host", "other", staging)
     if staging:
         out.append(Correction("pinned_staging", staging, False,
-                              "OffloadStrategy's pinned host staging buffers in the compute dtype (CUDA only), "
-                              "added to every phase's host `other`"))
+                              "OffloadStrategy's pinned host staging buckets in the compute dtype (CUDA only, as "
+                              "the pinned allocator rounds them), added to every phase's host `other`"))
     out.append(Correction("allocator_rounding", 0, False,
                           "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
                           "fragmentation is not modelled (size: to be calibrated on a GPU)"))

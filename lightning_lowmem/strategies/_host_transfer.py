@@ -107,6 +107,14 @@ def planned_staging_bytes(device: torch.device, specs: Sequence[tuple[int, torch
     return sum(ops.host_bytes(n) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
 
 
+def pinned_staging_bytes(specs: Sequence[tuple[int, torch.dtype]]) -> int:
+    """Pinned host bytes the CUDA transfer's staging buckets take for parameters ``(numel, compute dtype)``
+    (the dry run's CUDA correction: no GPU needed)."""
+    from lightning_lowmem._host_memory import pinned_bytes
+
+    return sum(pinned_bytes(n, cuda=True) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
+
+
 class StreamTransfer(HostTransfer):
     """The CUDA path, on :class:`~lightning_lowmem._streams.StreamOps`: staging in the compute dtype, a side stream, events.
 
