@@ -68,6 +68,19 @@ class InjectOOM(L.Callback):
         out.register_hook(self._raise)
 
 
+class SeenOrder(L.Callback):
+    """The samples of every *completed* forward of the model, in order (a failed forward never completes)."""
+
+    def __init__(self) -> None:
+        self.ids: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def seen(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            self.ids.append(kwargs["input_ids"].detach().clone())
+
+        pl_module.model.register_forward_hook(seen, with_kwargs=True)
+
+
 class Record(L.Callback):
     """What each optimizer step was built from, and what was logged."""
 
@@ -103,12 +116,13 @@ def logging_module(mode: str, warmup: int = 3) -> Any:
 
 
 def fit(mode: str, samples: list, steps: int, callback: L.Callback, inject: InjectOOM | None = None,
-        module: Any = None, batch_size: int = 1, **trainer_kwargs: Any) -> tuple[Any, Any, Record, L.Trainer]:
+        module: Any = None, batch_size: int = 1, extra: list | None = None,
+        **trainer_kwargs: Any) -> tuple[Any, Any, Record, L.Trainer]:
     module = module if module is not None else make_module(mode)
     module0 = copy.deepcopy(module)
     record = Record()
     trainer_kwargs.setdefault("precision", "32-true")
-    trainer = L.Trainer(max_steps=steps, callbacks=[callback, record, *([inject] if inject else [])],
+    trainer = L.Trainer(max_steps=steps, callbacks=[callback, record, *([inject] if inject else []), *(extra or [])],
                         **fit_kwargs(**trainer_kwargs))
     trainer.fit(module, ListData(samples, batch_size))
     return module0, module, record, trainer
@@ -143,9 +157,10 @@ def test_split_batch_slices_every_batch_tensor():
 def test_forward_oom_equals_the_smaller_micro_batch_from_the_start(mode):
     # windows of 16 in loader micro-batches of 8; every micro-batch of more than 4 runs out of memory in forward
     samples = padded_samples(48)
-    inject = InjectOOM(limit=4, where="forward")
+    inject, order = InjectOOM(limit=4, where="forward"), SeenOrder()
     module0, module, record, trainer = fit(
-        mode, samples, 3, AccumulationScheduler(16, 8, loss_normalization=mode, on_oom="split"), inject
+        mode, samples, 3, AccumulationScheduler(16, 8, loss_normalization=mode, on_oom="split"), inject,
+        extra=[order],
     )
     _, ref_module, ref, ref_trainer = fit(
         mode, samples, 3, AccumulationScheduler(16, 4, loss_normalization=mode), module=copy.deepcopy(module0)
@@ -159,6 +174,9 @@ def test_forward_oom_equals_the_smaller_micro_batch_from_the_start(mode):
     assert_equal(weights(module, trainer), weights(ref_module, ref_trainer))
     assert record.lrs == ref.lrs and trainer.global_step == ref_trainer.global_step == 3
     assert callback.last_window.samples == 16 and callback.last_window.micro_batches == 4
+    # data order: every sample once, in the loader's order, in micro-batches of 4
+    assert [len(ids) for ids in order.ids] == [4] * 12
+    assert torch.equal(torch.cat(order.ids), torch.stack([s["input_ids"] for s in samples]))
 
 
 @pytest.mark.parametrize("where", ["logits", "middle"])
