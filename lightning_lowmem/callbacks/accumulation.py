@@ -332,6 +332,11 @@ class AccumulationScheduler(Reproducible, L.Callback):
         """Bytes the allocator cache gave back after those recoveries (CUDA; 0 elsewhere)."""
         return self._splitter.bytes_freed if self._splitter is not None else 0
 
+    @property
+    def oom_micro_batch(self) -> int | None:
+        """The largest micro-batch run since a recovery (the loader's batches split to it); None: not split."""
+        return self._splitter.piece if self._splitter is not None else None
+
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # NOTE: after the strategy's setup (its parameters and gradient hooks final) and the "auto" search

@@ -135,14 +135,14 @@ def weights(module: Any, trainer: L.Trainer) -> dict[str, torch.Tensor]:
 
 def assert_close_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=ATOL_WEIGHTS, msg=name)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=ATOL_WEIGHTS, msg=name)
 
 
 def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), f"{name} differs by {(got[name] - want[name]).abs().max():.3e}"
+    for name, w in want.items():
+        assert torch.equal(got[name], w), f"{name} differs by {(got[name] - w).abs().max():.3e}"
 
 
 def test_split_batch_slices_every_batch_tensor():
@@ -205,7 +205,7 @@ def test_one_loss_logged_per_batch_and_the_schedule_unchanged(mode="tokens"):
     # OOMRecovery (no accumulation): batches of 8, the forward of more than 2 runs out of memory (8 -> 4 -> 2)
     samples = padded_samples(24)
     inject = InjectOOM(limit=2, where="forward")
-    module0, module, record, trainer = fit(
+    _, module, record, trainer = fit(
         mode, samples, 3, OOMRecovery(loss_normalization=mode), inject, module=logging_module(mode), batch_size=8
     )
     _, clean_module, clean, clean_trainer = fit(
