@@ -22,6 +22,7 @@ _LAZY = {
     "ActivationCheckpointing": "lightning_lowmem.callbacks.activation_checkpointing",
     "ActivationOffload": "lightning_lowmem.callbacks.activation_offload",
     "AccumulationScheduler": "lightning_lowmem.callbacks.accumulation",
+    "OOMRecovery": "lightning_lowmem.callbacks.oom_recovery",
     "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
     "OptimizerInBackward": "lightning_lowmem.callbacks.optimizer_in_backward",
     "ChunkedLMLoss": "lightning_lowmem.callbacks.chunked_lm_loss",

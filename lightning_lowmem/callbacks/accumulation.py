@@ -23,6 +23,7 @@ from lightning_lowmem._compat import Reproducible, check_lightning_object
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
+OnOOM = Literal["split", "raise"]
 MicroBatch = Union[int, Literal["auto"]]
 
 
@@ -98,8 +99,22 @@ class AccumulationScheduler(Reproducible, L.Callback):
     ``trainer.callbacks``, so other callbacks' ``on_before_optimizer_step`` see the normalised gradients; only
     ``on_after_backward`` sees the scaled, not yet normalised, sums.
 
+    Out of memory (``on_oom="split"``, the default for ``micro_batch_size="auto"``): a micro-batch whose forward or
+    backward raises ``torch.OutOfMemoryError`` is released and run as two halves, and the window completes with the
+    same samples and the same exact normalisation, so the optimizer step, the LR schedule, the reported loss and
+    ``global_step`` are those of a run without the error (up to the fp32 order of additions of the split micro-batch).
+    Later micro-batches run split to that size (a log line says so), and grow back after ``regrow_after`` clean
+    optimizer steps. A single sample that does not fit saves an atomic emergency checkpoint of the last completed
+    step and raises :class:`~lightning_lowmem.callbacks._oom_split.MicroBatchOutOfMemoryError`. On CUDA the
+    allocator cache is emptied once per recovery. Cost: nothing until an error (one Python hook call per parameter
+    per backward); a recovery loses the failed micro-batch's work. Single process only (an error on one process
+    would desynchronise the others' collectives), not with DeepSpeed (its engine owns the micro-batch loop) nor with
+    an optimizer step inside backward. See :class:`~lightning_lowmem.callbacks.oom_recovery.OOMRecovery` for runs
+    without accumulation.
+
     Logged at each optimizer step: ``accumulation/micro_batches``, ``accumulation/samples`` and, with ``"tokens"``,
-    ``accumulation/tokens`` (what the step held, all processes).
+    ``accumulation/tokens`` (what the step held, all processes); with ``on_oom="split"`` also ``oom/recoveries`` and
+    ``oom/bytes_freed`` (running totals, also :attr:`oom_recoveries` and :attr:`oom_bytes_freed`).
 
     Args:
         effective_batch_size: samples per optimizer step, summed over processes.
@@ -110,6 +125,10 @@ class AccumulationScheduler(Reproducible, L.Callback):
         memory_budget: bytes (or a size such as ``"12GiB"``) a training step may peak at on the device role,
             for ``"auto"``; on CUDA ``None`` means 90% of the device's memory.
         batch_arg_name: the attribute that sets the loader's batch size.
+        on_oom: ``"split"`` (recover from out-of-memory errors, above) or ``"raise"``; ``None``: ``"split"`` for
+            ``micro_batch_size="auto"`` in a single process, else ``"raise"``.
+        regrow_after: after a split, try twice the micro-batch again after this many optimizer steps without an
+            error; ``None`` keeps the smaller one.
 
     Example::
 
@@ -127,6 +146,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
         loss_normalization: Normalization = "samples",
         memory_budget: int | str | None = None,
         batch_arg_name: str = "batch_size",
+        on_oom: OnOOM | None = None,
+        regrow_after: int | None = None,
     ) -> None:
         super().__init__()
         problems = []
@@ -153,6 +174,10 @@ class AccumulationScheduler(Reproducible, L.Callback):
         elif memory_budget is not None and not _positive_int(memory_budget):
             problems.append(f"`memory_budget={memory_budget!r}` must be a positive number of bytes, a size such as "
                             "'12GiB', or None")
+        if on_oom not in (None, "split", "raise"):
+            problems.append(f"`on_oom={on_oom!r}`; expected 'split', 'raise' or None")
+        if regrow_after is not None and not _positive_int(regrow_after):
+            problems.append(f"`regrow_after={regrow_after!r}` must be a positive int (optimizer steps) or None")
         if not problems and micro_batch_size != "auto":
             for e in sorted({effective_batch_size, *schedule.values()}):
                 if e % micro_batch_size:
@@ -166,6 +191,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
         self.loss_normalization = loss_normalization
         self.memory_budget = memory_budget
         self.batch_arg_name = batch_arg_name
+        self.on_oom = on_oom
+        self.regrow_after = regrow_after
         self.choice: Choice | None = None
         self.last_window: WindowStats | None = None
         self._micro: int | None = micro_batch_size if isinstance(micro_batch_size, int) else None
@@ -176,6 +203,9 @@ class AccumulationScheduler(Reproducible, L.Callback):
         self._wrapped_step = False
         self._instance_step: Any = None  # a `training_step` the module instance had before ours (rare)
         self._probing = False
+        self._counting = True  # False while a split micro-batch re-runs samples a completed forward counted
+        self._last_count: Any = None  # what the last `_weigh` counted (samples or tokens), for the split's logging
+        self._splitter: Any = None  # `_oom_split.OOMSplitter` with on_oom="split"
         self._reset_window()
         self._n_ref: torch.Tensor | None = None  # mean count per micro-batch, all processes: keeps grads O(mean)
 
@@ -236,9 +266,10 @@ class AccumulationScheduler(Reproducible, L.Callback):
                 problems.append(f"`effective_batch_size` {e} is not divisible by the world size {world}")
             elif self._micro is not None and e % (self._micro * world):
                 problems.append(_divisibility_message(e, self._micro, world))
-        self._sets_loader = lightning_hasattr(pl_module, self.batch_arg_name)
+        problems += self._check_on_oom(trainer)
+        self._sets_loader = self._drives_loader and lightning_hasattr(pl_module, self.batch_arg_name)
         if problems:
-            raise ValueError("AccumulationScheduler: " + "; ".join(problems) + ".")
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems) + ".")
         if is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module):
             rank_zero_warn(
                 "AccumulationScheduler: the LightningModule overrides `optimizer_step`/`optimizer_zero_grad`; they "
@@ -253,6 +284,64 @@ class AccumulationScheduler(Reproducible, L.Callback):
         if trainer.callbacks and trainer.callbacks[0] is not self:
             trainer.callbacks.remove(self)
             trainer.callbacks.insert(0, self)
+
+    _drives_loader = True  # OOMRecovery: the loader's batch is the window, untouched
+
+    def _check_on_oom(self, trainer: L.Trainer) -> list[str]:
+        """Resolve ``on_oom=None`` and say why an explicit ``"split"`` cannot run here."""
+        from lightning_lowmem.callbacks._oom_split import OOMSplitter
+
+        explicit = self.on_oom == "split"
+        if self.on_oom is None:
+            split = self.micro_batch_size == "auto" and trainer.world_size == 1 and not self._engine
+        else:
+            split = explicit
+        problems = []
+        if explicit and self._engine:
+            problems.append(
+                "`on_oom='split'` is not available with DeepSpeed: its engine owns the micro-batch loop and the "
+                "gradient buffers; pass `on_oom='raise'`, or use `strategy='lowmem_offload'`"
+            )
+        elif explicit and trainer.world_size > 1:
+            problems.append(
+                f"`on_oom='split'` needs a single process (world size {trainer.world_size}): an out-of-memory error "
+                "on one process would leave the others waiting in a gradient all-reduce; pass `on_oom='raise'`"
+            )
+        in_backward = getattr(trainer.strategy, "optimizer_in_backward", False) or any(
+            type(c).__name__ == "OptimizerInBackward" for c in trainer.callbacks
+        )
+        if explicit and in_backward:
+            problems.append(
+                "`on_oom='split'` cannot recover when the optimizer steps inside backward (`optimizer_in_backward`): "
+                "a failed backward has already stepped some parameters; pass `on_oom='raise'`"
+            )
+        split = split and not problems and not in_backward
+        if split and self._splitter is None:
+            self._splitter = OOMSplitter(self, self.regrow_after)
+        elif not split:
+            self._splitter = None
+        return problems
+
+    @property
+    def oom_recoveries(self) -> int:
+        """Micro-batches split after an out-of-memory error, this run (for ``MemoryReport``)."""
+        return self._splitter.recoveries if self._splitter is not None else 0
+
+    @property
+    def oom_bytes_freed(self) -> int:
+        """Bytes the allocator cache gave back after those recoveries (CUDA; 0 elsewhere)."""
+        return self._splitter.bytes_freed if self._splitter is not None else 0
+
+    @property
+    def oom_micro_batch(self) -> int | None:
+        """The largest micro-batch run since a recovery (the loader's batches split to it); None: not split."""
+        return self._splitter.piece if self._splitter is not None else None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # NOTE: after the strategy's setup (its parameters and gradient hooks final) and the "auto" search
+        if self._splitter is not None:
+            self._splitter.install(trainer, pl_module)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -272,6 +361,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
             self._apply(trainer, pl_module, self._micro)
         if self._engine:
             self._check_engine(trainer)
+        if not self._drives_loader:
+            return
         c = self.choice
         rank_zero_info(
             f"AccumulationScheduler: micro-batch {c.micro_batch_size} x accumulation {c.accumulation} x "
@@ -332,7 +423,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self._sets_loader and self._pos == 0 and batch_idx == 0 and extract_batch_size(batch) != self._micro:
+        if (self._drives_loader and not self._sets_loader and self._pos == 0 and batch_idx == 0
+                and extract_batch_size(batch) != self._micro):
             raise ValueError(
                 f"AccumulationScheduler: the loader gives batches of {extract_batch_size(batch)}, but the micro-batch is "
                 f"{self._micro}; neither the LightningModule nor the DataModule has a `{self.batch_arg_name}` "
@@ -404,9 +496,11 @@ class AccumulationScheduler(Reproducible, L.Callback):
             count, weight = torch.as_tensor(out["num_tokens"]).detach().to(torch.float64), 1.0
         else:
             count, weight = samples, float(samples)
-        self._samples += samples
-        self._micro_batches += 1
-        self._reported = (loss / count.clamp(min=1).to(loss.dtype) if self.loss_normalization == "tokens" else loss).detach()
+        self._last_count = count
+        if self._counting:  # NOTE: False for the halves of a micro-batch whose forward completed and was counted
+            self._samples += samples
+            self._micro_batches += 1
+            self._reported = (loss / count.clamp(min=1).to(loss.dtype) if self.loss_normalization == "tokens" else loss).detach()
         if self._engine:
             # NOTE: weight relative to a full micro-batch. Lightning's loop has divided the loss by n; Lightning's
             # stock DeepSpeedStrategy divides it by n again in `engine.backward` (so n is undone here), while our
@@ -420,7 +514,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
                 # NOTE: k is rounded to the loss's dtype once per window and divided out with exactly that value
                 self._k_loss = (1.0 / self._n_ref).to(loss.device, loss.dtype)
                 self._k = self._k_loss.to(torch.float64)
-            self._count = self._count + count
+            if self._counting:
+                self._count = self._count + count
             # NOTE: each micro-batch backpropagates weight * k * loss, with k = 1 / (mean count per micro-batch),
             # fixed for the whole window and equal on every process, so gradients keep the size of a mean loss
             # (fp16 headroom); the exact 1 / window total is applied to the gradients before the step.
@@ -483,10 +578,16 @@ class AccumulationScheduler(Reproducible, L.Callback):
         metrics = {"accumulation/micro_batches": float(w.micro_batches), "accumulation/samples": float(w.samples)}
         if w.tokens is not None:
             metrics["accumulation/tokens"] = w.tokens
+        if self._splitter is not None:
+            self._splitter.window_done()
+            metrics["oom/recoveries"] = float(self._splitter.recoveries)
+            metrics["oom/bytes_freed"] = float(self._splitter.bytes_freed)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._splitter is not None:
+            self._splitter.remove()
         if not self._wrapped_step:
             return
         if self._instance_step is not None:
@@ -497,7 +598,10 @@ class AccumulationScheduler(Reproducible, L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_batch_size": self._micro, "n_ref": None if self._n_ref is None else float(self._n_ref)}
+        return {
+            "micro_batch_size": self._micro, "n_ref": None if self._n_ref is None else float(self._n_ref),
+            "oom_micro_batch": None if self._splitter is None else self._splitter.piece,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -507,6 +611,9 @@ class AccumulationScheduler(Reproducible, L.Callback):
             self._micro = int(state_dict["micro_batch_size"])
         if state_dict.get("n_ref") is not None:
             self._n_ref = torch.tensor(state_dict["n_ref"], dtype=torch.float64)
+        # NOTE: a run resumed after a split keeps the smaller micro-batch (Lightning restores callbacks after `setup`)
+        if self._splitter is not None and state_dict.get("oom_micro_batch"):
+            self._splitter.piece = int(state_dict["oom_micro_batch"])
 
 def lightning_accumulation(
     batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool, window: int
