@@ -20,6 +20,7 @@ from lightning_lowmem.callbacks import _memory_report_render as render
 from lightning_lowmem.memory.categories import CATEGORIES
 from lightning_lowmem.memory.measure import MemoryTracker
 from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder
+from lightning_lowmem.memory.units import fmt_mib
 
 
 class MemoryReport(StepMemoryRecorder):
@@ -204,7 +205,7 @@ class MemoryReport(StepMemoryRecorder):
         self._fit_ended = False
         if self.predict:
             self.predicted, self.baseline = self._dry_runs(trainer, pl_module)
-        self.table = render.table(self.steps, self.predicted, self.baseline, self.phases)
+        self.table = render.table(self.steps, self.predicted, self.baseline, self.phases) + _oom_line(trainer)
         rank_zero_info(self.table)
         if self.save_dir is None:  # setup did not run for "fit" (hooks driven by hand)
             return
@@ -255,6 +256,17 @@ class MemoryReport(StepMemoryRecorder):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps = list(state_dict.get("steps", []))
+
+
+def _oom_line(trainer: pl.Trainer) -> str:
+    """One line on out-of-memory recoveries (``AccumulationScheduler(on_oom="split")``, ``OOMRecovery``), if any."""
+    for cb in trainer.callbacks:
+        recoveries = getattr(cb, "oom_recoveries", 0)
+        if recoveries:
+            freed = getattr(cb, "oom_bytes_freed", 0)
+            return (f"\nout-of-memory recoveries: {recoveries} (micro-batches split to {cb.oom_micro_batch}"
+                    + (f"; {fmt_mib(freed)} returned by empty_cache)" if freed else ")"))
+    return ""
 
 
 def _repeat_batch(batch: Any, times: int) -> Any:

@@ -345,3 +345,16 @@ def test_refused_where_it_cannot_recover():
     trainer = L.Trainer(**fit_kwargs(accumulate_grad_batches=2))
     with pytest.raises(ValueError, match=r"OOMRecovery is for runs without accumulation"):
         OOMRecovery().setup(trainer, make_module("samples"), "fit")
+
+
+def test_memory_report_names_the_recoveries():
+    from types import SimpleNamespace
+
+    from lightning_lowmem.callbacks.memory_report import _oom_line
+
+    quiet = SimpleNamespace(callbacks=[SimpleNamespace(oom_recoveries=0)])
+    assert _oom_line(quiet) == ""
+    recovered = SimpleNamespace(callbacks=[object(), SimpleNamespace(oom_recoveries=2, oom_bytes_freed=3 * 2**20,
+                                                                     oom_micro_batch=4)])
+    assert _oom_line(recovered) == ("\nout-of-memory recoveries: 2 (micro-batches split to 4; 3.00 MiB returned by "
+                                    "empty_cache)")
