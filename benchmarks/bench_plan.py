@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _harness import fmt_bytes, write_results  # noqa: E402
 
-GB = 10**9
+GiB = 2**30
 #: (shape, batch, seq): the issue's shapes
 MODELS = [("gpt2-xl", 4, 1024), ("llama-7b", 1, 2048), ("llama-13b", 1, 2048), ("llama-70b", 1, 2048)]
-#: budget -> the profile whose rates price the steps (a card of that size; 2 GB: the 3060's rates)
+#: budget (GiB) -> the profile whose rates price the steps (a card of that size; 2 GiB: the 3060's rates)
 BUDGETS = [(24, "rtx4090-24gb"), (12, "rtx3060-12gb"), (6, "rtx2060-6gb"), (2, "rtx3060-12gb")]
-HOST = 128 * GB  # a workstation's host memory
+HOST = 128 * GiB  # a workstation's host memory
 
 
 def planning() -> None:
@@ -35,16 +35,16 @@ def planning() -> None:
         for budget, hardware in BUDGETS:
             t0 = time.perf_counter()
             try:
-                p = plan(shape, batch, seq, device_memory=budget * GB, host_memory=HOST, hardware=hardware,
+                p = plan(shape, batch, seq, device_memory=budget * GiB, host_memory=HOST, hardware=hardware,
                          cache=cache)
             except NoRecipeFitsError as err:
-                rows.append({"model": shape, "batch x seq": f"{batch} x {seq}", "budget_GB": budget,
+                rows.append({"model": shape, "batch x seq": f"{batch} x {seq}", "budget_GiB": budget,
                              "hardware": hardware, "chosen": "none fits", "why": str(err).split(". To fit")[0],
                              "wall_s": round(time.perf_counter() - t0, 1)})
                 continue
             fastest = min(r.cost.total_s for r in p.rows)
             rows.append({
-                "model": shape, "batch x seq": f"{batch} x {seq}", "budget_GB": budget, "hardware": hardware,
+                "model": shape, "batch x seq": f"{batch} x {seq}", "budget_GiB": budget, "hardware": hardware,
                 "chosen": p.chosen.name, "device_peak": fmt_bytes(p.chosen.peak_device),
                 "host_peak": fmt_bytes(p.chosen.peak_host), "step_vs_fastest": round(p.chosen.cost.total_s / fastest, 2),
                 "predicted_step_s": round(p.chosen.cost.total_s, 3), "traces": p.traces,
@@ -53,9 +53,9 @@ def planning() -> None:
             print(rows[-1], flush=True)
     write_results(
         "plan", rows,
-        ["model", "batch x seq", "budget_GB", "hardware", "chosen", "device_peak", "host_peak", "step_vs_fastest",
+        ["model", "batch x seq", "budget_GiB", "hardware", "chosen", "device_peak", "host_peak", "step_vs_fastest",
          "predicted_step_s", "traces", "wall_s", "why"],
-        title="lowmem plan: the recipe chosen per model and device budget (host budget 128 GB, CUDA target)",
+        title="lowmem plan: the recipe chosen per model and device budget (host budget 128 GiB, CUDA target)",
         notes=[
             "Each plan: every candidate priced by the cost model, then dry runs (the real Trainer.fit on fake tensors, "
             "CUDA target) fastest first until one fits device and host; wall_s is the plan's wall time on this "

@@ -93,8 +93,10 @@ class Recipe:
                 and self.activation_offload >= other.activation_offload and self.chunked_loss >= other.chunked_loss
                 and self.optimizer_8bit >= other.optimizer_8bit)
 
-    def conflict(self, batch_size: int) -> str | None:
+    def conflict(self, batch_size: int, half: str = "bf16") -> str | None:
         """Why the real run refuses this combination, for the pairs known not to compose (not traced)."""
+        if self.base == "offload_obw" and half == "16":
+            return "the optimizer in backward cannot use fp16: an overflow must skip the whole step"
         if self.base == "offload_obw" and self.micro_batch_size != batch_size:
             return "the optimizer in backward steps at every backward: no accumulation"
         if self.base == "offload_obw" and self.optimizer_8bit:
@@ -116,7 +118,7 @@ def micro_batches(batch_size: int) -> list[int]:
 
 def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = True, eight_bit: bool = True,
                chunked_loss: bool = True, micro: bool = True, checkpointing: bool = True,
-               activation_offload: bool = True, bases: Sequence[str] | None = None) -> list[Recipe]:
+               activation_offload: bool = True, bases: Sequence[str] | None = None, half: str = "bf16") -> list[Recipe]:
     """Every recipe considered, for an effective batch of ``batch_size`` on one device.
 
     DeepSpeed bases take no checkpointing callback, activation offload or 8-bit optimizer (the callbacks refuse
@@ -138,7 +140,7 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
             [False] if ds or not eight_bit else [False, True],
         ):
             recipe = Recipe(base, mb, ckpt, act, chunk, q)  # type: ignore[arg-type]
-            if recipe.conflict(batch_size) is None:
+            if recipe.conflict(batch_size, half) is None:
                 out.append(recipe)
     return out
 

@@ -8,7 +8,9 @@ are saved two ways:
 * each base's floor (every technique on, micro-batch 1) is traced first: a base whose floor does not fit is
   out as a whole, and the floors give the smallest memory any recipe needs when none fits;
 * a candidate that saves no more than one already traced and too big (:meth:`Recipe.saves_at_least`) is taken
-  to be too big as well, without a trace.
+  to be too big as well, without a trace;
+* a candidate whose techniques were traced at another micro-batch is scaled from that trace (model states kept,
+  the rest scaled with the micro-batch) and not traced when that puts it over 110 % of the budget.
 
 Example::
 
@@ -96,8 +98,9 @@ class Plan:
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(x, widths)).rstrip() for x in [header, *body]]
         pruned = sum(r.estimate is None and r.status == "too big" for r in self.rows)
         slower = sum(r.status == "not traced" for r in self.rows)
-        lines.append(f"not traced: {pruned} candidates that save no more than a traced one that is too big, "
-                     f"{slower} slower than the chosen one (step time: relative to the fastest candidate)")
+        lines.append(f"not traced: {pruned} candidates taken to be too big (saving no more than a traced one that is, "
+                     f"or scaled from a trace at another micro-batch), {slower} slower than the chosen one (step time: "
+                     "relative to the fastest candidate)")
         return "\n".join(lines)
 
     def trainer_arguments(self) -> str:
@@ -180,7 +183,8 @@ def plan(
             every candidate is traced with them, and none adds a technique of the same kind.
         bases: consider only these bases (``lightning_lowmem.plan.recipes.BASES``: ``"fp32"``, ``"mixed"``, ``"half"``,
             ``"offload"``, ``"offload_obw"``, ``"zero2_offload"``, ``"zero3_offload"``); default: all but ``"half"``.
-        cache: a dict reused across calls: dry runs keyed by model, batch and recipe are not repeated.
+        cache: a dict reused across calls: dry runs keyed by model (a shape's config; a module and data object by
+            identity), batch and recipe are not repeated.
 
     Raises:
         NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
@@ -230,7 +234,7 @@ def plan(
                                 micro=source.can_split and "AccumulationScheduler" not in fixed,
                                 checkpointing="ActivationCheckpointing" not in fixed,
                                 activation_offload="ActivationOffload" not in fixed,
-                                eight_bit="LowBitOptimizer" not in fixed, bases=bases)]
+                                eight_bit="LowBitOptimizer" not in fixed, bases=bases, half=half)]
     if fixed_callbacks:
         rows = [r for r in rows if r.recipe.base not in ("zero2_offload", "zero3_offload")] or rows
     rows.sort(key=lambda r: r.cost.total_s)
@@ -273,6 +277,11 @@ def plan(
             if beaten is not None:
                 row.status, row.why = "too big", f"saves no more than `{beaten.name}`, which is too big"
                 continue
+            scaled = _scaled_from_another_micro_batch(row, rows)
+            if scaled is not None and scaled[0] > MICRO_MARGIN * device_budget:
+                row.status, row.why = "too big", (f"{fmt_size(scaled[0])} predicted from the trace at micro-batch "
+                                                  f"{scaled[1]} (activations scale with the micro-batch)")
+                continue
             judge(row)
             if row.status == "too big":
                 too_big.append(row)
@@ -284,6 +293,28 @@ def plan(
     notes = [f"{traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
     return Plan(rows, chosen, device_budget, host_budget, profile, b, half, traces, time.perf_counter() - t0, notes,
                 source.yaml_parts)
+
+
+#: a candidate predicted this far over the budget from the trace of the same techniques at another micro-batch is
+#: not traced (the prediction is exact where activations scale linearly; the margin absorbs what does not)
+MICRO_MARGIN = 1.1
+
+
+def _scaled_from_another_micro_batch(row: Row, rows: list[Row]) -> tuple[int, int] | None:
+    """The device peak of ``row`` scaled from a traced row with the same techniques at another micro-batch: the
+    model states (weights, gradients, optimizer state) kept, the rest (activations, temporaries) scaled."""
+    from dataclasses import replace
+
+    for other in rows:
+        if other.estimate is None or replace(other.recipe, micro_batch_size=row.recipe.micro_batch_size) != row.recipe:
+            continue
+        est = other.estimate
+        device = est.phases[est.binding_phase].device
+        states = sum(device.get(c, 0) for c in ("weights", "gradients", "optimizer_state"))
+        rest = est.peak_device - states
+        return int(states + rest * row.recipe.micro_batch_size / other.recipe.micro_batch_size), \
+            other.recipe.micro_batch_size
+    return None
 
 
 def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | None, source: _Source) -> str:
@@ -306,6 +337,19 @@ def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | No
     lines.append(f"To fit: a device with at least that memory, or {what} (activations scale with it); parameter "
                  "streaming (`lowmem_offload_params`) is not among the candidates yet.")
     return " ".join(lines)
+
+
+class _Identity:
+    """A cache key part that is equal only for the same object, and keeps it alive (its id cannot be reused)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
 
 
 @dataclass
@@ -353,7 +397,9 @@ class _Source:
             return source
         if _is_module(model) or _module_class(model) is not None:
             module = model if _is_module(model) else _module_class(model)
-            return cls._of_module(module, data, batch_size, seq_len, key=("module", id(model)), problems=problems)
+            # NOTE: keyed by identity (the objects are kept alive by the key, so an id is never reused for another)
+            return cls._of_module(module, data, batch_size, seq_len, key=("module", _Identity(model), _Identity(data)),
+                                  problems=problems)
         from lightning_lowmem.memory.configs import causal_lm_factory, resolve_config
 
         try:
