@@ -104,6 +104,15 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def _repo_relative(script: str) -> str:
+    """``benchmarks/bench_x.py`` whatever the checkout's location (results are compared across machines)."""
+    path = Path(script).resolve()
+    try:
+        return str(path.relative_to(RESULTS.parent.parent))
+    except ValueError:
+        return script
+
+
 def write_results(
     name: str,
     rows: Sequence[dict[str, Any]],
@@ -121,7 +130,7 @@ def write_results(
         "benchmark": name,
         "title": title,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([Path(sys.executable).name, _repo_relative(sys.argv[0]), *sys.argv[1:]]),
         "machine": machine(),
         "rows": list(rows),
         "notes": list(notes),
