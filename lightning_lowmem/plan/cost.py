@@ -113,7 +113,7 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     if recipe.base in ("offload", "offload_obw", "zero2_offload", "zero3_offload"):
         host_opt = n * state / (profile.host_gbps * GB)
     else:
-        dev_opt = n * state / (profile.device_gbps * GB)
+        dev_opt = n * state / ((profile.device_optimizer_gbps or profile.device_gbps) * GB)
     gpu = max(compute, link_s)
     if recipe.base == "offload_obw":
         # NOTE: the host step of each parameter runs while backward goes on: what is left after the last
