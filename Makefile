@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -30,6 +30,14 @@ test: install
 
 bench: install
 	$(PY) benchmarks/run.py all
+
+# On a machine with a CUDA GPU: every CUDA test (`-m cuda`, and the RunIf(min_cuda_gpus) ones, which run only there),
+# the CPU-stand-in tests of the CUDA transfer logic (`-k deferred`), then the benchmarks, into benchmarks/results/gpu/.
+gpu-check: install
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check needs a CUDA GPU (torch.cuda.is_available() is False)')"
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m cuda tests
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -k deferred tests
+	LOWMEM_BENCH_RESULTS=benchmarks/results/gpu $(PY) benchmarks/run.py all
 
 clean:
 	rm -rf $(VENV) lightning_logs runs

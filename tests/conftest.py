@@ -15,6 +15,12 @@ _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", 
               "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
 
 
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # RunIf(min_cuda_gpus=...) / RunIf(bf16_cuda=True) tests are `cuda` tests (`pytest -m cuda`)
+        if any(m.kwargs.get("needs_cuda") for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """Give every test the default dtype, grad mode, distributed environment and no leftover process group."""
@@ -37,3 +43,25 @@ def _restore_global_state():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(params=["immediate", "deferred"])
+def transfer_mode(request):
+    """Run a test on the plain CPU transfers, then on the CUDA transfer logic with copies deferred (``DeferredOps``).
+
+    Yields ``(mode, ops)``: ``ops`` lists the ``DeferredOps`` built (empty in ``"immediate"``), so a test can check
+    that copies really were in flight.
+    """
+    from lightning_lowmem._streams import DeferredOps, cpu_stand_in
+
+    if request.param == "immediate":
+        yield request.param, []
+        return
+    built: list[DeferredOps] = []
+
+    def factory() -> DeferredOps:
+        built.append(DeferredOps("run_ahead"))
+        return built[-1]
+
+    with cpu_stand_in(factory):
+        yield request.param, built

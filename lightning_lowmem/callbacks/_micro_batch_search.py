@@ -106,15 +106,22 @@ def _trial(
     if extract_batch_size(batch) < micro:
         return None  # the data set holds fewer samples than this micro-batch
     meter = _PeakMeter(device, pl_module, trainer.optimizers, batch, enabled=measure)
+    drain = getattr(strategy, "drain_transfers", lambda: None)
     peak: int | None = None
     try:
         # NOTE: no gradient all_reduce in trials: a process running out of memory cannot hang the others
         with getattr(strategy, "block_backward_sync", contextlib.nullcontext)(), meter:
-            with meter.phase("forward"):
+            with meter.phase("forward"), _offloading(trainer, pl_module, batch):
                 out = strategy.training_step(*training_step_args(pl_module.training_step, batch, 0))
                 loss = out["loss"] if isinstance(out, Mapping) else out
             with meter.phase("backward"):
-                loss.backward()
+                try:
+                    loss.backward()
+                finally:
+                    # NOTE: [trial drain] lowmem_offload queues each gradient's copy to the host and folds it at the
+                    # end of Lightning's backward; this backward is not Lightning's, so fold here (after an OOM too),
+                    # or the trial's gradients reach the first real step (and step the masters at the real LR).
+                    drain()
                 del out, loss
             with meter.phase("optimizer"):
                 for opt in trainer.optimizers:
@@ -168,6 +175,22 @@ class _PeakMeter:
             torch.cuda.synchronize(self.device)
             self.peak = int(self._window.read()[0])
             self._window.close()
+
+
+@contextlib.contextmanager
+def _offloading(trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> Iterator[None]:
+    """The trial's forward under every ``ActivationOffload`` of the Trainer.
+
+    NOTE: the search runs in ``on_fit_start``, before the loop's hooks would offload anything: without this the
+    trial measures the step without the offload, and the advice to add ``ActivationOffload`` could not change it.
+    """
+    from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+
+    with contextlib.ExitStack() as stack:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, ActivationOffload):
+                stack.enter_context(cb.offloading(pl_module, batch))
+        yield
 
 
 def _first_batch(trainer: L.Trainer, pl_module: L.LightningModule) -> Any:

@@ -3,8 +3,9 @@
 :class:`SavedTensorOffloader` holds the pack/unpack logic of a ``saved_tensors_hooks`` pair: which saved
 tensors go to the host, one host copy per storage, the prefetch queue of the backward pass, and the byte
 counts. The copies themselves go through a small seam: :class:`SyncCopier` (plain copies; the CPU path,
-fully tested) or :class:`CudaStreamCopier` (a side stream, pinned host buffers, events). Both run the same
-bookkeeping, so the CPU tests exercise every decision the CUDA path makes.
+fully tested) or :class:`StreamCopier` (a side stream, pinned host buffers, events; on CUDA, or on the CPU
+stand-in :class:`~lightning_lowmem._streams.DeferredOps` in tests). Both run the same bookkeeping, so the CPU
+tests exercise every decision the CUDA path makes.
 
 A saved tensor is packed as a :class:`_Packed` handle pointing at a :class:`_StorageEntry`: the whole
 storage behind the tensor is copied once per (storage, version), and every tensor saved from it (views,
@@ -24,6 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_lowmem._streams import StreamOps
 from lightning_lowmem.memory.categories import mark_host
 
 # NOTE: wrapper subclasses (DTensor, quantized tensors) stay in place; a dry run's fake tensors stand for plain ones
@@ -88,48 +90,48 @@ class SyncCopier:
         """Order the compute stream after ``event``; ``tensor`` is about to be handed to compute."""
 
 
-class CudaStreamCopier(SyncCopier):
-    """Copies on a side CUDA stream, into pinned host buffers where possible, synchronised with events."""
+class StreamCopier(SyncCopier):
+    """Copies on a side stream, into host buffers (pinned where the ops pin), synchronised with events.
 
-    def __init__(self, device: torch.device, pin_memory: bool) -> None:
+    ``ops``: :class:`~lightning_lowmem._streams.CudaOps` on CUDA; the CPU tests run this same class on
+    :class:`~lightning_lowmem._streams.DeferredOps`, whose copies land only when the host or compute must see them.
+    """
+
+    def __init__(self, device: torch.device, ops: StreamOps) -> None:
         self.device = device
-        self.pin_memory = pin_memory
-        self.side = torch.cuda.Stream(device)
+        self.ops = ops
+        self.pin_memory = ops.pins
+        self.side = ops.side_stream()
 
     def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        compute = torch.cuda.current_stream(self.device)
-        host = torch.empty(src_bytes.numel(), dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+        ops = self.ops
+        host = ops.empty_host(src_bytes.numel(), torch.uint8)
         # NOTE: the source was written by kernels queued on the compute stream; without this wait the side
         # stream could copy it before they ran (a read-before-write race).
-        self.side.wait_stream(compute)
-        with torch.cuda.stream(self.side):
-            # NOTE: non_blocking into pageable memory would be synchronous anyway (a staged copy); only pinned
-            # buffers let the D2H copy overlap compute.
-            host.copy_(src_bytes, non_blocking=self.pin_memory)
-            event = self.side.record_event()
-        return host, event
+        ops.wait_stream(self.side, ops.compute_stream())
+        ops.copy(host, src_bytes, self.side)
+        return host, ops.record_event(self.side)
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         # NOTE: the destination is allocated from the side stream's pool and the host buffer was written on the
         # side stream, so no wait on the compute stream is needed here; the consumer waits on the event.
-        with torch.cuda.stream(self.side):
-            restored = host.to(device, non_blocking=self.pin_memory, copy=True)
-            event = self.side.record_event()
-        return restored, event
+        restored = self.ops.to_device(host, device, self.side)
+        return restored, self.ops.record_event(self.side)
 
     def done(self, event: Any) -> bool:
-        return event is None or event.query()
+        return event is None or self.ops.query(event)
 
     def compute_waits(self, event: Any, tensor: torch.Tensor | None = None) -> None:
-        compute = torch.cuda.current_stream(self.device)
+        ops = self.ops
+        compute = ops.compute_stream()
         if event is not None:
             # NOTE: a GPU-side wait, not a host sync: compute kernels queued from now on start after the copy.
-            compute.wait_event(event)
+            ops.wait_event(compute, event)
         if tensor is not None:
             # NOTE: ``tensor`` was allocated on the side stream; when we and autograd drop it, the allocator
             # could hand its block to the next side-stream copy while compute kernels still read it.
             # ``record_stream`` defers that reuse until the compute work queued so far has finished.
-            tensor.record_stream(compute)
+            ops.record_stream(tensor, compute)
 
 
 # --- bookkeeping -----------------------------------------------------------------------------------------------
@@ -206,7 +208,7 @@ class SavedTensorOffloader:
 
     Args:
         device: the compute device; saved tensors elsewhere are left alone.
-        copier: :class:`SyncCopier` (CPU, plain copies) or :class:`CudaStreamCopier`.
+        copier: :class:`SyncCopier` (CPU, plain copies) or :class:`StreamCopier`.
         min_bytes: saved tensors smaller than this stay where they are.
         prefetch: forward: host copies allowed in flight before compute waits for the oldest (CUDA);
             backward: restores issued ahead of need, in reverse pack order. 0 restores on demand only.

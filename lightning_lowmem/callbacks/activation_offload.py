@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,10 +14,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem._streams import CudaOps, cpu_ops
 from lightning_lowmem.callbacks._offload_engine import (
-    CudaStreamCopier,
     OffloadStats,
     SavedTensorOffloader,
+    StreamCopier,
     SyncCopier,
 )
 from lightning_lowmem.memory.categories import MemoryBreakdown
@@ -159,6 +162,17 @@ class ActivationOffload(Reproducible, Callback):
             before_host_alloc=self._watch_host_ram,
         )
 
+    @contextlib.contextmanager
+    def offloading(self, pl_module: pl.LightningModule, batch: Any) -> Iterator[None]:
+        """Offload the saved tensors of a forward run outside the training loop (``AccumulationScheduler``'s
+        micro-batch search measures its trial steps with this), building the engine if ``fit`` has not yet."""
+        if self.engine is None:
+            self.on_train_start(pl_module.trainer, pl_module)
+        engine = self._require_engine()
+        engine.begin_step([*pl_module.parameters(), *pl_module.buffers(), *_tensors_in(batch)])
+        with engine.hooks():
+            yield
+
     def _make_copier(self, device: torch.device) -> SyncCopier:
         if device.type != "cuda":
             if self.pin_memory:
@@ -167,7 +181,8 @@ class ActivationOffload(Reproducible, Callback):
                     f"training runs on `{device}`; falling back to pageable host copies. "
                     "Pass `pin_memory=False` (or leave it None) to silence this."
                 )
-            return SyncCopier()
+            ops = cpu_ops()
+            return SyncCopier() if ops is None else StreamCopier(device, ops)
         pin = self.pin_memory is not False
         if pin:
             try:
@@ -178,7 +193,7 @@ class ActivationOffload(Reproducible, Callback):
                     "host copies, which are synchronous. Raise the locked-memory limit (`ulimit -l`) to pin."
                 )
                 pin = False
-        return CudaStreamCopier(device, pin_memory=pin)
+        return StreamCopier(device, CudaOps(device, pin_memory=pin))
 
     # -- the training batch ----------------------------------------------------------------------------------
 

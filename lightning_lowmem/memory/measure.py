@@ -137,7 +137,7 @@ class CudaPeakWindow:
     _open: weakref.WeakSet[CudaPeakWindow] = weakref.WeakSet()
 
     def __init__(self, device: torch.device | int | str | None = None) -> None:
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.device = _indexed(device)
         if self.device.type != "cuda":
             raise ValueError(f"Passed `device={device!r}`; a CudaPeakWindow reads CUDA statistics, give a CUDA device.")
         self._folded = (0, 0)
@@ -165,6 +165,20 @@ class CudaPeakWindow:
         CudaPeakWindow._open.discard(self)
 
 
+def _indexed(device: torch.device | int | str | None) -> torch.device:
+    """``device`` with its index: ``"cuda"`` and ``None`` are the current CUDA device.
+
+    NOTE: [device index] ``torch.device("cuda") != torch.device("cuda:0")``: a window opened on ``"cuda"`` would
+    never see the resets of ``cuda:0`` folded in, and would read a peak another component had reset.
+    """
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> None:
     """Reset CUDA's peak statistics without losing them for any open :class:`CudaPeakWindow`.
 
@@ -173,7 +187,7 @@ def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> Non
     """
     if not torch.cuda.is_available():
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    device = _indexed(device)
     allocated = torch.cuda.max_memory_allocated(device)
     reserved = torch.cuda.max_memory_reserved(device)
     for window in list(CudaPeakWindow._open):

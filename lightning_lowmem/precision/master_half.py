@@ -140,6 +140,7 @@ class MasterHalfPrecision(Reproducible, Precision):
         self.last_step_skipped = False
         self._skip_clipping = False
         self._attached = False  # set by OffloadStrategy, which keeps the masters this plugin steps
+        self._drain: Callable[[], None] | None = None  # OffloadStrategy.drain_transfers
 
     @override
     def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple[Module, list[Optimizer], list[Any]]:
@@ -209,6 +210,12 @@ class MasterHalfPrecision(Reproducible, Precision):
         if self.scaler is not None:
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self._drain is not None:
+            self._drain()  # NOTE: [drain before user code] before Lightning's `on_after_backward` hooks run
+        return super().post_backward(tensor, module)
 
     @override
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]

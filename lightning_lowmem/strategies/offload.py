@@ -49,11 +49,11 @@ from lightning_lowmem.memory.categories import (
     optimizer_state_bytes,
     unique_storage_bytes,
 )
-from lightning_lowmem.precision.master_half import PRECISIONS, MasterHalfPrecision
+from lightning_lowmem.precision.master_half import PRECISIONS, MasterHalfPrecision, autocast_cast_params
 from lightning_lowmem.strategies import _host_optimizer
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_optimizer import HOST_OPTIMIZERS, HostOptimizer
-from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
+from lightning_lowmem.strategies._host_transfer import HostTransfer, planned_staging_bytes, transfer_for
 
 NonFinite = Literal["skip", "raise", "ignore"]
 NONFINITE: tuple[str, ...] = get_args(NonFinite)
@@ -240,6 +240,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
         precision._attached = True
+        precision._drain = self.drain_transfers
         self.setup_precision_plugin()
         # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
 
@@ -323,19 +324,20 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         numel = sum(p.numel() for _, p in self._unique_params(module))
         trainable = sum(p.numel() for _, p in self._unique_params(module) if p.requires_grad)
         dtype = self.precision_plugin.compute_dtype  # type: ignore[attr-defined]
-        size = torch.tensor([], dtype=dtype).element_size()
         low_bit = next((cb for cb in callbacks if type(cb).__name__ == "LowBitOptimizer"), None)
         embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-        cuda = self.root_device.type == "cuda"
+        precision = self.precision_plugin
+        half = {id(p) for p in autocast_cast_params(module)} if precision.mixed else None  # type: ignore[attr-defined]
+        specs = [
+            (p.numel(), dtype if half is None or id(p) in half else torch.float32) for _, p in self._unique_params(module)
+        ]
         parts = {
             "masters": 4 * numel,
             "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
             "optimizer_state": sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers),
-            # on CUDA: pinned staging in the compute dtype, one buffer per parameter (each rounded up to a power
-            # of two by torch's pinned allocator); on CPU: the compute weights share host RAM
-            "staging_or_compute_weights": sum(
-                _host_memory.pinned_bytes(size * p.numel(), cuda=cuda) for _, p in self._unique_params(module)
-            ),
+            # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
+            # (see [staging buckets]); on CPU: the compute weights share host RAM
+            "staging_or_compute_weights": planned_staging_bytes(self.root_device, specs),
         }
         parts["total"] = sum(parts.values())
         return parts
@@ -452,8 +454,17 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        # NOTE: sync point (CUDA): every gradient of this backward is on the host before user code
-        # (on_after_backward, manual clip_gradients, the step) can read the masters' gradients.
+        self.drain_transfers()  # NOTE: a no-op here in `Trainer.fit`: the precision plugin drained (see below)
+
+    def drain_transfers(self) -> None:
+        """Fold every gradient queued by the backwards so far into the masters (a sync point on CUDA).
+
+        NOTE: [drain before user code] Lightning calls ``on_after_backward`` from the precision plugin's
+        ``post_backward``, *before* the strategy's: ``MasterHalfPrecision.post_backward`` calls this first, so
+        every gradient of the backward is on the masters before user code (``on_after_backward``, manual
+        ``clip_gradients``, the step) reads them. Code that runs ``backward()`` outside Lightning's loop (the
+        micro-batch search's trial steps) must call it too, or its queued copies reach the next real step.
+        """
         if self._transfer is not None:
             self._transfer.synchronize()
 
@@ -703,7 +714,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         host_grads = [g for g in self._grad_host if g is not None] + [p.grad for p in self._p_host if p.grad is not None]
         out.add("host", "gradients", unique_storage_bytes(host_grads))
         if self._transfer is not None:
-            out.add("host", "other", unique_storage_bytes(self._transfer.staging()))
+            out.add("host", "other", self._transfer.staging_bytes())
         return out
 
     # --- teardown ----------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from lightning_lowmem.callbacks._offload_engine import SavedTensorOffloader, SyncCopier
+from lightning_lowmem._streams import DeferredOps
+from lightning_lowmem.callbacks._offload_engine import SavedTensorOffloader, StreamCopier, SyncCopier
 from lightning_lowmem.callbacks.activation_offload import ActivationOffload
 from lightning_lowmem.memory.categories import is_host
 from tests.helpers.models import random_batch, tiny_gpt2, tiny_llama
@@ -37,15 +38,18 @@ def _hf_step(model, batch, engine=None):
 
 
 @pytest.mark.parametrize(
-    ("arch", "ckpt", "boundaries_only"),
+    ("arch", "ckpt", "boundaries_only", "progress"),
     [
-        ("gpt2", None, False),
-        ("llama", None, False),
-        ("gpt2", "hf", True),  # Hugging Face gradient checkpointing (non-reentrant torch.utils.checkpoint)
-        ("llama", "hf", False),
+        ("gpt2", None, False, None),
+        ("llama", None, False, None),
+        ("gpt2", "hf", True, None),  # Hugging Face gradient checkpointing (non-reentrant torch.utils.checkpoint)
+        ("llama", "hf", False, None),
+        ("gpt2", "hf", True, "lazy"),  # the CUDA copier with deferred copies (DeferredOps)
+        ("llama", None, False, "random"),
     ],
 )
-def test_hf_gradients_and_weights_bit_identical(arch, ckpt, boundaries_only):
+def test_hf_gradients_and_weights_bit_identical(arch, ckpt, boundaries_only, progress):
+    """``progress``: None runs the plain CPU copier; else the CUDA copier on ``DeferredOps`` (copies deferred)."""
     torch.manual_seed(0)
     # NOTE: dropout on: offloading must not touch the RNG stream, and checkpoint's RNG replay must still match.
     model = tiny_gpt2(dropout=0.1) if arch == "gpt2" else tiny_llama()
@@ -54,7 +58,9 @@ def test_hf_gradients_and_weights_bit_identical(arch, ckpt, boundaries_only):
         model.activation_checkpointing_enable({"use_reentrant": False})
     ref = copy.deepcopy(model)
     opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-    engine = _engine(min_bytes=1024, prefetch=2, boundaries_only=boundaries_only)
+    ops = DeferredOps(progress, seed=1) if progress else None
+    copier = StreamCopier(CPU, ops) if ops else SyncCopier()
+    engine = _engine(min_bytes=1024, prefetch=2, boundaries_only=boundaries_only, copier=copier)
     for step in range(2):
         batch = random_batch(2, 16, seed=step)
         torch.manual_seed(100 + step)
@@ -70,6 +76,8 @@ def test_hf_gradients_and_weights_bit_identical(arch, ckpt, boundaries_only):
         for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, p_ref), f"step {step}: weight {name} differs"
     assert engine.host_bytes_live == 0  # every host copy freed with the graph
+    if ops is not None:  # the copies really were deferred, and every one landed
+        assert ops.copies_queued == ops.copies_run > 0 and ops.most_in_flight > 1
     if boundaries_only:
         assert engine.stats.boundary_saves == model.config.n_layer
         assert engine.stats.storages_offloaded == model.config.n_layer  # only the block inputs

@@ -18,6 +18,7 @@ from lightning_lowmem.callbacks import activation_offload as ao
 from lightning_lowmem.callbacks.activation_offload import METRIC_KEYS, ActivationOffload
 from lightning_lowmem.demo.module import CausalLMModule
 from tests.helpers.models import random_batch, tiny_lm_module
+from tests.helpers.streams import assert_copies_were_deferred
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +75,7 @@ def _checkpointing_callbacks() -> list[Callback]:
         ("llama", True, True, 2),  # ActivationCheckpointing + boundaries_only, over accumulated micro-batches
     ],
 )
-def test_fit_bit_identical_to_training_without_offload(arch, checkpointing, boundaries_only, accumulate):
+def test_fit_bit_identical_to_training_without_offload(arch, checkpointing, boundaries_only, accumulate, transfer_mode):
     torch.manual_seed(0)
     config = {"use_cache": False, **({"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1} if arch == "gpt2" else {})}
     module = tiny_lm_module(arch, config=config, learning_rate=1e-2)
@@ -91,6 +92,7 @@ def test_fit_bit_identical_to_training_without_offload(arch, checkpointing, boun
     for (name, p), q in zip(module.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), f"weight {name} differs"
     assert offload.last_step.bytes_offloaded > 0
+    assert_copies_were_deferred(transfer_mode)
     if boundaries_only:  # only the block inputs of the step's micro-batches went to the host
         n_layer = module.model.config.num_hidden_layers
         assert offload.last_step.boundary_saves == n_layer * accumulate

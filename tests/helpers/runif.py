@@ -36,4 +36,7 @@ def RunIf(
         reasons.append("needs `pip install 'lightning-lowmem[bnb]'`")
     if min_processes_cpus and (os.cpu_count() or 1) < min_processes_cpus:
         reasons.append(f"needs {min_processes_cpus} CPU cores")
-    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "requirements met")
+    # NOTE: `needs_cuda` lets tests/conftest.py add the `cuda` marker, so `pytest -m cuda` (make gpu-check) selects them
+    return pytest.mark.skipif(
+        bool(reasons), reason="; ".join(reasons) or "requirements met", needs_cuda=bool(min_cuda_gpus or bf16_cuda)
+    )

@@ -27,6 +27,7 @@ from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.precision.master_half import MasterHalfPrecision
 from lightning_lowmem.strategies.offload import OffloadStrategy
 from tests.helpers.models import GPT2_TINY, random_batch
+from tests.helpers.streams import assert_copies_were_deferred
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +158,7 @@ def batches_of(dataset: Batches, batch_size: int):
     ("precision", "kind", "steps", "accumulate"),
     [("bf16-true", "adamw", 10, 4), ("bf16-true", "sgd", 10, 4), ("bf16-mixed", "adamw", 4, 2), ("16-true", "sgd", 4, 2)],
 )
-def test_parity_with_hand_written_loop(precision, kind, steps, accumulate):
+def test_parity_with_hand_written_loop(precision, kind, steps, accumulate, transfer_mode):
     """Norm clipping, accumulation, an LR schedule; gradients and weights identical at every step.
 
     The default host optimizer runs AdamW with torch's fused CPU kernel; the reference uses the same kernel.
@@ -187,6 +188,7 @@ def test_parity_with_hand_written_loop(precision, kind, steps, accumulate):
     for name, p in module.named_parameters():  # teardown gave the module the fp32 masters back
         assert p.dtype == torch.float32
         assert torch.equal(p.detach(), ref_masters[name].detach()), f"{name} differs after {steps} steps"
+    assert_copies_were_deferred(transfer_mode)
 
 
 @pytest.mark.parametrize("host_optimizer", ["as_is", "auto"])
@@ -284,7 +286,7 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_optimizer_in_backward_matches_the_normal_step(kind):
+def test_optimizer_in_backward_matches_the_normal_step(kind, transfer_mode):
     torch.manual_seed(0)
     normal = LM(kind)
     in_backward = copy.deepcopy(normal)
@@ -294,6 +296,7 @@ def test_optimizer_in_backward_matches_the_normal_step(kind):
     t.fit(in_backward, DataLoader(data, batch_size=2))
     for (name, a), b in zip(normal.named_parameters(), in_backward.parameters()):
         assert torch.equal(a, b), name
+    assert_copies_were_deferred(transfer_mode)
 
 
 def test_optimizer_in_backward_value_clipping_matches_the_normal_step():
