@@ -18,6 +18,7 @@ The flow of one optimizer step (see ``DESIGN.md``):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from collections import OrderedDict, defaultdict
@@ -41,6 +42,7 @@ from typing_extensions import override
 from lightning_lowmem import _host_memory
 from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.memory.analytic import optimizer_state_bytes_per_param
+from lightning_lowmem.memory.units import fmt_size, parse_bytes
 from lightning_lowmem.memory.categories import (
     MemoryBreakdown,
     mark_host,
@@ -54,6 +56,16 @@ from lightning_lowmem.strategies import _host_optimizer
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_optimizer import HOST_OPTIMIZERS, HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, planned_staging_bytes, transfer_for
+from lightning_lowmem.strategies.param_stream import (
+    OFFLOAD_PARAMS,
+    OffloadParams,
+    ParamStream,
+    block_params,
+    default_budget,
+    plan_resident,
+)
+
+log = logging.getLogger(__name__)
 
 NonFinite = Literal["skip", "raise", "ignore"]
 NONFINITE: tuple[str, ...] = get_args(NonFinite)
@@ -104,6 +116,18 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             (``torch._foreach_norm``). With ``optimizer_in_backward`` the loss is checked before backward
             (a non-finite loss skips the whole step) and each gradient before its parameter steps.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
+        offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
+            block (GPT-2's ``transformer.h``, LLaMA's ``model.layers``) from host copies in the compute dtype (pinned on
+            CUDA, +2 B/param of host memory in bf16): on the device only the non-block weights (embeddings, LM head,
+            final norm) and ``prefetch + 1`` blocks at a time. Cost: each block's weights cross PCIe once in forward and
+            once in backward, overlapped with compute on a side stream (see
+            :class:`~lightning_lowmem.strategies.param_stream.ParamStream`). ``"auto"``: the first blocks stay resident
+            as far as ``device_budget`` allows, the rest stream (the choice is logged). ``False``: all resident.
+        prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
+        device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a
+            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks and the resident blocks
+            must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least 2 GiB);
+            required on the CPU.
 
     Example::
 
@@ -113,6 +137,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true", accumulate_grad_batches=4,
                             gradient_clip_val=1.0)
         trainer.fit(model)
+
+        # the blocks' weights on the host too, two blocks on the device at a time
+        trainer = L.Trainer(strategy=OffloadStrategy(offload_params=True, prefetch=1), precision="bf16-true")
     """
 
     strategy_name = "lowmem_offload"
@@ -125,6 +152,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         check_host_memory: bool = True,
         nonfinite: NonFinite = "skip",
         max_consecutive_skips: int = 10,
+        offload_params: OffloadParams = False,
+        prefetch: int = 1,
+        device_budget: int | str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -135,6 +165,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             check_host_memory=check_host_memory,
             nonfinite=nonfinite,
             max_consecutive_skips=max_consecutive_skips,
+            offload_params=offload_params,
+            prefetch=prefetch,
+            device_budget=device_budget,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
@@ -142,6 +175,10 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.check_host_memory = check_host_memory
         self.nonfinite = nonfinite
         self.max_consecutive_skips = max_consecutive_skips
+        self.offload_params = offload_params
+        self.prefetch = prefetch
+        self.device_budget = None if device_budget is None else parse_bytes(device_budget, "`device_budget`")
+        self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
         self.skipped_steps = 0  # steps skipped by the non-finite guard (bf16/fp32), over the strategy's life
         self._consecutive_skips = 0
         self._warned_nonfinite = False
@@ -160,6 +197,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._buffers: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (fp32 original on host, value after the cast)
         self._hooks: list[Any] = []
         self._transfer: HostTransfer | None = None
+        self._stream: ParamStream | None = None
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
         self._clip_value: float | None = None
@@ -226,7 +264,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.model = precision.convert_module(self.model)
         for name, (original, _) in self._buffers.items():
             self._buffers[name] = (original, self.model.get_buffer(name).detach().to("cpu", copy=True))
+        if self.offload_params is not False:
+            self._stream = self._plan_stream(self.model)
+            self._stream.detach_weights()  # NOTE: before the move: the streamed weights never reach the device whole
         self.model_to_device()
+        if self._stream is not None:
+            self._stream.attach()
         self.model = self._setup_model(self.model)
         self._transfer = transfer_for(self.root_device, self._p_device)
         if fitting:
@@ -297,11 +340,55 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 )
             if not module.automatic_optimization:
                 problems.append("`optimizer_in_backward=True` needs automatic optimization (the step happens in backward)")
+        problems += self._check_streaming(module)
         if problems:
             raise ValueError(
                 f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
                 + "\n- ".join(problems)
             )
+
+    # --- parameter streaming (see lightning_lowmem/strategies/param_stream.py) ---------------------------------
+    def _check_streaming(self, module: torch.nn.Module) -> list[str]:
+        if self.offload_params is False:
+            return []
+        problems = []
+        blocks, per_block, rest = block_params(module)
+        if self.offload_params is True and not any(per_block):
+            names = [n for n, _ in module.named_parameters()]
+            shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            problems.append(
+                f"`offload_params=True` streams the weights of repeated blocks (the children of an `nn.ModuleList` of two "
+                f"or more modules of one class), and `{type(module).__name__}` has none: no parameter would stream, all "
+                f"{len(names)} ({shown}) would stay on the device. Put the repeated layers in an `nn.ModuleList`, or pass "
+                "`offload_params='auto'` (streams what it finds, here nothing) or `offload_params=False`"
+            )
+        if self.offload_params == "auto" and self.device_budget is None and self.root_device.type != "cuda":
+            problems.append(
+                f"`offload_params='auto'` on the '{self.root_device.type}' device needs `device_budget` (bytes for the "
+                "compute weights, e.g. `device_budget='6GiB'`); only on CUDA does it default to the free memory"
+            )
+        return problems
+
+    def _plan_stream(self, module: torch.nn.Module) -> ParamStream:
+        """Which blocks stream (all with ``True``; under ``"auto"`` the ones that do not fit the budget), logged."""
+        blocks, per_block, rest = block_params(module)
+        sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in per_block]
+        other = sum(p.numel() * p.element_size() for p in rest)
+        if self.offload_params is True:
+            resident = 0
+        else:
+            budget = self.device_budget if self.device_budget is not None else default_budget(self.root_device)
+            resident = plan_resident(sizes, other, budget, self.prefetch)
+            log.info(
+                "lowmem_offload(offload_params='auto'): %d of %d blocks resident, %d streamed (budget %s for the compute "
+                "weights: %s outside the blocks, %s per block; predicted weights on the device at most %s)",
+                resident, len(sizes), len(sizes) - resident, fmt_size(budget), fmt_size(other),
+                fmt_size(max(sizes, default=0)),
+                fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(self.prefetch + 1):])),
+            )
+        self.resident_blocks = resident
+        streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
+        return ParamStream(module, streamed, self.prefetch, self.root_device)
 
     # --- masters ---------------------------------------------------------------------------------------
     def _unique_params(self, module: torch.nn.Module) -> Iterator[tuple[str, Parameter]]:
@@ -338,9 +425,18 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
             # (see [staging buckets]); on CPU: the compute weights share host RAM
             "staging_or_compute_weights": planned_staging_bytes(self.root_device, specs),
+            "streamed_weights": self._streamed_host_bytes(module, dtype),
         }
         parts["total"] = sum(parts.values())
         return parts
+
+    def _streamed_host_bytes(self, module: torch.nn.Module, dtype: torch.dtype) -> int:
+        """Host copies of the streamed blocks (all blocks under ``True``; counted for all under ``"auto"`` too)."""
+        if self.offload_params is False:
+            return 0
+        _, per_block, _ = block_params(module)
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(p.numel() * size for ps in per_block for p in ps)
 
     def _build_masters(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
         if self.check_host_memory:
@@ -467,6 +563,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """
         if self._transfer is not None:
             self._transfer.synchronize()
+        if self._stream is not None:
+            self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
 
     # --- the step --------------------------------------------------------------------------------------------
     @override
@@ -648,6 +746,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                         "(the param groups of `trainer.strategy.optimizers`)."
                     )
                 pairs.append((i, p_host, self._p_device[i]))
+        if self._stream is not None:
+            # NOTE: a streamed weight's compute copy is its host copy: the step rounds the master into it (the
+            # same fp32 -> compute dtype rounding as the device path); the next fetch carries it to the device.
+            host = self._stream.host_of()
+            self._stream.update_host([(p_host, host[id(p)]) for _, p_host, p in pairs if id(p) in host])
+            pairs = [pair for pair in pairs if id(pair[2]) not in host]
         self._transfer.weights_to_device(pairs)
 
     # --- checkpoints -------------------------------------------------------------------------------------------
@@ -680,7 +784,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._stream is not None:
+            with self._stream.host_view():  # NOTE: streamed weights load into their host copies
+                super().load_model_state_dict(checkpoint, strict=strict)
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
         if self._p_host:  # loaded after setup: the masters take the checkpoint's fp32 values too
             state = checkpoint["state_dict"]
             with torch.no_grad():
@@ -715,6 +823,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         out.add("host", "gradients", unique_storage_bytes(host_grads))
         if self._transfer is not None:
             out.add("host", "other", self._transfer.staging_bytes())
+        if self._stream is not None:
+            out.add("host", "weights", self._stream.host_bytes())  # the streamed blocks' compute copies
         return out
 
     # --- teardown ----------------------------------------------------------------------------------------------
@@ -724,6 +834,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             handle.remove()
         if self._transfer is not None:
             self._transfer.synchronize()
+        if self._stream is not None:
+            self._stream.remove()
         for optimizer, flags in self._fused.values():
             _host_optimizer.restore(optimizer, flags)
         module = self.lightning_module
@@ -800,6 +912,16 @@ def _check_flags(**flags: Any) -> None:
         problems.append(f"`host_optimizer={flags['host_optimizer']!r}`; expected one of {', '.join(map(repr, HOST_OPTIMIZERS))}")
     if flags["nonfinite"] not in NONFINITE:
         problems.append(f"`nonfinite={flags['nonfinite']!r}`; expected one of {', '.join(map(repr, NONFINITE))}")
+    if not any(flags["offload_params"] is v or (isinstance(v, str) and flags["offload_params"] == v) for v in OFFLOAD_PARAMS):
+        problems.append(f"`offload_params={flags['offload_params']!r}`; expected False, True or 'auto'")
+    prefetch = flags["prefetch"]
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        problems.append(f"`prefetch={prefetch!r}`; expected an int >= 0 (how many blocks to copy ahead)")
+    if flags["device_budget"] is not None:
+        try:
+            parse_bytes(flags["device_budget"], "`device_budget`")
+        except ValueError as err:
+            problems.append(f"`device_budget={flags['device_budget']!r}` ({err})")
     skips = flags["max_consecutive_skips"]
     if isinstance(skips, bool) or not isinstance(skips, int):
         problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
