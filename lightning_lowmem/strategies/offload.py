@@ -827,6 +827,18 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             out.add("host", "weights", self._stream.host_bytes())  # the streamed blocks' compute copies
         return out
 
+    def host_bytes_per_param(self) -> dict[str, float]:
+        """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included).
+
+        ``weights`` is the streamed blocks' compute copies (``offload_params``), ``optimizer_state`` the fp32 masters
+        plus the optimizer's state, ``other`` the pinned staging (CUDA).
+        """
+        numel = sum(p.numel() for p in self._p_host)
+        host = self.memory_breakdown().host
+        out = {k: v / numel for k, v in host.items() if v} if numel else {}
+        out["total"] = sum(out.values())
+        return out
+
     # --- teardown ----------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:

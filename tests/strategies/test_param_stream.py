@@ -24,6 +24,7 @@ from lightning_lowmem.memory.measure import MemoryTracker
 from lightning_lowmem.strategies.offload import OffloadStrategy
 from lightning_lowmem.strategies.param_stream import ParamStream, plan_resident
 from tests.helpers.models import random_batch
+from tests.helpers.runif import RunIf
 
 GPT2 = {"n_layer": 3, "n_embd": 32, "n_head": 2, "n_positions": 16, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "attn_pdrop": 0.0}
@@ -230,12 +231,15 @@ def test_stream_breakdown_during_fit():
     class Grab(Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
             seen["bd"] = trainer.strategy.memory_breakdown()
+            seen["per_param"] = trainer.strategy.host_bytes_per_param()
 
     module = _module("gpt2")
     _fit(module, "lowmem_offload_params", steps=1, callbacks=[Grab()])
     block_numel = sum(p.numel() for p in module.model.transformer.h.parameters())
     every = sum(p.numel() for p in module.parameters())
     assert seen["bd"].host["weights"] == 2 * block_numel
+    assert seen["per_param"]["weights"] == 2 * block_numel / every
+    assert 4 + 4 + 8 <= seen["per_param"]["total"] <= 4 + 4 + 8 + 2  # masters, grads, AdamW state, block copies
     assert seen["bd"].device["weights"] <= 2 * (every - block_numel) + 8
 
 
@@ -264,3 +268,17 @@ def test_stream_bad_input_reported_at_once():
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="needs `device_budget`"):
         trainer.fit(_module("gpt2"), _data(2))
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_stream_on_cuda_equals_resident(prefetch):
+    """The CUDA path (CudaOps: pinned host copies, side stream, events): weights equal to resident lowmem_offload."""
+    reference = _module("llama")
+    streamed = copy.deepcopy(reference)
+    kwargs = {"accelerator": "cuda", "devices": 1}
+    for module, strategy in ((reference, OffloadStrategy()), (streamed, OffloadStrategy(offload_params=True, prefetch=prefetch))):
+        L.Trainer(strategy=strategy, precision="bf16-true", max_steps=3, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[ActivationCheckpointing("all")],
+                  **kwargs).fit(module, _data(4))
+    _assert_same_weights(streamed, reference)
