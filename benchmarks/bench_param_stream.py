@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 from typing import Any
 
@@ -64,22 +65,40 @@ def _module(args: Any) -> CausalLMModule:
                                   "n_positions": args.seq, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
 
 
-def step_times(args: Any, variants: dict[str, Any], accelerator: str) -> dict[str, float]:
-    """Median seconds per training step of each variant, rounds interleaved (fit `steps` steps, first two dropped)."""
-    from benchmarks._harness import step_probe
+class _StepClock(L.Callback):
+    """Wall and process CPU seconds of every training step (CPU time is what a loaded shared machine distorts least)."""
 
-    data = [{k: v for k, v in _batch(args, i).items()} for i in range(args.steps)]
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._t = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.wall.append(time.perf_counter() - self._t[0])
+        self.cpu.append(time.process_time() - self._t[1])
+
+
+def step_times(args: Any, variants: dict[str, Any], accelerator: str) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds per training step of each variant, rounds interleaved (first two steps dropped)."""
+    data = [_batch(args, i) for i in range(args.steps)]
     base = _module(args)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in variants}
     for _ in range(args.rounds):
         for name, make in variants.items():
-            probe = step_probe(at=None)
+            clock = _StepClock()
             trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=make(), precision=args.precision,
                                 max_steps=args.steps, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
             trainer.fit(copy.deepcopy(base), DataLoader(data, batch_size=None))
-            times[name] += probe.times[2:]
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+            times[name]["wall"] += clock.wall[2:]
+            times[name]["cpu"] += clock.cpu[2:]
+    return {name: {k: statistics.median(v) for k, v in ts.items()} for name, ts in times.items()}
 
 
 def _batch(args: Any, seed: int) -> dict[str, torch.Tensor]:
@@ -99,35 +118,55 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--skip-estimates", action="store_true")
+    parser.add_argument("--gpu-shape", default="48,1600,25,1024,4", help="layers,width,heads,seq,batch on CUDA")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the CPU timing")
     parser.add_argument("--quick-estimates", action="store_true", help="GPT-2-XL only")
+    parser.add_argument("--reuse-estimates", action="store_true",
+                        help="keep the estimate rows of the last results file (re-time the steps only)")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    if not args.skip_estimates:
+    if args.reuse_estimates:
+        import json
+        import os
+        from pathlib import Path
+
+        from benchmarks._harness import RESULTS
+
+        last = Path(os.environ.get("LOWMEM_BENCH_RESULTS", RESULTS)) / "param_stream.json"
+        rows += [r for r in json.loads(last.read_text())["rows"] if r["part"] == "estimate"]
+    elif not args.skip_estimates and not torch.cuda.is_available():
+        # NOTE: on a GPU machine (make gpu-check) only the step times are new: the estimates are CPU dry runs
         estimates(rows, args.quick_estimates)
+    torch.set_num_threads(args.threads)
     cpu = step_times(args, {"lowmem_offload": lambda: OffloadStrategy(),
                             "lowmem_offload_params": lambda: OffloadStrategy(offload_params=True)}, "cpu")
     for name, t in cpu.items():
         rows.append({"part": "cpu step", "model": f"gpt2 {args.layers}x{args.width}", "batch": f"{args.batch}x{args.seq}",
-                     "strategy": name, "step_s": round(t, 4), "vs_resident": round(t / cpu["lowmem_offload"], 3)})
+                     "strategy": name, "step_s": round(t["wall"], 4), "vs_resident": round(t["wall"] / cpu["lowmem_offload"]["wall"], 3),
+                     "step_cpu_s": round(t["cpu"], 4), "cpu_vs_resident": round(t["cpu"] / cpu["lowmem_offload"]["cpu"], 3)})
     if torch.cuda.is_available():
+        # NOTE: the issue's GPU goal: GPT-2-XL at batch 4 x 1024 (override with --gpu-shape L,W,H,SEQ,BATCH)
         gpu_args = copy.copy(args)
+        gpu_args.layers, gpu_args.width, gpu_args.heads, gpu_args.seq, gpu_args.batch = map(int, args.gpu_shape.split(","))
         variants = {"resident": lambda: OffloadStrategy()}
         variants |= {f"prefetch={p}": (lambda p=p: OffloadStrategy(offload_params=True, prefetch=p)) for p in (0, 1, 2)}
         gpu = step_times(gpu_args, variants, "cuda")
         for name, t in gpu.items():
-            rows.append({"part": "gpu step", "model": f"gpt2 {args.layers}x{args.width}",
-                         "batch": f"{args.batch}x{args.seq}", "strategy": name, "step_s": round(t, 4),
-                         "vs_resident": round(t / gpu["resident"], 3)})
+            rows.append({"part": "gpu step", "model": f"gpt2 {gpu_args.layers}x{gpu_args.width}",
+                         "batch": f"{gpu_args.batch}x{gpu_args.seq}", "strategy": name, "step_s": round(t["wall"], 4),
+                         "vs_resident": round(t["wall"] / gpu["resident"]["wall"], 3)})
     write_results(
         "param_stream", rows,
-        ["part", "model", "batch", "strategy", "chunked_loss", "peak_device", "peak_host", "step_s", "vs_resident"],
+        ["part", "model", "batch", "strategy", "chunked_loss", "peak_device", "peak_host", "step_s", "vs_resident",
+         "step_cpu_s", "cpu_vs_resident"],
         title="lowmem_offload_params: predicted peaks (dry run, CUDA target) and step time vs lowmem_offload",
         notes=[
             "estimates: estimate_memory(..., precision='bf16-true', callbacks=[ActivationCheckpointing('all'), "
             "ActivationOffload(boundaries_only=True)] (+ ChunkedLMLoss(chunk_tokens=1024) where chunked_loss), "
             "target='cuda'; prefetch=1",
-            "cpu step: median seconds per step over the interleaved rounds (first two steps of each fit dropped); on the "
-            "CPU each fetch is a real host copy, nothing overlaps",
+            "cpu step: median wall (step_s) and process CPU (step_cpu_s) seconds per step over the interleaved rounds, "
+            "first two steps of each fit dropped, torch threads = --threads; on the CPU each fetch is a real host copy and "
+            "nothing overlaps. CPU time is the figure to compare on a shared, loaded machine",
             "gpu step: only with CUDA (make gpu-check)",
         ],
     )
