@@ -161,12 +161,12 @@ def main() -> None:
          "step_cpu_s", "cpu_vs_resident"],
         title="lowmem_offload_params: predicted peaks (dry run, CUDA target) and step time vs lowmem_offload",
         notes=[
-            "estimates: estimate_memory(..., precision='bf16-true', callbacks=[ActivationCheckpointing('all'), "
-            "ActivationOffload(boundaries_only=True)] (+ ChunkedLMLoss(chunk_tokens=1024) where chunked_loss), "
-            "target='cuda'; prefetch=1",
-            "cpu step: median wall (step_s) and process CPU (step_cpu_s) seconds per step over the interleaved rounds, "
-            "first two steps of each fit dropped, torch threads = --threads; on the CPU each fetch is a real host copy and "
-            "nothing overlaps. CPU time is the figure to compare on a shared, loaded machine",
+            ("estimates: estimate_memory(..., precision='bf16-true', callbacks=[ActivationCheckpointing('all'), "
+             "ActivationOffload(boundaries_only=True)] (+ ChunkedLMLoss(chunk_tokens=1024) where chunked_loss), "
+             "target='cuda'; prefetch=1"),
+            ("cpu step: median wall (step_s) and process CPU (step_cpu_s) seconds per step over the interleaved rounds, "
+             "first two steps of each fit dropped, torch threads = --threads; on the CPU each fetch is a real host copy "
+             "and nothing overlaps. CPU time is the figure to compare on a shared, loaded machine"),
             "gpu step: only with CUDA (make gpu-check)",
         ],
     )

@@ -42,7 +42,6 @@ from typing_extensions import override
 from lightning_lowmem import _host_memory
 from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.memory.analytic import optimizer_state_bytes_per_param
-from lightning_lowmem.memory.units import fmt_size, parse_bytes
 from lightning_lowmem.memory.categories import (
     MemoryBreakdown,
     mark_host,
@@ -51,6 +50,7 @@ from lightning_lowmem.memory.categories import (
     optimizer_state_bytes,
     unique_storage_bytes,
 )
+from lightning_lowmem.memory.units import fmt_size, parse_bytes
 from lightning_lowmem.precision.master_half import PRECISIONS, MasterHalfPrecision, autocast_cast_params
 from lightning_lowmem.strategies import _host_optimizer
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
@@ -288,6 +288,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._stream is not None:
+            self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
+
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._p_host:  # masters exist already (a later call): point the new optimizers at them
@@ -352,7 +358,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         if self.offload_params is False:
             return []
         problems = []
-        blocks, per_block, rest = block_params(module)
+        _, per_block, _ = block_params(module)
         if self.offload_params is True and not any(per_block):
             names = [n for n, _ in module.named_parameters()]
             shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -371,7 +377,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     def _plan_stream(self, module: torch.nn.Module) -> ParamStream:
         """Which blocks stream (all with ``True``; under ``"auto"`` the ones that do not fit the budget), logged."""
-        blocks, per_block, rest = block_params(module)
+        _, per_block, rest = block_params(module)
         sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in per_block]
         other = sum(p.numel() * p.element_size() for p in rest)
         if self.offload_params is True:

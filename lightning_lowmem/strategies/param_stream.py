@@ -177,9 +177,21 @@ class ParamStream:
 
     def attach(self) -> None:
         """After the module moved to the device: placeholders there, and the hooks."""
-        for b, ps in enumerate(self.params):
+        for ps in self.params:
             for p in ps:
                 p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+        self.hook_blocks()
+
+    def hook_blocks(self) -> None:
+        """(Re-)register the block hooks, after every hook registered so far.
+
+        NOTE: ``OffloadStrategy.on_train_start`` calls it again, after the callbacks' ``on_train_start``: a hook a
+        callback puts on the first block then (the dry run's depth windows, which cut the step at the first block's
+        pre-hook) runs before the fetch, so the fetch is counted inside the blocks, at every depth alike.
+        """
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
         for b, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(lambda m, a, b=b: self._pre(b)))
             self._handles.append(block.register_forward_hook(lambda m, a, o, b=b: self._post(b, o), always_call=True))

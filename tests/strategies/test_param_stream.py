@@ -69,8 +69,8 @@ def _fit(module: L.LightningModule, strategy: Any, *, steps: int = 3, callbacks:
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
-    for name in pa:
-        assert torch.equal(pa[name], pb[name]), f"{name} differs"
+    for name, value in pa.items():
+        assert torch.equal(value, pb[name]), f"{name} differs"
 
 
 def _compare(kind: str, transfer_mode: Any, make_callbacks: Any = list, stream_kwargs: Any = None, **kwargs: Any):
@@ -214,7 +214,7 @@ def test_stream_auto_budget_keeps_0_some_all_blocks_resident(caplog):
 
 def test_stream_memory_breakdown_and_validate():
     module = _module("gpt2")
-    trainer, watch = _fit(module, "lowmem_offload_params", steps=1)
+    _fit(module, "lowmem_offload_params", steps=1)
     block_numel = sum(p.numel() for p in module.model.transformer.h.parameters())
     strategy = OffloadStrategy(offload_params=True)
     need = strategy.host_bytes_needed(module, [], with_grads=False)
