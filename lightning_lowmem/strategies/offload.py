@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -48,11 +49,12 @@ from lightning_lowmem.memory.categories import (
     module_grad_bytes,
     module_weight_bytes,
     optimizer_state_bytes,
+    storage_key,
     unique_storage_bytes,
 )
 from lightning_lowmem.memory.units import fmt_size, parse_bytes
 from lightning_lowmem.precision.master_half import PRECISIONS, MasterHalfPrecision, autocast_cast_params
-from lightning_lowmem.strategies import _host_optimizer
+from lightning_lowmem.strategies import _host_optimizer, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_optimizer import HOST_OPTIMIZERS, HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, planned_staging_bytes, transfer_for
@@ -128,6 +130,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks and the resident blocks
             must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least 2 GiB);
             required on the CPU.
+        load_weights: a local Hugging Face ``save_pretrained`` directory in safetensors: its tensors are read one at a
+            time straight into the fp32 masters of a module built without weights (on the ``meta`` device, or under
+            ``trainer.init_module(empty_init=True)``, whose fp32 storage becomes the masters), so the host never holds
+            a second fp32 copy (see :mod:`~lightning_lowmem.strategies.hf_weights`). Not read when resuming from
+            ``ckpt_path`` (the checkpoint's weights win).
 
     Example::
 
@@ -155,6 +162,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         offload_params: OffloadParams = False,
         prefetch: int = 1,
         device_budget: int | str | None = None,
+        load_weights: str | os.PathLike | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -168,6 +176,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             offload_params=offload_params,
             prefetch=prefetch,
             device_budget=device_budget,
+            load_weights=load_weights,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
@@ -176,6 +185,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.nonfinite = nonfinite
         self.max_consecutive_skips = max_consecutive_skips
         self.offload_params = offload_params
+        self.load_weights = load_weights
+        self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
+        self._loading = False
         self.prefetch = prefetch
         self.device_budget = None if device_budget is None else parse_bytes(device_budget, "`device_budget`")
         self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
@@ -246,6 +258,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self._check_trainer(trainer)
+        if self._loading:
+            hf_weights.materialize_meta(self.model)  # NOTE: before the optimizers are built over the parameters
         self.accelerator.setup(trainer)
         precision = self.precision_plugin
         assert isinstance(precision, MasterHalfPrecision)
@@ -347,6 +361,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             if not module.automatic_optimization:
                 problems.append("`optimizer_in_backward=True` needs automatic optimization (the step happens in backward)")
         problems += self._check_streaming(module)
+        problems += self._check_loading(module, trainer)
         if problems:
             raise ValueError(
                 f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
@@ -372,6 +387,29 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             problems.append(
                 f"`offload_params='auto'` on the '{self.root_device.type}' device needs `device_budget` (bytes for the "
                 "compute weights, e.g. `device_budget='6GiB'`); only on CUDA does it default to the free memory"
+            )
+        return problems
+
+    def _check_loading(self, module: torch.nn.Module, trainer: pl.Trainer) -> list[str]:
+        """Decide whether ``load_weights`` is read (not on resume: the checkpoint's weights win); what cannot work."""
+        meta_params = [n for n, p in module.named_parameters() if p.is_meta]
+        meta_buffers = [n for n, b in module.named_buffers() if b.is_meta]
+        resuming = getattr(trainer, "ckpt_path", None) is not None
+        self._loading = self.load_weights is not None and not resuming
+        problems = []
+        if meta_params and not self._loading:
+            why = "resuming from `ckpt_path` (the checkpoint loads into real tensors only)" if resuming else (
+                "no `load_weights` to fill them")
+            problems.append(
+                f"{len(meta_params)} parameters are on the meta device (`{meta_params[0]}`, ...) and {why}: pass "
+                "`OffloadStrategy(load_weights=<save_pretrained directory>)`, or build the module under "
+                "`trainer.init_module(empty_init=True)` to resume"
+            )
+        if meta_buffers:
+            problems.append(
+                f"buffers on the meta device ({', '.join(f'`{n}`' for n in meta_buffers[:3])}): checkpoints do not hold "
+                "computed buffers (rotary `inv_freq`); build the module under `trainer.init_module(empty_init=True)` "
+                "instead of the meta device (its weights still come from `load_weights` without an fp32 copy)"
             )
         return problems
 
@@ -444,6 +482,18 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         size = torch.empty((), dtype=dtype).element_size()
         return sum(p.numel() * size for ps in per_block for p in ps)
 
+    def _master_storage(self, p: Tensor) -> Tensor:
+        """The fp32 host tensor of a new master: a copy of ``p``, or (loading weights) room for them."""
+        if not self._loading:
+            return p.detach().to("cpu", torch.float32, copy=True)
+        precision = self.precision_plugin
+        if (p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta and not precision.mixed  # type: ignore[attr-defined]
+                and precision.compute_dtype != torch.float32):  # type: ignore[attr-defined]
+            # NOTE: an empty_init module's fp32 storage becomes the master (no second fp32 copy on the host); the
+            # cast to the compute dtype right after gives the module parameter a storage of its own.
+            return p.detach()
+        return torch.empty(p.shape, dtype=torch.float32)
+
     def _build_masters(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
         if self.check_host_memory:
             trainer = getattr(self.lightning_module, "_trainer", None)
@@ -465,7 +515,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             )
         self._reset()
         for i, (name, p) in enumerate(self._unique_params(module)):
-            p_host = Parameter(p.detach().to("cpu", torch.float32, copy=True), requires_grad=p.requires_grad)
+            p_host = Parameter(self._master_storage(p), requires_grad=p.requires_grad)
             self._names.append(name)
             self._p_device.append(p)
             self._p_host.append(p_host)
@@ -473,6 +523,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self._host_index[id(p_host)] = i
             grad = torch.empty_like(p_host) if with_grads and p.requires_grad and not self.optimizer_in_backward else None
             self._grad_host.append(grad)
+        if self._loading:
+            self.load_report = hf_weights.load_into(dict(zip(self._names, self._p_host)), self.load_weights)
+            with torch.no_grad():
+                for p, p_host in zip(self._p_device, self._p_host):
+                    if not p.is_meta and storage_key(p) != storage_key(p_host):
+                        p.detach().copy_(p_host)  # NOTE: an empty_init module whose storage the master could not reuse
         mark_host(*self._p_host, *(g for g in self._grad_host if g is not None))
         precision = self.precision_plugin
         # NOTE: under "*-mixed" buffers keep fp32 (see MasterHalfPrecision.convert_module): nothing to restore
@@ -860,6 +916,14 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         if module is not None and self._p_host:
             self._give_back_fp32(module)
         self._reset()
+        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            # NOTE: setup refused a meta-device module before materializing it: Strategy.teardown's `.cpu()` would fail
+            # on it and hide the ValueError that says why
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
     @torch.no_grad()
@@ -935,6 +999,11 @@ def _check_flags(**flags: Any) -> None:
     prefetch = flags["prefetch"]
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         problems.append(f"`prefetch={prefetch!r}`; expected an int >= 0 (how many blocks to copy ahead)")
+    if flags["load_weights"] is not None:
+        try:
+            hf_weights.shard_files(flags["load_weights"])
+        except ValueError as err:
+            problems.append(str(err).removeprefix("Passed "))
     if flags["device_budget"] is not None:
         try:
             parse_bytes(flags["device_budget"], "`device_budget`")

@@ -283,3 +283,37 @@ def test_stream_on_cuda_equals_resident(prefetch):
                   enable_progress_bar=False, enable_model_summary=False, callbacks=[ActivationCheckpointing("all")],
                   **kwargs).fit(module, _data(4))
     _assert_same_weights(streamed, reference)
+
+
+# --- load_weights: a save_pretrained directory, tensor by tensor into the masters ---------------------------------
+
+
+@pytest.mark.parametrize(("kind", "build"), [("gpt2", "meta"), ("llama", "empty_init")])
+def test_load_weights_shard_by_shard_equals_from_pretrained(tmp_path, kind, build):
+    """A module built without weights + `load_weights` trains exactly like one built by `from_pretrained`."""
+    source = _module(kind, seed=7)
+    source.model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2  # sharded
+    config = GPT2 if kind == "gpt2" else LLAMA
+    reference = CausalLMModule(model_type=kind, pretrained_path=str(tmp_path), learning_rate=1e-2)
+    _fit(reference, "lowmem_offload", steps=2)
+    strategy = OffloadStrategy(offload_params=True, load_weights=tmp_path)
+    if build == "meta":
+        with torch.device("meta"):
+            module = CausalLMModule(model_type=kind, config=config, learning_rate=1e-2)
+    else:
+        trainer = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(), logger=False)
+        with trainer.init_module(empty_init=True):
+            module = CausalLMModule(model_type=kind, config=config, learning_rate=1e-2)
+    trainer, _ = _fit(module, strategy, steps=2)
+    assert strategy.load_report is not None and strategy.load_report["files"] > 2
+    _assert_same_weights(module, reference)
+
+
+def test_load_weights_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="expected a local directory holding a Hugging Face"):
+        OffloadStrategy(load_weights=tmp_path / "nowhere")
+    with torch.device("meta"):
+        module = _module("llama")
+    with pytest.raises(ValueError, match=r"buffers on the meta device \(`model.model.rotary_emb.inv_freq`"):
+        _fit(module, OffloadStrategy(), steps=1)
