@@ -99,8 +99,7 @@ def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, pre
     while keep < n and used + block_bytes[keep] <= budget:
         used += block_bytes[keep]
         keep += 1
-    # NOTE: every block kept resident also removes one from the streamed window only once fewer than prefetch + 1
-    # remain streamed; the rule above stays on the safe side of that.
+    # NOTE: conservative: the window in flight is counted as prefetch + 1 blocks even when fewer stay streamed
     return min(keep, n)
 
 
@@ -116,8 +115,8 @@ class ParamStream:
     Memory on the device: the compute weights of the resident blocks and of the non-block parameters, plus at most
     ``prefetch + 1`` streamed blocks at any instant. On the host: one copy of each streamed weight in the compute
     dtype (2 B/param in bf16; pinned on CUDA). Cost: each streamed block crosses PCIe once in forward and once in
-    backward (twice more with nothing: a checkpointed block's recompute uses the backward copy), on a side stream
-    ``prefetch`` blocks ahead of compute.
+    backward (a checkpointed block recomputes on the backward copy), on a side stream ``prefetch`` blocks ahead of
+    compute; on the CPU each crossing is a host copy.
 
     Built by :class:`~lightning_lowmem.strategies.offload.OffloadStrategy`; example::
 
