@@ -24,6 +24,12 @@ STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "CPU-master half precision: compute weights on the accelerator, fp32 masters, gradients and optimizer on the host",
         {},
     ),
+    "lowmem_offload_params": (
+        "lightning_lowmem.strategies.offload",
+        "OffloadStrategy",
+        "lowmem_offload with the repeated blocks' compute weights on the host too, streamed to the device block by block",
+        {"offload_params": True},
+    ),
     "lowmem_auto": (
         "lightning_lowmem.plan.auto",
         "AutoStrategy",

@@ -18,7 +18,9 @@ The flow of one optimizer step (see ``DESIGN.md``):
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import os
 import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -47,13 +49,25 @@ from lightning_lowmem.memory.categories import (
     module_grad_bytes,
     module_weight_bytes,
     optimizer_state_bytes,
+    storage_key,
     unique_storage_bytes,
 )
+from lightning_lowmem.memory.units import fmt_size, parse_bytes
 from lightning_lowmem.precision.master_half import PRECISIONS, MasterHalfPrecision, autocast_cast_params
-from lightning_lowmem.strategies import _host_optimizer
+from lightning_lowmem.strategies import _host_optimizer, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_optimizer import HOST_OPTIMIZERS, HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, planned_staging_bytes, transfer_for
+from lightning_lowmem.strategies.param_stream import (
+    OFFLOAD_PARAMS,
+    OffloadParams,
+    ParamStream,
+    block_params,
+    default_budget,
+    plan_resident,
+)
+
+log = logging.getLogger(__name__)
 
 NonFinite = Literal["skip", "raise", "ignore"]
 NONFINITE: tuple[str, ...] = get_args(NonFinite)
@@ -104,6 +118,23 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             (``torch._foreach_norm``). With ``optimizer_in_backward`` the loss is checked before backward
             (a non-finite loss skips the whole step) and each gradient before its parameter steps.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
+        offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
+            block (GPT-2's ``transformer.h``, LLaMA's ``model.layers``) from host copies in the compute dtype (pinned on
+            CUDA, +2 B/param of host memory in bf16): on the device only the non-block weights (embeddings, LM head,
+            final norm) and ``prefetch + 1`` blocks at a time. Cost: each block's weights cross PCIe once in forward and
+            once in backward, overlapped with compute on a side stream (see
+            :class:`~lightning_lowmem.strategies.param_stream.ParamStream`). ``"auto"``: the first blocks stay resident
+            as far as ``device_budget`` allows, the rest stream (the choice is logged). ``False``: all resident.
+        prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
+        device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a
+            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks and the resident blocks
+            must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least 2 GiB);
+            required on the CPU.
+        load_weights: a local Hugging Face ``save_pretrained`` directory in safetensors: its tensors are read one at a
+            time straight into the fp32 masters of a module built without weights (on the ``meta`` device, or under
+            ``trainer.init_module(empty_init=True)``, whose fp32 storage becomes the masters), so the host never holds
+            a second fp32 copy (see :mod:`~lightning_lowmem.strategies.hf_weights`). Not read when resuming from
+            ``ckpt_path`` (the checkpoint's weights win).
 
     Example::
 
@@ -113,6 +144,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true", accumulate_grad_batches=4,
                             gradient_clip_val=1.0)
         trainer.fit(model)
+
+        # the blocks' weights on the host too, two blocks on the device at a time
+        trainer = L.Trainer(strategy=OffloadStrategy(offload_params=True, prefetch=1), precision="bf16-true")
     """
 
     strategy_name = "lowmem_offload"
@@ -125,6 +159,10 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         check_host_memory: bool = True,
         nonfinite: NonFinite = "skip",
         max_consecutive_skips: int = 10,
+        offload_params: OffloadParams = False,
+        prefetch: int = 1,
+        device_budget: int | str | None = None,
+        load_weights: str | os.PathLike | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -135,6 +173,10 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             check_host_memory=check_host_memory,
             nonfinite=nonfinite,
             max_consecutive_skips=max_consecutive_skips,
+            offload_params=offload_params,
+            prefetch=prefetch,
+            device_budget=device_budget,
+            load_weights=load_weights,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
@@ -142,6 +184,13 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.check_host_memory = check_host_memory
         self.nonfinite = nonfinite
         self.max_consecutive_skips = max_consecutive_skips
+        self.offload_params = offload_params
+        self.load_weights = load_weights
+        self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
+        self._loading = False
+        self.prefetch = prefetch
+        self.device_budget = None if device_budget is None else parse_bytes(device_budget, "`device_budget`")
+        self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
         self.skipped_steps = 0  # steps skipped by the non-finite guard (bf16/fp32), over the strategy's life
         self._consecutive_skips = 0
         self._warned_nonfinite = False
@@ -160,6 +209,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._buffers: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (fp32 original on host, value after the cast)
         self._hooks: list[Any] = []
         self._transfer: HostTransfer | None = None
+        self._stream: ParamStream | None = None
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
         self._clip_value: float | None = None
@@ -208,6 +258,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self._check_trainer(trainer)
+        if self._loading:
+            hf_weights.materialize_meta(self.model)  # NOTE: before the optimizers are built over the parameters
         self.accelerator.setup(trainer)
         precision = self.precision_plugin
         assert isinstance(precision, MasterHalfPrecision)
@@ -226,7 +278,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.model = precision.convert_module(self.model)
         for name, (original, _) in self._buffers.items():
             self._buffers[name] = (original, self.model.get_buffer(name).detach().to("cpu", copy=True))
+        if self.offload_params is not False:
+            self._stream = self._plan_stream(self.model)
+            self._stream.detach_weights()  # NOTE: before the move: the streamed weights never reach the device whole
         self.model_to_device()
+        if self._stream is not None:
+            self._stream.attach()
         self.model = self._setup_model(self.model)
         self._transfer = transfer_for(self.root_device, self._p_device)
         if fitting:
@@ -243,6 +300,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         precision._drain = self.drain_transfers
         self.setup_precision_plugin()
         # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._stream is not None:
+            self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -297,11 +360,79 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 )
             if not module.automatic_optimization:
                 problems.append("`optimizer_in_backward=True` needs automatic optimization (the step happens in backward)")
+        problems += self._check_streaming(module)
+        problems += self._check_loading(module, trainer)
         if problems:
             raise ValueError(
                 f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
                 + "\n- ".join(problems)
             )
+
+    # --- parameter streaming (see lightning_lowmem/strategies/param_stream.py) ---------------------------------
+    def _check_streaming(self, module: torch.nn.Module) -> list[str]:
+        if self.offload_params is False:
+            return []
+        problems = []
+        _, per_block, _ = block_params(module)
+        if self.offload_params is True and not any(per_block):
+            names = [n for n, _ in module.named_parameters()]
+            shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            problems.append(
+                f"`offload_params=True` streams the weights of repeated blocks (the children of an `nn.ModuleList` of two "
+                f"or more modules of one class), and `{type(module).__name__}` has none: no parameter would stream, all "
+                f"{len(names)} ({shown}) would stay on the device. Put the repeated layers in an `nn.ModuleList`, or pass "
+                "`offload_params='auto'` (streams what it finds, here nothing) or `offload_params=False`"
+            )
+        if self.offload_params == "auto" and self.device_budget is None and self.root_device.type != "cuda":
+            problems.append(
+                f"`offload_params='auto'` on the '{self.root_device.type}' device needs `device_budget` (bytes for the "
+                "compute weights, e.g. `device_budget='6GiB'`); only on CUDA does it default to the free memory"
+            )
+        return problems
+
+    def _check_loading(self, module: torch.nn.Module, trainer: pl.Trainer) -> list[str]:
+        """Decide whether ``load_weights`` is read (not on resume: the checkpoint's weights win); what cannot work."""
+        meta_params = [n for n, p in module.named_parameters() if p.is_meta]
+        meta_buffers = [n for n, b in module.named_buffers() if b.is_meta]
+        resuming = getattr(trainer, "ckpt_path", None) is not None
+        self._loading = self.load_weights is not None and not resuming
+        problems = []
+        if meta_params and not self._loading:
+            why = "resuming from `ckpt_path` (the checkpoint loads into real tensors only)" if resuming else (
+                "no `load_weights` to fill them")
+            problems.append(
+                f"{len(meta_params)} parameters are on the meta device (`{meta_params[0]}`, ...) and {why}: pass "
+                "`OffloadStrategy(load_weights=<save_pretrained directory>)`, or build the module under "
+                "`trainer.init_module(empty_init=True)` to resume"
+            )
+        if meta_buffers:
+            problems.append(
+                f"buffers on the meta device ({', '.join(f'`{n}`' for n in meta_buffers[:3])}): checkpoints do not hold "
+                "computed buffers (rotary `inv_freq`); build the module under `trainer.init_module(empty_init=True)` "
+                "instead of the meta device (its weights still come from `load_weights` without an fp32 copy)"
+            )
+        return problems
+
+    def _plan_stream(self, module: torch.nn.Module) -> ParamStream:
+        """Which blocks stream (all with ``True``; under ``"auto"`` the ones that do not fit the budget), logged."""
+        _, per_block, rest = block_params(module)
+        sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in per_block]
+        other = sum(p.numel() * p.element_size() for p in rest)
+        if self.offload_params is True:
+            resident = 0
+        else:
+            budget = self.device_budget if self.device_budget is not None else default_budget(self.root_device)
+            resident = plan_resident(sizes, other, budget, self.prefetch)
+            log.info(
+                "lowmem_offload(offload_params='auto'): %d of %d blocks resident, %d streamed (budget %s for the compute "
+                "weights: %s outside the blocks, %s per block; predicted weights on the device at most %s)",
+                resident, len(sizes), len(sizes) - resident, fmt_size(budget), fmt_size(other),
+                fmt_size(max(sizes, default=0)),
+                fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(self.prefetch + 1):])),
+            )
+        self.resident_blocks = resident
+        streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
+        return ParamStream(module, streamed, self.prefetch, self.root_device)
 
     # --- masters ---------------------------------------------------------------------------------------
     def _unique_params(self, module: torch.nn.Module) -> Iterator[tuple[str, Parameter]]:
@@ -338,9 +469,30 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
             # (see [staging buckets]); on CPU: the compute weights share host RAM
             "staging_or_compute_weights": planned_staging_bytes(self.root_device, specs),
+            "streamed_weights": self._streamed_host_bytes(module, dtype),
         }
         parts["total"] = sum(parts.values())
         return parts
+
+    def _streamed_host_bytes(self, module: torch.nn.Module, dtype: torch.dtype) -> int:
+        """Host copies of the streamed blocks (all blocks under ``True``; counted for all under ``"auto"`` too)."""
+        if self.offload_params is False:
+            return 0
+        _, per_block, _ = block_params(module)
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(p.numel() * size for ps in per_block for p in ps)
+
+    def _master_storage(self, p: Tensor) -> Tensor:
+        """The fp32 host tensor of a new master: a copy of ``p``, or (loading weights) room for them."""
+        if not self._loading:
+            return p.detach().to("cpu", torch.float32, copy=True)
+        precision = self.precision_plugin
+        if (p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta and not precision.mixed  # type: ignore[attr-defined]
+                and precision.compute_dtype != torch.float32):  # type: ignore[attr-defined]
+            # NOTE: an empty_init module's fp32 storage becomes the master (no second fp32 copy on the host); the
+            # cast to the compute dtype right after gives the module parameter a storage of its own.
+            return p.detach()
+        return torch.empty(p.shape, dtype=torch.float32)
 
     def _build_masters(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
         if self.check_host_memory:
@@ -363,7 +515,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             )
         self._reset()
         for i, (name, p) in enumerate(self._unique_params(module)):
-            p_host = Parameter(p.detach().to("cpu", torch.float32, copy=True), requires_grad=p.requires_grad)
+            p_host = Parameter(self._master_storage(p), requires_grad=p.requires_grad)
             self._names.append(name)
             self._p_device.append(p)
             self._p_host.append(p_host)
@@ -371,6 +523,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self._host_index[id(p_host)] = i
             grad = torch.empty_like(p_host) if with_grads and p.requires_grad and not self.optimizer_in_backward else None
             self._grad_host.append(grad)
+        if self._loading:
+            self.load_report = hf_weights.load_into(dict(zip(self._names, self._p_host)), self.load_weights)
+            with torch.no_grad():
+                for p, p_host in zip(self._p_device, self._p_host):
+                    if not p.is_meta and storage_key(p) != storage_key(p_host):
+                        p.detach().copy_(p_host)  # NOTE: an empty_init module whose storage the master could not reuse
         mark_host(*self._p_host, *(g for g in self._grad_host if g is not None))
         precision = self.precision_plugin
         # NOTE: under "*-mixed" buffers keep fp32 (see MasterHalfPrecision.convert_module): nothing to restore
@@ -467,6 +625,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """
         if self._transfer is not None:
             self._transfer.synchronize()
+        if self._stream is not None:
+            self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
 
     # --- the step --------------------------------------------------------------------------------------------
     @override
@@ -648,6 +808,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                         "(the param groups of `trainer.strategy.optimizers`)."
                     )
                 pairs.append((i, p_host, self._p_device[i]))
+        if self._stream is not None:
+            # NOTE: a streamed weight's compute copy is its host copy: the step rounds the master into it (the
+            # same fp32 -> compute dtype rounding as the device path); the next fetch carries it to the device.
+            host = self._stream.host_of()
+            self._stream.update_host([(p_host, host[id(p)]) for _, p_host, p in pairs if id(p) in host])
+            pairs = [pair for pair in pairs if id(pair[2]) not in host]
         self._transfer.weights_to_device(pairs)
 
     # --- checkpoints -------------------------------------------------------------------------------------------
@@ -680,7 +846,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._stream is not None:
+            with self._stream.host_view():  # NOTE: streamed weights load into their host copies
+                super().load_model_state_dict(checkpoint, strict=strict)
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
         if self._p_host:  # loaded after setup: the masters take the checkpoint's fp32 values too
             state = checkpoint["state_dict"]
             with torch.no_grad():
@@ -715,6 +885,20 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         out.add("host", "gradients", unique_storage_bytes(host_grads))
         if self._transfer is not None:
             out.add("host", "other", self._transfer.staging_bytes())
+        if self._stream is not None:
+            out.add("host", "weights", self._stream.host_bytes())  # the streamed blocks' compute copies
+        return out
+
+    def host_bytes_per_param(self) -> dict[str, float]:
+        """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included).
+
+        ``weights`` is the streamed blocks' compute copies (``offload_params``), ``optimizer_state`` the fp32 masters
+        plus the optimizer's state, ``other`` the pinned staging (CUDA).
+        """
+        numel = sum(p.numel() for p in self._p_host)
+        host = self.memory_breakdown().host
+        out = {k: v / numel for k, v in host.items() if v} if numel else {}
+        out["total"] = sum(out.values())
         return out
 
     # --- teardown ----------------------------------------------------------------------------------------------
@@ -724,12 +908,22 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             handle.remove()
         if self._transfer is not None:
             self._transfer.synchronize()
+        if self._stream is not None:
+            self._stream.remove()
         for optimizer, flags in self._fused.values():
             _host_optimizer.restore(optimizer, flags)
         module = self.lightning_module
         if module is not None and self._p_host:
             self._give_back_fp32(module)
         self._reset()
+        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            # NOTE: setup refused a meta-device module before materializing it: Strategy.teardown's `.cpu()` would fail
+            # on it and hide the ValueError that says why
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
     @torch.no_grad()
@@ -800,6 +994,21 @@ def _check_flags(**flags: Any) -> None:
         problems.append(f"`host_optimizer={flags['host_optimizer']!r}`; expected one of {', '.join(map(repr, HOST_OPTIMIZERS))}")
     if flags["nonfinite"] not in NONFINITE:
         problems.append(f"`nonfinite={flags['nonfinite']!r}`; expected one of {', '.join(map(repr, NONFINITE))}")
+    if not any(flags["offload_params"] is v or (isinstance(v, str) and flags["offload_params"] == v) for v in OFFLOAD_PARAMS):
+        problems.append(f"`offload_params={flags['offload_params']!r}`; expected False, True or 'auto'")
+    prefetch = flags["prefetch"]
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        problems.append(f"`prefetch={prefetch!r}`; expected an int >= 0 (how many blocks to copy ahead)")
+    if flags["load_weights"] is not None:
+        try:
+            hf_weights.shard_files(flags["load_weights"])
+        except ValueError as err:
+            problems.append(str(err).removeprefix("Passed "))
+    if flags["device_budget"] is not None:
+        try:
+            parse_bytes(flags["device_budget"], "`device_budget`")
+        except ValueError as err:
+            problems.append(f"`device_budget={flags['device_budget']!r}` ({err})")
     skips = flags["max_consecutive_skips"]
     if isinstance(skips, bool) or not isinstance(skips, int):
         problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
