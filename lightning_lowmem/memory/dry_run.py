@@ -206,12 +206,25 @@ class _StepBracket(L.Callback):
         self.fx.in_step = False
 
 
+def _own_strategies() -> set[str]:
+    from lightning_lowmem._registry import STRATEGIES
+
+    return set(STRATEGIES)
+
+
+_OWN_STRATEGIES = _own_strategies()
+
+
 def _trainer(spec: RunSpec, extra: list[Any], root: str, zero: ZeroPlan | None) -> L.Trainer:
     kwargs = spec.trainer_kwargs()
     if zero is not None:
         kwargs["strategy"] = "auto"
         kwargs["precision"] = {"bf16-mixed": "bf16-true", "16-mixed": "16-true"}.get(spec.precision, spec.precision)
     strategy = kwargs["strategy"]
+    if isinstance(strategy, str) and zero is None and strategy.lower() in _OWN_STRATEGIES:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        kwargs["strategy"] = strategy = StrategyRegistry.get(strategy.lower())  # NOTE: so its host check can be off
     if hasattr(strategy, "check_host_memory"):
         # NOTE: the run being predicted is not this machine's: its host RAM is reported, not checked
         strategy.check_host_memory = False
@@ -476,4 +489,4 @@ def _cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: Run
     return out
 
 
-__all__ = ["dry_run", "find_blocks", "DryRunUnsupportedError"]
+__all__ = ["DryRunUnsupportedError", "dry_run", "find_blocks"]

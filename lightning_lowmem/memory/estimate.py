@@ -20,8 +20,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from lightning_lowmem.memory.result import MemoryEstimate
 from lightning_lowmem.memory.run import SHORTHANDS, RunSpec
@@ -51,6 +52,7 @@ def estimate_memory(
     method: Literal["dry_run", "analytic"] = "dry_run",
     extrapolate: bool | None = None,
     offload: bool = False,
+    offload_params: bool = False,
     checkpointing: Literal["all", "every_n", "sqrt", "selective"] | None = None,
     checkpointing_every_n: int = 2,
     activation_offload: bool = False,
@@ -76,11 +78,11 @@ def estimate_memory(
         target: ``"cuda"`` applies the listed CPU-vs-GPU corrections; ``"cpu"`` predicts a CPU run as traced.
         method: ``"analytic"`` skips the trace (closed form only; 40-71 % low on HF models).
         extrapolate: see :func:`~lightning_lowmem.memory.dry_run.dry_run`.
-        offload, checkpointing, checkpointing_every_n, activation_offload, micro_batch_size, optimizer,
+        offload, offload_params, checkpointing, checkpointing_every_n, activation_offload, micro_batch_size, optimizer,
         optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands for the suite's techniques
-            (``OffloadStrategy``, ``ActivationCheckpointing``, ``ActivationOffload``, ``AccumulationScheduler``,
-            ``LowBitOptimizer``, ``OptimizerInBackward``, the ``lowmem_zero*`` presets, ``ChunkedLMLoss(chunk_tokens=)``);
-            not together with ``strategy``/``callbacks``.
+            (``OffloadStrategy``, ``OffloadStrategy(offload_params=True)``, ``ActivationCheckpointing``,
+            ``ActivationOffload``, ``AccumulationScheduler``, ``LowBitOptimizer``, ``OptimizerInBackward``, the
+            ``lowmem_zero*`` presets, ``ChunkedLMLoss(chunk_tokens=)``); not together with ``strategy``/``callbacks``.
 
     Raises:
         ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run
@@ -102,9 +104,9 @@ def estimate_memory(
                 f"Passed `micro_batch_size={micro_batch_size!r}` with `batch_size={batch_size!r}`; expected a divisor "
                 "of the batch size (AccumulationScheduler steps on whole micro-batches)."
             )
-    flags = {"offload": offload, "checkpointing": checkpointing, "activation_offload": activation_offload,
-             "micro_batch_size": micro_batch_size, "optimizer": optimizer, "optimizer_in_backward": optimizer_in_backward,
-             "zero_stage": zero_stage, "chunked_loss": chunked_loss}
+    flags = {"offload": offload, "offload_params": offload_params, "checkpointing": checkpointing,
+             "activation_offload": activation_offload, "micro_batch_size": micro_batch_size, "optimizer": optimizer,
+             "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage, "chunked_loss": chunked_loss}
     used = [k for k in SHORTHANDS if flags[k] not in (None, False, 0, "adamw")]
     if used and (strategy != "auto" or callbacks):
         raise ValueError(
@@ -114,7 +116,8 @@ def estimate_memory(
     if zero_stage and optimizer_in_backward:
         raise ValueError("Passed `zero_stage` and `optimizer_in_backward=True`; DeepSpeed runs its own optimizer step.")
     if used:
-        run = RunSpec.from_flags(precision=precision, offload=offload, checkpointing=checkpointing,
+        run = RunSpec.from_flags(precision=precision, offload=offload, offload_params=offload_params,
+                                 checkpointing=checkpointing,
                                  checkpointing_every_n=checkpointing_every_n, activation_offload=activation_offload,
                                  batch_size=batch_size, micro_batch_size=micro_batch_size, optimizer=optimizer,
                                  optimizer_in_backward=optimizer_in_backward, zero_stage=zero_stage,
@@ -255,6 +258,9 @@ COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
     ("offload + ckpt(all) + act. offload + chunked loss", {"precision": "bf16-true", "offload": True,
                                                             "checkpointing": "all", "activation_offload": True,
                                                             "chunked_loss": 128}),
+    ("offload params + ckpt(all) + act. offload + chunked loss", {"precision": "bf16-true", "offload": True,
+                                                                   "offload_params": True, "checkpointing": "all",
+                                                                   "activation_offload": True, "chunked_loss": 128}),
     ("bf16-true + ckpt(all) + opt-in-bwd", {"precision": "bf16-true", "checkpointing": "all",
                                             "optimizer_in_backward": True}),
     ("ZeRO-2", {"precision": "bf16-mixed", "zero_stage": 2}),
@@ -262,4 +268,4 @@ COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-__all__ = ["MemoryEstimate", "estimate_memory", "COMBINATIONS", "validate_choice"]
+__all__ = ["COMBINATIONS", "MemoryEstimate", "estimate_memory", "validate_choice"]

@@ -20,8 +20,8 @@ from typing import Any
 from lightning_lowmem._compat import Reproducible, fresh
 
 #: technique flags of :func:`~lightning_lowmem.estimate_memory`, for messages
-SHORTHANDS = ("offload", "checkpointing", "activation_offload", "micro_batch_size", "optimizer", "optimizer_in_backward",
-              "zero_stage", "chunked_loss")
+SHORTHANDS = ("offload", "offload_params", "checkpointing", "activation_offload", "micro_batch_size", "optimizer",
+              "optimizer_in_backward", "zero_stage", "chunked_loss")
 
 
 @dataclass
@@ -87,7 +87,7 @@ class RunSpec:
         if not isinstance(config, dict) or "zero_optimization" not in config:
             return None
         zero = config["zero_optimization"]
-        device = lambda key: (zero.get(key) or {}).get("device", "none") not in (None, "none")  # noqa: E731
+        device = lambda key: (zero.get(key) or {}).get("device", "none") not in (None, "none")
         return ZeroPlan(int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param"), self.world_size)
 
     def describe(self) -> dict[str, Any]:
@@ -168,6 +168,7 @@ class RunSpec:
         *,
         precision: str = "32-true",
         offload: bool = False,
+        offload_params: bool = False,
         checkpointing: str | None = None,
         checkpointing_every_n: int = 2,
         activation_offload: bool = False,
@@ -209,10 +210,13 @@ class RunSpec:
         elif offload:
             from lightning_lowmem.strategies.offload import OffloadStrategy
 
-            strategy = OffloadStrategy(optimizer_in_backward=optimizer_in_backward)
+            strategy = OffloadStrategy(optimizer_in_backward=optimizer_in_backward, offload_params=offload_params)
+        if offload_params and not offload:
+            raise ValueError("Passed `offload_params=True` without `offload=True`: parameter streaming is part of "
+                             "`lowmem_offload` (strategy='lowmem_offload_params').")
         if optimizer_in_backward and not offload:
             callbacks.append(OptimizerInBackward())
         return cls(strategy=strategy, precision=precision, callbacks=callbacks, world_size=world_size)
 
 
-__all__ = ["RunSpec", "ZeroPlan", "SHORTHANDS"]
+__all__ = ["SHORTHANDS", "RunSpec", "ZeroPlan"]

@@ -126,7 +126,6 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
 
     def _build(self, trainer: L.Trainer, strategy: Any, precision: str) -> Any:
         """The chosen strategy, set up by Lightning's own connector (accelerator, device, precision plugin)."""
-        connector = trainer._accelerator_connector
         devices = [self.root_device.index or 0] if self.root_device.type == "cuda" else 1
         quiet = logging.getLogger("lightning.pytorch")
         level = quiet.level

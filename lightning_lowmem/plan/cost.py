@@ -8,7 +8,8 @@ One step is priced from four quantities, each from the model's shape and the rec
   loss runs again in backward; at the profile's 16-bit or fp32 rate times its efficiency. Each micro-batch adds
   a launch cost per block.
 * **link**: bytes over the host link: ``lowmem_offload`` sends the half weights once per step and the half
-  gradients once per micro-batch; ZeRO-2 offload the same; ZeRO-3 offload fetches the weights in forward and in
+  gradients once per micro-batch; ZeRO-2 offload the same; ``lowmem_offload_params`` fetches the blocks' weights in
+  forward, in backward and for every recomputed forward of every micro-batch; ZeRO-3 offload fetches the weights in forward and in
   backward of every micro-batch; activation offload sends what each block keeps for backward out and back.
   Transfers overlap compute (side streams): the step takes ``max(compute, link)``, except the weights' copy
   after the optimizer step, which the next forward waits for.
@@ -98,6 +99,11 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     if recipe.base in ("offload", "offload_obw", "zero2_offload"):
         serial = n * weight_bytes  # the updated weights, before the next forward
         link += micro * n * weight_bytes  # gradients, per micro-batch
+    elif recipe.base == "offload_params":
+        # the blocks' weights fetched in forward, in backward and for each recomputed forward, per micro-batch; the
+        # rest (embeddings, head) after the step as under lowmem_offload; gradients out per micro-batch
+        serial = head * weight_bytes
+        link += micro * (block_params * weight_bytes * (2 + recompute) + n * weight_bytes)
     elif recipe.base == "zero3_offload":
         link += micro * 3 * n * weight_bytes  # weights in forward and in backward, gradients out
     if recipe.activation_offload and layers and d:
@@ -110,7 +116,7 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
 
     state = ADAMW_8BIT_BYTES if recipe.optimizer_8bit else ADAMW_BYTES
     host_opt = dev_opt = 0.0
-    if recipe.base in ("offload", "offload_obw", "zero2_offload", "zero3_offload"):
+    if recipe.base in ("offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"):
         host_opt = n * state / (profile.host_gbps * GB)
     else:
         dev_opt = n * state / ((profile.device_optimizer_gbps or profile.device_gbps) * GB)

@@ -9,13 +9,13 @@ the dry run traces and the Trainer runs (:meth:`Recipe.run`, the same ``RunSpec.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_lowmem.memory.run import RunSpec
 
-Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "zero2_offload", "zero3_offload"]
+Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"]
 Checkpointing = Literal["every_n", "all"]
 
 #: base -> (label, where the model states live)
@@ -25,6 +25,7 @@ BASES: dict[str, tuple[str, str]] = {
     "half": ("{h}-true (no fp32 master)", "{h} weights and optimizer state on the device: numerics change"),
     "offload": ("lowmem_offload", "{h} weights on the device; fp32 masters, gradients and optimizer on the host"),
     "offload_obw": ("lowmem_offload + opt-in-bwd", "as lowmem_offload, host step overlapped with backward"),
+    "offload_params": ("lowmem_offload_params", "as lowmem_offload, the blocks' {h} weights streamed from the host"),
     "zero2_offload": ("lowmem_zero2_offload", "DeepSpeed ZeRO-2, optimizer on the host"),
     "zero3_offload": ("lowmem_zero3_offload", "DeepSpeed ZeRO-3, parameters and optimizer on the host"),
 }
@@ -56,10 +57,12 @@ class Recipe:
     def flags(self, batch_size: int | None, half: str = "bf16") -> dict[str, Any]:
         """``RunSpec.from_flags`` / ``estimate_memory`` shorthands for this recipe."""
         precision = {"fp32": "32-true", "mixed": f"{half}-mixed", "half": f"{half}-true", "offload": f"{half}-true",
-                     "offload_obw": f"{half}-true"}.get(self.base, f"{half}-mixed")
+                     "offload_obw": f"{half}-true", "offload_params": f"{half}-true"}.get(self.base, f"{half}-mixed")
         flags: dict[str, Any] = {"precision": precision}
-        if self.base in ("offload", "offload_obw", *_DEEPSPEED):
+        if self.base in ("offload", "offload_obw", "offload_params", *_DEEPSPEED):
             flags["offload"] = True
+        if self.base == "offload_params":
+            flags["offload_params"] = True
         if self.base == "offload_obw":
             flags["optimizer_in_backward"] = True
         if self.base in _DEEPSPEED:

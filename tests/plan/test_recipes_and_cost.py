@@ -92,3 +92,15 @@ def test_profiles_load_by_name_dict_and_yaml(tmp_path):
         load_profile({"base": "rtx3060-12gb", "link_gb": 12})
     for profile in PROFILES.values():
         assert profile.source and profile.half_tflops >= profile.fp32_tflops
+
+
+def test_streaming_fetches_block_weights_per_pass():
+    resident = step_cost(Recipe("offload", 4), XL, 4, CARD)
+    streamed = step_cost(Recipe("offload_params", 4), XL, 4, CARD)
+    recomputed = step_cost(Recipe("offload_params", 4, "all"), XL, 4, CARD)
+    blocks = XL.num_params - XL.vocab * XL.hidden
+    # every block fetched in forward and in backward (2 x 2 B) instead of copied once after the step (2 B)
+    assert streamed.link_bytes - resident.link_bytes == pytest.approx(2 * 2 * blocks - 2 * blocks)
+    assert recomputed.link_bytes - streamed.link_bytes == pytest.approx(2 * blocks)
+    run = Recipe("offload_params", 4, "all").run(4)
+    assert run.strategy.offload_params is True and run.precision == "bf16-true"
