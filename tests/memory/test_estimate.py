@@ -144,6 +144,16 @@ def test_technique_flags_change_the_prediction_the_expected_way():
     assert ckpt.phases["optimizer"].device["optimizer_state"] == base.phases["optimizer"].device["optimizer_state"]
 
 
+def test_offload_params_streams_the_block_weights():
+    resident = estimate_memory(TINY, 2, 32, target="cpu", precision="bf16-true", offload=True)
+    streamed = estimate_memory(TINY, 2, 32, target="cpu", precision="bf16-true", offload=True, offload_params=True)
+    assert streamed.run["strategy"] == "OffloadStrategy(optimizer_in_backward=False, offload_params=True)"
+    assert streamed.phases["forward"].device["weights"] < resident.phases["forward"].device["weights"]
+    assert streamed.peak_host > resident.peak_host  # the blocks' compute copies live on the host
+    with pytest.raises(ValueError, match="`offload_params=True` without `offload=True`"):
+        estimate_memory(TINY, 2, 32, offload_params=True)
+
+
 def test_the_optimizer_is_the_modules_own():
     class SGDModule(CausalLMModule):
         def configure_optimizers(self):
