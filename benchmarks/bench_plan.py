@@ -23,7 +23,7 @@ GiB = 2**30
 MODELS = [("gpt2-xl", 4, 1024), ("llama-7b", 1, 2048), ("llama-13b", 1, 2048), ("llama-70b", 1, 2048)]
 #: budget (GiB) -> the profile whose rates price the steps (a card of that size; 2 GiB: the 3060's rates)
 BUDGETS = [(24, "rtx4090-24gb"), (12, "rtx3060-12gb"), (6, "rtx2060-6gb"), (2, "rtx3060-12gb")]
-HOST = 128 * GiB  # a workstation's host memory
+HOST = 256 * GiB  # a large workstation's host memory
 
 
 def planning() -> None:
@@ -55,16 +55,15 @@ def planning() -> None:
         "plan", rows,
         ["model", "batch x seq", "budget_GiB", "hardware", "chosen", "device_peak", "host_peak", "step_vs_fastest",
          "predicted_step_s", "traces", "wall_s", "why"],
-        title="lowmem plan: the recipe chosen per model and device budget (host budget 128 GiB, CUDA target)",
+        title="lowmem plan: the recipe chosen per model and device budget (host budget 256 GiB, CUDA target)",
         notes=[
             "Each plan: every candidate priced by the cost model, then dry runs (the real Trainer.fit on fake tensors, "
             "CUDA target) fastest first until one fits device and host; wall_s is the plan's wall time on this "
             "machine, with the dry runs of the earlier budgets of the same model reused (one cache per model).",
             "step_vs_fastest: the chosen recipe's predicted step time over the fastest candidate's (which may not fit).",
             "Step times are predictions from the named profile's datasheet rates (uncalibrated: no GPU lent yet).",
-            "'none fits': the message names the smallest device peak of any recipe; parameter streaming "
-            "(lowmem_offload_params, issue 13) is not a candidate yet, so LLaMA-13B/70B stop at their resident "
-            "half weights or at ZeRO-3 offload's 18 B/param of host memory.",
+            "'none fits': the message names the smallest device peak of any recipe and, where the device would fit, the "
+            "host memory that would be needed.",
         ],
     )
 

@@ -334,8 +334,7 @@ def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | No
             lines.append(f"It would fit with {fmt_size(need.peak_host or 0)} of host memory ({need.name}).")
     what = "a smaller batch" + (" or sequence length" if source.shape.seq_len else "") if source.batch_size and \
         source.batch_size > 1 else "a shorter sequence" if source.shape.seq_len else "a smaller model"
-    lines.append(f"To fit: a device with at least that memory, or {what} (activations scale with it); parameter "
-                 "streaming (`lowmem_offload_params`) is not among the candidates yet.")
+    lines.append(f"To fit: a device with at least that memory, or {what} (activations scale with it).")
     return " ".join(lines)
 
 
