@@ -54,13 +54,16 @@ def test_formatters():
 
 # --- model shapes -------------------------------------------------------------------------------------------------
 def test_shipped_shapes_resolve_to_their_architectures():
-    assert set(shipped_shapes()) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "opt-1.3b", "llama-7b"}
+    assert set(shipped_shapes()) == {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "opt-1.3b", "llama-7b", "llama-13b",
+                                     "llama-70b"}
     xl = resolve_config("gpt2-xl")
     assert (xl.model_type, xl.n_layer, xl.n_embd, xl.n_head, xl.vocab_size) == ("gpt2", 48, 1600, 25, 50257)
     llama = resolve_config("llama-7b", {"num_hidden_layers": 2})
     assert (llama.hidden_size, llama.intermediate_size, llama.num_hidden_layers) == (4096, 11008, 2)
     assert resolve_config("opt-1.3b").ffn_dim == 8192
     assert max_positions(xl) == 1024 and max_positions(llama) == 2048
+    seventy = resolve_config("llama-70b")  # Llama-2-70B: grouped-query attention
+    assert (seventy.hidden_size, seventy.num_hidden_layers, seventy.num_key_value_heads) == (8192, 80, 8)
 
 
 def test_config_from_json_path_class_name_and_model_type(tmp_path):
