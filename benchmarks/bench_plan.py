@@ -4,6 +4,7 @@ its cost model ranks recipes against step times measured side by side on this CP
     python benchmarks/bench_plan.py planning     # -> results/plan.{json,md}
     python benchmarks/bench_plan.py cost         # -> results/plan_cost.{json,md}
     python benchmarks/bench_plan.py              # both
+    python benchmarks/bench_plan.py planning gpt2-xl   # one shape -> results/plan_gpt2-xl.{json,md}
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ BUDGETS = [(24, "rtx4090-24gb"), (12, "rtx3060-12gb"), (6, "rtx2060-6gb"), (2, "
 HOST = 256 * GiB  # a large workstation's host memory
 
 
-def planning() -> None:
+def planning(only: list[str]) -> None:
     from lightning_lowmem.plan.search import NoRecipeFitsError, plan
 
     rows = []
     for shape, batch, seq in MODELS:
+        if only and shape not in only:
+            continue
         cache: dict[Any, Any] = {}  # NOTE: dry runs shared between the budgets of one shape, as in one session
         for budget, hardware in BUDGETS:
             t0 = time.perf_counter()
@@ -52,7 +55,7 @@ def planning() -> None:
             })
             print(rows[-1], flush=True)
     write_results(
-        "plan", rows,
+        "plan" if not only else "plan_" + "_".join(only), rows,
         ["model", "batch x seq", "budget_GiB", "hardware", "chosen", "device_peak", "host_peak", "step_vs_fastest",
          "predicted_step_s", "traces", "wall_s", "why"],
         title="lowmem plan: the recipe chosen per model and device budget (host budget 256 GiB, CUDA target)",
@@ -68,7 +71,7 @@ def planning() -> None:
     )
 
 
-def cost() -> None:
+def cost(_: list[str]) -> None:
     import statistics
 
     import lightning as L
@@ -159,5 +162,7 @@ def cost() -> None:
 
 if __name__ == "__main__":
     parts = {"planning": planning, "cost": cost}
-    for part in sys.argv[1:] or list(parts):
-        parts[part]()
+    chosen = [a for a in sys.argv[1:] if a in parts] or list(parts)
+    models = [a for a in sys.argv[1:] if a not in parts]  # planning: only these shapes (e.g. gpt2-xl)
+    for part in chosen:
+        parts[part](models)

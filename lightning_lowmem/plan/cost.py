@@ -120,7 +120,8 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
         host_opt = n * state / (profile.host_gbps * GB)
     else:
         dev_opt = n * state / ((profile.device_optimizer_gbps or profile.device_gbps) * GB)
-    gpu = max(compute, link_s)
+    # NOTE: on a GPU the copies run on copy engines beside the kernels; where one processor does both, they add up
+    gpu = max(compute, link_s) if profile.overlap else compute + link_s
     if recipe.base == "offload_obw":
         # NOTE: the host step of each parameter runs while backward goes on: what is left after the last
         # micro-batch's backward (two thirds of its compute) is paid

@@ -5,8 +5,9 @@ Every candidate (:func:`~lightning_lowmem.plan.recipes.candidates`) is priced by
 each is predicted by the dry run (the real ``Trainer.fit`` on fake tensors) until one fits both budgets. Traces
 are saved two ways:
 
-* each base's floor (every technique on, micro-batch 1) is traced first: a base whose floor does not fit is
-  out as a whole, and the floors give the smallest memory any recipe needs when none fits;
+* a base's floors (every technique on, the smallest micro-batch) are traced when its first candidate comes up: a
+  base whose floors do not fit is out as a whole (bases slower than the chosen recipe are never traced), and the
+  floors give the smallest memory any recipe needs when none fits;
 * a candidate that saves no more than one already traced and too big (:meth:`Recipe.saves_at_least`) is taken
   to be too big as well, without a trace;
 * a candidate whose techniques were traced at another micro-batch is scaled from that trace (model states kept,
@@ -263,15 +264,21 @@ def plan(
             over.append(f"host {fmt_size(result.peak_host)} > {fmt_size(host_budget)}")
         row.status, row.why = ("too big", "; ".join(over)) if over else ("fits", f"binds in {result.binding_phase}")
 
-    # the floors first: the candidates that save the most (no other saves more), a base whose floors are all too
-    # big is out whatever else is switched on; a refused floor (techniques that do not compose) says nothing
+    # a base's floors (the candidates that save the most: no other saves more) are traced when the first candidate of
+    # the base comes up: a base whose floors are all too big is out whatever else is switched on (a refused floor,
+    # techniques that do not compose, says nothing); bases slower than the chosen recipe are never traced
     floors = [r for r in rows if not any(o is not r and o.recipe.saves_at_least(r.recipe)
                                          and not r.recipe.saves_at_least(o.recipe) for o in rows)]
-    for row in floors:
-        judge(row)
-    too_big = [r for r in floors if r.status == "too big"]
+    too_big: list[Row] = []
+    floored: set[str] = set()
     chosen = None
     for row in rows:
+        if row.recipe.base not in floored:
+            floored.add(row.recipe.base)
+            for floor in (f for f in floors if f.recipe.base == row.recipe.base):
+                judge(floor)
+                if floor.status == "too big":
+                    too_big.append(floor)
         if row.status == "not traced":
             beaten = next((t for t in too_big if t.recipe.saves_at_least(row.recipe)), None)
             if beaten is not None:
