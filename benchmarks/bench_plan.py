@@ -17,7 +17,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import fmt_bytes, write_results  # noqa: E402
+from _harness import fmt_bytes, write_results
 
 GiB = 2**30
 #: (shape, batch, seq): the issue's shapes
@@ -77,11 +77,10 @@ def cost(_: list[str]) -> None:
     import lightning as L
     import torch
 
+    from lightning_lowmem.demo.module import CausalLMModule
     from lightning_lowmem.plan.cost import ModelShape, step_cost
     from lightning_lowmem.plan.hardware import measure_host
     from lightning_lowmem.plan.recipes import Recipe
-
-    from lightning_lowmem.demo.module import CausalLMModule
 
     config = {"n_layer": 4, "n_embd": 256, "n_head": 8, "n_positions": 128, "vocab_size": 258}
     batch, seq, steps, rounds = 8, 128, 6, 2
