@@ -2,6 +2,7 @@
 
     lowmem fit --config configs/demo.yaml      # any LightningCLI subcommand: fit, validate, test, predict
     lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB
+    lowmem plan --config run.yaml --device-memory 12GB --write plan.yaml   # the fastest recipe that fits
     lowmem consolidate CHECKPOINT_DIR OUT_FILE  # DeepSpeed directory checkpoint -> plain fp32 state dict
 
 A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in

@@ -106,7 +106,11 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         user = [c for c in trainer.callbacks if type(c).__name__ in _FIXED_BY and isinstance(c, Reproducible)]
         data = trainer.fit_loop._data_source.instance
         data = None if data is model else data
-        self.plan = plan(model, data=data, device_memory=device_budget, host_memory=host_budget,
+        scheduler = next((c for c in user if type(c).__name__ == "AccumulationScheduler"), None)
+        loader = getattr(data if hasattr(data, "batch_size") else model, "batch_size", None)
+        effective = scheduler.effective_batch_size if scheduler is not None else (
+            loader * trainer.accumulate_grad_batches if isinstance(loader, int) else None)
+        self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
                          hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
                          target="cuda" if self.root_device.type == "cuda" else "cpu")
         run = self.plan.run

@@ -24,10 +24,12 @@ def _changed_arguments(obj: Any) -> dict[str, Any]:
 def _strategy_yaml(strategy: Any) -> Any:
     if isinstance(strategy, str):
         return strategy
+    from lightning_lowmem._registry import STRATEGIES
+
     changed = _changed_arguments(strategy)
-    name = getattr(strategy, "strategy_name", None)
-    if not changed and name:
-        return name
+    for name, (module, cls, _, preset) in STRATEGIES.items():  # a registered name says it shortest
+        if cls == type(strategy).__name__ and module == type(strategy).__module__ and preset == changed:
+            return name
     return {"class_path": f"{type(strategy).__module__}.{type(strategy).__name__}", "init_args": changed}
 
 

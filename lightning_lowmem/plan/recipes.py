@@ -79,11 +79,26 @@ class Recipe:
             flags["micro_batch_size"] = self.micro_batch_size
         return flags
 
-    def run(self, batch_size: int | None, half: str = "bf16") -> RunSpec:
-        """The run description the dry run traces and ``lowmem fit`` runs."""
+    def run(self, batch_size: int | None, half: str = "bf16", loader_batch: int | None = None,
+            scheduler: dict[str, Any] | None = None) -> RunSpec:
+        """The run description the dry run traces and ``lowmem fit`` runs.
+
+        ``loader_batch``: what the data loader yields now (a YAML's data module at its micro-batch); when it is not
+        this recipe's micro-batch, an ``AccumulationScheduler`` sets it, even for a micro-batch of the whole batch.
+        ``scheduler``: the run's own ``AccumulationScheduler`` arguments besides the batch sizes (its
+        ``loss_normalization``: the maths of the run), given to the plan's.
+        """
         flags = self.flags(batch_size, half)
         micro = flags.pop("micro_batch_size", None)
-        return RunSpec.from_flags(batch_size=batch_size, micro_batch_size=micro, **flags)
+        run = RunSpec.from_flags(batch_size=batch_size, micro_batch_size=micro, **flags)
+        if micro is None and loader_batch is not None and batch_size is not None and loader_batch != batch_size:
+            from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+
+            run.callbacks.insert(0, AccumulationScheduler(effective_batch_size=batch_size, micro_batch_size=batch_size))
+        if scheduler:
+            run.callbacks = [c.fresh(**scheduler) if type(c).__name__ == "AccumulationScheduler" else c
+                             for c in run.callbacks]
+        return run
 
     def saves_at_least(self, other: Recipe) -> bool:
         """Every technique of ``other`` is on here too, at least as strongly, with a micro-batch no larger.

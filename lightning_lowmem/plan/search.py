@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,11 +83,15 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     #: what a written YAML takes from the planned source (``base_yaml``, or ``model`` and ``data``)
     yaml_parts: dict[str, Any] = field(default_factory=dict)
+    #: the batch the data loader yields as given (a YAML's micro-batch), when it is not the effective batch
+    loader_batch: int | None = None
+    #: the YAML's own AccumulationScheduler arguments besides the batch sizes (kept in the plan's)
+    scheduler: dict[str, Any] = field(default_factory=dict)
 
     @property
     def run(self) -> RunSpec:
         """The chosen run (fresh objects: give ``run.trainer_kwargs()`` to a Trainer)."""
-        return self.chosen.recipe.run(self.batch_size, self.half)
+        return self.chosen.recipe.run(self.batch_size, self.half, self.loader_batch, self.scheduler)
 
     def table(self) -> str:
         """The traced candidates (and the chosen one), fastest first; the rest counted by why they were not traced."""
@@ -174,8 +179,10 @@ def plan(
         model: a shipped shape name / config (the demo causal-LM step, with ``batch_size`` and ``seq_len``), a
             LightningModule or a callable building one (with ``data``, or its own dataloader), or a LightningCLI
             YAML path (its model and data; the YAML's own techniques are replaced by the plan's).
-        batch_size: the effective batch (samples per optimizer step); with a module or YAML, the data's
-            ``batch_size`` (the micro-batches the plan considers set it, as ``AccumulationScheduler`` does).
+        batch_size: the effective batch (samples per optimizer step); default with a YAML: its
+            ``AccumulationScheduler``'s effective batch, or the data's ``batch_size`` x ``accumulate_grad_batches``;
+            with a module: the data's ``batch_size`` (the micro-batches the plan considers set it, as
+            ``AccumulationScheduler`` does).
         device_memory: bytes or a size (``"12GB"``); default: the hardware profile's memory.
         host_memory: bytes or a size; default: no host check (the host peak is still reported).
         hardware: a profile name (see ``lightning_lowmem.plan.PROFILES``), ``"measure"``, a YAML path or a dict.
@@ -229,6 +236,8 @@ def plan(
     cache = {} if cache is None else cache
     b = source.batch_size
     fixed = {type(c).__name__ for c in fixed_callbacks}
+    # NOTE: a user's own AccumulationScheduler sets the loader's batch itself
+    loader = None if "AccumulationScheduler" in fixed else source.loader_batch
     rows = [Row(r, r.name(half), step_cost(r, source.shape, b or 1, profile))
             for r in candidates(b or 1, pure_half=pure_half, deepspeed=_deepspeed_available(),
                                 chunked_loss=source.causal_lm and "ChunkedLMLoss" not in fixed,
@@ -247,7 +256,7 @@ def plan(
         if key not in cache:
             traces += 1
             try:
-                run = row.recipe.run(b, half)
+                run = row.recipe.run(b, half, loader, source.scheduler)
                 run.callbacks += [fresh(c) for c in fixed_callbacks]
                 cache[key] = source.estimate(run, target)
             except (ValueError, TypeError, ModuleNotFoundError, NotImplementedError) as err:
@@ -299,7 +308,7 @@ def plan(
         raise NoRecipeFitsError(_no_fit_message(floors, device_budget, host_budget, source))
     notes = [f"{traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
     return Plan(rows, chosen, device_budget, host_budget, profile, b, half, traces, time.perf_counter() - t0, notes,
-                source.yaml_parts)
+                source.yaml_parts, loader, source.scheduler)
 
 
 #: a candidate predicted this far over the budget from the trace of the same techniques at another micro-batch is
@@ -372,6 +381,8 @@ class _Source:
     tokens: dict[str, int]
     notes: list[str]
     yaml_parts: dict[str, Any] = field(default_factory=dict)
+    loader_batch: int | None = None
+    scheduler: dict[str, Any] = field(default_factory=dict)
 
     def estimate(self, run: RunSpec, target: str) -> MemoryEstimate:
         from lightning_lowmem.memory.dry_run import dry_run
@@ -392,14 +403,25 @@ class _Source:
             from lightning_lowmem.memory.run_config import load_run_config
 
             try:
-                module, data, _ = load_run_config(model)
+                module, data, run = load_run_config(model)
             except (ValueError, FileNotFoundError) as err:
                 problems.append(str(err))
                 return None
+            scheduler = next((c for c in run.callbacks if type(c).__name__ == "AccumulationScheduler"), None)
+            if batch_size is None:  # the YAML's effective batch: its AccumulationScheduler's, or loader x accumulation
+                loader = getattr(data, "batch_size", None)
+                batch_size = scheduler.effective_batch_size if scheduler is not None else (
+                    loader * run.accumulate_grad_batches if isinstance(loader, int) else None)
             source = cls._of_module(module, data, batch_size, seq_len, key=("yaml", str(Path(model).resolve())),
                                     problems=problems)
             if source is not None:
                 source.yaml_parts = {"base_yaml": model}
+                if scheduler is not None:  # its maths (loss normalisation) stays; the plan sets the batch sizes
+                    args, kwargs = scheduler._init_args
+                    names = list(inspect.signature(type(scheduler).__init__).parameters)[1:]
+                    given = {**dict(zip(names, args)), **kwargs}
+                    source.scheduler = {k: v for k, v in given.items()
+                                        if k not in ("effective_batch_size", "micro_batch_size")}
             return source
         if _is_module(model) or _module_class(model) is not None:
             module = model if _is_module(model) else _module_class(model)
@@ -438,13 +460,21 @@ class _Source:
         is_factory = callable(module) and not isinstance(module, torch.nn.Module)
         with torch.device("meta"):
             probe = module() if is_factory else module
-        holder = data if hasattr(data, "batch_size") else probe if hasattr(probe, "batch_size") else None
-        data_batch = getattr(holder, "batch_size", None)
+        import lightning as L
+
+        # NOTE: an AccumulationScheduler sets the micro-batch through a `batch_size` attribute of the data module, or
+        # of the module when it makes its own loader; a DataLoader given to `fit` keeps its batch
+        if isinstance(data, L.LightningDataModule):
+            holder = data if hasattr(data, "batch_size") else None
+        else:
+            holder = probe if data is None and hasattr(probe, "batch_size") else None
+        data_batch = getattr(holder if holder is not None else data, "batch_size", None)
         if batch_size is None:
             batch_size = data_batch if isinstance(data_batch, int) else None
         notes = []
         if holder is None:
-            notes.append("no `batch_size` attribute on the module or data module: micro-batches not considered")
+            notes.append("no `batch_size` attribute on the data module (or on the module making its own loader): "
+                         "micro-batches not considered")
         config = getattr(getattr(probe, "model", probe), "config", None)
         found = find_blocks(probe)
         num_params = sum(p.numel() for p in {id(p): p for p in probe.parameters()}.values())
@@ -452,8 +482,9 @@ class _Source:
         shape = ModelShape.of(num_params, config, seq_len or getattr(data, "seq_len", None),
                               len(found[2]) if found else None)
 
+        loader = data_batch if isinstance(data_batch, int) and data_batch != batch_size else None
         return cls(key, shape, batch_size, causal_lm, holder is not None and batch_size is not None, module, data, {},
-                   notes)
+                   notes, loader_batch=loader)
 
 
 __all__ = ["NoRecipeFitsError", "Plan", "Row", "plan"]

@@ -147,3 +147,21 @@ def test_lowmem_plan_writes_a_yaml_that_lowmem_fit_runs(tmp_path, capsys):
     assert main(["fit", "--config", str(out), "--trainer.max_steps", "2", "--trainer.accelerator", "cpu",
                  "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
                  "--trainer.default_root_dir", str(tmp_path), "--data.init_args.max_bytes", "20000"]) == 0
+
+
+def test_a_yamls_effective_batch_and_loss_normalisation_are_kept():
+    """configs/demo.yaml: effective batch 16 from micro-batches of 4, token-mean loss: every candidate keeps both."""
+    from pathlib import Path
+
+    from lightning_lowmem.plan.recipes import Recipe
+    from lightning_lowmem.plan.search import _Source
+
+    problems: list[str] = []
+    source = _Source.of(str(Path(__file__).parents[2] / "configs" / "demo.yaml"), None, None, None, problems)
+    assert not problems and (source.batch_size, source.loader_batch) == (16, 4)
+    assert source.scheduler["loss_normalization"] == "tokens"
+    for micro in (16, 2):
+        run = Recipe("offload", micro, "all").run(source.batch_size, "bf16", source.loader_batch, source.scheduler)
+        (scheduler,) = [c for c in run.callbacks if type(c).__name__ == "AccumulationScheduler"]
+        assert (scheduler.effective_batch_size, scheduler.micro_batch_size) == (16, micro)
+        assert scheduler.loss_normalization == "tokens"
