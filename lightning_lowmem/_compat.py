@@ -100,14 +100,20 @@ class Reproducible:
         with ``changes`` to them by name."""
         args, kwargs = getattr(self, "_init_args", ((), {}))
         if changes:
-            names = list(inspect.signature(type(self).__init__).parameters)[1 : len(args) + 1]
-            args, kwargs = (), {**dict(zip(names, args)), **kwargs, **changes}
+            args, kwargs = (), {**init_arguments(self), **changes}
         return type(self)(*(fresh(a) for a in args), **{k: fresh(v) for k, v in kwargs.items()})
 
     def resolved(self) -> Any:
         """:meth:`fresh`, with what this object decided at run time (an automatic choice) fixed; None when it
         decided to do nothing."""
         return self.fresh()
+
+
+def init_arguments(obj: Any) -> dict[str, Any]:
+    """The constructor arguments a :class:`Reproducible` object was built with, by name (positional ones named)."""
+    args, kwargs = getattr(obj, "_init_args", ((), {}))
+    names = list(inspect.signature(type(obj).__init__).parameters)[1 : len(args) + 1]
+    return {**dict(zip(names, args)), **kwargs}
 
 
 def fresh(obj: Any) -> Any:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from lightning_utilities import apply_to_collection
 
+from lightning_lowmem._registry import STRATEGIES
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown, host_storage_keys, storage_key
 from lightning_lowmem.memory.depth import (
@@ -206,22 +207,13 @@ class _StepBracket(L.Callback):
         self.fx.in_step = False
 
 
-def _own_strategies() -> set[str]:
-    from lightning_lowmem._registry import STRATEGIES
-
-    return set(STRATEGIES)
-
-
-_OWN_STRATEGIES = _own_strategies()
-
-
 def _trainer(spec: RunSpec, extra: list[Any], root: str, zero: ZeroPlan | None) -> L.Trainer:
     kwargs = spec.trainer_kwargs()
     if zero is not None:
         kwargs["strategy"] = "auto"
         kwargs["precision"] = {"bf16-mixed": "bf16-true", "16-mixed": "16-true"}.get(spec.precision, spec.precision)
     strategy = kwargs["strategy"]
-    if isinstance(strategy, str) and zero is None and strategy.lower() in _OWN_STRATEGIES:
+    if isinstance(strategy, str) and zero is None and strategy.lower() in STRATEGIES:
         from lightning.pytorch.strategies import StrategyRegistry
 
         kwargs["strategy"] = strategy = StrategyRegistry.get(strategy.lower())  # NOTE: so its host check can be off

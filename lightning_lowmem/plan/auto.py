@@ -100,16 +100,14 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
             self.chosen_strategy.connect(model)
             return
         from lightning_lowmem.plan.output import trainer_yaml
-        from lightning_lowmem.plan.search import plan
+        from lightning_lowmem.plan.search import effective_batch, plan
 
         device_budget, host_budget = self._budgets(self.root_device)
         user = [c for c in trainer.callbacks if type(c).__name__ in _FIXED_BY and isinstance(c, Reproducible)]
         data = trainer.fit_loop._data_source.instance
         data = None if data is model else data
-        scheduler = next((c for c in user if type(c).__name__ == "AccumulationScheduler"), None)
         loader = getattr(data if hasattr(data, "batch_size") else model, "batch_size", None)
-        effective = scheduler.effective_batch_size if scheduler is not None else (
-            loader * trainer.accumulate_grad_batches if isinstance(loader, int) else None)
+        effective = effective_batch(user, loader, trainer.accumulate_grad_batches)
         self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
                          hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
                          target="cuda" if self.root_device.type == "cuda" else "cpu")

@@ -94,35 +94,27 @@ def measure_host(seconds: float = 0.5) -> HardwareProfile:
     import psutil
     import torch
 
-    def rate(dtype: torch.dtype) -> float:
-        a = torch.randn(512, 512, dtype=dtype)
-        b = torch.randn(512, 512, dtype=dtype)
+    def calls_per_s(fn: Any) -> float:
+        """How often ``fn`` runs in a second (after one warm-up call), timed for ``seconds``."""
+        fn()
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            a @ b
+            fn()
             n += 1
-        return 2 * 512**3 * n / (time.perf_counter() - t0) / 1e12
+        return n / (time.perf_counter() - t0)
 
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    fp32 = 2 * 512**3 * calls_per_s(lambda: a @ b) / 1e12
     src = torch.empty(64 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        dst.copy_(src)
-        n += 1
-    copy_gbps = 2 * src.numel() * n / (time.perf_counter() - t0) / GB  # read + write
+    copy_gbps = 2 * src.numel() * calls_per_s(lambda: dst.copy_(src)) / GB  # read + write
 
     def adamw_gbps(**kwargs: Any) -> float:
         """AdamW's step over 4M fp32 parameters, as 28 B/param read and written per second."""
         params = [torch.zeros(2**20, requires_grad=True) for _ in range(4)]
         for p in params:
             p.grad = torch.zeros_like(p)
-        opt = torch.optim.AdamW(params, **kwargs)
-        opt.step()
-        steps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            opt.step()
-            steps += 1
-        return 28 * 4 * 2**20 * steps / (time.perf_counter() - t0) / GB
+        return 28 * 4 * 2**20 * calls_per_s(torch.optim.AdamW(params, **kwargs).step) / GB
 
     def block_s(width: int, tokens: int, dtype: torch.dtype = torch.float32) -> float:
         """Forward + backward of one GPT-2 block of ``width`` on ``tokens`` tokens, in ``dtype``."""
@@ -131,14 +123,8 @@ def measure_host(seconds: float = 0.5) -> HardwareProfile:
 
         block = GPT2Block(GPT2Config(n_embd=width, n_head=4)).to(dtype)
         x = torch.randn(1, tokens, width, dtype=dtype, requires_grad=True)
-        block(x)[0].sum().backward()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            block(x)[0].sum().backward()
-            n += 1
-        return (time.perf_counter() - t0) / n
+        return 1 / calls_per_s(lambda: block(x)[0].sum().backward())
 
-    fp32 = rate(torch.float32)
     # NOTE: a bare matmul overstates what 16-bit gains in a whole block on a CPU (its other ops are not faster):
     # the 16-bit rate is the fp32 rate times the measured speed-up of a real block
     half = fp32 * block_s(256, 256) / block_s(256, 256, torch.bfloat16)

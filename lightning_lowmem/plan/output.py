@@ -6,6 +6,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+from lightning_lowmem._compat import init_arguments
 from lightning_lowmem.memory.run import RunSpec
 
 #: the suite's technique callbacks: a plan replaces the ones a YAML already has
@@ -15,10 +16,9 @@ TECHNIQUES = ("ActivationCheckpointing", "ActivationOffload", "AccumulationSched
 
 def _changed_arguments(obj: Any) -> dict[str, Any]:
     """The constructor arguments of a suite object that differ from their defaults, by name."""
-    args, kwargs = getattr(obj, "_init_args", ((), {}))
-    bound = inspect.signature(type(obj)).bind(*args, **kwargs).arguments
     params = inspect.signature(type(obj)).parameters
-    return {k: v for k, v in bound.items() if params[k].default is inspect.Parameter.empty or params[k].default != v}
+    return {k: v for k, v in init_arguments(obj).items()
+            if k not in params or params[k].default is inspect.Parameter.empty or params[k].default != v}
 
 
 def _strategy_yaml(strategy: Any) -> Any:

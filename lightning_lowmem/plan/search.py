@@ -25,14 +25,13 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_lowmem._compat import fresh
+from lightning_lowmem._compat import fresh, init_arguments, package_available
 from lightning_lowmem.memory.result import MemoryEstimate
 from lightning_lowmem.memory.run import RunSpec
 from lightning_lowmem.memory.units import fmt_size, parse_bytes
@@ -145,19 +144,6 @@ def _size(n: int | None) -> str:
     return "-" if n is None else fmt_size(n)
 
 
-def _py(strategy: Any) -> str:
-    if isinstance(strategy, str):
-        return repr(strategy)
-    args, kwargs = getattr(strategy, "_init_args", ((), {}))
-    return f"{type(strategy).__name__}(" + ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
-
-
-def _deepspeed_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("deepspeed") is not None
-
-
 def plan(
     model: Any,
     batch_size: int | None = None,
@@ -190,7 +176,8 @@ def plan(
         fixed_callbacks: technique callbacks the run keeps whatever the plan (``lowmem_auto``: the user's own);
             every candidate is traced with them, and none adds a technique of the same kind.
         bases: consider only these bases (``lightning_lowmem.plan.recipes.BASES``: ``"fp32"``, ``"mixed"``, ``"half"``,
-            ``"offload"``, ``"offload_obw"``, ``"zero2_offload"``, ``"zero3_offload"``); default: all but ``"half"``.
+            ``"offload"``, ``"offload_obw"``, ``"offload_params"``, ``"zero2_offload"``, ``"zero3_offload"``); default:
+            all but ``"half"``.
         cache: a dict reused across calls: dry runs keyed by model (a shape's config; a module and data object by
             identity), batch and recipe are not repeated.
 
@@ -239,7 +226,7 @@ def plan(
     # NOTE: a user's own AccumulationScheduler sets the loader's batch itself
     loader = None if "AccumulationScheduler" in fixed else source.loader_batch
     rows = [Row(r, r.name(half), step_cost(r, source.shape, b or 1, profile))
-            for r in candidates(b or 1, pure_half=pure_half, deepspeed=_deepspeed_available(),
+            for r in candidates(b or 1, pure_half=pure_half, deepspeed=package_available("deepspeed"),
                                 chunked_loss=source.causal_lm and "ChunkedLMLoss" not in fixed,
                                 micro=source.can_split and "AccumulationScheduler" not in fixed,
                                 checkpointing="ActivationCheckpointing" not in fixed,
@@ -333,6 +320,15 @@ def _scaled_from_another_micro_batch(row: Row, rows: list[Row]) -> tuple[int, in
     return None
 
 
+def effective_batch(callbacks: Sequence[Any], loader_batch: Any, accumulate_grad_batches: int) -> int | None:
+    """Samples per optimizer step of a run: its ``AccumulationScheduler``'s effective batch, else the loader's batch
+    times ``accumulate_grad_batches`` (None when the loader does not say)."""
+    scheduler = next((c for c in callbacks if type(c).__name__ == "AccumulationScheduler"), None)
+    if scheduler is not None:
+        return scheduler.effective_batch_size
+    return loader_batch * accumulate_grad_batches if isinstance(loader_batch, int) else None
+
+
 def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | None, source: _Source) -> str:
     traced = [r for r in floors if r.estimate is not None]
     if not traced:
@@ -408,19 +404,15 @@ class _Source:
                 problems.append(str(err))
                 return None
             scheduler = next((c for c in run.callbacks if type(c).__name__ == "AccumulationScheduler"), None)
-            if batch_size is None:  # the YAML's effective batch: its AccumulationScheduler's, or loader x accumulation
-                loader = getattr(data, "batch_size", None)
-                batch_size = scheduler.effective_batch_size if scheduler is not None else (
-                    loader * run.accumulate_grad_batches if isinstance(loader, int) else None)
+            if batch_size is None:
+                batch_size = effective_batch(run.callbacks, getattr(data, "batch_size", None),
+                                             run.accumulate_grad_batches)
             source = cls._of_module(module, data, batch_size, seq_len, key=("yaml", str(Path(model).resolve())),
                                     problems=problems)
             if source is not None:
                 source.yaml_parts = {"base_yaml": model}
                 if scheduler is not None:  # its maths (loss normalisation) stays; the plan sets the batch sizes
-                    args, kwargs = scheduler._init_args
-                    names = list(inspect.signature(type(scheduler).__init__).parameters)[1:]
-                    given = {**dict(zip(names, args)), **kwargs}
-                    source.scheduler = {k: v for k, v in given.items()
+                    source.scheduler = {k: v for k, v in init_arguments(scheduler).items()
                                         if k not in ("effective_batch_size", "micro_batch_size")}
             return source
         if _is_module(model) or _module_class(model) is not None:
@@ -487,4 +479,4 @@ class _Source:
                    notes, loader_batch=loader)
 
 
-__all__ = ["NoRecipeFitsError", "Plan", "Row", "plan"]
+__all__ = ["NoRecipeFitsError", "Plan", "Row", "effective_batch", "plan"]
