@@ -237,20 +237,28 @@ def plan(
     rows.sort(key=lambda r: r.cost.total_s)
     traces = 0
 
+    # (base, technique) -> why: a technique that refused this module under a base refuses it in every candidate of
+    # the base (LowBitOptimizer refuses a module's SGD whatever else is on), so those are not traced again
+    refusals: dict[tuple[str, str], str] = {}
+
     def judge(row: Row) -> None:
         nonlocal traces
         key = (source.key, b, target, row.recipe, half, tuple(sorted(fixed)))
         if key not in cache:
             traces += 1
+            run = None
             try:
                 run = row.recipe.run(b, half, loader, source.scheduler)
                 run.callbacks += [fresh(c) for c in fixed_callbacks]
                 cache[key] = source.estimate(run, target)
             except (ValueError, TypeError, ModuleNotFoundError, NotImplementedError) as err:
-                cache[key] = err
+                cache[key] = (err, _refusing_technique(err, run))
         result = cache[key]
-        if isinstance(result, BaseException):
-            row.status, row.why = "refused", " ".join(str(result).split())[:160]
+        if isinstance(result, tuple):
+            err, technique = result
+            row.status, row.why = "refused", " ".join(str(err).split())[:160]
+            if technique is not None:
+                refusals[(row.recipe.base, technique)] = f"`{technique}` refused this module (traced in `{row.name}`)"
             return
         row.estimate = result
         over = []
@@ -276,6 +284,11 @@ def plan(
                 if floor.status == "too big":
                     too_big.append(floor)
         if row.status == "not traced":
+            refused = next((why for (base, technique), why in refusals.items()
+                            if base == row.recipe.base and getattr(row.recipe, _TECHNIQUE_FIELDS[technique])), None)
+            if refused is not None:
+                row.status, row.why = "refused", refused
+                continue
             beaten = next((t for t in too_big if t.recipe.saves_at_least(row.recipe)), None)
             if beaten is not None:
                 row.status, row.why = "too big", f"saves no more than `{beaten.name}`, which is too big"
@@ -296,6 +309,31 @@ def plan(
     notes = [f"{traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
     return Plan(rows, chosen, device_budget, host_budget, profile, b, half, traces, time.perf_counter() - t0, notes,
                 source.yaml_parts, loader, source.scheduler)
+
+
+#: the technique callbacks a recipe switches on -> the recipe field that switches it on
+_TECHNIQUE_FIELDS = {"ActivationCheckpointing": "checkpointing", "ActivationOffload": "activation_offload",
+                     "ChunkedLMLoss": "chunked_loss", "LowBitOptimizer": "optimizer_8bit"}
+
+
+def _refusing_technique(err: BaseException, run: RunSpec | None) -> str | None:
+    """The technique of the run whose callback code raised ``err`` (the innermost such frame), if one did.
+
+    NOTE: found by the raising frames' ``self`` being an instance of one of the run's technique callbacks (an object,
+    not its message; the dry run traces copies of the callbacks, hence the class), so a refusal by the module, the
+    strategy or the data is not taken for a technique's.
+    """
+    if run is None:
+        return None
+    ours = {type(c) for c in run.callbacks if type(c).__name__ in _TECHNIQUE_FIELDS}
+    found = None
+    tb = err.__traceback__
+    while tb is not None:
+        owner = type(tb.tb_frame.f_locals.get("self"))
+        if owner in ours:
+            found = owner.__name__
+        tb = tb.tb_next
+    return found
 
 
 #: a candidate predicted this far over the budget from the trace of the same techniques at another micro-batch is

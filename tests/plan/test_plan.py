@@ -89,6 +89,17 @@ def test_no_recipe_fits_names_the_smallest_memory_any_recipe_needs():
         _plan("gpt2", 100 * 1024)
 
 
+def test_a_technique_that_refuses_the_module_is_traced_once_per_base():
+    # the classifier steps SGD, which LowBitOptimizer refuses: its other 8-bit candidates are ruled out untraced
+    from tests.helpers.foreign import make
+
+    p = plan(make("classifier"), device_memory="1GB", bases=("fp32",), target="cpu")
+    eight_bit = [r for r in p.rows if r.recipe.optimizer_8bit and r.status != "not traced"]
+    assert p.traces == 2 and not p.chosen.recipe.optimizer_8bit and p.chosen.status == "fits"
+    assert len(eight_bit) > 1 and all(r.status == "refused" for r in eight_bit)
+    assert sum(r.estimate is None and "refused this module" in r.why for r in eight_bit) == len(eight_bit) - 1
+
+
 def test_bad_arguments_are_reported_at_once():
     with pytest.raises(ValueError) as err:
         plan("gpt2", 4, None, device_memory="12 GX", hardware="rtx9090")
