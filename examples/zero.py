@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-import lightning_lowmem  # noqa: F401  (registers strategy="lowmem_zero*")
+import lightning_lowmem
 from lightning_lowmem.demo.data import StdlibTextDataModule
 from lightning_lowmem.demo.module import CausalLMModule, build_causal_lm
 

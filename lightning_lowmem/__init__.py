@@ -44,7 +44,7 @@ _LAZY = {
 # public submodule aliases, e.g. ``lightning_lowmem.zero.consolidate(...)``
 _SUBMODULES = {"zero": "lightning_lowmem.zero"}
 
-__all__ = sorted([*_LAZY, *_SUBMODULES, "register_strategies"])
+__all__ = sorted([*_LAZY, *_SUBMODULES, "register_strategies"])  # noqa: PLE0605  (built from the lazy table)
 
 
 def __getattr__(name: str) -> Any:

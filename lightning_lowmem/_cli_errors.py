@@ -56,7 +56,7 @@ def check_config_files(args: Sequence[str]) -> None:
         except yaml.YAMLError as err:
             raise ValueError(f"Passed `--config {path}`, which is not valid YAML: {' '.join(str(err).split())}") from err
         if not isinstance(loaded, dict):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004  (a file's content, not an argument's type)
                 f"Passed `--config {path}`, whose top level is a {type(loaded).__name__}, not a mapping of sections "
                 "(`trainer:`, `model:`, `data:`)."
             )
@@ -67,7 +67,7 @@ def explain(err: BaseException, args: Sequence[str]) -> str:
     """One line for a jsonargparse ``ArgumentError``."""
     try:
         found = list(_check_class_paths(args))
-    except Exception:  # NOTE: the diagnosis must never hide the original error
+    except Exception:  # noqa: BLE001  NOTE: the diagnosis must never hide the original error
         found = []
     return " ".join(found) if found else _condense(err)
 
@@ -120,7 +120,7 @@ def _resolve(class_path: str, known: dict[str, type]) -> tuple[type | None, str 
         if err.name and module.startswith(err.name):
             return None, None  # the module itself does not exist: a misspelling
         return None, f"{type(err).__name__}: {err}"
-    except Exception as err:  # the module exists but fails to import: say so, not "did you mean"
+    except Exception as err:  # noqa: BLE001  the module exists but fails to import: say so, not "did you mean"
         return None, f"{type(err).__name__}: {err}"
 
 

@@ -14,7 +14,6 @@ Used by ``lowmem_offload`` and the ``lowmem_zero*`` offload presets before they 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -13,7 +13,8 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _STRATEGIES_MODULE = "lightning.pytorch.strategies"
 # name -> (module, class, description, preset keyword arguments)

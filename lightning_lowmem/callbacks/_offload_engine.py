@@ -159,7 +159,7 @@ class OffloadStats:
 class _StorageEntry:
     """One storage offloaded to the host, shared by every saved tensor that aliases it."""
 
-    __slots__ = ("__weakref__", "host", "nbytes", "device", "index", "handles", "pending", "restored", "event", "owner")
+    __slots__ = ("__weakref__", "device", "event", "handles", "host", "index", "nbytes", "owner", "pending", "restored")
 
     def __init__(self, owner: SavedTensorOffloader, host: torch.Tensor, device: torch.device, index: int) -> None:
         self.owner = owner
@@ -183,7 +183,7 @@ class _StorageEntry:
 class _Packed:
     """What autograd stores in place of an offloaded saved tensor: its storage entry and its view geometry."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset")
+    __slots__ = ("dtype", "entry", "offset", "size", "stride")
 
     def __init__(self, entry: _StorageEntry, t: torch.Tensor) -> None:
         self.entry = entry

@@ -9,6 +9,7 @@ tensors a technique keeps in the compute role.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -120,6 +121,12 @@ _HOST_LISTENERS: list[Callable[[torch.Tensor], None]] = []
 _MARKED: dict[int, weakref.ref] = {}  # id -> ref of every marked tensor, to make marking idempotent
 
 
+def _unmark(key: int, ref: weakref.ref) -> None:
+    """A marked tensor died: forget its id (unless the id already marks a newer tensor)."""
+    if _MARKED.get(key) is ref:
+        del _MARKED[key]
+
+
 def mark_host(*tensors: torch.Tensor) -> None:
     """Mark tensors as kept in the host role (their storage is counted on the host side). Idempotent."""
     for t in tensors:
@@ -129,9 +136,9 @@ def mark_host(*tensors: torch.Tensor) -> None:
             ref = _MARKED.get(id(t))
             if ref is not None and ref() is t:
                 continue
-            _MARKED[id(t)] = weakref.ref(t, lambda r, key=id(t): _MARKED.pop(key, None) if _MARKED.get(key) is r else None)
+            _MARKED[id(t)] = weakref.ref(t, functools.partial(_unmark, id(t)))
             _HOST_TENSORS.add(t)
-            for listener in list(_HOST_LISTENERS):
+            for listener in _HOST_LISTENERS:
                 listener(t)
 
 

@@ -118,4 +118,4 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
-__all__ = ["shipped_shapes", "resolve_config", "causal_lm_factory", "max_positions", "SHAPES_DIR"]
+__all__ = ["SHAPES_DIR", "causal_lm_factory", "max_positions", "resolve_config", "shipped_shapes"]

@@ -130,8 +130,8 @@ def event_values(ea: dict, eb: dict, ec: dict, depths: tuple[int, int, int], n: 
     """
     out: dict[tuple[str, str, str], int] = {}
     (da, db, dc) = depths
-    for key in ec:
-        a, b, c = ea.get(key), eb.get(key), ec[key]
+    for key, c in ec.items():
+        a, b = ea.get(key), eb.get(key)
         if a is None or b is None or not (len(a) == len(b) == len(c)) or not c:
             return out, ((key, "events"), len(c) - len(b or []))
         for r, role in enumerate(("device", "host")):
@@ -203,5 +203,17 @@ def depth_unit(spec: Any) -> int | None:
     return unit
 
 
-__all__ = ["AGREEMENT", "DepthWindows", "find_blocks", "truncate_blocks", "values_of", "events", "event_values",
-           "phases_of", "line", "disagreement", "non_negative", "depth_unit"]
+__all__ = [
+    "AGREEMENT",
+    "DepthWindows",
+    "depth_unit",
+    "disagreement",
+    "event_values",
+    "events",
+    "find_blocks",
+    "line",
+    "non_negative",
+    "phases_of",
+    "truncate_blocks",
+    "values_of",
+]

@@ -97,13 +97,12 @@ def estimate_memory(
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"Passed `{name}={value!r}`; expected a positive integer.")
-    if micro_batch_size is not None:
-        if batch_size is None or not isinstance(micro_batch_size, int) or not 1 <= micro_batch_size <= batch_size \
-                or batch_size % micro_batch_size:
-            raise ValueError(
-                f"Passed `micro_batch_size={micro_batch_size!r}` with `batch_size={batch_size!r}`; expected a divisor "
-                "of the batch size (AccumulationScheduler steps on whole micro-batches)."
-            )
+    if micro_batch_size is not None and (batch_size is None or not isinstance(micro_batch_size, int)
+                                         or not 1 <= micro_batch_size <= batch_size or batch_size % micro_batch_size):
+        raise ValueError(
+            f"Passed `micro_batch_size={micro_batch_size!r}` with `batch_size={batch_size!r}`; expected a divisor "
+            "of the batch size (AccumulationScheduler steps on whole micro-batches)."
+        )
     flags = {"offload": offload, "offload_params": offload_params, "checkpointing": checkpointing,
              "activation_offload": activation_offload, "micro_batch_size": micro_batch_size, "optimizer": optimizer,
              "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage, "chunked_loss": chunked_loss}
@@ -220,7 +219,7 @@ def _analytic_bound(config: Any, batch_size: int | None, micro: int | None, seq_
         unique = {id(p): p for p in meta.parameters()}.values()
         num_params = sum(p.numel() for p in unique)
         largest = max(p.numel() for p in unique)
-    except Exception:  # noqa: BLE001  NOTE: any architecture transformers cannot build: closed-form counts
+    except Exception:  # noqa: BLE001, S110  NOTE: any architecture transformers cannot build: closed-form counts
         pass
     names = {type(c).__name__: c for c in run.callbacks}
     ckpt = names.get("ActivationCheckpointing")

@@ -326,4 +326,4 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
         torch.Tensor.__deepcopy__, torch.nn.Parameter.__deepcopy__ = originals  # type: ignore[method-assign]
 
 
-__all__ = ["DryRunUnsupportedError", "FakeExecution", "fake_execution", "fake_copy", "model_line"]
+__all__ = ["DryRunUnsupportedError", "FakeExecution", "fake_copy", "fake_execution", "model_line"]

@@ -210,4 +210,4 @@ def reporters(trainer: pl.Trainer, exclude: Any = None) -> list[tuple[str, Repor
     return out
 
 
-__all__ = ["StepMemoryRecorder", "PHASES", "phase_maxima", "reporters"]
+__all__ = ["PHASES", "StepMemoryRecorder", "phase_maxima", "reporters"]

@@ -88,4 +88,4 @@ class MemoryEstimate:
         }
 
 
-__all__ = ["MemoryEstimate", "Correction"]
+__all__ = ["Correction", "MemoryEstimate"]
