@@ -23,15 +23,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 _MISSING = object()
-#: side steps running per module (nested ones count); weak, so a module (or a copy of it) carries no state of ours
-_RUNNING: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+#: side steps running per module (nested ones count). NOTE: weak, so a module (or a copy of it) carries no state of
+#: ours; keyed by identity, so a module whose class defines `__eq__` (and so no `__hash__`) works too
+_RUNNING = WeakIdKeyDictionary()
 _LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_lowmem")
 
 

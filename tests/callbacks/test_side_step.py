@@ -124,6 +124,18 @@ def test_a_detached_module_stands_aside_and_marked_alone_touches_nothing_else():
     assert module.calls == ["kept"]
 
 
+def test_a_module_without_hash_can_be_marked():
+    class Unhashable(_Logs):
+        def __eq__(self, other: object) -> bool:  # defining __eq__ removes __hash__
+            return isinstance(other, Unhashable)
+
+    module = Unhashable()
+    module.trainer = _attached().trainer
+    with side_step(module):
+        assert stands_aside(module)
+    assert not stands_aside(module)
+
+
 def test_quiet_warnings_ignores_inside_only():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
