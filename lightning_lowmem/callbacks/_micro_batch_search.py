@@ -3,8 +3,9 @@
 Trial training steps at candidate micro-batches, each measured: on CUDA by the allocator's peak (out-of-memory
 recovered), elsewhere by :class:`~lightning_lowmem.memory.measure.MemoryTracker` (device role). A trial is
 forward + backward + an optimizer step at learning rate 0, after one unmeasured step, so gradients and optimizer
-state are alive as in steady training; the learning rates, the optimizer state, the gradients and the RNG are
-put back afterwards.
+state are alive as in steady training; the learning rates, the optimizer state and the gradients are put back
+afterwards. The trials run as one :func:`~lightning_lowmem.callbacks._side_step.side_step` (RNG forked, logging
+off, the scheduler's ``training_step`` wrapper and the OOM splitter standing aside).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning as L
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_setattr
 
 from lightning_lowmem._compat import training_step_args
+from lightning_lowmem.callbacks._side_step import side_step
 
 
 def search(
@@ -31,18 +33,16 @@ def search(
     candidates: list[int],
     budget: int,
     batch_arg_name: str,
-    quiet: Callable[[], contextlib.AbstractContextManager],
 ) -> dict[int, int | None]:
     """Binary search over ``candidates`` (ascending, peak assumed to grow with the micro-batch).
 
     Returns the measured peaks of the tried sizes (``None``: out of memory, or more than the data set holds).
-    ``quiet`` is entered around the trials (the caller's ``training_step`` wrapper stands aside in it).
 
     Raises:
         RuntimeError: even ``candidates[0]`` does not fit, naming what to switch on.
     """
     peaks: dict[int, int | None] = {}
-    with quiet(), _trials(trainer, pl_module, candidates[0], batch_arg_name) as trial:
+    with _trials(trainer, pl_module, candidates[0], batch_arg_name) as trial:
 
         def fits(m: int) -> bool:
             peaks[m] = trial(m)
@@ -70,10 +70,10 @@ def _trials(trainer: L.Trainer, pl_module: L.LightningModule, warmup: int, batch
     optimizers, device = trainer.optimizers, trainer.strategy.root_device
     lrs = [[group["lr"] for group in opt.param_groups] for opt in optimizers]
     was_training = pl_module.training
-    # NOTE: `self.log` raises outside the training loop; the trial steps log nothing.
-    pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        # NOTE: `self.log` raises outside the training loop (the trials log nothing), the trials' dropout must not
+        # move the run's random stream, and the scheduler must not count them in its window: a side step
+        with side_step(pl_module, device):
             for opt in optimizers:
                 for group in opt.param_groups:
                     lr = group["lr"]
@@ -91,7 +91,6 @@ def _trials(trainer: L.Trainer, pl_module: L.LightningModule, warmup: int, batch
             opt.zero_grad(set_to_none=True)
             opt.state.clear()  # the trial steps' moments are not the run's
         pl_module.zero_grad(set_to_none=True)
-        del pl_module.log, pl_module.log_dict
         pl_module.train(was_training)
         _collect(device)
 

@@ -50,6 +50,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities import apply_to_collection
 
 from lightning_lowmem import _atomic
+from lightning_lowmem.callbacks._side_step import stands_aside, swapped
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,9 @@ class OOMSplitter:
 
     # --- the wrapped strategy methods ------------------------------------------------------------------------------
     def _standing_aside(self) -> bool:
-        return self._inside or self.owner._probing or self._module._trainer is None
+        # NOTE: `_inside`: our own chunk's call; `stands_aside`: a side step (probe, micro-batch trial) or a module
+        # detached from the Trainer, which run their step once, whole, whatever size it has
+        return self._inside or stands_aside(self._module)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._standing_aside() or not args:
@@ -396,23 +399,22 @@ class OOMSplitter:
 
     @contextlib.contextmanager
     def _capturing(self, logged: _Logged) -> Iterator[None]:
-        """``self.log`` of the module records into ``logged`` (emitted once the batch's last forward is done)."""
-        module = self._module
-        own = module.__dict__.get("log")
+        """``self.log`` of the module records into ``logged`` (emitted once the batch's last forward is done).
+
+        NOTE: not a ``side_step``: the chunks *are* the real step, so the RNG is not forked (their dropout draws
+        are the run's) and the logs are kept, only deferred (``log_dict`` calls ``self.log`` for each key, so it is
+        recorded too); the module's ``log`` is swapped as ``side_step`` swaps it.
+        """
 
         def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             logged.calls.append((name, value, (args, kwargs)))
 
-        module.log = record  # type: ignore[method-assign]
         self._inside = True
         try:
-            yield
+            with swapped(self._module, log=record):
+                yield
         finally:
             self._inside = False
-            if own is not None:
-                module.log = own
-            else:
-                del module.log
 
     def _emit(self) -> None:
         """One ``self.log`` per name for the loader batch: the chunks' values averaged with the weights of the

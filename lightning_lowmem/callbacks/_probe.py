@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,19 +12,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_lowmem._compat import training_step_args
 from lightning_lowmem.callbacks._blocks import tensors_in
+from lightning_lowmem.callbacks._side_step import side_step
 from lightning_lowmem.memory.categories import storage_key
-
-
-@contextlib.contextmanager
-def _quiet_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    # NOTE: the probe runs training_step once more; its self.log calls must not count twice in epoch means.
-    pl_module.log = lambda *a, **k: None  # type: ignore[method-assign]
-    pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        pl_module.__dict__.pop("log", None)
-        pl_module.__dict__.pop("log_dict", None)
 
 
 def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], batch: Any, batch_idx: int) -> dict[str, Any]:
@@ -34,7 +21,8 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
 
     The forward runs with a pack hook that records sizes (no backward follows). Saved tensors are held only
     until their block returns, so the probe needs the activations outside the blocks plus one block's, the
-    same as checkpointing every block; the RNG state is forked so training is unchanged. Parameters and
+    same as checkpointing every block. It runs as a :func:`~lightning_lowmem.callbacks._side_step.side_step` (RNG
+    forked, logging off, training_step wrappers aside), so training is unchanged. Parameters and
     buffers are not activations and are not counted.
     """
     params = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
@@ -87,9 +75,10 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, always_call=True))
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), saved_tensors_hooks(pack, unpack), _quiet_logging(pl_module):
+        # NOTE: a side step: RNG forked, `self.log` off, and a training_step wrapper (AccumulationScheduler's
+        # window) stands aside, so the probe leaves the run as it was
+        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
@@ -164,9 +153,10 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, always_call=True))
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), saved_tensors_hooks(pack, unpack), _quiet_logging(pl_module):
+        # NOTE: a side step: RNG forked, `self.log` off, and a training_step wrapper (AccumulationScheduler's
+        # window) stands aside, so the probe leaves the run as it was
+        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:

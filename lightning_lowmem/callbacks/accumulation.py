@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -20,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem.callbacks._side_step import stands_aside
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
@@ -202,7 +202,6 @@ class AccumulationScheduler(Reproducible, L.Callback):
         self._trainer_accumulation: int | None = None
         self._wrapped_step = False
         self._instance_step: Any = None  # a `training_step` the module instance had before ours (rare)
-        self._probing = False
         self._counting = True  # False while a split micro-batch re-runs samples a completed forward counted
         self._last_count: Any = None  # what the last `_weigh` counted (samples or tokens), for the split's logging
         self._splitter: Any = None  # `_oom_split.OOMSplitter` with on_oom="split"
@@ -354,7 +353,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
             budget = self.memory_budget
             if budget is None:  # CUDA only (checked in setup)
                 budget = int(0.9 * torch.cuda.get_device_properties(trainer.strategy.root_device).total_memory)
-            peaks = search(trainer, pl_module, candidates, budget, self.batch_arg_name, self._standing_aside)
+            peaks = search(trainer, pl_module, candidates, budget, self.batch_arg_name)
             self._apply(trainer, pl_module, max(m for m, p in peaks.items() if p is not None and p <= budget))
             self.choice = dataclasses.replace(self.choice, memory_budget=budget, peaks=peaks)
         elif self.choice is None:  # "auto" resumed from a checkpoint: the micro-batch it chose then
@@ -461,22 +460,14 @@ class AccumulationScheduler(Reproducible, L.Callback):
         @functools.wraps(step)
         def training_step(*args: Any, **kwargs: Any) -> Any:
             out = step(*args, **kwargs)
-            # NOTE: detached from the Trainer (a dry run of the module, e.g. MemoryReport's prediction): no window
-            if self._probing or pl_module._trainer is None:
+            # NOTE: a side step (a probe, a micro-batch trial) or a module detached from the Trainer: no window
+            if stands_aside(pl_module):
                 return out
             return self._weigh(pl_module.trainer, out, args[0] if args else kwargs.get("batch"))
 
         # NOTE: an instance attribute shadows the class method for this module only; DDP and the strategies reach
         # `training_step` through the instance, so they call the wrapper. Removed in `teardown`.
         pl_module.training_step = training_step  # type: ignore[method-assign]
-
-    @contextlib.contextmanager
-    def _standing_aside(self) -> Iterator[None]:
-        self._probing = True
-        try:
-            yield
-        finally:
-            self._probing = False
 
     def _weigh(self, trainer: L.Trainer, out: Any, batch: Any) -> Any:
         loss = out.get("loss") if isinstance(out, Mapping) else out

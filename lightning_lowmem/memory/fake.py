@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import os
 import traceback
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -257,10 +255,6 @@ def _apply_on_fake(original: Any) -> Any:
     return _apply
 
 
-def _no_log(self: Any, *args: Any, **kwargs: Any) -> None:
-    return None
-
-
 @contextlib.contextmanager
 def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
     """Run the block with fake tensors from parameters on, real values where they exist (see module docstring).
@@ -270,28 +264,21 @@ def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
     """
     import lightning.pytorch as pl
 
+    from lightning_lowmem.callbacks._side_step import quiet_warnings, silenced_log
+
     execution = FakeExecution()
     original_apply = torch.nn.Module._apply
-    original_log = (pl.LightningModule.log, pl.LightningModule.log_dict)
-    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning_lowmem")] if quiet else []
-    levels = [lg.level for lg in loggers]
     torch.nn.Module._apply = _apply_on_fake(original_apply)  # type: ignore[method-assign]
-    pl.LightningModule.log = pl.LightningModule.log_dict = _no_log  # type: ignore[method-assign]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            if quiet:
-                warnings.simplefilter("ignore")  # NOTE: a dry run's warnings are about the simulation, not the run
-            with execution.mode, _Values(execution), _HealthyChecks(execution):
-                yield execution
+        # NOTE: logging off for every LightningModule (the class: a module built inside is one too); a dry run's
+        # warnings are about the simulation, not the run. Not a side step: the techniques' wrappers must run.
+        with (silenced_log(pl.LightningModule), quiet_warnings() if quiet else contextlib.nullcontext(),
+              execution.mode, _Values(execution), _HealthyChecks(execution)):
+            yield execution
     except FAKE_ERRORS as err:
         raise unsupported(err) from err
     finally:
         torch.nn.Module._apply = original_apply  # type: ignore[method-assign]
-        pl.LightningModule.log, pl.LightningModule.log_dict = original_log  # type: ignore[method-assign]
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bool = False) -> torch.nn.Module:

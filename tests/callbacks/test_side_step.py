@@ -1,0 +1,195 @@
+"""``side_step``: a training step run outside Lightning's loop leaves the run as it was.
+
+Unit tests of the context manager (RNG, logging, the mark, nesting, errors), then through ``Trainer.fit``: a probe
+(``ActivationCheckpointing(policy="budget")``) and the micro-batch search (``AccumulationScheduler("auto")``), both
+with dropout, train bit-identical weights to runs without them.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_lowmem.callbacks._side_step import (
+    forked_rng,
+    marked,
+    quiet_warnings,
+    side_step,
+    silenced_log,
+    stands_aside,
+)
+from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_lowmem.demo.module import CausalLMModule
+from tests.callbacks.test_accumulation_integration import ListData, fit_kwargs, padded_samples
+
+
+class _Logs(L.LightningModule):
+    """Records what reaches ``self.log``/``self.log_dict`` (the class methods, as Lightning's own would be called)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def log(self, name: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self.calls.append(name)
+
+    def log_dict(self, dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self.calls.extend(dictionary)
+
+
+def _attached() -> _Logs:
+    module = _Logs()
+    module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                               enable_model_summary=False)
+    return module
+
+
+def test_rng_is_put_back_after_the_side_step_and_after_an_error():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    module = _attached()
+    with side_step(module):
+        inside = torch.rand(4)
+    assert torch.equal(inside, expected)  # the side step draws what the run would have drawn...
+    with pytest.raises(RuntimeError, match="boom"), side_step(module):
+        torch.rand(100)
+        raise RuntimeError("boom")
+    assert torch.equal(torch.rand(4), expected)  # ...and the run draws it again afterwards
+
+
+def test_logging_is_silenced_inside_and_restored_after_an_error():
+    module = _attached()
+    with pytest.raises(ValueError, match="inside"), side_step(module):
+        module.log("a", 1.0)
+        module.log_dict({"b": 2.0})
+        raise ValueError("inside")
+    assert module.calls == []
+    assert "log" not in vars(module) and "log_dict" not in vars(module)
+    module.log("c", 3.0)
+    module.log_dict({"d": 4.0})
+    assert module.calls == ["c", "d"]
+
+
+def test_an_instance_log_of_someone_else_is_given_back():
+    module = _attached()
+    recorded: list[str] = []
+    module.log = lambda name, *a, **k: recorded.append(name)  # type: ignore[method-assign]  # e.g. the OOM splitter's
+    with side_step(module):
+        module.log("probe", 1.0)
+    module.log("real", 1.0)
+    assert recorded == ["real"] and module.calls == []
+
+
+def test_a_class_can_be_silenced_and_restored():
+    original = L.LightningModule.log
+    with silenced_log(L.LightningModule):
+        assert L.LightningModule.log is not original
+        L.LightningModule().log("x", 1.0)  # no trainer: would warn; silenced, it does nothing
+    assert L.LightningModule.log is original
+
+
+def test_the_mark_tells_a_wrapper_to_stand_aside_and_nesting_keeps_the_outer_one():
+    module = _attached()
+    other = _attached()
+    assert not stands_aside(module)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    with side_step(module):
+        with side_step(module):
+            assert stands_aside(module)
+            module.log("inner", 1.0)
+            torch.rand(10)
+        # the inner exit gives back what the outer set: still marked, still silent, its RNG state
+        assert stands_aside(module) and not stands_aside(other)
+        module.log("outer", 1.0)
+        assert torch.equal(torch.rand(3), expected)
+    assert not stands_aside(module) and module.calls == []
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_detached_module_stands_aside_and_marked_alone_touches_nothing_else():
+    assert stands_aside(_Logs())  # no Trainer: no loop whose step a wrapper could change
+    module = _attached()
+    with marked(module), forked_rng():
+        assert stands_aside(module)
+        module.log("kept", 1.0)  # `marked` alone (the OOM splitter's view) leaves logging on
+    assert module.calls == ["kept"]
+
+
+def test_a_module_without_hash_can_be_marked():
+    class Unhashable(_Logs):
+        def __eq__(self, other: object) -> bool:  # defining __eq__ removes __hash__
+            return isinstance(other, Unhashable)
+
+    module = Unhashable()
+    module.trainer = _attached().trainer
+    with side_step(module):
+        assert stands_aside(module)
+    assert not stands_aside(module)
+
+
+def test_quiet_warnings_ignores_inside_only():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_warnings():
+            warnings.warn("simulated", UserWarning, stacklevel=1)
+        warnings.warn("real", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["real"]
+
+
+# --- through Trainer.fit -----------------------------------------------------------------------------------------
+# dropout on: a side step that drew from the run's RNG would change every later mask, and so the weights
+CONFIG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 16,
+          "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+
+
+def _fit(callbacks: list[Any], steps: int = 2) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = CausalLMModule(config=CONFIG, loss_reduction="sum", learning_rate=1e-3)
+    L.seed_everything(7, verbose=False)
+    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, **fit_kwargs())
+    trainer.fit(module, ListData(padded_samples(4 * steps)))
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_a_probe_leaves_the_scheduler_window_and_the_weights_as_without_it():
+    """The budget probe runs `training_step` once more on the first batch, inside the scheduler's first window:
+    the scheduler's wrapper must not count it (a count of 3 micro-batches would scale the first step's gradients)."""
+    scheduler = dict(effective_batch_size=4, micro_batch_size=2, loss_normalization="tokens")
+    reference = _fit([AccumulationScheduler(**scheduler)])
+    probe = ActivationCheckpointing(policy="budget", budget=10**12)
+    counted = AccumulationScheduler(**scheduler)
+    weights = _fit([counted, probe])
+    assert probe.measured and len(probe.measured["blocks"]) == CONFIG["n_layer"]  # the probe ran
+    assert counted.last_window.micro_batches == 2
+    _assert_equal(weights, reference)
+
+
+def test_micro_batch_trials_leave_the_weights_as_the_chosen_micro_batch_from_the_start():
+    auto = AccumulationScheduler(4, "auto", loss_normalization="tokens", memory_budget=10**12)
+    weights = _fit([auto])
+    assert auto.choice.micro_batch_size == 4 and len(auto.choice.peaks) >= 2  # trials ran at several sizes
+    reference = _fit([AccumulationScheduler(4, auto.choice.micro_batch_size, loss_normalization="tokens")])
+    _assert_equal(weights, reference)
+
+
+def test_the_fits_above_train():
+    """Guards the two tests above: two steps move the weights (runs that trained nothing would pass them)."""
+    torch.manual_seed(0)
+    untouched = copy.deepcopy(CausalLMModule(config=CONFIG, loss_reduction="sum", learning_rate=1e-3).state_dict())
+    trained = _fit([AccumulationScheduler(4, 2, loss_normalization="tokens")])
+    assert any(not torch.equal(untouched[k], trained[k]) for k in untouched)
