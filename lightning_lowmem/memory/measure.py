@@ -36,7 +36,9 @@ The rest of the API:
 * ``MemoryTracker(..., timeline=True)`` then ``tracker.timeline()``: bytes by category after every change.
 * ``peaks[name]`` is a :class:`PhasePeak`: ``total``/``by_category`` (device role), ``host_total``/
   ``host_by_category``, and on CUDA ``cuda_max_allocated``/``cuda_max_reserved``.
-* :class:`CudaPeakWindow` and :func:`reset_cuda_peak_stats`: CUDA peaks that several consumers can read.
+* :class:`~lightning_lowmem.memory.cuda_peak.CudaPeakWindow` and
+  :func:`~lightning_lowmem.memory.cuda_peak.reset_cuda_peak_stats` (re-exported here): CUDA peaks that several
+  consumers can read.
 
 Under a fake mode, enter the tracker *inside* it (``with FakeTensorMode(): ... with tracker: ...``):
 a dispatch mode only sees the ops of the modes entered after it.
@@ -101,6 +103,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lowmem.memory import categories as _cat
 from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown, Role
+from lightning_lowmem.memory.cuda_peak import CudaPeakWindow, reset_cuda_peak_stats
 
 __all__ = [
     "MemoryTracker",
@@ -116,84 +119,6 @@ _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
 _FORWARD = "forward"
 _BACKWARD = "backward"
 _OPTIMIZER = "optimizer"
-
-
-# --- CUDA peak statistics, shared by every consumer of the process ------------------------------------
-class CudaPeakWindow:
-    """The CUDA allocator's peak since this window's last :meth:`lap`, safe to use beside other windows.
-
-    ``torch.cuda.reset_peak_memory_stats`` is process-wide: one consumer resetting it hides the peak
-    from every other. Every project component resets through :func:`reset_cuda_peak_stats`, which
-    first folds the current maxima into every open window, so each window still reads its own peak.
-
-    Example::
-
-        window = CudaPeakWindow(device=0)
-        ...                                     # a training step
-        allocated, reserved = window.lap()      # peaks since the window opened; starts a new lap
-        window.close()
-    """
-
-    _open: weakref.WeakSet[CudaPeakWindow] = weakref.WeakSet()
-
-    def __init__(self, device: torch.device | int | str | None = None) -> None:
-        self.device = _indexed(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"Passed `device={device!r}`; a CudaPeakWindow reads CUDA statistics, give a CUDA device.")
-        self._folded = (0, 0)
-        reset_cuda_peak_stats(self.device)
-        CudaPeakWindow._open.add(self)
-
-    def _fold(self, allocated: int, reserved: int) -> None:
-        self._folded = (max(self._folded[0], allocated), max(self._folded[1], reserved))
-
-    def read(self) -> tuple[int, int]:
-        """``(max allocated, max reserved)`` bytes since the last lap, without starting a new one."""
-        return (
-            max(self._folded[0], torch.cuda.max_memory_allocated(self.device)),
-            max(self._folded[1], torch.cuda.max_memory_reserved(self.device)),
-        )
-
-    def lap(self) -> tuple[int, int]:
-        """Read the peaks since the last lap and start a new lap (one global reset, folded into the others)."""
-        peaks = self.read()
-        reset_cuda_peak_stats(self.device)
-        self._folded = (0, 0)
-        return peaks
-
-    def close(self) -> None:
-        CudaPeakWindow._open.discard(self)
-
-
-def _indexed(device: torch.device | int | str | None) -> torch.device:
-    """``device`` with its index: ``"cuda"`` and ``None`` are the current CUDA device.
-
-    NOTE: [device index] ``torch.device("cuda") != torch.device("cuda:0")``: a window opened on ``"cuda"`` would
-    never see the resets of ``cuda:0`` folded in, and would read a peak another component had reset.
-    """
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    device = torch.device("cuda") if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> None:
-    """Reset CUDA's peak statistics without losing them for any open :class:`CudaPeakWindow`.
-
-    Use this instead of ``torch.cuda.reset_peak_memory_stats`` everywhere in the project. A no-op when
-    CUDA is not available.
-    """
-    if not torch.cuda.is_available():
-        return
-    device = _indexed(device)
-    allocated = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
-    for window in list(CudaPeakWindow._open):
-        if window.device == device:
-            window._fold(allocated, reserved)
-    torch.cuda.reset_peak_memory_stats(device)
 
 
 # --- results --------------------------------------------------------------------------------------------
