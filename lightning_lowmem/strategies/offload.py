@@ -22,17 +22,15 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
@@ -52,14 +50,14 @@ from lightning_lowmem.memory.categories import (
 # memory/analytic.py, and the per-optimizer estimate that the host-RAM check (_offload_host_bytes.py) applies
 from lightning_lowmem.memory.optimizer_state import expected_state_bytes, optimizer_state_bytes_per_param  # noqa: F401
 from lightning_lowmem.memory.units import fmt_size, parse_bytes
-from lightning_lowmem.precision.master_half import PRECISIONS, MasterHalfPrecision
-from lightning_lowmem.strategies import _host_optimizer, _offload_host_bytes, hf_weights
+from lightning_lowmem.precision.master_half import MasterHalfPrecision
+from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_masters import HostMasters
-from lightning_lowmem.strategies._host_optimizer import HOST_OPTIMIZERS, HostOptimizer
+from lightning_lowmem.strategies._host_optimizer import HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
+from lightning_lowmem.strategies._offload_checks import NONFINITE, NonFinite  # noqa: F401
 from lightning_lowmem.strategies.param_stream import (
-    OFFLOAD_PARAMS,
     OffloadParams,
     ParamStream,
     block_params,
@@ -68,10 +66,6 @@ from lightning_lowmem.strategies.param_stream import (
 )
 
 log = logging.getLogger(__name__)
-
-NonFinite = Literal["skip", "raise", "ignore"]
-NONFINITE: tuple[str, ...] = get_args(NonFinite)
-
 
 class NonFiniteGradientError(FloatingPointError):
     """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
@@ -167,7 +161,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        _check_flags(
+        _offload_checks.check_flags(
             optimizer_in_backward=optimizer_in_backward,
             host_optimizer=host_optimizer,
             check_host_memory=check_host_memory,
@@ -231,7 +225,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         # NOTE: the Trainer's connector assigns its own plugin (HalfPrecision, MixedPrecision, Precision) to a
         # strategy picked by name; translating it here, at assignment, also makes `configure_model` build the
         # module in fp32 (the masters' source) and reports an unsupported precision when the Trainer is built.
-        self._precision_plugin = _to_master_precision(plugin)
+        self._precision_plugin = _offload_checks.to_master_precision(plugin)
 
     @property  # type: ignore[override]
     @override
@@ -264,7 +258,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             # re-pointed at the masters below, matching the parameters by identity.
             self.setup_optimizers(trainer)
             for opt in self.optimizers:
-                _check_host_can_run(opt, self.host_optimizer)
+                _offload_checks.check_host_can_run(opt, self.host_optimizer)
         self._build_masters(self.model, self.optimizers if fitting else [], with_grads=fitting)
         if fitting:
             for opt in self.optimizers:
@@ -308,53 +302,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 self._repoint(opt)
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:
-        problems: list[str] = []
         module = self.lightning_module
         assert module is not None
-        if not isinstance(self.accelerator, (CPUAccelerator, CUDAAccelerator)):
-            problems.append(
-                f"it runs on the 'cpu' or 'cuda' accelerator, got `{type(self.accelerator).__name__}`; "
-                "pass `accelerator='cuda'` (or 'cpu')"
-            )
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            problems.append(
-                f"it trains on one device, got {len(self.parallel_devices)} ({self.parallel_devices}); pass `devices=1` "
-                "(for several GPUs use `strategy='lowmem_zero2_offload'`)"
-            )
-        if not any(p.is_floating_point() for p in module.parameters()):
-            problems.append(
-                f"`{type(module).__name__}` has no floating-point parameters, so there are no weights to keep "
-                "masters of; create the layers in `__init__` or `configure_model`"
-            )
-        fp16 = self.precision_plugin.precision.startswith("16-")  # type: ignore[union-attr]
-        if fp16 and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
-            problems.append(
-                "manual optimization with fp16 is not supported: your code would read loss-scaled gradients; "
-                "use precision='bf16-true'/'bf16-mixed'/'32-true' (manual_backward, opt.step(), opt.zero_grad() and "
-                "self.clip_gradients work there)"
-            )
-        if self.optimizer_in_backward and trainer.state.fn == TrainerFn.FITTING:
-            if trainer.accumulate_grad_batches != 1:
-                problems.append(
-                    f"`optimizer_in_backward=True` steps each parameter during backward, so it cannot accumulate: "
-                    f"remove `accumulate_grad_batches={trainer.accumulate_grad_batches}` or set `optimizer_in_backward=False`"
-                )
-            algorithm = trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM
-            if trainer.gradient_clip_val and GradClipAlgorithmType(algorithm) == GradClipAlgorithmType.NORM:
-                problems.append(
-                    "`optimizer_in_backward=True` cannot clip by the global norm (it is known only after every "
-                    f"parameter has stepped): remove `gradient_clip_val={trainer.gradient_clip_val}`, use "
-                    "`gradient_clip_algorithm='value'`, or set `optimizer_in_backward=False`"
-                )
-            if fp16:
-                problems.append(
-                    "`optimizer_in_backward=True` cannot use fp16: an overflow must skip the whole step, but "
-                    "parameters would already have stepped; use 'bf16-true'/'bf16-mixed'/'32-true'"
-                )
-            if not module.automatic_optimization:
-                problems.append("`optimizer_in_backward=True` needs automatic optimization (the step happens in backward)")
-        problems += self._check_streaming(module)
-        problems += self._check_loading(module, trainer)
+        problems = _offload_checks.trainer_problems(self, module, trainer)
+        problems += _offload_checks.streaming_problems(self, module)
+        self._loading, loading = _offload_checks.loading_problems(self.load_weights, module, trainer)
+        problems += loading
         if problems:
             raise ValueError(
                 f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
@@ -362,50 +315,6 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             )
 
     # --- parameter streaming (see lightning_lowmem/strategies/param_stream.py) ---------------------------------
-    def _check_streaming(self, module: torch.nn.Module) -> list[str]:
-        if self.offload_params is False:
-            return []
-        problems = []
-        _, per_block, _ = block_params(module)
-        if self.offload_params is True and not any(per_block):
-            names = [n for n, _ in module.named_parameters()]
-            shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            problems.append(
-                f"`offload_params=True` streams the weights of repeated blocks (the children of an `nn.ModuleList` of two "
-                f"or more modules of one class), and `{type(module).__name__}` has none: no parameter would stream, all "
-                f"{len(names)} ({shown}) would stay on the device. Put the repeated layers in an `nn.ModuleList`, or pass "
-                "`offload_params='auto'` (streams what it finds, here nothing) or `offload_params=False`"
-            )
-        if self.offload_params == "auto" and self.device_budget is None and self.root_device.type != "cuda":
-            problems.append(
-                f"`offload_params='auto'` on the '{self.root_device.type}' device needs `device_budget` (bytes for the "
-                "compute weights, e.g. `device_budget='6GiB'`); only on CUDA does it default to the free memory"
-            )
-        return problems
-
-    def _check_loading(self, module: torch.nn.Module, trainer: pl.Trainer) -> list[str]:
-        """Decide whether ``load_weights`` is read (not on resume: the checkpoint's weights win); what cannot work."""
-        meta_params = [n for n, p in module.named_parameters() if p.is_meta]
-        meta_buffers = [n for n, b in module.named_buffers() if b.is_meta]
-        resuming = getattr(trainer, "ckpt_path", None) is not None
-        self._loading = self.load_weights is not None and not resuming
-        problems = []
-        if meta_params and not self._loading:
-            why = "resuming from `ckpt_path` (the checkpoint loads into real tensors only)" if resuming else (
-                "no `load_weights` to fill them")
-            problems.append(
-                f"{len(meta_params)} parameters are on the meta device (`{meta_params[0]}`, ...) and {why}: pass "
-                "`OffloadStrategy(load_weights=<save_pretrained directory>)`, or build the module under "
-                "`trainer.init_module(empty_init=True)` to resume"
-            )
-        if meta_buffers:
-            problems.append(
-                f"buffers on the meta device ({', '.join(f'`{n}`' for n in meta_buffers[:3])}): checkpoints do not hold "
-                "computed buffers (rotary `inv_freq`); build the module under `trainer.init_module(empty_init=True)` "
-                "instead of the meta device (its weights still come from `load_weights` without an fp32 copy)"
-            )
-        return problems
-
     def _plan_stream(self, module: torch.nn.Module) -> ParamStream:
         """Which blocks stream (all with ``True``; under ``"auto"`` the ones that do not fit the budget), logged."""
         _, per_block, rest = block_params(module)
@@ -776,77 +685,3 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
-
-def _to_master_precision(plugin: Precision | None) -> Precision | None:
-    if plugin is None or isinstance(plugin, MasterHalfPrecision):
-        return plugin
-    name = getattr(plugin, "precision", None)
-    if type(plugin) in (Precision, HalfPrecision, MixedPrecision) and name in PRECISIONS:
-        return MasterHalfPrecision(name)  # type: ignore[arg-type]
-    raise ValueError(
-        f"`strategy='lowmem_offload'` got `precision={name!r}` (`{type(plugin).__name__}`); it supports "
-        f"{', '.join(map(repr, PRECISIONS))}: compute weights in that dtype on the device and fp32 masters on the host. "
-        "Pass one of these as `Trainer(precision=...)`, or `plugins=[MasterHalfPrecision(...)]` to set the loss scaler."
-    )
-
-
-_CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
-
-
-def _check_host_can_run(optimizer: Optimizer, host_optimizer: str) -> None:
-    """Refuse optimizers that cannot step fp32 masters on the host, naming why and what to use instead."""
-    problems = []
-    name = type(optimizer).__name__
-    if isinstance(optimizer, _CLOSURE_OPTIMIZERS):
-        problems.append(f"`{name}` re-evaluates the loss inside `step()`; `lowmem_offload` steps once per backward")
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        problems.append("`SparseAdam` needs sparse gradients; host gradient buffers are dense (use `AdamW`)")
-    for i, group in enumerate(optimizer.param_groups):
-        if group.get("capturable"):
-            problems.append(f"param group {i} has `capturable=True` (CUDA graphs); the host step cannot capture")
-        if group.get("fused") and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad):
-            problems.append(f"param group {i} has `fused=True`, which torch has no CPU kernel for in `{name}`")
-    reason = _host_optimizer.why_not_fused(optimizer) if host_optimizer == "torch_fused" else None
-    if reason is not None:
-        problems.append(f"`host_optimizer='torch_fused'` cannot fuse it ({reason}); use 'auto' or 'as_is'")
-    if problems:
-        raise ValueError(
-            f"The host cannot run the optimizer `{name}` under `lowmem_offload`: " + "; ".join(problems) + "."
-        )
-
-
-def _check_flags(**flags: Any) -> None:
-    """TypeError/ValueError for every bad constructor argument at once, each naming the value and what is expected."""
-    problems: list[str] = []
-    type_error = False
-    for name in ("optimizer_in_backward", "check_host_memory"):
-        if not isinstance(flags[name], bool):
-            problems.append(f"`{name}={flags[name]!r}`; expected True or False")
-            type_error = True
-    if flags["host_optimizer"] not in HOST_OPTIMIZERS:
-        problems.append(f"`host_optimizer={flags['host_optimizer']!r}`; expected one of {', '.join(map(repr, HOST_OPTIMIZERS))}")
-    if flags["nonfinite"] not in NONFINITE:
-        problems.append(f"`nonfinite={flags['nonfinite']!r}`; expected one of {', '.join(map(repr, NONFINITE))}")
-    if not any(flags["offload_params"] is v or (isinstance(v, str) and flags["offload_params"] == v) for v in OFFLOAD_PARAMS):
-        problems.append(f"`offload_params={flags['offload_params']!r}`; expected False, True or 'auto'")
-    prefetch = flags["prefetch"]
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        problems.append(f"`prefetch={prefetch!r}`; expected an int >= 0 (how many blocks to copy ahead)")
-    if flags["load_weights"] is not None:
-        try:
-            hf_weights.shard_files(flags["load_weights"])
-        except ValueError as err:
-            problems.append(str(err).removeprefix("Passed "))
-    if flags["device_budget"] is not None:
-        try:
-            parse_bytes(flags["device_budget"], "`device_budget`")
-        except ValueError as err:
-            problems.append(f"`device_budget={flags['device_budget']!r}` ({err})")
-    skips = flags["max_consecutive_skips"]
-    if isinstance(skips, bool) or not isinstance(skips, int):
-        problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
-        type_error = True
-    elif skips < 1:
-        problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
-    if problems:
-        raise (TypeError if type_error else ValueError)("OffloadStrategy: passed " + "; passed ".join(problems) + ".")
