@@ -336,7 +336,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
         return ParamStream(module, streamed, self.prefetch, self.root_device)
 
-    # --- masters (see lightning_lowmem/strategies/_host_masters.py) -----------------------------------------
+    # --- masters and their host RAM (see strategies/_host_masters.py, strategies/_offload_host_bytes.py) -------
     def host_bytes_needed(
         self,
         module: torch.nn.Module,
