@@ -61,7 +61,7 @@ class Timed(OffloadStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         super().setup(trainer)
         if self.policy == "before":
-            self._transfer = FoldInHook(self.root_device, self._p_device, DeferredOps("eager"))
+            self._transfer = FoldInHook(self.root_device, self._masters.p_device, DeferredOps("eager"))
 
     def _grad_ready(self, *args: Any) -> None:
         # NOTE: the stand-in does the device's copies on this thread too; on CUDA they run on the copy engine

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_lowmem.memory.categories import MemoryBreakdown
+from lightning_lowmem.memory.optimizer_state import optimizer_state_bytes_per_param
 
 #: bytes of one element of a compute dtype named by a Lightning precision string
 _PARAM_BYTES = {"32-true": 4, "bf16-true": 2, "16-true": 2, "bf16-mixed": 4, "16-mixed": 4}
@@ -110,20 +111,6 @@ def _closed_form_params(model_type: str, L: int, h: int, heads: int, kv: int, f:
     if not _first(config, "tie_word_embeddings", default=True):
         total += V * h
     return total
-
-
-def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int, numel: int) -> float:
-    """State bytes of one parameter tensor of ``numel`` values under ``optimizer``."""
-    if optimizer == "adamw":
-        return 2 * param_bytes * numel
-    if optimizer == "adamw8bit":
-        # NOTE: bitsandbytes keeps tensors under 4096 values in 32-bit state (min_8bit_size)
-        if numel < 4096:
-            return 8 * numel
-        return 2 * numel + 2 * 4 * math.ceil(numel / 256)
-    if optimizer == "sgd":
-        return param_bytes * numel
-    raise ValueError(f"Passed `optimizer={optimizer!r}`; expected 'adamw', 'adamw8bit' or 'sgd'.")
 
 
 def layer_activation_bytes(shape: TransformerShape, b: int, s: int, act_bytes: int, mask_bytes: int,

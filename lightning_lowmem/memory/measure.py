@@ -36,7 +36,9 @@ The rest of the API:
 * ``MemoryTracker(..., timeline=True)`` then ``tracker.timeline()``: bytes by category after every change.
 * ``peaks[name]`` is a :class:`PhasePeak`: ``total``/``by_category`` (device role), ``host_total``/
   ``host_by_category``, and on CUDA ``cuda_max_allocated``/``cuda_max_reserved``.
-* :class:`CudaPeakWindow` and :func:`reset_cuda_peak_stats`: CUDA peaks that several consumers can read.
+* :class:`~lightning_lowmem.memory.cuda_peak.CudaPeakWindow` and
+  :func:`~lightning_lowmem.memory.cuda_peak.reset_cuda_peak_stats` (re-exported here): CUDA peaks that several
+  consumers can read.
 
 Under a fake mode, enter the tracker *inside* it (``with FakeTensorMode(): ... with tracker: ...``):
 a dispatch mode only sees the ops of the modes entered after it.
@@ -100,7 +102,9 @@ from torch.utils import _python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lowmem.memory import categories as _cat
+from lightning_lowmem.memory._storage_ledger import _A, _DEV, _G, _HOST, _O, _W, _X, StorageLedger, _Snap, _storage
 from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown, Role
+from lightning_lowmem.memory.cuda_peak import CudaPeakWindow, reset_cuda_peak_stats
 
 __all__ = [
     "MemoryTracker",
@@ -110,90 +114,9 @@ __all__ = [
     "iter_tensors",
 ]
 
-_W, _G, _O, _A, _X = range(5)  # indices into CATEGORIES: weights, gradients, optimizer_state, activations, other
-_DEV, _HOST = 0, 1  # indices into ROLES
-_CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
 _FORWARD = "forward"
 _BACKWARD = "backward"
 _OPTIMIZER = "optimizer"
-
-
-# --- CUDA peak statistics, shared by every consumer of the process ------------------------------------
-class CudaPeakWindow:
-    """The CUDA allocator's peak since this window's last :meth:`lap`, safe to use beside other windows.
-
-    ``torch.cuda.reset_peak_memory_stats`` is process-wide: one consumer resetting it hides the peak
-    from every other. Every project component resets through :func:`reset_cuda_peak_stats`, which
-    first folds the current maxima into every open window, so each window still reads its own peak.
-
-    Example::
-
-        window = CudaPeakWindow(device=0)
-        ...                                     # a training step
-        allocated, reserved = window.lap()      # peaks since the window opened; starts a new lap
-        window.close()
-    """
-
-    _open: weakref.WeakSet[CudaPeakWindow] = weakref.WeakSet()
-
-    def __init__(self, device: torch.device | int | str | None = None) -> None:
-        self.device = _indexed(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"Passed `device={device!r}`; a CudaPeakWindow reads CUDA statistics, give a CUDA device.")
-        self._folded = (0, 0)
-        reset_cuda_peak_stats(self.device)
-        CudaPeakWindow._open.add(self)
-
-    def _fold(self, allocated: int, reserved: int) -> None:
-        self._folded = (max(self._folded[0], allocated), max(self._folded[1], reserved))
-
-    def read(self) -> tuple[int, int]:
-        """``(max allocated, max reserved)`` bytes since the last lap, without starting a new one."""
-        return (
-            max(self._folded[0], torch.cuda.max_memory_allocated(self.device)),
-            max(self._folded[1], torch.cuda.max_memory_reserved(self.device)),
-        )
-
-    def lap(self) -> tuple[int, int]:
-        """Read the peaks since the last lap and start a new lap (one global reset, folded into the others)."""
-        peaks = self.read()
-        reset_cuda_peak_stats(self.device)
-        self._folded = (0, 0)
-        return peaks
-
-    def close(self) -> None:
-        CudaPeakWindow._open.discard(self)
-
-
-def _indexed(device: torch.device | int | str | None) -> torch.device:
-    """``device`` with its index: ``"cuda"`` and ``None`` are the current CUDA device.
-
-    NOTE: [device index] ``torch.device("cuda") != torch.device("cuda:0")``: a window opened on ``"cuda"`` would
-    never see the resets of ``cuda:0`` folded in, and would read a peak another component had reset.
-    """
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    device = torch.device("cuda") if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> None:
-    """Reset CUDA's peak statistics without losing them for any open :class:`CudaPeakWindow`.
-
-    Use this instead of ``torch.cuda.reset_peak_memory_stats`` everywhere in the project. A no-op when
-    CUDA is not available.
-    """
-    if not torch.cuda.is_available():
-        return
-    device = _indexed(device)
-    allocated = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
-    for window in list(CudaPeakWindow._open):
-        if window.device == device:
-            window._fold(allocated, reserved)
-    torch.cuda.reset_peak_memory_stats(device)
 
 
 # --- results --------------------------------------------------------------------------------------------
@@ -223,30 +146,6 @@ class PhasePeak:
         }
 
 
-class _Snap:
-    """Bytes by category at the moment a role's total was highest (within a scope: overall or one phase)."""
-
-    __slots__ = ("seq", "total", "cats", "phase")
-
-    def __init__(self) -> None:
-        self.seq = -1
-        self.total = -1
-        self.cats = [0, 0, 0, 0, 0]
-        self.phase: str | None = None
-
-
-class _Rec:
-    __slots__ = ("nbytes", "cat", "role", "seq", "fwd", "ref")
-
-    def __init__(self, nbytes: int, cat: int, role: int, seq: int, fwd: int) -> None:
-        self.nbytes = nbytes
-        self.cat = cat
-        self.role = role
-        self.seq = seq
-        self.fwd = fwd  # forward-phase epoch that created it (0: not created in forward)
-        self.ref: weakref.ref | None = None
-
-
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors in a nested structure of mappings (dicts, ``BatchEncoding``), lists, tuples and sets."""
     if isinstance(obj, torch.Tensor):
@@ -257,13 +156,6 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for value in obj:
             yield from iter_tensors(value)
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some wrapper subclasses
-        return None
 
 
 class _Mode(TorchDispatchMode):
@@ -313,7 +205,7 @@ def _exit_mode(mode: TorchDispatchMode, exc: tuple[Any, ...]) -> None:
         _pd._push_mode(m)
 
 
-class MemoryTracker:
+class MemoryTracker(StorageLedger):
     """Live tensor-storage bytes by phase, category and role, with peaks (see the module docstring).
 
     Args:
@@ -364,154 +256,15 @@ class MemoryTracker:
 
     # --- state --------------------------------------------------------------------------------------
     def _reset(self) -> None:
-        self._recs: dict[int, _Rec] = {}
-        self._live = ([0] * 5, [0] * 5)
-        self._tot = [0, 0]
-        self._seq = 0
-        self._peak = (_Snap(), _Snap())
-        self._phase_snaps: dict[str, tuple[_Snap, _Snap]] = {}
-        self._phase: str | None = None
-        self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
-        self._win: tuple[_Snap, _Snap] | None = None  # the current window's snapshots (see `set_window`)
-        self._win_events: list[list[Any]] | None = None
-        #: ``{window: [[seq, device bytes by category, host bytes by category], ...]}`` (see `set_window`)
-        self.window_events: dict[str, list[list[Any]]] = {}
-        self._in_fwd = False
-        self._fwd_epoch = 0
+        super()._reset()
         self._weight_keys: set[int] = set()
-        self._host_keys: set[int] = set()
         self._host_refs: list[weakref.ref] = []
         self._handles: list[Any] = []
         self._params: list[torch.Tensor] = []
         self._extra_params: list[torch.Tensor] = []  # optimizer parameters the module does not hold (masters)
         self._cuda_window: CudaPeakWindow | None = None
         self._cuda: dict[str, list[int]] = {}
-        self._phase_order: list[str] = []
-        self._timeline: list[tuple[int, int, int, int, int, int, int]] = []
         self._ops = 0
-        self._host_on_accel = self.device.type not in ("cpu", "meta")
-
-    # --- the hot path ---------------------------------------------------------------------------------
-    def _see(self, t: torch.Tensor, mutates: bool = True) -> None:
-        st = _storage(t)
-        if st is None:
-            return
-        key = st._cdata
-        rec = self._recs.get(key)
-        if rec is not None:
-            if mutates:
-                n = self._nbytes(st, t)
-                if n != rec.nbytes:  # resize_, set_, out= variants
-                    self._resize(rec, n)
-            return
-        self._add(st, t, key, _A if self._in_fwd else _X)
-
-    def _nbytes(self, st: torch.UntypedStorage, t: torch.Tensor) -> int:
-        n = st.nbytes()
-        if self._host_on_accel and t.is_cuda and n % _CUDA_BLOCK:
-            n += _CUDA_BLOCK - n % _CUDA_BLOCK
-        return n
-
-    def _add(self, st: torch.UntypedStorage, t: torch.Tensor, key: int, cat: int) -> _Rec | None:
-        n = self._nbytes(st, t)
-        role = _HOST if (key in self._host_keys or (self._host_on_accel and t.device.type == "cpu")) else _DEV
-        with self._lock:
-            self._seq += 1
-            rec = _Rec(n, cat, role, self._seq, self._fwd_epoch if cat == _A else 0)
-            rec.ref = weakref.ref(st, self._finaliser(key))
-            self._recs[key] = rec
-            if n:
-                self._live[role][cat] += n
-                self._tot[role] += n
-                self._update_peaks(role)
-        return rec
-
-    def _finaliser(self, key: int):  # type: ignore[no-untyped-def]
-        def on_free(_ref: weakref.ref) -> None:
-            self._free(key)
-
-        return on_free
-
-    def _update_peaks(self, role: int) -> None:
-        total = self._tot[role]
-        if self._win_events is not None:
-            self._win_events.append([self._seq, self._live[_DEV].copy(), self._live[_HOST].copy()])
-        for snap in (self._peak[role], self._cur[role], *((self._win[role],) if self._win is not None else ())):
-            if total > snap.total:
-                snap.total = total
-                snap.cats = self._live[role].copy()
-                snap.seq = self._seq
-                snap.phase = self._phase
-        if self.timeline_enabled:
-            d = self._live[_DEV]
-            self._timeline.append((len(self._phase_order) - 1, d[0], d[1], d[2], d[3], d[4], self._tot[_HOST]))
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            rec = self._recs.pop(key, None)
-            # NOTE: a freed storage's key (its address) is reused by later storages: drop its host mark.
-            self._host_keys.discard(key)
-            if rec is None:
-                return
-            if rec.cat == _A and self._in_fwd and rec.fwd == self._fwd_epoch:
-                # NOTE: created and freed inside one forward: a temporary, not a saved activation.
-                self._retag(rec, _X, rec.role, retro=True)
-            self._live[rec.role][rec.cat] -= rec.nbytes
-            self._tot[rec.role] -= rec.nbytes
-            self._seq += 1
-            if self.timeline_enabled:
-                d = self._live[_DEV]
-                self._timeline.append((len(self._phase_order) - 1, d[0], d[1], d[2], d[3], d[4], self._tot[_HOST]))
-
-    def _resize(self, rec: _Rec, n: int) -> None:
-        with self._lock:
-            delta = n - rec.nbytes
-            rec.nbytes = n
-            self._live[rec.role][rec.cat] += delta
-            self._tot[rec.role] += delta
-            self._seq += 1
-            if delta > 0:
-                self._update_peaks(rec.role)
-
-    def _snapshots(self) -> Iterator[tuple[_Snap, _Snap]]:
-        yield self._peak
-        yield from self._phase_snaps.values()
-
-    def _retag(self, rec: _Rec, cat: int, role: int, *, retro: bool) -> None:
-        """Move ``rec`` to ``(cat, role)``; with ``retro``, also in every peak snapshot taken while it was alive."""
-        if rec.cat == cat and rec.role == role:
-            return
-        with self._lock:
-            n = rec.nbytes
-            self._live[rec.role][rec.cat] -= n
-            self._tot[rec.role] -= n
-            self._live[role][cat] += n
-            self._tot[role] += n
-            if retro and n:
-                moved = role != rec.role
-                for snaps in self._snapshots():
-                    # NOTE: the record is alive now, so it was alive at every snapshot taken since its creation.
-                    old, new = snaps[rec.role], snaps[role]
-                    if old.seq >= rec.seq:
-                        old.cats[rec.cat] -= n
-                        if moved:
-                            old.total -= n
-                    if new.seq >= rec.seq:
-                        new.cats[cat] += n
-                        if moved:
-                            new.total += n
-                for events in self.window_events.values():  # NOTE: the same correction, event by event
-                    for event in events:
-                        if event[0] >= rec.seq:
-                            event[1 + rec.role][rec.cat] -= n
-                            event[1 + role][cat] += n
-            rec.cat, rec.role = cat, role
-            if cat != _A:
-                rec.fwd = 0
-            if self._tot[role] > self._cur[role].total or self._tot[role] > self._peak[role].total or (
-                self._win is not None and self._tot[role] > self._win[role].total
-            ):
-                self._update_peaks(role)
 
     # --- classification from the objects we know -----------------------------------------------------
     def _tag(self, t: torch.Tensor | None, cat: int, *, retro: bool = True) -> None:
@@ -745,17 +498,6 @@ class MemoryTracker:
         self._win = snaps
         self._open(snaps)
 
-    def _open(self, snaps: tuple[_Snap, _Snap]) -> None:
-        """A scope (phase or window) starts from what is live now."""
-        with self._lock:
-            self._seq += 1
-            for role in (_DEV, _HOST):
-                if self._tot[role] > snaps[role].total:
-                    snaps[role].total = self._tot[role]
-                    snaps[role].cats = self._live[role].copy()
-                    snaps[role].seq = self._seq
-                    snaps[role].phase = self._phase
-
     @property
     def phase_name(self) -> str | None:
         """The current phase (None outside every phase)."""
@@ -772,15 +514,6 @@ class MemoryTracker:
                 self.set_phase(None)
 
     # --- readings ---------------------------------------------------------------------------------------
-    def _best(self, role: int) -> _Snap:
-        # NOTE: a storage marked host after it was counted moves out of the device-role snapshots taken while it
-        # was alive, so the overall snapshot may no longer be the highest moment: take the best of all scopes.
-        best = self._peak[role]
-        for snaps in self._phase_snaps.values():
-            if snaps[role].total > best.total:
-                best = snaps[role]
-        return best
-
     @property
     def peak_bytes(self) -> int:
         """The highest device-role live bytes seen while tracking."""

@@ -394,7 +394,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         name = type(optimizer).__name__
         per_element = 4.0 if ("Adagrad" in name or "Lion" in name) else 8.0
         if not ("Adam" in name or per_element == 4.0):
-            from lightning_lowmem.strategies.offload import expected_state_bytes
+            from lightning_lowmem.memory.optimizer_state import expected_state_bytes
 
             per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
         cuda = isinstance(self.accelerator, CUDAAccelerator)
