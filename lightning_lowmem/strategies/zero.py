@@ -382,9 +382,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if cpu_optimizer is not optimizer:
             rank_zero_info(message)
             if scheduler_config is not None:
-                from lightning_lowmem.strategies._zero_optim import rebind_scheduler
+                from lightning_lowmem._schedulers import repoint_scheduler
 
-                rebind_scheduler(scheduler_config.scheduler, cpu_optimizer)
+                repoint_scheduler(scheduler_config.scheduler, optimizer, cpu_optimizer)
         return cpu_optimizer, scheduler_config
 
     def _check_host_memory(self, optimizer: Optimizer) -> None:
