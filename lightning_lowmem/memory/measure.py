@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +99,7 @@ import torch
 from torch.utils import _python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_lowmem._compat import tensors_in
 from lightning_lowmem.memory import categories as _cat
 from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown, Role
 
@@ -248,15 +249,9 @@ class _Rec:
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a nested structure of mappings (dicts, ``BatchEncoding``), lists, tuples and sets."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for value in obj:
-            yield from iter_tensors(value)
+    """The tensors in a nested batch: :func:`lightning_lowmem._compat.tensors_in` (mappings such as ``BatchEncoding``,
+    sequences, dataclasses: what Lightning's ``apply_to_collection`` walks)."""
+    yield from tensors_in(obj)
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
