@@ -43,6 +43,23 @@ def test_true_precision_casts_inputs_and_sets_default_dtype():
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_forward_context_restores_the_default_dtype_on_error_and_32_true_leaves_it():
+    plugin = MasterHalfPrecision("16-true")
+    with pytest.raises(RuntimeError, match="boom"), plugin.forward_context():
+        assert torch.get_default_dtype() == torch.float16
+        raise RuntimeError("boom")
+    assert torch.get_default_dtype() == torch.float32
+    torch.set_default_dtype(torch.float64)
+    try:
+        with MasterHalfPrecision("32-true").forward_context():
+            assert torch.get_default_dtype() == torch.float64
+        with plugin.forward_context():
+            assert torch.get_default_dtype() == torch.float16
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_mixed_precision_autocasts_and_keeps_inputs():
     plugin = MasterHalfPrecision("bf16-mixed")
     plugin.device_type = "cpu"
