@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.deepspeed, RunIf(deepspeed=True)]
         ("lowmem_zero3_offload", 3, True, True),
     ],
 )
-def test_presets_carry_the_article_004_reference_settings(name, stage, optimizer_offload, param_offload):
+def test_presets_carry_the_reference_settings(name, stage, optimizer_offload, param_offload):
     from lightning_lowmem.strategies.zero import ZeroStrategy
 
     strategy = StrategyRegistry.get(name)
