@@ -12,7 +12,7 @@ per variant, after a warm-up step), device role:
 - ``host_act_peak``: host-role ``activations`` at the host peak (the offloaded copies).
 
 ``one_block`` is what one transformer block saves for backward without checkpointing and ``boundary`` one
-block input (both counted by a saved-tensor census); the target of issue 6 is
+block input (both counted by a saved-tensor census); the target (one block's working set) is
 ``act_fwd_device(offload+ckpt) <= one_block + boundary``. On the CPU the "host copy" is a separate CPU
 tensor and copies are synchronous: the time column measures the bookkeeping and memcpy cost, not PCIe
 overlap, which needs a GPU (the < 10 % at sequence 2048 target was not measured: no GPU was lent).
@@ -155,7 +155,7 @@ def main() -> None:
         f"sequence {args.seq}, fp32, vocab 258; ActivationOffload(min_bytes={args.min_bytes}, prefetch=2); "
         "checkpointing = ActivationCheckpointing(policy='all').",
         f"one block saves {fmt_bytes(one_block)} for backward; one block input (the boundary) is {fmt_bytes(boundary)}. "
-        f"Target (issue 6): offload+ckpt(boundaries_only) act_fwd_device <= {fmt_bytes(target)}; measured "
+        f"Target (one block + its boundary): offload+ckpt(boundaries_only) act_fwd_device <= {fmt_bytes(target)}; measured "
         f"{fmt_bytes(boundaries)}: {'met' if boundaries <= target else 'NOT met'}.",
         "act_fwd_device of offload+ckpt is what stays outside the checkpointed blocks (LM head input, logits, loss); "
         "the block inputs are on the host. In backward the device working set (act_peak_device) of offload+ckpt is "

@@ -218,7 +218,7 @@ def main() -> None:
         f"= {fmt_bytes(target_oib)} ({'met' if extra['targets']['oib_drop>=required'] else 'NOT met'}).",
         f"GPT-2-XL ({xl_params / 1e9:.3f}B params): fp32 Adam state {8 * xl_params / 1e9:.2f} GB, 8-bit "
         f"{xl_8bit / 1e9:.2f} GB ({xl_8bit / xl_params:.3f} B/param): {xl_saved / 1e9:.2f} GB "
-        f"({xl_saved / 2**30:.2f} GiB) saved, vs the founding article's ~8.5 GB.",
+        f"({xl_saved / 2**30:.2f} GiB) saved, vs the ~8.5 GB of https://www.52hwl.com/43530.html.",
         "Step times are medians of steps 2..N of each fit, fits interleaved variant after variant; CPU step times of "
         "bitsandbytes' 8-bit update (dequantize to fp32, update, requantize in separate passes) are not GPU figures.",
     ]

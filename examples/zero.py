@@ -28,7 +28,7 @@ from lightning_lowmem.demo.module import CausalLMModule, build_causal_lm
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="lowmem_zero3_offload")
-    parser.add_argument("--precision", default=None, help="default: 16-mixed on a GPU (article 004), bf16-mixed on a CPU")
+    parser.add_argument("--precision", default=None, help="default: 16-mixed on a GPU (as in Hugging Face's DeepSpeed docs), bf16-mixed on a CPU")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--smoke", action="store_true", help="a tiny model and 2 steps")

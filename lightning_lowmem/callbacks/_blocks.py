@@ -13,13 +13,15 @@ checkpoint keeps alive for backward; :func:`checkpointed_modules` lists them in 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lightning_lowmem._compat import tensors_in  # noqa: F401  (re-exported: `_segments`, `_probe`, `param_stream` use it)
 
 # the attribute that marks a checkpointed module (read it through `checkpoint_info`)
 INFO_ATTR = "_lowmem_checkpoint"
@@ -213,14 +215,3 @@ def unwrap(module: nn.Module) -> None:
         module.__dict__["forward"] = wrapper.inner
     del module.__dict__[INFO_ATTR]
 
-
-def tensors_in(value: Any) -> Iterable[torch.Tensor]:
-    """Tensors in nested tuples / lists / dicts (Hugging Face ``ModelOutput`` included), in order."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from tensors_in(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from tensors_in(v)

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem._compat import Reproducible, check_lightning_object, tensors_in
 from lightning_lowmem._streams import CudaOps, cpu_ops
 from lightning_lowmem.callbacks._offload_engine import (
     OffloadStats,
@@ -169,7 +169,7 @@ class ActivationOffload(Reproducible, Callback):
         if self.engine is None:
             self.on_train_start(pl_module.trainer, pl_module)
         engine = self._require_engine()
-        engine.begin_step([*pl_module.parameters(), *pl_module.buffers(), *_tensors_in(batch)])
+        engine.begin_step([*pl_module.parameters(), *pl_module.buffers(), *tensors_in(batch)])
         with engine.hooks():
             yield
 
@@ -200,7 +200,7 @@ class ActivationOffload(Reproducible, Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         engine = self._require_engine()
-        keep = [*pl_module.parameters(), *pl_module.buffers(), *_tensors_in(batch)]
+        keep = [*pl_module.parameters(), *pl_module.buffers(), *tensors_in(batch)]
         if self._new_window:
             engine.begin_step(keep)
             self._new_window = False
@@ -302,17 +302,6 @@ class ActivationOffload(Reproducible, Callback):
             f"would leave less than {_HOST_RAM_RESERVE:.0%} of it free ({available / 2**30:.2f} GiB available). "
             "Raise `min_bytes`, use `boundaries_only=True` with ActivationCheckpointing, or lower the batch size."
         )
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in a (nested) batch."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_in(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_in(v)]
-    return []
 
 
 __all__ = ["METRIC_KEYS", "ActivationOffload"]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
-import weakref
 from typing import Any, Literal, get_args
 
 import lightning as L
@@ -13,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible, check_lightning_object, require
+from lightning_lowmem._schedulers import repoint_scheduler
 from lightning_lowmem.memory.categories import host_storage_keys, mark_host, storage_key
 
 Kind = Literal["adamw8bit", "paged_adamw8bit", "lion8bit", "adam8bit"]
@@ -151,7 +150,7 @@ class LowBitOptimizer(Reproducible, Callback):
         for old, new in zip(strategy.optimizers, new_optimizers):
             if new is not old:
                 for config in strategy.lr_scheduler_configs:
-                    _repoint_scheduler(config.scheduler, old, new)
+                    repoint_scheduler(config.scheduler, old, new)
         strategy.optimizers = new_optimizers  # the setter rebuilds Lightning's LightningOptimizer wrappers
         if self.stable_embedding:
             self._keep_embeddings_32bit(pl_module, new_optimizers)
@@ -277,34 +276,3 @@ def _module_param_of(pl_module: L.LightningModule, p: torch.Tensor) -> torch.Ten
     master_of = getattr(strategy, "master_of", None)
     return master_of(p) if callable(master_of) else None
 
-
-def _repoint_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Point ``scheduler`` (and the schedulers it chains) from ``old`` to ``new``."""
-    for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
-        _repoint_scheduler(child, old, new)
-    if getattr(scheduler, "optimizer", None) is old:
-        scheduler.optimizer = new
-        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-            _track_step_called(new)
-
-
-def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` the way ``LRScheduler.__init__`` does.
-
-    NOTE: torch schedulers wrap ``optimizer.step`` at construction to warn when ``scheduler.step()`` runs
-    before ``optimizer.step()``; without the same wrapper on the new optimizer every re-pointed scheduler
-    would warn "optimizer.step() has been overridden" at its first step.
-    """
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    opt_ref = weakref.ref(optimizer)
-    func = optimizer.step.__func__  # type: ignore[attr-defined]
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return func.__get__(opt, opt.__class__)(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]

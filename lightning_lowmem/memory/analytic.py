@@ -6,9 +6,9 @@ bitsandbytes' 8-bit state at 2 B/param plus one fp32 absmax per 256 values, 4 B 
 Korthikanti et al. 2022 (arXiv 2205.05198) for saved activations, ``sbh(34 + 5as/h)`` per layer at
 2-byte activations and 1-byte dropout masks, with the logits / cross-entropy terms of the LM head.
 
-On Hugging Face models they come out low (40-71 % below the measured peak for GPT-2, see
-``shared/reference/memory-measurement.md``): they miss HF's Python GELU intermediates, fp32
-dropout masks on CPU, view-vs-copy effects and optimizer temporaries. They are therefore used
+On Hugging Face models they come out low (up to 21 % below the peak measured on the CPU for GPT-2 and
+LLaMA shapes: ``benchmarks/results/estimate.md``, column ``analytic_error_%``): they miss HF's Python
+GELU intermediates, fp32 dropout masks on CPU, view-vs-copy effects and optimizer temporaries. They are therefore used
 only as a bound printed beside the traced figure, and as the fallback when a model cannot be
 traced (an op with no fake implementation); :func:`analytic_estimate` says so in its notes.
 """

@@ -92,7 +92,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +101,7 @@ import torch
 from torch.utils import _python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_lowmem._compat import tensors_in
 from lightning_lowmem.memory import categories as _cat
 from lightning_lowmem.memory._storage_ledger import _A, _DEV, _G, _HOST, _O, _W, _X, StorageLedger, _Snap, _storage
 from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown, Role
@@ -147,15 +148,9 @@ class PhasePeak:
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a nested structure of mappings (dicts, ``BatchEncoding``), lists, tuples and sets."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for value in obj:
-            yield from iter_tensors(value)
+    """The tensors in a nested batch: :func:`lightning_lowmem._compat.tensors_in` (mappings such as ``BatchEncoding``,
+    sequences, dataclasses: what Lightning's ``apply_to_collection`` walks)."""
+    yield from tensors_in(obj)
 
 
 class _Mode(TorchDispatchMode):

@@ -1,9 +1,24 @@
 """Dynamic loss scaling for fp16 training whose gradients are unscaled on fp32 host masters.
 
-``torch.amp.GradScaler`` unscales the gradients of the optimizer's parameters on the device the
-scaler was built for; under ``lowmem_offload`` those parameters are fp32 masters on the host, so the
-scaler here works on any list of gradients, wherever they live, and keeps its state in plain Python
-numbers (checkpointed by :class:`~lightning_lowmem.precision.master_half.MasterHalfPrecision`).
+Not ``torch.amp.GradScaler``, although its unscale would do: it groups gradients by device and dtype
+(``GradScaler._unscale_grads_``), so it can unscale the masters' fp32 gradients on the host, where
+``lowmem_offload``'s gradient fold has added the fp16 device gradients of every micro-batch (an inf or
+nan survives that fp32 sum, so one check after the fold sees every overflow). What it cannot do here:
+
+* give the overflow answer before the step. ``MasterHalfPrecision.optimizer_step`` needs it as a Python
+  bool to skip clipping, to skip the strategy's host step (``step_fn``, which the strategy follows by
+  copying the masters back into the compute weights) and to drop the masters' gradients.
+  ``GradScaler.step`` calls ``optimizer.step()`` itself and keeps the answer in private per-optimizer
+  state (``_per_optimizer_states``);
+* keep a floor: ``min_scale`` (DeepSpeed's ``min_loss_scale``). ``GradScaler.update`` backs off below 1
+  without limit (its documentation warns of it);
+* keep the scale off the device: ``GradScaler.scale`` creates its scale tensor on the loss's device,
+  so logging ``lowmem/loss_scale`` every step (``get_scale()``) would be a device sync; here the scale
+  is a Python number, as is the rest of the state (checkpointed by
+  :class:`~lightning_lowmem.precision.master_half.MasterHalfPrecision` with the skipped-step count
+  ``overflows``, which GradScaler does not keep).
+
+Above ``min_scale`` the unscaled gradients and the scale schedule are GradScaler's, bit for bit (tested).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
@@ -190,13 +190,9 @@ class MasterHalfPrecision(Reproducible, Precision):
             with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
                 yield
             return
-        default = torch.get_default_dtype()
-        if self.compute_dtype != torch.float32:
-            torch.set_default_dtype(self.compute_dtype)
-        try:
+        # NOTE: "32-true" casts nothing, so it does not touch the default dtype either (a user's float64 default stays)
+        with _DtypeContextManager(self.compute_dtype) if self.compute_dtype != torch.float32 else nullcontext():
             yield
-        finally:
-            torch.set_default_dtype(default)
 
     @override
     def convert_input(self, data: Any) -> Any:

@@ -2,7 +2,9 @@
 
 Three layers, later ones winning where they overlap:
 
-1. the preset: article 004's reference settings (``reference_config``);
+1. the preset: the reference settings (``reference_config``) of the ZeRO-2/ZeRO-3 offload JSON files in
+   https://blog.csdn.net/weixin_42486623/article/details/132761712, which follow Hugging Face's DeepSpeed
+   integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed);
 2. the Trainer: ``accumulate_grad_batches``, ``gradient_clip_val``, precision, the loader's batch size
    (``trainer_settings``);
 3. the user's DeepSpeed JSON/dict (``config=``), deep-merged over both (``merge``).
@@ -24,7 +26,7 @@ from typing import Any, Literal
 
 OffloadDevice = Literal["cpu", "nvme"]
 
-# fp16 dynamic loss scaling of article 004 (loss_scale 0 = dynamic)
+# fp16 dynamic loss scaling of the reference JSON (loss_scale 0 = dynamic; Hugging Face's DeepSpeed docs' values)
 FP16_REFERENCE: dict[str, Any] = {
     "loss_scale": 0,
     "loss_scale_window": 1000,
@@ -71,7 +73,7 @@ def reference_config(
     gather_16bit_weights_on_model_save: bool,
     zero_force_ds_cpu_optimizer: bool,
 ) -> dict[str, Any]:
-    """The preset's DeepSpeed config: the settings of article 004's ZeRO-2 and ZeRO-3 offload JSON files."""
+    """The preset's DeepSpeed config: the reference ZeRO-2 and ZeRO-3 offload JSON settings (module docstring)."""
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": overlap_comm,

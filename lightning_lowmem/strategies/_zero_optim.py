@@ -8,7 +8,6 @@ times slower than the vectorised C++ kernel anyway.
 from __future__ import annotations
 
 from typing import Any
-from weakref import ref
 
 import torch
 from torch.optim import Optimizer
@@ -83,22 +82,3 @@ def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Opti
 # torch-only per-group switches that mean nothing to DeepSpeedCPUAdam (the unsupported ones are refused above)
 _TORCH_ONLY = {"params", "foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
 
-
-def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
-    """Point an LR scheduler built on the replaced optimizer at ``optimizer`` (same param groups, same order)."""
-    if not hasattr(scheduler, "optimizer"):
-        return
-    scheduler.optimizer = optimizer
-    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        # NOTE: what `LRScheduler.__init__` does to its optimizer, so torch does not warn that the scheduler
-        # stepped before the optimizer.
-        opt_ref = ref(optimizer)
-        func = optimizer.step.__func__  # type: ignore[attr-defined]
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            opt = opt_ref()
-            opt._opt_called = True  # type: ignore[union-attr]
-            return func(opt, *args, **kwargs)
-
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        optimizer.step = step  # type: ignore[method-assign]

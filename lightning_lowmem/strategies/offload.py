@@ -1,6 +1,6 @@
 """``lowmem_offload``: half-precision compute weights on the accelerator; fp32 masters, gradients and optimizer on the host.
 
-The flow of one optimizer step (see ``DESIGN.md``):
+The flow of one optimizer step (the README's ``lowmem_offload`` section tells it for users):
 
 1. ``setup``: the user's optimizer is built by ``configure_optimizers`` over the fp32 module; the fp32
    weights are copied once to the host as masters; the optimizer's param groups are re-pointed at

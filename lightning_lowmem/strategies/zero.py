@@ -1,7 +1,10 @@
 """DeepSpeed ZeRO presets that run on GPU clusters and on the CPU accelerator (gloo), and ``consolidate``.
 
 ``Trainer(strategy="lowmem_zero3_offload")`` and its siblings are :class:`ZeroStrategy` with the reference
-settings of article 004. ``consolidate(checkpoint_dir, out_file)`` (also ``lowmem consolidate DIR FILE``)
+settings of the ZeRO-2/ZeRO-3 offload JSON files in
+https://blog.csdn.net/weixin_42486623/article/details/132761712, which follow Hugging Face's DeepSpeed
+integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed).
+``consolidate(checkpoint_dir, out_file)`` (also ``lowmem consolidate DIR FILE``)
 turns the directory checkpoint DeepSpeed writes into one fp32 state dict a plain model loads.
 """
 
@@ -41,7 +44,7 @@ _ACCUMULATION_CALLBACKS = ("GradientAccumulationScheduler",)
 
 
 class ZeroStrategy(Reproducible, DeepSpeedStrategy):
-    """DeepSpeed ZeRO with article 004's reference settings, Trainer flags flowing in, on CUDA or on the CPU.
+    """DeepSpeed ZeRO with the reference settings (module docstring), Trainer flags flowing in, on CUDA or the CPU.
 
     Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
     fp32 masters, Adam moments and gradients (``16P -> 2P + 14P/N`` bytes of model state on the device);
@@ -50,7 +53,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     well, fetched layer by layer; ``offload_device="nvme"`` puts both on a local SSD. The cost: gradients
     cross to the host and weights back every step, and the step runs on the CPU (see the benchmark).
 
-    Defaults (article 004): fp16 dynamic loss scaling when ``Trainer(precision="16-mixed")`` (bf16 for
+    Defaults (the reference settings): fp16 dynamic loss scaling when ``Trainer(precision="16-mixed")`` (bf16 for
     ``"bf16-mixed"``), ``overlap_comm``, ``contiguous_gradients``, pinned host buffers, 2e8-element buckets
     (stage 2), hidden-size-derived buckets (stage 3) and ``stage3_gather_16bit_weights_on_model_save``.
     ``accumulate_grad_batches``, ``gradient_clip_val``, the precision and the loader's batch size are put in
@@ -174,7 +177,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         # `model_sharded_context` (called before `setup`) already see the final ZeRO section.
         super().__init__(config=zc.merge(preset, self._user_config), **kwargs)
 
-    # ---- the three CPU obstacles (lightning-internals addendum) ------------------------------------------
+    # ---- the three CPU obstacles of Lightning's DeepSpeedStrategy -----------------------------------------
 
     @override
     def setup_environment(self) -> None:
@@ -382,9 +385,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if cpu_optimizer is not optimizer:
             rank_zero_info(message)
             if scheduler_config is not None:
-                from lightning_lowmem.strategies._zero_optim import rebind_scheduler
+                from lightning_lowmem._schedulers import repoint_scheduler
 
-                rebind_scheduler(scheduler_config.scheduler, cpu_optimizer)
+                repoint_scheduler(scheduler_config.scheduler, optimizer, cpu_optimizer)
         return cpu_optimizer, scheduler_config
 
     def _check_host_memory(self, optimizer: Optimizer) -> None:

@@ -162,6 +162,29 @@ def test_logged_bytes_match_census_and_eval_left_alone():
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # nothing left installed
 
 
+def test_batch_encoding_batch_is_kept_in_place_like_a_dict():
+    """A Hugging Face ``BatchEncoding`` batch (a ``UserDict``, not a ``dict``): its tensors are found and kept in place,
+    so the step offloads exactly what it offloads for the same batch as a dict. ``min_bytes=0`` puts every saved
+    tensor in play, the input ids the embedding saves included; the gradients are those of a fit without offload."""
+    from transformers import BatchEncoding
+
+    def fit(wrap, callbacks):
+        batches = [wrap(random_batch(2, SEQ, seed=i)) for i in range(2)]
+        torch.manual_seed(0)
+        module = tiny_lm_module("gpt2", config={"use_cache": False, "n_layer": 1})
+        recorder = GradRecorder()
+        _trainer([*callbacks, recorder], max_steps=2).fit(module, DataLoader(batches, batch_size=None))
+        return recorder.grads
+
+    as_dict, as_encoding = ActivationOffload(min_bytes=0), ActivationOffload(min_bytes=0)
+    fit(dict, [as_dict])
+    got = fit(BatchEncoding, [as_encoding])
+    assert as_encoding.last_step.bytes_offloaded > 0
+    assert as_encoding.last_step == as_dict.last_step
+    want = fit(BatchEncoding, [])
+    assert all(torch.equal(a, b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+
+
 def test_pin_memory_on_cpu_warns_once():
     module = tiny_lm_module(config={"n_layer": 1})
     with warnings.catch_warnings(record=True) as caught:

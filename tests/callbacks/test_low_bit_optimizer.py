@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_lowmem.callbacks.low_bit_optimizer import _TARGETS, KINDS, LowBitOptimizer, _repoint_scheduler
+from lightning_lowmem._schedulers import repoint_scheduler
+from lightning_lowmem.callbacks.low_bit_optimizer import _TARGETS, KINDS, LowBitOptimizer
 from tests.helpers.models import tiny_gpt2
 from tests.helpers.runif import RunIf
 
@@ -114,7 +115,7 @@ def test_lr_schedule_identical_after_repointing():
     ref_opt, ref_sched = build()
     opt, sched = build()
     new = LowBitOptimizer().convert(opt)
-    _repoint_scheduler(sched, opt, new)
+    repoint_scheduler(sched, opt, new)
     assert sched.optimizer is new and all(s.optimizer is new for s in sched._schedulers)
     assert [g["initial_lr"] for g in new.param_groups] == [g["initial_lr"] for g in ref_opt.param_groups]
     with warnings.catch_warnings():

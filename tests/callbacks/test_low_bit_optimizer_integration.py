@@ -96,6 +96,35 @@ def test_fit_swaps_optimizer_keeps_groups_and_lr_schedule():
         assert opt.state[p]["state2"].dtype == expected
 
 
+class ChainedScheduleLM(CausalLMModule):
+    """AdamW under a ChainedScheduler around a SequentialLR: four schedulers that each hold the optimizer."""
+
+    def configure_optimizers(self):
+        from torch.optim import lr_scheduler as S
+
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        warm_then_decay = S.SequentialLR(opt, [S.LinearLR(opt, 0.25, total_iters=2), S.ExponentialLR(opt, 0.5)], [2])
+        chained = S.ChainedScheduler([warm_then_decay, S.ConstantLR(opt, factor=0.5, total_iters=3)])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": chained, "interval": "step"}}
+
+
+def test_fit_repoints_every_scheduler_of_a_chain():
+    import bitsandbytes as bnb
+
+    ref = Record()
+    make_trainer(4, [ref]).fit(ChainedScheduleLM(config={**NO_DROPOUT, "n_layer": 1}), train_dataloaders=loader())
+    rec = Record()
+    trainer = make_trainer(4, [LowBitOptimizer(kind="adamw8bit"), rec])
+    trainer.fit(ChainedScheduleLM(config={**NO_DROPOUT, "n_layer": 1}), train_dataloaders=loader())
+
+    opt = trainer.optimizers[0]
+    assert type(opt) is bnb.optim.AdamW8bit
+    chained = trainer.lr_scheduler_configs[0].scheduler
+    inner = [*chained._schedulers, *chained._schedulers[0]._schedulers]
+    assert [s.optimizer for s in (chained, *inner)] == [opt] * 5
+    assert rec.lrs == ref.lrs and len(set(map(tuple, rec.lrs))) == 3  # the schedule moves, the same on both
+
+
 def test_stable_embedding_keeps_embedding_state_32bit():
     import bitsandbytes as bnb
 

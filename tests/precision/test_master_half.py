@@ -43,6 +43,23 @@ def test_true_precision_casts_inputs_and_sets_default_dtype():
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_forward_context_restores_the_default_dtype_on_error_and_32_true_leaves_it():
+    plugin = MasterHalfPrecision("16-true")
+    with pytest.raises(RuntimeError, match="boom"), plugin.forward_context():
+        assert torch.get_default_dtype() == torch.float16
+        raise RuntimeError("boom")
+    assert torch.get_default_dtype() == torch.float32
+    torch.set_default_dtype(torch.float64)
+    try:
+        with MasterHalfPrecision("32-true").forward_context():
+            assert torch.get_default_dtype() == torch.float64
+        with plugin.forward_context():
+            assert torch.get_default_dtype() == torch.float16
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_mixed_precision_autocasts_and_keeps_inputs():
     plugin = MasterHalfPrecision("bf16-mixed")
     plugin.device_type = "cpu"
@@ -67,6 +84,39 @@ def test_scaler_overflow_halves_and_growth_doubles():
     for _ in range(3):
         scaler.update(found_inf=False)
     assert scaler.scale == 2.0**10 and scaler.growth_tracker == 0
+
+
+@pytest.mark.parametrize("init_scale", [2.0**6, 1000.0])  # a power of two, and one whose inverse rounds in fp32
+def test_scaler_matches_torch_grad_scaler_above_min_scale_and_keeps_its_floor(init_scale):
+    """The loss-scale schedule and the unscaled host gradients are torch.amp.GradScaler's, bit for bit, over a
+    sequence of clean and overflowing steps; below ``min_scale`` GradScaler keeps halving, this scaler stops."""
+    params = [torch.nn.Parameter(torch.zeros(7)) for _ in range(3)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    ours = DynamicLossScaler(init_scale=init_scale, growth_interval=2)
+    theirs = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+    g = torch.Generator().manual_seed(0)
+    for overflow in [False, False, True, False, False, False, True, True, False, False]:
+        loss = torch.rand((), generator=g)
+        assert torch.equal(ours.scale_loss(loss), theirs.scale(loss))
+        grads = [torch.randn(7, generator=g) * 1000 for _ in params]
+        if overflow:
+            grads[1][3] = float("inf")
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        theirs.unscale_(opt)
+        assert ours.unscale_(grads) is overflow
+        assert all(torch.equal(p.grad, grad) for p, grad in zip(params, grads))
+        theirs.update()
+        ours.update(found_inf=overflow)
+        assert ours.scale == theirs.get_scale()
+
+    floor, torch_scaler = DynamicLossScaler(init_scale=1.0), torch.amp.GradScaler("cpu", init_scale=1.0)
+    torch_scaler.scale(torch.ones(()))
+    params[0].grad = torch.tensor([float("nan")] * 7)
+    torch_scaler.unscale_(opt)
+    torch_scaler.update()
+    floor.update(found_inf=True)
+    assert (floor.scale, torch_scaler.get_scale()) == (1.0, 0.5)
 
 
 def test_scaler_state_round_trip_and_validation():

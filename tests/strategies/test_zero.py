@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.deepspeed, RunIf(deepspeed=True)]
         ("lowmem_zero3_offload", 3, True, True),
     ],
 )
-def test_presets_carry_the_article_004_reference_settings(name, stage, optimizer_offload, param_offload):
+def test_presets_carry_the_reference_settings(name, stage, optimizer_offload, param_offload):
     from lightning_lowmem.strategies.zero import ZeroStrategy
 
     strategy = StrategyRegistry.get(name)
@@ -200,12 +200,13 @@ def test_adam_keeps_l2_mode_and_unsupported_optimizers_are_refused():
 
 
 def test_scheduler_follows_the_swapped_optimizer():
-    from lightning_lowmem.strategies._zero_optim import rebind_scheduler, to_cpu_optimizer
+    from lightning_lowmem._schedulers import repoint_scheduler
+    from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
 
     torch_opt = torch.optim.AdamW(_params(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda step: 0.5 ** step)
     cpu_opt, _ = to_cpu_optimizer(torch_opt, {})
-    rebind_scheduler(scheduler, cpu_opt)
+    repoint_scheduler(scheduler, torch_opt, cpu_opt)
     for p in cpu_opt.param_groups[0]["params"]:
         p.grad = torch.ones_like(p)
     with warnings.catch_warnings():

@@ -205,6 +205,50 @@ def test_offload_refuses_sgd_with_what_to_use():
         _trainer("lowmem_zero2_offload", max_steps=1).fit(module, _loader(2))
 
 
+def _chained_schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A ChainedScheduler around a SequentialLR: every scheduler in it holds the optimizer it was built on."""
+    from torch.optim import lr_scheduler as S
+
+    warm_then_decay = S.SequentialLR(opt, [S.LinearLR(opt, 0.25, total_iters=2), S.ExponentialLR(opt, 0.5)], [2])
+    return S.ChainedScheduler([warm_then_decay, S.ConstantLR(opt, factor=0.5, total_iters=3)])
+
+
+class ChainedScheduleModule(CausalLMModule):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": _chained_schedule(opt), "interval": "step"}}
+
+
+class _LearningRates(L.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(trainer.strategy.optimizers[0].optimizer.param_groups[0]["lr"])  # what DeepSpeedCPUAdam steps with
+
+
+def test_offload_swap_keeps_a_chained_schedule():
+    """AdamW -> DeepSpeedCPUAdam: every scheduler inside a ChainedScheduler/SequentialLR follows the swap, so the
+    CPU optimizer steps with the learning rates the schedule gives a plain AdamW."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    reference_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    reference_sched, want = _chained_schedule(reference_opt), []
+    for _ in range(5):
+        want.append(reference_opt.param_groups[0]["lr"])
+        reference_opt.step()
+        reference_sched.step()
+
+    record = _LearningRates()
+    trainer = _trainer("lowmem_zero2_offload", max_steps=5, callbacks=[record])
+    trainer.fit(ChainedScheduleModule(config={**GPT2_TINY, **NO_DROPOUT}), _loader(10))
+    cpu_adam = trainer.strategy.optimizers[0].optimizer
+    assert isinstance(cpu_adam, DeepSpeedCPUAdam)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert [s.optimizer for s in (scheduler, *scheduler._schedulers, *scheduler._schedulers[0]._schedulers)] == [cpu_adam] * 5
+    assert record.lrs == want
+
+
 def _cpu_fp16() -> bool:
     from deepspeed.accelerator import get_accelerator
 
