@@ -76,7 +76,7 @@ def estimate_memory(
         strategy, precision, callbacks, accumulate_grad_batches: what ``Trainer`` is given (names or objects).
         data: a LightningDataModule or dataloader for a module (its first batches).
         target: ``"cuda"`` applies the listed CPU-vs-GPU corrections; ``"cpu"`` predicts a CPU run as traced.
-        method: ``"analytic"`` skips the trace (closed form only; 40-71 % low on HF models).
+        method: ``"analytic"`` skips the trace (closed form only; 21 % low to 6 % high against the measured peaks of benchmarks/results/estimate.md).
         extrapolate: see :func:`~lightning_lowmem.memory.dry_run.dry_run`.
         offload, offload_params, checkpointing, checkpointing_every_n, activation_offload, micro_batch_size, optimizer,
         optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands for the suite's techniques
@@ -171,7 +171,7 @@ def estimate_memory(
             raise ValueError(f"Cannot estimate this model: {fallback or 'no trace and no transformer config'}.")
         est = MemoryEstimate(phases=bound[0], method="analytic", target=target, num_params=bound[1],
                              fallback_reason=fallback, run=run.describe(),
-                             notes=["closed form (analytic.py): a lower bound, 40-71 % below measured HF peaks"])
+                             notes=["closed form (analytic.py): no trace; 21 % low to 6 % high on the benchmarked HF models"])
     if bound is not None:
         est.analytic_bound = {phase: bd.total("device") for phase, bd in bound[0].items()}
         est.analytic_bound["peak"] = max(est.analytic_bound.values())

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--world-size", type=int, default=1, help="with --model: processes (ZeRO partitioning)")
     parser.add_argument("--only", action="append", default=None, help="with --model: combinations whose name has this")
-    parser.add_argument("--analytic", action="store_true", help="closed form only (fast, 40-71%% low on HF models)")
+    parser.add_argument("--analytic", action="store_true", help="closed form only (fast; 21%% low to 6%% high on the benchmarked HF models)")
     parser.add_argument("--full-trace", action="store_true", help="trace every block (no extrapolation)")
     parser.add_argument("--json", default=None, help="also write every estimate to this JSON file")
     return parser
