@@ -12,6 +12,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from typing_extensions import override
+
 # package import name -> extra of lightning-lowmem that installs it
 _EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb", "liger_kernel": "kernels", "cut_cross_entropy": "kernels"}
 
@@ -33,6 +35,7 @@ class _DropMessage(logging.Filter):
         super().__init__()
         self.start = start
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.start)
 

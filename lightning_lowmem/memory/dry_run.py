@@ -45,6 +45,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning_utilities import apply_to_collection
+from typing_extensions import override
 
 from lightning_lowmem._registry import STRATEGIES
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
@@ -101,6 +102,7 @@ class _TokenBatches(L.LightningDataModule):
         super().__init__()
         self.batch_size, self.seq_len = batch_size, seq_len
 
+    @override
     def train_dataloader(self) -> _Repeat:
         ids = torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
         return _Repeat({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
@@ -171,6 +173,7 @@ class _CudaOptimizerDefaults(L.Callback):
     def __init__(self, counts: dict[str, int]) -> None:
         self.counts = counts
 
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         host = host_storage_keys()
         for opt in trainer.optimizers:
@@ -187,6 +190,7 @@ class _StopAfter(L.Callback):
     def __init__(self, steps: int) -> None:
         self.steps, self.windows, self.last = steps, 0, 0
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step != self.last:
             self.windows, self.last = self.windows + 1, trainer.global_step
@@ -200,9 +204,11 @@ class _StepBracket(L.Callback):
     def __init__(self, fx: FakeExecution) -> None:
         self.fx = fx
 
+    @override
     def on_train_batch_start(self, *args: Any) -> None:
         self.fx.in_step = True
 
+    @override
     def on_train_batch_end(self, *args: Any) -> None:
         self.fx.in_step = False
 

@@ -222,6 +222,7 @@ class MasterHalfPrecision(Reproducible, Precision):
         """The parameters the optimizer steps: under ``lowmem_offload``, the fp32 host masters."""
         return [p for group in optimizer.param_groups for p in group["params"]]
 
+    @override
     def unscale_gradients(self, optimizer: Optimizer) -> bool:
         """Unscale the gradients of ``optimizer``'s parameters (fp16); return whether one overflowed."""
         if self.scaler is None:
