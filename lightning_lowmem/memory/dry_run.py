@@ -22,15 +22,15 @@ What is not traced, and so predicted in closed form and labelled as such in the 
 Deep models are traced at three depths (3, 4, 5 blocks) and extrapolated when every per-block increment agrees (see
 :func:`dry_run`'s ``extrapolate``); otherwise, and with ``extrapolate=False``, every block is traced.
 
-Example::
+Example (GPT-2 XL's shape is ``n_layer=48, n_embd=1600, n_head=25``: the same call, about 10 s):
 
-    from lightning_lowmem import ActivationCheckpointing, dry_run
-    from lightning_lowmem.demo.module import CausalLMModule
-
-    est = dry_run(lambda: CausalLMModule(config={"n_layer": 48, "n_embd": 1600, "n_head": 25}),
-                  batch_size=4, seq_len=1024, strategy="lowmem_offload", precision="bf16-true",
-                  callbacks=[ActivationCheckpointing("all")])
-    est.peak_device, est.peak_host, est.binding_phase
+    >>> from lightning_lowmem import ActivationCheckpointing, dry_run
+    >>> from lightning_lowmem.demo.module import CausalLMModule
+    >>> est = dry_run(lambda: CausalLMModule(config={"n_layer": 2, "n_embd": 32, "n_head": 2}),
+    ...               batch_size=2, seq_len=32, strategy="lowmem_offload", precision="bf16-true",
+    ...               callbacks=[ActivationCheckpointing("all")])
+    >>> est.peak_device > 0, est.peak_host > 0, est.binding_phase
+    (True, True, 'backward')
 """
 
 from __future__ import annotations

@@ -109,9 +109,12 @@ class MasterHalfPrecision(Reproducible, Precision):
         init_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler (ignored
             otherwise), see :class:`~lightning_lowmem.precision.loss_scaler.DynamicLossScaler`.
 
-    Example::
-
-        trainer = L.Trainer(strategy="lowmem_offload", plugins=[MasterHalfPrecision("16-mixed", init_scale=2**12)])
+    Example:
+        >>> from lightning_lowmem import MasterHalfPrecision
+        >>> trainer = L.Trainer(strategy="lowmem_offload", plugins=[MasterHalfPrecision("16-mixed", init_scale=2**12)])
+        >>> trainer.precision_plugin  # doctest: +NORMALIZE_WHITESPACE
+        MasterHalfPrecision(precision='16-mixed', scaler=DynamicLossScaler(scale=4096, growth_factor=2,
+            backoff_factor=0.5, growth_interval=2000, overflows=0))
     """
 
     def __init__(
