@@ -26,7 +26,7 @@ demo: install
 	$(VENV)/bin/lowmem fit --config configs/demo.yaml
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 tests
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --doctest-modules lightning_lowmem tests
 
 bench: install
 	$(PY) benchmarks/run.py all

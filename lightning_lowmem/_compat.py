@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
 
 # package import name -> extra of lightning-lowmem that installs it
 _EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb", "liger_kernel": "kernels", "cut_cross_entropy": "kernels"}
@@ -36,6 +37,7 @@ class _DropMessage(logging.Filter):
         super().__init__()
         self.start = start
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.start)
 

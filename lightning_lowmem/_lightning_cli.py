@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
 
 import lightning_lowmem
 
@@ -56,12 +57,14 @@ class LowMemCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(*args, **kwargs)
 
+    @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         # NOTE: jsonargparse would print 60 lines of usage around a bad value and exit; raising lets `lowmem` say
         # what is wrong in one line (see `_cli_errors.explain`).
         kwargs.setdefault("exit_on_error", False)
         return super().init_parser(**kwargs)
 
+    @override
     def _parse_ckpt_path(self) -> None:
         # NOTE: LightningCLI torch.loads `--ckpt_path` itself (for the hyperparameters) before any strategy sees it;
         # a damaged file must be named here, not surface as a bare EOFError.
@@ -77,6 +80,7 @@ class LowMemCLI(LightningCLI):
                 )
         super()._parse_ckpt_path()
 
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_strategy_name(config.get("trainer", {}).get("strategy"))

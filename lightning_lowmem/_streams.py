@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
 import torch
+from typing_extensions import override
 
 from lightning_lowmem._host_memory import pinned_bytes
 
@@ -93,39 +94,50 @@ class CudaOps(StreamOps):
         self.device = torch.device(device)
         self.pins = pin_memory
 
+    @override
     def side_stream(self) -> Any:
         return torch.cuda.Stream(self.device)
 
+    @override
     def compute_stream(self) -> Any:
         return torch.cuda.current_stream(self.device)
 
+    @override
     def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.pins)
 
+    @override
     def wait_stream(self, waiter: Any, other: Any) -> None:
         waiter.wait_stream(other)
 
+    @override
     def wait_event(self, waiter: Any, event: Any) -> None:
         waiter.wait_event(event)  # NOTE: a GPU-side wait, not a host sync
 
+    @override
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         with torch.cuda.stream(stream):
             # NOTE: non_blocking into pageable memory would be synchronous anyway (a staged copy)
             dst.copy_(src, non_blocking=self.pins)
 
+    @override
     def to_device(self, host: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
         with torch.cuda.stream(stream):
             return host.to(device, non_blocking=self.pins, copy=True)
 
+    @override
     def record_event(self, stream: Any) -> Any:
         return stream.record_event()
 
+    @override
     def query(self, event: Any) -> bool:
         return bool(event.query())
 
+    @override
     def synchronize(self, event: Any) -> None:
         event.synchronize()
 
+    @override
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
 
@@ -185,42 +197,53 @@ class DeferredOps(StreamOps):
         self.copy_seconds = 0.0
 
     # -- streams and events ---------------------------------------------------------------------------------------
+    @override
     def side_stream(self) -> DeferredStream:
         stream = DeferredStream(f"side{len(self.streams)}")
         self.streams.append(stream)
         return stream
 
+    @override
     def compute_stream(self) -> DeferredStream:
         return _COMPUTE
 
+    @override
     def record_event(self, stream: DeferredStream) -> DeferredEvent:
         return DeferredEvent(stream, stream.issued)
 
+    @override
     def query(self, event: DeferredEvent) -> bool:
         self._progress()
         return event.stream is None or event.stream.done >= event.position
 
+    @override
     def synchronize(self, event: DeferredEvent) -> None:
         self._host_waits(event.stream, event.position)
 
+    @override
     def wait_stream(self, waiter: DeferredStream, other: DeferredStream) -> None:
         self._wait(waiter, other, other.issued)
 
+    @override
     def wait_event(self, waiter: DeferredStream, event: DeferredEvent) -> None:
         if event.stream is not None:
             self._wait(waiter, event.stream, event.position)
 
+    @override
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """Skipped: the CPU has no stream-ordered allocator to reuse the block; the queued copy holds its source."""
 
     # -- memory and copies ------------------------------------------------------------------------------------------
+    @override
     def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
+    @override
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: DeferredStream) -> None:
         # NOTE: `src` is read when the copy runs, not now: a source changed in between is copied changed, as on a GPU
         self._queue(stream, lambda: dst.copy_(src))
 
+    @override
     def to_device(self, host: torch.Tensor, device: torch.device, stream: DeferredStream) -> torch.Tensor:
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
         if out.numel():

@@ -1,4 +1,6 @@
 import importlib
+import inspect
+import pkgutil
 import subprocess
 import sys
 
@@ -92,3 +94,37 @@ def test_pytorch_lightning_module_to_lightning_trainer_is_named():
     assert out.returncode != 0
     assert "You passed a `pytorch_lightning` object (BoringModel) to a `lightning.pytorch` Trainer" in out.stderr
     assert "invalid strategy name" not in out.stderr
+
+
+def _overrides_without_decorator() -> list[str]:
+    """Every method of a package class that overrides a base class's (Lightning's, torch's, ours) without `@override`."""
+    from lightning_lowmem._compat import _EXTRAS
+
+    missing = []
+    for info in pkgutil.walk_packages(lightning_lowmem.__path__, "lightning_lowmem."):
+        try:
+            module = importlib.import_module(info.name)
+        except ModuleNotFoundError as err:
+            if err.name in _EXTRAS:  # NOTE: a module of an optional extra that is not installed
+                continue
+            raise
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            for attr, value in vars(cls).items():
+                if attr.startswith("__"):
+                    continue
+                fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+                fn = fn.fget if isinstance(fn, property) else fn
+                # NOTE: a nested class is no method (torch.autograd.Function's metaclass adds `_backward_cls`)
+                if isinstance(fn, type) or not callable(fn):
+                    continue
+                overrides = any(attr in vars(base) for base in cls.__mro__[1:] if base is not object)
+                if overrides and not (getattr(fn, "__override__", False) or getattr(value, "__override__", False)):
+                    missing.append(f"{module.__name__}.{cls.__qualname__}.{attr}")
+    return missing
+
+
+def test_every_overriding_method_is_marked_override():
+    missing = _overrides_without_decorator()
+    assert not missing, "Mark these with `@override` (typing_extensions):\n" + "\n".join(missing)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from typing_extensions import override
 
 from lightning_lowmem._compat import package_available, require
 
@@ -104,6 +105,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
+    @override
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, ignore_index: int, chunk: int, compute: torch.dtype,
                 scale: float | None, softcap: float | None, recompute: bool) -> torch.Tensor:
@@ -140,6 +142,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         chunk, compute, acc, scale, softcap, recompute = ctx.settings
         none = (None,) * 7

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+from typing_extensions import override
 
 from lightning_lowmem._streams import StreamOps
 from lightning_lowmem.memory.categories import mark_host
@@ -103,6 +104,7 @@ class StreamCopier(SyncCopier):
         self.pin_memory = ops.pins
         self.side = ops.side_stream()
 
+    @override
     def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
         ops = self.ops
         host = ops.empty_host(src_bytes.numel(), torch.uint8)
@@ -112,15 +114,18 @@ class StreamCopier(SyncCopier):
         ops.copy(host, src_bytes, self.side)
         return host, ops.record_event(self.side)
 
+    @override
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         # NOTE: the destination is allocated from the side stream's pool and the host buffer was written on the
         # side stream, so no wait on the compute stream is needed here; the consumer waits on the event.
         restored = self.ops.to_device(host, device, self.side)
         return restored, self.ops.record_event(self.side)
 
+    @override
     def done(self, event: Any) -> bool:
         return event is None or self.ops.query(event)
 
+    @override
     def compute_waits(self, event: Any, tensor: torch.Tensor | None = None) -> None:
         ops = self.ops
         compute = ops.compute_stream()

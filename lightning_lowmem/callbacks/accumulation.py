@@ -130,11 +130,15 @@ class AccumulationScheduler(Reproducible, L.Callback):
         regrow_after: after a split, try twice the micro-batch again after this many optimizer steps without an
             error; ``None`` keeps the smaller one.
 
-    Example::
+    Example (``tiny_model``/``tiny_data``: the demo ``CausalLMModule``/``StdlibTextDataModule``, small):
 
-        trainer = L.Trainer(callbacks=[AccumulationScheduler(effective_batch_size=64, micro_batch_size=8,
-                                                             loss_normalization="tokens")])
-        trainer.fit(CausalLMModule(loss_reduction="sum"), StdlibTextDataModule(pack=False))
+        >>> from lightning_lowmem import AccumulationScheduler
+        >>> scheduler = AccumulationScheduler(effective_batch_size=4, micro_batch_size=2, loss_normalization="tokens")
+        >>> trainer = L.Trainer(callbacks=[scheduler], max_steps=2, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> trainer.fit(tiny_model(loss_reduction="sum"), tiny_data(pack=False))
+        >>> trainer.global_step, int(trainer.callback_metrics["accumulation/micro_batches"])
+        (2, 2)
     """
 
     def __init__(

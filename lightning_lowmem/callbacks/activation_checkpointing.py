@@ -98,10 +98,15 @@ class ActivationCheckpointing(Reproducible, Callback):
     own ``gradient_checkpointing`` is turned off (with a warning) to avoid recomputing twice, and
     ``config.use_cache`` is set to False while fitting (a KV cache cannot be recomputed).
 
-    Example::
-
-        trainer = L.Trainer(callbacks=[ActivationCheckpointing(policy="selective")])
-        trainer = L.Trainer(callbacks=[ActivationCheckpointing(policy="budget", budget="6GiB")])
+    Example:
+        >>> from lightning_lowmem import ActivationCheckpointing
+        >>> checkpointing = ActivationCheckpointing(policy="selective")
+        >>> trainer = L.Trainer(callbacks=[checkpointing], max_steps=1, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())
+        >>> checkpointing.wrapped
+        ['model.transformer.h.0', 'model.transformer.h.1']
+        >>> trainer = L.Trainer(callbacks=[ActivationCheckpointing(policy="budget", budget="6GiB")])
 
     Attributes:
         wrapped: qualified names of the checkpointed modules, after setup.

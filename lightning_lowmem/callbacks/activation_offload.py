@@ -98,9 +98,13 @@ class ActivationOffload(Reproducible, Callback):
     Raises:
         TypeError / ValueError: invalid arguments (constructor), or an unsupported strategy (``setup``).
 
-    Example::
-
-        trainer = L.Trainer(callbacks=[ActivationCheckpointing(), ActivationOffload(boundaries_only=True)])
+    Example:
+        >>> from lightning_lowmem import ActivationCheckpointing, ActivationOffload
+        >>> trainer = L.Trainer(callbacks=[ActivationCheckpointing(), ActivationOffload(boundaries_only=True)],
+        ...                     max_steps=1, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())
+        >>> trainer.callback_metrics["activation_offload/bytes_per_step"] > 0
+        tensor(True)
     """
 
     def __init__(

@@ -130,10 +130,14 @@ def chunked_causal_lm_loss(
             from the logits it has (no second head matmul) and holds them (``[tokens, hidden]`` and
             ``[vocab, hidden]`` in the compute dtype) until backward; no second backward through the loss.
 
-    Example::
+    Example (``model`` a Hugging Face ``GPT2LMHeadModel``; the same loss as its ``labels=`` one):
 
-        out = model.model(input_ids=ids, attention_mask=mask)            # hidden states only
-        loss = chunked_causal_lm_loss(out.last_hidden_state, model.lm_head.weight, ids, chunk_tokens=512)
+        >>> model = tiny_model().model.eval()  # no dropout
+        >>> ids = torch.randint(0, model.config.vocab_size, (2, 32))
+        >>> out = model.transformer(input_ids=ids)                         # hidden states only
+        >>> loss = chunked_causal_lm_loss(out.last_hidden_state, model.lm_head.weight, ids, chunk_tokens=16)
+        >>> torch.allclose(loss, model(input_ids=ids, labels=ids).loss)
+        True
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_causal_lm_loss: passed `reduction={reduction!r}`; expected 'mean' or 'sum'.")
@@ -340,14 +344,18 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
     ``AccumulationScheduler`` and ``LowBitOptimizer``. Not with DeepSpeed ZeRO stage 3 (refused: the head's
     partitioned weight is not re-gathered for the loss's backward).
 
-    Example::
+    Example (the demo module's ``training_step`` computes ``self.model(input_ids=ids, labels=ids).loss``):
 
-        trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true",
-                            callbacks=[ChunkedLMLoss(chunk_tokens=512)])
-        # training_step:  loss = self.model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        >>> from lightning_lowmem import ChunkedLMLoss
+        >>> chunked = ChunkedLMLoss(chunk_tokens=16)
+        >>> trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true", callbacks=[chunked],
+        ...                     max_steps=1, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())
+        >>> trainer.global_step
+        1
 
     Attributes:
-        wrapped: qualified names of the wrapped models, after setup.
+        wrapped: qualified names of the wrapped models, from setup to the end of fit (then ``[]``: unwrapped).
     """
 
     def __init__(self, chunk_tokens: int = 1024, backend: Backend = "auto", recompute: bool = True) -> None:

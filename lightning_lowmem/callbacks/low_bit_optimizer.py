@@ -88,10 +88,14 @@ class LowBitOptimizer(Reproducible, Callback):
             shards parameters (FSDP).
         ModuleNotFoundError: bitsandbytes is not installed (says ``pip install 'lightning-lowmem[bnb]'``).
 
-    Example::
+    Example (the demo module's ``configure_optimizers()`` returns ``torch.optim.AdamW(...)``):
 
-        trainer = L.Trainer(callbacks=[LowBitOptimizer(kind="adamw8bit")])
-        trainer.fit(model)  # model.configure_optimizers() returns torch.optim.AdamW(...)
+        >>> from lightning_lowmem import LowBitOptimizer
+        >>> trainer = L.Trainer(callbacks=[LowBitOptimizer(kind="adamw8bit")], max_steps=1,
+        ...                     enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())
+        >>> type(trainer.optimizers[0]).__name__
+        'AdamW8bit'
     """
 
     def __init__(self, kind: Kind = "adamw8bit", min_8bit_size: int = 4096, stable_embedding: bool = False) -> None:

@@ -76,10 +76,14 @@ class MemoryReport(StepMemoryRecorder):
             default_root_dir>/memory_report``.
         predict: add the prediction of this run and the plain fp32 baseline (two dry runs at the end of fit).
 
-    Example::
-
-        trainer = L.Trainer(callbacks=[MemoryReport(every_n_steps=100, save_dir="runs/memory")])
-        trainer.fit(model)   # prints the table at the end; runs/memory/memory_report.json + memory_step.png
+    Example:
+        >>> from lightning_lowmem import MemoryReport
+        >>> trainer = L.Trainer(callbacks=[MemoryReport(every_n_steps=100, save_dir="runs/memory")], max_steps=2,
+        ...                     enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())  # logs the table at the end
+        >>> import os
+        >>> sorted(os.listdir("runs/memory"))
+        ['memory_report.json', 'memory_step.png']
 
     Attributes:
         steps: one dict per sampled step (what ``memory_report.json`` holds under ``"steps"``).

@@ -35,10 +35,15 @@ class OOMRecovery(AccumulationScheduler):
         loss_normalization: ``"samples"`` or ``"tokens"`` (above).
         regrow_after: optimizer steps without an error before twice the split size is tried again; ``None``: never.
 
-    Example::
+    Example (``tiny_model``/``tiny_data``: the demo ``CausalLMModule``/``StdlibTextDataModule``, small):
 
-        trainer = L.Trainer(callbacks=[OOMRecovery(loss_normalization="tokens", regrow_after=100)])
-        trainer.fit(CausalLMModule(loss_reduction="sum"), StdlibTextDataModule())
+        >>> from lightning_lowmem import OOMRecovery
+        >>> recovery = OOMRecovery(loss_normalization="tokens", regrow_after=100)
+        >>> trainer = L.Trainer(callbacks=[recovery], max_steps=2,
+        ...                     enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(tiny_model(loss_reduction="sum"), tiny_data())
+        >>> trainer.global_step, recovery.oom_recoveries
+        (2, 0)
     """
 
     _drives_loader = False

@@ -47,10 +47,15 @@ class OptimizerInBackward(Reproducible, Callback):
     * gradients are ``None`` in ``on_after_backward`` and ``on_before_optimizer_step``: gradient-norm
       logging there sees nothing.
 
-    Example::
+    Example (any optimizer; combine with ``LowBitOptimizer`` for 8-bit state as well):
 
-        trainer = L.Trainer(callbacks=[OptimizerInBackward()])
-        trainer.fit(model)  # any optimizer; combine with LowBitOptimizer for 8-bit state as well
+        >>> from lightning_lowmem import OptimizerInBackward
+        >>> model = tiny_model()
+        >>> trainer = L.Trainer(callbacks=[OptimizerInBackward()], max_steps=2,
+        ...                     enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(model, tiny_data())
+        >>> trainer.global_step, all(p.grad is None for p in model.parameters())
+        (2, True)
     """
 
     def __init__(self) -> None:

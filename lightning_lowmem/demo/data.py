@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_lowmem.demo.tokenizer import ByteTokenizer
 
@@ -112,6 +113,7 @@ class StdlibTextDataModule(L.LightningDataModule):
             raise ValueError(f"`max_bytes={self.max_bytes}` gives fewer than 2 sequences of `seq_len={self.seq_len}`.")
         return items
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
@@ -121,6 +123,7 @@ class StdlibTextDataModule(L.LightningDataModule):
         self.train_set = _Blocks(items[: len(items) - n_val], self.seq_len, pad)
         self.val_set = _Blocks(items[len(items) - n_val :] or items[-1:], self.seq_len, pad)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(0)
         return DataLoader(
@@ -128,5 +131,6 @@ class StdlibTextDataModule(L.LightningDataModule):
             num_workers=self.num_workers, drop_last=False,
         )
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

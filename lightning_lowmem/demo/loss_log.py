@@ -12,7 +12,12 @@ class LossLog(L.Callback):
     """Print ``step N  train_loss X  (val_loss Y)`` every ``every_n_steps`` optimizer steps and at the end of fit.
 
     Example:
-        >>> trainer = L.Trainer(callbacks=[LossLog(every_n_steps=10)], enable_progress_bar=False)  # doctest: +SKIP
+        >>> trainer = L.Trainer(callbacks=[LossLog(every_n_steps=1)], max_steps=2, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+        step 1  train_loss ...
+        step 2  train_loss ...
+        train_loss ... -> ... over 2 steps
     """
 
     def __init__(self, every_n_steps: int = 10) -> None:

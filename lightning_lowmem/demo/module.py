@@ -8,6 +8,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 from lightning_lowmem.callbacks.chunked_lm_loss import is_chunked
 from lightning_lowmem.demo.tokenizer import ByteTokenizer
@@ -145,6 +146,7 @@ class CausalLMModule(L.LightningModule):
                 f"or less, or raise the model's positions (e.g. `config: {{n_positions: {seq_len}}}`)."
             )
 
+    @override
     def setup(self, stage: str) -> None:
         # NOTE: caught here, before the first step, instead of an IndexError deep inside the embedding lookup.
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -152,6 +154,7 @@ class CausalLMModule(L.LightningModule):
         if isinstance(seq_len, int):
             self._check_seq_len(seq_len, f"The datamodule (`{type(datamodule).__name__}(seq_len={seq_len})`)")
 
+    @override
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         self._check_seq_len(input_ids.size(-1), "The batch")
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -173,6 +176,7 @@ class CausalLMModule(L.LightningModule):
         loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, (shift_labels != IGNORE_INDEX).sum()
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
         loss_sum, n_tokens = self.loss_sum_and_tokens(batch)
         loss = loss_sum / n_tokens.clamp(min=1)
@@ -181,10 +185,12 @@ class CausalLMModule(L.LightningModule):
             return {"loss": loss_sum, "num_tokens": n_tokens}
         return loss
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss_sum, n_tokens = self.loss_sum_and_tokens(batch)
         self.log("val_loss", loss_sum / n_tokens.clamp(min=1), prog_bar=True, batch_size=batch["input_ids"].size(0))
 
+    @override
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []
         for name, p in self.named_parameters():

@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from lightning_lowmem.memory.categories import CATEGORIES
 from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder, phase_maxima
@@ -69,6 +70,7 @@ class DepthWindows(L.Callback):
             # transient that grows with depth (a KV cache dropped with the model's output) can move the peak
             tracker.set_window(name, events=name != "blocks")
 
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         found = find_blocks(pl_module)
         if found is None:
@@ -87,13 +89,16 @@ class DepthWindows(L.Callback):
         if len(self.seen) == len(self.block_params):
             self._window("tail", "backward")
 
+    @override
     def on_train_batch_start(self, *args: Any) -> None:
         self._window("head", "forward")
 
+    @override
     def on_before_backward(self, *args: Any) -> None:
         self.seen = set()
         self._window("head", "backward")
 
+    @override
     def on_train_end(self, *args: Any) -> None:
         for handle in self.handles:
             handle.remove()

@@ -8,14 +8,15 @@ a LightningCLI YAML (the file ``lowmem fit --config`` runs). Keyword shorthands 
 description. Closed forms (:mod:`~lightning_lowmem.memory.analytic`) are printed beside the figure as a
 bound, and used alone only with ``method="analytic"`` or when the model cannot be traced (the result says why).
 
-Example::
+Example (a tiny GPT-2 shape here; ``"gpt2-xl"`` and the other shipped names are given the same way, and
+``estimate_memory("configs/demo.yaml")`` predicts the run a YAML describes, with its own data):
 
-    from lightning_lowmem import ActivationCheckpointing, LowBitOptimizer, estimate_memory
-
-    est = estimate_memory("gpt2-xl", batch_size=4, seq_len=1024, strategy="lowmem_offload", precision="bf16-true",
-                          callbacks=[ActivationCheckpointing("all"), LowBitOptimizer("adamw8bit")])
-    est = estimate_memory("configs/demo.yaml")                # the run the YAML describes, its own data
-    est.peak_device, est.peak_host, est.binding_phase         # bytes, bytes, "backward"
+    >>> from lightning_lowmem import ActivationCheckpointing, LowBitOptimizer, estimate_memory
+    >>> shape = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}
+    >>> est = estimate_memory(shape, batch_size=2, seq_len=32, strategy="lowmem_offload", precision="bf16-true",
+    ...                       callbacks=[ActivationCheckpointing("all"), LowBitOptimizer("adamw8bit")])
+    >>> est.peak_device > 0, est.peak_host > 0, est.binding_phase      # bytes, bytes, the phase of the peak
+    (True, True, 'backward')
 """
 
 from __future__ import annotations

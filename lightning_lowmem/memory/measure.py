@@ -8,22 +8,29 @@ for the ``device`` role and the ``host`` role. It runs on real CPU/CUDA tensors 
 ``torch._subclasses.fake_tensor.FakeTensorMode`` (fake tensors allocate nothing; their storage
 ``nbytes`` are counted, so a dry run measures a model too big to build).
 
-Example::
-
-    tracker = MemoryTracker(module=model, optimizers=[opt])
-    with tracker:
-        with tracker.phase("forward"):
-            loss = model(x).sum()
-        with tracker.phase("backward"):
-            loss.backward()
-        with tracker.phase("optimizer"):
-            opt.step()
-            opt.zero_grad()
-    tracker.peak_bytes                       # device-role peak, bytes
-    tracker.peak_bytes_role("host")          # host-role peak, bytes
-    tracker.peaks["backward"].total          # device-role peak inside the "backward" phase(s)
-    tracker.peaks["backward"].by_category    # bytes per category at that moment
-    tracker.report()                         # everything above as a JSON-able dict
+Example:
+    >>> model = torch.nn.Linear(64, 64)      # 16,640 bytes of fp32 weights
+    >>> opt = torch.optim.AdamW(model.parameters())
+    >>> x = torch.randn(8, 64)
+    >>> tracker = MemoryTracker(module=model, optimizers=[opt])
+    >>> with tracker:
+    ...     with tracker.phase("forward"):
+    ...         loss = model(x).sum()
+    ...     with tracker.phase("backward"):
+    ...         loss.backward()
+    ...     with tracker.phase("optimizer"):
+    ...         opt.step()
+    ...         opt.zero_grad()
+    >>> tracker.peak_bytes > 0, tracker.peak_phase   # device-role peak, bytes; where it happened
+    (True, 'optimizer')
+    >>> tracker.peak_bytes_role("host")          # host-role peak, bytes
+    0
+    >>> tracker.peaks["backward"].total          # device-role peak inside the "backward" phase(s)
+    33288
+    >>> tracker.peaks["backward"].by_category    # bytes per category at that moment
+    {'weights': 16640, 'gradients': 16640, 'optimizer_state': 0, 'activations': 4, 'other': 4}
+    >>> sorted(tracker.report())                 # everything above as a JSON-able dict
+    ['device', 'live_at_end', 'peak', 'peak_bytes', 'peak_bytes_host', 'peak_phase', 'phases']
 
 The rest of the API:
 

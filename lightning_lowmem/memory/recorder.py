@@ -30,11 +30,15 @@ class StepMemoryRecorder(Callback):
     :attr:`steps` (see :meth:`record`). On CUDA, every step's peaks are also read from CUDA's own
     statistics. Strategies and callbacks implementing ``memory_breakdown()`` are asked at each sampled step.
 
-    Example::
-
-        recorder = StepMemoryRecorder(every_n_steps=1)
-        L.Trainer(callbacks=[recorder], max_steps=2).fit(model)
-        recorder.steps[1]["peak_bytes"], recorder.steps[1]["phases"]["backward"]["device"]
+    Example:
+        >>> from lightning_lowmem import StepMemoryRecorder
+        >>> recorder = StepMemoryRecorder(every_n_steps=1)
+        >>> trainer = L.Trainer(callbacks=[recorder], max_steps=2,
+        ...                     enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())
+        >>> step = recorder.steps[1]
+        >>> step["peak_bytes"] > 0, sorted(step["phases"]["backward"]["device"])
+        (True, ['activations', 'gradients', 'optimizer_state', 'other', 'total', 'weights'])
     """
 
     def __init__(self, every_n_steps: int = 1, timeline: bool = False) -> None:

@@ -5,11 +5,13 @@ The same description is trained by ``lowmem fit``, predicted by :func:`~lightnin
 strategy (a registered name or an object), precision, the technique callbacks, accumulation and
 clipping. Objects are never shared between runs: each run gets :meth:`Reproducible.fresh` copies.
 
-Example::
-
-    spec = RunSpec(strategy="lowmem_offload", precision="bf16-true",
-                   callbacks=[ActivationCheckpointing("all"), LowBitOptimizer("adamw8bit")])
-    trainer = L.Trainer(**spec.trainer_kwargs(), max_steps=100)
+Example:
+    >>> from lightning_lowmem import ActivationCheckpointing, LowBitOptimizer, RunSpec
+    >>> spec = RunSpec(strategy="lowmem_offload", precision="bf16-true",
+    ...                callbacks=[ActivationCheckpointing("all"), LowBitOptimizer("adamw8bit")])
+    >>> trainer = L.Trainer(**spec.trainer_kwargs(), max_steps=100)
+    >>> type(trainer.strategy).__name__, [type(c).__name__ for c in spec.callbacks]
+    ('OffloadStrategy', ['ActivationCheckpointing', 'LowBitOptimizer'])
 """
 
 from __future__ import annotations

@@ -42,10 +42,12 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         hardware: the profile the cost model prices steps with (``lightning_lowmem.plan.PROFILES``, ``"measure"``).
         pure_half: also consider half weights without fp32 master weights.
 
-    Example::
-
-        trainer = L.Trainer(strategy="lowmem_auto", max_steps=1000)
-        trainer = L.Trainer(strategy=AutoStrategy(device_budget="10GB", hardware="rtx3060-12gb"))
+    Example:
+        >>> from lightning_lowmem import AutoStrategy
+        >>> trainer = L.Trainer(strategy="lowmem_auto", max_steps=1000)
+        >>> trainer = L.Trainer(strategy=AutoStrategy(device_budget="10GB", hardware="rtx3060-12gb"))
+        >>> type(trainer.strategy).__name__
+        'AutoStrategy'
     """
 
     strategy_name = "lowmem_auto"

@@ -13,14 +13,15 @@ are saved two ways:
 * a candidate whose techniques were traced at another micro-batch is scaled from that trace (model states kept,
   the rest scaled with the micro-batch) and not traced when that puts it over 110 % of the budget.
 
-Example::
+Example (a tiny GPT-2 shape here, planned in seconds; ``"gpt2-xl"`` and the other shipped names take a minute):
 
-    from lightning_lowmem.plan import plan
-
-    p = plan("gpt2-xl", batch_size=4, seq_len=1024, device_memory="12GB", host_memory="64GB",
-             hardware="rtx3060-12gb")
-    print(p.table())
-    trainer = L.Trainer(**p.chosen.run.trainer_kwargs(), max_steps=1000)
+    >>> from lightning_lowmem.plan import plan
+    >>> p = plan({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}, batch_size=2, seq_len=32,
+    ...          device_memory="12GB", host_memory="64GB", hardware="rtx3060-12gb")
+    >>> print(p.table())  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+    recipe  verdict  device peak  host peak  step time  why
+    *  ...  fits ...
+    >>> trainer = L.Trainer(**p.run.trainer_kwargs(), max_steps=1000)
 """
 
 from __future__ import annotations

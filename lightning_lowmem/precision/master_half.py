@@ -109,9 +109,12 @@ class MasterHalfPrecision(Reproducible, Precision):
         init_scale, growth_factor, backoff_factor, growth_interval: the fp16 loss scaler (ignored
             otherwise), see :class:`~lightning_lowmem.precision.loss_scaler.DynamicLossScaler`.
 
-    Example::
-
-        trainer = L.Trainer(strategy="lowmem_offload", plugins=[MasterHalfPrecision("16-mixed", init_scale=2**12)])
+    Example:
+        >>> from lightning_lowmem import MasterHalfPrecision
+        >>> trainer = L.Trainer(strategy="lowmem_offload", plugins=[MasterHalfPrecision("16-mixed", init_scale=2**12)])
+        >>> trainer.precision_plugin  # doctest: +NORMALIZE_WHITESPACE
+        MasterHalfPrecision(precision='16-mixed', scaler=DynamicLossScaler(scale=4096, growth_factor=2,
+            backoff_factor=0.5, growth_interval=2000, overflows=0))
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class MasterHalfPrecision(Reproducible, Precision):
         """The parameters the optimizer steps: under ``lowmem_offload``, the fp32 host masters."""
         return [p for group in optimizer.param_groups for p in group["params"]]
 
+    @override
     def unscale_gradients(self, optimizer: Optimizer) -> bool:
         """Unscale the gradients of ``optimizer``'s parameters (fp16); return whether one overflowed."""
         if self.scaler is None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from lightning_lowmem._host_memory import pinned_bytes
 from lightning_lowmem._streams import CudaOps, StreamOps, cpu_ops
@@ -146,13 +147,16 @@ class StreamTransfer(HostTransfer):
         self._unread: set[int] = set()  # slots a queued copy writes that the host has not read yet
         self._h2d_done: Any = None
 
+    @override
     def staging(self) -> list[torch.Tensor]:
         return self._staging
 
+    @override
     def staging_bytes(self) -> int:
         """Host RAM of the staging buffers, as the (pinned) allocator reserves it."""
         return sum(self.ops.host_bytes(b.numel()) for b in self._buckets)
 
+    @override
     def grad_to_host(self, i: int, grad: torch.Tensor, sink: Sink) -> None:
         ops = self.ops
         if i in self._unread:
@@ -180,10 +184,12 @@ class StreamTransfer(HostTransfer):
             if i == until:
                 return
 
+    @override
     def synchronize(self) -> None:
         self._drain()
 
     @torch.no_grad()
+    @override
     def weights_to_device(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ops = self.ops
         self.synchronize()

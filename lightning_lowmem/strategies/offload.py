@@ -130,17 +130,19 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             a second fp32 copy (see :mod:`~lightning_lowmem.strategies.hf_weights`). Not read when resuming from
             ``ckpt_path`` (the checkpoint's weights win).
 
-    Example::
+    Example:
+        >>> import lightning as L
+        >>> import lightning_lowmem  # registers "lowmem_offload"
+        >>> model = tiny_model()
+        >>> trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true", accumulate_grad_batches=4,
+        ...                     gradient_clip_val=1.0, max_steps=1, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> trainer.fit(model, tiny_data())
+        >>> trainer.global_step, {p.dtype for p in model.parameters()}  # fp32 again after fit: the masters' values
+        (1, {torch.float32})
 
-        import lightning as L
-        import lightning_lowmem  # registers "lowmem_offload"
-
-        trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true", accumulate_grad_batches=4,
-                            gradient_clip_val=1.0)
-        trainer.fit(model)
-
-        # the blocks' weights on the host too, two blocks on the device at a time
-        trainer = L.Trainer(strategy=OffloadStrategy(offload_params=True, prefetch=1), precision="bf16-true")
+        >>> # the blocks' weights on the host too, two blocks on the device at a time
+        >>> trainer = L.Trainer(strategy=OffloadStrategy(offload_params=True, prefetch=1), precision="bf16-true")
     """
 
     strategy_name = "lowmem_offload"

@@ -118,9 +118,11 @@ class ParamStream:
     backward (a checkpointed block recomputes on the backward copy), on a side stream ``prefetch`` blocks ahead of
     compute; on the CPU each crossing is a host copy.
 
-    Built by :class:`~lightning_lowmem.strategies.offload.OffloadStrategy`; example::
+    Built by :class:`~lightning_lowmem.strategies.offload.OffloadStrategy`; example:
 
-        trainer = L.Trainer(strategy="lowmem_offload_params", precision="bf16-true")
+        >>> trainer = L.Trainer(strategy="lowmem_offload_params", precision="bf16-true")
+        >>> trainer.strategy.offload_params
+        True
     """
 
     def __init__(self, module: nn.Module, streamed: Sequence[bool], prefetch: int, device: torch.device) -> None:

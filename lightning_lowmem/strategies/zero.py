@@ -62,11 +62,13 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     With an offload preset the module's ``torch.optim.Adam``/``AdamW`` is swapped for ``DeepSpeedCPUAdam``
     with the same parameter groups and hyper-parameters (logged).
 
-    Example::
-
-        trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
-        trainer = L.Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
-                                                  offload_device="nvme", nvme_path="/local_nvme"))
+    Example:
+        >>> trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
+        >>> type(trainer.strategy).__name__
+        'ZeroStrategy'
+        >>> nvme = ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True,  # doctest: +SKIP
+        ...                     offload_device="nvme", nvme_path="/local_nvme")  # a directory on a local NVMe drive
+        >>> trainer = L.Trainer(strategy=nvme)  # doctest: +SKIP
 
     Args:
         stage: ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters).
