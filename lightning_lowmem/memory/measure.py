@@ -107,6 +107,7 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import override
 
 from lightning_lowmem._compat import tensors_in
 from lightning_lowmem.memory import categories as _cat
@@ -257,6 +258,7 @@ class MemoryTracker(StorageLedger):
         self._reset()
 
     # --- state --------------------------------------------------------------------------------------
+    @override
     def _reset(self) -> None:
         super()._reset()
         self._weight_keys: set[int] = set()
