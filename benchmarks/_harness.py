@@ -203,6 +203,7 @@ def step_probe(at: int | None = 1) -> Any:
         def __init__(self) -> None:
             self.at, self.tracker, self.times, self._t0 = at, None, [], 0.0
 
+        @override
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.at is not None and trainer.global_step == self.at:
                 self.tracker = MemoryTracker(module=pl_module, optimizers=trainer.optimizers)
@@ -211,14 +212,17 @@ def step_probe(at: int | None = 1) -> Any:
                 self.tracker.set_phase("forward")
             self._t0 = time.perf_counter()
 
+        @override
         def on_before_backward(self, trainer, pl_module, loss):
             if self.tracker is not None and self.tracker.active:
                 self.tracker.set_phase("backward")
 
+        @override
         def on_after_backward(self, trainer, pl_module):
             if self.tracker is not None and self.tracker.active:
                 self.tracker.set_phase("optimizer")
 
+        @override
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self._t0)
             if self.tracker is not None and self.tracker.active:
