@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-import lightning as L
 import torch
 
-from benchmarks._harness import fmt_bytes, interleaved, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import bench_trainer, fmt_bytes, interleaved, write_results
 from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
 from lightning_lowmem.demo.data import StdlibTextDataModule
 from lightning_lowmem.demo.module import CausalLMModule
@@ -39,10 +40,7 @@ def choose(budget: int, seq_len: int) -> dict:
     """One ``Trainer.fit`` step with micro_batch_size="auto" under ``budget``: what the callback chose."""
     module, data = build(seq_len)
     callback = AccumulationScheduler(EFFECTIVE, "auto", loss_normalization="tokens", memory_budget=budget)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-    )
+    trainer = bench_trainer(max_steps=1, limit_val_batches=0, callbacks=[callback])
     trainer.fit(module, data)
     c = callback.choice
     tried = sorted(m for m, p in c.peaks.items() if p is not None)

@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import sys
+from pathlib import Path
 
 import torch
 
-from benchmarks._harness import add_gpt2_args, build_gpt2, fmt_bytes, interleaved, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import add_gpt2_args, build_gpt2, fmt_bytes, interleaved, lm_step, write_results
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_lowmem.memory.measure import MemoryTracker
 
@@ -44,15 +47,7 @@ def main() -> None:
         optimizers[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(name: str, tracker: MemoryTracker | None = None) -> None:
-        model, opt = models[name], optimizers[name]
-        phase = tracker.phase if tracker is not None else (lambda _: _Null())
-        with phase("forward"):
-            loss = model(input_ids=ids, labels=ids).loss
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        lm_step(models[name], optimizers[name], ids, tracker)
 
     memory = {}
     for name in policies:
@@ -130,14 +125,6 @@ def main() -> None:
         notes=notes,
         extra={"targets": targets, "config": vars(args)},
     )
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 if __name__ == "__main__":

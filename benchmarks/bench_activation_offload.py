@@ -26,13 +26,15 @@ Run: ``python benchmarks/run.py activation_offload [--layers 12 --seq 512 --widt
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks._harness import add_gpt2_args, build_gpt2, fmt_bytes, interleaved, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import add_gpt2_args, build_gpt2, fmt_bytes, interleaved, lm_step, write_results
 from lightning_lowmem.callbacks._offload_engine import SavedTensorOffloader, SyncCopier
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_lowmem.memory.measure import MemoryTracker
@@ -97,19 +99,11 @@ def main() -> None:
             )
 
     def step(name: str, tracker: MemoryTracker | None = None) -> None:
-        model, opt, engine = models[name], optimizers[name], engines.get(name)
-        phase = tracker.phase if tracker is not None else (lambda _: contextlib.nullcontext())
-        hooks = contextlib.nullcontext()
+        model, engine, hooks = models[name], engines.get(name), None
         if engine is not None:
             engine.begin_step([*model.parameters(), *model.buffers(), ids])
             hooks = engine.hooks()
-        with phase("forward"), hooks:
-            loss = model(input_ids=ids, labels=ids).loss
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        lm_step(model, optimizers[name], ids, tracker, hooks)
 
     rows = []
     for name in variants:

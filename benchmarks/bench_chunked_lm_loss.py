@@ -23,13 +23,16 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import write_results
 from lightning_lowmem.callbacks.chunked_lm_loss import ChunkedLMLoss, chunked_causal_lm_loss
 from lightning_lowmem.memory.measure import MemoryTracker

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import fmt_bytes, write_results  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import fmt_bytes, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 

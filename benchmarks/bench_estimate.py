@@ -24,11 +24,13 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from _harness import fmt_bytes, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import bench_trainer, fmt_bytes, write_results
 
 MiB = 2**20
 BATCH, SEQ = 2, 128
@@ -60,8 +62,6 @@ CATS = ("weights", "gradients", "optimizer_state", "activations", "other")
 
 def measure(model_type: str, config: dict[str, Any], techniques: dict[str, Any]) -> dict[str, Any]:
     """Two real optimizer steps through Trainer.fit with the suite's techniques; MemoryReport's worst step."""
-    import lightning as L
-
     from lightning_lowmem import MemoryReport
     from lightning_lowmem.demo.module import CausalLMModule
     from lightning_lowmem.memory.run import RunSpec
@@ -73,11 +73,7 @@ def measure(model_type: str, config: dict[str, Any], techniques: dict[str, Any])
     # NOTE: the run the estimate describes, built from the same description (RunSpec.from_flags)
     kwargs = RunSpec.from_flags(**techniques).trainer_kwargs()
     batches = [random_batch(BATCH, SEQ, seed=i) for i in range(2)]
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        **{**kwargs, "callbacks": [*kwargs["callbacks"], report]},
-    )
+    trainer = bench_trainer(max_steps=2, num_sanity_val_steps=0, **{**kwargs, "callbacks": [*kwargs["callbacks"], report]})
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     phases: dict[str, dict[str, dict[str, int]]] = {}
     for record in report.steps:

@@ -34,13 +34,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import warnings
+from pathlib import Path
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks._harness import fmt_bytes, interleaved, step_probe, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import (
+    add_int_args,
+    bench_trainer,
+    fmt_bytes,
+    interleaved,
+    lm_batches,
+    step_probe,
+    write_results,
+)
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_lowmem.demo.module import CausalLMModule
@@ -59,10 +69,7 @@ def make_module(args: argparse.Namespace) -> CausalLMModule:
 
 def fit(args, batches, callbacks, steps, probe, **kwargs) -> CausalLMModule:
     module = make_module(args)
-    trainer = L.Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, max_steps=steps, callbacks=[*callbacks, probe], **kwargs,
-    )
+    trainer = bench_trainer(max_steps=steps, callbacks=[*callbacks, probe], **kwargs)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     probe.opt_bytes = optimizer_state_bytes(trainer.optimizers[0])
     return module
@@ -87,22 +94,14 @@ def gpt2_xl_numels() -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2)
+    add_int_args(parser, layers=4, width=512, heads=8, seq=128, batch=2)
     parser.add_argument("--name", default="low_bit_optimizer", help="results file name (benchmarks/results/NAME.json)")
     parser.add_argument("--steps", type=int, default=4, help="steps per timed fit (the first is not timed)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(max(args.steps, 2)):
-        ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    batches = lm_batches(max(args.steps, 2), (args.batch, args.seq))
 
     variants = {
         "fp32 AdamW": lambda: [],

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -28,7 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks._harness import fmt_bytes, interleaved, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import bench_trainer, fmt_bytes, interleaved, write_results
 from lightning_lowmem.callbacks.memory_report import MemoryReport
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.memory.measure import MemoryTracker
@@ -92,15 +95,7 @@ def _fit(variant: str, steps: int, out_dir: str) -> dict[str, Any]:
             end_s = time.perf_counter() - t0
 
         report.on_fit_end = timed_on_fit_end  # type: ignore[method-assign]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=steps + 2,
-        callbacks=callbacks,
-    )
+    trainer = bench_trainer(max_steps=steps + 2, callbacks=callbacks)
     trainer.fit(module, DataLoader(_Batches(BATCH * (steps + 2)), batch_size=BATCH))
     ops = report.steps[-1]["aten_ops"] if report is not None and report.steps else None
     return {"steps": clock["steps"], "cpu": clock["cpu"], "end_s": end_s, "ops": ops, "report": report}

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks._harness import fmt_bytes, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import RESULTS, add_int_args, bench_trainer, fmt_bytes, lm_batches, step_clock, write_results
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.strategies.offload import OffloadStrategy
 
@@ -65,57 +69,26 @@ def _module(args: Any) -> CausalLMModule:
                                   "n_positions": args.seq, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
 
 
-class _StepClock(L.Callback):
-    """Wall and process CPU seconds of every training step (CPU time is what a loaded shared machine distorts least)."""
-
-    def __init__(self) -> None:
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._t = (time.perf_counter(), time.process_time())
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.wall.append(time.perf_counter() - self._t[0])
-        self.cpu.append(time.process_time() - self._t[1])
-
-
 def step_times(args: Any, variants: dict[str, Any], accelerator: str) -> dict[str, dict[str, float]]:
     """Median wall and CPU seconds per training step of each variant, rounds interleaved (first two steps dropped)."""
-    data = [_batch(args, i) for i in range(args.steps)]
+    # NOTE: CPU time beside wall time: it is what a loaded shared machine distorts least
+    data = [lm_batches(1, (args.batch, args.seq), seed=i)[0] for i in range(args.steps)]
     base = _module(args)
     times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in variants}
     for _ in range(args.rounds):
         for name, make in variants.items():
-            clock = _StepClock()
-            trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=make(), precision=args.precision,
-                                max_steps=args.steps, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+            clock = step_clock()
+            trainer = bench_trainer(accelerator=accelerator, strategy=make(), precision=args.precision,
+                                    max_steps=args.steps, callbacks=[clock])
             trainer.fit(copy.deepcopy(base), DataLoader(data, batch_size=None))
             times[name]["wall"] += clock.wall[2:]
             times[name]["cpu"] += clock.cpu[2:]
     return {name: {k: statistics.median(v) for k, v in ts.items()} for name, ts in times.items()}
 
 
-def _batch(args: Any, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_int_args(parser, layers=6, width=256, heads=4, seq=128, batch=4, steps=6, rounds=3)
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--skip-estimates", action="store_true")
     parser.add_argument("--gpu-shape", default="48,1600,25,1024,4", help="layers,width,heads,seq,batch on CUDA")
@@ -126,12 +99,6 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     if args.reuse_estimates:
-        import json
-        import os
-        from pathlib import Path
-
-        from benchmarks._harness import RESULTS
-
         last = Path(os.environ.get("LOWMEM_BENCH_RESULTS", RESULTS)) / "param_stream.json"
         rows += [r for r in json.loads(last.read_text())["rows"] if r["part"] == "estimate"]
     elif not args.skip_estimates and not torch.cuda.is_available():

@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _harness import fmt_bytes, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import bench_trainer, fmt_bytes, lm_sample, write_results
 
 GiB = 2**30
 #: (shape, batch, seq): the issue's shapes
@@ -96,7 +94,7 @@ def cost(_: list[str]) -> None:
         def train_dataloader(self) -> Any:
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(0, 256, (batch * steps * 2, seq), generator=g)
-            rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i} for i in ids]
+            rows = [lm_sample(i) for i in ids]
             return torch.utils.data.DataLoader(rows, batch_size=self.batch_size)
 
     class StepTimes(L.Callback):
@@ -113,9 +111,7 @@ def cost(_: list[str]) -> None:
         module = CausalLMModule(model_type="gpt2", config=config)
         timer = StepTimes()
         kwargs = recipe.run(batch).trainer_kwargs()
-        L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False,
-                  **{**kwargs, "callbacks": [*kwargs["callbacks"], timer]}).fit(module, datamodule=Data())
+        bench_trainer(max_steps=steps, **{**kwargs, "callbacks": [*kwargs["callbacks"], timer]}).fit(module, datamodule=Data())
         return statistics.median(b - a for a, b in zip(timer.stamps[1:], timer.stamps[2:]))  # steps 3..N
 
     profile = measure_host()

@@ -22,14 +22,17 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks._harness import fmt_bytes, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
+from benchmarks._harness import add_int_args, bench_trainer, fmt_bytes, lm_batches, lm_sample, write_results
 from lightning_lowmem._host_memory import pinned_bytes
 from lightning_lowmem._streams import DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
@@ -82,9 +85,7 @@ def autograd_thread_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = {"n_layer": args.layers, "n_embd": args.width, "n_head": max(1, args.width // 64), "n_positions": args.seq,
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     base = CausalLMModule(config=config, learning_rate=1e-3)
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": (ids := torch.randint(0, 256, (args.seq,), generator=g)), "attention_mask": torch.ones_like(ids),
-             "labels": ids.clone()} for _ in range(args.steps * args.batch)]
+    data = lm_batches(args.steps * args.batch, (args.seq,))
     results: dict[str, dict[str, Any]] = {}
     weights: dict[str, list[torch.Tensor]] = {}
     for rnd in range(args.rounds):
@@ -92,9 +93,7 @@ def autograd_thread_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             module = copy.deepcopy(base)
             strategy = Timed(policy)
             with cpu_stand_in(lambda: DeferredOps("eager")):
-                trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-true", max_steps=args.steps,
-                                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                    enable_model_summary=False)
+                trainer = bench_trainer(strategy=strategy, precision="bf16-true", max_steps=args.steps)
                 t0 = time.perf_counter()
                 trainer.fit(module, DataLoader(data, batch_size=args.batch))
                 total = time.perf_counter() - t0
@@ -156,10 +155,8 @@ def measured_row() -> dict[str, Any]:
     strategy = OffloadStrategy()
     ids = torch.randint(0, 256, (2, 16))
     with cpu_stand_in(lambda: DeferredOps("run_ahead")):
-        L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-true", max_steps=1, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  callbacks=[Inspect()]).fit(module, DataLoader([{"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                                                    "labels": ids}], batch_size=None))
+        bench_trainer(strategy=strategy, precision="bf16-true", max_steps=1,
+                      callbacks=[Inspect()]).fit(module, DataLoader([lm_sample(ids)], batch_size=None))
         seen["planned"] = strategy.host_bytes_needed(module, [])["staging_or_compute_weights"]
     per_param = sum(pinned_bytes(2 * p.numel()) for p in module.parameters())
     return {"model": "tiny (measured in fit)", "per_parameter_reserved": per_param, **seen}
@@ -167,12 +164,7 @@ def measured_row() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_int_args(parser, layers=4, width=256, seq=64, batch=4, steps=6, rounds=3)
     args = parser.parse_args()
     thread = autograd_thread_rows(args)
     pinned = pinned_rows()

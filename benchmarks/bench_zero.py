@@ -21,8 +21,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 
 VARIANTS = ("lowmem_offload", "lowmem_zero2_offload", "lowmem_zero3_offload")
 
@@ -39,6 +40,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     import lightning_lowmem  # noqa: F401  (registers the names)
+    from benchmarks._harness import bench_trainer, lm_sample, step_clock
     from lightning_lowmem.demo.module import CausalLMModule
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
@@ -50,25 +52,12 @@ def child(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     n = args.batch * (args.steps + 2)
     ids = torch.randint(0, 256, (n, args.seq), generator=g)
-    data = [{"input_ids": ids[i], "attention_mask": torch.ones_like(ids[i]), "labels": ids[i]} for i in range(n)]
+    data = [lm_sample(ids[i]) for i in range(n)]
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False)
 
-    class StepTimes(L.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, *a) -> None:
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, *a) -> None:
-            self.times.append(time.perf_counter() - self.t0)
-
-    times = StepTimes()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=args.child, precision=args.precision, max_steps=args.steps + 2,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=[times],
-    )
+    clock = step_clock()
+    trainer = bench_trainer(strategy=args.child, precision=args.precision, max_steps=args.steps + 2,
+                            use_distributed_sampler=False, callbacks=[clock])
     try:
         Path("/proc/self/clear_refs").write_text("5")  # NOTE: resets VmHWM to the current RSS
         reset = True
@@ -80,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
     out = {
         "variant": args.child,
         "params": n_params,
-        "step_s": statistics.median(times.times[2:]),
+        "step_s": statistics.median(clock.wall[2:]),
         "rss_at_start_bytes": rss0,
         "peak_rss_bytes": peak,
         "peak_rss_growth_bytes": peak - rss0 if reset else None,
@@ -105,8 +94,7 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _harness import fmt_bytes, write_results
+    from benchmarks._harness import fmt_bytes, write_results
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONWARNINGS": "ignore"}
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,13 @@ def run(name: str, args: list[str]) -> int:
         return 2
     with open("/tmp/lightning_lowmem_bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+            # the results' "Command:" line: this run as typed from the repository root (see _harness.command)
+            "LOWMEM_BENCH_COMMAND": shlex.join([Path(sys.executable).name, "benchmarks/run.py", name, *args]),
+            "LOWMEM_BENCH_SCRIPT": str(script),
+        }
         return subprocess.call([sys.executable, str(script), *args], env=env)
 
 
