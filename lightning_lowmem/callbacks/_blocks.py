@@ -21,8 +21,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_lowmem._compat import tensors_in  # noqa: F401  (re-exported: `_segments`, `_probe`, `param_stream` use it)
-
 # the attribute that marks a checkpointed module (read it through `checkpoint_info`)
 INFO_ATTR = "_lowmem_checkpoint"
 

@@ -6,8 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem._atomic import atomic_write, atomic_write_text
-
+from lightning_lowmem._atomic import atomic_write
 from lightning_lowmem.memory.categories import CATEGORIES
 from lightning_lowmem.memory.recorder import PHASES
 from lightning_lowmem.memory.units import fmt_mib

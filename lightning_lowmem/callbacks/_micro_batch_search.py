@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_setattr
+from typing_extensions import Self
 
 from lightning_lowmem._compat import training_step_args
 from lightning_lowmem.callbacks._side_step import side_step
@@ -155,7 +156,7 @@ class _PeakMeter:
     def phase(self, name: str) -> Any:
         return self._tracker.phase(name) if self._tracker is not None else contextlib.nullcontext()
 
-    def __enter__(self) -> _PeakMeter:
+    def __enter__(self) -> Self:
         if self._tracker is not None:
             self._tracker.__enter__()
             self._tracker.track(self._batch)  # the micro-batch counts too
@@ -166,7 +167,7 @@ class _PeakMeter:
             self._window = CudaPeakWindow(self.device)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
             self.peak = int(self._tracker.peak_bytes_role("device"))

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from lightning_lowmem._compat import training_step_args
-from lightning_lowmem.callbacks._blocks import tensors_in
+from lightning_lowmem._compat import tensors_in, training_step_args
 from lightning_lowmem.callbacks._side_step import side_step
 from lightning_lowmem.memory.categories import storage_key
 
@@ -42,7 +41,7 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
         nonlocal outside
         key = storage_key(x)
         if key in params or key in seen_outside or key in seen_block:
-            return None
+            return
         nbytes = x.untyped_storage().nbytes()
         if current:
             seen_block.add(key)
@@ -52,7 +51,7 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
             seen_outside.add(key)
             held_outside.append(x)
             outside += nbytes
-        return None
+        return
 
     def unpack(_: Any) -> torch.Tensor:
         raise RuntimeError("internal error: the activation probe's graph was backpropagated")
@@ -122,14 +121,14 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
         nonlocal total
         key = storage_key(x)
         if key in params or key in seen:
-            return None
+            return
         seen.add(key)
         held.append(x)
         nbytes = x.untyped_storage().nbytes()
         total += nbytes
         for entry in {id(e): e for e in stack}.values():
             entry.saved += nbytes
-        return None
+        return
 
     def unpack(_: Any) -> torch.Tensor:
         raise RuntimeError("internal error: the activation probe's graph was backpropagated")

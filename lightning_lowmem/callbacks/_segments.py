@@ -20,11 +20,13 @@ import weakref
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from lightning_lowmem.callbacks._blocks import INFO_ATTR, CheckpointInfo, call_inner, checkpoint_info, refuse_kv_cache, tensors_in
+from lightning_lowmem._compat import tensors_in
+from lightning_lowmem.callbacks._blocks import INFO_ATTR, CheckpointInfo, call_inner, checkpoint_info, refuse_kv_cache
 
 
 class _Holder:
@@ -44,15 +46,8 @@ class _Ref:
 
 
 def _map(value: Any, fn: Any) -> Any:
-    if isinstance(value, torch.Tensor) or isinstance(value, _Ref):
-        return fn(value)
-    if isinstance(value, tuple):
-        return type(value)(*(_map(v, fn) for v in value)) if hasattr(value, "_fields") else tuple(_map(v, fn) for v in value)
-    if isinstance(value, list):
-        return [_map(v, fn) for v in value]
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
+    """``fn`` applied to every tensor and reference in a nested call's arguments (Lightning's collection walk)."""
+    return apply_to_collection(value, (torch.Tensor, _Ref), fn)
 
 
 def _device_type(args: tuple) -> str:

@@ -7,7 +7,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -24,7 +24,7 @@ from lightning_lowmem.callbacks._side_step import stands_aside
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
 OnOOM = Literal["split", "raise"]
-MicroBatch = Union[int, Literal["auto"]]
+MicroBatch = int | Literal["auto"]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities import apply_to_collection
 from typing_extensions import override
 
+from lightning_lowmem._atomic import atomic_write_text
 from lightning_lowmem._compat import check_lightning_object
 from lightning_lowmem.callbacks import _memory_report_render as render
 from lightning_lowmem.memory.categories import CATEGORIES
@@ -222,7 +223,7 @@ class MemoryReport(StepMemoryRecorder):
             "plain_fp32": self.baseline,
             "timeline": self._timeline,
         }
-        render.atomic_write_text(self.save_dir / "memory_report.json", json.dumps(payload, indent=2, default=str) + "\n")
+        atomic_write_text(self.save_dir / "memory_report.json", json.dumps(payload, indent=2, default=str) + "\n")
         if self.plot and self._timeline is not None:
             render.plot(self._timeline, self.save_dir / "memory_step.png")
 
@@ -280,4 +281,4 @@ def _repeat_batch(batch: Any, times: int) -> Any:
     return apply_to_collection(batch, torch.Tensor, lambda t: t.repeat(times, *[1] * (t.dim() - 1)) if t.dim() else t)
 
 
-__all__ = ["MemoryReport", "PHASES"]
+__all__ = ["PHASES", "MemoryReport"]

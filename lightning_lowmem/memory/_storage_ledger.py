@@ -26,7 +26,7 @@ _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
 class _Snap:
     """Bytes by category at the moment a role's total was highest (within a scope: overall or one phase)."""
 
-    __slots__ = ("seq", "total", "cats", "phase")
+    __slots__ = ("cats", "phase", "seq", "total")
 
     def __init__(self) -> None:
         self.seq = -1
@@ -36,7 +36,7 @@ class _Snap:
 
 
 class _Rec:
-    __slots__ = ("nbytes", "cat", "role", "seq", "fwd", "ref")
+    __slots__ = ("cat", "fwd", "nbytes", "ref", "role", "seq")
 
     def __init__(self, nbytes: int, cat: int, role: int, seq: int, fwd: int) -> None:
         self.nbytes = nbytes

@@ -9,6 +9,7 @@ folds the current maxima into every open window. Both are re-exported by :mod:`l
 from __future__ import annotations
 
 import weakref
+from typing import ClassVar
 
 import torch
 
@@ -30,7 +31,7 @@ class CudaPeakWindow:
         window.close()
     """
 
-    _open: weakref.WeakSet[CudaPeakWindow] = weakref.WeakSet()
+    _open: ClassVar[weakref.WeakSet[CudaPeakWindow]] = weakref.WeakSet()
 
     def __init__(self, device: torch.device | int | str | None = None) -> None:
         self.device = _indexed(device)

@@ -107,7 +107,7 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_lowmem._compat import tensors_in
 from lightning_lowmem.memory import categories as _cat
@@ -116,11 +116,11 @@ from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdow
 from lightning_lowmem.memory.cuda_peak import CudaPeakWindow, reset_cuda_peak_stats
 
 __all__ = [
+    "CudaPeakWindow",
     "MemoryTracker",
     "PhasePeak",
-    "CudaPeakWindow",
-    "reset_cuda_peak_stats",
     "iter_tensors",
+    "reset_cuda_peak_stats",
 ]
 
 _FORWARD = "forward"
@@ -364,7 +364,7 @@ class MemoryTracker(StorageLedger):
             if st is not None and st._cdata not in self._recs:
                 self._add(st, t, st._cdata, cat)
 
-    def __enter__(self) -> MemoryTracker:
+    def __enter__(self) -> Self:
         if self._mode is not None:
             raise RuntimeError("This MemoryTracker is already active; a tracker cannot be entered twice at once.")
         self._reset()
@@ -395,7 +395,7 @@ class MemoryTracker(StorageLedger):
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             if self._mode is not None:
                 _exit_mode(self._mode, exc)

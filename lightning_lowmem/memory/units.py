@@ -10,7 +10,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
-def parse_bytes(text: str | int | float, name: str = "a memory size") -> int:
+def parse_bytes(text: str | float, name: str = "a memory size") -> int:
     """``"12 GiB"`` -> 12 * 2**30, ``"12GB"`` -> 12e9, ``"12e9"`` -> 12e9, ``"1.5 TB"``; numbers pass through.
 
     Raises:
@@ -34,17 +34,17 @@ def parse_bytes(text: str | int | float, name: str = "a memory size") -> int:
     return int(nbytes)
 
 
-def fmt_gib(n: int | float | None) -> str:
+def fmt_gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
-def fmt_size(n: int | float | None) -> str:
+def fmt_size(n: float | None) -> str:
     """GiB from 1 GiB up, MiB below (a small model's peaks are not all "0.01 GiB")."""
     return "-" if n is None else (fmt_gib(n) if abs(n) >= 2**30 else fmt_mib(n))
 
 
-def fmt_mib(n: int | float | None) -> str:
+def fmt_mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.2f} MiB"
 
 
-__all__ = ["parse_bytes", "fmt_gib", "fmt_mib", "fmt_size"]
+__all__ = ["fmt_gib", "fmt_mib", "fmt_size", "parse_bytes"]

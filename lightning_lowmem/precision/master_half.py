@@ -285,7 +285,7 @@ class MasterHalfPrecision(Reproducible, Precision):
     def clip_gradients(
         self,
         optimizer: Optimizer,
-        clip_val: int | float = 0.0,
+        clip_val: float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         if self._skip_clipping:

@@ -368,9 +368,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _repoint(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s param groups at the masters; move any state it has to the host."""
         self._masters.repoint(optimizer)
-        if self.host_optimizer != "as_is" and id(optimizer) not in self._fused:
-            if _host_optimizer.why_not_fused(optimizer) is None:
-                self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
+        if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
+                and _host_optimizer.why_not_fused(optimizer) is None):
+            self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
 
     @property
     def masters(self) -> dict[str, Parameter]:

@@ -36,8 +36,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_lowmem._compat import tensors_in
 from lightning_lowmem._streams import CudaOps, StreamOps, cpu_ops
-from lightning_lowmem.callbacks._blocks import find_repeated_blocks, tensors_in
+from lightning_lowmem.callbacks._blocks import find_repeated_blocks
 from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.memory.units import fmt_size
 from lightning_lowmem.strategies._host_transfer import _bucket_sizes

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from lightning_lowmem._atomic import atomic_write_text
 from lightning_lowmem.callbacks import _memory_report_render as render
 from lightning_lowmem.callbacks.memory_report import MemoryReport
 from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown
@@ -108,7 +109,7 @@ def test_downsample_leaves_a_short_timeline_alone():
 
 def test_atomic_write_is_readable_by_others(tmp_path):
     path = tmp_path / "sub" / "memory_report.json"
-    render.atomic_write_text(path, "{}\n")
+    atomic_write_text(path, "{}\n")
     assert path.read_text() == "{}\n" and path.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in path.parent.iterdir()] == ["memory_report.json"]  # no temporary left behind
 
