@@ -107,12 +107,12 @@ def main(argv: list[str]) -> None:
          "step_s", "step_time_vs_fastest"],
         title=f"AccumulationScheduler auto micro-batch: demo GPT-2, effective batch {EFFECTIVE}, seq {seq_len}",
         notes=[
-            "peak_*: device-role peak of one training step measured by MemoryTracker (CPU: live tensor-storage "
-            "bytes; forward + backward + AdamW step with gradients and optimizer state alive, batch included).",
-            "next_micro_batch: the next divisor of the effective batch, measured during the search; its peak is "
-            "over the budget (the search is a binary search, so it is the smallest tried size that does not fit).",
-            "step_s: median wall time of one optimizer step of 64 sequences at that micro-batch (plain loop), the "
-            "three timed in alternation; noisy on a shared CPU, read the ratio.",
+            ("peak_*: device-role peak of one training step measured by MemoryTracker (CPU: live tensor-storage "
+            "bytes; forward + backward + AdamW step with gradients and optimizer state alive, batch included)."),
+            ("next_micro_batch: the next divisor of the effective batch, measured during the search; its peak is "
+            "over the budget (the search is a binary search, so it is the smallest tried size that does not fit)."),
+            ("step_s: median wall time of one optimizer step of 64 sequences at that micro-batch (plain loop), the "
+            "three timed in alternation; noisy on a shared CPU, read the ratio."),
         ],
         extra={"seq_len": seq_len, "effective_batch_size": EFFECTIVE, "model_config": GPT2_DEMO, "timings": timings},
     )

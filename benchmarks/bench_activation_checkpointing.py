@@ -107,13 +107,13 @@ def main() -> None:
         "all_time_x (<= 1.4)": t_all / t_none,
     }
     notes = [
-        f"GPT-2 architecture, {L} layers, n_embd {args.width}, {args.heads} heads, seq {args.seq}, batch {args.batch}, "
-        "dropout 0.1 (GPT-2 default), fp32, AdamW; byte vocabulary (258).",
-        "act_fwd: `activations` category at the forward peak (saved for backward). act_peak: step peak minus weights, "
-        "gradients and optimizer state, i.e. activations plus temporaries, recompute transients included.",
+        (f"GPT-2 architecture, {L} layers, n_embd {args.width}, {args.heads} heads, seq {args.seq}, batch {args.batch}, "
+        "dropout 0.1 (GPT-2 default), fp32, AdamW; byte vocabulary (258)."),
+        ("act_fwd: `activations` category at the forward peak (saved for backward). act_peak: step peak minus weights, "
+        "gradients and optimizer state, i.e. activations plus temporaries, recompute transients included."),
         f"one block's worth = (act_fwd[none] - act_fwd[all]) / L = {fmt_bytes(block_worth)}.",
-        f"step times: {args.rounds} interleaved rounds after 1 warm-up; time_x = min over rounds / min of none "
-        "(shared machine: noise only adds time), time_x_median the same with medians.",
+        (f"step times: {args.rounds} interleaved rounds after 1 warm-up; time_x = min over rounds / min of none "
+        "(shared machine: noise only adds time), time_x_median the same with medians."),
         *[f"target {k}: {v:.3g}" for k, v in targets.items()],
     ]
     columns = ["policy", "act_fwd", "act_fwd_x_less", "act_peak", "act_peak_x_less", "blocks_worth_at_peak", "step_s_min", "time_x", "time_x_median"]

@@ -145,19 +145,19 @@ def main() -> None:
         "offloaded_per_step_h", "step_s", "time_vs_none",
     ]  # fmt: skip
     notes = [
-        f"model: GPT-2 architecture, {args.layers} layers, width {args.width}, {args.heads} heads, batch {args.batch}, "
+        (f"model: GPT-2 architecture, {args.layers} layers, width {args.width}, {args.heads} heads, batch {args.batch}, "
         f"sequence {args.seq}, fp32, vocab 258; ActivationOffload(min_bytes={args.min_bytes}, prefetch=2); "
-        "checkpointing = ActivationCheckpointing(policy='all').",
-        f"one block saves {fmt_bytes(one_block)} for backward; one block input (the boundary) is {fmt_bytes(boundary)}. "
+        "checkpointing = ActivationCheckpointing(policy='all')."),
+        (f"one block saves {fmt_bytes(one_block)} for backward; one block input (the boundary) is {fmt_bytes(boundary)}. "
         f"Target (one block + its boundary): offload+ckpt(boundaries_only) act_fwd_device <= {fmt_bytes(target)}; measured "
-        f"{fmt_bytes(boundaries)}: {'met' if boundaries <= target else 'NOT met'}.",
-        "act_fwd_device of offload+ckpt is what stays outside the checkpointed blocks (LM head input, logits, loss); "
+        f"{fmt_bytes(boundaries)}: {'met' if boundaries <= target else 'NOT met'}."),
+        ("act_fwd_device of offload+ckpt is what stays outside the checkpointed blocks (LM head input, logits, loss); "
         "the block inputs are on the host. In backward the device working set (act_peak_device) of offload+ckpt is "
         f"{fmt_bytes(working_set)} = {working_set / target:.2f} x (one block + boundary): the recompute of one block, "
-        "its restored boundary, plus backward temporaries (gradients of activations), which no activation technique removes.",
-        "CPU only: copies are synchronous memcpy between two CPU tensors, so step time shows the bookkeeping cost, "
+        "its restored boundary, plus backward temporaries (gradients of activations), which no activation technique removes."),
+        ("CPU only: copies are synchronous memcpy between two CPU tensors, so step time shows the bookkeeping cost, "
         "not the PCIe cost or its overlap; the GPU overhead target (< 10 % at sequence 2048) was not measured "
-        "(no GPU was lent). Times are medians of interleaved rounds on a shared 2-core machine (noisy).",
+        "(no GPU was lent). Times are medians of interleaved rounds on a shared 2-core machine (noisy)."),
     ]
     write_results(
         "activation_offload",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -121,12 +122,13 @@ def cpu_time_rows(rounds: int) -> list[dict[str, Any]]:
             ChunkedLMLoss(chunk_tokens=chunk, backend="chunked", recompute=recompute).apply(model)
             models[f"ChunkedLMLoss({chunk}{'' if recompute else ', recompute=False'})"] = model
 
-        def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        def step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
             opt.zero_grad(set_to_none=True)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
 
-        steps = {name: (lambda m=m, o=torch.optim.SGD(m.parameters(), lr=1e-4): step(m, o)) for name, m in models.items()}
+        steps = {name: functools.partial(step, m, torch.optim.SGD(m.parameters(), lr=1e-4), ids)
+                 for name, m in models.items()}
         times = _interleaved_cpu(steps, rounds)
         ref_cpu, ref_wall = times["model's own loss"]
         for name, (cpu, wall) in times.items():
@@ -171,16 +173,16 @@ def main() -> None:
                "one_chunk_fp32_logits_MiB", "device_peak_GiB", "binds", "step_cpu_s", "vs_model_loss", "step_wall_s",
                "wall_vs_model_loss"]
     notes = [
-        "loss: fake tensors, GPT-2-XL head (1600 x 50257, bf16) at batch 4 x 1024; transient = activations + other at "
-        "each phase's peak less the inputs and the hidden states' gradient (MemoryTracker, device role).",
-        "dry_run: CausalLMModule (GPT-2-XL) through lightning_lowmem.memory.dry_run, precision bf16-true, "
-        "lowmem_offload, checkpointing 'all', target 'cuda' (uncalibrated corrections, see estimate_gpt2xl.md).",
-        "cpu_time: forward + backward + SGD step, fp32, dropout 0.1 (GPT-2's default), one torch thread; median "
+        ("loss: fake tensors, GPT-2-XL head (1600 x 50257, bf16) at batch 4 x 1024; transient = activations + other at "
+        "each phase's peak less the inputs and the hidden states' gradient (MemoryTracker, device role)."),
+        ("dry_run: CausalLMModule (GPT-2-XL) through lightning_lowmem.memory.dry_run, precision bf16-true, "
+        "lowmem_offload, checkpointing 'all', target 'cuda' (uncalibrated corrections, see estimate_gpt2xl.md)."),
+        ("cpu_time: forward + backward + SGD step, fp32, dropout 0.1 (GPT-2's default), one torch thread; median "
         "process CPU time (headline) and wall time of interleaved rounds. The machine's 2 cores are shared with "
-        "other work: wall times are stretched by it, compare rows of one run only.",
-        "The head's matmul runs 4 times per step with ChunkedLMLoss instead of 3 (the forward's is recomputed in "
+        "other work: wall times are stretched by it, compare rows of one run only."),
+        ("The head's matmul runs 4 times per step with ChunkedLMLoss instead of 3 (the forward's is recomputed in "
         "backward): with the demo's 258-token vocabulary the head is a rounding error of the step, with GPT-2's "
-        "50257 on a 4-layer, 256-wide model it is most of it.",
+        "50257 on a 4-layer, 256-wide model it is most of it."),
     ]
     write_results("chunked_lm_loss", rows, columns, title="ChunkedLMLoss: the LM loss without its full logits",
                   notes=notes)

@@ -208,10 +208,10 @@ def write_accuracy(rows: list[dict[str, Any]], quick: bool) -> None:
          "binds_measured", "dry_run_s"],
         title=f"estimate_memory (dry run) vs measured Trainer.fit, CPU, batch {BATCH} x seq {SEQ}, two steps",
         notes=[
-            f"Worst dry-run peak error {worst_peak:.3f} %, worst category error {worst_cat:.3f} % of its phase total "
-            "(target: within 2 %).",
-            "Measured: Trainer.fit (2 steps) with the suite's strategy/precision/callbacks under MemoryReport "
-            "(MemoryTracker: live tensor storage, not RSS). Predicted: estimate_memory(config, target='cpu').",
+            (f"Worst dry-run peak error {worst_peak:.3f} %, worst category error {worst_cat:.3f} % of its phase total "
+            "(target: within 2 %)."),
+            ("Measured: Trainer.fit (2 steps) with the suite's strategy/precision/callbacks under MemoryReport "
+            "(MemoryTracker: live tensor storage, not RSS). Predicted: estimate_memory(config, target='cpu')."),
             "analytic: the closed-form bound of analytic.py (16 B/param-style states + Korthikanti activations + logits).",
             "offload rows: device = bf16 compute weights + activations; host = fp32 masters, gradients, AdamW state.",
         ],
@@ -227,18 +227,18 @@ def write_xl(xl_rows: list[dict[str, Any]], quick: bool) -> None:
          "host_vs_full_%", "extrapolated", "method"],
         title="GPT-2-XL (1.56B) at seq 1024: dry-run predicted peaks for a CUDA target, default estimate vs full trace",
         notes=[
-            "Each row is the real run (strategy, precision, technique callbacks) on fake tensors: the default estimate "
+            ("Each row is the real run (strategy, precision, technique callbacks) on fake tensors: the default estimate "
             "(3 depths, extrapolated per part of each phase when the third depth confirms the line, else a full trace) "
-            f"beside a full 48-block trace. Worst difference {worst:.4f} % (target: within 0.1 %).",
-            "Target CUDA: 1-byte dropout masks, flash SDPA and foreach AdamW traced on CPU, +512 MiB CUDA context, "
-            "pinned staging for lowmem_offload; uncalibrated (no GPU run yet); allocator fragmentation not modelled.",
-            "ZeRO rows: traced on one device with DeepSpeed's partitioned model states in closed form (its engine does "
-            "not run on fake tensors). ZeRO with ActivationCheckpointing is refused, as by the real run.",
-            "Founding figures (https://www.52hwl.com/43530.html; Colossal-AI Gemini's claim): GPT-2-XL fine-tuned on a 12 GB RTX 3060 with checkpointing + "
+            f"beside a full 48-block trace. Worst difference {worst:.4f} % (target: within 0.1 %)."),
+            ("Target CUDA: 1-byte dropout masks, flash SDPA and foreach AdamW traced on CPU, +512 MiB CUDA context, "
+            "pinned staging for lowmem_offload; uncalibrated (no GPU run yet); allocator fragmentation not modelled."),
+            ("ZeRO rows: traced on one device with DeepSpeed's partitioned model states in closed form (its engine does "
+            "not run on fake tensors). ZeRO with ActivationCheckpointing is refused, as by the real run."),
+            ("Founding figures (https://www.52hwl.com/43530.html; Colossal-AI Gemini's claim): GPT-2-XL fine-tuned on a 12 GB RTX 3060 with checkpointing + "
             "half weights on the GPU / fp32 on the CPU + accumulation (micro-batch 4) + 8-bit Adam; 1.5B parameters on a "
-            "6 GB RTX 2060 with Colossal-AI Gemini. Cards: 12 GiB and 6 GiB.",
-            "wall_s: the whole estimate_memory call on 2 CPU cores shared with other work (meta build for the bound + "
-            "the traces).",
+            "6 GB RTX 2060 with Colossal-AI Gemini. Cards: 12 GiB and 6 GiB."),
+            ("wall_s: the whole estimate_memory call on 2 CPU cores shared with other work (meta build for the bound + "
+            "the traces)."),
         ],
     )
 

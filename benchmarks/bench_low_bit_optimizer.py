@@ -104,7 +104,7 @@ def main() -> None:
     batches = lm_batches(max(args.steps, 2), (args.batch, args.seq))
 
     variants = {
-        "fp32 AdamW": lambda: [],
+        "fp32 AdamW": list,
         "8-bit AdamW": lambda: [LowBitOptimizer(kind="adamw8bit")],
         "in-backward fp32 AdamW": lambda: [OptimizerInBackward()],
         "in-backward 8-bit AdamW": lambda: [LowBitOptimizer(kind="adamw8bit"), OptimizerInBackward()],
@@ -206,20 +206,20 @@ def main() -> None:
         "step_times_s": probes,
     }
     notes = [
-        f"GPT-2 architecture, {args.layers} layers x {args.width} wide, {n_params / 1e6:.2f}M parameters, batch "
+        (f"GPT-2 architecture, {args.layers} layers x {args.width} wide, {n_params / 1e6:.2f}M parameters, batch "
         f"{args.batch} x {args.seq} tokens, fp32, CPU; gradients {fmt_bytes(grad_bytes)}, largest parameter "
-        f"{fmt_bytes(largest)}.",
-        f"8-bit AdamW state: {eight['opt_B/param']:.3f} B/param (target <= 2.1); fp32 AdamW {fp32['opt_B/param']:.3f}. "
+        f"{fmt_bytes(largest)}."),
+        (f"8-bit AdamW state: {eight['opt_B/param']:.3f} B/param (target <= 2.1); fp32 AdamW {fp32['opt_B/param']:.3f}. "
         f"The layout formula gives {layout_8bit} B; measured {eight['opt_state_bytes']} B (the difference is the two "
-        "256-entry fp32 quantization maps, shared by all tensors).",
-        f"Optimizer-in-backward peak {fmt_bytes(oib['peak_bytes'])} vs {fmt_bytes(fp32['peak_bytes'])}: "
+        "256-entry fp32 quantization maps, shared by all tensors)."),
+        (f"Optimizer-in-backward peak {fmt_bytes(oib['peak_bytes'])} vs {fmt_bytes(fp32['peak_bytes'])}: "
         f"{fmt_bytes(fp32['peak_bytes'] - oib['peak_bytes'])} lower; target: at least gradients - largest parameter "
-        f"= {fmt_bytes(target_oib)} ({'met' if extra['targets']['oib_drop>=required'] else 'NOT met'}).",
-        f"GPT-2-XL ({xl_params / 1e9:.3f}B params): fp32 Adam state {8 * xl_params / 1e9:.2f} GB, 8-bit "
+        f"= {fmt_bytes(target_oib)} ({'met' if extra['targets']['oib_drop>=required'] else 'NOT met'})."),
+        (f"GPT-2-XL ({xl_params / 1e9:.3f}B params): fp32 Adam state {8 * xl_params / 1e9:.2f} GB, 8-bit "
         f"{xl_8bit / 1e9:.2f} GB ({xl_8bit / xl_params:.3f} B/param): {xl_saved / 1e9:.2f} GB "
-        f"({xl_saved / 2**30:.2f} GiB) saved, vs the ~8.5 GB of https://www.52hwl.com/43530.html.",
-        "Step times are medians of steps 2..N of each fit, fits interleaved variant after variant; CPU step times of "
-        "bitsandbytes' 8-bit update (dequantize to fp32, update, requantize in separate passes) are not GPU figures.",
+        f"({xl_saved / 2**30:.2f} GiB) saved, vs the ~8.5 GB of https://www.52hwl.com/43530.html."),
+        ("Step times are medians of steps 2..N of each fit, fits interleaved variant after variant; CPU step times of "
+        "bitsandbytes' 8-bit update (dequantize to fp32, update, requantize in separate passes) are not GPU figures."),
     ]
     for r in offload_rows:
         if "host_opt_B/param" in r:

@@ -165,15 +165,15 @@ def _plain_loop_comparison(
         fns = {"untracked": step, **tracked}
         cpu: dict[str, list[float]] = {name: [] for name in fns}
 
-        def cpu_timed(name: str, fn: Any) -> Any:
+        def cpu_timed(fn: Any, out: list[float]) -> Any:
             def run() -> None:
                 c0 = time.process_time()
                 fn()
-                cpu[name].append(time.process_time() - c0)
+                out.append(time.process_time() - c0)
 
             return run
 
-        times = interleaved({name: cpu_timed(name, f) for name, f in fns.items()}, rounds=n_rounds, warmup=1)
+        times = interleaved({name: cpu_timed(f, cpu[name]) for name, f in fns.items()}, rounds=n_rounds, warmup=1)
         cpu_med = {name: statistics.median(ts[1:]) for name, ts in cpu.items()}  # [0] is the warm-up
         base, cpu_base = times["untracked"]["median_s"], cpu_med["untracked"]
         for name, t in times.items():
@@ -258,17 +258,17 @@ def main() -> None:
     mt = next(r for r in plain_rows if r["variant"] == "torch MemTracker")
     lite = next(r for r in plain_rows if r["variant"] == "MemoryTracker")
     notes = [
-        f"GPT-2 {CONFIG}, vocab 258, batch {BATCH} x seq {SEQ}, fp32 AdamW on CPU; {ops} aten ops per tracked step "
-        f"(plain loop: {plain_ops}).",
-        "Wall time is noisy on a shared machine; cpu_* columns are process CPU time (1 intra-op thread), the "
+        (f"GPT-2 {CONFIG}, vocab 258, batch {BATCH} x seq {SEQ}, fp32 AdamW on CPU; {ops} aten ops per tracked step "
+        f"(plain loop: {plain_ops})."),
+        ("Wall time is noisy on a shared machine; cpu_* columns are process CPU time (1 intra-op thread), the "
         "figure to read for the overhead. "
         "Trainer.fit rows: per-step time from the first on_train_batch_start to the last on_train_batch_end, "
-        f"median over {args.rounds} interleaved rounds x {args.steps} steps; steps 0 and 1 (always sampled) untimed.",
+        f"median over {args.rounds} interleaved rounds x {args.steps} steps; steps 0 and 1 (always sampled) untimed."),
         "end_of_fit_s: MemoryReport.on_fit_end (table, JSON, PNG; predict=False), paid once per fit.",
-        f"'plain loop, wide': GPT-2 {WIDE_CONFIG}, batch {BATCH} x seq {WIDE_SEQ} (same ops, more work per op). "
+        (f"'plain loop, wide': GPT-2 {WIDE_CONFIG}, batch {BATCH} x seq {WIDE_SEQ} (same ops, more work per op). "
         "'no-op dispatch mode': a TorchDispatchMode that only calls the op, the floor of any such tracker. "
         "Plain-loop rows: one step untracked vs MemoryTracker, then untracked vs torch MemTracker, each pair "
-        "interleaved; the two trackers' peaks must agree.",
+        "interleaved; the two trackers' peaks must agree."),
         "Overhead of torch MemTracker vs ours (plain loop): "
         + (
             f"{mt['cpu_overhead_ms_per_step'] / lite['cpu_overhead_ms_per_step']:.1f}x (CPU time)"

@@ -58,13 +58,13 @@ def planning(only: list[str]) -> None:
          "predicted_step_s", "traces", "wall_s", "why"],
         title="lowmem plan: the recipe chosen per model and device budget (host budget 256 GiB, CUDA target)",
         notes=[
-            "Each plan: every candidate priced by the cost model, then dry runs (the real Trainer.fit on fake tensors, "
+            ("Each plan: every candidate priced by the cost model, then dry runs (the real Trainer.fit on fake tensors, "
             "CUDA target) fastest first until one fits device and host; wall_s is the plan's wall time on this "
-            "machine, with the dry runs of the earlier budgets of the same model reused (one cache per model).",
+            "machine, with the dry runs of the earlier budgets of the same model reused (one cache per model)."),
             "step_vs_fastest: the chosen recipe's predicted step time over the fastest candidate's (which may not fit).",
             "Step times are predictions from the named profile's datasheet rates (uncalibrated: no GPU lent yet).",
-            "'none fits': the message names the smallest device peak of any recipe and, where the device would fit, the "
-            "host memory that would be needed.",
+            ("'none fits': the message names the smallest device peak of any recipe and, where the device would fit, the "
+            "host memory that would be needed."),
         ],
     )
 
@@ -146,10 +146,10 @@ def cost(_: list[str]) -> None:
     write_results(
         "plan_cost", rows, ["recipe", "measured_step_s", "measured_vs_fp32", "predicted_vs_fp32", "ratio_error"],
         title="The planner's cost model vs step times measured side by side on this CPU (GPT-2 4 x 256, batch 8 x 128)",
-        notes=[f"Spearman rank correlation {spearman:.3f} over {k} recipes; worst ratio error {worst['ratio_error']:.3f}x "
-               f"({worst['recipe']}).",
-               f"Profile: measure_host() = {profile.fp32_tflops:.3f} TFLOP/s fp32, {profile.half_tflops:.3f} bf16, "
-               f"{profile.device_gbps:.1f} GB/s copies (the CPU is the device and the host; the 'link' is memcpy).",
+        notes=[(f"Spearman rank correlation {spearman:.3f} over {k} recipes; worst ratio error {worst['ratio_error']:.3f}x "
+               f"({worst['recipe']})."),
+               (f"Profile: measure_host() = {profile.fp32_tflops:.3f} TFLOP/s fp32, {profile.half_tflops:.3f} bf16, "
+               f"{profile.device_gbps:.1f} GB/s copies (the CPU is the device and the host; the 'link' is memcpy)."),
                f"Median of steps 3..{steps} per fit, median over {rounds} interleaved rounds; ratios to fp32 micro 8."],
         extra={"spearman": spearman, "worst_ratio_error": worst["ratio_error"], "profile": profile.__dict__},
     )

@@ -107,7 +107,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", variant, "--out", str(out)] + [
                 f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "batch", "seq", "steps", "precision")
             ]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 failures[variant] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
                 print(f"{variant} failed: {proc.stderr[-3000:]}", file=sys.stderr)
@@ -141,11 +141,11 @@ def main() -> None:
         row["growth_vs_offload"] = growth / base["peak_rss_growth_bytes"] if base["variant"] == "lowmem_offload" else None
         rows.append(row)
     notes = [
-        f"GPT-2 architecture, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, "
+        (f"GPT-2 architecture, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, "
         f"precision {args.precision}, AdamW (DeepSpeedCPUAdam under the zero presets), 1 process, "
-        f"{args.steps} timed steps after 2 warm-up steps, {args.rounds} interleaved rounds, a fresh process per run.",
-        "peak_rss_growth: VmHWM (reset via /proc/self/clear_refs after the model is built) minus the RSS then, "
-        "MALLOC_MMAP_THRESHOLD_=65536; peak_rss: the process's whole peak (imports included).",
+        f"{args.steps} timed steps after 2 warm-up steps, {args.rounds} interleaved rounds, a fresh process per run."),
+        ("peak_rss_growth: VmHWM (reset via /proc/self/clear_refs after the model is built) minus the RSS then, "
+        "MALLOC_MMAP_THRESHOLD_=65536; peak_rss: the process's whole peak (imports included)."),
     ]
     if failures:
         notes.append("Failed variants: " + "; ".join(f"{k}: {v}" for k, v in failures.items()))
