@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test bench gpu-check clean
+.PHONY: install demo test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -27,6 +27,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --doctest-modules lightning_lowmem tests
+
+# ruff's default rules of the pinned minor version (pyproject.toml's dev extra), over the whole tree
+lint: install
+	$(VENV)/bin/ruff check .
 
 bench: install
 	$(PY) benchmarks/run.py all
