@@ -29,7 +29,7 @@ def test_config_runs(path, tmp_path, monkeypatch):
     cfg = yaml.safe_load(path.read_text())
     strategy = cfg.get("trainer", {}).get("strategy")
     if isinstance(strategy, str) and strategy.startswith("lowmem_zero"):
-        pytest.importorskip("deepspeed")
+        pytest.importorskip("deepspeed", reason="needs `pip install 'lightning-lowmem[deepspeed]'`")
     monkeypatch.chdir(tmp_path)  # anything a config writes (reports, logs) lands in tmp_path
     cli = LowMemCLI(args=["fit", "--config", str(path), *SHRINK])
     assert cli.trainer.global_step == 2

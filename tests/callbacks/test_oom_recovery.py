@@ -27,6 +27,7 @@ from tests.callbacks.test_accumulation_integration import (
     make_module,
     padded_samples,
 )
+from tests.helpers.runif import RunIf
 
 pytestmark = pytest.mark.integration
 
@@ -335,8 +336,9 @@ def test_default_is_split_for_auto_only():
         assert (callback._splitter is not None) is split
 
 
+@pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_refused_where_it_cannot_recover():
-    pytest.importorskip("deepspeed")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=2), logger=False)

@@ -15,6 +15,7 @@ from lightning_lowmem.memory.configs import max_positions, resolve_config, shipp
 from lightning_lowmem.memory.dry_run import dry_run
 from lightning_lowmem.memory.result import MemoryEstimate
 from lightning_lowmem.memory.units import fmt_gib, fmt_mib, parse_bytes
+from tests.helpers.runif import RunIf
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*self.log.*")
 
@@ -174,8 +175,8 @@ def test_the_optimizer_is_the_modules_own():
 
 
 @pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_zero_partitions_model_states_in_closed_form():
-    pytest.importorskip("deepspeed")
     one = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=2, precision="bf16-mixed")
     assert one.method == "dry_run+zero_closed_form" and one.steps == []
     assert one.run["strategy"] == "lowmem_zero2"
@@ -196,8 +197,8 @@ def test_zero_partitions_model_states_in_closed_form():
 
 
 @pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_zero_with_activation_techniques_is_refused_as_the_real_run_refuses_it():
-    pytest.importorskip("deepspeed")
     with pytest.raises(ValueError, match="(?s)ActivationCheckpointing cannot run here.*DeepSpeed"):
         estimate_memory(TINY, 2, 16, target="cpu", precision="bf16-mixed", zero_stage=2, checkpointing="all")
     with pytest.raises(ValueError, match="ActivationOffload cannot run under this strategy"):
