@@ -316,13 +316,17 @@ def test_unknown_policy():
     with pytest.raises(ValueError, match=r"Passed `policy='sqrtt'`; expected one of 'all', 'every_n', 'sqrt'"):
         ActivationCheckpointing(policy="sqrtt")
     with pytest.raises(TypeError, match="non-empty list"):
+        ActivationCheckpointing(policy=3)
+    with pytest.raises(ValueError, match=r"Passed `policy=\[\]`; name at least one"):
         ActivationCheckpointing(policy=[])
 
 
-@pytest.mark.parametrize("n", [0, -1, None, 1.5])
+@pytest.mark.parametrize("n", [0, -1, None])
 def test_every_n_needs_n_at_least_one(n):
     with pytest.raises(ValueError, match=r"`n` must be an integer >= 1"):
         ActivationCheckpointing(policy="every_n", n=n)
+    with pytest.raises(TypeError, match=r"Passed `n=1.5`; expected an integer >= 1"):
+        ActivationCheckpointing(policy="every_n", n=1.5)
 
 
 def test_options_of_other_policies_are_refused():

@@ -4,6 +4,7 @@ input refused clearly; ``units`` and ``configs``, the byte sizes and model shape
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -35,10 +36,16 @@ def test_parse_bytes(text, expected):
 
 @pytest.mark.parametrize(("text", "match"), [("12 G", "ambiguous"), ("twelve", "does not parse"), ("-1GB", "does not parse"),
                                              ("0", "positive"), ("12 parsecs", "does not parse"), (-5, "positive"),
-                                             (float("inf"), "positive"), (True, "does not parse")])
+                                             (float("inf"), "positive")])
 def test_parse_bytes_refuses(text, match):
     with pytest.raises(ValueError, match=match):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("value", [True, None, [1], b"12GB"])
+def test_parse_bytes_refuses_a_wrong_type_with_a_type_error(value):
+    with pytest.raises(TypeError, match=re.escape(f"Passed `budget` {value!r} of type {type(value).__name__}; expected a number")):
+        parse_bytes(value, "`budget`")
 
 
 def test_parse_bytes_names_the_argument():
