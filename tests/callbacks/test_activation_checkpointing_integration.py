@@ -136,6 +136,7 @@ class ReportsCheckpointed(CausalLMModule):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_two_processes_matches_ddp_without_callback():
     """2-process gloo DDP with a static graph: bit-identical to the same DDP run without the callback.

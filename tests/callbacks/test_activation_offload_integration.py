@@ -228,6 +228,7 @@ class _AssertOffloaded(Callback):
             raise AssertionError(f"rank {trainer.global_rank}: nothing offloaded and restored: {stats}")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_two_processes_bit_identical():
     torch.manual_seed(0)
