@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from lightning_lowmem.cli import LowMemCLI, check_strategy_name, main
+from tests.helpers.runif import RunIf
 
 TINY = {
     "trainer": {
@@ -206,8 +207,9 @@ def test_deepspeed_directory_as_ckpt_path_of_lowmem_offload(tmp_path, capsys):
     _assert_one_line(err)
 
 
+@pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_consolidate_errors_are_one_line(tmp_path, capsys):
-    pytest.importorskip("deepspeed")
     (tmp_path / "notes.txt").write_text("x")
     assert main(["consolidate", str(tmp_path), str(tmp_path / "out.pt")]) == 2
     err = capsys.readouterr().err

@@ -154,15 +154,23 @@ class AccumulationScheduler(Reproducible, L.Callback):
         regrow_after: int | None = None,
     ) -> None:
         super().__init__()
-        problems = []
+        # NOTE: a wrong type is a TypeError, a right type with a bad value a ValueError; either message names all
+        problems: list[str] = []
+        wrong_type: list[str] = []
         if not _positive_int(effective_batch_size):
-            problems.append(f"`effective_batch_size={effective_batch_size!r}` must be a positive int")
+            (problems if _int(effective_batch_size) else wrong_type).append(
+                f"`effective_batch_size={effective_batch_size!r}` must be a positive int")
         if micro_batch_size != "auto" and not _positive_int(micro_batch_size):
-            problems.append(f"`micro_batch_size={micro_batch_size!r}` must be a positive int or 'auto'")
+            (problems if _int(micro_batch_size) or isinstance(micro_batch_size, str) else wrong_type).append(
+                f"`micro_batch_size={micro_batch_size!r}` must be a positive int or 'auto'")
+        if schedule is not None and not isinstance(schedule, dict):
+            wrong_type.append(f"`schedule={schedule!r}` must be a dict {{step or epoch: effective batch size}} or None")
+            schedule = None
         schedule = dict(schedule or {})
         for key, value in schedule.items():
             if not (isinstance(key, int) and key >= 0) or not _positive_int(value):
-                problems.append(f"`schedule` entry {key!r}: {value!r} must map an int >= 0 to a positive int")
+                (problems if _int(key) and _int(value) else wrong_type).append(
+                    f"`schedule` entry {key!r}: {value!r} must map an int >= 0 to a positive int")
         if schedule_interval not in ("step", "epoch"):
             problems.append(f"`schedule_interval={schedule_interval!r}`; expected 'step' or 'epoch'")
         if loss_normalization not in ("samples", "tokens"):
@@ -176,18 +184,22 @@ class AccumulationScheduler(Reproducible, L.Callback):
                 problems.append(f"`memory_budget`: {err}")
                 memory_budget = None
         elif memory_budget is not None and not _positive_int(memory_budget):
-            problems.append(f"`memory_budget={memory_budget!r}` must be a positive number of bytes, a size such as "
-                            "'12GiB', or None")
+            (problems if _int(memory_budget) else wrong_type).append(
+                f"`memory_budget={memory_budget!r}` must be a positive number of bytes, a size such as '12GiB', or None")
+        if not isinstance(batch_arg_name, str):
+            wrong_type.append(f"`batch_arg_name={batch_arg_name!r}` must be the name of an attribute (a str)")
         if on_oom not in (None, "split", "raise"):
             problems.append(f"`on_oom={on_oom!r}`; expected 'split', 'raise' or None")
         if regrow_after is not None and not _positive_int(regrow_after):
-            problems.append(f"`regrow_after={regrow_after!r}` must be a positive int (optimizer steps) or None")
-        if not problems and micro_batch_size != "auto":
+            (problems if _int(regrow_after) else wrong_type).append(
+                f"`regrow_after={regrow_after!r}` must be a positive int (optimizer steps) or None")
+        if not problems and not wrong_type and micro_batch_size != "auto":
             for e in sorted({effective_batch_size, *schedule.values()}):
                 if e % micro_batch_size:
                     problems.append(_divisibility_message(e, micro_batch_size, 1))
-        if problems:
-            raise ValueError("AccumulationScheduler: " + "; ".join(problems) + ".")
+        if problems or wrong_type:
+            error = TypeError if wrong_type else ValueError
+            raise error("AccumulationScheduler: " + "; ".join(wrong_type + problems) + ".")
         self.effective_batch_size = effective_batch_size
         self.micro_batch_size = micro_batch_size
         self.schedule = schedule
@@ -628,8 +640,12 @@ def lightning_accumulation(
     raise RuntimeError(f"no accumulation value fits batch {batch_idx} (ready {ready}, first {first}, last {last})")
 
 
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return _int(value) and value > 0
 
 
 def _divisibility_message(effective: int, micro: int, world: int) -> str:

@@ -129,15 +129,23 @@ class ActivationCheckpointing(Reproducible, Callback):
                     f"Passed `policy={policy!r}`; expected one of {', '.join(map(repr, POLICIES))}, "
                     "or a list of module classes / class names / name patterns to checkpoint."
                 )
-        elif isinstance(policy, Sequence) and policy and all(isinstance(p, (str, type)) for p in policy):
+        elif isinstance(policy, Sequence) and all(isinstance(p, (str, type)) for p in policy):
+            if not policy:
+                raise ValueError("Passed `policy=[]`; name at least one module class, class name or name pattern.")
             self.targets = list(policy)
         else:
             raise TypeError(
                 f"Passed `policy={policy!r}`; expected one of {', '.join(map(repr, POLICIES))}, or a non-empty "
                 "list of module classes, class names (e.g. 'GPT2Block') or name patterns (e.g. 'model.layers.*')."
             )
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+            raise TypeError(f"Passed `n={n!r}`; expected an integer >= 1 (checkpoint every n-th block).")
+        if blocks is not None and not (
+            isinstance(blocks, str) or (isinstance(blocks, Sequence) and all(isinstance(b, str) for b in blocks))
+        ):
+            raise TypeError(f"Passed `blocks={blocks!r}`; expected a name pattern such as 'model.layers.*', or a list of them.")
         if policy == "every_n":
-            if n is None or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            if n is None or n < 1:
                 raise ValueError(f"Passed `n={n!r}` with policy='every_n'; `n` must be an integer >= 1 (1 means 'all').")
         elif n is not None:
             raise ValueError(f"Passed `n={n!r}` with `policy={policy!r}`; `n` is only used by policy='every_n'.")

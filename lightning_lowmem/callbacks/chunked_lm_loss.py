@@ -364,7 +364,8 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
         if not isinstance(recompute, bool):
             problems.append(f"`recompute={recompute!r}`; expected True or False")
         if problems:
-            raise ValueError("ChunkedLMLoss: passed " + "; ".join(problems) + ".")
+            wrong_type = isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or not isinstance(recompute, bool)
+            raise (TypeError if wrong_type else ValueError)("ChunkedLMLoss: passed " + "; ".join(problems) + ".")
         if backend in ("liger", "cce"):
             require_kernel(backend, f"ChunkedLMLoss(backend={backend!r})")
         self.chunk_tokens = chunk_tokens

@@ -99,15 +99,17 @@ class LowBitOptimizer(Reproducible, Callback):
     """
 
     def __init__(self, kind: Kind = "adamw8bit", min_8bit_size: int = 4096, stable_embedding: bool = False) -> None:
-        problems = []
+        problems, wrong_type = [], False
         if kind not in KINDS:
             problems.append(f"`kind={kind!r}`; expected one of {', '.join(repr(k) for k in KINDS)}")
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
             problems.append(f"`min_8bit_size={min_8bit_size!r}`; expected an int >= 0 (elements of a tensor)")
+            wrong_type |= isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int)
         if not isinstance(stable_embedding, bool):
             problems.append(f"`stable_embedding={stable_embedding!r}`; expected True or False")
+            wrong_type = True
         if problems:
-            raise ValueError("LowBitOptimizer: passed " + "; passed ".join(problems) + ".")
+            raise (TypeError if wrong_type else ValueError)("LowBitOptimizer: passed " + "; passed ".join(problems) + ".")
         self.kind = kind
         self.min_8bit_size = min_8bit_size
         self.stable_embedding = stable_embedding

@@ -49,15 +49,16 @@ class OOMRecovery(AccumulationScheduler):
     _drives_loader = False
 
     def __init__(self, loss_normalization: Normalization = "samples", regrow_after: int | None = None) -> None:
-        problems = []
+        problems, wrong_type = [], []
         if loss_normalization not in ("samples", "tokens"):
             problems.append(f"`loss_normalization={loss_normalization!r}`; expected 'samples' or 'tokens'")
         if regrow_after is not None and (
             not isinstance(regrow_after, int) or isinstance(regrow_after, bool) or regrow_after < 1
         ):
-            problems.append(f"`regrow_after={regrow_after!r}` must be a positive int (optimizer steps) or None")
-        if problems:
-            raise ValueError("OOMRecovery: " + "; ".join(problems) + ".")
+            (problems if isinstance(regrow_after, int) and not isinstance(regrow_after, bool) else wrong_type).append(
+                f"`regrow_after={regrow_after!r}` must be a positive int (optimizer steps) or None")
+        if problems or wrong_type:
+            raise (TypeError if wrong_type else ValueError)("OOMRecovery: " + "; ".join(problems + wrong_type) + ".")
         # NOTE: a window of one loader batch: effective = micro = 1 gives an accumulation of 1 whatever the
         # loader's batch size (the counts come from the batches themselves); the loader is never resized
         super().__init__(1, 1, loss_normalization=loss_normalization, on_oom="split", regrow_after=regrow_after)

@@ -42,8 +42,12 @@ class StepMemoryRecorder(Callback):
     """
 
     def __init__(self, every_n_steps: int = 1, timeline: bool = False) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
+            raise TypeError(f"Passed `every_n_steps={every_n_steps!r}`; expected an integer >= 1 (1 samples every step).")
+        if every_n_steps < 1:
             raise ValueError(f"Passed `every_n_steps={every_n_steps!r}`; expected an integer >= 1 (1 samples every step).")
+        if not isinstance(timeline, bool):
+            raise TypeError(f"Passed `timeline={timeline!r}`; expected True or False.")
         self.every_n_steps = every_n_steps
         self.timeline_enabled = timeline
         self.steps: list[dict[str, Any]] = []

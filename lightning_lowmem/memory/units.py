@@ -14,10 +14,14 @@ def parse_bytes(text: str | float, name: str = "a memory size") -> int:
     """``"12 GiB"`` -> 12 * 2**30, ``"12GB"`` -> 12e9, ``"12e9"`` -> 12e9, ``"1.5 TB"``; numbers pass through.
 
     Raises:
+        TypeError: neither a string nor a number.
         ValueError: not a positive number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB
             (``name`` says which argument, e.g. ``"`budget`"``).
     """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise TypeError(f"Passed {name} {text!r} of type {type(text).__name__}; expected a number of bytes or a size "
+                        "such as '12GB' (12e9 bytes) or '12 GiB' (12 * 2^30).")
+    if isinstance(text, (int, float)):
         value, unit = float(text), ""
     else:
         match = _SIZE.fullmatch(str(text))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import lightning as L
@@ -55,21 +56,28 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
     def __init__(self, device_budget: int | str | None = None, host_budget: int | str | None = None,
                  hardware: str | None = None, pure_half: bool = False) -> None:
         super().__init__()
-        problems = []
+        problems, wrong_type = [], False
         for name, value in (("device_budget", device_budget), ("host_budget", host_budget)):
             if value is not None:
                 try:
                     parse_bytes(value, f"`{name}`")
-                except ValueError as err:
+                except (TypeError, ValueError) as err:
                     problems.append(str(err))
-        if hardware is not None:
+                    wrong_type |= isinstance(err, TypeError)
+        if not isinstance(pure_half, bool):
+            problems.append(f"Passed `pure_half={pure_half!r}`; expected True or False.")
+            wrong_type = True
+        if hardware is not None and not isinstance(hardware, (str, os.PathLike)):
+            problems.append(f"Passed `hardware={hardware!r}`; expected a profile name, 'measure' or a YAML file.")
+            wrong_type = True
+        elif hardware is not None:
             from lightning_lowmem.plan.hardware import PROFILES
 
             if hardware not in PROFILES and hardware != "measure" and not str(hardware).endswith((".yaml", ".yml")):
                 problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
                                 "or a YAML file.")
         if problems:
-            raise ValueError("\n- ".join(["AutoStrategy:", *problems]))
+            raise (TypeError if wrong_type else ValueError)("\n- ".join(["AutoStrategy:", *problems]))
         self.device_budget, self.host_budget, self.hardware, self.pure_half = device_budget, host_budget, hardware, \
             pure_half
         self.plan: Any = None

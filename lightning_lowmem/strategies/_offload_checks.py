@@ -184,7 +184,11 @@ def check_flags(**flags: Any) -> None:
     prefetch = flags["prefetch"]
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         problems.append(f"`prefetch={prefetch!r}`; expected an int >= 0 (how many blocks to copy ahead)")
-    if flags["load_weights"] is not None:
+        type_error |= isinstance(prefetch, bool) or not isinstance(prefetch, int)
+    if flags["load_weights"] is not None and not isinstance(flags["load_weights"], (str, os.PathLike)):
+        problems.append(f"`load_weights={flags['load_weights']!r}`; expected a directory (str or os.PathLike)")
+        type_error = True
+    elif flags["load_weights"] is not None:
         try:
             hf_weights.shard_files(flags["load_weights"])
         except ValueError as err:
@@ -192,8 +196,9 @@ def check_flags(**flags: Any) -> None:
     if flags["device_budget"] is not None:
         try:
             parse_bytes(flags["device_budget"], "`device_budget`")
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             problems.append(f"`device_budget={flags['device_budget']!r}` ({err})")
+            type_error |= isinstance(err, TypeError)
     skips = flags["max_consecutive_skips"]
     if isinstance(skips, bool) or not isinstance(skips, int):
         problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")

@@ -120,9 +120,12 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     ) -> None:
         require("deepspeed", _FEATURE)
         problems = []
-        if not isinstance(gather_on_fit_end, bool):
-            problems.append(f"Passed `gather_on_fit_end={gather_on_fit_end!r}`; expected True or False.")
-        elif gather_on_fit_end and stage != 3:
+        flags = {"offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters, "pin_memory": pin_memory,
+                 "cpu_optimizer": cpu_optimizer, "check_host_memory": check_host_memory,
+                 "gather_on_fit_end": gather_on_fit_end}
+        not_bool = [f"Passed `{k}={v!r}`; expected True or False." for k, v in flags.items() if not isinstance(v, bool)]
+        problems.extend(not_bool)
+        if isinstance(gather_on_fit_end, bool) and gather_on_fit_end and stage != 3:
             problems.append(
                 f"Passed `gather_on_fit_end=True` with `stage={stage}`; only stage 3 partitions the module's "
                 "parameters (remove it, or use stage=3)."
@@ -134,9 +137,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
         if offload_device not in ("cpu", "nvme"):
             problems.append(f"Passed `offload_device={offload_device!r}`; expected 'cpu' or 'nvme'.")
-        bad_type = not isinstance(check_host_memory, bool)
-        if bad_type:
-            problems.append(f"Passed `check_host_memory={check_host_memory!r}`; expected True or False.")
+        bad_type = bool(not_bool)
         if offload_parameters and stage != 3:
             problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
         unknown = set(kwargs) - _PASSTHROUGH

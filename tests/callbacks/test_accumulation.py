@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lowmem.callbacks.accumulation import AccumulationScheduler, _divisibility_message, lightning_accumulation
+from tests.helpers.runif import RunIf
 
 TRAINER = {
     "accelerator": "cpu",
@@ -159,7 +160,6 @@ def test_tokens_normalization_needs_the_token_count():
 
 
 def test_micro_batch_of_one_not_fitting_says_what_to_switch_on():
-    pytest.importorskip("lightning_lowmem.memory.measure")
     trainer = L.Trainer(callbacks=[AccumulationScheduler(16, "auto", memory_budget=64)], **TRAINER)
     with pytest.raises(RuntimeError, match="a micro-batch of 1 peaks at") as err:
         trainer.fit(Regression())
@@ -176,10 +176,11 @@ def test_batch_norm_warns_once():
         callback._warn_batch_norm(module)
 
 
+@pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_deepspeed_refuses_what_the_engine_cannot_do():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    pytest.importorskip("deepspeed")
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=2), logger=False)
     callback = AccumulationScheduler(16, "auto", schedule={5: 32}, loss_normalization="tokens", memory_budget=1 << 30)
     with pytest.raises(ValueError) as err:

@@ -305,7 +305,6 @@ class MasterGradCapture(GradCapture):
 
 
 def test_lowmem_offload_scales_the_host_master_gradients():
-    pytest.importorskip("lightning_lowmem.strategies.offload")
     samples = padded_samples(100)
     module = make_module("tokens")
     module0 = copy.deepcopy(module)

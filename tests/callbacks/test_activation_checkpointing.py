@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem.callbacks import _blocks
+from lightning_lowmem.callbacks import _blocks, _segments
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing, choose_for_budget, parse_bytes
+from lightning_lowmem.memory import measure
 from tests.helpers.models import random_batch, tiny_gpt2, tiny_llama
 
 STEPS = 3
@@ -106,8 +107,8 @@ def _apply(model: nn.Module, **kwargs) -> ActivationCheckpointing:
     return cb
 
 
-def _count_block_forwards(model: nn.Module, loss_fn) -> list[int]:
-    """How often each repeated block's own forward runs in one forward + backward."""
+def _count_block_forwards(model: nn.Module, loss_fn=None, run=None) -> list[int]:
+    """How often each repeated block's own forward runs in one forward + backward (or in ``run()``)."""
     blocks = [m for _, m in _blocks.find_repeated_blocks(model)]
     counts = [0] * len(blocks)
     index = {id(b): i for i, b in enumerate(blocks)}
@@ -120,7 +121,10 @@ def _count_block_forwards(model: nn.Module, loss_fn) -> list[int]:
 
     cls.forward = counting
     try:
-        loss_fn(model, 0).backward()
+        if run is None:
+            loss_fn(model, 0).backward()
+        else:
+            run()
     finally:
         cls.forward = original
     return counts
@@ -189,7 +193,6 @@ def test_sqrt_segments_cover_blocks_in_order():
 
 
 def test_sqrt_keeps_less_than_plain():
-    measure = pytest.importorskip("lightning_lowmem.memory.measure")
     activations = {}
     for policy in (None, "sqrt", "all"):
         torch.manual_seed(0)
@@ -250,11 +253,26 @@ def test_deepcopy_and_pickle_keep_checkpointing():
         assert _count_block_forwards(clone, _hf_loss) == [2, 2, 2, 2]
 
 
-def test_eval_and_no_grad_do_not_recompute():
-    model = _gpt2()
-    _apply(model, policy="all")
-    with torch.no_grad():
-        model(input_ids=random_batch(seq_len=8)["input_ids"])  # no checkpoint frames under no_grad: just runs
+@pytest.mark.parametrize("policy", ["all", "sqrt"])
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_eval_and_no_grad_do_not_recompute(policy, grad_mode, monkeypatch):
+    """Without autograd (validation, generation) a checkpointed block runs once, outside `checkpoint`, and no
+    segment is recorded: the outputs are the plain model's."""
+    plain = _gpt2().eval()
+    model = copy.deepcopy(plain)
+    _apply(model, policy=policy)
+    frames = []
+    monkeypatch.setattr(_blocks, "checkpoint", lambda *a, **k: frames.append(a) or pytest.fail("checkpoint called"))
+    recorded = []
+    monkeypatch.setattr(_segments._SegmentRun, "record_call", lambda *a: recorded.append(a))
+    ids = random_batch(seq_len=8)["input_ids"]
+    out = {}
+    with grad_mode():
+        counts = _count_block_forwards(model, run=lambda: out.setdefault("logits", model(input_ids=ids).logits))
+        want = plain(input_ids=ids).logits
+    assert counts == [1, 1, 1, 1]
+    assert frames == [] and recorded == []
+    assert out["logits"].grad_fn is None and torch.equal(out["logits"], want)
 
 
 def test_hf_kv_cache_refused_with_fix():
@@ -298,13 +316,17 @@ def test_unknown_policy():
     with pytest.raises(ValueError, match=r"Passed `policy='sqrtt'`; expected one of 'all', 'every_n', 'sqrt'"):
         ActivationCheckpointing(policy="sqrtt")
     with pytest.raises(TypeError, match="non-empty list"):
+        ActivationCheckpointing(policy=3)
+    with pytest.raises(ValueError, match=r"Passed `policy=\[\]`; name at least one"):
         ActivationCheckpointing(policy=[])
 
 
-@pytest.mark.parametrize("n", [0, -1, None, 1.5])
+@pytest.mark.parametrize("n", [0, -1, None])
 def test_every_n_needs_n_at_least_one(n):
     with pytest.raises(ValueError, match=r"`n` must be an integer >= 1"):
         ActivationCheckpointing(policy="every_n", n=n)
+    with pytest.raises(TypeError, match=r"Passed `n=1.5`; expected an integer >= 1"):
+        ActivationCheckpointing(policy="every_n", n=1.5)
 
 
 def test_options_of_other_policies_are_refused():

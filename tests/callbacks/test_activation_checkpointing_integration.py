@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import lightning as L
 import pytest
@@ -119,10 +118,6 @@ def test_model_built_in_configure_model_and_checkpoint_round_trip(tmp_path):
     assert cb2.wrapped and resumed.trainer.global_step == 2
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("lightning_lowmem.strategies.offload") is None,
-    reason="lowmem_offload (lightning_lowmem.strategies.offload, issue 2) has not landed yet",
-)
 def test_fit_with_lowmem_offload_matches_without_callback():
     module = _module()
     reference = _fit(copy.deepcopy(module), strategy="lowmem_offload")
@@ -141,6 +136,7 @@ class ReportsCheckpointed(CausalLMModule):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_two_processes_matches_ddp_without_callback():
     """2-process gloo DDP with a static graph: bit-identical to the same DDP run without the callback.

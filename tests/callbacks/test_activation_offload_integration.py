@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import warnings
 from collections import namedtuple
 from typing import Any
@@ -18,6 +17,7 @@ from lightning_lowmem.callbacks import activation_offload as ao
 from lightning_lowmem.callbacks.activation_offload import METRIC_KEYS, ActivationOffload
 from lightning_lowmem.demo.module import CausalLMModule
 from tests.helpers.models import random_batch, tiny_lm_module
+from tests.helpers.runif import RunIf
 from tests.helpers.streams import assert_copies_were_deferred
 
 pytestmark = pytest.mark.integration
@@ -213,8 +213,9 @@ def test_boundaries_only_without_checkpointing_warns():
 
 
 @pytest.mark.parametrize("strategy_name", ["deepspeed", "lowmem_zero2"])
+@pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_deepspeed_strategy_refused_with_reason(strategy_name):
-    pytest.importorskip("deepspeed")
     import lightning_lowmem  # noqa: F401  (registers lowmem_* names)
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy_name, logger=False)
@@ -223,8 +224,6 @@ def test_deepspeed_strategy_refused_with_reason(strategy_name):
 
 
 def test_works_under_lowmem_offload():
-    if importlib.util.find_spec("lightning_lowmem.strategies.offload") is None:
-        pytest.skip("lowmem_offload (lightning_lowmem.strategies.offload) is not available")
     import lightning_lowmem  # noqa: F401
 
     torch.manual_seed(0)
@@ -252,6 +251,7 @@ class _AssertOffloaded(Callback):
             raise AssertionError(f"rank {trainer.global_rank}: nothing offloaded and restored: {stats}")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_two_processes_bit_identical():
     torch.manual_seed(0)

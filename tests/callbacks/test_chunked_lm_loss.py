@@ -179,7 +179,7 @@ def test_bad_arguments_are_reported_together():
     with pytest.raises(ValueError, match="reduction='none'"):
         chunked_causal_lm_loss(torch.randn(1, 3, 4), torch.randn(5, 4), torch.zeros(1, 3, dtype=torch.long),
                                reduction="none")
-    with pytest.raises(ValueError, match=r"ChunkedLMLoss: passed `chunk_tokens=True`.*`backend=None`"):
+    with pytest.raises(TypeError, match=r"ChunkedLMLoss: passed `chunk_tokens=True`.*`backend=None`"):
         ChunkedLMLoss(chunk_tokens=True, backend=None)  # type: ignore[arg-type]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 from typing import Any
 
 import lightning as L
@@ -167,8 +166,6 @@ def test_fit_with_activation_offload():
     _compare(LabelsLM, lambda: [ActivationOffload(min_bytes=1024)], FP32_RTOL)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lightning_lowmem.strategies.offload") is None,
-                    reason="lowmem_offload is not available")
 @pytest.mark.parametrize("recompute", [True, False])
 def test_fit_with_lowmem_offload_bf16_true(recompute):
     # NOTE: bf16 compute: both runs round the same logits to bf16 before the fp32 softmax, but the weight's gradient

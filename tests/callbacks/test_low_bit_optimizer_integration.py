@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import lightning as L
@@ -208,9 +207,6 @@ def test_8bit_adamw_tracks_fp32_adamw_on_the_demo_model():
     assert sqnr > 18.0, f"weights' SQNR against fp32 AdamW is {sqnr:.1f} dB"
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("lightning_lowmem.strategies.offload") is None, reason="lowmem_offload not available yet"
-)
 def test_under_lowmem_offload_state_is_8bit_on_the_host_masters():
     """The swapped optimizer steps the strategy's fp32 host masters; its 8-bit state is allocated, marked on the host.
 

@@ -6,14 +6,12 @@ Behaviour through a real ``Trainer.fit`` (measurement, prediction, plain fp32 ba
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from lightning_lowmem._atomic import atomic_write_text
 from lightning_lowmem.callbacks import _memory_report_render as render
 from lightning_lowmem.callbacks.memory_report import MemoryReport
-from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown
+from lightning_lowmem.memory.categories import CATEGORIES
 from lightning_lowmem.memory.recorder import StepMemoryRecorder, reporters
 
 
@@ -114,16 +112,18 @@ def test_atomic_write_is_readable_by_others(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["memory_report.json"]  # no temporary left behind
 
 
-class _Reporter:
-    def memory_breakdown(self) -> MemoryBreakdown:
-        bd = MemoryBreakdown()
-        bd.add("host", "activations", 123)
-        return bd
+def test_reporters_are_the_techniques_that_report_their_memory():
+    """Of a real Trainer's strategy, precision plugin and callbacks: those implementing ``memory_breakdown()``,
+    each once, the report itself excluded."""
+    import lightning as L
 
+    import lightning_lowmem  # noqa: F401  (registers lowmem_offload)
+    from lightning_lowmem import ActivationCheckpointing, ActivationOffload, LowBitOptimizer
 
-def test_reporters_found_once_and_self_excluded():
-    cb = MemoryReport()
-    reporter = _Reporter()
-    trainer = SimpleNamespace(strategy=object(), callbacks=[cb, reporter, reporter])
-    found = reporters(trainer, exclude=cb)  # type: ignore[arg-type]
-    assert found == [("_Reporter", reporter)]
+    cb, offload = MemoryReport(), ActivationOffload()
+    trainer = L.Trainer(accelerator="cpu", strategy="lowmem_offload", logger=False, enable_checkpointing=False,
+                        callbacks=[cb, ActivationCheckpointing("all"), offload, LowBitOptimizer()])
+    trainer.callbacks.append(offload)  # listed twice: reported once
+    found = reporters(trainer, exclude=cb)
+    assert found == [("OffloadStrategy", trainer.strategy), ("ActivationOffload", offload)]
+    assert reporters(L.Trainer(accelerator="cpu", logger=False, callbacks=[cb]), exclude=cb) == []

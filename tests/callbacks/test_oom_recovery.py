@@ -27,6 +27,7 @@ from tests.callbacks.test_accumulation_integration import (
     make_module,
     padded_samples,
 )
+from tests.helpers.runif import RunIf
 
 pytestmark = pytest.mark.integration
 
@@ -309,20 +310,21 @@ def test_one_sample_that_does_not_fit_saves_the_last_step_and_resumes(tmp_path, 
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"on_oom": "retry"}, r"`on_oom='retry'`; expected 'split', 'raise' or None"),
-        ({"regrow_after": 0}, r"`regrow_after=0` must be a positive int"),
-        ({"regrow_after": 1.5, "on_oom": "x"}, r"`on_oom='x'`.*`regrow_after=1.5`"),
+        ({"on_oom": "retry"}, ValueError, r"`on_oom='retry'`; expected 'split', 'raise' or None"),
+        ({"regrow_after": 0}, ValueError, r"`regrow_after=0` must be a positive int"),
+        # a wrong type among them: a TypeError, naming both
+        ({"regrow_after": 1.5, "on_oom": "x"}, TypeError, r"`regrow_after=1.5`.*`on_oom='x'`"),
     ],
 )
-def test_bad_arguments_are_repeated_back(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments_are_repeated_back(kwargs, error, match):
+    with pytest.raises(error, match=match):
         AccumulationScheduler(16, 8, **kwargs)
 
 
 def test_oom_recovery_bad_arguments():
-    with pytest.raises(ValueError, match=r"OOMRecovery: `loss_normalization='mean'`.*`regrow_after=True`"):
+    with pytest.raises(TypeError, match=r"OOMRecovery: `loss_normalization='mean'`.*`regrow_after=True`"):  # a type among them
         OOMRecovery("mean", regrow_after=True)
 
 
@@ -335,8 +337,9 @@ def test_default_is_split_for_auto_only():
         assert (callback._splitter is not None) is split
 
 
+@pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_refused_where_it_cannot_recover():
-    pytest.importorskip("deepspeed")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=2), logger=False)

@@ -74,8 +74,8 @@ def test_memory_report_prediction_equals_measurement(name, tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.bnb
+@RunIf(bitsandbytes=True)
 def test_prediction_equals_measurement_with_8bit_adamw(tmp_path):
-    pytest.importorskip("bitsandbytes")
     from lightning_lowmem import LowBitOptimizer
 
     spec = RunSpec(strategy="lowmem_offload", precision="bf16-true",
@@ -143,7 +143,7 @@ def test_default_estimate_equals_full_trace_for_shipped_combinations(model_type,
                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}}[model_type]
     kw = dict(COMBINATIONS)[combination]
     if kw.get("optimizer") == "adamw8bit" and not _has_bnb():
-        pytest.skip("bitsandbytes is not installed")
+        pytest.skip("needs `pip install 'lightning-lowmem[bnb]'`")
     default = estimate_memory(config, 2, 32, target="cpu", **kw)
     full = estimate_memory(config, 2, 32, target="cpu", extrapolate=False, **kw)
     assert any("extrapolated" in n for n in default.notes), default.notes
@@ -239,8 +239,8 @@ def test_finite_checks_get_the_value_of_a_healthy_run():
 
 
 @pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_zero_with_checkpointing_is_refused_with_the_callbacks_own_message():
-    pytest.importorskip("deepspeed")
     with pytest.raises(ValueError, match="(?s)ActivationCheckpointing cannot run here.*DeepSpeed"):
         estimate_memory("gpt2", 1, 16, precision="bf16-mixed", zero_stage=3, offload=True, checkpointing="all",
                         target="cpu")

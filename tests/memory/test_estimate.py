@@ -4,6 +4,7 @@ input refused clearly; ``units`` and ``configs``, the byte sizes and model shape
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning_lowmem.memory.configs import max_positions, resolve_config, shipp
 from lightning_lowmem.memory.dry_run import dry_run
 from lightning_lowmem.memory.result import MemoryEstimate
 from lightning_lowmem.memory.units import fmt_gib, fmt_mib, parse_bytes
+from tests.helpers.runif import RunIf
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*self.log.*")
 
@@ -34,10 +36,16 @@ def test_parse_bytes(text, expected):
 
 @pytest.mark.parametrize(("text", "match"), [("12 G", "ambiguous"), ("twelve", "does not parse"), ("-1GB", "does not parse"),
                                              ("0", "positive"), ("12 parsecs", "does not parse"), (-5, "positive"),
-                                             (float("inf"), "positive"), (True, "does not parse")])
+                                             (float("inf"), "positive")])
 def test_parse_bytes_refuses(text, match):
     with pytest.raises(ValueError, match=match):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("value", [True, None, [1], b"12GB"])
+def test_parse_bytes_refuses_a_wrong_type_with_a_type_error(value):
+    with pytest.raises(TypeError, match=re.escape(f"Passed `budget` {value!r} of type {type(value).__name__}; expected a number")):
+        parse_bytes(value, "`budget`")
 
 
 def test_parse_bytes_names_the_argument():
@@ -174,8 +182,8 @@ def test_the_optimizer_is_the_modules_own():
 
 
 @pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_zero_partitions_model_states_in_closed_form():
-    pytest.importorskip("deepspeed")
     one = estimate_memory(TINY, 2, 32, target="cpu", zero_stage=2, precision="bf16-mixed")
     assert one.method == "dry_run+zero_closed_form" and one.steps == []
     assert one.run["strategy"] == "lowmem_zero2"
@@ -196,8 +204,8 @@ def test_zero_partitions_model_states_in_closed_form():
 
 
 @pytest.mark.deepspeed
+@RunIf(deepspeed=True)
 def test_zero_with_activation_techniques_is_refused_as_the_real_run_refuses_it():
-    pytest.importorskip("deepspeed")
     with pytest.raises(ValueError, match="(?s)ActivationCheckpointing cannot run here.*DeepSpeed"):
         estimate_memory(TINY, 2, 16, target="cpu", precision="bf16-mixed", zero_stage=2, checkpointing="all")
     with pytest.raises(ValueError, match="ActivationOffload cannot run under this strategy"):

@@ -25,7 +25,7 @@ def _small_demo(tmp_path: Path) -> Path:
         if cb["class_path"] == "MemoryReport":
             cb["init_args"] = {"every_n_steps": 1, "save_dir": str(tmp_path / "report"), "plot": False}
         if cb["class_path"] == "LowBitOptimizer":
-            pytest.importorskip("bitsandbytes")
+            pytest.importorskip("bitsandbytes", reason="needs `pip install 'lightning-lowmem[bnb]'`")
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

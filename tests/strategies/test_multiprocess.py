@@ -125,6 +125,7 @@ def _reference() -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in ref.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.deepspeed
 @pytest.mark.integration

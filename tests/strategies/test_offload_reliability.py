@@ -67,12 +67,13 @@ def test_state_bytes_follow_the_configured_optimizer():
     assert expected_state_bytes(torch.optim.SGD(_params(*shapes), lr=0.1, momentum=0.9)) == 4 * n
     assert expected_state_bytes(torch.optim.RMSprop(_params(*shapes), momentum=0.9, centered=True)) == 12 * n
 
-    class LowBit:  # what the strategy reads off a `LowBitOptimizer` callback
-        min_8bit_size, stable_embedding = 4096, False
+    from lightning_lowmem import LowBitOptimizer  # its constructor needs no bitsandbytes
 
     # the 30000-element tensor in 8-bit (the analytic table's rule), the 100-element one in 32-bit
     expected = optimizer_state_bytes_per_param("adamw8bit", 4, 30_000) + 8 * 100
-    assert expected_state_bytes(torch.optim.AdamW(_params(*shapes)), LowBit()) == expected
+    assert expected_state_bytes(torch.optim.AdamW(_params(*shapes)), LowBitOptimizer(min_8bit_size=4096)) == expected
+    # a threshold above both tensors: 32-bit state everywhere, AdamW's 8 B/param
+    assert expected_state_bytes(torch.optim.AdamW(_params(*shapes)), LowBitOptimizer(min_8bit_size=30_001)) == 8 * n
     assert expected < 2.1 * n  # about a quarter of AdamW's 8 B/param
 
 

@@ -105,10 +105,11 @@ def test_stream_prefetch_and_optimizer_in_backward(prefetch, transfer_mode):
     _compare("llama", transfer_mode, stream_kwargs={"prefetch": prefetch, "optimizer_in_backward": True})
 
 
+@pytest.mark.bnb
+@RunIf(bitsandbytes=True)
 def test_stream_fp16_loss_scaling_and_low_bit_optimizer():
     from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 
-    pytest.importorskip("bitsandbytes")
     _compare("gpt2", ("immediate", []), precision="16-true")
     _compare("gpt2", ("immediate", []), lambda: [LowBitOptimizer(min_8bit_size=256)])
 

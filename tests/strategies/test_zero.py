@@ -229,6 +229,6 @@ def test_gather_on_fit_end_is_for_stage_3_only():
 
     with pytest.raises(ValueError, match=r"`gather_on_fit_end=True` with `stage=2`; only stage 3 partitions"):
         ZeroStrategy(stage=2, gather_on_fit_end=True)
-    with pytest.raises(ValueError, match=r"`gather_on_fit_end='yes'`; expected True or False"):
+    with pytest.raises(TypeError, match=r"`gather_on_fit_end='yes'`; expected True or False"):
         ZeroStrategy(stage=3, gather_on_fit_end="yes")
     assert ZeroStrategy(stage=3, gather_on_fit_end=True).gather_on_fit_end is True
