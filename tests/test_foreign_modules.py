@@ -79,7 +79,7 @@ def _run(name: str, *, strategy: Any = "auto", precision: str = "32-true", callb
     return weights, predictions, losses.losses, trainer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plain(name: str, precision: str = "32-true", accumulate: int = 1):
     return _run(name, precision=precision, accumulate_grad_batches=accumulate)
 

@@ -135,13 +135,13 @@ class LowBitOptimizer(Reproducible, Callback):
 
         strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004  (a strategy this callback cannot work with, not a wrong argument type)
                 f"LowBitOptimizer cannot be used with `{type(strategy).__name__}`: DeepSpeed wraps the optimizer "
                 "in its engine (and offloads it with its own CPU Adam). Remove the callback, or use "
                 "`strategy='lowmem_offload'`, whose host optimizer it can replace."
             )
         if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004  (as above)
                 f"LowBitOptimizer cannot be used with `{type(strategy).__name__}`: bitsandbytes' 8-bit state is "
                 "block-quantized per whole tensor and cannot follow sharded parameters (bitsandbytes#89). Use "
                 "`strategy='ddp'`, a single device, or `strategy='lowmem_offload'`."

@@ -52,7 +52,8 @@ def load_user_config(config: str | os.PathLike | dict[str, Any] | None) -> dict[
         except json.JSONDecodeError as err:
             raise ValueError(f"Passed `config={str(config)!r}`, which is not valid JSON: {err}") from err
         if not isinstance(loaded, dict):
-            raise ValueError(f"Passed `config={str(config)!r}`; its JSON must be an object, got {type(loaded).__name__}.")
+            raise ValueError(  # noqa: TRY004  (a file's content, not the argument's type)
+                f"Passed `config={str(config)!r}`; its JSON must be an object, got {type(loaded).__name__}.")
         return loaded
     raise TypeError(f"Passed `config` of type {type(config).__name__}; expected a dict, a JSON file path or None.")
 

@@ -122,8 +122,8 @@ class GradCapture(L.Callback):
 def assert_close_rel(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 1e-6) -> None:
     """Relative error of each tensor in norm: ``|a - e| / |e| <= rtol`` (float64 on both sides)."""
     assert actual.keys() == expected.keys()
-    for name in expected:
-        a, e = actual[name].double(), expected[name].double()
+    for name, want in expected.items():
+        a, e = actual[name].double(), want.double()
         err = (a - e).norm() / e.norm().clamp(min=1e-30)
         assert err <= rtol, f"{name}: relative error {err:.3e} > {rtol}"
 
@@ -172,7 +172,7 @@ def test_schedule_change_mid_epoch_at_an_unaligned_batch(mode="tokens"):
     # 24 = 3 micro-batches, then 64 = 8 micro-batches from optimizer step 1: the second window starts at batch 3,
     # not a multiple of 8, where Lightning's own `batch_idx % N` bookkeeping would zero and step at the wrong batches.
     samples = padded_samples(24 + 64 + 8)
-    module0, module, capture, callback, trainer = _fit(
+    module0, module, capture, callback, _ = _fit(
         mode, samples, 2, effective_batch_size=24, micro_batch_size=8, schedule={1: 64}
     )
     assert capture.batch_sizes == [8] * 11
@@ -200,7 +200,7 @@ def test_short_last_window_of_an_epoch_is_the_mean_of_what_it_held(mode):
 def test_epoch_schedule_warm_up():
     # epoch 0: effective 16 (two steps of 2 micro-batches); epoch 1: effective 32 (one step of 4 micro-batches)
     samples = padded_samples(32)
-    module0, module, capture, callback, trainer = _fit(
+    module0, module, capture, _, trainer = _fit(
         "tokens", samples, -1, max_epochs=2, effective_batch_size=16, micro_batch_size=8, schedule={1: 32},
         schedule_interval="epoch",
     )

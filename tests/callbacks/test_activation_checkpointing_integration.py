@@ -24,10 +24,10 @@ def _loader(steps: int = STEPS) -> DataLoader:
 
 
 def _trainer(callbacks=(), **kwargs) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+    defaults = {
+        "accelerator": "cpu", "devices": 1, "max_steps": STEPS, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
+    }  # fmt: skip
     return L.Trainer(callbacks=list(callbacks), **{**defaults, **kwargs})
 
 

@@ -101,11 +101,11 @@ def _assert_updates_close(got: dict, want: dict, start: dict, rtol: float) -> No
     """
     assert got.keys() == want.keys()
     moved = 0
-    for name in want:
-        du, dw = got[name] - start[name], want[name] - start[name]
+    for name, w in want.items():
+        du, dw = got[name] - start[name], w - start[name]
         scale = dw.abs().max()
         moved += bool(scale > 0)
-        ulps = 4 * torch.finfo(torch.float32).eps * want[name].abs().max()
+        ulps = 4 * torch.finfo(torch.float32).eps * w.abs().max()
         assert (du - dw).abs().max() <= rtol * scale + ulps, f"{name}: {(du - dw).abs().max()} vs {scale}"
     assert moved > 0
 
@@ -181,7 +181,7 @@ def test_fit_with_low_bit_optimizer():
 
     # NOTE: AdamW8bit with a small lr and a 32-bit-state threshold below every tensor: the quantized states of both
     # runs see gradients equal to fp32 rounding; tolerance on the update as for Adam's sign-like steps.
-    trainer, module = _compare(lambda: LabelsLM(optimizer="adamw", lr=1e-3), lambda: [LowBitOptimizer(min_8bit_size=0)],
+    trainer, _ = _compare(lambda: LabelsLM(optimizer="adamw", lr=1e-3), lambda: [LowBitOptimizer(min_8bit_size=0)],
                                5e-2)
     assert type(trainer.optimizers[0]).__name__ == "AdamW8bit"
 

@@ -54,14 +54,14 @@ class CaptureLogger(Logger):
 
 
 def _trainer(callbacks, **kwargs):  # type: ignore[no-untyped-def]
-    defaults = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=3,
-    )
+    defaults = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "max_steps": 3,
+    }
     return L.Trainer(callbacks=callbacks, **{**defaults, **kwargs})
 
 

@@ -162,14 +162,14 @@ def _fit(callbacks: list[Any], steps: int = 2) -> dict[str, torch.Tensor]:
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert list(got) == list(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
 
 
 def test_a_probe_leaves_the_scheduler_window_and_the_weights_as_without_it():
     """The budget probe runs `training_step` once more on the first batch, inside the scheduler's first window:
     the scheduler's wrapper must not count it (a count of 3 micro-batches would scale the first step's gradients)."""
-    scheduler = dict(effective_batch_size=4, micro_batch_size=2, loss_normalization="tokens")
+    scheduler = {"effective_batch_size": 4, "micro_batch_size": 2, "loss_normalization": "tokens"}
     reference = _fit([AccumulationScheduler(**scheduler)])
     probe = ActivationCheckpointing(policy="budget", budget=10**12)
     counted = AccumulationScheduler(**scheduler)

@@ -26,7 +26,8 @@ What is unusual about each, i.e. what it tests in our code:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch

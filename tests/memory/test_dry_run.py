@@ -20,8 +20,8 @@ from lightning_lowmem.memory.run import RunSpec
 from tests.helpers.models import random_batch, tiny_lm_module
 from tests.helpers.runif import RunIf
 
-_TRAINER = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, limit_val_batches=0)
+_TRAINER = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                "enable_model_summary": False, "limit_val_batches": 0}
 
 
 def _measure(spec: RunSpec, module: L.LightningModule, batch, tmp_path, steps: int = 3) -> MemoryReport:
@@ -118,7 +118,7 @@ def test_factory_is_built_on_meta_and_ties_stay_tied():
 
 @pytest.mark.parametrize("spec_name", ["plain fp32", "offload + ckpt", "offload + ckpt + boundary offload"])
 def test_extrapolation_equals_the_full_trace(spec_name):
-    deep = lambda: tiny_lm_module(config={"n_layer": 12, "n_embd": 32, "n_head": 2})  # noqa: E731
+    deep = lambda: tiny_lm_module(config={"n_layer": 12, "n_embd": 32, "n_head": 2})
     full = dry_run(deep, batch_size=2, seq_len=16, run=RUNS[spec_name](), extrapolate=False)
     est = dry_run(deep, batch_size=2, seq_len=16, run=RUNS[spec_name]())
     assert any("traced 3, 4 and 5 of 12 blocks" in n for n in est.notes), est.notes
@@ -220,7 +220,7 @@ def test_a_step_that_skips_every_batch_is_reported():
                 return None
             return loss
 
-    with pytest.raises(RuntimeError, match="traced no backward pass"):  # noqa: PT012
+    with pytest.raises(RuntimeError, match="traced no backward pass"):
         dry_run(Skips(), batch=torch.ones(3, 4))
 
 

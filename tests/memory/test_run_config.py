@@ -32,7 +32,7 @@ def _small_demo(tmp_path: Path) -> Path:
 
 
 def test_yaml_is_read_as_lowmem_fit_reads_it(tmp_path):
-    module, data, run = load_run_config(_small_demo(tmp_path))
+    module, _, run = load_run_config(_small_demo(tmp_path))
     assert next(module.parameters()).is_meta  # described, not allocated
     assert run.strategy_name == "lowmem_offload" and run.precision == "bf16-true"
     assert [type(c).__name__ for c in run.callbacks] == ["ActivationCheckpointing", "AccumulationScheduler",

@@ -29,15 +29,15 @@ warnings.filterwarnings("ignore")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
-from lightning_lowmem import _atomic  # noqa: E402
-from lightning_lowmem.demo.module import CausalLMModule  # noqa: E402
-from lightning_lowmem.strategies.zero import ZeroStrategy  # noqa: E402
-from tests.helpers.models import GPT2_TINY, random_batch  # noqa: E402
+from lightning_lowmem import _atomic
+from lightning_lowmem.demo.module import CausalLMModule
+from lightning_lowmem.strategies.zero import ZeroStrategy
+from tests.helpers.models import GPT2_TINY, random_batch
 
 
 def die() -> None:

@@ -144,8 +144,8 @@ def test_accelerator_other_than_cpu_or_cuda_is_refused():
     from lightning.pytorch.accelerators import Accelerator
 
     class Odd(Accelerator):
-        setup_device = teardown = lambda *a, **k: None  # noqa: E731
-        get_device_stats = lambda *a, **k: {}  # noqa: E731
+        setup_device = teardown = lambda *a, **k: None
+        get_device_stats = lambda *a, **k: {}
 
         @staticmethod
         def parse_devices(devices):

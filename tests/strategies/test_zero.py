@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lightning_lowmem  # noqa: F401  (registers the names)
+import lightning_lowmem
 from lightning_lowmem.strategies import _zero_config as zc
 from tests.helpers.runif import RunIf
 
@@ -217,7 +217,6 @@ def test_scheduler_follows_the_swapped_optimizer():
 
 
 def test_consolidate_refuses_a_non_checkpoint(tmp_path):
-    import lightning_lowmem
 
     with pytest.raises(ValueError, match="not a DeepSpeed checkpoint directory: it has no `latest` file"):
         lightning_lowmem.zero.consolidate(tmp_path, tmp_path / "out.pt")

@@ -329,7 +329,6 @@ _PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}
 
 def test_zero3_state_dict_after_fit_warns_once_and_names_both_fixes(tmp_path):
     from lightning_lowmem.strategies._zero_after_fit import PARTITIONED_MESSAGE
-
     from lightning_lowmem.strategies.zero import ZeroStrategy
 
     module = _WarnsItself()
