@@ -23,8 +23,11 @@ class OptimizerInBackward(Reproducible, Callback):
     and changes nothing, so its loops, schedulers, logging and checkpoints work unchanged.
 
     Memory saved: the gradients of all parameters but the few in flight, about 4 B per parameter in
-    fp32 (the training-step peak drops by at least the gradient bytes minus the largest parameter's;
-    measured in ``benchmarks/bench_low_bit_optimizer.py``). Cost: the optimizer runs one parameter at a
+    fp32: at every phase peak the gradients held are at most the largest parameter's, and the forward
+    and optimizer peaks drop by the gradient bytes. Where backward binds the step's peak, it drops by
+    less (the gradients of the first layers to finish would have coexisted with the activations still
+    alive; ``tests/callbacks/test_memory_savings.py`` measures both; figures in
+    ``benchmarks/results/low_bit_optimizer.md``). Cost: the optimizer runs one parameter at a
     time (no multi-tensor kernels) and scans the optimizer's parameter list once per parameter, a
     Python overhead that grows with the square of the number of parameter tensors (~600 for GPT-2-XL).
     The weights are bit-identical to the normal step for SGD and AdamW (tested).

@@ -185,10 +185,11 @@ def plan(
     Raises:
         NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
             to change.
-        ValueError: bad arguments (named, with what is accepted).
+        ValueError: bad arguments (all named at once, with what is accepted); TypeError when one is of a wrong type.
     """
     t0 = time.perf_counter()
     problems: list[str] = []
+    type_error = False
     profile = None
     try:
         profile = load_profile(hardware)
@@ -200,8 +201,9 @@ def plan(
             continue
         try:
             parsed = parse_bytes(value, f"`{name}`")
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             problems.append(str(err))
+            type_error |= isinstance(err, TypeError)
             continue
         if name == "device_memory":
             device_budget = parsed
@@ -217,7 +219,8 @@ def plan(
         problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
     source = _Source.of(model, batch_size, seq_len, data, problems)
     if problems or source is None or device_budget is None:
-        raise ValueError("\n- ".join(["the arguments do not describe a plan:", *problems]))
+        # NOTE: one exception for every problem at once; a TypeError when one of them is a wrong type
+        raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:", *problems]))
     if profile is None:
         profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
     half = "bf16" if profile.bf16 else "16"

@@ -109,6 +109,9 @@ def test_bad_arguments_are_reported_at_once():
         plan("gpt2", 4, 32)
     with pytest.raises(ValueError, match=r"Passed `bases=\['offlaod'\]`"):
         plan("gpt2", 4, 32, device_memory="1GB", bases=["offlaod"])
+    with pytest.raises(TypeError) as err:  # a wrong type among the problems: TypeError, still naming all of them
+        plan("gpt2", 4, 32, device_memory=[12], hardware="rtx9090")
+    assert "[12]" in str(err.value) and "rtx9090" in str(err.value)
 
 
 def test_lowmem_auto_applies_the_plan_keeps_the_users_checkpointing_and_trains():
