@@ -15,7 +15,6 @@ import importlib.util
 import os
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from _pytest.doctest import DoctestItem
@@ -51,6 +50,11 @@ def _doctest_names(request: pytest.FixtureRequest) -> Any:
         return
     _deepspeed_accelerator_chosen()
     namespace = request.getfixturevalue("doctest_namespace")
+    # NOTE: lightning is imported here, not at the top: imported while pytest loads this conftest (before its log
+    # capture has put a handler on the root logger) it sets `propagate=False` on its logger, and caplog then sees
+    # none of Lightning's (or the package's rank_zero_info) records in the tests
+    import lightning as L
+
     namespace.update(L=L, torch=torch, tiny_model=tiny_model, tiny_data=tiny_data)
     request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))
     environ = dict(os.environ)
