@@ -45,10 +45,6 @@ from lightning_lowmem.memory.categories import (
     optimizer_state_bytes,
     unique_storage_bytes,
 )
-
-# NOTE: re-exported (`expected_state_bytes` was defined here): the one table of optimizer-state bytes, shared with
-# memory/analytic.py, and the per-optimizer estimate that the host-RAM check (_offload_host_bytes.py) applies
-from lightning_lowmem.memory.optimizer_state import expected_state_bytes, optimizer_state_bytes_per_param  # noqa: F401
 from lightning_lowmem.memory.units import fmt_size, parse_bytes
 from lightning_lowmem.precision.master_half import MasterHalfPrecision
 from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, hf_weights
@@ -349,7 +345,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part.
 
         The optimizer state is that of the optimizer that will step: ``optimizers`` as configured, or the
-        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`expected_state_bytes`).
+        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`lightning_lowmem.memory.optimizer_state.expected_state_bytes`).
         """
         return _offload_host_bytes.host_bytes_needed(self, module, optimizers, with_grads, callbacks)
 

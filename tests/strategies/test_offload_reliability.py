@@ -24,7 +24,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 import lightning_lowmem  # noqa: F401
 from lightning_lowmem import _host_memory
 from lightning_lowmem.memory.analytic import optimizer_state_bytes_per_param
-from lightning_lowmem.strategies.offload import NonFiniteGradientError, OffloadStrategy, expected_state_bytes
+from lightning_lowmem.memory.optimizer_state import expected_state_bytes
+from lightning_lowmem.strategies.offload import NonFiniteGradientError, OffloadStrategy
 from tests.helpers.runif import RunIf
 
 
@@ -408,10 +409,12 @@ def test_bad_ckpt_path_names_the_file_and_the_fix(tmp_path, kind, match):
 
 
 def test_state_bytes_table_is_the_analytic_one():
-    """The strategy imports the per-parameter table of memory/analytic.py rather than keeping a copy."""
-    from lightning_lowmem.strategies import offload
+    """The host-RAM check and the closed form read the one table of memory/optimizer_state.py, not copies."""
+    from lightning_lowmem.memory import optimizer_state
+    from lightning_lowmem.strategies import _offload_host_bytes
 
-    assert offload.optimizer_state_bytes_per_param is optimizer_state_bytes_per_param
+    assert optimizer_state_bytes_per_param is optimizer_state.optimizer_state_bytes_per_param
+    assert _offload_host_bytes.expected_state_bytes is optimizer_state.expected_state_bytes
     assert math.isclose(optimizer_state_bytes_per_param("adamw8bit", 4, 2**20) / 2**20, 2.03125)
 
 
