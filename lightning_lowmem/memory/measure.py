@@ -119,7 +119,6 @@ __all__ = [
     "CudaPeakWindow",
     "MemoryTracker",
     "PhasePeak",
-    "iter_tensors",
     "reset_cuda_peak_stats",
 ]
 
@@ -153,12 +152,6 @@ class PhasePeak:
             "cuda_max_allocated": self.cuda_max_allocated,
             "cuda_max_reserved": self.cuda_max_reserved,
         }
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a nested batch: :func:`lightning_lowmem._compat.tensors_in` (mappings such as ``BatchEncoding``,
-    sequences, dataclasses: what Lightning's ``apply_to_collection`` walks)."""
-    yield from tensors_in(obj)
 
 
 class _Mode(TorchDispatchMode):
@@ -359,7 +352,7 @@ class MemoryTracker(StorageLedger):
         if category not in CATEGORIES:
             raise ValueError(f"Passed `category={category!r}`; expected one of {CATEGORIES}.")
         cat = CATEGORIES.index(category)
-        for t in iter_tensors(tensors):
+        for t in tensors_in(tensors):
             st = _storage(t)
             if st is not None and st._cdata not in self._recs:
                 self._add(st, t, st._cdata, cat)
