@@ -69,7 +69,8 @@ def expected_state_bytes(
                 total += optimizer_state_bytes_per_param("adamw", 4, n) + (4 * n if group.get("amsgrad") else 0)
             elif isinstance(optimizer, torch.optim.SGD):
                 total += optimizer_state_bytes_per_param("sgd", 4, n) if group.get("momentum") else 0
-            elif isinstance(optimizer, (torch.optim.Adagrad, torch.optim.ASGD)):
+            elif isinstance(optimizer, (torch.optim.Adagrad, torch.optim.ASGD)) or "adagrad" in name.lower():
+                # NOTE: by name too: DeepSpeed's `DeepSpeedCPUAdagrad` is no torch Adagrad (one fp32 sum as well)
                 total += 4 * n
             elif isinstance(optimizer, torch.optim.RMSprop):
                 total += 4 * n * (1 + bool(group.get("momentum")) + bool(group.get("centered")))

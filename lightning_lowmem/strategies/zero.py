@@ -394,15 +394,12 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         return cpu_optimizer, scheduler_config
 
     def _check_host_memory(self, optimizer: Optimizer) -> None:
+        from lightning_lowmem.memory.optimizer_state import expected_state_bytes
         from lightning_lowmem.strategies._zero_host_bytes import zero_offload_host_bytes
 
         groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
-        name = type(optimizer).__name__
-        per_element = 4.0 if ("Adagrad" in name or "Lion" in name) else 8.0
-        if not ("Adam" in name or per_element == 4.0):
-            from lightning_lowmem.memory.optimizer_state import expected_state_bytes
-
-            per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
+        # NOTE: the one optimizer-state table (DeepSpeedCPUAdam keeps Adam's two fp32 moments, its Adagrad and Lion one)
+        per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
         cuda = isinstance(self.accelerator, CUDAAccelerator)
         per_rank = zero_offload_host_bytes(
             self.config, groups, world_size=self.world_size, cuda=cuda, state_bytes_per_element=per_element

@@ -68,6 +68,12 @@ def test_state_bytes_follow_the_configured_optimizer():
     assert expected_state_bytes(torch.optim.SGD(_params(*shapes), lr=0.1, momentum=0.9)) == 4 * n
     assert expected_state_bytes(torch.optim.RMSprop(_params(*shapes), momentum=0.9, centered=True)) == 12 * n
 
+    class DeepSpeedCPUAdagrad(torch.optim.Optimizer):  # DeepSpeed's, which is no torch Adagrad: known by its name
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    assert expected_state_bytes(DeepSpeedCPUAdagrad(_params(*shapes))) == 4 * n
+
     from lightning_lowmem import LowBitOptimizer  # its constructor needs no bitsandbytes
 
     # the 30000-element tensor in 8-bit (the analytic table's rule), the 100-element one in 32-bit
