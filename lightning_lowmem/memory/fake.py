@@ -264,21 +264,18 @@ def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
     """
     import lightning.pytorch as pl
 
-    from lightning_lowmem.callbacks._side_step import quiet_warnings, silenced_log
+    from lightning_lowmem.callbacks._side_step import quiet_warnings, silenced_log, swapped
 
     execution = FakeExecution()
-    original_apply = torch.nn.Module._apply
-    torch.nn.Module._apply = _apply_on_fake(original_apply)  # type: ignore[method-assign]
     try:
         # NOTE: logging off for every LightningModule (the class: a module built inside is one too); a dry run's
         # warnings are about the simulation, not the run. Not a side step: the techniques' wrappers must run.
-        with (silenced_log(pl.LightningModule), quiet_warnings() if quiet else contextlib.nullcontext(),
-              execution.mode, _Values(execution), _HealthyChecks(execution)):
+        with (swapped(torch.nn.Module, _apply=_apply_on_fake(torch.nn.Module._apply)), silenced_log(pl.LightningModule),
+              quiet_warnings() if quiet else contextlib.nullcontext(), execution.mode, _Values(execution),
+              _HealthyChecks(execution)):
             yield execution
     except FAKE_ERRORS as err:
         raise unsupported(err) from err
-    finally:
-        torch.nn.Module._apply = original_apply  # type: ignore[method-assign]
 
 
 def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bool = False) -> torch.nn.Module:
