@@ -50,7 +50,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities import apply_to_collection
 
 from lightning_lowmem import _atomic
-from lightning_lowmem.callbacks._side_step import stands_aside, swapped
+from lightning_lowmem._compat import swapped
+from lightning_lowmem.callbacks._side_step import stands_aside
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-_MISSING = object()
+from lightning_lowmem._compat import swapped
+
 #: side steps running per module (nested ones count). NOTE: weak, so a module (or a copy of it) carries no state of
 #: ours; keyed by identity, so a module whose class defines `__eq__` (and so no `__hash__`) works too
 _RUNNING = WeakIdKeyDictionary()
@@ -38,28 +39,6 @@ _LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_lowmem")
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-@contextlib.contextmanager
-def swapped(target: Any, **attributes: Any) -> Iterator[None]:
-    """Set ``attributes`` in ``target``'s own ``__dict__`` (an instance or a class); put back what was there after.
-
-    NOTE: restores the target's own previous entry rather than deleting ours, so nested swaps (a probe inside the
-    OOM splitter's capture, a side step inside a side step) each get back what they found.
-    """
-    own = vars(target)
-    previous = {name: own.get(name, _MISSING) for name in attributes}
-    for name, value in attributes.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is _MISSING:
-                with contextlib.suppress(AttributeError):
-                    delattr(target, name)
-            else:
-                setattr(target, name, value)
 
 
 def silenced_log(target: Any) -> contextlib.AbstractContextManager[None]:
@@ -146,4 +125,4 @@ def quiet_warnings() -> Iterator[None]:
             lg.setLevel(level)
 
 
-__all__ = ["forked_rng", "marked", "quiet_warnings", "side_step", "silenced_log", "stands_aside", "swapped"]
+__all__ = ["forked_rng", "marked", "quiet_warnings", "side_step", "silenced_log", "stands_aside"]

@@ -46,6 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_lowmem._compat import swapped
+
 FakeTensor = _fake.FakeTensor
 FAKE_ERRORS = (
     _fake.UnsupportedOperatorException,
@@ -264,7 +266,7 @@ def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
     """
     import lightning.pytorch as pl
 
-    from lightning_lowmem.callbacks._side_step import quiet_warnings, silenced_log, swapped
+    from lightning_lowmem.callbacks._side_step import quiet_warnings, silenced_log
 
     execution = FakeExecution()
     try:
@@ -295,19 +297,14 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
             f = torch.nn.Parameter(f, requires_grad=t.requires_grad)
         return f
 
-    originals = (torch.Tensor.__deepcopy__, torch.nn.Parameter.__deepcopy__)
-
     def deepcopy_tensor(self: torch.Tensor, memo_: dict[int, Any]) -> torch.Tensor:
         if id(self) not in memo_:
             memo_[id(self)] = fake_of(self)
         return memo_[id(self)]
 
     # NOTE: every tensor reachable from the module (parameters, buffers, plain tensor attributes) becomes fake
-    torch.Tensor.__deepcopy__ = torch.nn.Parameter.__deepcopy__ = deepcopy_tensor  # type: ignore[method-assign]
-    try:
+    with swapped(torch.Tensor, __deepcopy__=deepcopy_tensor), swapped(torch.nn.Parameter, __deepcopy__=deepcopy_tensor):
         return copy.deepcopy(module, memo)
-    finally:
-        torch.Tensor.__deepcopy__, torch.nn.Parameter.__deepcopy__ = originals  # type: ignore[method-assign]
 
 
 __all__ = ["DryRunUnsupportedError", "FakeExecution", "fake_copy", "fake_execution", "model_line"]

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lowmem import _atomic, _host_memory
-from lightning_lowmem._compat import Reproducible, require
+from lightning_lowmem._compat import Reproducible, require, swapped
 from lightning_lowmem.strategies import _zero_config as zc
 from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
 
@@ -299,11 +299,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                 kw["args"] = argparse.Namespace(device_rank=self._device_rank)
             return original(*args, **kw)
 
-        deepspeed.initialize = initialize
-        try:
+        with swapped(deepspeed, initialize=initialize):
             super()._initialize_deepspeed_inference(model)
-        finally:
-            deepspeed.initialize = original
         return None
 
     # ---- config: preset <- Trainer <- user JSON ------------------------------------------------------------
