@@ -10,6 +10,13 @@ tests exercise every decision the CUDA path makes.
 A saved tensor is packed as a :class:`_Packed` handle pointing at a :class:`_StorageEntry`: the whole
 storage behind the tensor is copied once per (storage, version), and every tensor saved from it (views,
 the same tensor saved by two ops) is restored in backward as a view of one restored storage.
+
+The version counter does not always tell that a storage changed: views made without autograd's view tracking
+(``unsafe_chunk``/``unsafe_split``, which the recurrent cells of ``nn.GRU``/``nn.LSTM`` use for their gates, or
+``.data``) have version counters of their own, so one gate is written in place *after* another gate of the same
+storage was saved, with no version the engine could see change. What stays true (autograd relies on it) is that
+the elements of a saved tensor do not change between its save and its backward. So a save that hits an existing
+copy has its own bytes copied again unless they lie within saves made densely before (:meth:`_StorageEntry.covers`).
 """
 
 from __future__ import annotations
@@ -81,6 +88,11 @@ class SyncCopier:
         host.copy_(src_bytes)
         return host, None
 
+    def to_host_into(self, src_bytes: torch.Tensor, host: torch.Tensor) -> Any:
+        """Copy ``src_bytes`` into ``host`` (a slice of an existing host copy); returns the completion event."""
+        host.copy_(src_bytes)
+        return None
+
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         return host.to(device, copy=True), None
 
@@ -115,6 +127,13 @@ class StreamCopier(SyncCopier):
         return host, ops.record_event(self.side)
 
     @override
+    def to_host_into(self, src_bytes: torch.Tensor, host: torch.Tensor) -> Any:
+        ops = self.ops
+        ops.wait_stream(self.side, ops.compute_stream())  # NOTE: as in `to_host`: after the kernels that wrote it
+        ops.copy(host, src_bytes, self.side)
+        return ops.record_event(self.side)
+
+    @override
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         # NOTE: the destination is allocated from the side stream's pool and the host buffer was written on the
         # side stream, so no wait on the compute stream is needed here; the consumer waits on the event.
@@ -147,6 +166,7 @@ class OffloadStats:
     """Counts of one training step (all micro-batches since the last optimizer step)."""
 
     bytes_offloaded: int = 0  # bytes copied to the host: one copy per distinct (storage, version)
+    bytes_recopied: int = 0  # bytes copied again into an existing host copy (a region other saves do not cover)
     storages_offloaded: int = 0
     tensors_offloaded: int = 0  # saves answered with a host copy (views and repeats of a storage included)
     bytes_kept: int = 0  # bytes of saves left in place: under min_bytes, not a boundary, not on the device
@@ -164,7 +184,9 @@ class OffloadStats:
 class _StorageEntry:
     """One storage offloaded to the host, shared by every saved tensor that aliases it."""
 
-    __slots__ = ("__weakref__", "device", "event", "handles", "host", "index", "nbytes", "owner", "pending", "restored")
+    __slots__ = (
+        "__weakref__", "covered", "device", "event", "handles", "host", "index", "nbytes", "owner", "pending", "restored",
+    )  # fmt: skip
 
     def __init__(self, owner: SavedTensorOffloader, host: torch.Tensor, device: torch.device, index: int) -> None:
         self.owner = owner
@@ -176,6 +198,28 @@ class _StorageEntry:
         self.pending = 0  # handles not yet unpacked in this backward
         self.restored: torch.Tensor | None = None  # uint8 copy of the storage on the compute device
         self.event: Any = None  # completion of the restore copy
+        self.covered: list[tuple[int, int]] = []  # sorted, disjoint byte ranges of saves that fill their extent
+
+    def covers(self, start: int, end: int) -> bool:
+        """Whether bytes ``[start, end)`` lie within the ranges of dense saves of this copy.
+
+        NOTE: those bytes belong to saved tensors, whose elements do not change until backward, so the host copy
+        holds their current values; any other byte of the storage may have changed through an untracked alias.
+        """
+        for lo, hi in self.covered:
+            if lo <= start < hi:
+                return end <= hi
+        return start >= end
+
+    def cover(self, start: int, end: int) -> None:
+        """Add ``[start, end)`` to :attr:`covered` (merging touching or overlapping ranges)."""
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted([*self.covered, (start, end)]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        self.covered = merged
 
     def __del__(self) -> None:
         # NOTE: the host copy lives as long as a saved-tensor handle refers to it (autograd frees the handles
@@ -196,6 +240,21 @@ class _Packed:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, bool]:
+    """The byte range ``[start, end)`` of its storage that ``t`` spans, and whether its elements fill it exactly."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    if t.numel() == 0:
+        return start, start, False
+    dims = sorted(((n, s) for n, s in zip(t.size(), t.stride()) if n != 1), key=lambda d: d[1])
+    span = 1 + sum((n - 1) * s for n, s in dims)
+    expected, dense = 1, True
+    for n, s in dims:  # NOTE: dense: each stride is the product of the smaller dims' sizes (no gap, no overlap)
+        dense = dense and s == expected
+        expected *= n
+    return start, start + span * size, dense
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -340,11 +399,16 @@ class SavedTensorOffloader:
         # storage while the key is in the map (its memory is still freed when the last tensor on it dies).
         key = (storage._cdata, t._version)
         hit = self._by_storage.get(key)
+        start, end, dense = _extent(t)
         if hit is not None and not hit[1].expired():
             entry = hit[0]
+            if not entry.covers(start, end):
+                self._recopy(entry, t, start, end)
         else:
             entry = self._offload(t, storage)
             self._by_storage[key] = (entry, StorageWeakRef(storage))
+        if dense:
+            entry.cover(start, end)
         entry.handles += 1
         entry.pending += 1
         self.stats.tensors_offloaded += 1
@@ -369,6 +433,20 @@ class SavedTensorOffloader:
         self._fwd_inflight.append((src, event))
         self._drain_forward(limit=max(self.prefetch, 1))
         return entry
+
+    def _recopy(self, entry: _StorageEntry, t: torch.Tensor, start: int, end: int) -> None:
+        """Copy the bytes ``t`` spans into the existing host copy ``entry``: they may have changed since it was made.
+
+        NOTE: without this, ``nn.GRU`` trained wrong: its cell writes one gate in place (through an ``unsafe_chunk``
+        view with a version counter of its own) after another gate of the same storage was saved, and the second
+        gate's save came back from the first save's copy. Bytes of other saves that the range overlaps are written
+        again with the values they still hold.
+        """
+        src = _storage_bytes(t)[start:end]
+        event = self.copier.to_host_into(src, entry.host[start:end])
+        self.stats.bytes_recopied += end - start
+        self._fwd_inflight.append((src, event))
+        self._drain_forward(limit=max(self.prefetch, 1))
 
     # -- unpack ---------------------------------------------------------------------------------------------
 
