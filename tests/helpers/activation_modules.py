@@ -79,6 +79,91 @@ class LitRecurrent(_Fixed):
         return F.cross_entropy(self.head(pooled), y)
 
 
+class _ConvBNBlock(nn.Module):
+    def __init__(self, channels: int, dims: int) -> None:
+        super().__init__()
+        conv, bn = (nn.Conv1d, nn.BatchNorm1d) if dims == 1 else (nn.Conv2d, nn.BatchNorm2d)
+        self.conv = conv(channels, channels, 3, padding=1, bias=False)
+        self.bn = bn(channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.bn(self.conv(x))) + x
+
+
+class LitConvBN(_Fixed):
+    """A stem ``Conv``+``BatchNorm`` then ``blocks`` residual ``Conv``+``BatchNorm`` blocks in an ``nn.ModuleList``.
+
+    ``dims``: 1 (``Conv1d``/``BatchNorm1d`` on sequences) or 2 (``Conv2d``/``BatchNorm2d`` on images). ``blocks=0``:
+    no repeated blocks (``nn.Sequential`` of distinct layers), so the checkpointing policy measures what to wrap.
+    ``momentum=None``: the cumulative running average, which reads ``num_batches_tracked``.
+    """
+
+    def __init__(self, dims: int = 2, blocks: int = 3, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        conv, bn = (nn.Conv1d, nn.BatchNorm1d) if dims == 1 else (nn.Conv2d, nn.BatchNorm2d)
+        self.stem = nn.Sequential(conv(3, 8, 3, padding=1), bn(8, momentum=momentum), nn.ReLU())
+        self.blocks = nn.ModuleList(_ConvBNBlock(8, dims) for _ in range(blocks))
+        for block in self.blocks:
+            block.bn.momentum = momentum
+        self.head = nn.Sequential(conv(8, 8, 3, padding=1), bn(8, momentum=momentum), nn.ReLU(), nn.Flatten(),
+                                  nn.Linear(8 * (12 if dims == 1 else 36), 4))  # fmt: skip
+
+    def _tensors(self) -> tuple[Tensor, ...]:
+        g = _gen(12)
+        shape = (32, 3, 12) if self.hparams.dims == 1 else (32, 3, 6, 6)
+        return torch.randn(*shape, generator=g) * 2 + 1, torch.randint(0, 4, (32,), generator=g)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h), y)
+
+
+class _Calibrated(nn.Module):
+    """A layer with buffers of its own that its forward updates and reads: a running input scale and a call count."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("scale", torch.ones(width))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.8).add_(0.2 * x.detach().abs().mean(0))
+                self.calls += 1
+        return torch.tanh(self.linear(x / self.scale)) * (1 + self.calls.float() / 10)
+
+
+class LitCalibrated(_Fixed):
+    """An MLP of ``_Calibrated`` layers (in an ``nn.ModuleList``, or, ``repeated=False``, a ``Sequential`` of distinct
+    modules), whose forward reads the buffers it updated: a recompute that saw the updated values would differ."""
+
+    def __init__(self, repeated: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if repeated:
+            self.layers = nn.ModuleList(_Calibrated(16) for _ in range(3))
+        else:
+            self.layers = nn.Sequential(_Calibrated(16), nn.Linear(16, 16), nn.Sequential(_Calibrated(16), nn.ReLU()))
+        self.out = nn.Linear(16, 1)
+
+    def _tensors(self) -> tuple[Tensor, ...]:
+        g = _gen(13)
+        x = torch.randn(32, 16, generator=g) * 3
+        return x, x.sin().sum(-1, keepdim=True)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(self.out(x), y)
+
+
 def fit_state(
     factory: Callable[[], L.LightningModule],
     callbacks: Sequence[L.Callback] = (),
