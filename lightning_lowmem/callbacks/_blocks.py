@@ -1,7 +1,8 @@
 """Repeated-block discovery and per-block checkpointing by forward replacement (no wrapper modules).
 
 A block is checkpointed by giving the module an instance-level ``forward`` (a :class:`CheckpointedForward`)
-that runs the class's ``forward`` under non-reentrant ``torch.utils.checkpoint``. The module tree, the
+that runs the class's ``forward`` under non-reentrant ``torch.utils.checkpoint``, its recompute on the buffers
+the forward found (``_buffers.BufferGuard``). The module tree, the
 parameter names and therefore ``state_dict`` keys are unchanged, module hooks (FSDP2's, DeepSpeed's) stay
 outside the checkpointed region, and :func:`unwrap` restores the module exactly.
 
@@ -13,6 +14,7 @@ checkpoint keeps alive for backward; :func:`checkpointed_modules` lists them in 
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +22,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lightning_lowmem.callbacks._buffers import BufferGuard, checkpoint_contexts
 
 # the attribute that marks a checkpointed module (read it through `checkpoint_info`)
 INFO_ATTR = "_lowmem_checkpoint"
@@ -163,7 +167,9 @@ class CheckpointedForward:
         if not torch.is_grad_enabled():
             return call_inner(self.module, self.inner, args, kwargs)
         refuse_kv_cache(self.module, args, kwargs)
-        extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        # NOTE: the guard gives each recompute the buffers this forward found, and leaves those it left (a
+        # recompute of BatchNorm would update its running statistics a second time, and read updated ones)
+        context_fn = functools.partial(checkpoint_contexts, BufferGuard(self.module), self.context_fn)
         # NOTE: top-level tensor arguments are handed to `checkpoint` one by one, not inside the `args` tuple:
         # checkpoint then keeps them as saved tensors, which saved-tensor hooks see (ActivationOffload's
         # `boundaries_only=True` moves them to the host); inside a tuple they were plain, unreachable references.
@@ -171,7 +177,7 @@ class CheckpointedForward:
         rest = tuple(None if i in slots else a for i, a in enumerate(args))
         return checkpoint(
             _call_with_tensors, self.module, self.inner, rest, kwargs, slots, *(args[i] for i in slots),
-            use_reentrant=False, preserve_rng_state=True, **extra,
+            use_reentrant=False, preserve_rng_state=True, context_fn=context_fn,
         )  # fmt: skip
 
 

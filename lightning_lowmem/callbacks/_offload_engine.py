@@ -10,6 +10,13 @@ tests exercise every decision the CUDA path makes.
 A saved tensor is packed as a :class:`_Packed` handle pointing at a :class:`_StorageEntry`: the whole
 storage behind the tensor is copied once per (storage, version), and every tensor saved from it (views,
 the same tensor saved by two ops) is restored in backward as a view of one restored storage.
+
+The version counter does not always tell that a storage changed: views made without autograd's view tracking
+(``unsafe_chunk``/``unsafe_split``, which the recurrent cells of ``nn.GRU``/``nn.LSTM`` use for their gates, or
+``.data``) have version counters of their own, so one gate is written in place *after* another gate of the same
+storage was saved, with no version the engine could see change. What stays true (autograd relies on it) is that
+the elements of a saved tensor do not change between its save and its backward. So a save that hits an existing
+copy has its own bytes copied again unless they lie within saves made densely before (:meth:`_StorageEntry.covers`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from typing_extensions import override
 
-from lightning_lowmem._streams import StreamOps
+from lightning_lowmem.callbacks._offload_copiers import StreamCopier, SyncCopier
 from lightning_lowmem.memory.categories import mark_host
 
 # NOTE: wrapper subclasses (DTensor, quantized tensors) stay in place; a dry run's fake tensors stand for plain ones
@@ -68,77 +74,6 @@ def saved_by_checkpoint(frame: Any) -> bool:
     return False
 
 
-# --- the copy seam -------------------------------------------------------------------------------------------
-
-
-class SyncCopier:
-    """Plain synchronous copies (the CPU path). ``events`` are ``None``: a copy is complete when it returns."""
-
-    pin_memory = False
-
-    def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        host = torch.empty(src_bytes.numel(), dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
-        host.copy_(src_bytes)
-        return host, None
-
-    def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
-        return host.to(device, copy=True), None
-
-    def done(self, event: Any) -> bool:
-        return event is None
-
-    def compute_waits(self, event: Any, tensor: torch.Tensor | None = None) -> None:
-        """Order the compute stream after ``event``; ``tensor`` is about to be handed to compute."""
-
-
-class StreamCopier(SyncCopier):
-    """Copies on a side stream, into host buffers (pinned where the ops pin), synchronised with events.
-
-    ``ops``: :class:`~lightning_lowmem._streams.CudaOps` on CUDA; the CPU tests run this same class on
-    :class:`~lightning_lowmem._streams.DeferredOps`, whose copies land only when the host or compute must see them.
-    """
-
-    def __init__(self, device: torch.device, ops: StreamOps) -> None:
-        self.device = device
-        self.ops = ops
-        self.pin_memory = ops.pins
-        self.side = ops.side_stream()
-
-    @override
-    def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        ops = self.ops
-        host = ops.empty_host(src_bytes.numel(), torch.uint8)
-        # NOTE: the source was written by kernels queued on the compute stream; without this wait the side
-        # stream could copy it before they ran (a read-before-write race).
-        ops.wait_stream(self.side, ops.compute_stream())
-        ops.copy(host, src_bytes, self.side)
-        return host, ops.record_event(self.side)
-
-    @override
-    def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
-        # NOTE: the destination is allocated from the side stream's pool and the host buffer was written on the
-        # side stream, so no wait on the compute stream is needed here; the consumer waits on the event.
-        restored = self.ops.to_device(host, device, self.side)
-        return restored, self.ops.record_event(self.side)
-
-    @override
-    def done(self, event: Any) -> bool:
-        return event is None or self.ops.query(event)
-
-    @override
-    def compute_waits(self, event: Any, tensor: torch.Tensor | None = None) -> None:
-        ops = self.ops
-        compute = ops.compute_stream()
-        if event is not None:
-            # NOTE: a GPU-side wait, not a host sync: compute kernels queued from now on start after the copy.
-            ops.wait_event(compute, event)
-        if tensor is not None:
-            # NOTE: ``tensor`` was allocated on the side stream; when we and autograd drop it, the allocator
-            # could hand its block to the next side-stream copy while compute kernels still read it.
-            # ``record_stream`` defers that reuse until the compute work queued so far has finished.
-            ops.record_stream(tensor, compute)
-
-
 # --- bookkeeping -----------------------------------------------------------------------------------------------
 
 
@@ -147,6 +82,7 @@ class OffloadStats:
     """Counts of one training step (all micro-batches since the last optimizer step)."""
 
     bytes_offloaded: int = 0  # bytes copied to the host: one copy per distinct (storage, version)
+    bytes_recopied: int = 0  # bytes copied again into an existing host copy (a region other saves do not cover)
     storages_offloaded: int = 0
     tensors_offloaded: int = 0  # saves answered with a host copy (views and repeats of a storage included)
     bytes_kept: int = 0  # bytes of saves left in place: under min_bytes, not a boundary, not on the device
@@ -164,7 +100,9 @@ class OffloadStats:
 class _StorageEntry:
     """One storage offloaded to the host, shared by every saved tensor that aliases it."""
 
-    __slots__ = ("__weakref__", "device", "event", "handles", "host", "index", "nbytes", "owner", "pending", "restored")
+    __slots__ = (
+        "__weakref__", "covered", "device", "event", "handles", "host", "index", "nbytes", "owner", "pending", "restored",
+    )  # fmt: skip
 
     def __init__(self, owner: SavedTensorOffloader, host: torch.Tensor, device: torch.device, index: int) -> None:
         self.owner = owner
@@ -176,6 +114,28 @@ class _StorageEntry:
         self.pending = 0  # handles not yet unpacked in this backward
         self.restored: torch.Tensor | None = None  # uint8 copy of the storage on the compute device
         self.event: Any = None  # completion of the restore copy
+        self.covered: list[tuple[int, int]] = []  # sorted, disjoint byte ranges of saves that fill their extent
+
+    def covers(self, start: int, end: int) -> bool:
+        """Whether bytes ``[start, end)`` lie within the ranges of dense saves of this copy.
+
+        NOTE: those bytes belong to saved tensors, whose elements do not change until backward, so the host copy
+        holds their current values; any other byte of the storage may have changed through an untracked alias.
+        """
+        for lo, hi in self.covered:
+            if lo <= start < hi:
+                return end <= hi
+        return start >= end
+
+    def cover(self, start: int, end: int) -> None:
+        """Add ``[start, end)`` to :attr:`covered` (merging touching or overlapping ranges)."""
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted([*self.covered, (start, end)]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        self.covered = merged
 
     def __del__(self) -> None:
         # NOTE: the host copy lives as long as a saved-tensor handle refers to it (autograd frees the handles
@@ -196,6 +156,21 @@ class _Packed:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, bool]:
+    """The byte range ``[start, end)`` of its storage that ``t`` spans, and whether its elements fill it exactly."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    if t.numel() == 0:
+        return start, start, False
+    dims = sorted(((n, s) for n, s in zip(t.size(), t.stride()) if n != 1), key=lambda d: d[1])
+    span = 1 + sum((n - 1) * s for n, s in dims)
+    expected, dense = 1, True
+    for n, s in dims:  # NOTE: dense: each stride is the product of the smaller dims' sizes (no gap, no overlap)
+        dense = dense and s == expected
+        expected *= n
+    return start, start + span * size, dense
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -340,11 +315,16 @@ class SavedTensorOffloader:
         # storage while the key is in the map (its memory is still freed when the last tensor on it dies).
         key = (storage._cdata, t._version)
         hit = self._by_storage.get(key)
+        start, end, dense = _extent(t)
         if hit is not None and not hit[1].expired():
             entry = hit[0]
+            if not entry.covers(start, end):
+                self._recopy(entry, t, start, end)
         else:
             entry = self._offload(t, storage)
             self._by_storage[key] = (entry, StorageWeakRef(storage))
+        if dense:
+            entry.cover(start, end)
         entry.handles += 1
         entry.pending += 1
         self.stats.tensors_offloaded += 1
@@ -369,6 +349,20 @@ class SavedTensorOffloader:
         self._fwd_inflight.append((src, event))
         self._drain_forward(limit=max(self.prefetch, 1))
         return entry
+
+    def _recopy(self, entry: _StorageEntry, t: torch.Tensor, start: int, end: int) -> None:
+        """Copy the bytes ``t`` spans into the existing host copy ``entry``: they may have changed since it was made.
+
+        NOTE: without this, ``nn.GRU`` trained wrong: its cell writes one gate in place (through an ``unsafe_chunk``
+        view with a version counter of its own) after another gate of the same storage was saved, and the second
+        gate's save came back from the first save's copy. Bytes of other saves that the range overlaps are written
+        again with the values they still hold.
+        """
+        src = _storage_bytes(t)[start:end]
+        event = self.copier.to_host_into(src, entry.host[start:end])
+        self.stats.bytes_recopied += end - start
+        self._fwd_inflight.append((src, event))
+        self._drain_forward(limit=max(self.prefetch, 1))
 
     # -- unpack ---------------------------------------------------------------------------------------------
 
@@ -431,3 +425,6 @@ class SavedTensorOffloader:
         entry = self._order[j]()
         if entry is not None and entry.restored is None and entry.pending > 0:
             self._restore(entry, prefetch=True)
+
+
+__all__ = ["OffloadStats", "SavedTensorOffloader", "StreamCopier", "SyncCopier", "saved_by_checkpoint"]

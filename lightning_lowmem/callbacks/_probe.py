@@ -11,8 +11,51 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_lowmem._compat import tensors_in, training_step_args
+from lightning_lowmem.callbacks._buffers import kept_buffers
 from lightning_lowmem.callbacks._side_step import side_step
 from lightning_lowmem.memory.categories import storage_key
+
+
+class _ModelStorages:
+    """The storage keys of a model's parameters and buffers, and of the parameters a module holds gathered while it runs.
+
+    NOTE: DeepSpeed ZeRO-3 swaps a gathered storage into a module's parameters in its forward pre-hook and frees it in
+    its forward hook; the hooks registered here run after those, so a gathered weight saved for backward (its linear
+    saves it) is known for a parameter, not counted as an activation, and forgotten before its address can be reused.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        tensors = [*root.parameters(), *root.buffers()]
+        self.keys = {storage_key(t) for t in tensors}
+        # NOTE: the storages held, not the tensors: ZeRO-3 replaces a parameter's (empty) storage when it gathers it,
+        # and a freed storage's address would come back as an activation's and be taken for a parameter's
+        self._storages = [t.untyped_storage() for t in tensors]
+        self._gathered: dict[tuple[str, int], int] = {}
+        self._stack: list[list[tuple[str, int]]] = []
+        self._handles = []
+        for module in root.modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre))
+            self._handles.append(module.register_forward_hook(self._post, always_call=True))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys or key in self._gathered
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        keys = [storage_key(p) for p in module.parameters(recurse=False)]
+        for key in keys:
+            self._gathered[key] = self._gathered.get(key, 0) + 1
+        self._stack.append(keys)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        for key in self._stack.pop() if self._stack else []:
+            left = self._gathered.pop(key, 1) - 1
+            if left:
+                self._gathered[key] = left
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._storages.clear()
 
 
 def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], batch: Any, batch_idx: int) -> dict[str, Any]:
@@ -21,10 +64,10 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
     The forward runs with a pack hook that records sizes (no backward follows). Saved tensors are held only
     until their block returns, so the probe needs the activations outside the blocks plus one block's, the
     same as checkpointing every block. It runs as a :func:`~lightning_lowmem.callbacks._side_step.side_step` (RNG
-    forked, logging off, training_step wrappers aside), so training is unchanged. Parameters and
-    buffers are not activations and are not counted.
+    forked, logging off, training_step wrappers aside) with every module buffer put back afterwards, so training
+    is unchanged. Parameters and buffers are not activations and are not counted.
     """
-    params = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
+    params = _ModelStorages(pl_module)
     outside = 0
     per_block = [0] * len(blocks)
     inputs = [0] * len(blocks)
@@ -76,13 +119,15 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
         handles.append(block.register_forward_hook(post, always_call=True))
     try:
         # NOTE: a side step: RNG forked, `self.log` off, and a training_step wrapper (AccumulationScheduler's
-        # window) stands aside, so the probe leaves the run as it was
-        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+        # window) stands aside; every buffer is put back (BatchNorm statistics, counters), so the probe leaves
+        # the run as it was
+        with side_step(pl_module), kept_buffers(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
         for h in handles:
             h.remove()
+        params.remove()
         held_outside.clear()
         held_block.clear()
     return {"outside": outside, "blocks": per_block, "block_inputs": inputs}
@@ -110,7 +155,7 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
     nothing backpropagated; parameters and buffers not counted). A storage counts for every module running when
     it is *first* saved: a module's input saved again inside it belongs to whoever saved it first.
     """
-    params = {storage_key(t) for t in (*pl_module.parameters(), *pl_module.buffers())}
+    params = _ModelStorages(pl_module)
     stack: list[ModuleActivations] = []
     found: dict[str, ModuleActivations] = {}
     seen: set[tuple[str, int]] = set()
@@ -154,13 +199,15 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
         handles.append(module.register_forward_hook(post, always_call=True))
     try:
         # NOTE: a side step: RNG forked, `self.log` off, and a training_step wrapper (AccumulationScheduler's
-        # window) stands aside, so the probe leaves the run as it was
-        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+        # window) stands aside; every buffer is put back (BatchNorm statistics, counters), so the probe leaves
+        # the run as it was
+        with side_step(pl_module), kept_buffers(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
         for h in handles:
             h.remove()
+        params.remove()
         held.clear()
     return found, total
 

@@ -6,7 +6,9 @@ instance-level ``forward`` that records its call; the first block opens the segm
 While a segment is open, tensors that the blocks save for backward are replaced by empty holders (a
 ``saved_tensors_hooks`` pair); in backward, the first unpack replays the recorded block calls (the output
 of block k feeding block k+1 as in forward, the RNG state of each call restored, autocast as in forward)
-and fills every holder. Only each segment's input stays alive: the O(sqrt L) trade of ``policy="sqrt"``.
+and fills every holder; each block replays on the buffers its forward found, and its buffers are left as the
+forward left them (``_buffers.BufferGuard``). Only each segment's input stays alive: the O(sqrt L) trade of
+``policy="sqrt"``.
 
 Tensors saved by the model's own code *between* two blocks of a segment are kept as usual (they are not
 replayed), so any code between the blocks is allowed. A segment is closed early (still correct, less
@@ -27,6 +29,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_lowmem._compat import tensors_in
 from lightning_lowmem.callbacks._blocks import INFO_ATTR, CheckpointInfo, call_inner, checkpoint_info, refuse_kv_cache
+from lightning_lowmem.callbacks._buffers import BufferGuard
 
 
 class _Holder:
@@ -69,7 +72,7 @@ class _SegmentRun:
     """One forward pass through one segment, and its replay in backward."""
 
     def __init__(self, first_args: tuple) -> None:
-        self.calls: list[tuple[nn.Module, Any, tuple, dict, Any]] = []
+        self.calls: list[tuple[nn.Module, Any, tuple, dict, Any, BufferGuard]] = []
         self.outputs: dict[int, tuple[weakref.ref, int, int]] = {}
         self.holders: list[weakref.ref] = []
         self.depth = 0
@@ -96,7 +99,9 @@ class _SegmentRun:
 
         rng_cpu = torch.get_rng_state()
         rng_dev = get_device_states(*args) if getattr(self.device_module, "_initialized", False) else ([], [])
-        self.calls.append((module, inner, _map(args, to_ref), _map(kwargs, to_ref), (rng_cpu, rng_dev)))
+        guard = BufferGuard(module)  # NOTE: the replay runs each block on the buffers its forward found
+        guard.snapshot()
+        self.calls.append((module, inner, _map(args, to_ref), _map(kwargs, to_ref), (rng_cpu, rng_dev), guard))
 
     def record_output(self, out: Any) -> None:
         index = len(self.calls) - 1
@@ -144,11 +149,15 @@ class _SegmentRun:
                 ctx.__enter__()
             try:
                 with saved_tensors_hooks(pack, unpack):
-                    for module, inner, args, kwargs, (rng_cpu, (dev_ids, dev_states)) in self.calls:
+                    for module, inner, args, kwargs, (rng_cpu, (dev_ids, dev_states)), guard in self.calls:
                         torch.set_rng_state(rng_cpu)
                         if dev_ids:
                             set_device_states(dev_ids, dev_states, device_type=self.device_type)
-                        out = call_inner(module, inner, _map(args, from_ref), _map(kwargs, from_ref))
+                        guard.swap_in()
+                        try:
+                            out = call_inner(module, inner, _map(args, from_ref), _map(kwargs, from_ref))
+                        finally:
+                            guard.swap_out()
                         results.append(list(tensors_in(out)))
             finally:
                 for ctx in reversed(autocasts):

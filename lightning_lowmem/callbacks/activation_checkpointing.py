@@ -83,7 +83,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
         - ``"every_n"`` with ``n``: blocks 0, n, 2n, ... are recomputed (``n=1`` is ``"all"``).
         - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only
-          the segment inputs (at most 2*sqrt(L) blocks' worth at the peak). Not under FSDP. NOTE: a
+          the segment inputs (at most 2*sqrt(L) blocks' worth at the peak). Not under FSDP or ZeRO-3. NOTE: a
           transformer block's input is ~1/50 of its activations, so there ``"all"`` keeps less for about
           the same recompute; ``"sqrt"`` pays off when block boundaries are as large as the blocks.
         - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap
@@ -93,10 +93,18 @@ class ActivationCheckpointing(Reproducible, Callback):
           (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
         - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
 
+    Module buffers end as plain training leaves them: each recompute runs on a copy of the buffers its forward
+    found (so ``BatchNorm`` running statistics and a module's own counters are updated once, and a forward that
+    reads a buffer it updates recomputes the same thing), and the measuring forward puts every buffer back. Cost:
+    a copy of a checkpointed block's buffers per call, held until its backward (nothing for blocks without
+    buffers, such as Hugging Face transformer blocks).
+
     Works with models built in ``__init__`` or in ``configure_model``, under single-device, DDP, FSDP /
-    ModelParallel (per-block policies) and ``lowmem_offload``; refuses DeepSpeed. Hugging Face models: their
-    own ``gradient_checkpointing`` is turned off (with a warning) to avoid recomputing twice, and
-    ``config.use_cache`` is set to False while fitting (a KV cache cannot be recomputed).
+    ModelParallel (per-block policies), ``lowmem_offload`` and DeepSpeed ZeRO (the ``lowmem_zero*`` presets; under
+    stage 3 every policy but ``"sqrt"``), as Hugging Face's non-reentrant checkpointing composes with ZeRO-3's
+    parameter fetching. Hugging Face models: their own ``gradient_checkpointing`` is turned off (with a warning)
+    to avoid recomputing twice, and ``config.use_cache`` is set to False while fitting (a KV cache cannot be
+    recomputed).
 
     Example:
         >>> from lightning_lowmem import ActivationCheckpointing
@@ -241,12 +249,15 @@ class ActivationCheckpointing(Reproducible, Callback):
 
         strategy = trainer.strategy
         problems = []
-        if isinstance(strategy, DeepSpeedStrategy):
+        # NOTE: DeepSpeed composes: per-block checkpointing is non-reentrant `torch.utils.checkpoint` inside the
+        # block's module call, so ZeRO-3's fetch hooks run around the forward, again around the recompute's
+        # submodule calls, and its pre-backward fetch has gathered the block's own parameters before the recompute
+        stage = _zero_stage(strategy) if isinstance(strategy, DeepSpeedStrategy) else 0
+        if self.policy == "sqrt" and stage == 3:
             problems.append(
-                f"`{type(strategy).__name__}` is a DeepSpeed strategy: DeepSpeed partitions and fetches parameters "
-                "with its own hooks and has its own activation checkpointing. Remove ActivationCheckpointing and "
-                "use the model's own checkpointing (`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                "{'use_reentrant': False})` for Hugging Face models), or use `strategy='lowmem_offload'` / DDP."
+                f"policy='sqrt' replays several blocks at once in backward without their module hooks, and under "
+                f"`{type(strategy).__name__}` (ZeRO stage 3) a block's own parameters are gathered only by those "
+                "hooks; use policy='all', 'every_n', 'selective' or 'budget', or ZeRO stage 1/2."
             )
         if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_activation_checkpointing_kwargs", None):
             problems.append(
@@ -426,6 +437,14 @@ class ActivationCheckpointing(Reproducible, Callback):
                 f"{max(blocks)} to recompute the largest block). Raise the budget or reduce the batch size."
             )
         self._wrap_blocks(chosen)
+
+
+def _zero_stage(strategy: Any) -> int:
+    """The ZeRO stage of a DeepSpeed strategy's config (0 when it has none)."""
+    config = getattr(strategy, "config", None)
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return stage if isinstance(stage, int) else 0
 
 
 def choose_for_budget(outside: int, blocks: list[int], inputs: list[int], budget: int) -> tuple[list[int] | None, int]:

@@ -10,7 +10,7 @@ One step is priced from four quantities, each from the model's shape and the rec
 * **link**: bytes over the host link: ``lowmem_offload`` sends the half weights once per step and the half
   gradients once per micro-batch; ZeRO-2 offload the same; ``lowmem_offload_params`` fetches the blocks' weights in
   forward, in backward and for every recomputed forward of every micro-batch; ZeRO-3 offload fetches the weights in forward and in
-  backward of every micro-batch; activation offload sends what each block keeps for backward out and back.
+  backward of every micro-batch, and the blocks' weights again for every recomputed forward; activation offload sends what each block keeps for backward out and back.
   Transfers overlap compute (side streams): the step takes ``max(compute, link)``, except the weights' copy
   after the optimizer step, which the next forward waits for.
 * **host optimizer**: AdamW over the fp32 masters on the host, ``28 B/param`` read and written (16 with 8-bit
@@ -105,7 +105,8 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
         serial = head * weight_bytes
         link += micro * (block_params * weight_bytes * (2 + recompute) + n * weight_bytes)
     elif recipe.base == "zero3_offload":
-        link += micro * 3 * n * weight_bytes  # weights in forward and in backward, gradients out
+        # weights in forward and in backward, the blocks' weights again for each recomputed forward, gradients out
+        link += micro * (3 * n + recompute * block_params) * weight_bytes
     if recipe.activation_offload and layers and d:
         inputs_only = d * weight_bytes  # a checkpointed block keeps its input
         everything = _SAVED_PER_TOKEN_HIDDEN * d * weight_bytes / 2

@@ -139,9 +139,9 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
                activation_offload: bool = True, bases: Sequence[str] | None = None, half: str = "bf16") -> list[Recipe]:
     """Every recipe considered, for an effective batch of ``batch_size`` on one device.
 
-    DeepSpeed bases take no checkpointing callback, activation offload or 8-bit optimizer (the callbacks refuse
-    DeepSpeed, and its engine runs its own optimizer), and pairs the real run refuses (:meth:`Recipe.conflict`) are
-    left out; ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only the bases named.
+    DeepSpeed bases take the checkpointing callback (per-block policies compose with ZeRO's parameter fetching) but
+    no activation offload or 8-bit optimizer (``ActivationOffload`` refuses DeepSpeed, and its engine runs its own
+    optimizer), and pairs the real run refuses (:meth:`Recipe.conflict`) are left out; ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only the bases named.
     """
     if bases is not None:
         unknown = [b for b in bases if b not in BASES]
@@ -153,7 +153,7 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
         ds = base in _DEEPSPEED
         for mb, ckpt, act, chunk, q in itertools.product(
             micro_batches(batch_size) if micro else [batch_size],
-            [None] if ds or not checkpointing else [None, "every_n", "all"],
+            [None, "every_n", "all"] if checkpointing else [None],
             [False] if ds or not activation_offload else [False, True], [False, True] if chunked_loss else [False],
             [False] if ds or not eight_bit else [False, True],
         ):

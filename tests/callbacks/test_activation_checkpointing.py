@@ -385,12 +385,21 @@ def test_choose_submodules_splits_the_dominant_module_and_skips_the_negligible()
     assert choose_submodules(nn.Module(), measured, 1000) == ["enc", "dec"]
 
 
-def test_deepspeed_refused_and_sqrt_under_fsdp_refused():
+def test_sqrt_refused_under_zero3_and_fsdp_other_policies_compose():
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-    trainer = SimpleNamespace(strategy=DeepSpeedStrategy.__new__(DeepSpeedStrategy))
-    with pytest.raises(ValueError, match="DeepSpeed strategy.*gradient_checkpointing_enable"):
-        ActivationCheckpointing()._check_strategy(trainer)
+    for stage in (1, 2, 3):
+        strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+        strategy.config = {"zero_optimization": {"stage": stage}}
+        trainer = SimpleNamespace(strategy=strategy)
+        for policy in ("all", "selective", "budget"):
+            ActivationCheckpointing(policy=policy, **({"budget": "1GiB"} if policy == "budget" else {}))._check_strategy(
+                trainer
+            )
+        if stage < 3:
+            ActivationCheckpointing(policy="sqrt")._check_strategy(trainer)
+    with pytest.raises(ValueError, match=r"policy='sqrt'.*ZeRO stage 3.*use policy='all'"):
+        ActivationCheckpointing(policy="sqrt")._check_strategy(trainer)
     trainer = SimpleNamespace(strategy=ModelParallelStrategy.__new__(ModelParallelStrategy))
     with pytest.raises(ValueError, match="policy='sqrt'.*use policy='all'"):
         ActivationCheckpointing(policy="sqrt")._check_strategy(trainer)

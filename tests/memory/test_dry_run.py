@@ -241,13 +241,13 @@ def test_finite_checks_get_the_value_of_a_healthy_run():
 @pytest.mark.deepspeed
 @RunIf(deepspeed=True)
 def test_zero_with_checkpointing_is_refused_with_the_callbacks_own_message():
-    with pytest.raises(ValueError, match="(?s)ActivationCheckpointing cannot run here.*DeepSpeed"):
-        estimate_memory("gpt2", 1, 16, precision="bf16-mixed", zero_stage=3, offload=True, checkpointing="all",
+    with pytest.raises(ValueError, match="(?s)ActivationCheckpointing cannot run here.*ZeRO stage 3"):
+        estimate_memory("gpt2", 1, 16, precision="bf16-mixed", zero_stage=3, offload=True, checkpointing="sqrt",
                         target="cpu")
     with pytest.raises(ValueError, match="ActivationOffload"):
         estimate_memory("gpt2", 1, 16, precision="bf16-mixed", zero_stage=2, activation_offload=True, target="cpu")
-    with pytest.raises(ValueError, match="(?s)ActivationCheckpointing cannot run here.*DeepSpeed"):
-        L.Trainer(strategy="lowmem_zero3_offload", callbacks=[ActivationCheckpointing("all")], **_TRAINER).fit(
+    with pytest.raises(ValueError, match="(?s)ActivationCheckpointing cannot run here.*ZeRO stage 3"):
+        L.Trainer(strategy="lowmem_zero3_offload", callbacks=[ActivationCheckpointing("sqrt")], **_TRAINER).fit(
             tiny_lm_module(), train_dataloaders=_Repeat(random_batch(1, 8)))
 
 

@@ -25,7 +25,9 @@ def test_candidates_leave_out_pairs_the_real_run_refuses():
     assert all(r.conflict(4) is None for r in recipes)
     assert not any(r.base == "offload_obw" and r.micro_batch_size != 4 for r in recipes)
     assert not any(r.base == "zero3_offload" and r.chunked_loss for r in recipes)
-    assert not any(r.base.startswith("zero") and (r.checkpointing or r.activation_offload) for r in recipes)
+    assert not any(r.base.startswith("zero") and (r.activation_offload or r.optimizer_8bit) for r in recipes)
+    # checkpointing composes with ZeRO (per-block policies): the ZeRO candidates carry it too
+    assert {r.checkpointing for r in recipes if r.base.startswith("zero")} == {None, "every_n", "all"}
     assert not any(r.base == "half" for r in recipes)
     assert any(r.base == "half" for r in candidates(4, pure_half=True))
     # a technique the user fixed is never added by the plan
@@ -77,6 +79,11 @@ def test_zero3_fetches_weights_in_forward_and_backward():
     z2 = step_cost(Recipe("zero2_offload", 4), XL, 4, CARD)
     z3 = step_cost(Recipe("zero3_offload", 4), XL, 4, CARD)
     assert z3.link_bytes == pytest.approx(3 * 2 * XL.num_params) and z3.link_bytes > z2.link_bytes
+    # a recomputed forward gathers the blocks' weights once more; ZeRO-2 keeps its weights on the device
+    block_params = XL.num_params - XL.vocab * XL.hidden
+    z3_ckpt = step_cost(Recipe("zero3_offload", 4, "all"), XL, 4, CARD)
+    assert z3_ckpt.link_bytes - z3.link_bytes == pytest.approx(2 * block_params)
+    assert step_cost(Recipe("zero2_offload", 4, "all"), XL, 4, CARD).link_bytes == z2.link_bytes
 
 
 def test_profiles_load_by_name_dict_and_yaml(tmp_path):

@@ -2,8 +2,8 @@
 
 One launch runs two fits in turn: ``lowmem_zero3_offload`` (DeepSpeed ZeRO-3, parameters and optimizer
 offloaded, ``DeepSpeedCPUAdam``) and Lightning's ``ModelParallelStrategy`` with FSDP2 (``fully_shard`` in
-``configure_model``), with activation checkpointing (the model's own
-non-reentrant one under ZeRO-3, which our ``ActivationCheckpointing`` callback refuses; the callback under FSDP2). Each rank sees half of every global
+``configure_model``), both with our ``ActivationCheckpointing`` callback (non-reentrant checkpointing, which
+composes with ZeRO-3's parameter fetching as Hugging Face's own does). Each rank sees half of every global
 batch (``DistributedSampler``); the reference is plain PyTorch AdamW in this process on the whole global batch.
 The same worker runs on several nodes unchanged: ``torchrun --nnodes N --nproc-per-node G --rdzv-endpoint
 HOST:PORT tests/strategies/test_multiprocess.py ...`` (or ``srun`` under SLURM), Lightning reads the ranks
@@ -67,14 +67,11 @@ def _fit(kind: str, out: Path) -> None:
     from lightning_lowmem import ActivationCheckpointing
 
     module = _module()
+    callbacks = [ActivationCheckpointing("all")]
     if kind == "zero3_offload":
-        # NOTE: ActivationCheckpointing refuses DeepSpeed strategies (DeepSpeed's own parameter hooks) and points
-        # to the model's own non-reentrant checkpointing, which composes with ZeRO-3's parameter fetching.
-        strategy, callbacks = "lowmem_zero3_offload", []
-        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        strategy = "lowmem_zero3_offload"
     else:
         strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
-        callbacks = [ActivationCheckpointing("all")]
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=STEPS, precision="32-true",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -256,8 +256,9 @@ def _cpu_fp16() -> bool:
 
 
 def test_our_callbacks_compose_or_say_what_to_use_instead(tmp_path):
-    """MemoryReport and AccumulationScheduler (a fixed window) run under a ZeRO preset; ActivationCheckpointing
-    and ActivationOffload refuse DeepSpeed with what to use instead (checked before any training)."""
+    """MemoryReport and AccumulationScheduler (a fixed window) run under a ZeRO preset; ActivationOffload refuses
+    DeepSpeed with what to use instead, as ActivationCheckpointing(policy="sqrt") refuses ZeRO-3 (before any
+    training); ActivationCheckpointing's other policies compose (tests/callbacks/test_activation_checkpointing_zero.py)."""
     from lightning_lowmem import AccumulationScheduler, ActivationCheckpointing, ActivationOffload, MemoryReport
 
     L.seed_everything(0)
@@ -270,10 +271,10 @@ def test_our_callbacks_compose_or_say_what_to_use_instead(tmp_path):
     assert trainer.strategy.config["gradient_accumulation_steps"] == 2
     assert len(report.steps) >= 1 and (tmp_path / "memory_report.json").is_file()
 
-    for callback, advice in ((ActivationCheckpointing("all"), "gradient_checkpointing_enable"),
-                             (ActivationOffload(), "lowmem_offload")):  # fmt: skip
+    for preset, callback, advice in (("lowmem_zero3", ActivationCheckpointing("sqrt"), "policy='all'"),
+                                     ("lowmem_zero2", ActivationOffload(), "lowmem_offload")):  # fmt: skip
         with pytest.raises(ValueError, match=advice):
-            _trainer("lowmem_zero2", max_steps=1, callbacks=[callback]).fit(
+            _trainer(preset, max_steps=1, callbacks=[callback]).fit(
                 CausalLMModule(config={**GPT2_TINY, **NO_DROPOUT}), _loader(2)
             )
 
