@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.nn import Module, Parameter
@@ -27,6 +29,9 @@ from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.precision.loss_scaler import DynamicLossScaler
+
+if TYPE_CHECKING:
+    from lightning_lowmem.strategies._masters_view import MastersView
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,13 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
             else:
                 no.add(id(p))
     return [p for key, p in yes.items() if key not in no]
+
+
+def _overridden(module: pl.LightningModule, hooks: tuple[str, ...]) -> bool:
+    """Whether ``module`` or one of its Trainer's callbacks implements one of ``hooks``."""
+    callbacks = module.trainer.callbacks if module._trainer is not None else []
+    return any(is_overridden(h, module, pl.LightningModule) for h in hooks) or any(
+        is_overridden(h, cb, Callback) for cb in callbacks for h in hooks if h.startswith("on_"))
 
 
 class MasterHalfPrecision(Reproducible, Precision):
@@ -144,6 +156,8 @@ class MasterHalfPrecision(Reproducible, Precision):
         self._skip_clipping = False
         self._attached = False  # set by OffloadStrategy, which keeps the masters this plugin steps
         self._drain: Callable[[], None] | None = None  # OffloadStrategy.drain_transfers
+        # OffloadStrategy's MastersView: the gradient hooks run against the masters (strategies/_masters_view.py)
+        self._view: MastersView | None = None
 
     @override
     def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple[Module, list[Optimizer], list[Any]]:
@@ -214,7 +228,22 @@ class MasterHalfPrecision(Reproducible, Precision):
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self._drain is not None:
             self._drain()  # NOTE: [drain before user code] before Lightning's `on_after_backward` hooks run
-        return super().post_backward(tensor, module)
+        with self._grad_view(module, "on_after_backward"):
+            return super().post_backward(tensor, module)
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:  # type: ignore[override]
+        # NOTE: `on_before_optimizer_step` and `configure_gradient_clipping` run here: user code in them reads and
+        # clips `p.grad` of the module's parameters, which must be the gradients the optimizer steps (the masters')
+        with self._grad_view(model, "on_before_optimizer_step", "configure_gradient_clipping"):
+            super()._after_closure(model, optimizer)
+
+    def _grad_view(self, module: pl.LightningModule, *hooks: str) -> AbstractContextManager:
+        """Under ``OffloadStrategy``, while ``hooks`` run, the module's parameters show the fp32 masters and their
+        gradients (strategies/_masters_view.py); only when the module or a callback overrides one of them."""
+        if self._view is None or not _overridden(module, hooks):
+            return nullcontext()
+        return self._view.view(grads=True)
 
     @override
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
@@ -290,6 +319,8 @@ class MasterHalfPrecision(Reproducible, Precision):
     ) -> None:
         if self._skip_clipping:
             return
+        if self._view is not None:
+            self._view.sync_grads()  # NOTE: a gradient a hook replaced through the module's parameter is clipped
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # --- checkpoint -------------------------------------------------------------------------------------
