@@ -10,6 +10,7 @@ them and re-points the optimizer at them, so ``main_params(optimizer)`` are the 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -58,6 +59,32 @@ def _casts_at_every_use(module: Module, name: str) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and name in ("weight", "bias")
 
 
+def _read_by_adapter_layers(module: Module) -> set[int]:
+    """Ids of the parameters that a PEFT adapter layer's own forward reads directly (their ``dtype`` or values).
+
+    PEFT's LoRA layer casts its input to ``lora_A.weight.dtype`` before the adapter's dropout (so the dropout
+    would run in bf16 here and in fp32 under plain mixed precision), its variants (DoRA) read the base layer's
+    weight to build the update, and other adapter types compute with their weights outside ``F.linear``. So every
+    parameter of an adapter layer keeps fp32 except a plain LoRA layer's base layer, which the layer only calls
+    (``self.base_layer(x)``): that one follows the usual rule (its ``nn.Linear`` weight in the compute dtype).
+    """
+    # NOTE: looked up in `sys.modules`, never imported: a module holding PEFT layers has imported peft already
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is None:
+        return set()
+    lora = sys.modules.get("peft.tuners.lora.layer")
+    read: set[int] = set()
+    for sub in module.modules():
+        if not isinstance(sub, tuners.BaseTunerLayer):
+            continue
+        base = sub.get_base_layer()
+        plain_lora = (lora is not None and isinstance(sub, lora.LoraLayer) and not getattr(sub, "lora_variant", None)
+                      and not any(getattr(sub, "use_dora", {}).values()))
+        called_only = {id(p) for p in base.parameters()} if plain_lora and base is not sub else set()
+        read |= {id(p) for p in sub.parameters() if id(p) not in called_only}
+    return read
+
+
 def autocast_cast_params(module: Module) -> list[Parameter]:
     """The floating-point parameters of ``module`` that ``torch.autocast`` casts to the compute dtype at every use.
 
@@ -65,13 +92,14 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
     an op of autocast's lower-precision list (linear, convolution, addmm; the same on CPU and CUDA). Storing
     such a parameter in the compute dtype changes nothing in the forward: autocast would round it the same way.
     A parameter used elsewhere too (an embedding tied to an LM head, a LayerNorm weight, ``x * self.scale``)
-    does not qualify and keeps fp32, where plain mixed precision keeps it.
+    does not qualify and keeps fp32, where plain mixed precision keeps it; so do the parameters of PEFT adapter
+    layers, whose forward reads their dtype (see :func:`_read_by_adapter_layers`).
 
-    NOTE: a module's own code that reads ``linear.weight`` directly (not through ``linear(x)``) sees the
-    compute dtype here and fp32 under plain mixed precision; that is the one difference.
+    NOTE: other code that reads a qualifying ``linear.weight`` directly (its ``dtype``, or its values outside
+    ``linear(x)``) sees the compute dtype here and fp32 under plain mixed precision; that is the one difference.
     """
     yes: dict[int, Parameter] = {}
-    no: set[int] = set()
+    no: set[int] = _read_by_adapter_layers(module)
     for sub in module.modules():
         for name, p in sub.named_parameters(recurse=False):
             if p.is_floating_point() and _casts_at_every_use(sub, name):
@@ -101,12 +129,15 @@ class MasterHalfPrecision(Reproducible, Precision):
       the parameters of ``nn.Linear``, ``nn.Conv*``/``nn.ConvTranspose*`` (forward not overridden), the
       input projections of ``nn.MultiheadAttention`` and Hugging Face's ``Conv1D`` (see
       :func:`autocast_cast_params`). Everything else stays fp32: norm layers, embeddings, tied weights,
-      custom parameters and every buffer. The forward is therefore the same computation as plain
-      ``*-mixed`` (the stored copy is the rounding autocast would make), and a module that runs under
-      plain mixed precision runs here (an fp32 buffer or tensor meets fp32 LayerNorm weights, as there).
-      Gradients are bit-identical to plain mixed precision except for a half weight used several times in
-      one backward (a GAN's discriminator on real and fake images, a layer applied in a loop): its
-      contributions are summed in the compute dtype, where plain mixed precision sums them in fp32.
+      custom parameters, the weights of PEFT adapter layers (LoRA reads ``lora_A.weight.dtype``) and every
+      buffer. The forward is therefore the same computation as plain ``*-mixed`` (the stored copy is the
+      rounding autocast would make), and a module that runs under plain mixed precision runs here (an fp32
+      buffer or tensor meets fp32 LayerNorm weights, as there). Gradients are bit-identical to plain mixed
+      precision except (1) for a half weight used several times in one backward (a GAN's discriminator on
+      real and fake images, a layer applied in a loop): its contributions are summed in the compute dtype,
+      where plain mixed precision sums them in fp32; (2) where other code reads a stored weight's ``dtype``
+      or values outside its layer's call (a wrapper's forward casting its input to ``linear.weight.dtype``
+      before other ops): it sees the compute dtype here, fp32 there.
       Device weights: 2 B/param for those layers, 4 B/param for the rest.
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
     * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in
