@@ -126,6 +126,9 @@ def _fit(kind: str, strategy, precision: str, tmp_path):
     trainer.fit(module)
     last = torch.load(tmp_path / "last.ckpt", weights_only=False)
     final = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if precision != "bf16-true":  # (plain Lightning's EMA cannot average a bf16 module into its fp32 copy)
+        trainer.validate(module, verbose=False)  # the EMA swaps its average in for validation, and back
+        _assert_equal(module.state_dict(), final, "module after validate")
     return final, last, [float(v) for v in module.val_losses], record, initial
 
 
