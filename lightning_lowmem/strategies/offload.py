@@ -22,6 +22,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -87,8 +88,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     module sees the fp32 masters through the module's own parameters (``.data`` swapped for the call, see
     ``strategies/_masters_view.py``): the gradient hooks (``on_after_backward``, ``on_before_optimizer_step``,
     ``configure_gradient_clipping``) with their ``.grad``, and every hook of Lightning's weight averaging
-    (``StochasticWeightAveraging``, ``WeightAveraging``). Elsewhere the parameters hold the compute weights and no
-    ``.grad`` (the masters: :attr:`masters`).
+    (``StochasticWeightAveraging``, ``WeightAveraging``); your own such code: ``with trainer.strategy.masters_view():``.
+    Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
 
     Args:
         optimizer_in_backward: step each master on the host as soon as its gradient is ready and
@@ -386,6 +387,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def master_of(self, p_host: Tensor) -> Parameter | None:
         """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
         return self._masters.master_of(p_host)
+
+    def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
+        """Inside, the module's own parameters are the fp32 masters (``grads``: with their gradients as ``.grad``), for
+        code written for the fp32 module (your own weight averaging callback); ``write_back`` if it writes them."""
+        return self._view.view(grads=grads, buffers=True, write_back=write_back) if self._view else nullcontext()
 
     # --- gradients ---------------------------------------------------------------------------------------
     def _grad_ready(self, i: int, sink: Callable[[int, Tensor], None], p_device: Tensor) -> None:

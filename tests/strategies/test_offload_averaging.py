@@ -14,6 +14,7 @@ in an extra epoch, the EMA averages them as buffers) and repeated blocks (``lowm
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import lightning as L
@@ -236,3 +237,35 @@ def test_ema_on_the_foreign_modules_equals_plain_lightning(name):
                 fit(strategy)
         return
     _assert_equal(fit(OffloadStrategy(host_optimizer="as_is")), fit("auto"), name)
+
+
+class OwnEMA(Callback):
+    """A user's own weight averaging, written for the fp32 module, using the strategy's public ``masters_view``."""
+
+    def __init__(self) -> None:
+        self.average: dict[str, torch.Tensor] | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        view = trainer.strategy.masters_view() if isinstance(trainer.strategy, OffloadStrategy) else contextlib.nullcontext()
+        with view:
+            current = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        if self.average is None:
+            self.average = current
+        else:
+            self.average = {n: 0.9 * self.average[n] + 0.1 * current[n] for n in current}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
+def test_masters_view_serves_a_users_own_averaging(stream):
+    averages = []
+    for strategy in ("auto", _strategy(stream)):
+        L.seed_everything(0, verbose=False)
+        callback = OwnEMA()
+        trainer = L.Trainer(
+            accelerator="cpu", strategy=strategy, precision="bf16-mixed", max_steps=3, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+            callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(Net())
+        averages.append(callback.average)
+    _assert_equal(averages[1], averages[0], "the user's average")
