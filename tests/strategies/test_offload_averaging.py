@@ -204,14 +204,16 @@ def test_bf16_true_averages_the_masters(kind, stream, tmp_path):
 
 
 def test_hooks_are_wrapped_only_during_fit(tmp_path):
-    """The weight averaging callback is left as the user gave it (its class's methods) once fit returns."""
+    """The weight averaging callback and the module are left as the user gave them (their classes' hooks) after fit."""
     averaging = _ema()
     trainer = L.Trainer(
         accelerator="cpu", strategy="lowmem_offload", max_steps=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, callbacks=[averaging],
     )  # fmt: skip
-    trainer.fit(Net())
+    module = Net()
+    trainer.fit(module)
     assert not any(name.startswith("on_") for name in vars(averaging))
+    assert not any(name.startswith("on_") for name in vars(module))  # the zero-grad hook is the class's again
 
 
 @pytest.mark.parametrize("name", list(FOREIGN_MODULES))
