@@ -10,15 +10,18 @@ them and re-points the optimizer at them, so ``main_params(optimizer)`` are the 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.nn import Module, Parameter
@@ -27,6 +30,9 @@ from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.precision.loss_scaler import DynamicLossScaler
+
+if TYPE_CHECKING:
+    from lightning_lowmem.strategies._masters_view import MastersView
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,32 @@ def _casts_at_every_use(module: Module, name: str) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and name in ("weight", "bias")
 
 
+def _read_by_adapter_layers(module: Module) -> set[int]:
+    """Ids of the parameters that a PEFT adapter layer's own forward reads directly (their ``dtype`` or values).
+
+    PEFT's LoRA layer casts its input to ``lora_A.weight.dtype`` before the adapter's dropout (so the dropout
+    would run in bf16 here and in fp32 under plain mixed precision), its variants (DoRA) read the base layer's
+    weight to build the update, and other adapter types compute with their weights outside ``F.linear``. So every
+    parameter of an adapter layer keeps fp32 except a plain LoRA layer's base layer, which the layer only calls
+    (``self.base_layer(x)``): that one follows the usual rule (its ``nn.Linear`` weight in the compute dtype).
+    """
+    # NOTE: looked up in `sys.modules`, never imported: a module holding PEFT layers has imported peft already
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is None:
+        return set()
+    lora = sys.modules.get("peft.tuners.lora.layer")
+    read: set[int] = set()
+    for sub in module.modules():
+        if not isinstance(sub, tuners.BaseTunerLayer):
+            continue
+        base = sub.get_base_layer()
+        plain_lora = (lora is not None and isinstance(sub, lora.LoraLayer) and not getattr(sub, "lora_variant", None)
+                      and not any(getattr(sub, "use_dora", {}).values()))
+        called_only = {id(p) for p in base.parameters()} if plain_lora and base is not sub else set()
+        read |= {id(p) for p in sub.parameters() if id(p) not in called_only}
+    return read
+
+
 def autocast_cast_params(module: Module) -> list[Parameter]:
     """The floating-point parameters of ``module`` that ``torch.autocast`` casts to the compute dtype at every use.
 
@@ -60,13 +92,14 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
     an op of autocast's lower-precision list (linear, convolution, addmm; the same on CPU and CUDA). Storing
     such a parameter in the compute dtype changes nothing in the forward: autocast would round it the same way.
     A parameter used elsewhere too (an embedding tied to an LM head, a LayerNorm weight, ``x * self.scale``)
-    does not qualify and keeps fp32, where plain mixed precision keeps it.
+    does not qualify and keeps fp32, where plain mixed precision keeps it; so do the parameters of PEFT adapter
+    layers, whose forward reads their dtype (see :func:`_read_by_adapter_layers`).
 
-    NOTE: a module's own code that reads ``linear.weight`` directly (not through ``linear(x)``) sees the
-    compute dtype here and fp32 under plain mixed precision; that is the one difference.
+    NOTE: other code that reads a qualifying ``linear.weight`` directly (its ``dtype``, or its values outside
+    ``linear(x)``) sees the compute dtype here and fp32 under plain mixed precision; that is the one difference.
     """
     yes: dict[int, Parameter] = {}
-    no: set[int] = set()
+    no: set[int] = _read_by_adapter_layers(module)
     for sub in module.modules():
         for name, p in sub.named_parameters(recurse=False):
             if p.is_floating_point() and _casts_at_every_use(sub, name):
@@ -74,6 +107,13 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
             else:
                 no.add(id(p))
     return [p for key, p in yes.items() if key not in no]
+
+
+def _overridden(module: pl.LightningModule, hooks: tuple[str, ...]) -> bool:
+    """Whether ``module`` or one of its Trainer's callbacks implements one of ``hooks``."""
+    callbacks = module.trainer.callbacks if module._trainer is not None else []
+    return any(is_overridden(h, module, pl.LightningModule) for h in hooks) or any(
+        is_overridden(h, cb, Callback) for cb in callbacks for h in hooks if h.startswith("on_"))
 
 
 class MasterHalfPrecision(Reproducible, Precision):
@@ -89,12 +129,15 @@ class MasterHalfPrecision(Reproducible, Precision):
       the parameters of ``nn.Linear``, ``nn.Conv*``/``nn.ConvTranspose*`` (forward not overridden), the
       input projections of ``nn.MultiheadAttention`` and Hugging Face's ``Conv1D`` (see
       :func:`autocast_cast_params`). Everything else stays fp32: norm layers, embeddings, tied weights,
-      custom parameters and every buffer. The forward is therefore the same computation as plain
-      ``*-mixed`` (the stored copy is the rounding autocast would make), and a module that runs under
-      plain mixed precision runs here (an fp32 buffer or tensor meets fp32 LayerNorm weights, as there).
-      Gradients are bit-identical to plain mixed precision except for a half weight used several times in
-      one backward (a GAN's discriminator on real and fake images, a layer applied in a loop): its
-      contributions are summed in the compute dtype, where plain mixed precision sums them in fp32.
+      custom parameters, the weights of PEFT adapter layers (LoRA reads ``lora_A.weight.dtype``) and every
+      buffer. The forward is therefore the same computation as plain ``*-mixed`` (the stored copy is the
+      rounding autocast would make), and a module that runs under plain mixed precision runs here (an fp32
+      buffer or tensor meets fp32 LayerNorm weights, as there). Gradients are bit-identical to plain mixed
+      precision except (1) for a half weight used several times in one backward (a GAN's discriminator on
+      real and fake images, a layer applied in a loop): its contributions are summed in the compute dtype,
+      where plain mixed precision sums them in fp32; (2) where other code reads a stored weight's ``dtype``
+      or values outside its layer's call (a wrapper's forward casting its input to ``linear.weight.dtype``
+      before other ops): it sees the compute dtype here, fp32 there.
       Device weights: 2 B/param for those layers, 4 B/param for the rest.
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
     * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in
@@ -144,6 +187,8 @@ class MasterHalfPrecision(Reproducible, Precision):
         self._skip_clipping = False
         self._attached = False  # set by OffloadStrategy, which keeps the masters this plugin steps
         self._drain: Callable[[], None] | None = None  # OffloadStrategy.drain_transfers
+        # OffloadStrategy's MastersView: the gradient hooks run against the masters (strategies/_masters_view.py)
+        self._view: MastersView | None = None
 
     @override
     def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple[Module, list[Optimizer], list[Any]]:
@@ -214,7 +259,22 @@ class MasterHalfPrecision(Reproducible, Precision):
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self._drain is not None:
             self._drain()  # NOTE: [drain before user code] before Lightning's `on_after_backward` hooks run
-        return super().post_backward(tensor, module)
+        with self._grad_view(module, "on_after_backward"):
+            return super().post_backward(tensor, module)
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:  # type: ignore[override]
+        # NOTE: `on_before_optimizer_step` and `configure_gradient_clipping` run here: user code in them reads and
+        # clips `p.grad` of the module's parameters, which must be the gradients the optimizer steps (the masters')
+        with self._grad_view(model, "on_before_optimizer_step", "configure_gradient_clipping"):
+            super()._after_closure(model, optimizer)
+
+    def _grad_view(self, module: pl.LightningModule, *hooks: str) -> AbstractContextManager:
+        """Under ``OffloadStrategy``, while ``hooks`` run, the module's parameters show the fp32 masters and their
+        gradients (strategies/_masters_view.py); only when the module or a callback overrides one of them."""
+        if self._view is None or not _overridden(module, hooks):
+            return nullcontext()
+        return self._view.view(grads=True)
 
     @override
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
@@ -290,6 +350,8 @@ class MasterHalfPrecision(Reproducible, Precision):
     ) -> None:
         if self._skip_clipping:
             return
+        if self._view is not None:
+            self._view.sync_grads()  # NOTE: a gradient a hook replaced through the module's parameter is clipped
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # --- checkpoint -------------------------------------------------------------------------------------

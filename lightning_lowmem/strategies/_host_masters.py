@@ -154,6 +154,23 @@ class HostMasters:
                 pairs.append((i, p_host, self.p_device[i]))
         return pairs
 
+    def nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[str], int] | None:
+        """None if every gradient ``optimizer`` holds is finite; else (names of the first bad ones, how many)."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return None
+        # NOTE: one vectorised pass (an L2 norm per tensor) instead of an isfinite mask per tensor; a norm that
+        # overflows fp32 (|g| ~ 1e19) counts as non-finite too, which AdamW's g*g would have turned into inf state.
+        if bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
+            return None
+        bad = [
+            self.names[self.host_index[id(p)]] if id(p) in self.host_index else f"tensor of shape {tuple(p.shape)}"
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
+        return bad[:3], len(bad) or 1
+
     # --- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self, module: torch.nn.Module) -> OrderedDict[str, Any]:
         """``module``'s state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""

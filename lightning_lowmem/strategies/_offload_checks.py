@@ -9,6 +9,7 @@ host cannot step (:func:`check_host_can_run`) and the Trainer's precision plugin
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_lowmem.memory.units import parse_bytes
@@ -77,6 +79,29 @@ def trainer_problems(strategy: OffloadStrategy, module: pl.LightningModule, trai
             )
         if not module.automatic_optimization:
             problems.append("`optimizer_in_backward=True` needs automatic optimization (the step happens in backward)")
+        problems += _gradient_hook_problems(module)
+    return problems
+
+
+def _gradient_hook_problems(module: pl.LightningModule) -> list[str]:
+    """``optimizer_in_backward``: the module's gradient hooks run after every parameter stepped and freed its gradient."""
+    name = type(module).__name__
+    problems = []
+    if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
+        problems.append(
+            f"`optimizer_in_backward=True` steps each parameter inside backward, before `{name}.configure_gradient_clipping` "
+            "runs, so your override would find no gradient to clip; remove it (`gradient_clip_val` with "
+            "`gradient_clip_algorithm='value'` clips each gradient before its step) or set `optimizer_in_backward=False`"
+        )
+    late = [h for h in ("on_after_backward", "on_before_optimizer_step") if is_overridden(h, module, pl.LightningModule)]
+    if late:
+        warnings.warn(
+            f"lowmem_offload(optimizer_in_backward=True) steps each parameter inside backward and frees its gradient: "
+            f"{' and '.join(f'`{name}.{h}`' for h in late)} will see `p.grad is None` for every parameter. Read "
+            "gradients in a tensor hook (`p.register_post_accumulate_grad_hook`), or set `optimizer_in_backward=False`.",
+            UserWarning,
+            stacklevel=2,
+        )
     return problems
 
 

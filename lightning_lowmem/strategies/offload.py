@@ -22,6 +22,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,6 +53,7 @@ from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_masters import HostMasters
 from lightning_lowmem.strategies._host_optimizer import HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
+from lightning_lowmem.strategies._masters_view import MastersView, copy_to_compute, wrap_hooks
 from lightning_lowmem.strategies._offload_checks import NONFINITE, NonFinite  # noqa: F401
 from lightning_lowmem.strategies.param_stream import (
     OffloadParams,
@@ -82,8 +84,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     fp16 uses dynamic loss scaling that skips overflowing steps). Any torch optimizer and LR scheduler
     from ``configure_optimizers`` keeps working; gradient clipping (norm and value) and gradient
     accumulation work on the masters. Manual optimization works (``manual_backward``,
-    ``opt.step()``, ``opt.zero_grad()``, ``self.clip_gradients``) in bf16 and fp32; the module's own
-    parameters never hold a ``.grad`` (read the masters' gradients through :attr:`masters`).
+    ``opt.step()``, ``opt.zero_grad()``, ``self.clip_gradients``) in bf16 and fp32. Code written for the fp32
+    module sees the fp32 masters through the module's own parameters (``.data`` swapped for the call, see
+    ``strategies/_masters_view.py``): the gradient hooks (``on_after_backward``, ``on_before_optimizer_step``,
+    ``configure_gradient_clipping``) with their ``.grad``, and every hook of Lightning's weight averaging
+    (``StochasticWeightAveraging``, ``WeightAveraging``); your own such code: ``with trainer.strategy.masters_view():``.
+    Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
 
     Args:
         optimizer_in_backward: step each master on the host as soon as its gradient is ready and
@@ -196,6 +202,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._hooks: list[Any] = []
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
+        self._view: MastersView | None = None  # see strategies/_masters_view.py
+        self._unwrap: Callable[[], None] = lambda: None
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
         self._clip_value: float | None = None
@@ -271,6 +279,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self._stream.attach()
         self.model = self._setup_model(self.model)
         self._transfer = transfer_for(self.root_device, self._masters.p_device)
+        self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
+        self._unwrap = wrap_hooks(trainer.callbacks, self.lightning_module, self._view)  # type: ignore[arg-type]
         if fitting:
             self._clip_value = (
                 float(trainer.gradient_clip_val)
@@ -283,6 +293,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                     self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
         precision._attached = True
         precision._drain = self.drain_transfers
+        precision._view = self._view  # NOTE: the gradient hooks see the masters and their gradients
         self.setup_precision_plugin()
         # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
 
@@ -377,6 +388,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
         return self._masters.master_of(p_host)
 
+    def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
+        """Inside, the module's own parameters are the fp32 masters (``grads``: with their gradients as ``.grad``), for
+        code written for the fp32 module (your own weight averaging callback); ``write_back`` if it writes them."""
+        return self._view.view(grads=grads, buffers=True, write_back=write_back) if self._view else nullcontext()
+
     # --- gradients ---------------------------------------------------------------------------------------
     def _grad_ready(self, i: int, sink: Callable[[int, Tensor], None], p_device: Tensor) -> None:
         grad = p_device.grad
@@ -460,24 +476,6 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """Whether the guard runs: ``nonfinite != "ignore"`` and no fp16 loss scaler (which skips overflows itself)."""
         return self.nonfinite != "ignore" and getattr(self.precision_plugin, "scaler", None) is None
 
-    def _nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[str], int] | None:
-        """None if every master gradient of ``optimizer`` is finite; else (names of the first bad ones, how many)."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return None
-        # NOTE: one vectorised pass (an L2 norm per tensor) instead of an isfinite mask per tensor; a norm that
-        # overflows fp32 (|g| ~ 1e19) counts as non-finite too, which AdamW's g*g would have turned into inf state.
-        if bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
-            return None
-        bad = [
-            self._masters.names[self._masters.host_index[id(p)]] if id(p) in self._masters.host_index
-            else f"tensor of shape {tuple(p.shape)}"
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-        ]
-        return bad[:3], len(bad) or 1
-
     def _nonfinite_step(self, names: list[str], count: int, model: pl.LightningModule, whole: bool = True) -> None:
         """Count a step skipped for non-finite gradients; warn once; raise per ``nonfinite``/``max_consecutive_skips``."""
         self.skipped_steps += 1
@@ -513,7 +511,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _host_step(self, optimizer: Optimizer) -> Any:
         """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
         if self._guarding():
-            found = self._nonfinite_grads(optimizer)
+            found = self._masters.nonfinite_grads(optimizer)
             if found is not None:
                 for group in optimizer.param_groups:
                     for p in group["params"]:
@@ -587,15 +585,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             p_host.grad = None
 
     def _weights_to_device(self, optimizer: Optimizer) -> None:
+        self._to_compute(self._masters.pairs(optimizer))
+
+    def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
         assert self._transfer is not None
-        pairs = self._masters.pairs(optimizer)
-        if self._stream is not None:
-            # NOTE: a streamed weight's compute copy is its host copy: the step rounds the master into it (the
-            # same fp32 -> compute dtype rounding as the device path); the next fetch carries it to the device.
-            host = self._stream.host_of()
-            self._stream.update_host([(p_host, host[id(p)]) for _, p_host, p in pairs if id(p) in host])
-            pairs = [pair for pair in pairs if id(pair[2]) not in host]
-        self._transfer.weights_to_device(pairs)
+        copy_to_compute(self._transfer, self._stream, pairs)
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     @override
@@ -662,6 +656,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     # --- teardown ----------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        self._unwrap()
         for handle in self._hooks:
             handle.remove()
         if self._transfer is not None:

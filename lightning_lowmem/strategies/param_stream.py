@@ -357,6 +357,10 @@ class ParamStream:
                 for p in ps:
                     p.data = self._placeholder(p.dtype, self.shapes[id(p)])
 
+    def released(self, p: nn.Parameter) -> torch.Tensor:
+        """What streamed parameter ``p``'s ``.data`` is while its block is released (built here, never read from ``p``)."""
+        return self._placeholder(p.dtype, self.shapes[id(p)])
+
     def host_of(self) -> dict[int, torch.Tensor]:
         """``{id(parameter): host copy}`` for every streamed parameter."""
         return {id(p): h for ps, hs in zip(self.params, self.host) for p, h in zip(ps, hs)}

@@ -16,6 +16,7 @@ def RunIf(
     bf16_cuda: bool = False,
     deepspeed: bool = False,
     bitsandbytes: bool = False,
+    peft: bool = False,
     min_processes_cpus: int = 0,
 ) -> pytest.MarkDecorator:
     """Return a ``skipif`` mark naming every unmet requirement.
@@ -34,6 +35,8 @@ def RunIf(
         reasons.append("needs `pip install 'lightning-lowmem[deepspeed]'`")
     if bitsandbytes and not package_available("bitsandbytes"):
         reasons.append("needs `pip install 'lightning-lowmem[bnb]'`")
+    if peft and not package_available("peft"):
+        reasons.append("needs `pip install 'lightning-lowmem[peft]'`")
     if min_processes_cpus and (os.cpu_count() or 1) < min_processes_cpus:
         reasons.append(f"needs {min_processes_cpus} CPU cores")
     # NOTE: `needs_cuda` lets tests/conftest.py add the `cuda` marker, so `pytest -m cuda` (make gpu-check) selects them

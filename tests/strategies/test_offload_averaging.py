@@ -1,0 +1,273 @@
+"""Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging`` with an EMA) under ``lowmem_offload``.
+
+The average must be taken over the fp32 masters and written back into them, as plain Lightning averages and writes
+its fp32 parameters. Compared, through a real ``Trainer.fit`` on a module with BatchNorm (SWA recomputes its statistics
+in an extra epoch, the EMA averages them as buffers) and repeated blocks (``lowmem_offload_params`` streams them):
+
+- ``32-true`` and ``bf16-mixed`` (``host_optimizer="as_is"``): ``torch.equal`` with plain Lightning at the same
+  precision, for the module after fit (weights and buffers), ``last.ckpt`` and the validation losses (the EMA
+  validates on the average);
+- ``bf16-true`` (plain Lightning trains bf16 weights without masters: other maths): ``torch.equal`` with a reference
+  that averages the masters recorded at each update with the callback's own function, and recomputes BatchNorm's
+  statistics with ``torch.optim.swa_utils.update_bn`` on a bf16 copy of the averaged module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_lowmem  # noqa: F401  (registers the strategy names)
+from lightning_lowmem.strategies.offload import OffloadStrategy
+from tests.helpers.foreign import FOREIGN_MODULES, make
+
+pytestmark = pytest.mark.integration
+EPOCHS = 3
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.lin(x)))
+
+
+class Net(L.LightningModule):
+    """Written as for plain Lightning: SGD with momentum, BatchNorm, a validation loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 1)
+        self.val_losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_losses.append(nn.functional.mse_loss(self(x).float(), y).detach().clone())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return _loader(seed=0)
+
+    def val_dataloader(self):
+        return _loader(seed=1, n=16)
+
+
+def _loader(seed: int, n: int = 32) -> DataLoader:
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(TensorDataset(x, torch.sin(x[:, :1]) * 2), batch_size=8)
+
+
+def _swa() -> StochasticWeightAveraging:
+    return StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1)
+
+
+def _ema() -> WeightAveraging:
+    return WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+
+AVERAGING = {"swa": _swa, "ema": _ema}
+
+
+class Record(Callback):
+    """``trainer.strategy``'s checkpoint state (the masters, fp32 buffers) when the averaging callback reads the module.
+
+    Placed before it in ``callbacks``, so its hook runs first, on the same state.
+    """
+
+    def __init__(self) -> None:
+        self.epoch_starts: list[dict[str, torch.Tensor]] = []
+        self.batch_ends: list[dict[str, torch.Tensor]] = []
+
+    @staticmethod
+    def _state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epoch_starts.append(self._state(trainer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batch_ends.append(self._state(trainer))
+
+
+def _fit(kind: str, strategy, precision: str, tmp_path):
+    L.seed_everything(0, verbose=False)
+    module = Net()
+    initial = copy.deepcopy(module)
+    record = Record()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_epochs=EPOCHS, limit_val_batches=1,
+        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[record, AVERAGING[kind](), ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+    )  # fmt: skip
+    trainer.fit(module)
+    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    final = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if precision != "bf16-true":  # (plain Lightning's EMA cannot average a bf16 module into its fp32 copy)
+        trainer.validate(module, verbose=False)  # the EMA swaps its average in for validation, and back
+        _assert_equal(module.state_dict(), final, "module after validate")
+    return final, last, [float(v) for v in module.val_losses], record, initial
+
+
+_PLAIN: dict[tuple[str, str], tuple] = {}
+
+
+def _plain(kind: str, precision: str, tmp_path_factory):
+    if (kind, precision) not in _PLAIN:
+        _PLAIN[kind, precision] = _fit(kind, "auto", precision, tmp_path_factory.mktemp("plain"))
+    return _PLAIN[kind, precision]
+
+
+def _assert_equal(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{what}: {key} differs by {(got[key] - value).abs().max()}"
+
+
+def _strategy(stream: bool) -> OffloadStrategy:
+    return OffloadStrategy(host_optimizer="as_is", offload_params=stream)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_averaging_equals_plain_lightning(kind, precision, stream, tmp_path, tmp_path_factory):
+    final, last, val, _, _ = _fit(kind, _strategy(stream), precision, tmp_path)
+    want_final, want_last, want_val, _, _ = _plain(kind, precision, tmp_path_factory)
+    _assert_equal(final, want_final, "module after fit")
+    _assert_equal(last["state_dict"], want_last["state_dict"], "last.ckpt state_dict")
+    if kind == "ema":  # the callback saves the average as `state_dict` and the trained weights beside it
+        _assert_equal(last["current_model_state"], want_last["current_model_state"], "last.ckpt current_model_state")
+    assert val == want_val and len(val) >= EPOCHS
+
+
+def _reference_swa(record: Record, initial: Net) -> dict[str, torch.Tensor]:
+    """SWA's average of the masters it read (epochs 1 and 2), then BatchNorm statistics recomputed in bf16."""
+    swa = _swa()
+    states = record.epoch_starts[swa._swa_epoch_start - 1 : EPOCHS]
+    names = [n for n, _ in initial.named_parameters()]
+    average = {n: states[0][n].clone() for n in names}
+    for count, state in enumerate(states[1:], start=1):
+        average = {n: swa.avg_fn(average[n], state[n], torch.tensor(count)) for n in names}
+    module = copy.deepcopy(initial)
+    module.load_state_dict({**states[-1], **average})
+    module.to(torch.bfloat16)
+    update_bn(((x.to(torch.bfloat16), y) for x, y in _loader(seed=0)), module)
+    buffers = {k: v.float() if v.is_floating_point() else v for k, v in module.state_dict().items() if k not in average}
+    return {**buffers, **average}
+
+
+def _reference_ema(record: Record, initial: Net) -> dict[str, torch.Tensor]:
+    """The EMA of the masters and fp32 buffers read after each step, by torch's ``AveragedModel`` as the callback runs it."""
+    average = AveragedModel(copy.deepcopy(initial), multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    scratch = copy.deepcopy(initial)
+    for state in record.batch_ends:
+        scratch.load_state_dict(state)
+        average.update_parameters(scratch)
+    return {k: v.clone() for k, v in average.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_bf16_true_averages_the_masters(kind, stream, tmp_path):
+    final, last, _, record, initial = _fit(kind, _strategy(stream), "bf16-true", tmp_path)
+    want = (_reference_swa if kind == "swa" else _reference_ema)(record, initial)
+    _assert_equal(final, want, "module after fit")
+    _assert_equal(last["state_dict"], want, "last.ckpt state_dict")
+    if kind == "swa":
+        # the averaged weights are the exact fp32 average (not its bf16 rounding); BatchNorm's are bf16 statistics
+        assert any(not torch.equal(final[k], final[k].bfloat16().float()) for k in final if k.endswith("weight"))
+
+
+def test_hooks_are_wrapped_only_during_fit(tmp_path):
+    """The weight averaging callback and the module are left as the user gave them (their classes' hooks) after fit."""
+    averaging = _ema()
+    trainer = L.Trainer(
+        accelerator="cpu", strategy="lowmem_offload", max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, callbacks=[averaging],
+    )  # fmt: skip
+    module = Net()
+    trainer.fit(module)
+    assert not any(name.startswith("on_") for name in vars(averaging))
+    assert not any(name.startswith("on_") for name in vars(module))  # the zero-grad hook is the class's again
+
+
+@pytest.mark.parametrize("name", list(FOREIGN_MODULES))
+def test_ema_on_the_foreign_modules_equals_plain_lightning(name):
+    """Lightning's EMA on the six modules written as Lightning's examples write them (tests/helpers/foreign.py)."""
+
+    def fit(strategy) -> dict[str, torch.Tensor]:
+        module = make(name)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_steps=3, limit_val_batches=1, num_sanity_val_steps=0,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            callbacks=[_ema()],
+        )  # fmt: skip
+        L.seed_everything(1, verbose=False)  # dropout masks and the GAN's noise
+        trainer.fit(module)
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    if name == "transformer_lm":
+        # its position table is a buffer built on first use: the average made at setup has none, and torch's
+        # AveragedModel cannot copy it, under plain Lightning as here
+        for strategy in ("auto", OffloadStrategy(host_optimizer="as_is")):
+            with pytest.raises(RuntimeError, match=r"size of tensor a \(0\) must match the size of tensor b"):
+                fit(strategy)
+        return
+    _assert_equal(fit(OffloadStrategy(host_optimizer="as_is")), fit("auto"), name)
+
+
+class OwnEMA(Callback):
+    """A user's own weight averaging, written for the fp32 module, using the strategy's public ``masters_view``."""
+
+    def __init__(self) -> None:
+        self.average: dict[str, torch.Tensor] | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        view = trainer.strategy.masters_view() if isinstance(trainer.strategy, OffloadStrategy) else contextlib.nullcontext()
+        with view:
+            current = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        if self.average is None:
+            self.average = current
+        else:
+            self.average = {n: 0.9 * self.average[n] + 0.1 * current[n] for n in current}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
+def test_masters_view_serves_a_users_own_averaging(stream):
+    averages = []
+    for strategy in ("auto", _strategy(stream)):
+        L.seed_everything(0, verbose=False)
+        callback = OwnEMA()
+        trainer = L.Trainer(
+            accelerator="cpu", strategy=strategy, precision="bf16-mixed", max_steps=3, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+            callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(Net())
+        averages.append(callback.average)
+    _assert_equal(averages[1], averages[0], "the user's average")
