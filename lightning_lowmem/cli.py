@@ -23,7 +23,7 @@ from typing import Any
 _TOOLS = {
     "estimate": ("lightning_lowmem.memory.estimate_cli", "main"),
     "plan": ("lightning_lowmem.plan.plan_cli", "main"),
-    "consolidate": ("lightning_lowmem.strategies.zero", "consolidate_main"),
+    "consolidate": ("lightning_lowmem.strategies._zero_consolidate", "consolidate_main"),
 }
 # every subcommand, for `lowmem --help` (answered without importing Lightning or torch)
 SUBCOMMANDS = {
