@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_lowmem import _atomic, _host_memory
 from lightning_lowmem._compat import Reproducible, require, swapped
+from lightning_lowmem.strategies import _preflight
 from lightning_lowmem.strategies import _zero_checkpoint as zckpt
 from lightning_lowmem.strategies import _zero_config as zc
 from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
@@ -185,6 +186,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
+        _preflight.check_start(self)  # a stray LOCAL_RANK, a stale op-build lock: refused instead of waiting forever
         DDPStrategy.setup_environment(self)
         from lightning_lowmem import _warnings
 
@@ -258,7 +260,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             for name, value in list(vars(groups).items()):
                 if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
                     setattr(groups, name, {} if isinstance(value, dict) else None)
-        super()._init_deepspeed_distributed()
+        with _preflight.rendezvous_notice(self):
+            super()._init_deepspeed_distributed()
 
     @property
     def _device_rank(self) -> int:
@@ -368,7 +371,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                     "`Trainer(accumulate_grad_batches=...)` or `lightning_lowmem.AccumulationScheduler` with a fixed "
                     "window; for a schedule that changes, use `strategy='lowmem_offload'`"
                 )
-        return problems
+        return problems + _preflight.checkpoint_dir_problems(trainer)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
 
@@ -381,7 +384,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             return optimizer, scheduler_config
         from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
 
-        cpu_optimizer, message = to_cpu_optimizer(optimizer, self.config)
+        with _preflight.SlowStartNotice("Creating DeepSpeedCPUAdam", _preflight.OP_BUILD_HINT):
+            cpu_optimizer, message = to_cpu_optimizer(optimizer, self.config)
         if cpu_optimizer is not optimizer:
             rank_zero_info(message)
             if scheduler_config is not None:
