@@ -177,3 +177,18 @@ def test_a_checkpoint_dir_that_cannot_be_created_is_refused_before_the_first_ste
                  callbacks=[ModelCheckpoint(dirpath=dirpath)]).fit(_module(), _loader())
     assert f"the checkpoint directory '{dirpath}' cannot be created: '{tmp_path / 'notes.txt'}' is a file" in str(exc.value)
     assert _Steps.count == 0
+
+
+def test_lowmem_consolidate_of_a_forged_checkpoint_is_one_line(checkpoints, tmp_path, capsys):
+    from lightning_lowmem.cli import main
+
+    ckpt = _copy(checkpoints["lowmem_zero2"], tmp_path)
+    (ckpt / MANIFEST).unlink(missing_ok=True)  # else the size recorded in it already tells the file was rewritten
+    file = ckpt / "checkpoint" / "mp_rank_00_model_states.pt"
+    marker = tmp_path / "PAYLOAD_RAN"
+    forge(file, marker)
+    assert main(["consolidate", str(ckpt), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lowmem: error: Refused to load '{file}'") and "`lowmem consolidate --trusted DIR OUT`" in err
+    assert len(err.strip().splitlines()) == 2  # the error line and the LOWMEM_TRACEBACK hint
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
