@@ -13,12 +13,15 @@ import os
 import shutil
 from pathlib import Path
 
+from typing_extensions import override
+
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class DiskFullError(OSError):
     """No space left on the device (or the quota) while writing a checkpoint; the previous one is intact."""
 
+    @override
     def __str__(self) -> str:
         return str(self.strerror)  # NOTE: the sentence alone, without OSError's "[Errno 28] ...: 'filename'"
 
