@@ -10,7 +10,8 @@ against the directory's digest manifest (``_digest``) first.
 What DeepSpeed's files need beyond torch's own allow-list (found by writing real ZeRO-1/2/3 checkpoints, with
 and without optimizer/parameter offload, fp32 and bf16, on the CPU with DeepSpeed 0.19.8, and listing what
 ``torch.serialization.get_unsafe_globals_in_checkpoint`` reports) is :data:`DEEPSPEED_GLOBALS`: plain data
-classes whose unpickling only sets attributes.
+classes whose unpickling only sets attributes. ``DynamicLossScaler`` is not among what was observed (fp16 needs a
+GPU here); it is the fp16 counterpart that DeepSpeed's fp16 optimizers pickle in the same place.
 
 Opting in (the checkpoint is yours): ``trainer.fit(..., ckpt_path=..., weights_only=False)`` (Lightning's own
 flag, passed to the strategy) or ``consolidate(..., trusted=True)`` / ``lowmem consolidate --trusted``.
