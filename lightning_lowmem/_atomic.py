@@ -76,26 +76,48 @@ def fsync_tree(root: str | os.PathLike) -> None:
         fsync_path(dirpath)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, mode: int = 0o644) -> None:
+def atomic_write(
+    path: str | os.PathLike,
+    write: Callable[[IO[bytes]], Any],
+    *,
+    mode: int | None = None,
+    digest: bool = False,
+    needed: int | None = None,
+) -> str | None:
     """Write ``path`` through ``write(file)`` atomically: temp file beside it, fsync, ``os.replace``, fsync the dir.
 
-    Stale temp files of dead processes beside ``path`` are removed first (:func:`clean_orphans`).
+    Stale temp files of dead processes beside ``path`` are removed first (:func:`clean_orphans`). The file's
+    permissions follow the process's umask, as ``open`` gives them (``mode`` forces others).
+    ``digest=True`` appends the SHA-256 of what ``write`` wrote as the zip comment of a ``torch.save`` archive
+    (``_digest``; checked at load) and returns it. A full disk raises ``DiskFullError`` naming the device,
+    the file, ``needed`` (an estimate of the bytes to write) and the free space, after removing the temp file.
     """
+    from lightning_lowmem import _digest, _disk_full
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_orphans(path)
     tmp = temp_path(path)
+    sink = None
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            sink = _digest.HashingWriter(f, digest=digest)
+            write(sink)  # type: ignore[arg-type]
+            recorded = sink.seal()
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        full = _disk_full.full_disk_error(sink.error if sink is not None else None) or _disk_full.full_disk_error(err)
+        if full is not None:
+            written = sink.written if sink is not None else 0
+            raise _disk_full.disk_full_error(full, path, max(needed or 0, written) or None) from err
         raise
     fsync_path(path.parent)
+    return recorded
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8") -> None:

@@ -68,11 +68,12 @@ class LowMemCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # NOTE: LightningCLI torch.loads `--ckpt_path` itself (for the hyperparameters) before any strategy sees it;
         # a damaged file must be named here, not surface as a bare EOFError.
+        from lightning_lowmem._digest import file_problem
         from lightning_lowmem.strategies._atomic_checkpoint_io import torch_file_problem
 
         ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
         if ckpt_path and os.path.isfile(ckpt_path):
-            reason = torch_file_problem(ckpt_path)
+            reason = torch_file_problem(ckpt_path) or file_problem(ckpt_path)
             if reason is not None:
                 raise ValueError(
                     f"Passed `--ckpt_path {ckpt_path}`, which {reason}. Pass another checkpoint (an earlier one), or "

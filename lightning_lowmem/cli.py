@@ -4,10 +4,11 @@
     lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB
     lowmem plan --config run.yaml --device-memory 12GB --write plan.yaml   # the fastest recipe that fits
     lowmem consolidate CHECKPOINT_DIR OUT_FILE  # DeepSpeed directory checkpoint -> plain fp32 state dict
+    lowmem build-ops                           # compile DeepSpeed's CPU ops once, ahead of the runs
 
 A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in
 ``class_path:`` form, and callbacks by their short names (``class_path: ActivationCheckpointing``).
-Modules in the current directory are importable (``class_path: my_module.MyModel``), as under ``python -m``.
+Modules in the current directory are importable (``class_path: my_module.MyModel``), after every installed one.
 Bad input ends with one ``lowmem: error: ...`` line naming the value and the fix; set
 ``LOWMEM_TRACEBACK=1`` to see the full traceback instead.
 """
@@ -23,7 +24,8 @@ from typing import Any
 _TOOLS = {
     "estimate": ("lightning_lowmem.memory.estimate_cli", "main"),
     "plan": ("lightning_lowmem.plan.plan_cli", "main"),
-    "consolidate": ("lightning_lowmem.strategies.zero", "consolidate_main"),
+    "consolidate": ("lightning_lowmem.strategies._zero_consolidate", "consolidate_main"),
+    "build-ops": ("lightning_lowmem._ops_build", "main"),
 }
 # every subcommand, for `lowmem --help` (answered without importing Lightning or torch)
 SUBCOMMANDS = {
@@ -36,6 +38,7 @@ SUBCOMMANDS = {
     "plan": "the fastest recipe that fits a device (and host) budget: `--config run.yaml --device-memory 12GB "
             "--write plan.yaml`, then `lowmem fit --config plan.yaml`",
     "consolidate": "a DeepSpeed ZeRO checkpoint directory -> one plain fp32 state dict",
+    "build-ops": "compile DeepSpeed's CPU ops (cpu_adam, shm collectives) ahead of time, removing stale build locks",
 }
 _LAZY_NAMES = {"LowMemCLI", "check_strategy_name", "import_public_classes"}
 
@@ -51,7 +54,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jsonargparse import ArgumentError
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    from lightning_lowmem._disk_full import DiskFullError
     from lightning_lowmem._host_memory import HostMemoryError
+    from lightning_lowmem._ops_build import StaleBuildLockError
+    from lightning_lowmem.strategies._preflight import LaunchError
     from lightning_lowmem.strategies.offload import NonFiniteGradientError
 
     return (
@@ -63,6 +69,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         MisconfigurationException,
         HostMemoryError,
         NonFiniteGradientError,
+        DiskFullError,
+        StaleBuildLockError,
+        LaunchError,
         ArgumentError,  # jsonargparse's, raised instead of printing the usage text (see `_cli_errors`)
     )
 
@@ -89,17 +98,19 @@ def _root_cause(err: BaseException) -> BaseException:
 
 
 def _current_directory_importable() -> None:
-    """Put the working directory first on ``sys.path``, as ``python -m`` and ``python script.py``'s folder are.
+    """Put the working directory LAST on ``sys.path``, so that a YAML file's ``class_path: my_module.MyModel`` imports.
 
-    NOTE: a console script's ``sys.path[0]`` is its ``bin`` folder, so ``class_path: my_module.MyModel`` in a YAML
-    file next to ``my_module.py`` would fail with "No module named 'my_module'". ``python -P`` /
+    NOTE: a console script's ``sys.path[0]`` is its ``bin`` folder, so ``my_module.py`` next to the YAML file
+    would fail with "No module named 'my_module'". Last, not first: a file in the current directory named like
+    a module that ``lowmem`` itself imports (``jsonargparse.py``, ``yaml.py``, ``torch.py``) must not replace it
+    (code from a downloaded project's folder would run in place of the library). ``python -P`` /
     ``PYTHONSAFEPATH`` (the user asked for no such entry) is respected.
     """
     if sys.flags.safe_path:
         return
     cwd = os.getcwd()
     if not any(entry in ("", ".", cwd) for entry in sys.path):
-        sys.path.insert(0, cwd)
+        sys.path.append(cwd)
 
 
 def _message(err: BaseException, args: list[str]) -> str:

@@ -36,7 +36,19 @@ def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
     _atomic.atomic_write(target, lambda f: f.write(b"two"))
     assert target.read_bytes() == b"two"
     assert sorted(p.name for p in target.parent.iterdir()) == ["a.bin"]
-    assert oct(target.stat().st_mode & 0o777) == oct(0o644)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o027])
+def test_atomic_write_honours_the_umask(tmp_path, umask):
+    """As plain `open` (and Lightning's own writer) do: 0o644 under 022, 0o600 under 077, 0o640 under 027."""
+    previous = os.umask(umask)
+    try:
+        _atomic.atomic_write(tmp_path / "a.bin", lambda f: f.write(b"x"))
+        _atomic.atomic_write_text(tmp_path / "report.json", "{}")
+    finally:
+        os.umask(previous)
+    for name in ("a.bin", "report.json"):
+        assert oct((tmp_path / name).stat().st_mode & 0o777) == oct(0o666 & ~umask)
 
 
 def test_atomic_write_failing_midway_keeps_the_previous_file(tmp_path):
@@ -111,3 +123,47 @@ def test_clean_orphans_keeps_the_name_in_use(tmp_path):
 def test_pid_alive():
     assert _atomic.pid_alive(os.getpid()) and _atomic.pid_alive(os.getppid())
     assert not _atomic.pid_alive(_dead_pid())
+
+
+# --- digests and a full disk -----------------------------------------------------------------------------------
+def test_digest_is_the_zip_comment_and_finds_flipped_tensor_bytes(tmp_path):
+    import zipfile
+
+    import torch
+
+    from lightning_lowmem import _digest
+    from tests.helpers.checkpoints import flip_tensor_bytes
+
+    state = {"w": torch.randn(300, 300), "step": 3}
+    path = tmp_path / "a.ckpt"
+    recorded = _atomic.atomic_write(path, lambda f: torch.save(state, f), digest=True)
+    assert recorded and _digest.recorded_digest(path) == recorded
+    assert zipfile.ZipFile(path).comment == b"lowmem-sha256:" + recorded.encode()
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])  # still a plain torch.save file
+    assert _digest.file_problem(path) is None
+    flip_tensor_bytes(path)
+    assert torch.load(path, weights_only=True)["step"] == 3  # torch itself does not notice
+    assert "does not match the SHA-256 digest recorded in it" in _digest.file_problem(path)
+    plain = tmp_path / "plain.ckpt"
+    torch.save(state, plain)
+    assert _digest.recorded_digest(plain) is None and _digest.file_problem(plain) is None  # no digest: nothing to check
+
+
+def test_a_full_disk_is_named_and_the_temp_file_removed(tmp_path):
+    """A real ENOSPC: the temp file is a link to /dev/full, whose writes the kernel refuses with ENOSPC."""
+    import torch
+
+    from lightning_lowmem._disk_full import DiskFullError
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"previous checkpoint")
+    os.symlink("/dev/full", _atomic.temp_path(target))
+    with pytest.raises(DiskFullError) as exc:
+        _atomic.atomic_write(target, lambda f: torch.save({"w": torch.zeros(1 << 20)}, f), needed=4 << 20)
+    message = str(exc.value)
+    assert message.startswith("No space left on ") and f"while writing '{target}' (needed ~4.0 MiB, free " in message
+    assert "unexpected pos" not in message and exc.value.errno == 28
+    assert target.read_bytes() == b"previous checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

@@ -253,3 +253,21 @@ def test_users_own_module_by_class_path_from_the_current_directory(tmp_path):
     safe = subprocess.run([sys.executable, "-P", str(runner), "fit", "--config", "config.yaml"], cwd=project, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert safe.returncode == 2 and "my_module" in safe.stderr  # python -P: the user asked for no such entry
+
+
+def test_a_file_in_the_current_directory_does_not_replace_a_library(tmp_path):
+    """A `jsonargparse.py` in the folder `lowmem` runs in (a downloaded project) is not imported instead of the
+    library: the current directory comes last on sys.path."""
+    project, bin_dir = tmp_path / "project", tmp_path / "bin"
+    project.mkdir()
+    bin_dir.mkdir()
+    marker = tmp_path / "IMPOSTOR_RAN"
+    (project / "jsonargparse.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('impostor')\n")
+    runner = bin_dir / "lowmem_runner.py"  # NOTE: as a console script runs: sys.path[0] is its own folder
+    runner.write_text("import sys\nfrom lightning_lowmem.cli import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("PYTHONSAFEPATH", None)
+    out = subprocess.run([sys.executable, str(runner), "fit", "--help"], cwd=project, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert not marker.exists(), out.stderr[-2000:]
+    assert out.returncode == 0 and "--trainer.max_steps" in out.stdout, out.stderr[-2000:]

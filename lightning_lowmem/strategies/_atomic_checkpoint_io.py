@@ -5,10 +5,15 @@ Writes go through :func:`lightning_lowmem._atomic.atomic_write` (temp file in th
 crash or a full disk mid-write leaves the previous checkpoint intact, and the ``.NAME.tmp-PID`` orphans
 of killed processes are removed at the next save. Remote (fsspec) paths use Lightning's own writer.
 
-Loads check the file before ``torch.load`` reads it, so that an empty, truncated or foreign file, or a
-DeepSpeed checkpoint directory, is an error naming the file and what to do instead of an
-``EOFError``, an ``OSError`` without the file's name, or an ``UnpicklingError`` suggesting
-``weights_only=False``.
+Each saved file carries its SHA-256 as the zip comment (``_digest``; computed while it is written), and a
+full disk is named (``_disk_full``) instead of torch's ``unexpected pos ...``.
+
+Loads check the file before ``torch.load`` reads it, so that an empty, truncated, damaged (digest mismatch)
+or foreign file, or a DeepSpeed checkpoint directory, is an error naming the file and what to do instead of an
+``EOFError``, an ``OSError`` without the file's name, or a silently wrong resume. The load itself is
+weights-only unless the caller passed ``weights_only=False`` (Lightning's flag: ``trainer.fit(...,
+weights_only=False)``), whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` or Lightning's remote-URL default say; a
+refusal names the file, what it holds and that opt-in.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_lowmem import _atomic
+from lightning_lowmem import _atomic, _digest, _disk_full, _trusted_load
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,25 +46,43 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"Cannot write the checkpoint to {str(path)!r}: it is a directory (a DeepSpeed checkpoint of an earlier "
                 "`lowmem_zero*` run?). Save under another name, or remove the directory first."
             )
-        _atomic.atomic_write(path, lambda f: torch.save(checkpoint, f))
+        needed = _disk_full.tensor_bytes(checkpoint)
+        _atomic.atomic_write(path, lambda f: torch.save(checkpoint, f), digest=True, needed=needed)
 
     @override
-    def load_checkpoint(self, path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"weights_only": True if weights_only is None else weights_only}
+        if map_location is not None:
+            kwargs["map_location"] = map_location
         if not _is_local_file_protocol(path):
-            return super().load_checkpoint(path, *args, **kwargs)
+            return self._load(path, kwargs)
         problem = single_file_problem(path)
         if problem is not None:
             raise (FileNotFoundError if not os.path.lexists(path) else ValueError)(problem)
+        damage = _digest.file_problem(path)
+        if damage is not None:
+            raise _digest.DigestMismatchError(f"The checkpoint {str(path)!r} {damage}. {_FIX}")
         try:
-            return super().load_checkpoint(path, *args, **kwargs)
+            return self._load(path, kwargs)
         except (EOFError, pickle.UnpicklingError, RuntimeError, OSError, zipfile.BadZipFile) as err:
-            if isinstance(err, FileNotFoundError) or "Weights only load failed" in str(err):
-                raise  # NOTE: a readable file holding objects outside torch's allow-list: torch's advice applies
+            if isinstance(err, FileNotFoundError):
+                raise
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise ValueError(
                 f"Cannot read the checkpoint {str(path)!r} ({os.path.getsize(path):,} bytes; {type(err).__name__}: "
                 f"{first}): the file is damaged. {_FIX}"
             ) from err
+
+
+    def _load(self, path: _PATH, kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().load_checkpoint(path, **kwargs)
+        except pickle.UnpicklingError as err:
+            if kwargs["weights_only"] is False or "Weights only load failed" not in str(err):
+                raise
+            raise _trusted_load.refusal(path, err, _trusted_load.TRAINER_OPT_IN) from None
 
 
 _FIX = (

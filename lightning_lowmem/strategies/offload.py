@@ -48,7 +48,7 @@ from lightning_lowmem.memory.categories import (
 )
 from lightning_lowmem.memory.units import fmt_size, parse_bytes
 from lightning_lowmem.precision.master_half import MasterHalfPrecision
-from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, hf_weights
+from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, _preflight, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_masters import HostMasters
 from lightning_lowmem.strategies._host_optimizer import HostOptimizer
@@ -315,6 +315,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         assert module is not None
         problems = _offload_checks.trainer_problems(self, module, trainer)
         problems += _offload_checks.streaming_problems(self, module)
+        problems += _preflight.checkpoint_dir_problems(trainer)  # NOTE: a save that would fail after the first step
         self._loading, loading = _offload_checks.loading_problems(self.load_weights, module, trainer)
         problems += loading
         if problems:

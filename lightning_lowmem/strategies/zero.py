@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import logging
 import os
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,8 +29,11 @@ from typing_extensions import override
 
 from lightning_lowmem import _atomic, _host_memory
 from lightning_lowmem._compat import Reproducible, require, swapped
+from lightning_lowmem.strategies import _preflight
+from lightning_lowmem.strategies import _zero_checkpoint as zckpt
 from lightning_lowmem.strategies import _zero_config as zc
 from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
+from lightning_lowmem.strategies._zero_consolidate import consolidate, consolidate_main  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     import deepspeed
@@ -185,6 +186,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
+        _preflight.check_start(self)  # a stray LOCAL_RANK, a stale op-build lock: refused instead of waiting forever
         DDPStrategy.setup_environment(self)
         from lightning_lowmem import _warnings
 
@@ -258,7 +260,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             for name, value in list(vars(groups).items()):
                 if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
                     setattr(groups, name, {} if isinstance(value, dict) else None)
-        super()._init_deepspeed_distributed()
+        with _preflight.rendezvous_notice(self):
+            super()._init_deepspeed_distributed()
 
     @property
     def _device_rank(self) -> int:
@@ -368,7 +371,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                     "`Trainer(accumulate_grad_batches=...)` or `lightning_lowmem.AccumulationScheduler` with a fixed "
                     "window; for a schedule that changes, use `strategy='lowmem_offload'`"
                 )
-        return problems
+        return problems + _preflight.checkpoint_dir_problems(trainer)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
 
@@ -381,7 +384,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             return optimizer, scheduler_config
         from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
 
-        cpu_optimizer, message = to_cpu_optimizer(optimizer, self.config)
+        with _preflight.SlowStartNotice("Creating DeepSpeedCPUAdam", _preflight.OP_BUILD_HINT):
+            cpu_optimizer, message = to_cpu_optimizer(optimizer, self.config)
         if cpu_optimizer is not optimizer:
             rank_zero_info(message)
             if scheduler_config is not None:
@@ -464,16 +468,20 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             if tmp.exists():
                 shutil.rmtree(tmp)  # an earlier save of this process that failed midway
         self.barrier("lowmem_zero_save_begin")
-        super().save_checkpoint(checkpoint, tmp)  # every process writes its shards (DeepSpeed ends with a barrier)
+        with zckpt.recorded_saves(tmp, target):  # digests as written; a full disk named, `tmp` removed on failure
+            super().save_checkpoint(checkpoint, tmp)  # every process writes its shards (DeepSpeed ends with a barrier)
+            if writer:
+                zckpt.write_manifest(tmp)  # last
+                _atomic.fsync_tree(tmp)
         if writer:
-            _atomic.fsync_tree(tmp)
             _atomic.replace_dir(tmp, target)
         self.barrier("lowmem_zero_save_end")
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if (self.load_full_weights and self.zero_stage_3) or not _is_local_file_protocol(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            # NOTE: explicit, so that neither TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD nor Lightning's remote-URL default unpickles
+            return super().load_checkpoint(checkpoint_path, True if weights_only is None else weights_only)
         path = Path(checkpoint_path)
         if self._writes_shared_files():
             _atomic.recover(path)  # a previous version left under `.NAME.old-PID` by a kill mid-swap
@@ -483,7 +491,11 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             raise (FileNotFoundError if not path.exists() else ValueError)(
                 f"Cannot resume from `ckpt_path={str(checkpoint_path)!r}` with `{type(self).__name__}`: {problem}"
             )
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        from lightning_lowmem import _trusted_load
+
+        # NOTE: DeepSpeed unpickles its files fully; weights-only unless the caller passed `weights_only=False`
+        with _trusted_load.checked_loads(path, trusted=weights_only is False, opt_in=_trusted_load.TRAINER_OPT_IN):
+            return super().load_checkpoint(checkpoint_path, weights_only)
 
     #: A micro-batch's loss is divided by the accumulation once (by Lightning's loop), not again by DeepSpeed.
     loss_divided_once = True
@@ -525,102 +537,3 @@ _PASSTHROUGH = {
     "timeout",
     "exclude_frozen_parameters",
 }
-
-
-# ---- consolidate ------------------------------------------------------------------------------------------
-
-
-def consolidate(
-    checkpoint_dir: str | os.PathLike,
-    out_file: str | os.PathLike,
-    *,
-    tag: str | None = None,
-    strip_prefix: str = "",
-) -> dict[str, torch.Tensor]:
-    """Merge a DeepSpeed ZeRO directory checkpoint into one fp32 state dict and write it to ``out_file``.
-
-    ``checkpoint_dir`` is what ``Trainer.save_checkpoint(path)`` / ``ModelCheckpoint`` wrote with a
-    ``lowmem_zero*`` strategy (a directory holding ``latest`` and ``checkpoint/``). The keys are the
-    LightningModule's (``module.load_state_dict(torch.load(out_file))``); ``strip_prefix="model."`` gives
-    the keys of the wrapped model (a Hugging Face model built from the same config loads them).
-    A ``.safetensors`` ``out_file`` is written with safetensors, anything else with ``torch.save``; the
-    file is written to a temporary name and renamed, so a crash never leaves half a file.
-
-    Returns:
-        the state dict that was written.
-
-    Raises:
-        FileNotFoundError: ``checkpoint_dir`` does not exist.
-        ValueError: ``checkpoint_dir`` is not a complete DeepSpeed checkpoint directory (names the damaged file),
-            or ``out_file`` is a directory or cannot be written.
-    """
-    require("deepspeed", "`lowmem consolidate` / `lightning_lowmem.zero.consolidate`")
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    target = _check_out_file(out_file)  # NOTE: before the (long) read, so a bad output path fails at once
-    ckpt = Path(checkpoint_dir).expanduser()
-    problem = zero_checkpoint_problem(ckpt, tag)
-    if problem is not None:
-        raise (FileNotFoundError if not ckpt.exists() else ValueError)(
-            f"Passed `checkpoint_dir={str(checkpoint_dir)!r}`: {problem}"
-        )
-    try:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
-    except (EOFError, RuntimeError, ValueError, KeyError, OSError) as err:
-        raise ValueError(
-            f"Cannot consolidate `checkpoint_dir={str(checkpoint_dir)!r}`: DeepSpeed failed to read it "
-            f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}). It was probably "
-            "written by another DeepSpeed version or layout, or damaged; use an earlier checkpoint."
-        ) from err
-    # NOTE: Lightning wraps the module; its checkpoints may carry the wrapper's prefix.
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        key = key.removeprefix("_forward_module.")
-        if strip_prefix and key.startswith(strip_prefix):
-            key = key[len(strip_prefix) :]
-        out[key] = value.float() if value.is_floating_point() else value
-    if target.suffix == ".safetensors":
-        from safetensors.torch import save
-
-        # NOTE: safetensors refuses shared storages (tied embeddings): each tensor gets its own copy.
-        data = save({k: v.detach().clone().contiguous() for k, v in out.items()})
-        _atomic.atomic_write(target, lambda f: f.write(data))
-    else:
-        _atomic.atomic_write(target, lambda f: torch.save(out, f))
-    return out
-
-
-def _check_out_file(out_file: str | os.PathLike) -> Path:
-    """``out_file`` as a path to write, or a ValueError saying why it cannot be one."""
-    text = os.fspath(out_file)
-    target = Path(text).expanduser()
-    if not text or text.endswith(("/", os.sep)) or target.is_dir():
-        raise ValueError(
-            f"Passed `out_file={text!r}`, which is a directory; give the file to write, e.g. "
-            f"`{os.path.join(text or '.', 'model.pt')}` (`.safetensors` for safetensors, anything else for torch.save)."
-        )
-    parent = target.parent
-    existing = next((a for a in (parent, *parent.parents) if a.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise ValueError(f"Passed `out_file={text!r}`, but {str(existing)!r} is a file, not a directory.")
-    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"Passed `out_file={text!r}`, but this process cannot write to {str(existing)!r}.")
-    return target
-
-
-def consolidate_main(argv: Sequence[str] | None = None) -> int:
-    """``lowmem consolidate CHECKPOINT_DIR OUT_FILE [--tag TAG] [--strip-prefix model.]``."""
-    parser = argparse.ArgumentParser(
-        prog="lowmem consolidate",
-        description="Write a DeepSpeed ZeRO directory checkpoint as one plain fp32 state dict.",
-    )
-    parser.add_argument("checkpoint_dir", help="the directory Trainer.save_checkpoint wrote with a lowmem_zero* strategy")
-    parser.add_argument("out_file", help="output file (.pt/.ckpt: torch.save; .safetensors: safetensors)")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in `latest`)")
-    parser.add_argument("--strip-prefix", default="", help="drop this key prefix, e.g. `model.` for the bare HF model")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    state = consolidate(args.checkpoint_dir, args.out_file, tag=args.tag, strip_prefix=args.strip_prefix)
-    n = sum(t.numel() for t in state.values())
-    print(f"Wrote {len(state)} tensors ({n:,} elements, fp32) to {args.out_file}")
-    return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -324,6 +325,8 @@ def test_two_process_save_is_swapped_in_once_and_resumes(tmp_path):
     ckpt = tmp_path / "last.ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert len(list(ckpt.glob("checkpoint/*optim_states.pt"))) == 2 and zero_checkpoint_problem(ckpt) is None
+    listed = json.loads((ckpt / "lowmem_manifest.json").read_text())["files"]  # each rank's shard, hashed as written
+    assert {f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(listed)
     second = launch(4, resume=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     assert second.stdout.count("START step=2") == 2 and _saved_step(ckpt) == 4
