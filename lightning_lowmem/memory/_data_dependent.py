@@ -12,6 +12,8 @@ is known, and every assumption is recorded (:attr:`DataDependent.bounds`, listed
 * ``unique`` of fake values (``_unique2``, ``unique_dim``, ``unique_consecutive``): one distinct value, the
   answer that passes value-range validations (torchmetrics checks ``len(torch.unique(preds)) <= num_classes``);
   the output's storage is counted at its upper bound (every element distinct), so the memory stays a bound.
+* ``pack_padded_sequence`` of fake inputs with real lengths (from the batch): exact, and its ``batch_sizes`` stay
+  real (the RNN kernels and ``pad_packed_sequence`` read them).
 * ``bincount`` of fake values: ``minlength`` bins (values assumed below it, as confusion-matrix counts are); with
   ``minlength=0`` its length is the largest value + 1, which nothing bounds: refused.
 
@@ -74,6 +76,7 @@ class DataDependent:
             _aten.unique_dim.default: self._unique_dim,
             _aten.unique_consecutive.default: self._unique_consecutive,
             _aten.bincount.default: self._bincount,
+            _aten._pack_padded_sequence.default: self._pack_padded_sequence,
         }
 
     def handles(self, func: Any) -> bool:
@@ -123,7 +126,7 @@ class DataDependent:
             self.note(func, f"every element of the fake {tuple(mask.shape)} mask taken as True (upper bound)")
             n = math.prod(shape)
         else:
-            n = int(_real(lambda: mask.expand(shape).count_nonzero()))
+            n = _real(lambda: int(mask.expand(shape).count_nonzero()))
         return torch.empty((n,), dtype=x.dtype)
 
     # --- unique ------------------------------------------------------------------------------------------------
@@ -164,7 +167,7 @@ class DataDependent:
     def _bincount(self, func: Any, x: torch.Tensor, weights: torch.Tensor | None = None,
                   minlength: int = 0) -> torch.Tensor:
         if not _is_fake(x):  # NOTE: real values, fake weights: the length is known exactly
-            length = max(int(minlength), int(_real(lambda: x.max())) + 1 if x.numel() else 0)
+            length = max(int(minlength), _real(lambda: int(x.max())) + 1 if x.numel() else 0)
         elif minlength > 0:
             self.note(func, f"values of the fake {tuple(x.shape)} input taken below minlength={minlength}")
             length = int(minlength)
@@ -174,6 +177,16 @@ class DataDependent:
         dtype = torch.long if weights is None else _real(
             lambda: torch.bincount(torch.zeros(1, dtype=torch.long), weights=torch.zeros(1, dtype=weights.dtype)).dtype)
         return torch.empty((length,), dtype=dtype)
+
+    # --- packed sequences ------------------------------------------------------------------------------------
+    def _pack_padded_sequence(self, func: Any, x: torch.Tensor, lengths: torch.Tensor,
+                              batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if _is_fake(lengths):
+            raise self.refuse(func, "the sequence lengths were computed from the weights; pass lengths from the batch")
+        counts = _real(lambda: [int(n) for n in lengths.tolist()])
+        steps = max(counts, default=0)
+        batch_sizes = _real(lambda: torch.tensor([sum(n > t for n in counts) for t in range(steps)], dtype=torch.long))
+        return torch.empty((sum(counts), *x.shape[2:]), dtype=x.dtype), batch_sizes
 
 
 __all__ = ["DataDependent"]

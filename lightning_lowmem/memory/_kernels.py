@@ -12,8 +12,9 @@ fake run's for the same module and batch:
   depends on the CPU's instruction set and on grad mode); the fake kernel returns an empty one. 176 KiB for a
   10-step, 8-sequence, 32-unit layer: 60 % of that LSTM's step peak. The size is asked of the real kernel: it
   runs once per input signature on zeros of the same sizes. When that costs more than :data:`PROBE_BYTES`, it
-  runs at three shorter sequence lengths and the sizes are extrapolated along the sequence (refused if the
-  three are not on one line).
+  runs at three shorter sequence lengths congruent to the full one modulo 64 and the sizes are extrapolated along
+  the sequence: exact where the three lie on one line (every shape tried whose batch and hidden sizes are
+  multiples of 8), else the larger increment is taken (an upper bound, said in the note).
 * ``aten.mkldnn_rnn_layer_backward``: the fake kernel returns one tensor for the input-hidden and the
   hidden-hidden bias gradients; the real kernel two (one more bias-sized gradient alive until accumulated).
 * ``aten.mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss``, ``binary_cross_entropy`` with a mean or sum
@@ -27,7 +28,6 @@ which the dry run lists in its notes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 _aten = torch.ops.aten
 #: a real probe of an op runs at full size when its inputs and fake outputs (x8 for the buffers only the real kernel
 #: knows) are below this; above it, at shorter lengths
-PROBE_BYTES = 256 * 2**20
+PROBE_BYTES = 1024 * 2**20
 
 
 class _Out(NamedTuple):
@@ -61,9 +61,10 @@ class _Entry(NamedTuple):
 
 
 def _rnn_length(args: tuple[Any, ...]) -> list[tuple[int, int]]:
+    # NOTE: the input is (seq, batch, features) whatever `batch_first` says (aten's lstm transposes it before)
     if len(args) > 8 and args[8]:  # packed sequences: batch_sizes given, input is (total, features)
         return []
-    return [(0, 1 if len(args) > 14 and args[14] else 0)]
+    return [(0, 0)]
 
 
 def _batch_length(args: tuple[Any, ...]) -> list[tuple[int, int]]:
@@ -135,6 +136,8 @@ class KernelMatch:
         self.corrections: dict[tuple[str, str], int] = {}
         #: ``{(op, what): bytes added over the fake kernel's outputs, summed over calls}``
         self.added_bytes: dict[tuple[str, str], int] = {}
+        #: ``{(op, what): how a size was found}`` when not by a full-size probe (extrapolated)
+        self.details: dict[tuple[str, str], str] = {}
 
     @staticmethod
     def handles(func: Any) -> bool:
@@ -169,13 +172,16 @@ class KernelMatch:
             return _describe(_outputs(self._real(func, args, kwargs)))
         where = entry.length(args) if entry.length is not None else []
         full = args[where[0][0]].shape[where[0][1]] if where else 0
-        step = max(1, int(full * PROBE_BYTES / cost) // 3)
-        step = step // 64 * 64 or step  # NOTE: multiples of 64 keep oneDNN's page-aligned parts on one line
-        if not where or 3 * step >= full:
+        # NOTE: lengths congruent to the full one modulo 64: oneDNN pads every row of its workspace parts to 64 bytes
+        # and each part to 4 KiB pages, so the parts' page rounding is the same at these lengths and at the full one,
+        # and the sizes lie exactly on one line through them
+        first = full % 64 or 64
+        lengths = (first, first + 64, first + 128)
+        if not where or lengths[2] >= full or cost * lengths[2] / full > PROBE_BYTES:
             raise self.refuse(str(func), f"the real kernel's output sizes ({entry.what}) are known only by running it, "
                                          f"which needs about {cost / 2**20:,.0f} MiB here (more than the dry run's "
                                          f"{PROBE_BYTES / 2**20:,.0f} MiB probe budget)")
-        lengths = (step, 2 * step, 3 * step)
+        step = 64
         dims = dict(where)
         probes = []
         for n in lengths:
@@ -188,10 +194,13 @@ class KernelMatch:
                 out.append(real_full)
                 continue
             sizes = [p[1][i].nbytes for p in probes]  # type: ignore[union-attr]
-            if sizes[2] - sizes[1] != sizes[1] - sizes[0]:
-                raise self.refuse(str(func), f"{entry.what}: its size is not linear in the sequence length at "
-                                             f"{lengths} ({sizes} B), so it cannot be extrapolated to {full}")
-            nbytes = sizes[0] + math.ceil((full - step) * (sizes[1] - sizes[0]) / step)
+            increments = (sizes[1] - sizes[0], sizes[2] - sizes[1])
+            nbytes = sizes[2] + (full - lengths[2]) // step * max(increments)
+            name = (str(func), entry.what)
+            self.details[name] = (f"extrapolated from sequence lengths {lengths} to {full}" + (
+                "" if increments[0] == increments[1] else
+                f"; its page rounding varies ({increments[0]:,} and {increments[1]:,} B per 64 steps): the larger "
+                "taken, an upper bound"))
             same_shape = all(p[1][i].shape == p[0][i].shape for p in probes)  # type: ignore[union-attr]
             shape = fake_full.shape if same_shape else (nbytes // max(fake_full.dtype.itemsize, 1),)
             stride = fake_full.stride if same_shape else (1,)

@@ -22,14 +22,12 @@ there, each item named because without it a real run and its dry run part ways:
   every optimizer and hook holding it).
 * ``LightningModule.log``/``log_dict`` are no-ops: Lightning's result collection moves logged values
   with storage swaps that a fake tensor cannot take (the logged scalars are a few bytes).
-* What fake kernels cannot show: memory a real kernel keeps beyond its output's size. CPU's ``mse_loss``
-  returns its 0-d loss as a view of the unreduced ``(N, ...)`` buffer, which stays alive with the loss; the
-  fake kernel allocates the 0-d output only (a 25 kB difference on a batch of 8 MNIST images).
 * Ops whose output size depends on values (``nonzero``, ``unique``, ``bincount``, boolean indexing): exact
   where the values deciding the size are real (a mask or labels from the batch), otherwise a stated bound
   (:mod:`lightning_lowmem.memory._data_dependent`; :attr:`FakeExecution.bounds`, listed in the estimate).
-* Fake kernels that allocate less than the real CPU kernel (the workspace of ``nn.LSTM``'s oneDNN kernel):
-  corrected from the real kernel (:mod:`lightning_lowmem.memory._kernels`; :attr:`FakeExecution.kernels`).
+* Fake kernels that allocate less than the real CPU kernel (the workspace of ``nn.LSTM``'s oneDNN kernel, the
+  unreduced buffer CPU's ``mse_loss`` returns its 0-d loss as a view of): corrected from the real kernel
+  (:mod:`lightning_lowmem.memory._kernels`; :attr:`FakeExecution.kernels`).
 * Ops that truly cannot run on fake tensors (no fake kernel, a size no bound covers) raise
   :class:`DryRunUnsupportedError`, naming the op and the line of the model's code that called it.
 """
@@ -38,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import traceback
 from collections.abc import Iterator
@@ -75,8 +74,8 @@ _KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.vi
                           _aten.squeeze, _aten.unsqueeze, _aten.expand, _aten.select, _aten.slice, _aten.clone,
                           _aten.detach, _aten._to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
 _NEGATES = frozenset({_aten.logical_not, _aten.bitwise_not})
-# NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: always fake
-# (`empty_like`/`new_empty` take the kind of their input)
+# NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: fake
+# (`empty_like`/`new_empty` take the kind of their input), except small integer ones (see `_bookkeeping`)
 _EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
 _HALF = (torch.bfloat16, torch.float16)
 # frames that are not "the model's code" when an op cannot be traced: torch, the dry run itself, the standard library
@@ -166,7 +165,7 @@ class _Values(TorchDispatchMode):
             if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
                 execution.note_health(func, tensors, out)
             return out
-        if func in _EMPTY or self.execution.passthrough:
+        if self.execution.passthrough or (func in _EMPTY and not _bookkeeping(func, args, kwargs)):
             return func(*args, **kwargs)  # fake: an empty tensor carries no values
         if (func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step)
                 or not _makes_tensors(func) or self.execution.data_dependent.handles(func)):
@@ -188,6 +187,14 @@ class _Values(TorchDispatchMode):
             return out
         with _fake.unset_fake_temporarily():
             return func(*args, **kwargs)
+
+
+def _bookkeeping(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """A small integer ``empty``: lengths or indices that C++ code (``pad_packed_sequence``) fills and reads."""
+    dtype = kwargs.get("dtype")
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return False
+    return math.prod(args[0]) * dtype.itemsize <= REAL_OUTPUT_LIMIT if args else False
 
 
 _MAKES_TENSORS: dict[Any, bool] = {}
@@ -242,8 +249,9 @@ class FakeExecution:
         """What this execution assumed or corrected, one line each (the dry run lists them in its notes)."""
         out = [f"{op} at {where}: {assumption} ({n}x)" for (op, where, assumption), n in self.data_dependent.bounds.items()]
         for (op, what), n in self.kernels.corrections.items():
+            detail = self.kernels.details.get((op, what))
             out.append(f"{op}: fake kernel corrected to the real CPU kernel's output ({what}; "
-                       f"+{self.kernels.added_bytes[(op, what)]:,} B over {n} calls)")
+                       f"+{self.kernels.added_bytes[(op, what)]:,} B over {n} calls{'; ' + detail if detail else ''})")
         return out
 
     def note_health(self, func: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
