@@ -75,7 +75,8 @@ _KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.vi
                           _aten.detach, _aten._to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
 _NEGATES = frozenset({_aten.logical_not, _aten.bitwise_not})
 # NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: fake
-# (`empty_like`/`new_empty` take the kind of their input), except small integer ones (see `_bookkeeping`)
+# (`empty_like`/`new_empty` take the kind of their input), except small integer ones inside C++ composites that fill
+# them (see `_bookkeeping`)
 _EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
 _HALF = (torch.bfloat16, torch.float16)
 # frames that are not "the model's code" when an op cannot be traced: torch, the dry run itself, the standard library
@@ -165,7 +166,8 @@ class _Values(TorchDispatchMode):
             if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
                 execution.note_health(func, tensors, out)
             return out
-        if self.execution.passthrough or (func in _EMPTY and not _bookkeeping(func, args, kwargs)):
+        if self.execution.passthrough or (func in _EMPTY and not (self.execution.in_composite
+                                                                   and _bookkeeping(func, args, kwargs))):
             return func(*args, **kwargs)  # fake: an empty tensor carries no values
         if (func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step)
                 or not _makes_tensors(func) or self.execution.data_dependent.handles(func)):
@@ -190,7 +192,11 @@ class _Values(TorchDispatchMode):
 
 
 def _bookkeeping(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
-    """A small integer ``empty``: lengths or indices that C++ code (``pad_packed_sequence``) fills and reads."""
+    """A small integer ``empty``: lengths or indices that a C++ composite (``pad_packed_sequence``) fills and reads.
+
+    NOTE: only inside those composites (``FakeExecution.in_composite``): elsewhere a real empty could be filled by an
+    op on fake tensors, keep its garbage and be read as a value (a token count).
+    """
     dtype = kwargs.get("dtype")
     if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         return False
@@ -213,6 +219,10 @@ _CHECKS = {torch.isfinite: True, torch.isnan: False, torch.isinf: False, torch.i
            torch.Tensor.isposinf: False, torch.Tensor.isneginf: False}
 
 
+#: C++ composites that allocate integer buffers with ``at::empty`` and write them through data pointers
+_FILLS_INTEGER_BUFFERS = frozenset({torch._C._VariableFunctions._pad_packed_sequence})
+
+
 class _HealthyChecks(TorchFunctionMode):
     """Notes the healthy-run value of ``isfinite``/``isnan``/``isinf`` results (they decompose before dispatch)."""
 
@@ -221,6 +231,13 @@ class _HealthyChecks(TorchFunctionMode):
         self.execution = execution
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _FILLS_INTEGER_BUFFERS:
+            execution = self.execution
+            inside, execution.in_composite = execution.in_composite, True
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                execution.in_composite = inside
         out = func(*args, **(kwargs or {}))
         healthy = _CHECKS.get(func)
         if healthy is not None and isinstance(out, FakeTensor):
@@ -238,6 +255,8 @@ class FakeExecution:
         self.in_step = False
         #: every op goes to the fake mode (see :meth:`fake`)
         self.passthrough = False
+        #: inside a C++ composite that fills small integer buffers (see ``_bookkeeping``)
+        self.in_composite = False
         #: fake boolean tensors whose value in a healthy run is known (``isfinite(x)`` is all True)
         self.healthy: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: data-dependent ops (``nonzero``, ``unique``...): their bounds in :attr:`DataDependent.bounds`

@@ -46,3 +46,22 @@ def test_torchmetrics_bounds_are_recorded_with_the_modules_line(tmp_path):
         assert "_modules.py:" in bound["where"] and "torchmetrics" in bound["where"], bound
     assert any("aten.bincount.default at" in n for n in est.notes)
 
+
+
+@pytest.mark.integration
+def test_lowmem_plan_and_lowmem_auto_accept_a_module_with_torchmetrics():
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_lowmem.plan.auto import AutoStrategy
+    from lightning_lowmem.plan.search import plan
+
+    module, batch = make("torchmetrics")
+    loader = DataLoader(TensorDataset(*batch), batch_size=16)
+    chosen = plan(module, data=loader, device_memory="1GB", target="cpu", bases=["fp32", "offload"]).chosen
+    assert chosen is not None and any("aten._unique2.default" == b["op"] for b in chosen.estimate.bounds)
+    auto = AutoStrategy(device_budget=2 * chosen.peak_device)
+    trainer = L.Trainer(strategy=auto, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=loader)
+    assert trainer.global_step == 2 and auto.plan.chosen.peak_device <= 2 * chosen.peak_device
