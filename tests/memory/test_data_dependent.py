@@ -91,3 +91,17 @@ def test_the_modules_line_comes_first_when_a_library_called_the_op():
               traceback.FrameSummary(torch.__file__, 1, "f", line="")]
     assert _where(frames) == ("/home/u/train.py:12 (self.acc(logits, y)), in "
                               "/venv/lib/python3.11/site-packages/torchmetrics/data.py:206 (return torch.bincount(x))")
+
+
+class _LBFGS(_CountsWeights):
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_an_optimizer_whose_memory_follows_the_loss_values_is_refused():
+    with pytest.raises(DryRunUnsupportedError, match=r"torch\.optim\.LBFGS.*test_data_dependent\.py:\d+ "
+                                                     r"\(configure_optimizers\).*history"):
+        dry_run(_LBFGS(), batch=torch.ones(2, 4))
