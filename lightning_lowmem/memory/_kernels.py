@@ -19,8 +19,8 @@ fake run's for the same module and batch:
   hidden-hidden bias gradients; the real kernel two (one more bias-sized gradient alive until accumulated).
 * ``aten.mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss``, ``binary_cross_entropy`` with a mean or sum
   reduction: the real kernel returns the 0-d loss as a view of the unreduced loss, so a buffer of the input's
-  size stays alive with the loss (until backward frees the graph); the fake kernel allocates 4 bytes. Probed
-  the same way, shortened along the batch dimension.
+  size stays alive with the loss (as long as the loss); the fake kernel allocates 4 bytes. Probed the same
+  way, shortened along the input's largest dimension.
 
 Ops not listed run their fake kernels unchanged. A correction is counted in :attr:`KernelMatch.corrections`,
 which the dry run lists in its notes.
@@ -67,13 +67,16 @@ def _rnn_length(args: tuple[Any, ...]) -> list[tuple[int, int]]:
     return [(0, 0)]
 
 
-def _batch_length(args: tuple[Any, ...]) -> list[tuple[int, int]]:
-    """Dimension 0 of every tensor argument of the same leading size as the first (input, target, weight)."""
+def _loss_length(args: tuple[Any, ...]) -> list[tuple[int, int]]:
+    """The largest dimension of the input, in every tensor argument that has it at full size (input, target, weight);
+    an elementwise loss's buffer is linear in any of them."""
     first = args[0]
     if not isinstance(first, torch.Tensor) or not first.dim():
         return []
-    n = first.shape[0]
-    return [(i, 0) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n]
+    dim = max(range(first.dim()), key=lambda d: first.shape[d])
+    n = first.shape[dim]
+    return [(i, dim) for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and a.shape == first.shape and a.shape[dim] == n]
 
 
 _UNREDUCED = "the unreduced loss the real kernel's 0-d loss is a view of"
@@ -81,7 +84,7 @@ PROBED: dict[Any, _Entry] = {
     _aten.mkldnn_rnn_layer.default: _Entry("the workspace the real CPU (oneDNN) kernel keeps for backward", _rnn_length),
     _aten.mkldnn_rnn_layer_backward.default: _Entry("separate input-hidden and hidden-hidden bias gradients", None,
                                                     unalias_only=True),
-    **{op: _Entry(_UNREDUCED, _batch_length) for op in (_aten.mse_loss.default, _aten.smooth_l1_loss.default,
+    **{op: _Entry(_UNREDUCED, _loss_length) for op in (_aten.mse_loss.default, _aten.smooth_l1_loss.default,
                                                          _aten.soft_margin_loss.default,
                                                          _aten.binary_cross_entropy.default)},
 }
@@ -197,7 +200,7 @@ class KernelMatch:
             increments = (sizes[1] - sizes[0], sizes[2] - sizes[1])
             nbytes = sizes[2] + (full - lengths[2]) // step * max(increments)
             name = (str(func), entry.what)
-            self.details[name] = (f"extrapolated from sequence lengths {lengths} to {full}" + (
+            self.details[name] = (f"extrapolated from lengths {lengths} of dimension {where[0][1]} to {full}" + (
                 "" if increments[0] == increments[1] else
                 f"; its page rounding varies ({increments[0]:,} and {increments[1]:,} B per 64 steps): the larger "
                 "taken, an upper bound"))

@@ -96,12 +96,23 @@ def test_probe_extrapolates_along_the_sequence_when_the_full_size_is_over_budget
             with fake_execution() as fx:
                 fake = _storages(_aten.mkldnn_rnn_layer.default(*[fx.fake(t) for t in tensors], *rest))
                 notes = fx.notes()
-        assert "extrapolated from sequence lengths (40, 104, 168) to 1000" in notes[0]
+        assert "extrapolated from lengths (40, 104, 168) of dimension " in notes[0] and " to 1000" in notes[0]
         if n == 8:
             assert fake == real
         else:
             assert fake[:3] == real[:3] and real[3][0] <= fake[3][0] <= 1.05 * real[3][0]
             assert "an upper bound" in notes[0]
+
+
+def test_loss_probe_over_budget_shortens_the_largest_dimension(monkeypatch):
+    x, y = torch.randn(4, 1000), torch.randn(4, 1000)
+    real = _storages(_aten.mse_loss.default(x, y, 1))
+    monkeypatch.setattr(_kernels, "PROBE_BYTES", 8 * 2**10)
+    with fake_execution() as fx:
+        fake = _storages(_aten.mse_loss.default(fx.fake(x), fx.fake(y), 1))
+        notes = fx.notes()
+    assert fake == real == [(16000, 0)]
+    assert "extrapolated from lengths (40, 104, 168) of dimension " in notes[0] and " to 1000" in notes[0]
 
 
 def test_probe_over_budget_without_a_length_is_refused_naming_the_line(monkeypatch):
