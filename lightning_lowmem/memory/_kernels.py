@@ -192,6 +192,7 @@ class KernelMatch:
             probes.append((_describe(_outputs(func(*shorter, **kwargs))),
                            _describe(_outputs(self._real(func, shorter, kwargs)))))
         out: list[_Out | None] = []
+        varying = ""
         for i, (fake_full, real_full) in enumerate(zip(_describe(fakes), probes[0][1])):
             if fake_full is None or real_full is None:
                 out.append(real_full)
@@ -199,16 +200,16 @@ class KernelMatch:
             sizes = [p[1][i].nbytes for p in probes]  # type: ignore[union-attr]
             increments = (sizes[1] - sizes[0], sizes[2] - sizes[1])
             nbytes = sizes[2] + (full - lengths[2]) // step * max(increments)
-            name = (str(func), entry.what)
-            self.details[name] = (f"extrapolated from lengths {lengths} of dimension {where[0][1]} to {full}" + (
-                "" if increments[0] == increments[1] else
-                f"; its page rounding varies ({increments[0]:,} and {increments[1]:,} B per 64 steps): the larger "
-                "taken, an upper bound"))
+            if increments[0] != increments[1]:
+                varying = (f"; the page rounding of output {i} varies ({increments[0]:,} and {increments[1]:,} B per "
+                           "64 steps): the larger taken, an upper bound")
             same_shape = all(p[1][i].shape == p[0][i].shape for p in probes)  # type: ignore[union-attr]
             shape = fake_full.shape if same_shape else (nbytes // max(fake_full.dtype.itemsize, 1),)
             stride = fake_full.stride if same_shape else (1,)
             out.append(_Out(shape, stride, fake_full.offset if same_shape else 0, real_full.dtype, nbytes,
                             real_full.alias))
+        self.details[(str(func), entry.what)] = (
+            f"extrapolated from lengths {lengths} of dimension {where[0][1]} to {full}{varying}")
         return out
 
     @staticmethod
