@@ -108,6 +108,11 @@ def cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: RunS
     out.append(Correction("allocator_rounding", 0, False,
                           "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
                           "fragmentation is not modelled (size: to be calibrated on a GPU)"))
+    if any(n.startswith(str(torch.ops.aten.mkldnn_rnn_layer.default)) for n in estimate.notes):
+        # NOTE: the trace runs CPU kernels: nn.LSTM keeps oneDNN's workspace, whose size differs from cuDNN's reserve
+        out.append(Correction("rnn_workspace", 0, False,
+                              "nn.LSTM traced with the CPU (oneDNN) kernel's workspace; a CUDA run keeps cuDNN's "
+                              "reserve space instead, of another size (not modelled)"))
     return out
 
 

@@ -132,3 +132,12 @@ def test_corrections_are_listed_in_the_notes():
         _aten.mkldnn_rnn_layer.default(*[fx.fake(t) for t in tensors], *rest)
         notes = fx.notes()
     assert len(notes) == 1 and notes[0].startswith("aten.mkldnn_rnn_layer.default: fake kernel corrected")
+
+
+def test_a_cuda_target_says_the_lstm_workspace_is_the_cpu_kernels():
+    from lightning_lowmem import dry_run
+    from tests.memory._modules import make
+
+    module, batch = make("lstm")
+    est = dry_run(module, batch=batch, target="cuda")
+    assert "rnn_workspace" in {c.name for c in est.corrections}
