@@ -243,6 +243,11 @@ class MemoryReport(StepMemoryRecorder):
             return {"error": str(err)}, {"error": str(err)}
         micro_batches = max(r["micro_batches"] for r in self.steps)
         plain_batch = _repeat_batch(batch, micro_batches)
+        if str(trainer.precision) in ("bf16-true", "16-true"):
+            # NOTE: the precision plugin cast the batch's floating tensors (`convert_input`); plain fp32 training gets
+            # them in fp32 (an LSTM or a conv refuses a bf16 input with fp32 weights)
+            plain_batch = apply_to_collection(plain_batch, torch.Tensor,
+                                              lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
         for spec, data, what in ((run, batch, "the run's first batch"),
                                  (RunSpec(), plain_batch, f"{micro_batches} micro-batch(es) in one batch")):
             try:

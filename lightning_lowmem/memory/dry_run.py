@@ -43,13 +43,13 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning_utilities import apply_to_collection
 from typing_extensions import override
 
 from lightning_lowmem._registry import STRATEGIES
 from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown, host_storage_keys, storage_key
+from lightning_lowmem.memory._cuda_target import CudaOptimizerDefaults, cuda_corrections, cuda_kernels
+from lightning_lowmem.memory.categories import CATEGORIES, MemoryBreakdown
 from lightning_lowmem.memory.depth import (
     AGREEMENT,
     DepthWindows,
@@ -66,11 +66,8 @@ from lightning_lowmem.memory.depth import (
 )
 from lightning_lowmem.memory.fake import DryRunUnsupportedError, FakeExecution, fake_copy, fake_execution
 from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder
-from lightning_lowmem.memory.result import Correction, MemoryEstimate
+from lightning_lowmem.memory.result import MemoryEstimate
 from lightning_lowmem.memory.run import RunSpec, ZeroPlan
-
-#: CUDA context + cuBLAS workspace on a recent driver with lazy module loading (uncalibrated)
-CUDA_CONTEXT_BYTES = 512 * 2**20
 
 
 class _StopBeforeEngine(Exception):
@@ -136,54 +133,6 @@ def _fit_data(data: Any, batch: Any) -> dict[str, Any]:
 
 
 # --- one trace ---------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
-    """Trace CUDA's kernel choices on CPU: fused dropout with a 1-byte mask, SDPA with O(s) saved state."""
-    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
-
-    def cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-        if training and 0.0 < p < 1.0 and input.numel():
-            # NOTE: CUDA's at::dropout runs native_dropout (bool mask); CPU's keeps a float mask of 4 B/elem
-            if torch.is_grad_enabled() and input.requires_grad:
-                counts["dropout_mask_elements"] += input.numel()
-            return torch.ops.aten.native_dropout(input, p, True)[0]
-        return dropout(input, p, training, inplace)
-
-    def cuda_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # NOTE: CPU falls back to the math kernel (s^2 probabilities kept) when dropout_p > 0; CUDA's flash /
-        # memory-efficient kernels keep O(s) state with dropout too. Values are fake, so dropping p is exact.
-        if kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
-            counts["sdpa_dropout_calls"] += 1
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-            else:
-                kwargs["dropout_p"] = 0.0
-        return sdpa(*args, **kwargs)
-
-    F.dropout, F.scaled_dot_product_attention = cuda_dropout, cuda_sdpa
-    try:
-        yield
-    finally:
-        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
-
-
-class _CudaOptimizerDefaults(L.Callback):
-    """``target="cuda"``: torch optimizers of the device role take CUDA's default, ``foreach`` (+4 B/param transient)."""
-
-    def __init__(self, counts: dict[str, int]) -> None:
-        self.counts = counts
-
-    @override
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        host = host_storage_keys()
-        for opt in trainer.optimizers:
-            for group in opt.param_groups:
-                on_device = any(storage_key(p) not in host for p in group["params"])
-                if on_device and group.get("foreach", False) is None and not group.get("fused"):
-                    group["foreach"] = True
-                    self.counts["foreach_groups"] += 1
-
-
 class _StopAfter(L.Callback):
     """Ends the fit after ``steps`` optimizer-step windows (a GAN's batch steps two optimizers: one window)."""
 
@@ -199,10 +148,24 @@ class _StopAfter(L.Callback):
 
 
 class _StepBracket(L.Callback):
-    """Tells the fake execution when a training step runs (large all-real outputs stay fake there)."""
+    """Tells the fake execution when a training step runs (large all-real outputs stay fake there); refuses an
+    optimizer whose memory follows the loss values (``LBFGS``)."""
 
     def __init__(self, fx: FakeExecution) -> None:
         self.fx = fx
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        for opt in trainer.optimizers:
+            if isinstance(getattr(opt, "optimizer", opt), torch.optim.LBFGS):
+                # NOTE: with stand-in losses its line search stops after one iteration and keeps no history: the
+                # prediction was 73 % low on an MLP (a history of up to `history_size` x 2 flat parameter copies)
+                code = type(pl_module).configure_optimizers.__code__
+                raise DryRunUnsupportedError(
+                    "torch.optim.LBFGS",
+                    "its iterations per step and its history (up to `history_size` pairs of parameter-sized "
+                    "tensors) depend on the loss values, which a dry run does not have",
+                    f"{code.co_filename}:{code.co_firstlineno} (configure_optimizers)")
 
     @override
     def on_train_batch_start(self, *args: Any) -> None:
@@ -253,9 +216,13 @@ def _trace(
     target: str,
     counts: dict[str, int],
     stand_ins: dict[str, int],
+    found: list[Any],
     windows: bool = False,
 ) -> list[dict[str, Any]]:
-    """One fake ``Trainer.fit``; returns the recorder's per-step records (with ``windows``: per part of each phase)."""
+    """One fake ``Trainer.fit``; returns the recorder's per-step records (with ``windows``: per part of each phase).
+
+    ``found`` is set to ``[notes, bounds]`` of the fake execution (kernel corrections, data-dependent bounds).
+    """
     recorder = StepMemoryRecorder(every_n_steps=1)
     zero = spec.zero()
     with tempfile.TemporaryDirectory(prefix="lowmem-dry-run-") as root, fake_execution() as fx:
@@ -265,13 +232,15 @@ def _trace(
         extra: list[Any] = [_StepBracket(fx), recorder, *([DepthWindows(recorder)] if windows else []),
                             _StopAfter(steps)]
         if target == "cuda":
-            extra.insert(0, _CudaOptimizerDefaults(counts))
+            extra.insert(0, CudaOptimizerDefaults(counts))
         trainer = _trainer(spec, extra, root, zero)
         fit_data = data()
-        with _cuda_kernels(counts) if target == "cuda" else contextlib.nullcontext(), _data_kept(fit_data):
+        with cuda_kernels(counts) if target == "cuda" else contextlib.nullcontext(), _data_kept(fit_data):
             trainer.fit(module, **fit_data)
         for key, n in fx.stand_ins.items():
             stand_ins[key] = stand_ins.get(key, 0) + n
+        found[:] = [fx.notes(), [{"op": op, "where": where, "assumption": a, "calls": n}
+                                 for (op, where, a), n in fx.data_dependent.bounds.items()]]
     if not recorder.steps or not any(r["phases"].get("backward") for r in recorder.steps):
         raise RuntimeError(
             "The dry run traced no backward pass: `training_step` returned None (a skipped batch) or the run stopped "
@@ -393,7 +362,8 @@ def dry_run(
             "techniques need " + ("a depth-linear checkpointing policy ('all', 'every_n', 'selective')"
                                   if unit is None else f"more than {5 * unit} of them") + "; use extrapolate=False."
         )
-    kw = {"steps": steps, "target": target, "counts": counts, "stand_ins": stand_ins}
+    found: list[Any] = [[], []]
+    kw = {"steps": steps, "target": target, "counts": counts, "stand_ins": stand_ins, "found": found}
     values = None
     traced_steps: list[dict[str, Any]] = []
     if extrapolate:
@@ -421,6 +391,7 @@ def dry_run(
     if stand_ins:
         notes.append("data-dependent reads of fake values answered with stand-ins: "
                      + ", ".join(f"{k} ({n}x)" for k, n in sorted(stand_ins.items())))
+    notes.extend(found[0])
     phases = {}
     for phase in PHASES:
         bd = MemoryBreakdown()
@@ -429,14 +400,14 @@ def dry_run(
                 bd.add(role, cat, nbytes)  # type: ignore[arg-type]
         phases[phase] = bd
     estimate = MemoryEstimate(phases=phases, method="dry_run", target=target, notes=notes, num_params=num_params,
-                              run=run.describe(), steps=traced_steps)
+                              run=run.describe(), steps=traced_steps, bounds=found[1])
     zero = run.zero()
     if zero is not None:
         from lightning_lowmem.memory.analytic import zero_states
 
         zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module, is_factory))
     if target == "cuda":
-        estimate.corrections = _cuda_corrections(counts, estimate, run, numels, extrapolate and not traced_steps)
+        estimate.corrections = cuda_corrections(counts, estimate, run, numels, extrapolate and not traced_steps)
     estimate.wall_s = time.perf_counter() - t0
     return estimate
 
@@ -449,42 +420,6 @@ def _largest_block_params(module: Any, is_factory: bool) -> int | None:
     sizes = [sum(p.numel() for p in found[2][0].parameters())] if found else []
     sizes += [e.weight.numel() for e in m.modules() if isinstance(e, torch.nn.Embedding)]
     return max(sizes) if sizes else None
-
-
-def _cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: RunSpec, numels: list[int],
-                      extrapolated: bool) -> list[Correction]:
-    scale = " (counted in the traced blocks)" if extrapolated else ""
-    out = [
-        Correction("dropout_mask_1_byte", 0, True,
-                   f"F.dropout traced as CUDA's native_dropout: bool masks, {counts['dropout_mask_elements']:,} "
-                   f"mask elements{scale} at 1 B instead of 4 B (CPU)"),
-        Correction("sdpa_flash_kernel", 0, True,
-                   f"{counts['sdpa_dropout_calls']} SDPA calls with dropout traced without the CPU math fallback "
-                   "(no s^2 probabilities kept), as CUDA's flash/memory-efficient kernels"),
-        Correction("foreach_optimizer", 0, True,
-                   f"{counts['foreach_groups']} device optimizer param groups traced with foreach=True, CUDA's default"),
-        Correction("cuda_context", CUDA_CONTEXT_BYTES, False,
-                   "CUDA context + cuBLAS workspace added to every phase's device `other` (lazy loading; "
-                   "driver-dependent, 300-600 MiB)"),
-    ]
-    offload = "offload" in run.strategy_name and run.zero() is None
-    staging = 0
-    if offload:
-        from lightning_lowmem.strategies._host_transfer import pinned_staging_bytes
-
-        dtype = torch.float32 if run.precision == "32-true" else torch.bfloat16
-        staging = pinned_staging_bytes([(n, dtype) for n in numels])
-    for bd in estimate.phases.values():
-        bd.add("device", "other", CUDA_CONTEXT_BYTES)
-        bd.add("host", "other", staging)
-    if staging:
-        out.append(Correction("pinned_staging", staging, False,
-                              "OffloadStrategy's pinned host staging buckets in the compute dtype (CUDA only, as "
-                              "the pinned allocator rounds them), added to every phase's host `other`"))
-    out.append(Correction("allocator_rounding", 0, False,
-                          "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
-                          "fragmentation is not modelled (size: to be calibrated on a GPU)"))
-    return out
 
 
 __all__ = ["DryRunUnsupportedError", "dry_run", "find_blocks"]

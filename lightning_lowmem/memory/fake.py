@@ -22,18 +22,21 @@ there, each item named because without it a real run and its dry run part ways:
   every optimizer and hook holding it).
 * ``LightningModule.log``/``log_dict`` are no-ops: Lightning's result collection moves logged values
   with storage swaps that a fake tensor cannot take (the logged scalars are a few bytes).
-* What fake kernels cannot show: memory a real kernel keeps beyond its output's size. CPU's ``mse_loss``
-  returns its 0-d loss as a view of the unreduced ``(N, ...)`` buffer, which stays alive with the loss; the
-  fake kernel allocates the 0-d output only (a 25 kB difference on a batch of 8 MNIST images).
-* Ops that truly cannot run on fake tensors (no fake kernel, an output shape that depends on values
-  of a fake tensor) raise :class:`DryRunUnsupportedError`, naming the op and the line of the model's
-  code that called it.
+* Ops whose output size depends on values (``nonzero``, ``unique``, ``bincount``, boolean indexing): exact
+  where the values deciding the size are real (a mask or labels from the batch), otherwise a stated bound
+  (:mod:`lightning_lowmem.memory._data_dependent`; :attr:`FakeExecution.bounds`, listed in the estimate).
+* Fake kernels that allocate less than the real CPU kernel (the workspace of ``nn.LSTM``'s oneDNN kernel, the
+  unreduced buffer CPU's ``mse_loss`` returns its 0-d loss as a view of): corrected from the real kernel
+  (:mod:`lightning_lowmem.memory._kernels`; :attr:`FakeExecution.kernels`).
+* Ops that truly cannot run on fake tensors (no fake kernel, a size no bound covers) raise
+  :class:`DryRunUnsupportedError`, naming the op and the line of the model's code that called it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import traceback
 from collections.abc import Iterator
@@ -47,6 +50,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_lowmem._compat import swapped
+from lightning_lowmem.memory._data_dependent import DataDependent
+from lightning_lowmem.memory._kernels import KernelMatch
 
 FakeTensor = _fake.FakeTensor
 FAKE_ERRORS = (
@@ -69,8 +74,9 @@ _KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.vi
                           _aten.squeeze, _aten.unsqueeze, _aten.expand, _aten.select, _aten.slice, _aten.clone,
                           _aten.detach, _aten._to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
 _NEGATES = frozenset({_aten.logical_not, _aten.bitwise_not})
-# NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: always fake
-# (`empty_like`/`new_empty` take the kind of their input)
+# NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: fake
+# (`empty_like`/`new_empty` take the kind of their input), except small integer ones inside C++ composites that fill
+# them (see `_bookkeeping`)
 _EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
 _HALF = (torch.bfloat16, torch.float16)
 # frames that are not "the model's code" when an op cannot be traced: torch, the dry run itself, the standard library
@@ -85,11 +91,13 @@ class DryRunUnsupportedError(RuntimeError):
         self.op, self.where = op, where
         at = f" at {where}" if where else ""
         super().__init__(
-            f"The dry run cannot execute `{op}`{at}: it has no fake-tensor implementation, or its output depends "
-            f"on the values of a tensor computed from the weights ({detail}). Register a fake implementation with "
+            f"The dry run cannot execute `{op}`{at}: {detail}. Register a fake implementation with "
             "`torch.library.register_fake`, compute it from the batch instead (batch values are real in a dry run), "
             "or estimate in closed form with `estimate_memory(..., method='analytic')`."
         )
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # lightning_lowmem/
 
 
 def _is_infra(filename: str) -> bool:
@@ -99,18 +107,38 @@ def _is_infra(filename: str) -> bool:
     return any(f"{os.sep}{package}{os.sep}" in name for package in ("lightning", "lightning_utilities"))
 
 
-def model_line(tb: Any) -> str | None:
-    """``file:line (code)`` of the innermost frame of ``tb`` outside torch, Lightning, the dry run and stdlib."""
-    where = None
-    for frame in traceback.extract_tb(tb):
-        if not _is_infra(frame.filename):
-            where = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
-    return where
+def _is_library(filename: str) -> bool:
+    """An installed package or this one: not the user's own code."""
+    name = os.path.abspath(filename)
+    return name.startswith(_PACKAGE) or any(f"{os.sep}{d}{os.sep}" in name for d in ("site-packages", "dist-packages"))
+
+
+def _where(frames: list[traceback.FrameSummary]) -> str | None:
+    """The model's line among ``frames`` (outermost first): the innermost frame of the user's own code and, when
+    the op was called inside an installed library (torchmetrics, transformers), that library's innermost line."""
+    fmt = lambda f: f"{f.filename}:{f.lineno} ({(f.line or '').strip()})"
+    outside = [f for f in frames if not _is_infra(f.filename)]
+    if not outside:
+        return None
+    own = [f for f in outside if not _is_library(f.filename)]
+    if own and own[-1] is not outside[-1]:
+        return f"{fmt(own[-1])}, in {fmt(outside[-1])}"
+    return fmt(outside[-1])
+
+
+def model_line(tb: Any = None) -> str | None:
+    """``file:line (code)`` of the model's line that called the failing op (of traceback ``tb``; default: here)."""
+    return _where(traceback.extract_tb(tb) if tb is not None else traceback.extract_stack())
 
 
 def unsupported(err: BaseException) -> DryRunUnsupportedError:
     op = getattr(err, "func", None)
-    return DryRunUnsupportedError(str(op) if op is not None else type(err).__name__, str(err) or type(err).__name__,
+    detail = str(err) or type(err).__name__
+    if isinstance(err, (_fake.DataDependentOutputException, _fake.DynamicOutputShapeException)):
+        detail = f"its output depends on the values of a tensor computed from the weights ({detail})"
+    else:
+        detail = f"it has no fake-tensor implementation ({detail})"
+    return DryRunUnsupportedError(str(op) if op is not None else type(err).__name__, detail,
                                   model_line(err.__traceback__))
 
 
@@ -130,13 +158,19 @@ class _Values(TorchDispatchMode):
                 return execution.stand_in(tensors[0].dtype, execution.healthy.get(tensors[0]))
             if func in _BOOL_READS:
                 return execution.stand_in(torch.bool, True if func is _EQUAL else execution.healthy.get(tensors[0]))
+            if execution.data_dependent.handles(func):
+                return execution.data_dependent(func, args, kwargs)
             out = func(*args, **kwargs)
+            if execution.kernels.handles(func):
+                out = execution.kernels(func, args, kwargs, out)
             if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
                 execution.note_health(func, tensors, out)
             return out
-        if func in _EMPTY or self.execution.passthrough:
+        if self.execution.passthrough or (func in _EMPTY and not (self.execution.in_composite
+                                                                   and _bookkeeping(func, args, kwargs))):
             return func(*args, **kwargs)  # fake: an empty tensor carries no values
-        if func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step) or not _makes_tensors(func):
+        if (func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step)
+                or not _makes_tensors(func) or self.execution.data_dependent.handles(func)):
             # NOTE: reads and in-place changes of real tensors stay real (the fake mode refuses to change a real
             # tensor's metadata); outside the training step (data set-up, loading a batch) every op on real tensors
             # stays real: the data must keep its values whatever its size.
@@ -144,12 +178,29 @@ class _Values(TorchDispatchMode):
                 return func(*args, **kwargs)
         # NOTE: factories, and ops in the step: run under the fake mode first (cheap) to learn the output sizes; only
         # small outputs are worth their real bytes and compute (a causal mask of 64k x 64k tokens is not).
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (_fake.DataDependentOutputException, _fake.DynamicOutputShapeException):
+            # NOTE: its size depends on the values: only the real kernel knows it (the inputs are real)
+            with _fake.unset_fake_temporarily():
+                return func(*args, **kwargs)
         sizes = [t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if sum(sizes) > REAL_OUTPUT_LIMIT:
             return out
         with _fake.unset_fake_temporarily():
             return func(*args, **kwargs)
+
+
+def _bookkeeping(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """A small integer ``empty``: lengths or indices that a C++ composite (``pad_packed_sequence``) fills and reads.
+
+    NOTE: only inside those composites (``FakeExecution.in_composite``): elsewhere a real empty could be filled by an
+    op on fake tensors, keep its garbage and be read as a value (a token count).
+    """
+    dtype = kwargs.get("dtype")
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return False
+    return math.prod(args[0]) * dtype.itemsize <= REAL_OUTPUT_LIMIT if args else False
 
 
 _MAKES_TENSORS: dict[Any, bool] = {}
@@ -168,6 +219,10 @@ _CHECKS = {torch.isfinite: True, torch.isnan: False, torch.isinf: False, torch.i
            torch.Tensor.isposinf: False, torch.Tensor.isneginf: False}
 
 
+#: C++ composites that allocate integer buffers with ``at::empty`` and write them through data pointers
+_FILLS_INTEGER_BUFFERS = frozenset({torch._C._VariableFunctions._pad_packed_sequence})
+
+
 class _HealthyChecks(TorchFunctionMode):
     """Notes the healthy-run value of ``isfinite``/``isnan``/``isinf`` results (they decompose before dispatch)."""
 
@@ -176,6 +231,13 @@ class _HealthyChecks(TorchFunctionMode):
         self.execution = execution
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _FILLS_INTEGER_BUFFERS:
+            execution = self.execution
+            inside, execution.in_composite = execution.in_composite, True
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                execution.in_composite = inside
         out = func(*args, **(kwargs or {}))
         healthy = _CHECKS.get(func)
         if healthy is not None and isinstance(out, FakeTensor):
@@ -193,8 +255,23 @@ class FakeExecution:
         self.in_step = False
         #: every op goes to the fake mode (see :meth:`fake`)
         self.passthrough = False
+        #: inside a C++ composite that fills small integer buffers (see ``_bookkeeping``)
+        self.in_composite = False
         #: fake boolean tensors whose value in a healthy run is known (``isfinite(x)`` is all True)
         self.healthy: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: data-dependent ops (``nonzero``, ``unique``...): their bounds in :attr:`DataDependent.bounds`
+        self.data_dependent = DataDependent(model_line)
+        #: fake kernels corrected to the real CPU kernels' outputs (:attr:`KernelMatch.corrections`)
+        self.kernels = KernelMatch(lambda op, detail: DryRunUnsupportedError(op, detail, model_line()))
+
+    def notes(self) -> list[str]:
+        """What this execution assumed or corrected, one line each (the dry run lists them in its notes)."""
+        out = [f"{op} at {where}: {assumption} ({n}x)" for (op, where, assumption), n in self.data_dependent.bounds.items()]
+        for (op, what), n in self.kernels.corrections.items():
+            detail = self.kernels.details.get((op, what))
+            out.append(f"{op}: fake kernel corrected to the real CPU kernel's output ({what}; "
+                       f"+{self.kernels.added_bytes[(op, what)]:,} B over {n} calls{'; ' + detail if detail else ''})")
+        return out
 
     def note_health(self, func: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
         """Remember what a boolean result is in a healthy run, when its op says (see ``_HEALTHY_OUTPUT``)."""

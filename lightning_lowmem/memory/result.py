@@ -36,7 +36,9 @@ class MemoryEstimate:
     ``"dry_run"`` (a traced run), ``"dry_run+zero_closed_form"`` (traced on one device, DeepSpeed's
     partitioned model states in closed form) or ``"analytic"`` (closed form only; ``fallback_reason``
     says why). ``run`` describes the run predicted; ``steps`` holds the traced steps' records (as
-    ``MemoryReport`` records measured ones; empty when extrapolated).
+    ``MemoryReport`` records measured ones; empty when extrapolated). ``bounds`` lists the sizes the dry run
+    could not know (an op whose output size depends on values computed from the weights) and what it assumed:
+    ``{"op", "where" (the model's line), "assumption", "calls"}``.
     """
 
     phases: dict[str, MemoryBreakdown]
@@ -50,6 +52,7 @@ class MemoryEstimate:
     steps: list[dict[str, Any]] = field(default_factory=list)
     fallback_reason: str | None = None
     analytic_bound: dict[str, int] | None = None
+    bounds: list[dict[str, Any]] = field(default_factory=list)
 
     def peak(self, role: Literal["device", "host"] = "device") -> int:
         return max((bd.total(role) for bd in self.phases.values()), default=0)
@@ -84,6 +87,7 @@ class MemoryEstimate:
             "notes": list(self.notes),
             "fallback_reason": self.fallback_reason,
             "analytic_bound": self.analytic_bound,
+            "bounds": list(self.bounds),
             "wall_s": round(self.wall_s, 3),
         }
 

@@ -274,17 +274,18 @@ def test_unsupported_architecture_falls_back_to_the_analytic_bound_and_says_why(
 
 def test_op_without_fake_implementation_falls_back_and_names_the_op(monkeypatch):
     def training_step(self, batch, batch_idx):
-        kept = torch.nonzero(self.model.lm_head.weight > 0)  # an output shape that depends on the weights' values
+        repeats = (self.model.lm_head.weight[0] > 0).long()  # a size no bound covers: the weights' values
+        kept = torch.repeat_interleave(repeats)
         return self.loss_sum_and_tokens(batch)[0] + kept.sum()
 
     monkeypatch.setattr(CausalLMModule, "training_step", training_step)
     est = estimate_memory(TINY, 2, 16, target="cpu")
     assert est.method == "analytic"
-    assert "aten.nonzero" in est.fallback_reason
+    assert "aten.repeat_interleave" in est.fallback_reason
     # a module has no closed form to fall back on: the dry run's error is raised
     from lightning_lowmem.memory.fake import DryRunUnsupportedError
 
-    with pytest.raises(DryRunUnsupportedError, match="aten.nonzero"):
+    with pytest.raises(DryRunUnsupportedError, match="aten.repeat_interleave"):
         estimate_memory(CausalLMModule(config=TINY_MODULE_CONFIG), 2, 16, target="cpu")
 
 
