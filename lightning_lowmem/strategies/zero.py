@@ -29,7 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lowmem import _atomic, _host_memory
+from lightning_lowmem import _atomic
 from lightning_lowmem._compat import Reproducible, require, swapped
 from lightning_lowmem.strategies import _zero_config as zc
 from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
@@ -391,50 +391,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         return cpu_optimizer, scheduler_config
 
     def _check_host_memory(self, optimizer: Optimizer) -> None:
-        from lightning_lowmem.memory.optimizer_state import expected_state_bytes
-        from lightning_lowmem.strategies._zero_host_bytes import zero_offload_host_bytes
+        from lightning_lowmem.strategies._zero_host_bytes import check_zero_host_memory
 
-        groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
-        # NOTE: the one optimizer-state table (DeepSpeedCPUAdam keeps Adam's two fp32 moments, its Adagrad and Lion one)
-        per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
-        cuda = isinstance(self.accelerator, CUDAAccelerator)
-        per_rank = zero_offload_host_bytes(
-            self.config, groups, world_size=self.world_size, cuda=cuda, state_bytes_per_element=per_element
-        )
-        if not per_rank:
-            return
-        local = max(1, len(self.parallel_devices or [None]))
-        need = {k: v * local for k, v in per_rank.items()}
-        problem = None
-        if self.is_global_zero:
-            try:
-                _host_memory.check_host_memory(
-                    need,
-                    who=(
-                        f"`{type(self).__name__}` (ZeRO-{self.config['zero_optimization'].get('stage')} with offload, "
-                        f"{local} process(es) on this machine)"
-                    ),
-                    fixes=self._host_memory_fixes(cuda),
-                )
-            except _host_memory.HostMemoryError as err:
-                problem = str(err)
-        # NOTE: rank 0 decides for every process, so that all of them stop (none waits in a collective).
-        problem = self.broadcast(problem)
-        if problem:
-            raise _host_memory.HostMemoryError(problem)
-
-    def _host_memory_fixes(self, cuda: bool) -> list[str]:
-        zero = self.config.get("zero_optimization", {})
-        offloads = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
-        fixes = ["more processes or machines to shard over (each process holds 1/N of the masters and optimizer state)"]
-        if cuda and any(o.get("pin_memory") for o in offloads):
-            fixes.append("`ZeroStrategy(pin_memory=False)` (torch rounds each pinned buffer up to a power of two)")
-        if not any(o.get("device") == "nvme" for o in offloads):
-            fixes.append("`strategy='lowmem_zero3_nvme'` to keep the optimizer state and parameters on an SSD")
-        return fixes + [
-            "a machine/container with more RAM (or raise the limit named above)",
-            "`ZeroStrategy(check_host_memory=False)` to try anyway",
-        ]
+        check_zero_host_memory(self, optimizer)
 
     # ---- checkpoints: atomic directory saves, checked loads ---------------------------------------------------
 
@@ -478,12 +437,16 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if self._writes_shared_files():
             _atomic.recover(path)  # a previous version left under `.NAME.old-PID` by a kill mid-swap
         self.barrier("lowmem_zero_load")
-        problem = zero_checkpoint_problem(path)
+        from lightning_lowmem.strategies import _zero_resume
+
+        problem = zero_checkpoint_problem(path) or _zero_resume.stage_mismatch(path, 3 if self.zero_stage_3 else 2)
         if problem is not None:
             raise (FileNotFoundError if not path.exists() else ValueError)(
                 f"Cannot resume from `ckpt_path={str(checkpoint_path)!r}` with `{type(self).__name__}`: {problem}"
             )
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        _zero_resume.replay_cpu_adam_steps(self.deepspeed_engine.optimizer)  # NOTE: see `_zero_resume`
+        return checkpoint
 
     #: A micro-batch's loss is divided by the accumulation once (by Lightning's loop), not again by DeepSpeed.
     loss_divided_once = True
