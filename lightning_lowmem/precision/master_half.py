@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.nn import Module, Parameter
@@ -74,6 +75,9 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
             else:
                 no.add(id(p))
     return [p for key, p in yes.items() if key not in no]
+
+
+_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
 class MasterHalfPrecision(Reproducible, Precision):
@@ -138,6 +142,15 @@ class MasterHalfPrecision(Reproducible, Precision):
             if self.compute_dtype == torch.float16
             else None
         )
+        given = {k: v for k, v in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                                   ("backoff_factor", backoff_factor), ("growth_interval", growth_interval))
+                 if v != _SCALER_DEFAULTS[k]}
+        if given and self.scaler is None:
+            rank_zero_warn(
+                f"MasterHalfPrecision: {', '.join(f'`{k}={v!r}`' for k, v in given.items())} set the fp16 loss scaler; "
+                f"`precision={precision!r}` has none (bf16 and fp32 have fp32's range), so they are ignored. Remove "
+                "them, or use a '16-true'/'16-mixed' precision."
+            )
         # the device type autocast runs on; the strategy sets it in `setup` (it knows the root device)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.last_step_skipped = False

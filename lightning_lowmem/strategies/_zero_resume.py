@@ -87,3 +87,27 @@ def stage_mismatch(path: str | Path, stage: int) -> str | None:
         f"into the other. Resume with the strategy that wrote it ({presets}), or convert it to one fp32 state dict "
         "with `lowmem consolidate DIR model.pt` and load that as the model's initial weights (a new optimizer state)."
     )
+
+
+def load_error(err: BaseException, optimizer: Any, source: str) -> ValueError | None:
+    """DeepSpeed's error for a checkpoint of another model shape or optimizer, as one that names both; else None."""
+    from lightning_lowmem import _resume_checks
+
+    if isinstance(err, RuntimeError) and "size mismatch" in str(err):
+        return ValueError(_resume_checks.shape_message(_resume_checks.parse_size_mismatches(str(err)), source))
+    weights = ("or keep only its weights: `lowmem consolidate DIR model.pt`, load that into the model and fit "
+               "without `ckpt_path` (the optimizer, the schedule and the step count start afresh)")
+    if isinstance(err, KeyError):
+        return ValueError(_resume_checks.mismatch_message(set(), cpu_adam_of(optimizer) or _base(optimizer), source,
+                                                          err=err, weights_only=weights))
+    if "ZeRO checkpoint" in str(err):  # NOTE: DeepSpeed's own layout checks (parameter groups, alignment)
+        return ValueError(f"Cannot resume from {source}: DeepSpeed cannot load it into this run ({err}) It was written "
+                          "with other parameter groups (`configure_optimizers`) or ZeRO settings; resume with those, "
+                          f"{weights}.")
+    return None
+
+
+def _base(optimizer: Any) -> Any:
+    """The torch optimizer inside DeepSpeed's ZeRO wrapper."""
+    inner = getattr(optimizer, "optimizer", None)
+    return optimizer if inner is None else _base(inner)

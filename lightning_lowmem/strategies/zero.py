@@ -33,6 +33,7 @@ from lightning_lowmem import _atomic
 from lightning_lowmem._compat import Reproducible, require, swapped
 from lightning_lowmem.strategies import _zero_config as zc
 from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
+from lightning_lowmem.strategies._zero_skips import SkippedSteps
 
 if TYPE_CHECKING:
     import deepspeed
@@ -149,15 +150,24 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                    "(`stage`, `offload_*`, `pin_memory`, ...) and `config=`; " if replaced else "")
                 + f"ZeroStrategy also passes on {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
             )
+        sizes = {"reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": allgather_bucket_size,
+                 "sub_group_size": sub_group_size}
+        wrong_size, bad_size, ignored = zc.size_arguments(stage, sizes, _OWN_DEFAULTS)
+        problems += wrong_size + bad_size
         if problems:
-            raise (TypeError if bad_type else ValueError)(" ".join(problems))
+            raise (TypeError if bad_type or wrong_size else ValueError)(" ".join(problems))
+        for message in ignored:
+            rank_zero_warn(f"ZeroStrategy: {message}")
         if offload_device == "nvme":
             nvme_path = zc.check_nvme_path(nvme_path or os.environ.get("LOWMEM_NVME_PATH"))
             kwargs.setdefault("remote_device", "nvme")
         self.gather_on_fit_end = gather_on_fit_end
         self._warning_filters: list[Any] = []
         self._partition_warning: Any = None
+        self._skips = SkippedSteps()
         self._user_config = zc.load_user_config(config)
+        if zc.config_problems(self._user_config):
+            raise ValueError(f"ZeroStrategy(config=...): {' '.join(zc.config_problems(self._user_config))}")
         self._cpu_optimizer = cpu_optimizer
         self.check_host_memory = check_host_memory
         self._offload_optimizer = offload_optimizer
@@ -170,9 +180,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             pin_memory=pin_memory,
             overlap_comm=overlap_comm,
             contiguous_gradients=contiguous_gradients,
-            reduce_bucket_size=reduce_bucket_size or ("auto" if stage == 3 else int(2e8)),
-            allgather_bucket_size=allgather_bucket_size,
-            sub_group_size=sub_group_size,
+            reduce_bucket_size=int(reduce_bucket_size) if reduce_bucket_size else ("auto" if stage == 3 else int(2e8)),
+            allgather_bucket_size=int(allgather_bucket_size),
+            sub_group_size=int(sub_group_size),
             gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save,
             zero_force_ds_cpu_optimizer=True,
         )
@@ -444,7 +454,13 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             raise (FileNotFoundError if not path.exists() else ValueError)(
                 f"Cannot resume from `ckpt_path={str(checkpoint_path)!r}` with `{type(self).__name__}`: {problem}"
             )
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        except (RuntimeError, KeyError) as err:  # NOTE: another model shape / optimizer: say so, naming the file
+            readable = _zero_resume.load_error(err, self.deepspeed_engine.optimizer, f"`ckpt_path={str(path)!r}`")
+            if readable is None:
+                raise
+            raise readable from err
         _zero_resume.replay_cpu_adam_steps(self.deepspeed_engine.optimizer)  # NOTE: see `_zero_resume`
         return checkpoint
 
@@ -458,8 +474,16 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        before = self._skips.count(self)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._skips.after_step(self, before, model or self.lightning_module)  # `lowmem/skipped_steps`, a warning
+        return out
+
 
 _MISSING = object()
+_OWN_DEFAULTS = {name: p.default for name, p in inspect.signature(ZeroStrategy.__init__).parameters.items()}
 _PARENT_DEFAULTS = {
     name: p.default
     for name, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()
@@ -515,7 +539,7 @@ def consolidate(
     Raises:
         FileNotFoundError: ``checkpoint_dir`` does not exist.
         ValueError: ``checkpoint_dir`` is not a complete DeepSpeed checkpoint directory (names the damaged file),
-            or ``out_file`` is a directory or cannot be written.
+            ``out_file`` is a directory, in a missing directory or unwritable, or ``strip_prefix`` matches no key.
     """
     require("deepspeed", "`lowmem consolidate` / `lightning_lowmem.zero.consolidate`")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -537,8 +561,14 @@ def consolidate(
         ) from err
     # NOTE: Lightning wraps the module; its checkpoints may carry the wrapper's prefix.
     out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        key = key.removeprefix("_forward_module.")
+    keys = [key.removeprefix("_forward_module.") for key in state]
+    if strip_prefix and not any(key.startswith(strip_prefix) for key in keys):
+        heads = sorted({key.split(".", 1)[0] + "." for key in keys if "." in key})[:5]
+        raise ValueError(  # NOTE: before writing: the keys would come out unstripped, not as asked
+            f"Passed `strip_prefix={strip_prefix!r}`, but no key of the checkpoint starts with it (they start with "
+            f"{', '.join(repr(h) for h in heads) or 'no common prefix'}). Give one of those, or leave it out."
+        )
+    for key, value in zip(keys, state.values()):
         if strip_prefix and key.startswith(strip_prefix):
             key = key[len(strip_prefix) :]
         out[key] = value.float() if value.is_floating_point() else value
@@ -566,6 +596,9 @@ def _check_out_file(out_file: str | os.PathLike) -> Path:
     existing = next((a for a in (parent, *parent.parents) if a.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ValueError(f"Passed `out_file={text!r}`, but {str(existing)!r} is a file, not a directory.")
+    if existing != parent:  # NOTE: as `lowmem plan --write`: a mistyped directory is not created
+        raise ValueError(f"Passed `out_file={text!r}`, but the directory {str(parent)!r} does not exist; create it "
+                         f"(`mkdir -p {parent}`) or give a path in an existing one.")
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"Passed `out_file={text!r}`, but this process cannot write to {str(existing)!r}.")
     return target
