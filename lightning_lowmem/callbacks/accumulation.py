@@ -119,6 +119,10 @@ class AccumulationScheduler(Reproducible, L.Callback):
     an optimizer step inside backward. See :class:`~lightning_lowmem.callbacks.oom_recovery.OOMRecovery` for runs
     without accumulation.
 
+    Checkpoints: one written inside a window (a time-based ``ModelCheckpoint``, a validation off the window's edge)
+    holds the window (its counts and the gradients so far, copied to the host) and a resume in a new process continues
+    it exactly; under DeepSpeed or several processes it cannot, and says so when it is written.
+
     Logged at each optimizer step: ``accumulation/micro_batches``, ``accumulation/samples`` and, with ``"tokens"``,
     ``accumulation/tokens`` (what the step held, all processes); with ``on_oom="split"`` also ``oom/recoveries`` and
     ``oom/bytes_freed`` (running totals, also :attr:`oom_recoveries` and :attr:`oom_bytes_freed`).

@@ -243,19 +243,21 @@ def check_nvme_path(nvme_path: str | os.PathLike | None) -> str:
 
 _SIZES = {"reduce_bucket_size": "elements reduced per bucket", "allgather_bucket_size": "elements gathered per bucket",
           "sub_group_size": "elements per optimizer sub-group (stage 3)"}
-# `zero_optimization` keys that are sizes or counts (positive ints; `"auto"` where HF's integration allows it)
+# `zero_optimization` keys that are sizes or counts (ints; `"auto"` where HF's integration allows it). NOTE: 0 is
+# meaningful for the others (no prefetch, partition every parameter, ...), not for the two bucket sizes (a division)
 _CONFIG_SIZES = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
                  "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+_POSITIVE = {"reduce_bucket_size", "allgather_bucket_size"}
 _AUTO = {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"}
 
 
-def _size(value: Any) -> int | None:
-    """``value`` as a positive element count (an int, or a float such as ``5e8`` with no fraction), else None."""
+def _size(value: Any, least: int = 1) -> int | None:
+    """``value`` as an element count ``>= least`` (an int, or a float such as ``5e8`` with no fraction), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return value if isinstance(value, int) and value > 0 else None
+    return value if isinstance(value, int) and value >= least else None
 
 
 def size_arguments(stage: Any, sizes: dict[str, Any], defaults: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
@@ -298,7 +300,8 @@ def config_problems(user: dict[str, Any]) -> list[str]:
         problems.append(f"`config['zero_optimization']['stage']={stage!r}`; expected 0, 1, 2 or 3 (an int). Or leave it "
                         "out: `ZeroStrategy(stage=...)` sets it.")
     for key in _CONFIG_SIZES:
-        if key in zero and not (zero[key] == "auto" and key in _AUTO) and _size(zero[key]) is None:
-            problems.append(f"`config['zero_optimization'][{key!r}]={zero[key]!r}`; expected a positive int"
-                            + (" or 'auto'" if key in _AUTO else "") + ".")
+        least = 1 if key in _POSITIVE else 0
+        if key in zero and not (zero[key] == "auto" and key in _AUTO) and _size(zero[key], least) is None:
+            problems.append(f"`config['zero_optimization'][{key!r}]={zero[key]!r}`; expected "
+                            + ("a positive int" if least else "an int >= 0") + (" or 'auto'" if key in _AUTO else "") + ".")
     return problems

@@ -61,7 +61,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     the DeepSpeed config; ``config=`` (a dict or JSON path) is deep-merged over the result and wins, except
     where Lightning applies the setting too (accumulation, fp16/bf16): a contradiction there is an error.
     With an offload preset the module's ``torch.optim.Adam``/``AdamW`` is swapped for ``DeepSpeedCPUAdam``
-    with the same parameter groups and hyper-parameters (logged).
+    with the same parameter groups and hyper-parameters (logged). Steps DeepSpeed skips for inf/nan gradients are
+    logged as ``lowmem/skipped_steps`` (the first one of a bf16/fp32 run warns).
 
     Example:
         >>> trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
