@@ -76,11 +76,9 @@ def one_line(err: BaseException, args: Sequence[str], root: BaseException) -> st
     jsonargparse's errors (an ``ArgumentError``, or the ``ValueError`` of a class that refused its ``init_args``
     inside a union such as ``trainer.strategy``) are explained (:func:`explain`); anything else is ``root``'s text.
     """
-    if isinstance(err, ArgumentError):
+    if isinstance(err, ArgumentError) or any(_UNION in str(e) for e in _chain(err)):
         return explain(err, args)
-    if isinstance(root, ArgumentError) or any(_UNION in str(e) for e in _chain(err)):
-        return explain(err if _UNION in str(err) or not isinstance(root, ArgumentError) else root, args)
-    return str(root)
+    return explain(root, args) if isinstance(root, ArgumentError) else str(root)
 
 
 def explain(err: BaseException, args: Sequence[str]) -> str:

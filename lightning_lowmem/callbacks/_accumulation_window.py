@@ -66,6 +66,11 @@ def window_state(callback: Any, trainer: Any) -> dict[str, Any] | None:
     """The window in progress (None at a window edge): counts, the normalisation factor, the gradients so far."""
     if callback._pos == 0 or trainer is None:
         return None
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    if progress.ready != progress.processed:
+        # NOTE: inside a batch (the out-of-memory splitter's emergency checkpoint of the last completed step): the
+        # window's counts already hold part of this batch; such a checkpoint resumes as it did before, without them
+        return None
     reason = "engine" if callback._engine else "world" if trainer.world_size > 1 else None
     if reason is not None:
         rank_zero_warn(

@@ -645,4 +645,5 @@ class AccumulationScheduler(Reproducible, L.Callback):
         if self._splitter is not None and state_dict.get("oom_micro_batch"):
             self._splitter.piece = int(state_dict["oom_micro_batch"])
 
+
 __all__ = ["AccumulationScheduler", "Choice", "WindowStats", "lightning_accumulation"]

@@ -167,8 +167,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self._partition_warning: Any = None
         self._skips = SkippedSteps()
         self._user_config = zc.load_user_config(config)
-        if zc.config_problems(self._user_config):
-            raise ValueError(f"ZeroStrategy(config=...): {' '.join(zc.config_problems(self._user_config))}")
+        if config_problems := zc.config_problems(self._user_config):
+            raise ValueError(f"ZeroStrategy(config=...): {' '.join(config_problems)}")
         self._cpu_optimizer = cpu_optimizer
         self.check_host_memory = check_host_memory
         self._offload_optimizer = offload_optimizer
