@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench gpu-check clean
+.PHONY: install demo test lint bench gpu-check resume-matrix clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -27,6 +27,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --doctest-modules lightning_lowmem tests
+
+# Stop and resume in a new process, every strategy and precision, the accumulation windows (long: ~30 min on 2 cores;
+# `make test` runs one case per cause)
+resume-matrix: install
+	LOWMEM_RESUME_MATRIX=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m slow tests/test_resume_across_processes.py
 
 # ruff's default rules of the pinned minor version (pyproject.toml's dev extra), over the whole tree
 lint: install

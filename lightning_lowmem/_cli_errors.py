@@ -23,7 +23,7 @@ from jsonargparse import ArgumentError
 
 from lightning_lowmem.strategies.offload import NonFiniteGradientError
 
-__all__ = ["ArgumentError", "NonFiniteGradientError", "check_config_files", "explain"]
+__all__ = ["ArgumentError", "NonFiniteGradientError", "check_config_files", "explain", "one_line"]
 
 
 def config_paths(args: Sequence[str]) -> list[str]:
@@ -38,8 +38,15 @@ def config_paths(args: Sequence[str]) -> list[str]:
 
 
 def check_config_files(args: Sequence[str]) -> None:
-    """Refuse a missing, empty or non-mapping ``--config`` file before jsonargparse reads it."""
+    """Refuse an unknown subcommand, and a missing, empty or non-mapping ``--config`` file, before jsonargparse reads
+    them."""
     import yaml
+
+    if args and not args[0].startswith("-"):
+        from lightning_lowmem.cli import SUBCOMMANDS
+
+        if args[0] not in SUBCOMMANDS:
+            raise ValueError(_subcommand_message(args[0]))
 
     for path in config_paths(args):
         p = Path(path)
@@ -63,13 +70,43 @@ def check_config_files(args: Sequence[str]) -> None:
 
 
 # --- explaining an ArgumentError -----------------------------------------------------------------------------
+def one_line(err: BaseException, args: Sequence[str], root: BaseException) -> str:
+    """The one line ``lowmem`` prints for ``err`` (``root``: the innermost bad-input error behind it).
+
+    jsonargparse's errors (an ``ArgumentError``, or the ``ValueError`` of a class that refused its ``init_args``
+    inside a union such as ``trainer.strategy``) are explained (:func:`explain`); anything else is ``root``'s text.
+    """
+    if isinstance(err, ArgumentError) or any(_UNION in str(e) for e in _chain(err)):
+        return explain(err, args)
+    return explain(root, args) if isinstance(root, ArgumentError) else str(root)
+
+
 def explain(err: BaseException, args: Sequence[str]) -> str:
     """One line for a jsonargparse ``ArgumentError``."""
+    subcommand = _unknown_subcommand(err)
+    if subcommand is not None:
+        return subcommand
     try:
         found = list(_check_class_paths(args))
     except Exception:  # noqa: BLE001  NOTE: the diagnosis must never hide the original error
         found = []
-    return " ".join(found) if found else _condense(err)
+    return " ".join(found) if found else _condense(err, args)
+
+
+def _unknown_subcommand(err: BaseException) -> str | None:
+    m = re.search(r"argument subcommand: invalid choice: '([^']*)'", str(err))
+    if m is None:
+        return None
+    return _subcommand_message(m.group(1))
+
+
+def _subcommand_message(given: str) -> str:
+    from lightning_lowmem.cli import SUBCOMMANDS
+
+    close = difflib.get_close_matches(given, list(SUBCOMMANDS), n=1, cutoff=0.5)
+    hint = f" Did you mean `lowmem {close[0]}`?" if close else ""
+    return (f"Passed the subcommand {given!r}, which lowmem does not have.{hint} The subcommands are "
+            f"{', '.join(SUBCOMMANDS)} (`lowmem --help` describes each).")
 
 
 def _entries(args: Sequence[str]) -> Iterator[tuple[str, Any, type]]:
@@ -222,15 +259,66 @@ def _type_name(annotation: Any) -> str:
     return re.sub(r"^(?:Sequence|list|List|tuple|Tuple)\[(.*)\]$", r"a list of \1", text)
 
 
-def _condense(err: BaseException) -> str:
-    """jsonargparse's chain of causes as one line: the keys from outside in, then the innermost complaint."""
-    keys: list[str] = []
-    innermost = str(err)
+_UNION = "Does not validate against any of the Union subtypes"
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
     seen = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _union_summary(text: str) -> str | None:
+    """One sentence for jsonargparse's "does not validate against any of the Union subtypes" block, or None.
+
+    A class that refused its arguments (its constructor's own message) wins over "Expected a <class 'str'>"; else the
+    alternatives are listed as one "expected" with the value given and a did-you-mean among the choices.
+    """
+    if _UNION not in text:
+        return None
+    bullets = [line.strip()[2:].strip() for line in text.splitlines() if line.strip().startswith("- ")]
+    specific = [b for b in bullets if not b.startswith("Expected a ")]
+    if specific:
+        return specific[0]
+    given = re.search(r"^\s*Given value: (.*)$", text, re.MULTILINE)
+    value = given.group(1).strip() if given else None
+    choices: list[str] = []
+    kinds: list[str] = []
+    for bullet in bullets:
+        literal = re.match(r"Expected a typing\.Literal\[(.*)\]$", bullet)
+        if literal:
+            choices += [c.strip() for c in literal.group(1).split(",")]
+            continue
+        kind = re.match(r"Expected a <class '([\w.]+)'>", bullet)
+        name = kind.group(1).rpartition(".")[2] if kind else bullet.removeprefix("Expected a ")
+        kinds.append("null" if name == "NoneType" else f"{'an' if name[:1] in 'aeiou' else 'a'} {name}")
+    expected = ", or ".join((["one of " + ", ".join(choices)] if choices else []) + kinds)
+    close = difflib.get_close_matches(value or "", [c.strip("'\"") for c in choices], n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"got {value!r}; expected {expected}.{hint}" if value is not None else f"expected {expected}.{hint}"
+
+
+def _key_of_class(message: str, args: Sequence[str]) -> str | None:
+    """The config key whose ``class_path`` names the class a message starts with (``OffloadStrategy: ...``)."""
+    name = message.split(":", 1)[0].strip()
+    try:
+        return next((key for key, entry, _ in _entries(args) if isinstance(entry, dict)
+                     and str(entry.get("class_path", "")).rpartition(".")[2] == name), None)
+    except Exception:  # noqa: BLE001  NOTE: the diagnosis must never hide the original error
+        return None
+
+
+def _condense(err: BaseException, args: Sequence[str] = ()) -> str:
+    """jsonargparse's chain of causes as one line: the keys from outside in, then the innermost complaint."""
+    keys: list[str] = []
+    innermost = str(err)
+    union = None
+    for e in _chain(err):
         text = str(e).strip()
+        union = union or _union_summary(text)
         first = text.splitlines()[0] if text else ""
         for pattern in (r'Parser key "([^"]+)"', r"Problem with given class_path '([^']+)'"):
             m = re.match(pattern, first)
@@ -238,7 +326,10 @@ def _condense(err: BaseException) -> str:
                 keys.append(m.group(1))
         if text:
             innermost = text
-        e = e.__cause__ or e.__context__
+    if union is not None:
+        innermost = union
+        if not keys and (key := _key_of_class(union, args)) is not None:
+            keys.append(key)
     line = " ".join(innermost.split())
     line = re.sub(r"typing\.Literal\[([^\]]*)\]", r"one of \1", line)
     where = " > ".join(keys)

@@ -114,15 +114,10 @@ def _current_directory_importable() -> None:
 
 
 def _message(err: BaseException, args: list[str]) -> str:
-    """The one line for ``err``: jsonargparse's errors explained (``_cli_errors.explain``), others' root cause."""
-    from jsonargparse import ArgumentError
+    """The one line for ``err``: jsonargparse's errors explained (``_cli_errors.one_line``), others' root cause."""
+    from lightning_lowmem import _cli_errors
 
-    cause = err if isinstance(err, ArgumentError) else _root_cause(err)
-    if isinstance(cause, ArgumentError):
-        from lightning_lowmem import _cli_errors
-
-        return _cli_errors.explain(cause, args)
-    return str(cause)
+    return _cli_errors.one_line(err, args, _root_cause(err))
 
 
 def main(argv: list[str] | None = None) -> int:

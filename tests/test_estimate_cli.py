@@ -112,7 +112,7 @@ def test_config_refuses_the_model_flags(tmp_path, capsys):
     [
         (["--budget", "12 G"], "ambiguous"),
         (["--budget", "lots"], "Passed `--budget` 'lots' that does not parse"),
-        (["--budget=-5GB"], "Passed `--budget` '-5GB' that does not parse"),
+        (["--budget=-5GB"], "Passed `--budget -5GB`; a memory size must be positive, e.g. `--budget 12GB`"),
         (["--budget", "0"], "it must be positive"),
         (["--set", "n_layer"], "KEY=VALUE"),
         (["--set", "n_layers=3"], "`n_layers` is not a field of GPT2Config (did you mean 'n_layer'"),
@@ -131,7 +131,7 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
 def test_every_problem_is_reported_at_once(tmp_path, capsys):
     err = _error(["--model", "gpt2", "--set", "n_embdd=64", "--batch-size", "2", "--seq-len", "32",
                   "--micro-batch-size", "3", "--only", "nothing", "--json", str(tmp_path), "--budget=-5GB"], capsys)
-    for message in ("`--budget` '-5GB'", "which is a directory", "`--micro-batch-size 3`", "`--only nothing`",
+    for message in ("`--budget -5GB`; a memory size must be positive", "which is a directory", "`--micro-batch-size 3`", "`--only nothing`",
                     "did you mean 'n_embd'"):
         assert message in err, message
     err = _error(["--model", "gpt2", "--batch-size", "2", "--seq-len", "2048", "--budget", "-"], capsys)

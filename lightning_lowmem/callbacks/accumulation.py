@@ -19,6 +19,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem.callbacks import _accumulation_window as _aw
+from lightning_lowmem.callbacks._accumulation_window import (
+    _divisibility_message,
+    _int,
+    _positive_int,
+    lightning_accumulation,
+)
 from lightning_lowmem.callbacks._side_step import stands_aside
 
 Normalization = Literal["tokens", "samples"]
@@ -112,6 +119,10 @@ class AccumulationScheduler(Reproducible, L.Callback):
     an optimizer step inside backward. See :class:`~lightning_lowmem.callbacks.oom_recovery.OOMRecovery` for runs
     without accumulation.
 
+    Checkpoints: one written inside a window (a time-based ``ModelCheckpoint``, a validation off the window's edge)
+    holds the window (its counts and the gradients so far, copied to the host) and a resume in a new process continues
+    it exactly; under DeepSpeed or several processes it cannot, and says so when it is written.
+
     Logged at each optimizer step: ``accumulation/micro_batches``, ``accumulation/samples`` and, with ``"tokens"``,
     ``accumulation/tokens`` (what the step held, all processes); with ``on_oom="split"`` also ``oom/recoveries`` and
     ``oom/bytes_freed`` (running totals, also :attr:`oom_recoveries` and :attr:`oom_bytes_freed`).
@@ -200,6 +211,12 @@ class AccumulationScheduler(Reproducible, L.Callback):
         if problems or wrong_type:
             error = TypeError if wrong_type else ValueError
             raise error("AccumulationScheduler: " + "; ".join(wrong_type + problems) + ".")
+        if micro_batch_size != "auto" and memory_budget is not None:
+            rank_zero_warn(
+                f"AccumulationScheduler: `memory_budget={memory_budget}` is used only to choose the micro-batch "
+                f"(`micro_batch_size='auto'`); with `micro_batch_size={micro_batch_size}` it is ignored. Remove it, or "
+                "pass `micro_batch_size='auto'`."
+            )
         self.effective_batch_size = effective_batch_size
         self.micro_batch_size = micro_batch_size
         self.schedule = schedule
@@ -217,6 +234,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
         self._warned_bn = False
         self._trainer_accumulation: int | None = None
         self._wrapped_step = False
+        self._resume_window: dict[str, Any] | None = None  # a window saved mid-way, put back in `on_train_start`
         self._instance_step: Any = None  # a `training_step` the module instance had before ours (rare)
         self._counting = True  # False while a split micro-batch re-runs samples a completed forward counted
         self._last_count: Any = None  # what the last `_weigh` counted (samples or tokens), for the split's logging
@@ -357,6 +375,9 @@ class AccumulationScheduler(Reproducible, L.Callback):
         # NOTE: after the strategy's setup (its parameters and gradient hooks final) and the "auto" search
         if self._splitter is not None:
             self._splitter.install(trainer, pl_module)
+        if self._resume_window:
+            _aw.restore_window(self, trainer, self._resume_window)
+        self._resume_window = None
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -389,7 +410,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
     def resolved(self) -> AccumulationScheduler:
         """A fresh copy; with ``micro_batch_size="auto"`` once it chose, the micro-batch it chose."""
         if self.micro_batch_size == "auto" and self.choice is not None:
-            return self.fresh(micro_batch_size=self.choice.micro_batch_size)
+            return self.fresh(micro_batch_size=self.choice.micro_batch_size, memory_budget=None)
         return self.fresh()
 
     def _apply(self, trainer: L.Trainer, pl_module: L.LightningModule, micro: int) -> None:
@@ -438,13 +459,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if (self._drives_loader and not self._sets_loader and self._pos == 0 and batch_idx == 0
-                and extract_batch_size(batch) != self._micro):
-            raise ValueError(
-                f"AccumulationScheduler: the loader gives batches of {extract_batch_size(batch)}, but the micro-batch is "
-                f"{self._micro}; neither the LightningModule nor the DataModule has a `{self.batch_arg_name}` "
-                "attribute for the callback to set. Add one and use it in `train_dataloader()`."
-            )
+        if self._drives_loader and self._pos == 0 and batch_idx == 0:
+            _aw.check_first_batch(self, extract_batch_size(batch))
         if self._engine:
             return
         loop = trainer.fit_loop.epoch_loop
@@ -611,7 +627,14 @@ class AccumulationScheduler(Reproducible, L.Callback):
         }
 
     @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        window = _aw.window_state(self, trainer)  # NOTE: a checkpoint written inside a window (see the helper)
+        if window is not None and self.state_key in checkpoint.get("callbacks", {}):
+            checkpoint["callbacks"][self.state_key]["window"] = window
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_window = state_dict.get("window")
         # NOTE: a resumed run keeps the micro-batch it chose, so the loader's batches (and a mid-epoch position)
         # stay what they were; "auto" does not search again.
         if self.micro_batch_size == "auto" and state_dict.get("micro_batch_size"):
@@ -621,50 +644,6 @@ class AccumulationScheduler(Reproducible, L.Callback):
         # NOTE: a run resumed after a split keeps the smaller micro-batch (Lightning restores callbacks after `setup`)
         if self._splitter is not None and state_dict.get("oom_micro_batch"):
             self._splitter.piece = int(state_dict["oom_micro_batch"])
-
-def lightning_accumulation(
-    batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool, window: int
-) -> tuple[int, bool]:
-    """The ``trainer.accumulate_grad_batches`` that makes Lightning zero and step exactly at this window's edges.
-
-    Lightning zeroes the gradients before a batch when ``batch_idx % N == 0`` and steps after it when
-    ``ready % N == 0`` or the epoch ends. Returns ``(N, zero_here)``: ``zero_here`` says the caller must zero
-    the gradients itself (a window's first batch where no ``N`` makes Lightning do it without breaking the rest).
-    ``N`` is ``window`` whenever that gives the right edges (windows aligned with ``batch_idx``).
-    """
-    for n in (window, ready, ready + 1):
-        zeroes = batch_idx % n == 0
-        steps = ready % n == 0 or epoch_end
-        if steps == last and (first or not zeroes):
-            return n, first and not zeroes
-    raise RuntimeError(f"no accumulation value fits batch {batch_idx} (ready {ready}, first {first}, last {last})")
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any) -> bool:
-    return _int(value) and value > 0
-
-
-def _divisibility_message(effective: int, micro: int, world: int) -> str:
-    """Say why ``effective`` does not split into micro-batches, and the nearest values that do."""
-    unit = micro * world
-    below, above = (effective // unit) * unit, (effective // unit + 1) * unit
-    nearest = f"{below} or {above}" if below else f"{above}"
-    msg = (
-        f"`effective_batch_size` {effective} is not a multiple of micro-batch {micro} x world size {world} = {unit}: "
-        f"the nearest valid effective batch sizes are {nearest}"
-    )
-    if effective % world == 0:
-        per_process = effective // world
-        divisors = [d for d in range(1, per_process + 1) if per_process % d == 0]
-        smaller = [d for d in divisors if d < micro]
-        larger = [d for d in divisors if d > micro]
-        options = [str(d) for d in (smaller[-1:] + larger[:1])]
-        msg += f", or keep {effective} with micro-batch {' or '.join(options)}"
-    return msg
 
 
 __all__ = ["AccumulationScheduler", "Choice", "WindowStats", "lightning_accumulation"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,11 +68,31 @@ def build_causal_lm(
             f"Expected one of: {', '.join(t for t in types if t in _COMMON) or ', '.join(types[:10])} "
             f"(or any of the {len(types)} types in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)."
         )
+    negative = {k: v for k, v in (config or {}).items()
+                if isinstance(v, int) and not isinstance(v, bool) and v < 0 and _SIZE_KEY.search(k)}
+    if negative:
+        raise ValueError(
+            f"Passed `config` with {', '.join(f'`{k}: {v}`' for k, v in negative.items())}: layer counts and sizes must "
+            f"be positive. Give e.g. `{next(iter(negative))}: {_EXAMPLE.get(next(iter(negative)), 4)}`."
+        )
     try:
         hf_config = AutoConfig.for_model(model_type, **overrides)
     except (TypeError, ValueError) as err:
         raise ValueError(f"Could not build a `{model_type}` config from `config={overrides!r}`: {err}") from err
-    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError, IndexError, ZeroDivisionError) as err:
+        # NOTE: e.g. `n_head` not dividing `n_embd`: the model's own message, with the config that produced it
+        raise ValueError(
+            f"Could not build the `{model_type}` model from `config={dict(config or {})!r}`: {str(err).rstrip('.')}. "
+            "Check the sizes "
+            "(layers, hidden size, heads dividing it, positions)."
+        ) from err
+
+
+# NOTE: config keys that are counts or sizes (a negative one fails deep in torch, e.g. "__len__() should return >= 0")
+_SIZE_KEY = re.compile(r"^(n_|num_)|_(size|layers|heads|positions|embd|dim)$|^(hidden|intermediate)_size$")
+_EXAMPLE = {"n_layer": 4, "num_hidden_layers": 4, "n_embd": 256, "hidden_size": 256, "n_head": 4}
 
 
 _COMMON = {"gpt2", "gpt_neox", "llama", "mistral", "opt", "qwen2", "phi", "gemma", "falcon", "bloom"}

@@ -37,6 +37,42 @@ def _parse_set(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def glue_values(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """``--flag -5GB`` as ``--flag=-5GB``, so that a negative size reaches our check instead of argparse's "expected one
+    argument" (argparse takes a value starting with ``-`` for an option unless it looks like a plain number)."""
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] in flags and i + 1 < len(args) and args[i + 1].startswith("-") and args[i + 1][1:2].isdigit():
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+_SIZE_FLAGS = ("--budget",)
+
+
+def size_problem(flag: str, value: str) -> tuple[int | None, str | None]:
+    """``(bytes, None)`` for a memory size given to ``flag``, or ``(None, why not)`` naming it and an example."""
+    try:
+        size = parse_bytes(value, f"`{flag}`")
+    except ValueError as err:
+        text = str(value).strip()
+        try:  # NOTE: "-5GB" is a negative size, "-" or "-lots" do not parse at all
+            size = -parse_bytes(text[1:], f"`{flag}`") if text.startswith("-") else 0
+        except ValueError:
+            size = 0
+        if size == 0:
+            return None, str(err)
+    if size <= 0:
+        return None, f"Passed `{flag} {value}`; a memory size must be positive, e.g. `{flag} 12GB`"
+    return size, None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowmem estimate", description=__doc__.split("\n")[0], epilog=_EPILOG)
     what = parser.add_mutually_exclusive_group(required=True)
@@ -65,10 +101,8 @@ def _check(args: argparse.Namespace) -> tuple[int | None, list[tuple[str, dict[s
     problems: list[str] = []
     budget = None
     if args.budget is not None:
-        try:
-            budget = parse_bytes(args.budget, "`--budget`")
-        except ValueError as err:
-            problems.append(str(err))
+        budget, problem = size_problem("--budget", args.budget)
+        problems += [problem] if problem else []
     if args.json:
         path = Path(args.json)
         if path.is_dir():
@@ -142,7 +176,7 @@ def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem estimate``: predicted device and host peaks of a run (``--config``) or of the suite's combinations."""
     parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(glue_values(sys.argv[1:] if argv is None else argv, _SIZE_FLAGS))
     from lightning_lowmem.memory.categories import CATEGORIES  # NOTE: after parsing: `--help` imports no torch
     from lightning_lowmem.memory.estimate import estimate_memory
 

@@ -44,8 +44,22 @@ def _check(args: argparse.Namespace) -> list[str]:
     problems = []
     for flag in ("write", "json"):
         value = getattr(args, flag)
-        if value and (Path(value).is_dir() or not Path(value).parent.is_dir()):
-            problems.append(f"Passed `--{flag} {value}`; expected a file in an existing directory")
+        if value and Path(value).is_dir():
+            problems.append(f"Passed `--{flag} {value}`, which is a directory; give a file name in it")
+        elif value and not Path(value).parent.is_dir():
+            parent = Path(value).parent
+            problems.append(f"Passed `--{flag} {value}`, but the directory {str(parent)!r} does not exist; create it "
+                            f"(`mkdir -p {parent}`) or give a path in an existing one")
+    from lightning_lowmem.memory.estimate_cli import size_problem
+
+    for flag in ("device_memory", "host_memory"):
+        value = getattr(args, flag)
+        problem = None if value is None else size_problem(f"--{flag.replace('_', '-')}", value)[1]
+        problems += [problem] if problem else []
+    for flag in ("batch_size", "seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            problems.append(f"Passed `--{flag.replace('_', '-')} {value}`; expected a positive integer")
     if args.config and (args.set or args.seq_len):
         problems.append("`--set`/`--seq-len` are for --model; with --config the YAML describes the model and data")
     if args.device_memory is None and args.hardware is None:
@@ -56,7 +70,9 @@ def _check(args: argparse.Namespace) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem plan``: rank the suite's recipes for a run and a budget; write the fastest that fits."""
     parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    from lightning_lowmem.memory.estimate_cli import glue_values
+
+    args = parser.parse_args(glue_values(sys.argv[1:] if argv is None else argv, ("--device-memory", "--host-memory")))
     from lightning_lowmem.plan.search import NoRecipeFitsError, plan
 
     problems = _check(args)

@@ -455,7 +455,7 @@ class _Source:
                 source.yaml_parts = {"base_yaml": model}
                 if scheduler is not None:  # its maths (loss normalisation) stays; the plan sets the batch sizes
                     source.scheduler = {k: v for k, v in init_arguments(scheduler).items()
-                                        if k not in ("effective_batch_size", "micro_batch_size")}
+                                        if k not in ("effective_batch_size", "micro_batch_size", "memory_budget")}
             return source
         if _is_module(model) or _module_class(model) is not None:
             module = model if _is_module(model) else _module_class(model)

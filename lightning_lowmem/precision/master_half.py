@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.nn import Module, Parameter
@@ -116,6 +117,9 @@ def _overridden(module: pl.LightningModule, hooks: tuple[str, ...]) -> bool:
         is_overridden(h, cb, Callback) for cb in callbacks for h in hooks if h.startswith("on_"))
 
 
+_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+
 class MasterHalfPrecision(Reproducible, Precision):
     """Half-precision compute weights with fp32 masters kept by the strategy; fp16 dynamic loss scaling.
 
@@ -181,6 +185,15 @@ class MasterHalfPrecision(Reproducible, Precision):
             if self.compute_dtype == torch.float16
             else None
         )
+        given = {k: v for k, v in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                                   ("backoff_factor", backoff_factor), ("growth_interval", growth_interval))
+                 if v != _SCALER_DEFAULTS[k]}
+        if given and self.scaler is None:
+            rank_zero_warn(
+                f"MasterHalfPrecision: {', '.join(f'`{k}={v!r}`' for k, v in given.items())} set the fp16 loss scaler; "
+                f"`precision={precision!r}` has none (bf16 and fp32 have fp32's range), so they are ignored. Remove "
+                "them, or use a '16-true'/'16-mixed' precision."
+            )
         # the device type autocast runs on; the strategy sets it in `setup` (it knows the root device)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.last_step_skipped = False

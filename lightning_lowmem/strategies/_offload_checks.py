@@ -224,6 +224,14 @@ def check_flags(**flags: Any) -> None:
         except (TypeError, ValueError) as err:
             problems.append(f"`device_budget={flags['device_budget']!r}` ({err})")
             type_error |= isinstance(err, TypeError)
+        else:
+            if flags["offload_params"] in (False, True):  # NOTE: only "auto" reads it (which blocks stream)
+                warnings.warn(
+                    f"OffloadStrategy: `device_budget={flags['device_budget']!r}` is used only with "
+                    f"`offload_params='auto'` (to choose which blocks stream); with `offload_params="
+                    f"{flags['offload_params']!r}` it is ignored. Pass `offload_params='auto'`, or remove it.",
+                    UserWarning, stacklevel=3,
+                )
     skips = flags["max_consecutive_skips"]
     if isinstance(skips, bool) or not isinstance(skips, int):
         problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")

@@ -239,3 +239,69 @@ def check_nvme_path(nvme_path: str | os.PathLike | None) -> str:
             "Pass a directory you own, or fix its permissions."
         )
     return str(path)
+
+
+_SIZES = {"reduce_bucket_size": "elements reduced per bucket", "allgather_bucket_size": "elements gathered per bucket",
+          "sub_group_size": "elements per optimizer sub-group (stage 3)"}
+# `zero_optimization` keys that are sizes or counts (ints; `"auto"` where HF's integration allows it). NOTE: 0 is
+# meaningful for the others (no prefetch, partition every parameter, ...), not for the two bucket sizes (a division)
+_CONFIG_SIZES = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+_POSITIVE = {"reduce_bucket_size", "allgather_bucket_size"}
+_AUTO = {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"}
+
+
+def _size(value: Any, least: int = 1) -> int | None:
+    """``value`` as an element count ``>= least`` (an int, or a float such as ``5e8`` with no fraction), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and value >= least else None
+
+
+def size_arguments(stage: Any, sizes: dict[str, Any], defaults: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """Check ``ZeroStrategy``'s bucket/sub-group arguments: ``(wrong types, bad values, settings ignored)``.
+
+    DeepSpeed checks these only when the engine is built (at ``fit``), and accepts some it then ignores.
+    """
+    wrong, bad, ignored = [], [], []
+    for name, value in sizes.items():
+        if value is None and name == "reduce_bucket_size":
+            continue
+        if _size(value) is None:
+            kind = isinstance(value, (int, float)) and not isinstance(value, bool)
+            (bad if kind else wrong).append(
+                f"Passed `{name}={value!r}`; expected a positive number of {_SIZES[name]} (an int such as "
+                f"{int(defaults[name] or 2e8)})."
+                + (" 0 would put every parameter in a sub-group of its own (a slow optimizer step)."
+                   if name == "sub_group_size" and value == 0 else "")
+            )
+        elif value != defaults[name]:
+            if name == "sub_group_size" and stage in (1, 2):
+                ignored.append(f"`sub_group_size={value!r}` is used by ZeRO stage 3 only; with `stage={stage}` it is "
+                               "ignored. Remove it, or use stage=3.")
+            if name == "allgather_bucket_size" and stage == 3:
+                ignored.append(f"`allgather_bucket_size={value!r}` is used by ZeRO stages 1 and 2 only (stage 3 gathers "
+                               "by `stage3_prefetch_bucket_size`, in `config=`); it is ignored. Remove it.")
+    return wrong, bad, ignored
+
+
+def config_problems(user: dict[str, Any]) -> list[str]:
+    """What is wrong with the ``zero_optimization`` section of a user's DeepSpeed config (stage, sizes)."""
+    zero = user.get("zero_optimization")
+    if zero is None:
+        return []
+    if not isinstance(zero, dict):
+        return [f"`config['zero_optimization']` is a {type(zero).__name__}; expected a mapping of ZeRO settings."]
+    problems = []
+    stage = zero.get("stage")
+    if "stage" in zero and not (isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3):
+        problems.append(f"`config['zero_optimization']['stage']={stage!r}`; expected 0, 1, 2 or 3 (an int). Or leave it "
+                        "out: `ZeroStrategy(stage=...)` sets it.")
+    for key in _CONFIG_SIZES:
+        least = 1 if key in _POSITIVE else 0
+        if key in zero and not (zero[key] == "auto" and key in _AUTO) and _size(zero[key], least) is None:
+            problems.append(f"`config['zero_optimization'][{key!r}]={zero[key]!r}`; expected "
+                            + ("a positive int" if least else "an int >= 0") + (" or 'auto'" if key in _AUTO else "") + ".")
+    return problems

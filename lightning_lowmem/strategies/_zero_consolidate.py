@@ -48,8 +48,8 @@ def consolidate(
     Raises:
         FileNotFoundError: ``checkpoint_dir`` does not exist.
         ValueError: ``checkpoint_dir`` is not a complete DeepSpeed checkpoint directory (names the damaged file),
-            a file differs from its recorded digest, a file needs ``trusted=True``, or ``out_file`` is a directory
-            or cannot be written.
+            a file differs from its recorded digest, a file needs ``trusted=True``, ``out_file`` is a directory, in a
+            missing directory or unwritable, or ``strip_prefix`` matches no key.
     """
     if not isinstance(trusted, bool):
         raise TypeError(f"Passed `trusted={trusted!r}`; expected True or False.")
@@ -76,8 +76,14 @@ def consolidate(
         ) from err
     # NOTE: Lightning wraps the module; its checkpoints may carry the wrapper's prefix.
     out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        key = key.removeprefix("_forward_module.")
+    keys = [key.removeprefix("_forward_module.") for key in state]
+    if strip_prefix and not any(key.startswith(strip_prefix) for key in keys):
+        heads = sorted({key.split(".", 1)[0] + "." for key in keys if "." in key})[:5]
+        raise ValueError(  # NOTE: before writing: the keys would come out unstripped, not as asked
+            f"Passed `strip_prefix={strip_prefix!r}`, but no key of the checkpoint starts with it (they start with "
+            f"{', '.join(repr(h) for h in heads) or 'no common prefix'}). Give one of those, or leave it out."
+        )
+    for key, value in zip(keys, state.values()):
         if strip_prefix and key.startswith(strip_prefix):
             key = key[len(strip_prefix) :]
         out[key] = value.float() if value.is_floating_point() else value
@@ -105,6 +111,9 @@ def _check_out_file(out_file: str | os.PathLike) -> Path:
     existing = next((a for a in (parent, *parent.parents) if a.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ValueError(f"Passed `out_file={text!r}`, but {str(existing)!r} is a file, not a directory.")
+    if existing != parent:  # NOTE: as `lowmem plan --write`: a mistyped directory is not created
+        raise ValueError(f"Passed `out_file={text!r}`, but the directory {str(parent)!r} does not exist; create it "
+                         f"(`mkdir -p {parent}`) or give a path in an existing one.")
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"Passed `out_file={text!r}`, but this process cannot write to {str(existing)!r}.")
     return target

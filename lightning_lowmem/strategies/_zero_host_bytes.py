@@ -147,3 +147,55 @@ def zero_offload_host_bytes(
         elif not cuda:
             parts["device buffers in host RAM (16-bit partitions)"] = w * p_total
     return {k: int(v) for k, v in parts.items() if v}
+
+
+def check_zero_host_memory(strategy: Any, optimizer: Any) -> None:
+    """Refuse (``HostMemoryError``) when the host RAM that ``strategy``'s offload will allocate is not available.
+
+    ``strategy`` is a ``ZeroStrategy`` before its engine exists; ``optimizer`` the one ``configure_optimizers``
+    returned. Rank 0 decides for every process (broadcast), so that all of them stop and none waits in a collective.
+    """
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    from lightning_lowmem import _host_memory
+    from lightning_lowmem.memory.optimizer_state import expected_state_bytes
+
+    groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    # NOTE: the one optimizer-state table (DeepSpeedCPUAdam keeps Adam's two fp32 moments, its Adagrad and Lion one)
+    per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
+    cuda = isinstance(strategy.accelerator, CUDAAccelerator)
+    per_rank = zero_offload_host_bytes(
+        strategy.config, groups, world_size=strategy.world_size, cuda=cuda, state_bytes_per_element=per_element
+    )
+    if not per_rank:
+        return
+    local = max(1, len(strategy.parallel_devices or [None]))
+    need = {k: v * local for k, v in per_rank.items()}
+    problem = None
+    if strategy.is_global_zero:
+        stage = strategy.config["zero_optimization"].get("stage")
+        try:
+            _host_memory.check_host_memory(
+                need,
+                who=f"`{type(strategy).__name__}` (ZeRO-{stage} with offload, {local} process(es) on this machine)",
+                fixes=_host_memory_fixes(strategy.config, cuda),
+            )
+        except _host_memory.HostMemoryError as err:
+            problem = str(err)
+    problem = strategy.broadcast(problem)
+    if problem:
+        raise _host_memory.HostMemoryError(problem)
+
+
+def _host_memory_fixes(config: dict[str, Any], cuda: bool) -> list[str]:
+    zero = config.get("zero_optimization", {})
+    offloads = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
+    fixes = ["more processes or machines to shard over (each process holds 1/N of the masters and optimizer state)"]
+    if cuda and any(o.get("pin_memory") for o in offloads):
+        fixes.append("`ZeroStrategy(pin_memory=False)` (torch rounds each pinned buffer up to a power of two)")
+    if not any(o.get("device") == "nvme" for o in offloads):
+        fixes.append("`strategy='lowmem_zero3_nvme'` to keep the optimizer state and parameters on an SSD")
+    return fixes + [
+        "a machine/container with more RAM (or raise the limit named above)",
+        "`ZeroStrategy(check_host_memory=False)` to try anyway",
+    ]

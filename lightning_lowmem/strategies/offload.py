@@ -37,6 +37,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem import _resume_checks
 from lightning_lowmem._compat import Reproducible
 from lightning_lowmem.memory.categories import (
     MemoryBreakdown,
@@ -602,6 +603,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        _resume_checks.check_model(checkpoint, self.lightning_module)  # NOTE: another model's checkpoint, named
         if self._stream is not None:
             with self._stream.host_view():  # NOTE: streamed weights load into their host copies
                 super().load_model_state_dict(checkpoint, strict=strict)
@@ -615,7 +617,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         # NOTE: unlike Strategy's, no `_optimizer_to_device(root_device)`: torch puts the state next to its
         # parameters, which are the host masters.
         for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(opt_state)
+            _resume_checks.load_optimizer(optimizer, opt_state, _resume_checks.where(self.lightning_module.trainer))
             if id(optimizer) in self._fused:
                 # NOTE: load_state_dict restores the groups' saved `fused`/`foreach` flags too; keep the host kernel
                 # this run chose, so a resumed run steps exactly like an uninterrupted one.

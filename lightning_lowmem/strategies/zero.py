@@ -27,13 +27,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lowmem import _atomic, _host_memory
+from lightning_lowmem import _atomic
 from lightning_lowmem._compat import Reproducible, require, swapped
 from lightning_lowmem.strategies import _preflight
 from lightning_lowmem.strategies import _zero_checkpoint as zckpt
 from lightning_lowmem.strategies import _zero_config as zc
 from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
 from lightning_lowmem.strategies._zero_consolidate import consolidate, consolidate_main  # noqa: F401 (re-exported)
+from lightning_lowmem.strategies._zero_skips import SkippedSteps
 
 if TYPE_CHECKING:
     import deepspeed
@@ -61,7 +62,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     the DeepSpeed config; ``config=`` (a dict or JSON path) is deep-merged over the result and wins, except
     where Lightning applies the setting too (accumulation, fp16/bf16): a contradiction there is an error.
     With an offload preset the module's ``torch.optim.Adam``/``AdamW`` is swapped for ``DeepSpeedCPUAdam``
-    with the same parameter groups and hyper-parameters (logged).
+    with the same parameter groups and hyper-parameters (logged). Steps DeepSpeed skips for inf/nan gradients are
+    logged as ``lowmem/skipped_steps`` (the first one of a bf16/fp32 run warns).
 
     Example:
         >>> trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
@@ -150,15 +152,24 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                    "(`stage`, `offload_*`, `pin_memory`, ...) and `config=`; " if replaced else "")
                 + f"ZeroStrategy also passes on {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
             )
+        sizes = {"reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": allgather_bucket_size,
+                 "sub_group_size": sub_group_size}
+        wrong_size, bad_size, ignored = zc.size_arguments(stage, sizes, _OWN_DEFAULTS)
+        problems += wrong_size + bad_size
         if problems:
-            raise (TypeError if bad_type else ValueError)(" ".join(problems))
+            raise (TypeError if bad_type or wrong_size else ValueError)(" ".join(problems))
+        for message in ignored:
+            rank_zero_warn(f"ZeroStrategy: {message}")
         if offload_device == "nvme":
             nvme_path = zc.check_nvme_path(nvme_path or os.environ.get("LOWMEM_NVME_PATH"))
             kwargs.setdefault("remote_device", "nvme")
         self.gather_on_fit_end = gather_on_fit_end
         self._warning_filters: list[Any] = []
         self._partition_warning: Any = None
+        self._skips = SkippedSteps()
         self._user_config = zc.load_user_config(config)
+        if config_problems := zc.config_problems(self._user_config):
+            raise ValueError(f"ZeroStrategy(config=...): {' '.join(config_problems)}")
         self._cpu_optimizer = cpu_optimizer
         self.check_host_memory = check_host_memory
         self._offload_optimizer = offload_optimizer
@@ -171,9 +182,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             pin_memory=pin_memory,
             overlap_comm=overlap_comm,
             contiguous_gradients=contiguous_gradients,
-            reduce_bucket_size=reduce_bucket_size or ("auto" if stage == 3 else int(2e8)),
-            allgather_bucket_size=allgather_bucket_size,
-            sub_group_size=sub_group_size,
+            reduce_bucket_size=int(reduce_bucket_size) if reduce_bucket_size else ("auto" if stage == 3 else int(2e8)),
+            allgather_bucket_size=int(allgather_bucket_size),
+            sub_group_size=int(sub_group_size),
             gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save,
             zero_force_ds_cpu_optimizer=True,
         )
@@ -395,50 +406,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         return cpu_optimizer, scheduler_config
 
     def _check_host_memory(self, optimizer: Optimizer) -> None:
-        from lightning_lowmem.memory.optimizer_state import expected_state_bytes
-        from lightning_lowmem.strategies._zero_host_bytes import zero_offload_host_bytes
+        from lightning_lowmem.strategies._zero_host_bytes import check_zero_host_memory
 
-        groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
-        # NOTE: the one optimizer-state table (DeepSpeedCPUAdam keeps Adam's two fp32 moments, its Adagrad and Lion one)
-        per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
-        cuda = isinstance(self.accelerator, CUDAAccelerator)
-        per_rank = zero_offload_host_bytes(
-            self.config, groups, world_size=self.world_size, cuda=cuda, state_bytes_per_element=per_element
-        )
-        if not per_rank:
-            return
-        local = max(1, len(self.parallel_devices or [None]))
-        need = {k: v * local for k, v in per_rank.items()}
-        problem = None
-        if self.is_global_zero:
-            try:
-                _host_memory.check_host_memory(
-                    need,
-                    who=(
-                        f"`{type(self).__name__}` (ZeRO-{self.config['zero_optimization'].get('stage')} with offload, "
-                        f"{local} process(es) on this machine)"
-                    ),
-                    fixes=self._host_memory_fixes(cuda),
-                )
-            except _host_memory.HostMemoryError as err:
-                problem = str(err)
-        # NOTE: rank 0 decides for every process, so that all of them stop (none waits in a collective).
-        problem = self.broadcast(problem)
-        if problem:
-            raise _host_memory.HostMemoryError(problem)
-
-    def _host_memory_fixes(self, cuda: bool) -> list[str]:
-        zero = self.config.get("zero_optimization", {})
-        offloads = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
-        fixes = ["more processes or machines to shard over (each process holds 1/N of the masters and optimizer state)"]
-        if cuda and any(o.get("pin_memory") for o in offloads):
-            fixes.append("`ZeroStrategy(pin_memory=False)` (torch rounds each pinned buffer up to a power of two)")
-        if not any(o.get("device") == "nvme" for o in offloads):
-            fixes.append("`strategy='lowmem_zero3_nvme'` to keep the optimizer state and parameters on an SSD")
-        return fixes + [
-            "a machine/container with more RAM (or raise the limit named above)",
-            "`ZeroStrategy(check_host_memory=False)` to try anyway",
-        ]
+        check_zero_host_memory(self, optimizer)
 
     # ---- checkpoints: atomic directory saves, checked loads ---------------------------------------------------
 
@@ -486,16 +456,26 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if self._writes_shared_files():
             _atomic.recover(path)  # a previous version left under `.NAME.old-PID` by a kill mid-swap
         self.barrier("lowmem_zero_load")
-        problem = zero_checkpoint_problem(path)
+        from lightning_lowmem.strategies import _zero_resume
+
+        problem = zero_checkpoint_problem(path) or _zero_resume.stage_mismatch(path, 3 if self.zero_stage_3 else 2)
         if problem is not None:
             raise (FileNotFoundError if not path.exists() else ValueError)(
                 f"Cannot resume from `ckpt_path={str(checkpoint_path)!r}` with `{type(self).__name__}`: {problem}"
             )
         from lightning_lowmem import _trusted_load
 
-        # NOTE: DeepSpeed unpickles its files fully; weights-only unless the caller passed `weights_only=False`
-        with _trusted_load.checked_loads(path, trusted=weights_only is False, opt_in=_trusted_load.TRAINER_OPT_IN):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        try:
+            # NOTE: DeepSpeed unpickles its files fully; weights-only unless the caller passed `weights_only=False`
+            with _trusted_load.checked_loads(path, trusted=weights_only is False, opt_in=_trusted_load.TRAINER_OPT_IN):
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        except (RuntimeError, KeyError) as err:  # NOTE: another model shape / optimizer: say so, naming the file
+            readable = _zero_resume.load_error(err, self.deepspeed_engine.optimizer, f"`ckpt_path={str(path)!r}`")
+            if readable is None:
+                raise
+            raise readable from err
+        _zero_resume.replay_cpu_adam_steps(self.deepspeed_engine.optimizer)  # NOTE: see `_zero_resume`
+        return checkpoint
 
     #: A micro-batch's loss is divided by the accumulation once (by Lightning's loop), not again by DeepSpeed.
     loss_divided_once = True
@@ -507,8 +487,16 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        before = self._skips.count(self)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._skips.after_step(self, before, model or self.lightning_module)  # `lowmem/skipped_steps`, a warning
+        return out
+
 
 _MISSING = object()
+_OWN_DEFAULTS = {name: p.default for name, p in inspect.signature(ZeroStrategy.__init__).parameters.items()}
 _PARENT_DEFAULTS = {
     name: p.default
     for name, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()

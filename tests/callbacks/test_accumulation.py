@@ -10,7 +10,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler, _divisibility_message, lightning_accumulation
+from lightning_lowmem.callbacks.accumulation import (
+    AccumulationScheduler,
+    Choice,
+    _divisibility_message,
+    lightning_accumulation,
+)
 from tests.helpers.runif import RunIf
 
 TRAINER = {
@@ -149,8 +154,29 @@ def test_loader_that_cannot_be_set_must_match_the_micro_batch():
             return DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64)), batch_size=2)
 
     trainer = L.Trainer(callbacks=[AccumulationScheduler(16, 4)], **TRAINER)
-    with pytest.raises(ValueError, match="the loader gives batches of 2, but the micro-batch is 4"):
+    with pytest.raises(ValueError, match="needs micro-batches of 4, but neither .* the train loader gives batches of 2"):
         trainer.fit(Fixed())
+
+
+def test_batch_size_only_in_hparams_with_a_fixed_loader_is_refused():
+    """``lightning_setattr`` sets ``hparams.batch_size`` when only the hyper-parameters have one; a loader that does
+    not read it would give another micro-batch, and each step the wrong effective batch."""
+
+    class HparamsOnly(Regression):
+        def __init__(self, batch_size: int = 8):
+            super().__init__()
+            del self.batch_size
+            self.save_hyperparameters()
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64)), batch_size=2)  # ignores the hparam
+
+    module = HparamsOnly()
+    trainer = L.Trainer(callbacks=[AccumulationScheduler(16, 4)], **TRAINER)
+    with pytest.raises(ValueError, match=r"set `batch_size=4` .* the train loader gives batches of 2, so each optimizer "
+                                         r"step would hold 2/4 .*`self.hparams.batch_size`"):
+        trainer.fit(module)
+    assert module.hparams.batch_size == 4  # what the callback set, unread by the loader
 
 
 def test_tokens_normalization_needs_the_token_count():
@@ -195,3 +221,13 @@ def test_state_dict_keeps_the_chosen_micro_batch_on_resume():
     resumed = AccumulationScheduler(64, "auto", memory_budget=1 << 30)
     resumed.load_state_dict(callback.state_dict())
     assert resumed._micro == 8 and float(resumed._n_ref) == 123.0
+
+
+def test_memory_budget_with_a_fixed_micro_batch_warns():
+    with pytest.warns(UserWarning, match=r"`memory_budget=1073741824` is used only .* `micro_batch_size=4` it is ignored"):
+        AccumulationScheduler(16, 4, memory_budget="1GiB")
+    auto = AccumulationScheduler(16, "auto", memory_budget="1GiB")
+    auto.choice = Choice(16, 4, 4, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the copy fixed at the chosen micro-batch (dry runs) drops the budget, silently
+        assert auto.resolved().micro_batch_size == 4

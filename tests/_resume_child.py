@@ -1,0 +1,153 @@
+"""Child process of ``tests/test_resume_across_processes.py``: one training run, straight or resumed, alone.
+
+    python tests/_resume_child.py SPEC_JSON
+
+``SPEC_JSON`` is a JSON object:
+
+- ``strategy``: a registered name (``"auto"`` for plain Lightning), ``strategy_args``: arguments for the registered
+  class (optional), ``precision``: the Trainer's flag;
+- ``steps``: ``max_steps``; ``accumulation``: ``null``, ``{"trainer": k}`` (``accumulate_grad_batches=k``) or
+  ``{"effective": E, "micro": m, "tokens": bool}`` (``AccumulationScheduler``, ``"tokens"``: token normalisation);
+- ``save_at``: batch indices (0-based, counted over the whole run) after which ``trainer.save_checkpoint``
+  writes ``ckpt_dir/batch=N.ckpt``, from ``on_train_batch_end`` as ``ModelCheckpoint`` does; an index inside
+  an accumulation window is a mid-window checkpoint (a time-based ``ModelCheckpoint``, a validation that does
+  not fall on a window edge, a SLURM requeue);
+- ``resume``: a checkpoint path for ``fit(ckpt_path=...)``, or ``null``;
+- ``out``: where to write the final state: every parameter's fp32 value (the host master for ``lowmem_offload``,
+  DeepSpeed's fp32 partition gathered for ZeRO, taken at ``on_train_end`` while the strategy is set up), the
+  module's parameters (after ``fit``; gathered at ``on_train_end`` for ZeRO) and its buffers.
+
+The data of batch ``i`` is drawn from a generator seeded with ``i`` (the batch's index in the whole run):
+Lightning restarts a loader that has no ``state_dict`` from the epoch's first batch when it resumes mid-epoch (it
+warns), which is Lightning's behaviour for every strategy, not what these tests measure. The model has no dropout
+(Lightning does not put the RNG state in its checkpoints; plain Lightning's resume draws other masks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import lightning as L
+import torch
+
+import lightning_lowmem  # NOTE: registers the strategy names
+from lightning_lowmem.demo.module import CausalLMModule
+
+CONFIG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+          "attn_pdrop": 0.0}
+SEQ = 16
+SAMPLES = 64  # one epoch is longer than every run: a resume is always mid-epoch
+
+
+class KeyedData(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class Module(CausalLMModule):
+    """The demo LM with a step-wise LR warm-up, a batch size the scheduler can set, and data keyed by batch."""
+
+    def __init__(self, batch_size: int = 2, loss_reduction: str = "mean") -> None:
+        super().__init__(model_type="gpt2", config=CONFIG, learning_rate=1e-2, warmup_steps=3,
+                         loss_reduction=loss_reduction)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(KeyedData(), batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        index = self.trainer.current_epoch * len(self.trainer.train_dataloader) + batch_idx
+        g = torch.Generator().manual_seed(1000 + index)
+        ids = torch.randint(0, 256, (len(batch), SEQ), generator=g)
+        # NOTE: a varying number of padded tokens per sequence, so "tokens" and "samples" normalisation differ
+        mask = (torch.arange(SEQ) < torch.randint(SEQ // 2, SEQ + 1, (len(batch), 1), generator=g)).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        return super().training_step({k: v.to(self.device) for k, v in batch.items()}, batch_idx)
+
+
+class SaveAt(L.Callback):
+    def __init__(self, directory: str, batches: list[int]) -> None:
+        self.directory, self.batches = directory, set(batches)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx in self.batches:
+            trainer.save_checkpoint(os.path.join(self.directory, f"batch={batch_idx}.ckpt"))
+
+
+class Capture(L.Callback):
+    """The final fp32 weights (the optimizer's masters) at the end of training, while the strategy is set up."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        masters = getattr(strategy, "masters", None) or {}
+        zero = type(strategy).__name__ == "ZeroStrategy"
+        if zero:
+            import deepspeed
+            from deepspeed.utils import safe_get_full_fp32_param
+        for name, p in pl_module.named_parameters():
+            if zero:
+                self.state[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
+                # NOTE: ZeRO-3 partitions the module's own weights after fit: gathered here
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    self.state[f"module/{name}"] = p.detach().clone()
+            else:
+                self.state[f"fp32/{name}"] = masters.get(name, p).detach().float().clone()
+        for i, group in enumerate(trainer.optimizers[0].param_groups):
+            self.state[f"lr/{i}"] = torch.tensor(group["lr"], dtype=torch.float64)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    accumulation = spec.get("accumulation") or {}
+    capture = Capture()
+    callbacks: list[L.Callback] = [capture]
+    kwargs = {}
+    tokens = bool(accumulation.get("tokens"))
+    if "effective" in accumulation:
+        callbacks.insert(0, lightning_lowmem.AccumulationScheduler(
+            accumulation["effective"], accumulation["micro"], loss_normalization="tokens" if tokens else "samples"))
+    elif "trainer" in accumulation:
+        kwargs["accumulate_grad_batches"] = accumulation["trainer"]
+    if spec.get("save_at"):
+        callbacks.append(SaveAt(spec["ckpt_dir"], spec["save_at"]))
+    # NOTE: a different initialisation when resuming: everything must come from the checkpoint
+    L.seed_everything(1 if spec.get("resume") else 0, verbose=False)
+    module = Module(loss_reduction="sum" if tokens else "mean")
+    strategy = spec["strategy"]
+    if spec.get("strategy_args"):
+        from lightning_lowmem._registry import STRATEGIES
+
+        where, name, _, preset = STRATEGIES[strategy]
+        strategy = getattr(importlib.import_module(where), name)(**preset, **spec["strategy_args"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision=spec["precision"], max_steps=spec["steps"],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **kwargs,
+    )
+    trainer.fit(module, ckpt_path=spec.get("resume"))
+    state = capture.state
+    if not any(k.startswith("module/") for k in state):  # NOTE: what the user's module holds after fit
+        state.update({f"module/{k}": v.detach().clone() for k, v in module.named_parameters()})
+    state.update({f"buffer/{k}": v.detach().clone() for k, v in module.named_buffers()})
+    state["global_step"] = torch.tensor(trainer.global_step)
+    torch.save(state, spec["out"])
+    print(json.dumps({"global_step": trainer.global_step}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
