@@ -80,3 +80,18 @@ def gather_full_weights(module: nn.Module) -> None:
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
                 sub._buffers[name] = buffer.to(torch.float32)
 
+
+
+def restore_functional_linear() -> None:
+    """Put back the ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced.
+
+    NOTE: DeepSpeed swaps ``torch.nn.functional.linear`` for its ``zero3_linear_wrap`` process-wide and never puts it
+    back ("this will persist unless manually reset"): every linear layer run after ``fit`` (a plain model evaluated
+    under autocast, another Trainer) would go through DeepSpeed's autograd function and round differently.
+    """
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is zero3_linear_wrap:
+        torch.nn.functional.linear = original

@@ -242,6 +242,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     def teardown(self) -> None:
         super().teardown()
         from lightning_lowmem import _warnings
+        from lightning_lowmem.strategies._zero_after_fit import restore_functional_linear
+
+        restore_functional_linear()
 
         _warnings.remove(self._warning_filters)
         self._warning_filters = []

@@ -192,3 +192,9 @@ def test_lowmem_consolidate_of_a_forged_checkpoint_is_one_line(checkpoints, tmp_
     assert err.startswith(f"lowmem: error: Refused to load '{file}'") and "`lowmem consolidate --trusted DIR OUT`" in err
     assert len(err.strip().splitlines()) == 2  # the error line and the LOWMEM_TRACEBACK hint
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_a_zero3_fit_leaves_torch_functional_linear_as_it_found_it(checkpoints):
+    """ZeRO-3's `zero.Init` swaps `torch.nn.functional.linear` process-wide; after fit the original is back."""
+    assert "lowmem_zero3" in checkpoints  # NOTE: the fixture ran a `lowmem_zero3` fit in this process
+    assert torch.nn.functional.linear is torch._C._nn.linear
