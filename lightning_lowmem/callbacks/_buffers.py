@@ -12,7 +12,8 @@ NOTE: BatchNorm's kernel writes its running statistics without bumping their ver
 forward changed a buffer cannot be told cheaply; every buffer of the block is copied, and the copies live until
 the block's backward. Blocks without buffers (Hugging Face transformer blocks) cost nothing.
 
-:func:`kept_buffers` is the probe's side: every buffer of a module as it was, after a measuring forward.
+:func:`kept_buffers` is a side step's part: every buffer of a module as it was, after a probe's forward or a trial
+step (``_kept_state``, used by every side step, also puts back metric states and rebound attributes).
 """
 
 from __future__ import annotations
@@ -25,9 +26,28 @@ import torch
 from torch import nn
 
 
+def submodules(module: nn.Module) -> list[nn.Module]:
+    """``module.modules()`` (each once, in the same order), by identity.
+
+    NOTE: ``nn.Module.modules()`` keeps a set of the modules it met, which needs them hashable; a LightningModule
+    whose class defines ``__eq__`` has no ``__hash__``, and a side step must still work on it.
+    """
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(reversed([child for _, child in m.named_children()]))
+    return out
+
+
 def buffers_of(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """``(owner, name, tensor)`` of every buffer under ``module`` (each owner once; ``None`` buffers left out)."""
-    return [(owner, name, buf) for owner in module.modules() for name, buf in owner.named_buffers(recurse=False)]
+    return [(owner, name, buf) for owner in submodules(module) for name, buf in owner.named_buffers(recurse=False)]
 
 
 class BufferGuard:
@@ -100,8 +120,9 @@ def checkpoint_contexts(guard: BufferGuard, inner: Callable[[], tuple[Any, Any]]
 def kept_buffers(module: nn.Module) -> Iterator[None]:
     """Every buffer under ``module`` has, on exit, the tensor and the values it had on entry.
 
-    For a measuring forward (the probe of ``ActivationCheckpointing``): its ``BatchNorm`` statistics, counters and
-    any other buffer update are undone, so the training step that follows starts from what plain training has.
+    For a step outside the loop (a side step: the probe of ``ActivationCheckpointing``, a micro-batch trial): its
+    ``BatchNorm`` statistics, counters and any other buffer update are undone, so the training step that follows
+    starts from what plain training has.
     """
     with torch.no_grad():
         saved = [(owner, name, buf, buf.clone()) for owner, name, buf in buffers_of(module)]
