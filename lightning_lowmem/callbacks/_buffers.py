@@ -1,4 +1,4 @@
-"""Module buffers across a recompute, and around a probe: training ends with the buffers plain training gives.
+"""Module buffers across a recompute: training ends with the buffers plain training gives.
 
 A checkpointed block runs its forward twice: once in the forward pass, once in backward to recompute what it
 saved. A forward that updates buffers (``BatchNorm``'s running statistics and ``num_batches_tracked``, a
@@ -12,14 +12,13 @@ NOTE: BatchNorm's kernel writes its running statistics without bumping their ver
 forward changed a buffer cannot be told cheaply; every buffer of the block is copied, and the copies live until
 the block's backward. Blocks without buffers (Hugging Face transformer blocks) cost nothing.
 
-:func:`kept_buffers` is a side step's part: every buffer of a module as it was, after a probe's forward or a trial
-step (``_kept_state``, used by every side step, also puts back metric states and rebound attributes).
+A step run outside the loop (a probe, a trial step) puts every buffer back instead: ``_kept_state``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,23 +113,3 @@ def checkpoint_contexts(guard: BufferGuard, inner: Callable[[], tuple[Any, Any]]
     """
     forward, recompute = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
     return _Around(guard.snapshot, _nothing, forward), _Around(guard.swap_in, guard.swap_out, recompute)
-
-
-@contextlib.contextmanager
-def kept_buffers(module: nn.Module) -> Iterator[None]:
-    """Every buffer under ``module`` has, on exit, the tensor and the values it had on entry.
-
-    For a step outside the loop (a side step: the probe of ``ActivationCheckpointing``, a micro-batch trial): its
-    ``BatchNorm`` statistics, counters and any other buffer update are undone, so the training step that follows
-    starts from what plain training has.
-    """
-    with torch.no_grad():
-        saved = [(owner, name, buf, buf.clone()) for owner, name, buf in buffers_of(module)]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for owner, name, buf, before in saved:
-                if getattr(owner, name, None) is not buf:
-                    setattr(owner, name, buf)
-                buf.copy_(before)

@@ -4,8 +4,9 @@ A side step (the probe of ``ActivationCheckpointing``, the trials of ``Accumulat
 "auto")``) runs the user's ``training_step`` on a batch that plain Lightning never trains on. Whatever that step
 changes in the module would reach the run. :func:`kept_state` puts back, on exit (after an error too):
 
-- every buffer (:func:`~lightning_lowmem.callbacks._buffers.kept_buffers`): ``BatchNorm`` running statistics and
-  ``num_batches_tracked``, a module's own running scales and counters, written in place or re-registered;
+- every buffer, the same tensor with the same values: ``BatchNorm`` running statistics and ``num_batches_tracked``
+  (its kernel writes them without bumping their version, so every buffer is copied), a module's own running scales
+  and counters, written in place or re-registered;
 - every ``torchmetrics.Metric`` under the module: its states (tensors updated in place, lists appended to) and its
   bookkeeping (update count, cached ``compute`` and ``forward`` values), so a metric updated in ``training_step``
   does not count the side step's batch in the epoch's value;
@@ -24,6 +25,7 @@ the ``state_dict``) and costs a full copy of the model on disk.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,9 +33,15 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_lowmem.callbacks._buffers import kept_buffers, submodules
+from lightning_lowmem.callbacks._buffers import submodules
 
 _MISSING = object()
+
+
+@functools.cache
+def _is_metric(cls: type) -> bool:
+    # NOTE: cached per class: `isinstance` against an ABC costs about 0.5 us a module, per snapshot
+    return issubclass(cls, Metric)
 
 
 class _MetricSnapshot:
@@ -66,8 +74,43 @@ class _MetricSnapshot:
             state[:] = saved
 
 
-def _public_attributes(module: nn.Module) -> dict[str, Any]:
-    return {name: value for name, value in vars(module).items() if not name.startswith("_")}
+class ModuleState:
+    """What :func:`kept_state` puts back, taken now; :meth:`restore` puts it back (any number of times).
+
+    The OOM splitter takes one before each chunk's forward and restores it when the chunk runs out of memory, so a
+    failed attempt leaves no trace either.
+    """
+
+    __slots__ = ("buffers", "metrics", "public")
+
+    def __init__(self, module: nn.Module) -> None:
+        modules = submodules(module)
+        with torch.no_grad():
+            self.buffers = [(m, name, buf, buf.clone()) for m in modules for name, buf in m.named_buffers(recurse=False)]
+        self.metrics = [_MetricSnapshot(m) for m in modules if _is_metric(type(m))]
+        # NOTE: whole dictionaries (a fast copy; the OOM splitter takes one per micro-batch), filtered on restore
+        self.public = [(m, dict(vars(m))) for m in modules]
+
+    def restore(self) -> None:
+        # NOTE: the same buffer tensors, with their values: references held elsewhere (DDP's buffer list) stay valid
+        with torch.no_grad():
+            for owner, name, buf, before in self.buffers:
+                if getattr(owner, name, None) is not buf:
+                    setattr(owner, name, buf)
+                buf.copy_(before)
+        for m, attributes in self.public:
+            own = vars(m)
+            changed = [k for k, v in attributes.items() if own.get(k, _MISSING) is not v and not k.startswith("_")]
+            if changed:
+                # NOTE: a name the step registered as a parameter, buffer or submodule is left registered (an entry
+                # in the instance dictionary would shadow it)
+                registered = {n for n, _ in m.named_parameters(recurse=False)} | {n for n, _ in m.named_buffers(recurse=False)}
+                registered |= {n for n, _ in m.named_children()}
+                for name in changed:
+                    if name not in registered:
+                        own[name] = attributes[name]
+        for snapshot in self.metrics:
+            snapshot.restore()
 
 
 @contextlib.contextmanager
@@ -89,26 +132,11 @@ def kept_state(module: nn.Module) -> Iterator[None]:
         >>> int(net[0].num_batches_tracked), float(net.seen.compute()), net.training
         (0, 0.0, True)
     """
-    modules = submodules(module)
-    metrics = [_MetricSnapshot(m) for m in modules if isinstance(m, Metric)]
-    public = [(m, _public_attributes(m)) for m in modules]
+    state = ModuleState(module)
     try:
-        with kept_buffers(module):
-            yield
+        yield
     finally:
-        for m, attributes in public:
-            own = vars(m)
-            changed = [name for name, value in attributes.items() if own.get(name, _MISSING) is not value]
-            if changed:
-                # NOTE: a name the step registered as a parameter, buffer or submodule is left registered (an entry
-                # in the instance dictionary would shadow it)
-                registered = {n for n, _ in m.named_parameters(recurse=False)} | {n for n, _ in m.named_buffers(recurse=False)}
-                registered |= {n for n, _ in m.named_children()}
-                for name in changed:
-                    if name not in registered:
-                        own[name] = attributes[name]
-        for snapshot in metrics:
-            snapshot.restore()
+        state.restore()
 
 
-__all__ = ["kept_state"]
+__all__ = ["ModuleState", "kept_state"]
