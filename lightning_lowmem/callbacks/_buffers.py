@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lowmem.callbacks._saved_versions import CheckedSaves
+
 
 def submodules(module: nn.Module) -> list[nn.Module]:
     """``module.modules()`` (each once, in the same order), by identity.
@@ -106,10 +108,13 @@ def _nothing() -> None:
 
 
 def checkpoint_contexts(guard: BufferGuard, inner: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:
-    """``torch.utils.checkpoint``'s ``context_fn``: the guard's forward and recompute contexts around ``inner``'s.
+    """``torch.utils.checkpoint``'s ``context_fn``: the guard's forward and recompute contexts around ``inner``'s,
+    the forward's saves checked for in-place changes (:class:`~lightning_lowmem.callbacks._saved_versions.CheckedSaves`).
 
     NOTE: the guard's copies are made outside ``inner``'s contexts (selective checkpointing's dispatch modes),
     so they are not operations of the block that those modes would count or cache.
     """
-    forward, recompute = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    forward, recompute = inner() if inner is not None else (None, contextlib.nullcontext())
+    # NOTE: the forward's saves keep autograd's in-place check, which checkpointing's hooks turn off (`CheckedSaves`)
+    forward = CheckedSaves("ActivationCheckpointing", forward)
     return _Around(guard.snapshot, _nothing, forward), _Around(guard.swap_in, guard.swap_out, recompute)
