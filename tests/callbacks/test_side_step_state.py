@@ -3,10 +3,11 @@
 ``AccumulationScheduler(micro_batch_size="auto")`` runs trial steps and ``ActivationCheckpointing(policy="budget")``
 a measuring forward, both through the user's ``training_step``. The module here is what users write: convolutions
 with ``BatchNorm`` (running statistics and ``num_batches_tracked`` are buffers updated in forward), a torchmetrics
-accuracy updated in ``training_step`` and logged per epoch, a sample counter attribute, and a random flip drawn
-from Python's ``random``. Each run is compared with plain Lightning at the same micro-batch and effective batch:
-every weight and buffer by ``torch.equal``, the metric's state after every batch, the logged epoch value, the
-counter.
+accuracy updated in ``training_step`` and logged per epoch, a sample counter attribute, a random flip drawn from
+Python's ``random``, Adam with a warm-up LR schedule. Each run is compared with plain Lightning at the same
+micro-batch and effective batch: every weight and buffer by ``torch.equal`` (which also needs Adam's moments to
+start from nothing after the trials), the metric's state after every batch, the logged epoch value, the counter,
+the LR schedule.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class LitConvBNMetric(LitConvBN):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(*self._tensors()), batch_size=self.batch_size, shuffle=False)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 4)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -91,6 +97,9 @@ def _assert_same_run(got: tuple, want: tuple) -> None:
         problems.append(f"{len(recorder.states)} batches, plain Lightning {len(ref_recorder.states)}")
     if recorder.counts != ref_recorder.counts:
         problems.append(f"samples_seen {recorder.counts} != {ref_recorder.counts}")
+    lrs = [(s.last_epoch, s.get_last_lr()) for t in (trainer, ref_trainer) for s in [t.lr_scheduler_configs[0].scheduler]]
+    if lrs[0] != lrs[1]:
+        problems.append(f"LR schedule (steps, LR) {lrs[0]} != {lrs[1]}")
     logged, ref_logged = trainer.callback_metrics["train_acc"], ref_trainer.callback_metrics["train_acc"]
     if not torch.equal(logged, ref_logged):
         problems.append(f"logged train_acc {logged} != {ref_logged}")
