@@ -1,4 +1,4 @@
-"""Module buffers across a recompute, and around a probe: training ends with the buffers plain training gives.
+"""Module buffers across a recompute: training ends with the buffers plain training gives.
 
 A checkpointed block runs its forward twice: once in the forward pass, once in backward to recompute what it
 saved. A forward that updates buffers (``BatchNorm``'s running statistics and ``num_batches_tracked``, a
@@ -12,22 +12,43 @@ NOTE: BatchNorm's kernel writes its running statistics without bumping their ver
 forward changed a buffer cannot be told cheaply; every buffer of the block is copied, and the copies live until
 the block's backward. Blocks without buffers (Hugging Face transformer blocks) cost nothing.
 
-:func:`kept_buffers` is the probe's side: every buffer of a module as it was, after a measuring forward.
+A step run outside the loop (a probe, a trial step) puts every buffer back instead: ``_kept_state``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_lowmem.callbacks._saved_versions import CheckedSaves
+
+
+def submodules(module: nn.Module) -> list[nn.Module]:
+    """``module.modules()`` (each once, in the same order), by identity.
+
+    NOTE: ``nn.Module.modules()`` keeps a set of the modules it met, which needs them hashable; a LightningModule
+    whose class defines ``__eq__`` has no ``__hash__``, and a side step must still work on it.
+    """
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(reversed([child for _, child in m.named_children()]))
+    return out
+
 
 def buffers_of(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """``(owner, name, tensor)`` of every buffer under ``module`` (each owner once; ``None`` buffers left out)."""
-    return [(owner, name, buf) for owner in module.modules() for name, buf in owner.named_buffers(recurse=False)]
+    return [(owner, name, buf) for owner in submodules(module) for name, buf in owner.named_buffers(recurse=False)]
 
 
 class BufferGuard:
@@ -87,29 +108,13 @@ def _nothing() -> None:
 
 
 def checkpoint_contexts(guard: BufferGuard, inner: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:
-    """``torch.utils.checkpoint``'s ``context_fn``: the guard's forward and recompute contexts around ``inner``'s.
+    """``torch.utils.checkpoint``'s ``context_fn``: the guard's forward and recompute contexts around ``inner``'s,
+    the forward's saves checked for in-place changes (:class:`~lightning_lowmem.callbacks._saved_versions.CheckedSaves`).
 
     NOTE: the guard's copies are made outside ``inner``'s contexts (selective checkpointing's dispatch modes),
     so they are not operations of the block that those modes would count or cache.
     """
-    forward, recompute = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    forward, recompute = inner() if inner is not None else (None, contextlib.nullcontext())
+    # NOTE: the forward's saves keep autograd's in-place check, which checkpointing's hooks turn off (`CheckedSaves`)
+    forward = CheckedSaves("ActivationCheckpointing", forward)
     return _Around(guard.snapshot, _nothing, forward), _Around(guard.swap_in, guard.swap_out, recompute)
-
-
-@contextlib.contextmanager
-def kept_buffers(module: nn.Module) -> Iterator[None]:
-    """Every buffer under ``module`` has, on exit, the tensor and the values it had on entry.
-
-    For a measuring forward (the probe of ``ActivationCheckpointing``): its ``BatchNorm`` statistics, counters and
-    any other buffer update are undone, so the training step that follows starts from what plain training has.
-    """
-    with torch.no_grad():
-        saved = [(owner, name, buf, buf.clone()) for owner, name, buf in buffers_of(module)]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for owner, name, buf, before in saved:
-                if getattr(owner, name, None) is not buf:
-                    setattr(owner, name, buf)
-                buf.copy_(before)

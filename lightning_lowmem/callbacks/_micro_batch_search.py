@@ -5,7 +5,9 @@ recovered), elsewhere by :class:`~lightning_lowmem.memory.measure.MemoryTracker`
 forward + backward + an optimizer step at learning rate 0, after one unmeasured step, so gradients and optimizer
 state are alive as in steady training; the learning rates, the optimizer state and the gradients are put back
 afterwards. The trials run as one :func:`~lightning_lowmem.callbacks._side_step.side_step` (RNG forked, logging
-off, the scheduler's ``training_step`` wrapper and the OOM splitter standing aside).
+off, the scheduler's ``training_step`` wrapper and the OOM splitter standing aside, and the module's buffers,
+metric states and rebound attributes put back: ``BatchNorm`` statistics and a metric updated in ``training_step``
+end as if the trials never ran).
 """
 
 from __future__ import annotations

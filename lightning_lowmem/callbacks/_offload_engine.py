@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_lowmem.callbacks._offload_copiers import StreamCopier, SyncCopier
+from lightning_lowmem.callbacks._saved_versions import SavedVersion
 from lightning_lowmem.memory.categories import mark_host
 
 # NOTE: wrapper subclasses (DTensor, quantized tensors) stay in place; a dry run's fake tensors stand for plain ones
@@ -146,12 +147,13 @@ class _StorageEntry:
 
 
 class _Packed:
-    """What autograd stores in place of an offloaded saved tensor: its storage entry and its view geometry."""
+    """What autograd stores in place of an offloaded saved tensor: its storage entry, its view geometry, its version."""
 
-    __slots__ = ("dtype", "entry", "offset", "size", "stride")
+    __slots__ = ("dtype", "entry", "offset", "saved", "size", "stride")
 
     def __init__(self, entry: _StorageEntry, t: torch.Tensor) -> None:
         self.entry = entry
+        self.saved = SavedVersion(t)
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
@@ -308,7 +310,7 @@ class SavedTensorOffloader:
         if self._phase != "forward":
             self._begin_forward()
         if self._keep(t, sys._getframe(1)):
-            return t
+            return SavedVersion(t, keep=True)  # NOTE: autograd's in-place check, which our hooks turn off (see unpack)
         storage = t.untyped_storage()
         # NOTE: keyed by storage *and* version: a storage changed in place after one save and saved again needs
         # a second copy. The weak storage ref keeps the StorageImpl address from being reused by another
@@ -367,8 +369,12 @@ class SavedTensorOffloader:
     # -- unpack ---------------------------------------------------------------------------------------------
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+        # NOTE: [in-place check] autograd does not check the version of tensors packed by hooks: a module that
+        # changed a saved tensor in place would train on other values here, where plain PyTorch raises
+        if isinstance(packed, SavedVersion):
+            packed.check("ActivationOffload")
+            return packed.counter
+        packed.saved.check("ActivationOffload")
         if self._phase != "backward":
             self._begin_backward()
         entry: _StorageEntry = packed.entry

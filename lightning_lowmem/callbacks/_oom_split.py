@@ -28,6 +28,10 @@ already hold the completed chunks) and discards nothing that is correct. Hazards
 halves, so the two kinds of parameters saw different masks in that one step; a parameter shared between two
 *reentrant* checkpointed segments accumulates twice per backward, and one interrupted between the two would be
 frozen with half its contribution (use ``use_reentrant=False``, as ``ActivationCheckpointing`` does).
+
+NOTE: [no trace] What the failed attempt's forward changed in the module (buffers, metric states, rebound
+attributes: ``ModuleState``) is put back before its halves run. ``BatchNorm`` in training mode normalises each
+half over its own samples, which no split can undo: ``install`` names those layers in a warning.
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.memory import is_oom_error
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities import apply_to_collection
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_lowmem import _atomic
 from lightning_lowmem._compat import swapped
+from lightning_lowmem.callbacks._kept_state import ModuleState
 from lightning_lowmem.callbacks._side_step import stands_aside
 
 log = logging.getLogger(__name__)
@@ -83,6 +89,7 @@ class _Chunk:
     counted: bool = False  # a completed forward of these samples counted them (its backward failed)
     before: tuple[Any, ...] | None = None  # the owner's window state before this chunk's forward counted it
     logged_at: int = 0  # where its entries start in the batch's logged calls
+    state: Any = None  # the module's buffers, metric states and attributes before its forward (`ModuleState`)
 
 
 @dataclass
@@ -149,6 +156,7 @@ class OOMSplitter:
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._accumulated(i)) for i, p in enumerate(self._params)
         ]
         self._installed = True
+        _warn_batch_statistics(type(self.owner).__name__, pl_module)
 
     def remove(self) -> None:
         if not self._installed:
@@ -243,6 +251,7 @@ class OOMSplitter:
             self._allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             self._freeze(chunk.frozen)
             self.owner._counting = not chunk.counted
+            chunk.state = ModuleState(self._module)  # NOTE: [no trace] see `_backward_chunk`
             try:
                 with self._capturing(logged):
                     out = self._ts(chunk.batch, *self._rest, **self._kwargs)
@@ -251,6 +260,7 @@ class OOMSplitter:
                 if not is_oom(err):
                     raise
                 failure = self._describe(err, "forward", chunk)
+                chunk.state.restore()
             finally:
                 self.owner._counting = True
             if failure is None:
@@ -278,6 +288,10 @@ class OOMSplitter:
         finally:
             self._tracking = False
             self._freeze(frozenset())
+        # NOTE: [no trace] the failed micro-batch's forward (all of it here, part of it when the forward failed) has
+        # updated buffers (BatchNorm statistics, counters), metrics and attributes that its halves update again:
+        # they go back to what they were before it, so each sample counts once, as in smaller micro-batches
+        chunk.state.restore()
         # NOTE: the failed graph hangs off this loss (Lightning's closure keeps a reference to it until the step):
         # detaching it in place lets the graph's saved activations go now
         with contextlib.suppress(RuntimeError):
@@ -441,6 +455,20 @@ class OOMSplitter:
                     kwargs = {**kwargs, "batch_size": sum(sizes)}
             self._module.log(name, value, *args, **kwargs)
         self._logged, self._weights, self._reports = [], [], []
+
+
+def _warn_batch_statistics(owner: str, module: torch.nn.Module) -> None:
+    """Before the first step: name the layers in training mode whose output depends on the micro-batch's samples."""
+    found = [(n, type(m).__name__) for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if found:
+        names = ", ".join(n for n, _ in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        rank_zero_warn(
+            f"{owner}: the model has {'/'.join(sorted({k for _, k in found}))} layers ({names}) in training mode; "
+            "if a micro-batch runs out of memory and is split, each part is normalised over its own samples and "
+            "updates the running statistics once, so that step is not the unsplit micro-batch's (it is that of "
+            "micro-batches of the parts' size). Use GroupNorm/LayerNorm (or keep these layers in eval mode) for an "
+            "exact step, or filter this warning to accept it."
+        )
 
 
 def _scalar(value: Any) -> bool:

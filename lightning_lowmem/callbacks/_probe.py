@@ -11,7 +11,6 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_lowmem._compat import tensors_in, training_step_args
-from lightning_lowmem.callbacks._buffers import kept_buffers
 from lightning_lowmem.callbacks._side_step import side_step
 from lightning_lowmem.memory.categories import storage_key
 
@@ -64,8 +63,8 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
     The forward runs with a pack hook that records sizes (no backward follows). Saved tensors are held only
     until their block returns, so the probe needs the activations outside the blocks plus one block's, the
     same as checkpointing every block. It runs as a :func:`~lightning_lowmem.callbacks._side_step.side_step` (RNG
-    forked, logging off, training_step wrappers aside) with every module buffer put back afterwards, so training
-    is unchanged. Parameters and buffers are not activations and are not counted.
+    forked, logging off, training_step wrappers aside, buffers and metric states put back), so training is
+    unchanged. Parameters and buffers are not activations and are not counted.
     """
     params = _ModelStorages(pl_module)
     outside = 0
@@ -118,10 +117,10 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, always_call=True))
     try:
-        # NOTE: a side step: RNG forked, `self.log` off, and a training_step wrapper (AccumulationScheduler's
-        # window) stands aside; every buffer is put back (BatchNorm statistics, counters), so the probe leaves
-        # the run as it was
-        with side_step(pl_module), kept_buffers(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+        # NOTE: a side step: RNG forked, `self.log` off, a training_step wrapper (AccumulationScheduler's window)
+        # stands aside, and every buffer (BatchNorm statistics, counters) and metric state is put back, so the
+        # probe leaves the run as it was
+        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
@@ -198,10 +197,10 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, always_call=True))
     try:
-        # NOTE: a side step: RNG forked, `self.log` off, and a training_step wrapper (AccumulationScheduler's
-        # window) stands aside; every buffer is put back (BatchNorm statistics, counters), so the probe leaves
-        # the run as it was
-        with side_step(pl_module), kept_buffers(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+        # NOTE: a side step: RNG forked, `self.log` off, a training_step wrapper (AccumulationScheduler's window)
+        # stands aside, and every buffer (BatchNorm statistics, counters) and metric state is put back, so the
+        # probe leaves the run as it was
+        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:

@@ -30,13 +30,15 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 from lightning_lowmem._compat import tensors_in
 from lightning_lowmem.callbacks._blocks import INFO_ATTR, CheckpointInfo, call_inner, checkpoint_info, refuse_kv_cache
 from lightning_lowmem.callbacks._buffers import BufferGuard
+from lightning_lowmem.callbacks._saved_versions import SavedVersion
 
 
 class _Holder:
-    __slots__ = ("__weakref__", "value")
+    __slots__ = ("__weakref__", "saved", "value")
 
-    def __init__(self) -> None:
+    def __init__(self, saved: SavedVersion) -> None:
         self.value: torch.Tensor | None = None
+        self.saved = saved  # NOTE: autograd's in-place check, which our hooks turn off (see `_SegmentRun._unpack`)
 
 
 class _Ref:
@@ -85,8 +87,8 @@ class _SegmentRun:
     # forward side
     def _pack(self, x: torch.Tensor) -> Any:
         if self.depth == 0:
-            return x  # NOTE: saved by the model's code between blocks: kept as usual, it is not replayed
-        holder = _Holder()
+            return SavedVersion(x, keep=True)  # NOTE: saved by the model's code between blocks: kept, not replayed
+        holder = _Holder(SavedVersion(x))
         self.holders.append(weakref.ref(holder))
         return holder
 
@@ -110,8 +112,12 @@ class _SegmentRun:
 
     # backward side
     def _unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
+        # NOTE: a tensor changed in place after it was saved: plain PyTorch raises here, and so do we (the replay
+        # would hand back recomputed values instead)
+        if isinstance(saved, SavedVersion):
+            saved.check("ActivationCheckpointing(policy='sqrt')")
+            return saved.counter
+        saved.saved.check("ActivationCheckpointing(policy='sqrt')")
         if saved.value is None:
             if self.replayed:
                 raise RuntimeError(

@@ -5,8 +5,12 @@ Several techniques run the module's step themselves: ``ActivationCheckpointing``
 out-of-memory splitter re-runs chunks of a batch (``_oom_split``), the dry run fits a fake copy
 (``memory.fake``). Each piece of what such a step needs lives here once:
 
-- :func:`forked_rng`: the CPU generator (and the CUDA device's) is put back afterwards, so a side step's dropout
-  draws leave the run's random stream, and with it the trained weights, as they were.
+- :func:`forked_rng`: the CPU generator (and the CUDA device's), Python's ``random`` and NumPy's global generator
+  are put back afterwards, so a side step's dropout draws (or a ``random.random()`` augmentation in the step) leave
+  the run's random streams, and with them the trained weights, as they were.
+- :func:`~lightning_lowmem.callbacks._kept_state.kept_state`: every buffer (``BatchNorm`` statistics and
+  ``num_batches_tracked``), every ``torchmetrics`` metric's state, and the public attributes the step rebinds
+  (``self.seen += n``) are put back, so the step leaves no trace in the module.
 - :func:`silenced_log`: ``self.log``/``self.log_dict`` do nothing. Outside a loop hook Lightning refuses them, and
   inside one a value logged by a side step would count twice in the epoch means.
 - the mark: :func:`stands_aside` is true while a side step runs on the module (or the module is detached from any
@@ -15,13 +19,15 @@ out-of-memory splitter re-runs chunks of a batch (``_oom_split``), the dry run f
 - :func:`quiet_warnings`: Python warnings ignored and Lightning's loggers at ``ERROR``, for a run whose warnings
   would be about a simulation (the dry run), not the user's run.
 
-:func:`side_step` is the first three together, what a probe or a trial step needs.
+:func:`side_step` is the first four together, what a probe or a trial step needs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +36,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_lowmem._compat import swapped
+from lightning_lowmem.callbacks._kept_state import kept_state
 
 #: side steps running per module (nested ones count). NOTE: weak, so a module (or a copy of it) carries no state of
 #: ours; keyed by identity, so a module whose class defines `__eq__` (and so no `__hash__`) works too
@@ -46,18 +53,29 @@ def silenced_log(target: Any) -> contextlib.AbstractContextManager[None]:
     return swapped(target, log=_no_log, log_dict=_no_log)
 
 
-def forked_rng(device: torch.device | None = None) -> contextlib.AbstractContextManager[None]:
-    """The CPU RNG, and ``device``'s when it is a CUDA device, put back on exit.
+@contextlib.contextmanager
+def forked_rng(device: torch.device | None = None) -> Iterator[None]:
+    """The CPU RNG, ``device``'s when it is a CUDA device, Python's ``random`` and NumPy's global one, put back on exit.
 
     ``device=None``: the current CUDA device when CUDA is initialized (a step that ran there has drawn from it),
-    else the CPU generator only; CUDA is never initialized by this.
+    else the CPU generator only; CUDA is never initialized by this. NumPy's generator only when NumPy is imported.
+    The generators ``lightning.seed_everything`` seeds, all of them.
     """
     if device is None:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     else:
         devices = [device] if device.type == "cuda" else []
-    # NOTE: device_type given: torch's default asks the current accelerator, and `devices=[]` forks the CPU only
-    return torch.random.fork_rng(devices=devices, device_type="cuda")
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        # NOTE: device_type given: torch's default asks the current accelerator, and `devices=[]` forks the CPU only
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 @contextlib.contextmanager
@@ -85,11 +103,13 @@ def stands_aside(pl_module: Any) -> bool:
 
 @contextlib.contextmanager
 def side_step(pl_module: Any, device: torch.device | None = None) -> Iterator[None]:
-    """Run ``pl_module``'s ``training_step`` (or part of it) outside the loop: RNG forked, logging off, marked.
+    """Run ``pl_module``'s ``training_step`` (or part of it) outside the loop, leaving no trace in the run.
 
     Inside: the RNG is forked (:func:`forked_rng` with ``device``), ``self.log``/``self.log_dict`` do nothing
     (:func:`silenced_log`), and callbacks that wrap ``training_step`` stand aside (:func:`stands_aside`). All three
-    are put back on exit, after an error too; nested side steps are allowed.
+    are put back on exit, after an error too, and so is the module's state
+    (:func:`~lightning_lowmem.callbacks._kept_state.kept_state`: buffers, ``torchmetrics`` metric states, rebound
+    public attributes); nested side steps are allowed. The optimizers are the caller's to put back.
 
     Example:
         >>> import lightning as L
@@ -101,7 +121,8 @@ def side_step(pl_module: Any, device: torch.device | None = None) -> Iterator[No
         >>> "log" in vars(module)
         False
     """
-    with forked_rng(device), silenced_log(pl_module), marked(pl_module):
+    # NOTE: the module's state outermost: `silenced_log`'s swap of `log` is undone before it compares attributes
+    with kept_state(pl_module), forked_rng(device), silenced_log(pl_module), marked(pl_module):
         yield
 
 

@@ -24,6 +24,12 @@ that are not weights go to the hooks that were active outside the block (``Activ
 Chosen over an autograd Function at block boundaries because it leaves the module's forward, the checkpoint
 wrappers and the hooks of other techniques as they are. A checkpointed block saves nothing of its weights in
 forward (the checkpoint's own hooks are innermost) and recomputes after the output-gradient hook fetched it.
+
+NOTE: [in-place changes] The hooks turn off autograd's check that a saved tensor was not changed in place; the
+unpack makes it (``_saved_versions``). A block's forward that changes one of its streamed weights in place
+(a clamp, a renormalisation) is refused when it returns: the fetched copy it changed is dropped at release,
+so the change would be lost. A change through ``.data`` bumps no version counter: neither plain PyTorch nor
+this check sees it, and under streaming it is lost.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch import nn
 from lightning_lowmem._compat import tensors_in
 from lightning_lowmem._streams import CudaOps, StreamOps, cpu_ops
 from lightning_lowmem.callbacks._blocks import find_repeated_blocks
+from lightning_lowmem.callbacks._saved_versions import SavedVersion
 from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.memory.units import fmt_size
 from lightning_lowmem.strategies._host_transfer import _bucket_sizes
@@ -225,10 +232,11 @@ class ParamStream:
         else:
             tensors = [ops.to_device(h, self.device, self.stream) for h in self.host[b]]
             event = self._last_event = ops.record_event(self.stream)
-        self._fetched[b] = [tensors, event, ops is None]
         for j, (p, t) in enumerate(zip(self.params[b], tensors)):
             p.data = t
             self._by_storage[storage_key(t)] = (b, j)
+        # NOTE: the parameters' own version counters (`.data` assignment keeps them): see `_check_unchanged`
+        self._fetched[b] = [tensors, event, ops is None, [p._version for p in self.params[b]]]
         self.fetches += 1
 
     def _ready(self, b: int) -> None:
@@ -283,6 +291,7 @@ class ParamStream:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         if _in_backward() or output is None:
             return
+        self._check_unchanged(b)
         grad = torch.is_grad_enabled()
         if self.streamed[b] and not (grad and b in self._tail):
             self.release(b)
@@ -290,6 +299,22 @@ class ParamStream:
             out = next((t for t in tensors_in(output) if t.requires_grad), None)
             if out is not None:
                 out.register_hook(lambda g, b=b: self._before_backward(b))
+
+    def _check_unchanged(self, b: int) -> None:
+        """Refuse a forward that changed one of its streamed weights in place (see [in-place changes])."""
+        entry = self._fetched.get(b)
+        if entry is None:
+            return
+        for p, version in zip(self.params[b], entry[3]):
+            if p._version != version:
+                name = next((n for n, q in self.blocks[b].named_parameters() if q is p), "?")
+                raise RuntimeError(
+                    f"lowmem_offload_params: the forward of block `{self.names[b]}` changed its weight `{name}` in "
+                    f"place (version {version} -> {p._version}). Parameter streaming fetches a fresh copy of the "
+                    "block's weights from the host for every use, so the change would be lost (and a weight saved "
+                    "for backward before the change makes plain PyTorch refuse the backward). Make the change out "
+                    "of place in the module, or keep the block on the device (`OffloadStrategy(offload_params=False)`)."
+                )
 
     def _before_backward(self, b: int) -> None:
         for c in [c for c in self._fetched if c > b]:
@@ -317,18 +342,23 @@ class ParamStream:
         if found is not None:
             b, j = found
             base = self._fetched[b][0][j]
-            return (_WEIGHT, b, j, t.size(), t.stride(), t.storage_offset() - base.storage_offset(), t.requires_grad)
+            offset = t.storage_offset() - base.storage_offset()
+            return (_WEIGHT, b, j, t.size(), t.stride(), offset, t.requires_grad, SavedVersion(t))
         if outer is not None:
             return (_OUTER, outer[1], outer[0](t))
-        return (_PLAIN, t)
+        return (_PLAIN, SavedVersion(t, keep=True))
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        # NOTE: [in-place changes] autograd skips its version check for tensors packed by hooks: it is made here
+        # (the outer hooks make their own), so a module that changed a saved tensor in place fails as in plain
         kind = packed[0]
         if kind == _PLAIN:
-            return packed[1]
+            packed[1].check("lowmem_offload_params")
+            return packed[1].counter
         if kind == _OUTER:
             return packed[1](packed[2])
-        _, b, j, size, stride, offset, _ = packed
+        _, b, j, size, stride, offset, _, saved = packed
+        saved.check("lowmem_offload_params")
         self._ready(b)  # NOTE: a no-op when the output-gradient hook fetched it; else a synchronous fetch
         data = self.params[b][j].data
         return data.as_strided(size, stride, data.storage_offset() + offset)

@@ -193,7 +193,11 @@ def test_version_bump_gets_a_second_copy():
     t.mul_(3)
     second = engine.pack(t)
     assert engine.stats.storages_offloaded == 2
-    assert torch.equal(engine.unpack(second), t) and torch.equal(engine.unpack(first), before)
+    assert torch.equal(engine.unpack(second), t)
+    # the first save was changed in place after it was saved: autograd would refuse it, and so does the engine
+    assert torch.equal(first.entry.host.view(torch.float32), before)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*version 1; expected version 0"):
+        engine.unpack(first)
 
 
 def test_host_copy_marked_and_original_freed():

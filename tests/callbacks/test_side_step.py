@@ -8,12 +8,14 @@ with dropout, train bit-identical weights to runs without them.
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from torchmetrics import CatMetric, SumMetric
 
 from lightning_lowmem.callbacks._side_step import (
     forked_rng,
@@ -143,6 +145,70 @@ def test_quiet_warnings_ignores_inside_only():
             warnings.warn("simulated", UserWarning, stacklevel=1)
         warnings.warn("real", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["real"]
+
+
+def test_python_and_numpy_generators_are_put_back():
+    np = pytest.importorskip("numpy")
+    random.seed(1)
+    np.random.seed(1)
+    expected = (random.random(), float(np.random.rand()))
+    random.seed(1)
+    np.random.seed(1)
+    with side_step(_attached()):
+        assert (random.random(), float(np.random.rand())) == expected  # the run's draws...
+        random.random()
+    assert (random.random(), float(np.random.rand())) == expected  # ...drawn again by the run
+
+
+class _Counting(_Logs):
+    """A module whose step changes what a side step must put back, and what it leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.total = SumMetric()
+        self.outputs = CatMetric()
+        self.steps = 0
+        self.last: torch.Tensor | None = None
+        self.history: list[int] = []
+
+    def training_step(self, x: torch.Tensor) -> None:
+        out = self.norm(x)
+        self.total.update(x.shape[0])
+        self.outputs(out.sum(1).detach())  # `forward`: updates the state, caches the batch value
+        self.steps += 1
+        self.last = out.detach()
+        self.history.append(self.steps)  # a list changed in place: not put back (documented)
+        self.started = True  # set for the first time: left (documented)
+        self.register_buffer("scale", torch.ones(()))  # registered: left registered
+
+
+def test_side_step_puts_back_buffers_metric_states_and_rebound_attributes():
+    module = _Counting()
+    module.training_step(torch.randn(4, 3))  # a real step: what the side step must keep
+    norm = {k: v.clone() for k, v in module.norm.state_dict().items()}
+    mean, total, outputs = module.norm.running_mean, module.total.compute(), module.outputs.compute()
+    last, history = module.last, module.history
+    with side_step(module):
+        module.training_step(torch.randn(8, 3) * 5)
+        module.eval()
+        assert module.total.update_count == 2 and module.steps == 2
+    assert all(torch.equal(v, norm[k]) for k, v in module.norm.state_dict().items())
+    assert module.norm.running_mean is mean  # the same tensor object (references elsewhere stay valid)
+    assert torch.equal(module.total.compute(), total) and module.total.update_count == 1
+    assert torch.equal(module.outputs.compute(), outputs) and len(module.outputs.value) == 1
+    assert module.steps == 1 and module.last is last and module.training
+    assert module.history is history and history == [1, 2] and module.started and "scale" in dict(module.named_buffers())
+    module.training_step(torch.randn(4, 3))  # the metrics go on from where the real step left them
+    assert module.total.update_count == 2 and float(module.total.compute()) == 8.0
+
+
+def test_side_step_puts_back_after_an_error():
+    module = _Counting()
+    with pytest.raises(RuntimeError, match="trial"), side_step(module):
+        module.training_step(torch.randn(4, 3))
+        raise RuntimeError("trial")
+    assert module.steps == 0 and module.total.update_count == 0 and int(module.norm.num_batches_tracked) == 0
 
 
 # --- through Trainer.fit -----------------------------------------------------------------------------------------

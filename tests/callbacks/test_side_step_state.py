@@ -1,0 +1,140 @@
+"""Steps run outside the training loop leave no trace in the module: buffers, metric states, counters, RNG.
+
+``AccumulationScheduler(micro_batch_size="auto")`` runs trial steps and ``ActivationCheckpointing(policy="budget")``
+a measuring forward, both through the user's ``training_step``. The module here is what users write: convolutions
+with ``BatchNorm`` (running statistics and ``num_batches_tracked`` are buffers updated in forward), a torchmetrics
+accuracy updated in ``training_step`` and logged per epoch, a sample counter attribute, a random flip drawn from
+Python's ``random``, Adam with a warm-up LR schedule. Each run is compared with plain Lightning at the same
+micro-batch and effective batch: every weight and buffer by ``torch.equal`` (which also needs Adam's moments to
+start from nothing after the trials), the metric's state after every batch, the logged epoch value, the counter,
+the LR schedule.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from tests.helpers.activation_modules import LitConvBN, assert_same_state, fit_state
+
+pytestmark = pytest.mark.integration
+
+
+class LitConvBNMetric(LitConvBN):
+    """``LitConvBN`` with a loader of ``self.batch_size``, an accuracy metric, a counter and a random flip."""
+
+    def __init__(self, blocks: int = 2, batch_size: int = 8) -> None:
+        super().__init__(2, blocks)
+        self.batch_size = batch_size
+        self.accuracy = MulticlassAccuracy(num_classes=4, average="micro")
+        self.samples_seen = 0
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*self._tensors()), batch_size=self.batch_size, shuffle=False)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 4)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if random.random() < 0.5:  # an augmentation drawn from Python's generator
+            x = x.flip(-1)
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(h)
+        self.accuracy(logits, y)
+        self.log("train_acc", self.accuracy, on_step=False, on_epoch=True)
+        self.samples_seen += len(y)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+class Recorder(L.Callback):
+    """The metric's state and the counter after every training batch, and the value logged for the epoch."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+        self.counts: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.states.append({k: v.clone() for k, v in pl_module.accuracy.metric_state.items()})
+        self.counts.append(pl_module.samples_seen)
+
+
+def _fit(callbacks: list[L.Callback], blocks: int = 2, batch_size: int = 8, steps: int = 2, **trainer_kwargs: Any):
+    recorder = Recorder()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*BatchNorm2d layers.*")
+        state, trainer = fit_state(
+            lambda: LitConvBNMetric(blocks, batch_size), [*callbacks, recorder], steps=steps, **trainer_kwargs
+        )
+    return state, recorder, trainer
+
+
+def _assert_same_run(got: tuple, want: tuple) -> None:
+    """Every difference at once: weights and buffers, the metric after each batch, the counter, the logged value."""
+    (state, recorder, trainer), (ref_state, ref_recorder, ref_trainer) = got, want
+    problems = []
+    try:
+        assert_same_state(state, ref_state)
+    except AssertionError as err:
+        problems.append(str(err))
+    for i, (a, b) in enumerate(zip(recorder.states, ref_recorder.states)):
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            problems.append(f"metric state after batch {i}: {a} != {b}")
+    if len(recorder.states) != len(ref_recorder.states):
+        problems.append(f"{len(recorder.states)} batches, plain Lightning {len(ref_recorder.states)}")
+    if recorder.counts != ref_recorder.counts:
+        problems.append(f"samples_seen {recorder.counts} != {ref_recorder.counts}")
+    lrs = [(s.last_epoch, s.get_last_lr()) for t in (trainer, ref_trainer) for s in [t.lr_scheduler_configs[0].scheduler]]
+    if lrs[0] != lrs[1]:
+        problems.append(f"LR schedule (steps, LR) {lrs[0]} != {lrs[1]}")
+    logged, ref_logged = trainer.callback_metrics["train_acc"], ref_trainer.callback_metrics["train_acc"]
+    if not torch.equal(logged, ref_logged):
+        problems.append(f"logged train_acc {logged} != {ref_logged}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("accumulating", [False, True], ids=["micro16", "micro8x2"])
+def test_micro_batch_trials_leave_buffers_metrics_and_counters_as_plain_lightning(accumulating):
+    """The trials run steps at micro-batches 1..16 on the first batch: BatchNorm counted 6 batches instead of 2,
+    and the accuracy and the counter counted the trials' samples, before the side step put the module back."""
+    auto = AccumulationScheduler(16, "auto", memory_budget=10**12)
+    if accumulating:  # a budget between the peaks of 8 and 16: micro-batch 8, accumulation 2
+        _fit([auto], steps=1)
+        auto = AccumulationScheduler(16, "auto", memory_budget=auto.choice.peaks[8])
+    got = _fit([auto])
+    micro = auto.choice.micro_batch_size
+    assert micro == (8 if accumulating else 16) and len(auto.choice.peaks) >= 2  # the trials ran
+    want = _fit([], batch_size=micro, accumulate_grad_batches=16 // micro)
+    _assert_same_run(got, want)
+    assert all(int(v) == 2 * 16 // micro for k, v in got[0].items() if k.endswith("num_batches_tracked"))
+
+
+@pytest.mark.parametrize("blocks", [2, 0], ids=["repeated-blocks", "measured-submodules"])
+def test_checkpointing_probe_leaves_buffers_metrics_and_counters_as_plain_lightning(blocks):
+    """The budget probe runs ``training_step`` (twice for a model without repeated blocks) on the first batch."""
+    probe = ActivationCheckpointing(policy="budget", budget=10**12)
+    got = _fit([probe], blocks=blocks)
+    assert probe.measured
+    _assert_same_run(got, _fit([], blocks=blocks))
+
+
+def test_the_runs_above_train_and_count():
+    """Guards the tests above: the weights move, the metric and the counter count what the steps saw."""
+    _, recorder, trainer = _fit([], steps=2)
+    untouched = fit_state(lambda: LitConvBNMetric(2, 8), steps=0)[0]
+    assert any(not torch.equal(v, untouched[k]) for k, v in trainer.lightning_module.state_dict().items())
+    assert recorder.counts == [8, 16]
+    assert [int(s["tp"] + s["fn"]) for s in recorder.states] == [8, 16]
