@@ -79,12 +79,11 @@ def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
-def entries(stage: int) -> list[Entry]:
-    """The entries of ``stage``, in the order they run."""
-    if stage not in STAGES:
+def entries(stage: int, module: str | None = None) -> list[Entry]:
+    """The entries of ``stage`` (``ENTRIES`` of ``benchmarks.gpu.stage{N}``, or of ``module``), in the order they run."""
+    if module is None and stage not in STAGES:
         raise ValueError(f"Passed stage {stage!r}; expected one of {', '.join(map(str, STAGES))}.")
-    module = importlib.import_module(f"benchmarks.gpu.stage{stage}")
-    return list(module.ENTRIES)
+    return list(importlib.import_module(module or f"benchmarks.gpu.stage{stage}").ENTRIES)
 
 
 def processes(stage_entries: list[Entry]) -> int:

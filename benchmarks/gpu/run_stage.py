@@ -79,9 +79,10 @@ def child_env(site: Path) -> dict[str, str]:
 class StageRun:
     """Starts workers for a stage's entries, enforces each entry's limit, and collects what each recorded."""
 
-    def __init__(self, stage: int, rehearsal: bool, state: Path, env: dict[str, str], log: Path, deadline: float):
-        self.stage, self.rehearsal, self.state, self.env, self.log, self.deadline = (
-            stage, rehearsal, state, env, log, deadline)
+    def __init__(self, stage: int, rehearsal: bool, state: Path, env: dict[str, str], log: Path, deadline: float,
+                 module: str | None = None) -> None:
+        self.stage, self.rehearsal, self.state, self.env, self.log, self.deadline, self.module = (
+            stage, rehearsal, state, env, log, deadline, module)
 
     def _result(self, e: Entry) -> dict[str, Any] | None:
         import json
@@ -109,6 +110,7 @@ class StageRun:
         cmd = [sys.executable, "-m", "benchmarks.gpu.worker", "--stage", str(self.stage),
                "--entries", ",".join(e.name for e in group), "--state", str(self.state)]
         cmd += ["--rehearsal"] if self.rehearsal else []
+        cmd += ["--module", self.module] if self.module else []
         with open(self.log, "ab") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)

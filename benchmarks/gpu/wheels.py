@@ -103,13 +103,15 @@ def unmet(wheels: list[Wheel], image: set[str]) -> list[str]:
             if req.marker is not None and not req.marker.evaluate({**TARGET, "extra": extra}):
                 continue
             name = norm(req.name)
+            what = req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "") + str(req.specifier)
             if name in by_name:
                 carried = by_name[name]
                 if req.specifier and not req.specifier.contains(carried.version, prereleases=True):
-                    problems.append(f"{wheel.name}{f'[{extra}]' if extra else ''} needs {req}, the wheel is {carried.version}")
+                    problems.append(f"{wheel.name}{f'[{extra}]' if extra else ''} needs {what}, the wheel is "
+                                    f"{carried.version}")
                 todo += [(carried, e) for e in req.extras]
             elif name not in image:
-                problems.append(f"{wheel.name}{f'[{extra}]' if extra else ''} needs {req}: neither a wheel in the "
+                problems.append(f"{wheel.name}{f'[{extra}]' if extra else ''} needs {what}: neither a wheel in the "
                                 "folder nor a package of the GPU image")
     return sorted(set(problems))
 
@@ -146,9 +148,9 @@ def check(wheel_dir: Path, image: set[str], tree_bytes: int, wanted: Iterable[tu
     lines.append(f"tree that travels (tracked + untracked-not-ignored + .whl): {tree_bytes / MiB:.2f} MiB "
                  f"(limit: under {tree_limit / MiB:.0f} MiB)")
     if size > wheel_limit:
-        problems.append(f".whl holds {size / MiB:.2f} MiB, over {wheel_limit / MiB:.0f} MiB")
+        problems.append(f".whl holds {size / MiB:.2f} MiB, over {wheel_limit / MiB:.2f} MiB")
     if tree_bytes >= tree_limit:
-        problems.append(f"the tree that travels is {tree_bytes / MiB:.2f} MiB, not under {tree_limit / MiB:.0f} MiB")
+        problems.append(f"the tree that travels is {tree_bytes / MiB:.2f} MiB, not under {tree_limit / MiB:.2f} MiB")
     return lines, problems
 
 

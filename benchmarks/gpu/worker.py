@@ -62,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--entries", required=True, help="comma-separated entry names, run in this order")
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--rehearsal", action="store_true")
+    parser.add_argument("--module", default=None, help="the module holding ENTRIES (default: the stage's)")
     args = parser.parse_args(argv)
     import torch
 
     threads = usable_cpus()
     torch.set_num_threads(threads)  # NOTE: the host step and the host casts run at the machine's thread count
     ctx = Context(stage=args.stage, rehearsal=args.rehearsal, state_dir=args.state, repo=REPO, threads=threads)
-    by_name = {e.name: e for e in entries(args.stage)}
+    by_name = {e.name: e for e in entries(args.stage, args.module)}
     for name in args.entries.split(","):
         entry = by_name[name]
         (args.state / f"{safe_name(name)}.start").write_text(str(time.time()))
