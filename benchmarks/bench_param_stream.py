@@ -113,7 +113,7 @@ def main() -> None:
         last = Path(os.environ.get("LOWMEM_BENCH_RESULTS", RESULTS)) / "param_stream.json"
         rows += [r for r in json.loads(last.read_text())["rows"] if r["part"] == "estimate"]
     elif not args.skip_estimates and not torch.cuda.is_available():
-        # NOTE: on a GPU machine (make gpu-check) only the step times are new: the estimates are CPU dry runs
+        # NOTE: on a GPU machine only the step times are new: the estimates are CPU dry runs
         estimates(rows, args.quick_estimates)
     torch.set_num_threads(args.threads)
     cpu = step_times(args, {"lowmem_offload": lambda: OffloadStrategy(),

@@ -103,7 +103,8 @@ def chunked_loss(ctx: Context) -> dict[str, Any]:
             rows.append({"backend": name, "status": "ok", **_time_and_check(fn, hidden, weight, ref, ref_grads, reps)})
         except Exception as err:  # noqa: BLE001 - one backend's failure is recorded, the others still run
             rows.append({"backend": name, "status": f"error: {type(err).__name__}: {str(err)[:300]}"})
-    return {"rows": rows, "notes": [(
+    failed = any(r["status"].startswith("error") for r in rows)
+    return {"status": "failed" if failed else "ok", "rows": rows, "notes": [(
         f"loss alone at batch {b}x{s}, hidden {h}, vocab {v}, bf16 hidden and head weight on {dev}; forward + backward "
         f"median of {reps} (CUDA events) after 2 warm-ups (Triton compiles there); peak_bytes: the allocator's peak "
         "during one forward + backward above what was allocated before it; errors: relative L2 error against an fp32 "
