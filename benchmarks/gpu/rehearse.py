@@ -2,7 +2,7 @@
 
 ``make gpu-rehearsal`` (the network cut with ``unshare -n`` where it can): runs ``run_stage.py --rehearsal`` for
 stages 1, 2 and 3 (tiny sizes; the CUDA transfer logic on the deferred stand-in) and fails on what would fail on
-the GPU machine's lease: a wheel missing or unmet (``wheels.py check``), a registry or hub call (no network), a
+the GPU machine: a wheel missing or unmet (``wheels.py check``), a registry or hub call (no network), a
 package taken from this interpreter's environment that the GPU image does not have (they are hidden: see
 :func:`image_mimic`), an entry that errors or runs out of time, a stage over its budget, results that could not come
 back from the machine (over 8 files, folders deeper than 2, odd names).
