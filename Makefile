@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench gpu-check resume-matrix clean
+.PHONY: install demo test lint bench resume-matrix gpu-wheels gpu-check gpu-rehearsal clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -40,13 +40,30 @@ lint: install
 bench: install
 	$(PY) benchmarks/run.py all
 
-# On a machine with a CUDA GPU: every CUDA test (`-m cuda`, and the RunIf(min_cuda_gpus) ones, which run only there),
-# the CPU-stand-in tests of the CUDA transfer logic (`-k deferred`), then the benchmarks, into benchmarks/results/gpu/.
-gpu-check: install
-	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check needs a CUDA GPU (torch.cuda.is_available() is False)')"
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m cuda tests
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -k deferred tests
-	LOWMEM_BENCH_RESULTS=benchmarks/results/gpu $(PY) benchmarks/run.py all
+# GPU checks (README "GPU checks"): three stages of at most 9 minutes each, offline, on the GPU machine's own
+# python3 (no venv, nothing from a registry). `PY=...` on the command line picks the interpreter.
+GPU_PY := $(if $(filter command line,$(origin PY)),$(PY),python3)
+
+# here, with the network: the wheels the stages need that the GPU image lacks, into the ignored .whl/ (checked)
+gpu-wheels:
+	$(GPU_PY) benchmarks/gpu/wheels.py download .whl
+
+# there, from the repository root: make gpu-check STAGE=1 (then 2, then 3); results in benchmarks/results/gpu/
+# and in $$LOWMEM_GPU_OUT when set
+gpu-check:
+	@case "$(STAGE)" in 1|2|3) ;; *) echo "Passed STAGE='$(STAGE)'; expected 1, 2 or 3: make gpu-check STAGE=1" >&2; exit 2;; esac
+	$(GPU_PY) benchmarks/gpu/run_stage.py --stage $(STAGE) --wheels .whl
+
+# here, without a GPU: the three stages on the CPU (tiny sizes), the network cut, the GPU image mimicked; the
+# project's venv stands in for the image's python3 (`PY=...` picks another)
+REHEARSAL_PY := $(if $(filter command line,$(origin PY)),$(PY),$(VENV)/bin/python)
+gpu-rehearsal: install
+	test -d .whl || $(MAKE) gpu-wheels
+	@if [ "$$(id -u)" = 0 ] && command -v unshare >/dev/null 2>&1; then \
+		echo "unshare -n -- $(REHEARSAL_PY) benchmarks/gpu/rehearse.py"; unshare -n -- $(REHEARSAL_PY) benchmarks/gpu/rehearse.py; \
+	else \
+		echo "not root or no unshare: the network stays up (pip --no-index)"; $(REHEARSAL_PY) benchmarks/gpu/rehearse.py --network-up-ok; \
+	fi
 
 clean:
 	rm -rf $(VENV) lightning_logs runs

@@ -6,7 +6,8 @@
    and the chunked loss. ``lowmem_offload`` beside ``lowmem_offload_params`` where it is cheap to trace.
 2. **CPU step time** of ``lowmem_offload_params`` vs ``lowmem_offload`` on a small GPT-2 through ``Trainer.fit``
    (interleaved rounds; on the CPU every fetch is a real copy).
-3. **GPU** (only with CUDA; ``make gpu-check`` runs it): step time with prefetch 0, 1, 2 against resident weights.
+3. **GPU** (only with CUDA): step time with prefetch 0, 1, 2 against resident weights, at every CPU's thread
+   (``--gpu-threads``). ``make gpu-check STAGE=2`` measures the same on GPT-2-XL with the allocator's peaks.
 
 Run: ``python benchmarks/run.py param_stream [--skip-estimates] [--layers 6 --width 256 --seq 128 --batch 4]``
 """
@@ -86,6 +87,14 @@ def step_times(args: Any, variants: dict[str, Any], accelerator: str) -> dict[st
     return {name: {k: statistics.median(v) for k, v in ts.items()} for name, ts in times.items()}
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, which a container or ``taskset`` narrows), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_int_args(parser, layers=6, width=256, heads=4, seq=128, batch=4, steps=6, rounds=3)
@@ -93,6 +102,8 @@ def main() -> None:
     parser.add_argument("--skip-estimates", action="store_true")
     parser.add_argument("--gpu-shape", default="48,1600,25,1024,4", help="layers,width,heads,seq,batch on CUDA")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the CPU timing")
+    parser.add_argument("--gpu-threads", type=int, default=None,
+                        help="torch threads for the GPU timing (default: every CPU this process may use)")
     parser.add_argument("--quick-estimates", action="store_true", help="GPT-2-XL only")
     parser.add_argument("--reuse-estimates", action="store_true",
                         help="keep the estimate rows of the last results file (re-time the steps only)")
@@ -102,7 +113,7 @@ def main() -> None:
         last = Path(os.environ.get("LOWMEM_BENCH_RESULTS", RESULTS)) / "param_stream.json"
         rows += [r for r in json.loads(last.read_text())["rows"] if r["part"] == "estimate"]
     elif not args.skip_estimates and not torch.cuda.is_available():
-        # NOTE: on a GPU machine (make gpu-check) only the step times are new: the estimates are CPU dry runs
+        # NOTE: on a GPU machine only the step times are new: the estimates are CPU dry runs
         estimates(rows, args.quick_estimates)
     torch.set_num_threads(args.threads)
     cpu = step_times(args, {"lowmem_offload": lambda: OffloadStrategy(),
@@ -112,6 +123,9 @@ def main() -> None:
                      "strategy": name, "step_s": round(t["wall"], 4), "vs_resident": round(t["wall"] / cpu["lowmem_offload"]["wall"], 3),
                      "step_cpu_s": round(t["cpu"], 4), "cpu_vs_resident": round(t["cpu"] / cpu["lowmem_offload"]["cpu"], 3)})
     if torch.cuda.is_available():
+        # NOTE: the host AdamW, the gradient folds and the bf16 casts of the GPU steps run on the host's threads: one
+        # thread (the CPU timing's setting, chosen for a shared machine) would make them the step's bottleneck
+        torch.set_num_threads(args.gpu_threads or usable_cpus())
         # NOTE: the issue's GPU goal: GPT-2-XL at batch 4 x 1024 (override with --gpu-shape L,W,H,SEQ,BATCH)
         gpu_args = copy.copy(args)
         gpu_args.layers, gpu_args.width, gpu_args.heads, gpu_args.seq, gpu_args.batch = map(int, args.gpu_shape.split(","))
@@ -134,7 +148,7 @@ def main() -> None:
             ("cpu step: median wall (step_s) and process CPU (step_cpu_s) seconds per step over the interleaved rounds, "
              "first two steps of each fit dropped, torch threads = --threads; on the CPU each fetch is a real host copy "
              "and nothing overlaps. CPU time is the figure to compare on a shared, loaded machine"),
-            "gpu step: only with CUDA (make gpu-check)",
+            "gpu step: only with CUDA, torch threads = --gpu-threads (default: every CPU this process may use)",
         ],
     )
 

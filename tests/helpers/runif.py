@@ -39,7 +39,7 @@ def RunIf(
         reasons.append("needs `pip install 'lightning-lowmem[peft]'`")
     if min_processes_cpus and (os.cpu_count() or 1) < min_processes_cpus:
         reasons.append(f"needs {min_processes_cpus} CPU cores")
-    # NOTE: `needs_cuda` lets tests/conftest.py add the `cuda` marker, so `pytest -m cuda` (make gpu-check) selects them
+    # NOTE: `needs_cuda` lets tests/conftest.py add the `cuda` marker, so `pytest -m cuda` (make gpu-check STAGE=1) selects them
     return pytest.mark.skipif(
         bool(reasons), reason="; ".join(reasons) or "requirements met", needs_cuda=bool(min_cuda_gpus or bf16_cuda)
     )

@@ -1,0 +1,20 @@
+"""The one place where the GPU stages import pieces of ``lightning_lowmem`` that are not public names.
+
+Everything else in ``benchmarks/gpu/`` imports ``from lightning_lowmem import ...`` only. When the package's
+internal modules move, this file is the one to update (``tests/test_gpu_stages.py`` imports it, so a move that
+forgets it fails there, not on the GPU machine).
+"""
+
+from __future__ import annotations
+
+# NOTE: the transfers' CPU stand-in: the CUDA stream logic of lowmem_offload / ActivationOffload / parameter
+# streaming, run on the CPU with deferred copies (the rehearsal's stand-in for the GPU)
+from lightning_lowmem._streams import DeferredOps, cpu_stand_in
+
+# NOTE: the fused host AdamW that lowmem_offload(host_optimizer="auto") switches the user's AdamW to
+from lightning_lowmem.strategies._host_optimizer import enable_fused, why_not_fused
+
+# NOTE: the size of lowmem_offload's pinned staging buckets (the bandwidth entry copies at that size)
+from lightning_lowmem.strategies._host_transfer import BUCKET_BYTES
+
+__all__ = ["BUCKET_BYTES", "DeferredOps", "cpu_stand_in", "enable_fused", "why_not_fused"]

@@ -1,0 +1,98 @@
+"""The GPU stages' entries: what each stage measures, how long each part may take, and the slots for later work.
+
+A stage is a list of :class:`Entry`. ``run_stage.py`` runs them in order, each guarded (an entry that fails records
+its error and the stage goes on) and each under its own time limit (``budget_s``); the budgets of a stage, plus a
+process start per ``fresh`` entry and the wheel install, add up to at most :data:`STAGE_BUDGET_S`, so a stage ends
+inside the GPU machine's 10-minute command limit even when every entry runs out of time.
+
+To add a measurement: write ``def my_entry(ctx) -> dict`` in ``stage{N}.py`` (see :class:`Context`), and put an
+``Entry`` in that module's ``ENTRIES`` (replacing its planned slot, if one is listed); ``tests/test_gpu_stages.py``
+lists every stage's entries and checks the budgets.
+
+This module imports nothing heavy (no torch): the tests build the registry in milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: a stage's wall-clock limit: 9 minutes, inside the GPU machine's 10 minutes per command
+STAGE_BUDGET_S = 540
+#: the wheel install and the runner's own start, before the first entry
+SETUP_RESERVE_S = 20
+#: one worker process start (python, torch, lightning, transformers imported), counted per process
+PROCESS_START_S = 10
+STAGES = (1, 2, 3)
+
+
+class Skip(Exception):
+    """Raised by an entry that cannot run on this machine (the reason is recorded; the stage goes on)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One guarded measurement of a stage.
+
+    ``fn(ctx)`` returns ``{"rows": [...], "notes": [...], "status": "ok" | "failed"}`` (``status`` optional: "failed"
+    when it ran and what it checks did not hold, e.g. a CUDA test failed). ``fresh``: run in a new process (clean
+    allocator statistics and pinned host memory; the host RAM of an earlier entry returned). ``fn=None`` with
+    ``planned`` set is a slot kept for later work: listed in the results, never run.
+    """
+
+    name: str
+    budget_s: int
+    fn: Callable[[Context], dict[str, Any]] | None
+    what: str
+    fresh: bool = False
+    planned: str = ""
+
+
+@dataclass
+class Context:
+    """What an entry gets: where it runs and how big, and the results of the entries before it in its stage."""
+
+    stage: int
+    rehearsal: bool
+    state_dir: Path
+    repo: Path
+    threads: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        """``"cuda"`` on the GPU machine; ``"cpu"`` in the rehearsal (CUDA parts run on the deferred stand-in)."""
+        return "cpu" if self.rehearsal else "cuda"
+
+    def prior(self, name: str) -> dict[str, Any] | None:
+        """The recorded result of an earlier entry of this stage (None if it did not run or did not finish)."""
+        path = self.state_dir / f"{safe_name(name)}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+
+def safe_name(name: str) -> str:
+    """An entry name as a file name: letters, digits, ``.``, ``_`` and ``-`` only."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def entries(stage: int, module: str | None = None) -> list[Entry]:
+    """The entries of ``stage`` (``ENTRIES`` of ``benchmarks.gpu.stage{N}``, or of ``module``), in the order they run."""
+    if module is None and stage not in STAGES:
+        raise ValueError(f"Passed stage {stage!r}; expected one of {', '.join(map(str, STAGES))}.")
+    return list(importlib.import_module(module or f"benchmarks.gpu.stage{stage}").ENTRIES)
+
+
+def processes(stage_entries: list[Entry]) -> int:
+    """Worker processes a stage starts when nothing times out: one, plus one per ``fresh`` entry after the first."""
+    runnable = [e for e in stage_entries if e.fn is not None]
+    return 1 + sum(1 for i, e in enumerate(runnable) if e.fresh and i > 0)
+
+
+def worst_case_s(stage_entries: list[Entry]) -> int:
+    """The stage's wall time if every entry ran out its budget: budgets + process starts + the setup reserve."""
+    budgets = sum(e.budget_s for e in stage_entries if e.fn is not None)
+    return budgets + PROCESS_START_S * processes(stage_entries) + SETUP_RESERVE_S

@@ -1,0 +1,174 @@
+"""Stage 3: what only a GPU can measure of the 8-bit optimizers and the chunked loss, plus slots for later work.
+
+Entries: ``low_bit[adamw|adamw8bit|paged_adamw8bit]``: GPT-2-XL trained on the GPU (``strategy="auto"``,
+``bf16-mixed``) with torch's fp32 AdamW and with ``LowBitOptimizer`` (bitsandbytes' CUDA kernels): optimizer state
+bytes per parameter, device peaks, step time. ``chunked_loss``: the LM loss alone at GPT-2-XL's head shapes, the
+model's own loss against ``chunked_causal_lm_loss`` with each backend (ours, Liger Kernel, Cut Cross-Entropy):
+forward + backward time, the loss's own device peak, and the error of loss and gradients against an fp32 reference.
+Planned slots (listed in the results, not run yet): the overlapped host step, QLoRA adapters, the micro-batch search
+under a real out-of-memory, DeepSpeed ZeRO.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from benchmarks.gpu.registry import Context, Entry, Skip
+
+LOW_BIT = {"adamw": None, "adamw8bit": "adamw8bit", "paged_adamw8bit": "paged_adamw8bit"}
+
+
+def _low_bit(kind: str | None) -> Any:
+    def entry(ctx: Context) -> dict[str, Any]:
+        import lightning as L
+        from typing_extensions import override
+
+        from benchmarks.gpu import _common as c
+        from lightning_lowmem import LowBitOptimizer
+
+        if kind is not None and importlib.util.find_spec("bitsandbytes") is None:
+            raise Skip("bitsandbytes is not installed (carry its wheel: make gpu-wheels)")
+
+        class State(L.Callback):
+            def __init__(self) -> None:
+                self.bytes, self.params, self.optimizer = 0, 0, ""
+
+            @override
+            def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+                opt = trainer.optimizers[0]
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for st in opt.state.values() for t in st.values() if hasattr(t, "untyped_storage")}
+                self.bytes, self.optimizer = sum(storages.values()), type(opt).__name__
+                self.params = sum(p.numel() for p in pl_module.parameters())
+
+        s = c.shape(ctx, batch=2, steps=6, warmup=2)
+        c.fresh_cuda()
+        clock, state = c.PhaseClock(), State()
+        callbacks: list[Any] = [clock, state] + ([LowBitOptimizer(kind=kind)] if kind else [])
+        c.fit(ctx, s, "auto", callbacks, precision="bf16-mixed")
+        step = clock.step_seconds(s.warmup)
+        row = {"optimizer": state.optimizer, "state_B_per_param": round(state.bytes / max(state.params, 1), 3),
+               "state_bytes": state.bytes, "step_gpu_s": step["gpu_s"], "step_host_s": step["host_s"],
+               **c.cuda_peaks()}
+        return {"rows": [row], "notes": [(f"{s.label}, batch {s.batch}x{s.seq}, strategy='auto' on {ctx.device}, "
+                                          f"bf16-mixed (fp32 weights and state), {s.steps} steps, first {s.warmup} "
+                                          "left out of the step time; peaks over the whole fit.")]}
+
+    entry.__name__ = f"low_bit_{kind or 'adamw'}"
+    return entry
+
+
+BACKENDS = ("model's own loss", "chunked", "liger", "cce")
+_KERNEL_PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+
+
+def chunked_loss(ctx: Context) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_lowmem import chunked_causal_lm_loss
+
+    b, s, h, v = (2, 32, 64, 512) if ctx.rehearsal else (4, 1024, 1600, 50257)
+    reps = 2 if ctx.rehearsal else 10
+    dev = ctx.device
+    torch.manual_seed(0)
+    hidden = torch.randn(b, s, h, device=dev).to(torch.bfloat16).requires_grad_()
+    weight = (0.02 * torch.randn(v, h, device=dev)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, v, (b, s), device=dev)
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+
+    def own() -> torch.Tensor:  # Hugging Face's loss: bf16 logits upcast to fp32, cross-entropy
+        logits = hidden @ weight.t()
+        return F.cross_entropy(logits.float().view(-1, v), targets, ignore_index=-100)
+
+    def kernel(name: str) -> Any:
+        return lambda: chunked_causal_lm_loss(hidden, weight, labels, chunk_tokens=1024, backend=name)
+
+    ref_h, ref_w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref = F.cross_entropy((ref_h @ ref_w.t()).view(-1, v), targets, ignore_index=-100)
+    ref.backward()
+    ref_grads = (ref_h.grad, ref_w.grad)
+    del ref_h, ref_w
+    rows = []
+    for name in BACKENDS:
+        fn = own if name == "model's own loss" else kernel(name)
+        package = _KERNEL_PACKAGES.get(name)
+        if package and (ctx.rehearsal or importlib.util.find_spec(package) is None):
+            found = importlib.util.find_spec(package)
+            rows.append({"backend": name, "status": f"not run: {'Triton kernels need CUDA' if ctx.rehearsal else 'not installed'}"
+                         f" ({package} {'found at ' + str(found.origin) if found else 'not found'})"})
+            continue
+        try:
+            rows.append({"backend": name, "status": "ok", **_time_and_check(fn, hidden, weight, ref, ref_grads, reps)})
+        except Exception as err:  # noqa: BLE001 - one backend's failure is recorded, the others still run
+            rows.append({"backend": name, "status": f"error: {type(err).__name__}: {str(err)[:300]}"})
+    failed = any(r["status"].startswith("error") for r in rows)
+    return {"status": "failed" if failed else "ok", "rows": rows, "notes": [(
+        f"loss alone at batch {b}x{s}, hidden {h}, vocab {v}, bf16 hidden and head weight on {dev}; forward + backward "
+        f"median of {reps} (CUDA events) after 2 warm-ups (Triton compiles there); peak_bytes: the allocator's peak "
+        "during one forward + backward above what was allocated before it; errors: relative L2 error against an fp32 "
+        "reference (fp32 logits).")]}
+
+
+def _time_and_check(fn: Any, hidden: Any, weight: Any, ref: Any, ref_grads: Any, reps: int) -> dict[str, Any]:
+    import time
+
+    import torch
+
+    def step() -> Any:
+        hidden.grad = weight.grad = None
+        loss = fn()
+        loss.backward()
+        return loss
+
+    cuda = hidden.is_cuda
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+    peak = None
+    if cuda:
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        loss = step()
+
+    def rel(a: Any, b: Any) -> float:
+        return float((a.float() - b).norm() / b.norm())
+
+    return {"ms": round(sorted(times)[len(times) // 2], 3), "peak_bytes": peak,
+            "loss_rel_err": float(abs(loss.float() - ref) / ref), "grad_hidden_rel_err": rel(hidden.grad, ref_grads[0]),
+            "grad_weight_rel_err": rel(weight.grad, ref_grads[1])}
+
+
+ENTRIES = [
+    *(Entry(f"low_bit[{name}]", 70, _low_bit(kind), f"GPT-2-XL on the GPU with {name}: state B/param, peaks, step",
+            fresh=True) for name, kind in LOW_BIT.items()),
+    Entry("chunked_loss", 120, chunked_loss, "LM loss at GPT-2-XL's head: ours vs Liger vs CCE (time, peak, error)",
+          fresh=True),
+    Entry("overlapped_host_step", 0, None, "serial vs overlapped host step of a GPT-2-XL lowmem_offload step",
+          planned="comes with the overlapped host step; add it here beside offload_phases' serial figures"),
+    Entry("qlora_adapters", 0, None, "QLoRA adapters (4-bit base weights) under lowmem_offload on the GPU",
+          planned="comes with adapter support; needs peft (on the image) and bitsandbytes (carried)"),
+    Entry("micro_batch_search", 0, None, "AccumulationScheduler(micro_batch_size='auto') against a real CUDA OOM",
+          planned="the search's CUDA path (allocator peaks, out-of-memory recovery) has no GPU figure yet"),
+    Entry("deepspeed_zero", 0, None, "lowmem_zero* presets on the GPU",
+          planned="DeepSpeed ships as an sdist whose ops compile with nvcc there: a later stage carries and builds it"),
+]
