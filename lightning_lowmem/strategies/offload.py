@@ -46,7 +46,7 @@ from lightning_lowmem.memory.categories import (
     optimizer_state_bytes,
     unique_storage_bytes,
 )
-from lightning_lowmem.memory.units import fmt_size, parse_bytes
+from lightning_lowmem.memory.units import parse_bytes
 from lightning_lowmem.precision.master_half import MasterHalfPrecision
 from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
@@ -55,13 +55,7 @@ from lightning_lowmem.strategies._host_optimizer import HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
 from lightning_lowmem.strategies._masters_view import MastersView, copy_to_compute, wrap_hooks
 from lightning_lowmem.strategies._offload_checks import NONFINITE, NonFinite  # noqa: F401
-from lightning_lowmem.strategies.param_stream import (
-    OffloadParams,
-    ParamStream,
-    block_params,
-    default_budget,
-    plan_resident,
-)
+from lightning_lowmem.strategies.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +266,10 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.model = precision.convert_module(self.model)
         self._masters.note_cast_buffers(self.model)
         if self.offload_params is not False:
-            self._stream = self._plan_stream(self.model)
+            auto = self.offload_params == "auto" and self.device_budget is None
+            budget = default_budget(self.root_device) if auto else self.device_budget
+            self._stream, self.resident_blocks = plan_stream(self.model, self.offload_params, budget, self.prefetch,
+                                                             self.root_device, log)
             self._stream.detach_weights()  # NOTE: before the move: the streamed weights never reach the device whole
         self.model_to_device()
         if self._stream is not None:
@@ -322,28 +319,6 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
                 + "\n- ".join(problems)
             )
-
-    # --- parameter streaming (see lightning_lowmem/strategies/param_stream.py) ---------------------------------
-    def _plan_stream(self, module: torch.nn.Module) -> ParamStream:
-        """Which blocks stream (all with ``True``; under ``"auto"`` the ones that do not fit the budget), logged."""
-        _, per_block, rest = block_params(module)
-        sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in per_block]
-        other = sum(p.numel() * p.element_size() for p in rest)
-        if self.offload_params is True:
-            resident = 0
-        else:
-            budget = self.device_budget if self.device_budget is not None else default_budget(self.root_device)
-            resident = plan_resident(sizes, other, budget, self.prefetch)
-            log.info(
-                "lowmem_offload(offload_params='auto'): %d of %d blocks resident, %d streamed (budget %s for the compute "
-                "weights: %s outside the blocks, %s per block; predicted weights on the device at most %s)",
-                resident, len(sizes), len(sizes) - resident, fmt_size(budget), fmt_size(other),
-                fmt_size(max(sizes, default=0)),
-                fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(self.prefetch + 1):])),
-            )
-        self.resident_blocks = resident
-        streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
-        return ParamStream(module, streamed, self.prefetch, self.root_device)
 
     # --- masters and their host RAM (see strategies/_host_masters.py, strategies/_offload_host_bytes.py) -------
     def host_bytes_needed(
