@@ -11,6 +11,7 @@ across the link is :mod:`~lightning_lowmem.strategies._host_transfer`'s; the ste
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -22,6 +23,14 @@ from torch.optim import Optimizer
 
 from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.strategies import hf_weights
+
+
+def _kept_elsewhere(buf: Tensor) -> bool:
+    """Whether anything but :class:`HostMasters` (its list, the caller's local) holds ``buf`` or a view of its storage."""
+    # NOTE: Python references to this tensor object: the list, the caller's local, the argument, getrefcount's own.
+    # Views and `detach()` share the storage, not the object: `_storage_Use_Count` (a private torch API) counts the
+    # storage's holders, here `buf` and the temporary `untyped_storage()` object. Both counts hold for fake tensors.
+    return sys.getrefcount(buf) > 4 or torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2
 
 
 class HostMasters:
@@ -134,6 +143,12 @@ class HostMasters:
         if p_host.grad is None:  # first micro-batch of the window: the optimizer's zero_grad set it to None
             buf = self.grad_host[i]
             assert buf is not None
+            if _kept_elsewhere(buf):
+                # NOTE: [kept gradient] code kept the last window's gradient (`self.prev = p.grad`, or a view of it, in
+                # a hook or `training_step`): plain Lightning's backward makes a new tensor after `zero_grad()`, so the
+                # kept one still holds the old values, and must here too. The old buffer is left to that code.
+                buf = self.grad_host[i] = torch.empty_like(buf)
+                mark_host(buf)
             buf.copy_(grad)
             p_host.grad = buf
         else:
