@@ -9,7 +9,9 @@ at ``32-true`` and ``bf16-mixed`` (``host_optimizer="as_is"``), and at ``16-mixe
 ``GradScaler`` (gradients loss-scaled until the step there as here): torch's clipping on all or some parameters,
 ``self.clip_gradients``, gradients logged and changed, gradient accumulation over ``manual_backward`` calls,
 ``zero_grad`` (``set_to_none`` or not, the optimizer's or the module's), a GAN with two optimizers and
-``toggle_optimizer``, an LR scheduler stepped by hand.
+``toggle_optimizer``, a WGAN's critic clamped after its step, an LR scheduler stepped by hand. ``bf16-true`` (plain
+Lightning has no fp32 masters there): against clipping the masters explicitly. A gradient kept past the step keeps its
+values, as plain Lightning's; a backward of the user's own is refused at the step.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class Manual(L.LightningModule):
             torch.nn.utils.clip_grad_norm_(self.frontend.parameters(), 0.05)
         elif self.clip == "lightning":
             self.clip_gradients(opt, gradient_clip_val=0.2, gradient_clip_algorithm="norm")
+        elif self.clip == "masters":  # the reference of `bf16-true` below: the masters, through the strategy
+            torch.nn.utils.clip_grad_norm_(list(self.trainer.strategy.masters.values()), 0.2)
         if self.inspect:
             self.head.weight.grad.mul_(0.5)
             self.head.bias.grad = None  # this parameter does not step in this batch
@@ -159,6 +163,16 @@ def test_manual_optimization_with_streamed_blocks_equals_plain_lightning(precisi
     ours, got = _fit(_ours(stream=True), precision, halves=halves)
     _assert_equal(got, want)
     assert ours.norms == plain.norms
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
+def test_bf16_true_manual_clipping_clips_the_fp32_masters(stream):
+    """Plain Lightning's ``bf16-true`` has no fp32 masters (other maths): the reference clips the masters explicitly."""
+    _, want = _fit(_ours(stream), "bf16-true", clip="masters", inspect=False)
+    _, got = _fit(_ours(stream), "bf16-true", clip="norm", inspect=False)
+    _assert_equal(got, want)
+    _, unclipped = _fit(_ours(stream), "bf16-true", clip=None, inspect=False)
+    assert not torch.equal(got["frontend.0.weight"], unclipped["frontend.0.weight"])  # the clip acted
 
 
 def test_manual_optimization_on_the_deferred_cuda_transfers(transfer_mode):
