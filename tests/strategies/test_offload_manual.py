@@ -152,6 +152,7 @@ def test_manual_optimization_equals_plain_lightning(clip, every, zero, inspect, 
     if clip in ("norm", "lightning") and inspect:
         assert max(plain.norms) > 0.2  # the clip acted
     assert all(p.grad is None for p in ours.parameters())  # outside the window the module holds no gradient
+    assert not any("zero_grad" in vars(m) for m in ours.modules())  # the modules' own zero_grad again after fit
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
