@@ -25,12 +25,24 @@ from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.strategies import hf_weights
 
 
-def _kept_elsewhere(buf: Tensor) -> bool:
-    """Whether anything but :class:`HostMasters` (its list, the caller's local) holds ``buf`` or a view of its storage."""
-    # NOTE: Python references to this tensor object: the list, the caller's local, the argument, getrefcount's own.
-    # Views and `detach()` share the storage, not the object: `_storage_Use_Count` (a private torch API) counts the
-    # storage's holders, here `buf` and the temporary `untyped_storage()` object. Both counts hold for fake tensors.
-    return sys.getrefcount(buf) > 4 or torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2
+def _holders(buf: Tensor) -> tuple[int, int]:
+    """Python references to ``buf``, and holders of its storage (a view or ``detach()`` of it holds the storage only).
+
+    NOTE: `_storage_Use_Count` is a private torch API (no public one counts a storage's holders); both counts hold for
+    fake tensors too.
+    """
+    return sys.getrefcount(buf), torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+
+
+def _unheld() -> tuple[int, int]:
+    """:func:`_holders` of a buffer held as :meth:`HostMasters.fold` holds one (a list, a local), measured once: the
+    counts differ between Python versions."""
+    held = [torch.empty(1)]
+    buf = held[0]
+    return _holders(buf)
+
+
+_UNHELD = _unheld()
 
 
 class HostMasters:
@@ -143,7 +155,7 @@ class HostMasters:
         if p_host.grad is None:  # first micro-batch of the window: the optimizer's zero_grad set it to None
             buf = self.grad_host[i]
             assert buf is not None
-            if _kept_elsewhere(buf):
+            if _holders(buf) != _UNHELD:
                 # NOTE: [kept gradient] code kept the last window's gradient (`self.prev = p.grad`, or a view of it, in
                 # a hook or `training_step`): plain Lightning's backward makes a new tensor after `zero_grad()`, so the
                 # kept one still holds the old values, and must here too. The old buffer is left to that code.

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
 from lightning_lowmem import MasterHalfPrecision
+from lightning_lowmem.strategies._host_masters import HostMasters
 from lightning_lowmem.strategies.offload import OffloadStrategy
 from tests.helpers.streams import assert_copies_were_deferred
 
@@ -376,3 +377,24 @@ def test_a_callback_comparing_with_the_kept_gradients_of_the_last_step_sees_them
         trainer.fit(Automatic())
         changes.append(callback.changes)
     assert changes[1] == changes[0] and len(changes[0]) == 3 and min(changes[0]) > 0
+
+
+def test_the_host_gradient_buffers_are_reused_unless_code_kept_one():
+    """No allocation per step in the common case; a new buffer only where code holds the old one (or a view of it)."""
+    masters = HostMasters()
+    masters.build(nn.Linear(2, 2), loading=False, precision=None, grad_buffers=True)
+    buffer = id(masters.grad_host[0])  # NOTE: an id: holding the tensor would be keeping it
+    for _ in range(3):
+        masters.p_host[0].grad = None  # the optimizer's zero_grad()
+        masters.fold(0, torch.ones(2, 2))
+        assert id(masters.p_host[0].grad) == buffer
+    for keep in (lambda g: g, lambda g: g.detach(), lambda g: g[0]):
+        kept = keep(masters.p_host[0].grad)
+        masters.p_host[0].grad = None
+        masters.fold(0, torch.full((2, 2), 2.0))
+        assert id(masters.p_host[0].grad) != buffer and bool((kept == 1.0).all())  # the kept one: the old values
+        buffer = id(masters.p_host[0].grad)
+        masters.p_host[0].grad = None
+        masters.fold(0, torch.ones(2, 2))  # ready for the next round: ones, in the buffer just made
+        assert id(masters.p_host[0].grad) == buffer
+        del kept
