@@ -177,10 +177,13 @@ def test_bf16_true_manual_clipping_clips_the_fp32_masters(stream):
     assert not torch.equal(got["frontend.0.weight"], unclipped["frontend.0.weight"])  # the clip acted
 
 
-def test_manual_optimization_on_the_deferred_cuda_transfers(transfer_mode):
-    """The CUDA transfer logic with its copies deferred: the gradients read after `manual_backward` are all there."""
-    plain, want = _fit("auto", every=2)
-    ours, got = _fit(_ours(), every=2)
+@pytest.mark.parametrize("module", ["Manual", "WGAN"])
+def test_manual_optimization_on_the_deferred_cuda_transfers(transfer_mode, module):
+    """The CUDA transfer logic with its copies deferred: the gradients read after `manual_backward` are all there, and
+    the stepped weights (the critic's clamped ones) reach the device before the next forward."""
+    module_cls = {"Manual": Manual, "WGAN": WGAN}[module]
+    plain, want = _fit("auto", module_cls=module_cls)
+    ours, got = _fit(_ours(), module_cls=module_cls)
     _assert_equal(got, want)
     assert ours.norms == plain.norms
     assert_copies_were_deferred(transfer_mode)
