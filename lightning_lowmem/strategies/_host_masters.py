@@ -11,6 +11,7 @@ across the link is :mod:`~lightning_lowmem.strategies._host_transfer`'s; the ste
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -22,6 +23,26 @@ from torch.optim import Optimizer
 
 from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.strategies import hf_weights
+
+
+def _holders(buf: Tensor) -> tuple[int, int]:
+    """Python references to ``buf``, and holders of its storage (a view or ``detach()`` of it holds the storage only).
+
+    NOTE: `_storage_Use_Count` is a private torch API (no public one counts a storage's holders); both counts hold for
+    fake tensors too.
+    """
+    return sys.getrefcount(buf), torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+
+
+def _unheld() -> tuple[int, int]:
+    """:func:`_holders` of a buffer held as :meth:`HostMasters.fold` holds one (a list, a local), measured once: the
+    counts differ between Python versions."""
+    held = [torch.empty(1)]
+    buf = held[0]
+    return _holders(buf)
+
+
+_UNHELD = _unheld()
 
 
 class HostMasters:
@@ -134,6 +155,12 @@ class HostMasters:
         if p_host.grad is None:  # first micro-batch of the window: the optimizer's zero_grad set it to None
             buf = self.grad_host[i]
             assert buf is not None
+            if _holders(buf) != _UNHELD:
+                # NOTE: [kept gradient] code kept the last window's gradient (`self.prev = p.grad`, or a view of it, in
+                # a hook or `training_step`): plain Lightning's backward makes a new tensor after `zero_grad()`, so the
+                # kept one still holds the old values, and must here too. The old buffer is left to that code.
+                buf = self.grad_host[i] = torch.empty_like(buf)
+                mark_host(buf)
             buf.copy_(grad)
             p_host.grad = buf
         else:

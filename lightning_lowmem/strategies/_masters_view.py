@@ -12,7 +12,10 @@ against the fp32 module reads and writes the masters here, through :class:`Maste
   them, the compute weights;
 * the gradient hooks (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) read and
   clip ``p.grad``: :class:`~lightning_lowmem.precision.master_half.MasterHalfPrecision` runs them inside a view with
-  the masters' gradients, so ``clip_grad_value_(self.encoder.parameters(), ...)`` clips what the optimizer steps.
+  the masters' gradients, so ``clip_grad_value_(self.encoder.parameters(), ...)`` clips what the optimizer steps;
+* ``zero_grad()`` of the module and of its submodules (:func:`wrap_module_zero_grad`) clears the masters' gradients;
+* manual optimization: ``training_step`` from each ``manual_backward`` and each step to the next forward
+  (:mod:`~lightning_lowmem.strategies._manual_grads`).
 
 Design: a view swaps each parameter's ``.data`` for its master (and ``.grad`` for the master's gradient), the same
 ``Parameter`` objects staying in the module. Chosen over putting the master ``Parameter`` objects into the modules
@@ -267,12 +270,43 @@ def wrap_zero_grad(module: nn.Module, view: MastersView) -> Callable[[], None]:
     return lambda: vars(module).pop(_ZERO_GRAD, None)
 
 
+def wrap_module_zero_grad(module: nn.Module, view: MastersView) -> Callable[[], None]:
+    """Run ``zero_grad`` of ``module`` and of every submodule holding parameters against the masters' gradients.
+
+    NOTE: plain Lightning's ``self.zero_grad()`` / ``self.discriminator.zero_grad()`` (``set_to_none`` or not) clears the
+    gradients the next step would use; without this it would clear nothing here (the parameters hold no gradient
+    outside a view) and the masters' gradients would add up across steps. Instance attributes for the fit, as above.
+    """
+    owned = {id(p) for p in view.masters.p_device}
+    wrapped: list[nn.Module] = []
+    for sub in module.modules():
+        if _set_by_user(sub, "zero_grad") or not any(id(p) in owned for p in sub.parameters()):
+            continue
+        method = type(sub).zero_grad
+
+        def zero_grad(self: nn.Module, *args: Any, _method: Callable[..., Any] = method, **kwargs: Any) -> Any:
+            with view.view(grads=True):
+                return _method(self, *args, **kwargs)
+
+        sub.zero_grad = types.MethodType(zero_grad, sub)  # type: ignore[method-assign]
+        wrapped.append(sub)
+
+    def undo() -> None:
+        for sub in wrapped:
+            vars(sub).pop("zero_grad", None)
+
+    return undo
+
+
 def wrap_hooks(callbacks: Sequence[Callback], module: nn.Module, view: MastersView) -> Callable[[], None]:
-    """:func:`wrap_averaging` and :func:`wrap_zero_grad` for one fit; return the undo of both."""
-    undo = [wrap_averaging(callbacks, view), wrap_zero_grad(module, view)]
+    """:func:`wrap_averaging`, :func:`wrap_zero_grad` and :func:`wrap_module_zero_grad` for one fit; return the undo."""
+    undo = [wrap_averaging(callbacks, view), wrap_zero_grad(module, view), wrap_module_zero_grad(module, view)]
 
     def unwrap() -> None:
         for u in undo:
             u()
+        # NOTE: a copy of the module made during the fit (`copy.deepcopy`) keeps its wrapped methods: the view they
+        # open shows nothing from now on, instead of the masters of a finished fit on the original's parameters
+        view.masters = HostMasters()
 
     return unwrap

@@ -53,11 +53,14 @@ def trainer_problems(strategy: OffloadStrategy, module: pl.LightningModule, trai
             "masters of; create the layers in `__init__` or `configure_model`"
         )
     fp16 = strategy.precision_plugin.precision.startswith("16-")  # type: ignore[union-attr]
-    if fp16 and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
+    fp16_true = fp16 and not strategy.precision_plugin.mixed  # type: ignore[union-attr]
+    if fp16_true and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
+        # NOTE: "16-mixed" is allowed: plain Lightning's GradScaler leaves the gradients loss-scaled until the step too
         problems.append(
-            "manual optimization with fp16 is not supported: your code would read loss-scaled gradients; "
-            "use precision='bf16-true'/'bf16-mixed'/'32-true' (manual_backward, opt.step(), opt.zero_grad() and "
-            "self.clip_gradients work there)"
+            "manual optimization with precision='16-true' is not supported: its fp16 gradients need a loss scale, "
+            "so code between `manual_backward` and `opt.step()` would read (and clip) gradients multiplied by it, "
+            "where plain Lightning's '16-true' has no loss scale; use precision='16-mixed' (gradients loss-scaled "
+            "until the step, as plain Lightning's GradScaler leaves them), 'bf16-true', 'bf16-mixed' or '32-true'"
         )
     if strategy.optimizer_in_backward and trainer.state.fn == TrainerFn.FITTING:
         if trainer.accumulate_grad_batches != 1:

@@ -47,22 +47,17 @@ from lightning_lowmem.memory.categories import (
     optimizer_state_bytes,
     unique_storage_bytes,
 )
-from lightning_lowmem.memory.units import fmt_size, parse_bytes
+from lightning_lowmem.memory.units import parse_bytes
 from lightning_lowmem.precision.master_half import MasterHalfPrecision
 from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, _preflight, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.strategies._host_masters import HostMasters
 from lightning_lowmem.strategies._host_optimizer import HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
+from lightning_lowmem.strategies._manual_grads import ManualGrads
 from lightning_lowmem.strategies._masters_view import MastersView, copy_to_compute, wrap_hooks
 from lightning_lowmem.strategies._offload_checks import NONFINITE, NonFinite  # noqa: F401
-from lightning_lowmem.strategies.param_stream import (
-    OffloadParams,
-    ParamStream,
-    block_params,
-    default_budget,
-    plan_resident,
-)
+from lightning_lowmem.strategies.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +79,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     ``"16-mixed"`` or ``"32-true"`` (see :class:`~lightning_lowmem.precision.master_half.MasterHalfPrecision`;
     fp16 uses dynamic loss scaling that skips overflowing steps). Any torch optimizer and LR scheduler
     from ``configure_optimizers`` keeps working; gradient clipping (norm and value) and gradient
-    accumulation work on the masters. Manual optimization works (``manual_backward``,
-    ``opt.step()``, ``opt.zero_grad()``, ``self.clip_gradients``) in bf16 and fp32. Code written for the fp32
-    module sees the fp32 masters through the module's own parameters (``.data`` swapped for the call, see
-    ``strategies/_masters_view.py``): the gradient hooks (``on_after_backward``, ``on_before_optimizer_step``,
-    ``configure_gradient_clipping``) with their ``.grad``, and every hook of Lightning's weight averaging
-    (``StochasticWeightAveraging``, ``WeightAveraging``); your own such code: ``with trainer.strategy.masters_view():``.
+    accumulation work on the masters. Code written for the fp32 module sees the fp32 masters through the module's
+    own parameters (``.data`` swapped for the call, see ``strategies/_masters_view.py``): the gradient hooks
+    (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) with their ``.grad``, every
+    hook of Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``), ``zero_grad()`` of the
+    module, and in manual optimization ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next
+    forward (``strategies/_manual_grads.py``); your own such code: ``with trainer.strategy.masters_view():``.
     Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
 
     Args:
@@ -204,6 +199,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
         self._view: MastersView | None = None  # see strategies/_masters_view.py
+        self._manual = ManualGrads()  # manual optimization: the gradients until the step (strategies/_manual_grads.py)
         self._unwrap: Callable[[], None] = lambda: None
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
@@ -273,7 +269,10 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.model = precision.convert_module(self.model)
         self._masters.note_cast_buffers(self.model)
         if self.offload_params is not False:
-            self._stream = self._plan_stream(self.model)
+            auto = self.offload_params == "auto" and self.device_budget is None
+            budget = default_budget(self.root_device) if auto else self.device_budget
+            self._stream, self.resident_blocks = plan_stream(self.model, self.offload_params, budget, self.prefetch,
+                                                             self.root_device, log)
             self._stream.detach_weights()  # NOTE: before the move: the streamed weights never reach the device whole
         self.model_to_device()
         if self._stream is not None:
@@ -282,6 +281,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._transfer = transfer_for(self.root_device, self._masters.p_device)
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
         self._unwrap = wrap_hooks(trainer.callbacks, self.lightning_module, self._view)  # type: ignore[arg-type]
+        if fitting and not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
+            self._manual.attach(self._view, self.lightning_module)  # type: ignore[arg-type]
         if fitting:
             self._clip_value = (
                 float(trainer.gradient_clip_val)
@@ -324,28 +325,6 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
                 + "\n- ".join(problems)
             )
-
-    # --- parameter streaming (see lightning_lowmem/strategies/param_stream.py) ---------------------------------
-    def _plan_stream(self, module: torch.nn.Module) -> ParamStream:
-        """Which blocks stream (all with ``True``; under ``"auto"`` the ones that do not fit the budget), logged."""
-        _, per_block, rest = block_params(module)
-        sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in per_block]
-        other = sum(p.numel() * p.element_size() for p in rest)
-        if self.offload_params is True:
-            resident = 0
-        else:
-            budget = self.device_budget if self.device_budget is not None else default_budget(self.root_device)
-            resident = plan_resident(sizes, other, budget, self.prefetch)
-            log.info(
-                "lowmem_offload(offload_params='auto'): %d of %d blocks resident, %d streamed (budget %s for the compute "
-                "weights: %s outside the blocks, %s per block; predicted weights on the device at most %s)",
-                resident, len(sizes), len(sizes) - resident, fmt_size(budget), fmt_size(other),
-                fmt_size(max(sizes, default=0)),
-                fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(self.prefetch + 1):])),
-            )
-        self.resident_blocks = resident
-        streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
-        return ParamStream(module, streamed, self.prefetch, self.root_device)
 
     # --- masters and their host RAM (see strategies/_host_masters.py, strategies/_offload_host_bytes.py) -------
     def host_bytes_needed(
@@ -400,6 +379,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         grad = p_device.grad
         if grad is None:
             return
+        self._manual.grad_ready()
         if not self._masters.p_host[i].requires_grad:
             # NOTE: `LightningModule.toggle_optimizer` (manual optimization, e.g. a GAN) turns off `requires_grad`
             # on the parameters of the *optimizers*, i.e. on the masters, not on these device weights; plain Lightning
@@ -412,6 +392,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        self._manual.before_backward()  # NOTE: backward needs the compute weights (the gradients accumulate on the masters)
         # NOTE: with optimizer_in_backward each parameter steps inside backward: a non-finite loss must be caught
         # before the first one does (one scalar; a device sync on CUDA).
         self._skip_backward = bool(
@@ -421,6 +402,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self.drain_transfers()  # NOTE: a no-op here in `Trainer.fit`: the precision plugin drained (see below)
+        self._manual.after_backward()  # manual optimization: `p.grad` is the master's until the step
 
     def drain_transfers(self) -> None:
         """Fold every gradient queued by the backwards so far into the masters (a sync point on CUDA).
@@ -445,6 +427,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        self._manual.before_step()
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
         precision = self.precision_plugin
@@ -466,12 +449,21 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 self._consecutive_skips = 0
         else:
             out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
-        if not precision.last_step_skipped:
+        if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/_manual_grads.py)
+            self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
+        elif not precision.last_step_skipped:
             self._weights_to_device(optimizer)
         if self._guarding() and model._trainer is not None and model._current_fx_name is not None:
             # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
             model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         return out
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
 
     # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
     def _guarding(self) -> bool:
@@ -659,6 +651,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     # --- teardown ----------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        self._manual.detach()
         self._unwrap()
         for handle in self._hooks:
             handle.remove()

@@ -117,6 +117,30 @@ def default_budget(device: torch.device) -> int:
     return max(0, int(free - max(MIN_RESERVE, ACTIVATION_SHARE * free)))
 
 
+def plan_stream(
+    module: nn.Module, offload_params: OffloadParams, budget: int | None, prefetch: int, device: torch.device,
+    logger: logging.Logger = log,
+) -> tuple[ParamStream, int]:
+    """The stream of ``module``'s blocks and how many stay resident: none with ``offload_params=True``; under
+    ``"auto"`` the first ones that fit ``budget`` bytes of compute weights (the choice is logged)."""
+    _, per_block, rest = block_params(module)
+    sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in per_block]
+    other = sum(p.numel() * p.element_size() for p in rest)
+    if offload_params is True or budget is None:
+        resident = 0
+    else:
+        resident = plan_resident(sizes, other, budget, prefetch)
+        logger.info(
+            "lowmem_offload(offload_params='auto'): %d of %d blocks resident, %d streamed (budget %s for the compute "
+            "weights: %s outside the blocks, %s per block; predicted weights on the device at most %s)",
+            resident, len(sizes), len(sizes) - resident, fmt_size(budget), fmt_size(other),
+            fmt_size(max(sizes, default=0)),
+            fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(prefetch + 1):])),
+        )  # fmt: skip
+    streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
+    return ParamStream(module, streamed, prefetch, device), resident
+
+
 class ParamStream:
     """Moves the compute weights of streamed blocks between their host copies and the device, block by block.
 

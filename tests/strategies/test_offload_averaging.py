@@ -271,3 +271,29 @@ def test_masters_view_serves_a_users_own_averaging(stream):
         trainer.fit(Net())
         averages.append(callback.average)
     _assert_equal(averages[1], averages[0], "the user's average")
+
+
+def _fit_swa_from(strategy, tmp_path, ckpt_path=None) -> dict[str, torch.Tensor]:
+    L.seed_everything(0, verbose=False)
+    module = Net()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_epochs=EPOCHS, limit_val_batches=1, num_sanity_val_steps=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[_swa(), ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1)],
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
+def test_swa_resumed_mid_average_equals_plain_lightning(stream, tmp_path):
+    """A checkpoint taken after the first averaged epoch (SWA's average, its count and scheduler are callback state) and
+    resumed by a new Trainer and module: the same weights and BatchNorm statistics as the run that was not stopped, as
+    plain Lightning's; from our checkpoint and from plain Lightning's (one file format)."""
+    want = _fit_swa_from("auto", tmp_path / "plain")
+    plain_ckpt = next((tmp_path / "plain").glob("epoch=1-*.ckpt"))
+    _assert_equal(_fit_swa_from("auto", tmp_path / "plain_resumed", plain_ckpt), want, "plain Lightning resumed")
+    _assert_equal(_fit_swa_from(_strategy(stream), tmp_path / "ours"), want, "lowmem_offload")
+    ours_ckpt = next((tmp_path / "ours").glob("epoch=1-*.ckpt"))
+    _assert_equal(_fit_swa_from(_strategy(stream), tmp_path / "resumed", ours_ckpt), want, "lowmem_offload resumed")
+    _assert_equal(_fit_swa_from(_strategy(stream), tmp_path / "cross", plain_ckpt), want, "resumed from plain's file")
