@@ -269,9 +269,17 @@ def chunked_lm_loss_time(r: Results) -> str:
 def zero(r: Results) -> str:
     d = r["zero"]
     base = one(d, variant="lowmem_offload")
-    body = table(["variant", "optimizer", "step (s)", "vs offload", "peak RSS growth", "vs offload"],
-                 [[f"`{v['variant']}`", v["optimizer"], f"{v['step_s']:.2f}", x(v["step_vs_offload"]),
-                   v["peak_rss_growth"], x(v["growth_vs_offload"])] for v in d["rows"]])
+    def spread(values: list[float], fmt: str) -> str:
+        return f" ({min(values):{fmt}}-{max(values):{fmt}} per round)" if len(values) > 1 else ""
+
+    out = []
+    for v in d["rows"]:
+        steps = [run["step_s"] for run in v.get("runs", [])]
+        ratios = [run["step_s"] / b["step_s"] for run, b in zip(v.get("runs", []), base.get("runs", []))]
+        out.append([f"`{v['variant']}`", v["optimizer"], f"{v['step_s']:.2f}{spread(steps, '.2f')}",
+                    x(v["step_vs_offload"]) + (spread(ratios, ".2f") if v is not base else ""),
+                    v["peak_rss_growth"], x(v["growth_vs_offload"])])
+    body = table(["variant", "optimizer", "step (s)", "vs offload", "peak RSS growth", "vs offload"], out)
     z2, z3 = one(d, variant="lowmem_zero2_offload"), one(d, variant="lowmem_zero3_offload")
     extra = z2["peak_rss_growth_bytes"] - base["peak_rss_growth_bytes"]
     return (f"{note(d, 'GPT-2 architecture')}\n\n{body}\n\nOn one process ZeRO has nothing to shard and adds DeepSpeed's "
