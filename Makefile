@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench gpu-check clean
+.PHONY: install demo test lint bench conformance gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -34,6 +34,11 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/run.py all
+
+# The whole conformance corpus (every module x every flag against plain Lightning; `make test` runs a slice of it):
+# resumable, re-runs every cell after a code change; results in benchmarks/results/conformance.{json,md}
+conformance: install
+	$(PY) tests/conformance/run.py
 
 # On a machine with a CUDA GPU: every CUDA test (`-m cuda`, and the RunIf(min_cuda_gpus) ones, which run only there),
 # the CPU-stand-in tests of the CUDA transfer logic (`-k deferred`), then the benchmarks, into benchmarks/results/gpu/.
