@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint docs figures bench resume-matrix gpu-wheels gpu-check gpu-rehearsal clean
+.PHONY: install demo test lint docs figures bench conformance resume-matrix gpu-wheels gpu-check gpu-rehearsal clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -49,6 +49,11 @@ figures: install
 
 bench: install
 	$(PY) benchmarks/run.py all
+
+# The whole conformance corpus (every module x every flag against plain Lightning; `make test` runs a slice of it):
+# resumable, re-runs every cell after a code change; results in benchmarks/results/conformance.{json,md}
+conformance: install
+	$(PY) tests/conformance/run.py
 
 # GPU checks (docs/gpu-checks.md): three stages of at most 9 minutes each, offline, on the GPU machine's own
 # python3 (no venv, nothing from a registry). `PY=...` on the command line picks the interpreter.
