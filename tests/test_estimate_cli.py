@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lightning_lowmem import cli
 from lightning_lowmem.memory.estimate import COMBINATIONS
@@ -88,8 +89,11 @@ def test_config_predicts_the_run_of_a_yaml(tmp_path, capsys):
     yaml = tmp_path / "run.yaml"
     yaml.write_text(YAML)
     out = tmp_path / "estimate.json"
-    assert main(["--config", str(yaml), "--target", "cpu", "--budget", "1GB", "--json", str(out)]) == 0
+    # no --target: the YAML's `accelerator: cpu` is the target, said on the first line
+    assert main(["--config", str(yaml), "--budget", "1GB", "--json", str(out)]) == 0
     text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith(f"{yaml}: target cpu (from trainer.accelerator: cpu; `--target` overrides)")
+    assert "uncalibrated" not in text  # no CUDA corrections for a CPU run
     assert "device peak" in text and "host peak" in text and "fits 1GB" in text
     for phase in ("forward", "backward", "optimizer"):
         assert any(line.startswith(phase) for line in text.splitlines()), phase
@@ -97,6 +101,19 @@ def test_config_predicts_the_run_of_a_yaml(tmp_path, capsys):
     assert row["config"] == str(yaml) and row["method"] == "dry_run"
     assert row["run"]["precision"] == "bf16-true" and row["run"]["strategy"].startswith("OffloadStrategy(")
     assert row["peak_host"] > 0  # fp32 masters and AdamW state on the host
+    assert row["target"] == "cpu" and row["target_source"] == "trainer.accelerator: cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU run described on a machine without one")
+def test_config_of_a_gpu_run_is_predicted_for_cuda_on_a_machine_without_one(tmp_path, capsys):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(YAML.replace("accelerator: cpu", "accelerator: gpu"))
+    assert main(["--config", str(yaml)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith(f"{yaml}: target cuda (from trainer.accelerator: gpu;")
+    assert "uncalibrated" in text  # the CUDA corrections line
+    assert main(["--config", str(yaml), "--target", "cpu"]) == 0  # --target overrides the YAML
+    assert capsys.readouterr().out.splitlines()[0].startswith(f"{yaml}: target cpu (from --target;")
 
 
 def test_config_refuses_the_model_flags(tmp_path, capsys):

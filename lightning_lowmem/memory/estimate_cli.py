@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="with --model: accumulation micro-batch (default: the batch size)")
     parser.add_argument("--budget", default=None, help="device memory, e.g. 12GB, '12 GiB', 12e9")
-    parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--target", choices=("cuda", "cpu"), default=None,
+                        help="the device predicted (default: with --config the YAML's trainer.accelerator, `auto` "
+                        "meaning CUDA where this machine has it, else the CPU; with --model cuda)")
     parser.add_argument("--world-size", type=int, default=1, help="with --model: processes (ZeRO partitioning)")
     parser.add_argument("--only", action="append", default=None, help="with --model: combinations whose name has this")
     parser.add_argument("--analytic", action="store_true", help="closed form only (fast; 21%% low to 6%% high on the benchmarked HF models)")
@@ -193,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         est = estimate_memory(args.config, target=args.target, method=method, extrapolate=extrapolate)
         rows = [(phase, fmt_size(bd.total("device")), *(fmt_size(bd.device[c]) for c in CATEGORIES),
                  fmt_size(bd.total("host"))) for phase, bd in est.phases.items()]
-        print(f"{args.config}: target {args.target}; {est.run}")
+        source = "--target" if args.target else est.target_source
+        print(f"{args.config}: target {est.target} (from {source}; `--target` overrides); {est.run}")
         print("\n".join(_table(rows, ("phase", "device peak", *CATEGORIES, "host peak"))))
         verdict = "" if budget is None else f"; {'fits' if est.fits(budget) else 'does NOT fit'} {args.budget}"
         print(f"device peak {fmt_size(est.peak_device)} ({est.binding_phase}), host peak {fmt_size(est.peak_host)}"
@@ -220,11 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                          est.method + (f" ({est.fallback_reason})" if est.fallback_reason else ""),
                          f"{time.perf_counter() - t0:.1f} s"))
             payload.append({"combination": name, **est.to_dict()})
-        print(f"{args.model}: batch {args.batch_size}, seq {args.seq_len}, target {args.target}"
+        target = args.target or "cuda"
+        print(f"{args.model}: target {target} (from {'--target' if args.target else 'the default for --model'}), "
+              f"batch {args.batch_size}, seq {args.seq_len}"
               + (f", budget {args.budget} = {budget:,} B" if budget else ""))
         print("\n".join(_table(rows, ("combination", "device peak", "host peak", "binds", fits_header, "method",
                                       "time"))))
-    if args.target == "cuda":
+    if (est.target if args.config else args.target or "cuda") == "cuda":
         print("GPU corrections (uncalibrated, no GPU run yet): 1-byte dropout masks, flash SDPA, foreach AdamW "
               "traced; +512 MiB CUDA context; allocator fragmentation not modelled.")
     if args.json:
