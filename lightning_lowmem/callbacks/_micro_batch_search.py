@@ -28,6 +28,7 @@ from typing_extensions import Self
 
 from lightning_lowmem._compat import training_step_args
 from lightning_lowmem.callbacks._side_step import side_step
+from lightning_lowmem.memory.units import fmt_bytes
 
 
 def search(
@@ -53,9 +54,9 @@ def search(
 
         if not fits(candidates[0]):
             first = peaks[candidates[0]]
-            what = "runs out of memory" if first is None else f"peaks at {first} B"
+            what = "runs out of memory" if first is None else f"peaks at {fmt_bytes(first)}"
             raise RuntimeError(
-                f"AccumulationScheduler: a micro-batch of {candidates[0]} {what}, over the budget of {budget} B. "
+                f"AccumulationScheduler: a micro-batch of {candidates[0]} {what}, over the budget of {fmt_bytes(budget)}. "
                 "Switch on activation checkpointing (`ActivationCheckpointing` callback), keep the optimizer and "
                 "fp32 master weights on the host (`strategy='lowmem_offload'`), offload activations "
                 "(`ActivationOffload`), or raise `memory_budget`."

@@ -27,6 +27,7 @@ from lightning_lowmem.callbacks._accumulation_window import (
     lightning_accumulation,
 )
 from lightning_lowmem.callbacks._side_step import stands_aside
+from lightning_lowmem.memory.units import fmt_bytes
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
@@ -403,7 +404,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
         rank_zero_info(
             f"AccumulationScheduler: micro-batch {c.micro_batch_size} x accumulation {c.accumulation} x "
             f"{c.world_size} process(es) = effective batch {c.effective_batch_size}"
-            + (f" (auto: peak {c.peaks[c.micro_batch_size]} B within budget {c.memory_budget} B)" if c.peaks else "")
+            + (f" (auto: peak {fmt_bytes(c.peaks[c.micro_batch_size])} within budget {fmt_bytes(c.memory_budget)})"
+               if c.peaks else "")
         )
 
     @override

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 import warnings
 
 import lightning as L
@@ -187,9 +189,17 @@ def test_tokens_normalization_needs_the_token_count():
 
 def test_micro_batch_of_one_not_fitting_says_what_to_switch_on():
     trainer = L.Trainer(callbacks=[AccumulationScheduler(16, "auto", memory_budget=64)], **TRAINER)
-    with pytest.raises(RuntimeError, match="a micro-batch of 1 peaks at") as err:
+    with pytest.raises(RuntimeError, match=r"a micro-batch of 1 peaks at \d+ B, over the budget of 64 B\.") as err:
         trainer.fit(Regression())
     assert "ActivationCheckpointing" in str(err.value) and "lowmem_offload" in str(err.value)
+
+
+def test_auto_micro_batch_line_reads_in_human_units(caplog):
+    trainer = L.Trainer(callbacks=[AccumulationScheduler(16, "auto", memory_budget="1MiB")], **TRAINER)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(Regression())
+    [line] = [r.getMessage() for r in caplog.records if "(auto: peak" in r.getMessage()]
+    assert re.search(r"\(auto: peak [0-9.]+ (B|KiB) within budget 1.00 MiB\)$", line), line
 
 
 def test_batch_norm_warns_once():
