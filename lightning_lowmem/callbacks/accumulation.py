@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible, check_lightning_object
 from lightning_lowmem.callbacks import _accumulation_window as _aw
+from lightning_lowmem.callbacks import _progress
 from lightning_lowmem.callbacks._accumulation_window import (
     _divisibility_message,
     _int,
@@ -313,6 +314,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
         if self._micro is not None:
             self._apply(trainer, pl_module, self._micro)
         self._wrap_training_step(pl_module)
+        if self._drives_loader and not self._engine:  # the bar counts optimizer steps, as at the effective batch
+            _progress.count_optimizer_steps(trainer, self)
         # NOTE: first among the callbacks, so that every other callback's `on_before_optimizer_step` sees the
         # normalised gradients and its `on_train_batch_end` the reported loss (see [reported loss])
         if trainer.callbacks and trainer.callbacks[0] is not self:
@@ -320,6 +323,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
             trainer.callbacks.insert(0, self)
 
     _drives_loader = True  # OOMRecovery: the loader's batch is the window, untouched
+    _epoch_start_step = 0  # global_step when this epoch started (the progress bar's count; see `_progress`)
 
     def _check_on_oom(self, trainer: L.Trainer) -> list[str]:
         """Resolve ``on_oom=None`` and say why an explicit ``"split"`` cannot run here."""
@@ -458,6 +462,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset_window()  # Lightning steps at the end of every epoch: windows never cross epochs
+        self._epoch_start_step = trainer.global_step  # the progress bar counts this epoch's steps from here
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -613,6 +618,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._splitter is not None:
             self._splitter.remove()
+        _progress.restore(trainer)
         if not self._wrapped_step:
             return
         if self._instance_step is not None:
