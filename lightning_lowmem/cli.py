@@ -42,7 +42,7 @@ SUBCOMMANDS = {
 }
 _LAZY_NAMES = {"LowMemCLI", "check_strategy_name", "import_public_classes"}
 _LOOPS = ("fit", "validate", "test", "predict")
-# the suite's callbacks, for `lowmem fit --help` (tests/test_cli_help.py checks that every public one is here)
+# the suite's callbacks, for `lowmem fit --help` (tests/test_cli.py checks that every public one is here)
 CALLBACKS = {
     "ActivationCheckpointing": "recompute blocks' activations in backward instead of keeping them (policy: all, "
                                "every_n, sqrt, selective)",
