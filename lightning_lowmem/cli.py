@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from typing import Any
 
 # extra subcommands: name -> (module, function taking argv and returning an exit code)
@@ -120,7 +121,7 @@ def print_loop_help(subcommand: str) -> None:
         ("--trainer.precision P", "32-true, bf16-true, 16-true, bf16-mixed, 16-mixed"),
         ("--trainer.accelerator A", "auto (CUDA where present), cpu, gpu"),
         ("--trainer.max_steps N", "optimizer steps to train for"),
-        ("--trainer.callbacks+=NAME", "add a callback by its short name (then --trainer.callbacks.init_args.KEY V)"),
+        ("--trainer.callbacks+=NAME", "add a callback by its short name (then --trainer.callbacks.KEY VALUE)"),
         ("--model CLASS_PATH", "your LightningModule (--model.init_args.KEY VALUE for its arguments)"),
         ("--data CLASS_PATH", "your LightningDataModule (--data.init_args.KEY VALUE)"),
         ("--ckpt_path PATH", "resume from a checkpoint (`last` for the latest)"),
@@ -195,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_lowmem._lightning_cli import LowMemCLI
 
         _cli_errors.check_config_files(args)
-        LowMemCLI(args=argv)
+        with warnings.catch_warnings():
+            # NOTE: `--help-all` is handed on as `--help` through `args=`, which LightningCLI warns about whenever
+            # sys.argv holds arguments too (they are the same command line here)
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            LowMemCLI(args=argv)
     except Exception as err:
         if not isinstance(err, _user_errors()):
             raise
