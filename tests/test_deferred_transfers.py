@@ -275,12 +275,13 @@ def test_deferred_cuda_peak_window_folds_resets_of_its_device_named_without_inde
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: peak["allocated"])
     monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: peak["allocated"])
+    monkeypatch.setattr(cuda, "memory_stats", lambda device=None: {"active_bytes.all.peak": peak["allocated"]})
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: peak.update(allocated=0))
     for name, other in (("cuda", "cuda:0"), ("cuda:0", "cuda"), (None, "cuda"), ("cuda", None)):
         window = measure.CudaPeakWindow(name)
         peak["allocated"] = 100
         measure.reset_cuda_peak_stats(other)  # another component resets the global peak
-        assert window.read() == (100, 100), name
+        assert window.read() == (100, 100, 100), name
         window.close()
 
 
