@@ -113,13 +113,13 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
             block (GPT-2's ``transformer.h``, LLaMA's ``model.layers``) from host copies in the compute dtype (pinned on
             CUDA, +2 B/param of host memory in bf16): on the device only the non-block weights (embeddings, LM head,
-            final norm) and ``prefetch + 1`` blocks at a time. Cost: each block's weights cross PCIe once in forward and
+            final norm) and ``prefetch + 1`` blocks at a time (on CUDA one more, released, that the GPU may still read). Cost: each block's weights cross PCIe once in forward and
             once in backward, overlapped with compute on a side stream (see
             :class:`~lightning_lowmem.strategies.param_stream.ParamStream`). ``"auto"``: the first blocks stay resident
             as far as ``device_budget`` allows, the rest stream (the choice is logged). ``False``: all resident.
         prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
         device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a
-            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks and the resident blocks
+            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks (+ 1 on CUDA) and the resident blocks
             must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least 2 GiB);
             required on the CPU.
         load_weights: a local Hugging Face ``save_pretrained`` directory in safetensors: its tensors are read one at a
