@@ -343,3 +343,24 @@ def test_deferred_param_stream_device_memory_stays_bounded_when_the_device_lags(
     ops = next(o for o in built if o.copies_queued)  # the parameter stream's ops
     assert ops.reserved_peak <= (prefetch + 2) * block_bytes, (ops.reserved_peak / block_bytes, prefetch)
     assert ops.reserved_peak >= (prefetch + 1) * block_bytes  # it did stream (the count is of real fetches)
+
+
+def test_deferred_param_stream_host_view_waits_for_queued_fetches():
+    """Loading a checkpoint writes the host copies (``host_view``): no queued fetch may still be reading them."""
+    from lightning_lowmem.strategies.param_stream import ParamStream
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+    ops = DeferredOps("lazy")
+    with cpu_stand_in(lambda: ops):
+        stream = ParamStream(model, [True] * 4, prefetch=2, device=torch.device("cpu"))
+    stream.detach_weights()
+    stream.attach()
+    stream._pre(0)  # block 0 ready, blocks 1 and 2 prefetched: their copies are queued, not landed
+    assert ops.in_flight() > 0
+    with stream.host_view():
+        assert ops.in_flight() == 0  # every fetch landed before the host copies can be written
+        for p in model.parameters():
+            p.data.zero_()
+    stream.remove()

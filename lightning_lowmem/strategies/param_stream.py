@@ -430,6 +430,8 @@ class ParamStream:
     def host_view(self) -> Iterator[None]:
         """Inside, the streamed parameters' ``.data`` are their host copies (a ``load_state_dict`` writes into them)."""
         self.release_all()
+        if self._last_event is not None and self.ops is not None:
+            self.ops.synchronize(self._last_event)  # NOTE: as in `update_host`: a queued fetch still reads the copies
         for ps, hs in zip(self.params, self.host):
             for p, h in zip(ps, hs):
                 p.data = h
