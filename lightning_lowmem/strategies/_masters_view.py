@@ -91,6 +91,10 @@ class MastersView:
         self._depth = 0
         self._write_back = False
         self._shown: list[Tensor | None] | None = None  # the gradients a view with `grads` put on the parameters
+        # NOTE: [writes outside the hooks] the strategy's: before the masters are shown, a compute weight other code wrote
+        # is copied into its master; after they are put back, every compute weight matches its master again
+        self.before_show: Callable[[], None] = lambda: None
+        self.after_restore: Callable[[], None] = lambda: None
 
     @contextlib.contextmanager
     def view(self, *, grads: bool = False, buffers: bool = False, write_back: bool = False) -> Iterator[None]:
@@ -110,6 +114,7 @@ class MastersView:
             finally:
                 self._depth -= 1
             return
+        self.before_show()
         self._write_back = write_back
         self._depth = 1
         masters = self.masters
@@ -141,6 +146,7 @@ class MastersView:
             self._restore_buffers(shown, write)
             if write:
                 self.to_compute([(i, p_host, p) for i, (p_host, p) in enumerate(zip(masters.p_host, masters.p_device))])
+            self.after_restore()
 
     def sync_grads(self) -> None:
         """Inside a view with ``grads``: after code replaced (or dropped) a parameter's ``.grad`` or its master's, make
