@@ -309,6 +309,18 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if self.optimizer_in_backward and trainer.accumulate_grad_batches != 1:
+            # NOTE: an accumulation scheduler setup did not know (Lightning's is refused there)
+            raise ValueError(
+                f"`OffloadStrategy(optimizer_in_backward=True)`: `accumulate_grad_batches` became "
+                f"{trainer.accumulate_grad_batches} at epoch {trainer.current_epoch}; the step in backward cannot "
+                "accumulate. Remove the accumulation scheduler, or set `optimizer_in_backward=False`."
+            )
+
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._masters.p_host:  # masters exist already (a later call): point the new optimizers at them

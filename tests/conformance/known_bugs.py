@@ -84,11 +84,6 @@ REPRODUCED = [
           _K + "test_zero_hugging_face_models.py", verdicts=("differs",), detail=r"further from the fp32 run"),
     Known("hf_albert", r"offload.*(bf16-mixed|16-mixed)", "ALBERT's shared layers under lowmem_offload bf16-mixed: the "
           "documented bf16 sum of a reused weight's gradients, far above its stated size", _K + "test_albert_shared_layers.py"),
-    Known("clipping_override", r"optimizer_in_backward", "OffloadStrategy(optimizer_in_backward=True) ignores a "
-          "configure_gradient_clipping override", _K + "test_optimizer_in_backward.py"),
-    Known(".*", r"(OptimizerInBackward|optimizer_in_backward).* \+ (GradientAccumulationScheduler|BackboneFinetuning|"
-          r"StochasticWeightAveraging)$", "step in backward + Lightning's accumulation schedule / backbone unfreezing / "
-          "SWA: no refusal, other weights", _K + "test_optimizer_in_backward.py"),
     Known(".*", r"(AccumulationScheduler|OOMRecovery|recipe:offload@bf16-mixed).* \+ StochasticWeightAveraging$",
           "AccumulationScheduler/OOMRecovery + SWA: an optimizer step in SWA's BatchNorm epoch",
           _K + "test_accumulation_with_swa.py"),

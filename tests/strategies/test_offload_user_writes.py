@@ -75,12 +75,12 @@ class ClampAtEnd(Callback):
                 p.clamp_(-CLAMP, CLAMP)
 
 
-def _fit(strategy, precision="32-true", callbacks=(Writes(),), **kwargs):
+def _fit(strategy, precision="32-true", callbacks=None, **kwargs):
     L.seed_everything(0, verbose=False)
     module = Net(**kwargs)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_epochs=2,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, callbacks=list(callbacks))
+                        enable_checkpointing=False, callbacks=[Writes()] if callbacks is None else list(callbacks))
     trainer.fit(module)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
