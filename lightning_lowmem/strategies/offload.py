@@ -55,7 +55,7 @@ from lightning_lowmem.strategies._host_masters import HostMasters
 from lightning_lowmem.strategies._host_optimizer import HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
 from lightning_lowmem.strategies._manual_grads import ManualGrads
-from lightning_lowmem.strategies._masters_view import MastersView, copy_to_compute, wrap_hooks
+from lightning_lowmem.strategies._masters_view import MastersView, copy_to_compute, wrap_finetuning, wrap_hooks
 from lightning_lowmem.strategies._offload_checks import NONFINITE, NonFinite  # noqa: F401
 from lightning_lowmem.strategies.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 
@@ -197,6 +197,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _reset(self) -> None:
         self._masters = HostMasters()
         self._hooks: list[Any] = []
+        self._hooked: set[int] = set()  # the masters whose module parameter has the gradient hook
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
         self._view: MastersView | None = None  # see strategies/_masters_view.py
@@ -282,7 +283,14 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._transfer = transfer_for(self.root_device, self._masters.p_device)
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
         self._view.before_show, self._view.after_restore = self.adopt_device_writes, self._note_device
-        self._unwrap = wrap_hooks(trainer.callbacks, self.lightning_module, self._view)  # type: ignore[arg-type]
+        undo = (wrap_hooks(trainer.callbacks, self.lightning_module, self._view),  # type: ignore[arg-type]
+                wrap_finetuning(trainer.callbacks, self._masters, lambda: self.optimizers, self._repoint))
+
+        def unwrap() -> None:
+            for u in undo:
+                u()
+
+        self._unwrap = unwrap
         if fitting and not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
             self._manual.attach(self._view, self.lightning_module)  # type: ignore[arg-type]
         if fitting:
@@ -291,10 +299,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 if self.optimizer_in_backward and trainer.gradient_clip_val
                 else None
             )
-            sink = self._step_in_backward if self.optimizer_in_backward else self._masters.fold
-            for i, p in enumerate(self._masters.p_device):
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
+            self._follow_trainable()
         self._note_device()
         precision._attached = True
         precision._drain = self.drain_transfers
@@ -308,9 +313,25 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         if self._stream is not None:
             self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
 
+    def _follow_trainable(self) -> None:
+        """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup: Lightning's
+        ``BackboneFinetuning`` unfreezing the backbone), with a master that takes gradients and a host buffer for them."""
+        masters = self._masters
+        sink = self._step_in_backward if self.optimizer_in_backward else masters.fold
+        for i, p in enumerate(masters.p_device):
+            if not p.requires_grad or i in self._hooked:
+                continue
+            self._hooked.add(i)
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
+            masters.p_host[i].requires_grad_(True)  # NOTE: a no-op at setup (the master copied the flag)
+            if not self.optimizer_in_backward and masters.grad_host[i] is None:
+                masters.grad_host[i] = torch.empty_like(masters.p_host[i])
+                mark_host(masters.grad_host[i])
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._follow_trainable()
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self.optimizer_in_backward and trainer.accumulate_grad_batches != 1:
             # NOTE: an accumulation scheduler setup did not know (Lightning's is refused there)
@@ -371,6 +392,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _repoint(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s param groups at the masters; move any state it has to the host."""
         self._masters.repoint(optimizer)
+        if id(optimizer) in self._fused:  # NOTE: groups added since (`add_param_group`) take the host kernel too
+            saved = self._fused[id(optimizer)][1]
+            for group in optimizer.param_groups[len(saved):]:
+                saved.append({"fused": group.get("fused"), "foreach": group.get("foreach")})
+                group["fused"], group["foreach"] = True, False
         if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
                 and _host_optimizer.why_not_fused(optimizer) is None):
             self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))

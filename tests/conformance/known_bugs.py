@@ -46,9 +46,6 @@ REPRODUCED = [
           _K + "test_selective_checkpointing_rnn.py"),
     Known("lstm_packed", r"ActivationOffload", "ActivationOffload through nn.LSTM (likely the nn.GRU bug)",
           _K + "test_activation_offload_lstm.py"),
-    Known(".*", r"(lowmem_offload|recipe:offload|recipe:demo).* \+ BackboneFinetuning$", "lowmem_offload + "
-          "BackboneFinetuning: KeyError in Lightning's finetuning.py (optimizer groups hold the masters)",
-          _K + "test_backbone_finetuning_offload.py"),
     Known(".*", r"lowmem_zero.* \+ LearningRateFinder$", "lowmem_zero* + LearningRateFinder: torch's TypeError "
           "instead of a refusal", _K + "test_zero_lightning_callbacks.py"),
     Known(".*", r"lowmem_zero3.* \+ EMAWeightAveraging$", "lowmem_zero3* + EMAWeightAveraging: size mismatch in "

@@ -27,7 +27,6 @@ class WithBackbone(Classifier):
         self.backbone = self.net[:3]
 
 
-@pytest.mark.xfail(strict=True, reason="lowmem_offload + BackboneFinetuning: KeyError in Lightning's finetuning.py")
 def test_backbone_finetuning_under_offload_matches_plain_lightning():
     def run(**kwargs):
         return train(WithBackbone, steps=2, max_epochs=2,
