@@ -85,9 +85,10 @@ def _fit(strategy, precision="32-true", callbacks=None, **kwargs):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def test_writes_outside_the_hooks_train_as_in_plain_lightning(transfer_mode):
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "optimizer_in_backward"])
+def test_writes_outside_the_hooks_train_as_in_plain_lightning(transfer_mode, in_backward):
     want = _fit("auto")
-    got = _fit(OffloadStrategy(host_optimizer="as_is"))
+    got = _fit(OffloadStrategy(host_optimizer="as_is", optimizer_in_backward=in_backward))
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
     assert torch.equal(got["head.bias"], want["head.bias"]) and got["head.weight"].abs().max() <= CLAMP
