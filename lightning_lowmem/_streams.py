@@ -268,8 +268,11 @@ class DeferredOps(StreamOps):
 
     @override
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: DeferredStream) -> None:
-        # NOTE: `src` is read when the copy runs, not now: a source changed in between is copied changed, as on a GPU
-        self._queue(stream, lambda: dst.copy_(src))
+        # NOTE: `src` is read when the copy runs, not now: a source changed in between is copied changed, as on a GPU.
+        # The version counter of `dst` moves now, as a CUDA copy's does when it is queued (`.data`: not again later)
+        torch.autograd.graph.increment_version(dst)
+        target = dst.data
+        self._queue(stream, lambda: target.copy_(src))
 
     @override
     def to_device(self, host: torch.Tensor, device: torch.device, stream: DeferredStream) -> torch.Tensor:

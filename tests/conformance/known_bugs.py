@@ -46,9 +46,6 @@ REPRODUCED = [
           _K + "test_selective_checkpointing_rnn.py"),
     Known("lstm_packed", r"ActivationOffload", "ActivationOffload through nn.LSTM (likely the nn.GRU bug)",
           _K + "test_activation_offload_lstm.py"),
-    Known(".*", r"(lowmem_offload|recipe:offload|recipe:demo).* \+ BackboneFinetuning$", "lowmem_offload + "
-          "BackboneFinetuning: KeyError in Lightning's finetuning.py (optimizer groups hold the masters)",
-          _K + "test_backbone_finetuning_offload.py"),
     Known(".*", r"lowmem_zero.* \+ LearningRateFinder$", "lowmem_zero* + LearningRateFinder: torch's TypeError "
           "instead of a refusal", _K + "test_zero_lightning_callbacks.py"),
     Known(".*", r"lowmem_zero3.* \+ EMAWeightAveraging$", "lowmem_zero3* + EMAWeightAveraging: size mismatch in "
@@ -84,11 +81,6 @@ REPRODUCED = [
           _K + "test_zero_hugging_face_models.py", verdicts=("differs",), detail=r"further from the fp32 run"),
     Known("hf_albert", r"offload.*(bf16-mixed|16-mixed)", "ALBERT's shared layers under lowmem_offload bf16-mixed: the "
           "documented bf16 sum of a reused weight's gradients, far above its stated size", _K + "test_albert_shared_layers.py"),
-    Known("clipping_override", r"optimizer_in_backward", "OffloadStrategy(optimizer_in_backward=True) ignores a "
-          "configure_gradient_clipping override", _K + "test_optimizer_in_backward.py"),
-    Known(".*", r"(OptimizerInBackward|optimizer_in_backward).* \+ (GradientAccumulationScheduler|BackboneFinetuning|"
-          r"StochasticWeightAveraging)$", "step in backward + Lightning's accumulation schedule / backbone unfreezing / "
-          "SWA: no refusal, other weights", _K + "test_optimizer_in_backward.py"),
     Known(".*", r"(AccumulationScheduler|OOMRecovery|recipe:offload@bf16-mixed).* \+ StochasticWeightAveraging$",
           "AccumulationScheduler/OOMRecovery + SWA: an optimizer step in SWA's BatchNorm epoch",
           _K + "test_accumulation_with_swa.py"),
