@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     import deepspeed
 
 _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
-# callbacks that change the Trainer's accumulation while fitting: DeepSpeed fixes it when the engine is built.
-# NOTE: our AccumulationScheduler checks DeepSpeed itself (fixed window only) and composes.
-_ACCUMULATION_CALLBACKS = ("GradientAccumulationScheduler",)
 
 
 class ZeroStrategy(Reproducible, DeepSpeedStrategy):
@@ -364,28 +361,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         return int(size) if isinstance(size, int) and size > 0 else 1
 
     def _setup_problems(self, trainer: Any, precision: str) -> list[str]:
-        problems = []
-        if precision.startswith("16") and not isinstance(self.accelerator, CUDAAccelerator):
-            accel = require("deepspeed", _FEATURE).accelerator.get_accelerator()
-            if not accel.is_fp16_supported():
-                problems.append(
-                    f"`Trainer(precision={precision!r})` on the {type(self.accelerator).__name__}: DeepSpeed's CPU "
-                    "accelerator has no fp16 on this processor. Use `precision='bf16-mixed'` or '32-true'"
-                )
-        if str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
-            problems.append(
-                "`Trainer(gradient_clip_algorithm='value')`: DeepSpeed clips by norm only. Use "
-                "`gradient_clip_algorithm='norm'`"
-            )
-        for callback in trainer.callbacks:
-            if type(callback).__name__ in _ACCUMULATION_CALLBACKS:
-                problems.append(
-                    f"`{type(callback).__name__}` changes `accumulate_grad_batches` while fitting, but DeepSpeed fixes "
-                    "`gradient_accumulation_steps` when its engine is built. Use a constant "
-                    "`Trainer(accumulate_grad_batches=...)` or `lightning_lowmem.AccumulationScheduler` with a fixed "
-                    "window; for a schedule that changes, use `strategy='lowmem_offload'`"
-                )
-        return problems + _preflight.checkpoint_dir_problems(trainer)
+        from lightning_lowmem.strategies._zero_checks import setup_problems
+
+        return setup_problems(self, trainer, precision, self._user_config) + _preflight.checkpoint_dir_problems(trainer)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
 
@@ -506,25 +484,9 @@ _PARENT_DEFAULTS = {
     if p.default is not inspect.Parameter.empty
 }
 _PASSTHROUGH = {
-    "accelerator",
-    "remote_device",
-    "zero_allow_untested_optimizer",
-    "logging_batch_size_per_gpu",
-    "logging_level",
-    "parallel_devices",
-    "cluster_environment",
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "min_loss_scale",
-    "partition_activations",
-    "cpu_checkpointing",
-    "contiguous_memory_optimization",
-    "synchronize_checkpoint_boundary",
-    "load_full_weights",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
+    "accelerator", "remote_device", "zero_allow_untested_optimizer", "logging_batch_size_per_gpu", "logging_level",
+    "parallel_devices", "cluster_environment", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "min_loss_scale", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary", "load_full_weights", "precision_plugin", "process_group_backend", "timeout",
     "exclude_frozen_parameters",
 }
