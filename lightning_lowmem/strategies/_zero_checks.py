@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder, WeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -72,9 +73,10 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, user_config: dic
                 "`strategy='lowmem_zero2'` (or `lowmem_zero2_offload`), or `strategy='lowmem_offload'`"
             )
     if strategy.zero_stage_3:
-        problems += _compiled_submodules(module)
-    if precision.startswith(("bf16", "16")) and not _buffer_dtype_set(user_config):
-        problems += _running_statistics(module, precision)
+        problems += _compiled_submodules(module) + _input_jitter(module)
+    if precision.startswith(("bf16", "16")):
+        problems += [] if _buffer_dtype_set(user_config) else _running_statistics(module, precision)
+        problems += _pinned_compute_dtype(module, precision) if strategy.zero_stage_3 else []
     return problems
 
 
@@ -114,4 +116,46 @@ def _compiled_submodules(module: nn.Module) -> list[str]:
         "parameter-fetching hooks on every submodule, and DeepSpeed's engine fails on the compiled wrapper at the "
         "first forward. Use `strategy='lowmem_zero2'` (which trains it), or leave the submodules uncompiled under "
         "ZeRO-3"
+    )]
+
+
+# NOTE: Hugging Face's MoE routers/blocks that multiply their input by uniform noise in place while training
+# (Switch Transformers, NLLB-MoE, GPTSan: `jitter_noise`; Mixtral-style blocks: `jitter_noise`; DBRX: `moe_jitter_eps`).
+_JITTER_ATTRIBUTES = ("jitter_noise", "moe_jitter_eps")
+
+
+def _input_jitter(module: nn.Module) -> list[str]:
+    found = [name or type(module).__name__ for name, m in module.named_modules()
+             if any(isinstance(v := getattr(m, a, None), (int, float)) and not isinstance(v, bool) and v > 0
+                    for a in _JITTER_ATTRIBUTES)]
+    if not found:
+        return []
+    # NOTE: ZeRO-3's forward pre-hook on every submodule passes its tensor inputs through DeepSpeed's own autograd
+    # function (`input.detach()` inside it): an alias. An in-place multiply of that alias changes the values the caller
+    # goes on using (Switch's experts read the router's input) while the caller's autograd graph lacks the multiply.
+    return [(
+        f"ZeRO-3 on a module whose submodules multiply their input by jitter noise in place while training "
+        f"({_names(found)}; Hugging Face's `router_jitter_noise`): ZeRO-3 hands every submodule an alias of its inputs "
+        "through DeepSpeed's own autograd function, so the in-place multiply changes the values the caller goes on "
+        "using (a Switch router's input feeds the experts) but not the caller's gradients: the weights would silently "
+        "differ from plain Lightning. Set the model config's `router_jitter_noise=0` (or the model's jitter setting), "
+        "or use `strategy='lowmem_zero2'` (which trains it as plain Lightning does)"
+    )]
+
+
+def _pinned_compute_dtype(module: nn.Module, precision: str) -> list[str]:
+    half = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    # NOTE: a plain attribute (HF's `PreTrainedModel.dtype` is a property, not in `vars`): Switch's router keeps
+    # `self.dtype = router_dtype` and calls `self.classifier.to(self.dtype)` in forward. Under ZeRO-3 that cast meets
+    # the partitioned (empty) parameter; DeepSpeed then fetches it in the half dtype: a dtype error in its linear.
+    found = [name or type(module).__name__ for name, m in module.named_modules()
+             if isinstance(d := vars(m).get("dtype"), torch.dtype) and d.is_floating_point and d != half
+             and any(True for _ in m.parameters())]
+    if not found:
+        return []
+    return [(
+        f"ZeRO-3 at `precision={precision!r}` on submodules that compute in their own dtype ({_names(found)}, e.g. "
+        "Switch Transformers' `router_dtype`): they cast their parameters in forward, which ZeRO-3's partitioned "
+        "parameters do not follow (DeepSpeed fetches them in its half dtype: a dtype error in its linear). Use "
+        "`strategy='lowmem_zero2'`, or `precision='32-true'`"
     )]
