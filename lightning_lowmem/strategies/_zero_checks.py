@@ -26,8 +26,9 @@ _RUNNING_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNo
 
 # NOTE: our own AccumulationScheduler checks DeepSpeed itself (a fixed window only) and composes; Lightning's
 # GradientAccumulationScheduler is refused below.
-def setup_problems(strategy: Any, trainer: Any, precision: str, user_config: dict[str, Any]) -> list[str]:
-    """Every reason ``strategy`` (a ``ZeroStrategy``) cannot run ``trainer``'s fit, as sentences."""
+def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
+    """Every reason ``strategy`` (a ``ZeroStrategy``) cannot run ``trainer``'s fit with the DeepSpeed ``config`` it
+    is about to use, as sentences."""
     module = trainer.lightning_module
     problems = []
     if precision.startswith("16") and not isinstance(strategy.accelerator, CUDAAccelerator):
@@ -66,7 +67,7 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, user_config: dic
                 "the learning rate without DeepSpeed (plain Lightning or `strategy='lowmem_offload'`, on a smaller "
                 "model or batch if needed), then set it and remove the callback"
             )
-        if isinstance(callback, WeightAveraging) and strategy.zero_stage_3:
+        if isinstance(callback, WeightAveraging) and strategy.zero_stage_3 and _partitions_some(module, config):
             problems.append(
                 f"`{type(callback).__name__}` averages the module's parameters into a copy, but ZeRO-3 partitions "
                 "them (each process holds a slice; the module's own tensors are empty between forwards). Use "
@@ -75,13 +76,22 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, user_config: dic
     if strategy.zero_stage_3:
         problems += _compiled_submodules(module) + _input_jitter(module)
     if precision.startswith(("bf16", "16")):
-        problems += [] if _buffer_dtype_set(user_config) else _running_statistics(module, precision)
+        problems += [] if _buffer_dtype_set(config) else _running_statistics(module, precision)
         problems += _pinned_compute_dtype(module, precision) if strategy.zero_stage_3 else []
     return problems
 
 
-def _buffer_dtype_set(user_config: dict[str, Any]) -> bool:
-    data_types = user_config.get("data_types")
+def _partitions_some(module: nn.Module, config: dict[str, Any]) -> bool:
+    """Whether ZeRO-3 partitions any of ``module``'s parameters: DeepSpeed keeps a tensor whole (persistent) when it
+    has at most ``stage3_param_persistence_threshold`` elements."""
+    threshold = config.get("zero_optimization", {}).get("stage3_param_persistence_threshold")
+    if not isinstance(threshold, int) or isinstance(threshold, bool):
+        return True
+    return any(p.numel() > threshold for p in module.parameters())
+
+
+def _buffer_dtype_set(config: dict[str, Any]) -> bool:
+    data_types = config.get("data_types")
     return isinstance(data_types, dict) and data_types.get("buffer_dtype") is not None
 
 

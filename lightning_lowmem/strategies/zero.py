@@ -338,15 +338,16 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             },
         )
         errors, warnings = zc.conflicts(trainer_cfg, self._user_config, precision)
-        errors += self._setup_problems(trainer, precision)
+        merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
+        if not errors:
+            zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
+        errors += self._setup_problems(trainer, precision, merged)
         if errors:
             raise ValueError(
                 f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(errors)
             )
         for message in warnings:
             rank_zero_warn(f"{type(self).__name__}: {message}.")
-        merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
-        zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
         self.config.clear()
         self.config.update(merged)
 
@@ -360,10 +361,10 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
         return int(size) if isinstance(size, int) and size > 0 else 1
 
-    def _setup_problems(self, trainer: Any, precision: str) -> list[str]:
+    def _setup_problems(self, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
         from lightning_lowmem.strategies._zero_checks import setup_problems
 
-        return setup_problems(self, trainer, precision, self._user_config) + _preflight.checkpoint_dir_problems(trainer)
+        return setup_problems(self, trainer, precision, config) + _preflight.checkpoint_dir_problems(trainer)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
 
