@@ -41,9 +41,6 @@ BEING_FIXED = [
 ]
 _K = "tests/conformance/known/"
 REPRODUCED = [
-    Known("rnn|lstm_packed|gru_lm", r"ActivationCheckpointing\(selective\)", "selective checkpointing of "
-          "nn.RNN/LSTM (crash: cached tensor mutated) and nn.GRU (other gradients)",
-          _K + "test_selective_checkpointing_rnn.py"),
     Known("lstm_packed", r"ActivationOffload", "ActivationOffload through nn.LSTM (likely the nn.GRU bug)",
           _K + "test_activation_offload_lstm.py"),
     Known(".*", r"(lowmem_offload|recipe:offload|recipe:demo).* \+ BackboneFinetuning$", "lowmem_offload + "
@@ -67,8 +64,6 @@ REPRODUCED = [
           "DeepSpeed's engine", _K + "test_zero3_compiled_submodule.py", verdicts=("crash",)),
     Known("compiled_submodule", r"MemoryReport", "MemoryReport's sampled steps change a compiled submodule's "
           "rounding", _K + "test_compiled_submodule.py"),
-    Known(".*", r"^lowmem_auto", "lowmem_auto's planning advances the global RNG (the model's own draws, e.g. "
-          "LayerDrop)", _K + "test_auto_strategy_rng.py", verdicts=("differs",)),
     Known(".*", r"lowmem_auto|^dry_run:", "dry run of HF mixture-of-experts (torch._grouped_mm) at fp32: torch's "
           "RuntimeError", _K + "test_dry_run_moe.py", verdicts=("crash",), detail=r"Expected inputs of BF16 type"),
     Known("hf_funnel|hf_poolformer", r"offload_params", "lowmem_offload_params streams nn.ModuleList blocks (Funnel, "
@@ -89,9 +84,6 @@ REPRODUCED = [
     Known(".*", r"(OptimizerInBackward|optimizer_in_backward).* \+ (GradientAccumulationScheduler|BackboneFinetuning|"
           r"StochasticWeightAveraging)$", "step in backward + Lightning's accumulation schedule / backbone unfreezing / "
           "SWA: no refusal, other weights", _K + "test_optimizer_in_backward.py"),
-    Known(".*", r"(AccumulationScheduler|OOMRecovery|recipe:offload@bf16-mixed).* \+ StochasticWeightAveraging$",
-          "AccumulationScheduler/OOMRecovery + SWA: an optimizer step in SWA's BatchNorm epoch",
-          _K + "test_accumulation_with_swa.py"),
 ]
 
 
