@@ -64,8 +64,6 @@ REPRODUCED = [
           "DeepSpeed's engine", _K + "test_zero3_compiled_submodule.py", verdicts=("crash",)),
     Known("compiled_submodule", r"MemoryReport", "MemoryReport's sampled steps change a compiled submodule's "
           "rounding", _K + "test_compiled_submodule.py"),
-    Known(".*", r"lowmem_auto|^dry_run:", "dry run of HF mixture-of-experts (torch._grouped_mm) at fp32: torch's "
-          "RuntimeError", _K + "test_dry_run_moe.py", verdicts=("crash",), detail=r"Expected inputs of BF16 type"),
     Known("hf_funnel|hf_poolformer", r"offload_params", "lowmem_offload_params streams nn.ModuleList blocks (Funnel, "
           "PoolFormer) and silently differs", _K + "test_offload_params_nested_blocks.py"),
     Known("hf_mobilenet_v2", r"lowmem_auto|^dry_run:", "dry run cuts MobileNetV2's same-class blocks of unequal "
