@@ -66,10 +66,6 @@ REPRODUCED = [
           "rounding", _K + "test_compiled_submodule.py"),
     Known("hf_funnel|hf_poolformer", r"offload_params", "lowmem_offload_params streams nn.ModuleList blocks (Funnel, "
           "PoolFormer) and silently differs", _K + "test_offload_params_nested_blocks.py"),
-    Known("hf_mobilenet_v2", r"lowmem_auto|^dry_run:", "dry run cuts MobileNetV2's same-class blocks of unequal "
-          "shapes (shape RuntimeError)", _K + "test_dry_run_gaps.py", verdicts=("crash",)),
-    Known("hf_wav2vec2|hf_hubert", r"^dry_run:", "dry run 17 % low on the wav2vec2/HuBERT conv feature encoder",
-          _K + "test_dry_run_gaps.py", verdicts=("off",)),
     Known("hf_switch_transformers", r"lowmem_zero3", "ZeRO-3 on Switch Transformers (sparse MoE): fp32 differs, bf16 "
           "crashes in DeepSpeed's ZeRO-3 linear", _K + "test_zero_hugging_face_models.py"),
     Known("hf_bart|hf_marian|hf_mobilebert|hf_falcon|hf_qwen3_moe|hf_.*", r"lowmem_zero.*bf16-mixed", "DeepSpeed's bf16: "
