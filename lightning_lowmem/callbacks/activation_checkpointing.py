@@ -64,7 +64,8 @@ class ActivationCheckpointing(Reproducible, Callback):
           transformer block's input is ~1/50 of its activations, so there ``"all"`` keeps less for about
           the same recompute; ``"sqrt"`` pays off when block boundaries are as large as the blocks.
         - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap
-          element-wise ops are recomputed (PyTorch's selective activation checkpointing).
+          element-wise ops are recomputed (PyTorch's selective activation checkpointing). Blocks holding a
+          recurrent layer are recomputed whole; an in-place change of a kept output is refused (see ``_selective``).
         - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings
           the activations under the budget, from activation sizes measured on the first training batch
           (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
