@@ -41,25 +41,14 @@ BEING_FIXED = [
 ]
 _K = "tests/conformance/known/"
 REPRODUCED = [
-    Known("rnn|lstm_packed|gru_lm", r"ActivationCheckpointing\(selective\)", "selective checkpointing of "
-          "nn.RNN/LSTM (crash: cached tensor mutated) and nn.GRU (other gradients)",
-          _K + "test_selective_checkpointing_rnn.py"),
     Known("lstm_packed", r"ActivationOffload", "ActivationOffload through nn.LSTM (likely the nn.GRU bug)",
           _K + "test_activation_offload_lstm.py"),
     Known("compiled_submodule", r"offload.*(bf16-mixed|16-mixed)", "torch.compile'd submodule under lowmem_offload "
           "bf16-mixed: not bit-identical", _K + "test_compiled_submodule.py"),
     Known("compiled_submodule", r"MemoryReport", "MemoryReport's sampled steps change a compiled submodule's "
           "rounding", _K + "test_compiled_submodule.py"),
-    Known(".*", r"^lowmem_auto", "lowmem_auto's planning advances the global RNG (the model's own draws, e.g. "
-          "LayerDrop)", _K + "test_auto_strategy_rng.py", verdicts=("differs",)),
-    Known(".*", r"lowmem_auto|^dry_run:", "dry run of HF mixture-of-experts (torch._grouped_mm) at fp32: torch's "
-          "RuntimeError", _K + "test_dry_run_moe.py", verdicts=("crash",), detail=r"Expected inputs of BF16 type"),
     Known("hf_funnel|hf_poolformer", r"offload_params", "lowmem_offload_params streams nn.ModuleList blocks (Funnel, "
           "PoolFormer) and silently differs", _K + "test_offload_params_nested_blocks.py"),
-    Known("hf_mobilenet_v2", r"lowmem_auto|^dry_run:", "dry run cuts MobileNetV2's same-class blocks of unequal "
-          "shapes (shape RuntimeError)", _K + "test_dry_run_gaps.py", verdicts=("crash",)),
-    Known("hf_wav2vec2|hf_hubert", r"^dry_run:", "dry run 17 % low on the wav2vec2/HuBERT conv feature encoder",
-          _K + "test_dry_run_gaps.py", verdicts=("off",)),
     Known("hf_.*", r"lowmem_zero.*bf16-mixed", "not a bug (measured): single elements one or two Adam steps "
           "(lr each) apart from the fp32 run, a sign flip of a near-zero bias gradient or a near-tie MoE routing under "
           "bf16 rounding; plain bf16-mixed shows the same (BART 18x, Marian 23x); the per-tensor 4x bound against plain "
@@ -67,9 +56,6 @@ REPRODUCED = [
           detail=r"further from the fp32 run"),
     Known("hf_albert", r"offload.*(bf16-mixed|16-mixed)", "ALBERT's shared layers under lowmem_offload bf16-mixed: the "
           "documented bf16 sum of a reused weight's gradients, far above its stated size", _K + "test_albert_shared_layers.py"),
-    Known(".*", r"(AccumulationScheduler|OOMRecovery|recipe:offload@bf16-mixed).* \+ StochasticWeightAveraging$",
-          "AccumulationScheduler/OOMRecovery + SWA: an optimizer step in SWA's BatchNorm epoch",
-          _K + "test_accumulation_with_swa.py"),
 ]
 
 
