@@ -137,11 +137,11 @@ class MasterHalfPrecision(Reproducible, Precision):
       buffer. The forward is therefore the same computation as plain ``*-mixed`` (the stored copy is the
       rounding autocast would make), and a module that runs under plain mixed precision runs here (an fp32
       buffer or tensor meets fp32 LayerNorm weights, as there). Gradients are bit-identical to plain mixed
-      precision except (1) for a half weight used several times in one backward (a GAN's discriminator on
-      real and fake images, a layer applied in a loop): its contributions are summed in the compute dtype,
-      where plain mixed precision sums them in fp32; (2) where other code reads a stored weight's ``dtype``
-      or values outside its layer's call (a wrapper's forward casting its input to ``linear.weight.dtype``
-      before other ops): it sees the compute dtype here, fp32 there.
+      precision, also for a layer called several times in one step (a GAN's discriminator on real and
+      fake images, ALBERT's shared layer): its contributions are summed in fp32 as there
+      (:mod:`~lightning_lowmem.precision._reused_grads`), except where other code reads a stored weight's
+      ``dtype`` or values outside its layer's call (a wrapper's forward casting its input to
+      ``linear.weight.dtype`` before other ops): it sees the compute dtype here, fp32 there.
       Device weights: 2 B/param for those layers, 4 B/param for the rest.
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
     * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in

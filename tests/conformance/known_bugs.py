@@ -71,8 +71,6 @@ REPRODUCED = [
           "LayerDrop)", _K + "test_auto_strategy_rng.py", verdicts=("differs",)),
     Known(".*", r"lowmem_auto|^dry_run:", "dry run of HF mixture-of-experts (torch._grouped_mm) at fp32: torch's "
           "RuntimeError", _K + "test_dry_run_moe.py", verdicts=("crash",), detail=r"Expected inputs of BF16 type"),
-    Known("hf_funnel|hf_poolformer", r"offload_params", "lowmem_offload_params streams nn.ModuleList blocks (Funnel, "
-          "PoolFormer) and silently differs", _K + "test_offload_params_nested_blocks.py"),
     Known("hf_mobilenet_v2", r"lowmem_auto|^dry_run:", "dry run cuts MobileNetV2's same-class blocks of unequal "
           "shapes (shape RuntimeError)", _K + "test_dry_run_gaps.py", verdicts=("crash",)),
     Known("hf_wav2vec2|hf_hubert", r"^dry_run:", "dry run 17 % low on the wav2vec2/HuBERT conv feature encoder",
@@ -82,8 +80,6 @@ REPRODUCED = [
     Known("hf_bart|hf_marian|hf_mobilebert|hf_falcon|hf_qwen3_moe|hf_.*", r"lowmem_zero.*bf16-mixed", "DeepSpeed's bf16: "
           "some biases 4-12x further from the fp32 run than plain bf16-true (not explained yet)",
           _K + "test_zero_hugging_face_models.py", verdicts=("differs",), detail=r"further from the fp32 run"),
-    Known("hf_albert", r"offload.*(bf16-mixed|16-mixed)", "ALBERT's shared layers under lowmem_offload bf16-mixed: the "
-          "documented bf16 sum of a reused weight's gradients, far above its stated size", _K + "test_albert_shared_layers.py"),
     Known("clipping_override", r"optimizer_in_backward", "OffloadStrategy(optimizer_in_backward=True) ignores a "
           "configure_gradient_clipping override", _K + "test_optimizer_in_backward.py"),
     Known(".*", r"(OptimizerInBackward|optimizer_in_backward).* \+ (GradientAccumulationScheduler|BackboneFinetuning|"
