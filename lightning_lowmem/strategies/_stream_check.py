@@ -13,7 +13,9 @@ rebuilds every saved weight on the fetched copy) and pass.
 
 NOTE: a ``TorchDispatchMode`` on the first training (and validation) step only: every non-view op's tensor arguments
 are compared with the placeholders' storages (by storage identity, fake-tensor safe); views of a released weight
-are followed to name the weight. Metadata (``.shape``, ``.dtype``) does not dispatch and is allowed.
+are followed to name the weight. Metadata (``.shape``, ``.dtype``) does not dispatch and is allowed. Not run on a
+model holding ``torch.compile``-d modules: under a dispatch mode a compiled region runs another path (another
+rounding), so the check would change the first step; such a model is not checked.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from lightning_lowmem.callbacks._blocks import find_repeated_blocks
 from lightning_lowmem.callbacks._saved_versions import SavedVersion
 from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.memory.units import fmt_size
+from lightning_lowmem.precision.master_half import _compiled_params
 from lightning_lowmem.strategies._host_transfer import _bucket_sizes
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,8 @@ class ParamStream:
         self._buckets: list[torch.Tensor] = []
         self.fetches = 0  # blocks copied to the device (a count for tests and benchmarks)
         self._checked: set[str] = set()  # the steps (training, validation) whose first call was checked
+        # NOTE: a dispatch mode makes a compiled region run another path (another rounding): no check there
+        self._compiled = bool(_compiled_params(module))
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def streamed_numel(self) -> int:
@@ -264,7 +267,7 @@ class ParamStream:
 
     def first_use_check(self, kind: str) -> contextlib.AbstractContextManager:
         """On the first ``kind`` step: refuse any op that reads a released streamed weight (see ``_stream_check``)."""
-        if kind in self._checked or not any(self.params):
+        if kind in self._checked or not any(self.params) or self._compiled:
             return contextlib.nullcontext()
         from lightning_lowmem.strategies._stream_check import ReleasedReadCheck
 

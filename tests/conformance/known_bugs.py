@@ -61,8 +61,6 @@ REPRODUCED = [
           "refusal", _K + "test_zero_lightning_callbacks.py", detail=r"expected scalar type BFloat16 but found Float"),
     Known("clipping_override", r"lowmem_zero", "lowmem_zero* silently ignore a configure_gradient_clipping override",
           _K + "test_zero_lightning_callbacks.py"),
-    Known("compiled_submodule", r"offload.*(bf16-mixed|16-mixed)", "torch.compile'd submodule under lowmem_offload "
-          "bf16-mixed: not bit-identical", _K + "test_compiled_submodule.py"),
     Known("compiled_submodule", r"lowmem_zero3", "lowmem_zero3* + a torch.compile'd submodule: AttributeError in "
           "DeepSpeed's engine", _K + "test_zero3_compiled_submodule.py", verdicts=("crash",)),
     Known("compiled_submodule", r"MemoryReport", "MemoryReport's sampled steps change a compiled submodule's "
