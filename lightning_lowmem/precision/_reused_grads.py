@@ -38,11 +38,20 @@ class ReusedGrads:
         self.stash: dict[int, Tensor] = {}
         self._swapped: dict[int, list[tuple[str, nn.Parameter]]] = {}
         self._handles: list[Any] = []
-        for sub in module.modules():
-            names = [n for n, p in sub.named_parameters(recurse=False) if id(p) in half]
-            if names:
-                self._handles.append(sub.register_forward_pre_hook(functools.partial(self._pre, names=names)))
-                self._handles.append(sub.register_forward_hook(self._post, always_call=True))
+        self._owners = [(sub, names) for sub in module.modules()
+                        if (names := [n for n, p in sub.named_parameters(recurse=False) if id(p) in half])]
+        self.hook()
+
+    def hook(self) -> None:
+        """(Re-)register the hooks after every hook registered so far.
+
+        NOTE: after parameter streaming's hooks (``ParamStream.hook_blocks``): the view must be taken of the fetched
+        weight, not of the released placeholder the block holds before its pre-hook fetched it.
+        """
+        self.remove()
+        for sub, names in self._owners:
+            self._handles.append(sub.register_forward_pre_hook(functools.partial(self._pre, names=names)))
+            self._handles.append(sub.register_forward_hook(self._post, always_call=True))
 
     def new_step(self) -> None:
         self.calls.clear()

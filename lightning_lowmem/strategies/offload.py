@@ -309,6 +309,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         super().on_train_start()
         if self._stream is not None:
             self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
+        if self._reused is not None:
+            self._reused.hook()  # NOTE: after the stream's hooks: its views are taken of fetched weights
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

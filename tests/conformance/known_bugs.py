@@ -78,6 +78,12 @@ REPRODUCED = [
     Known("hf_bart|hf_marian|hf_mobilebert|hf_falcon|hf_qwen3_moe|hf_.*", r"lowmem_zero.*bf16-mixed", "DeepSpeed's bf16: "
           "some biases 4-12x further from the fp32 run than plain bf16-true (not explained yet)",
           _K + "test_zero_hugging_face_models.py", verdicts=("differs",), detail=r"further from the fp32 run"),
+    Known("hf_levit|hf_mobilenet_v2", r"^lowmem_offload\(fused\)@32-true$", "not a bug: torch's fused CPU AdamW "
+          "rounds otherwise than the for-loop kernel (plain with the fused kernel vs the for-loop kernel: 0.64-1.09 of "
+          "the update on near-zero-gradient BatchNorm biases), amplified by BatchNorm's statistics; lowmem_offload is "
+          "bit-identical to plain Lightning running the same fused kernel (0 of 314 / 173 tensors differ): the cell "
+          "should be judged against that", "tests/strategies/test_offload.py", verdicts=("differs",),
+          detail=r"running_mean|running_var"),
     Known("clipping_override", r"optimizer_in_backward", "OffloadStrategy(optimizer_in_backward=True) ignores a "
           "configure_gradient_clipping override", _K + "test_optimizer_in_backward.py"),
     Known(".*", r"(OptimizerInBackward|optimizer_in_backward).* \+ (GradientAccumulationScheduler|BackboneFinetuning|"
