@@ -143,7 +143,7 @@ def _trial(
 
 
 class _PeakMeter:
-    """Peak bytes of the device role over a block: CUDA's allocator peak on CUDA, ``MemoryTracker`` elsewhere."""
+    """Peak bytes of the device role over a block: CUDA's allocator reserved peak on CUDA, ``MemoryTracker`` elsewhere."""
 
     def __init__(self, device: torch.device, module: Any, optimizers: list[Any], batch: Any, enabled: bool) -> None:
         self.device, self.enabled, self.peak = device, enabled, 0
@@ -175,7 +175,10 @@ class _PeakMeter:
             self.peak = int(self._tracker.peak_bytes_role("device"))
         elif self._window is not None:
             torch.cuda.synchronize(self.device)
-            self.peak = int(self._window.read()[0])
+            # NOTE: the reserved peak, not the allocated one: blocks freed on one stream and not yet reusable, cached
+            # blocks and fragmentation are device memory too, and a micro-batch whose allocated peak fits can still
+            # run the allocator out of segments (its reserved peak is what must fit).
+            self.peak = int(max(self._window.read()))
             self._window.close()
 
 

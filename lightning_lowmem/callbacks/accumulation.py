@@ -26,7 +26,7 @@ from lightning_lowmem.callbacks._accumulation_window import (
     _positive_int,
     lightning_accumulation,
 )
-from lightning_lowmem.callbacks._side_step import stands_aside
+from lightning_lowmem.callbacks._side_step import forward_only, stands_aside
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
@@ -463,6 +463,9 @@ class AccumulationScheduler(Reproducible, L.Callback):
             _aw.check_first_batch(self, extract_batch_size(batch))
         if self._engine:
             return
+        if forward_only(trainer):  # NOTE: SWA's BatchNorm epoch: Lightning's own accumulation prevents every step
+            self._last = False
+            return
         loop = trainer.fit_loop.epoch_loop
         ready = loop.batch_progress.current.ready
         if self._pos == 0:
@@ -493,7 +496,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
         def training_step(*args: Any, **kwargs: Any) -> Any:
             out = step(*args, **kwargs)
             # NOTE: a side step (a probe, a micro-batch trial) or a module detached from the Trainer: no window
-            if stands_aside(pl_module):
+            if stands_aside(pl_module) or forward_only(pl_module.trainer):
                 return out
             return self._weigh(pl_module.trainer, out, args[0] if args else kwargs.get("batch"))
 

@@ -19,7 +19,7 @@ from lightning_lowmem._atomic import atomic_write_text
 from lightning_lowmem._compat import check_lightning_object
 from lightning_lowmem.callbacks import _memory_report_render as render
 from lightning_lowmem.memory.categories import CATEGORIES
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.memory.measure import CudaPeaks, MemoryTracker
 from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder
 from lightning_lowmem.memory.units import fmt_mib
 
@@ -160,11 +160,12 @@ class MemoryReport(StepMemoryRecorder):
     # --- per step ------------------------------------------------------------------------------------------------
     @override
     def step_closed(self, trainer: pl.Trainer, step: int, record: dict[str, Any] | None, tracker: MemoryTracker | None,
-                    cuda_step: tuple[int, int] | None) -> None:
+                    cuda_step: CudaPeaks | None) -> None:
         metrics: dict[str, float] = {}
         if cuda_step is not None:
             metrics["memory/cuda/max_allocated_bytes"] = cuda_step[0]
             metrics["memory/cuda/max_reserved_bytes"] = cuda_step[1]
+            metrics["memory/cuda/max_active_bytes"] = cuda_step.active
         if record is not None:
             metrics.update(self._metrics(record))
             if self.plot and tracker is not None and tracker.peak_bytes > self._timeline_peak:
