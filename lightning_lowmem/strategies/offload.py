@@ -48,6 +48,7 @@ from lightning_lowmem.memory.categories import (
     unique_storage_bytes,
 )
 from lightning_lowmem.memory.units import parse_bytes
+from lightning_lowmem.precision._reused_grads import ReusedGrads
 from lightning_lowmem.precision.master_half import MasterHalfPrecision
 from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, _preflight, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
@@ -200,6 +201,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self._hooked: set[int] = set()  # the masters whose module parameter has the gradient hook
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
+        self._reused: ReusedGrads | None = None  # *-mixed: fp32 sums of a repeatedly called layer's half weights
         self._view: MastersView | None = None  # see strategies/_masters_view.py
         self._manual = ManualGrads()  # manual optimization: the gradients until the step (strategies/_manual_grads.py)
         self._unwrap: Callable[[], None] = lambda: None
@@ -269,6 +271,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             for opt in self.optimizers:
                 self._repoint(opt)
         self.model = precision.convert_module(self.model)
+        if fitting and precision.mixed and precision.compute_dtype != torch.float32:
+            half = [p for p in self._masters.p_device if p.dtype == precision.compute_dtype]
+            self._reused = ReusedGrads(self.model, half, self._masters.device_index)
         self._masters.note_cast_buffers(self.model)
         if self.offload_params is not False:
             auto = self.offload_params == "auto" and self.device_budget is None
@@ -312,6 +317,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         super().on_train_start()
         if self._stream is not None:
             self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
+        if self._reused is not None:
+            self._reused.hook()  # NOTE: after the stream's hooks: its views are taken of fetched weights
 
     def _follow_trainable(self) -> None:
         """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup: Lightning's
@@ -428,6 +435,12 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             p_device.grad = None
             return
         assert self._transfer is not None
+        if self._reused is not None:
+            summed = self._reused.take(i, grad)
+            if summed is not grad:  # NOTE: an fp32 sum (a layer called several times): straight to the host
+                p_device.grad = None
+                sink(i, summed.to(self._masters.p_host[i].device))
+                return
         self._transfer.grad_to_host(i, grad, sink)
         p_device.grad = None  # NOTE: the device gradient is freed here, one parameter at a time
 
@@ -502,10 +515,18 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._reused is not None:
+            self._reused.new_step()
         try:
-            return super().training_step(*args, **kwargs)
+            with self._stream.first_use_check("train") if self._stream is not None else nullcontext():
+                return super().training_step(*args, **kwargs)
         finally:
             self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream.first_use_check("validate") if self._stream is not None else nullcontext():
+            return super().validation_step(*args, **kwargs)
 
     # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
     def _guarding(self) -> bool:
@@ -723,6 +744,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self._transfer.synchronize()
         if self._stream is not None:
             self._stream.remove()
+        if self._reused is not None:
+            self._reused.remove()
         for optimizer, flags in self._fused.values():
             _host_optimizer.restore(optimizer, flags)
         module = self.lightning_module

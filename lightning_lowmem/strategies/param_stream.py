@@ -49,6 +49,7 @@ from lightning_lowmem.callbacks._blocks import find_repeated_blocks
 from lightning_lowmem.callbacks._saved_versions import SavedVersion
 from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.memory.units import fmt_size
+from lightning_lowmem.precision.master_half import _compiled_params
 from lightning_lowmem.strategies._host_transfer import _bucket_sizes
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     A parameter shared between two blocks or with a module outside the blocks (tied weights) is not a block's:
     it stays resident.
     """
-    blocks = find_repeated_blocks(module)
+    blocks = _called(find_repeated_blocks(module))
     owners: dict[int, set[int]] = {}
     for b, (_, block) in enumerate(blocks):
         for p in block.parameters():
@@ -86,6 +87,22 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     streamed = {id(p) for ps in per_block for p in ps}
     rest = [p for p in module.parameters() if id(p) not in streamed]
     return blocks, per_block, rest
+
+
+def _called(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its children.
+
+    NOTE: a container has no ``forward``: the model walks its layers itself (Funnel's ``encoder.blocks.0``,
+    PoolFormer's ``encoder.block.0``), so the hooks of a streamed container never run and its weights would be read
+    released (NaN). Its children are called: they are the streamed blocks.
+    """
+    out: list[tuple[str, nn.Module]] = []
+    for name, block in blocks:
+        if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+            out += _called([(f"{name}.{child}", m) for child, m in block.named_children()])
+        else:
+            out.append((name, block))
+    return out
 
 
 def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, prefetch: int, released: int = 0) -> int:
@@ -188,6 +205,9 @@ class ParamStream:
         self._placeholders: dict[tuple[torch.dtype, str], torch.Tensor] = {}
         self._buckets: list[torch.Tensor] = []
         self.fetches = 0  # blocks copied to the device (a count for tests and benchmarks)
+        self._checked: set[str] = set()  # the steps (training, validation) whose first call was checked
+        # NOTE: a dispatch mode makes a compiled region run another path (another rounding): no check there
+        self._compiled = bool(_compiled_params(module))
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def streamed_numel(self) -> int:
@@ -252,6 +272,17 @@ class ParamStream:
         self.release_all()
         if self._last_event is not None and self.ops is not None:
             self.ops.synchronize(self._last_event)
+
+    def first_use_check(self, kind: str) -> contextlib.AbstractContextManager:
+        """On the first ``kind`` step: refuse any op that reads a released streamed weight (see ``_stream_check``)."""
+        if kind in self._checked or not any(self.params) or self._compiled:
+            return contextlib.nullcontext()
+        from lightning_lowmem.strategies._stream_check import ReleasedReadCheck
+
+        self._checked.add(kind)
+        names = {id(p): f"{self.names[b]}.{n}" for b, block in enumerate(self.blocks)
+                 for n, p in block.named_parameters() if id(p) in self.shapes}
+        return ReleasedReadCheck({storage_key(t) for t in self._placeholders.values()}, names)
 
     # --- moving blocks -------------------------------------------------------------------------------------------
     def _fetch(self, b: int) -> None:

@@ -43,19 +43,19 @@ _K = "tests/conformance/known/"
 REPRODUCED = [
     Known("lstm_packed", r"ActivationOffload", "ActivationOffload through nn.LSTM (likely the nn.GRU bug)",
           _K + "test_activation_offload_lstm.py"),
-    Known("compiled_submodule", r"offload.*(bf16-mixed|16-mixed)", "torch.compile'd submodule under lowmem_offload "
-          "bf16-mixed: not bit-identical", _K + "test_compiled_submodule.py"),
     Known("compiled_submodule", r"MemoryReport", "MemoryReport's sampled steps change a compiled submodule's "
           "rounding", _K + "test_compiled_submodule.py"),
-    Known("hf_funnel|hf_poolformer", r"offload_params", "lowmem_offload_params streams nn.ModuleList blocks (Funnel, "
-          "PoolFormer) and silently differs", _K + "test_offload_params_nested_blocks.py"),
     Known("hf_.*", r"lowmem_zero.*bf16-mixed", "not a bug (measured): single elements one or two Adam steps "
           "(lr each) apart from the fp32 run, a sign flip of a near-zero bias gradient or a near-tie MoE routing under "
           "bf16 rounding; plain bf16-mixed shows the same (BART 18x, Marian 23x); the per-tensor 4x bound against plain "
           "bf16-true does not hold for Adam", _K + "test_zero_hugging_face_models.py", verdicts=("differs",),
           detail=r"further from the fp32 run"),
-    Known("hf_albert", r"offload.*(bf16-mixed|16-mixed)", "ALBERT's shared layers under lowmem_offload bf16-mixed: the "
-          "documented bf16 sum of a reused weight's gradients, far above its stated size", _K + "test_albert_shared_layers.py"),
+    Known("hf_levit|hf_mobilenet_v2", r"^lowmem_offload\(fused\)@32-true$", "not a bug: torch's fused CPU AdamW "
+          "rounds otherwise than the for-loop kernel (plain with the fused kernel vs the for-loop kernel: 0.64-1.09 of "
+          "the update on near-zero-gradient BatchNorm biases), amplified by BatchNorm's statistics; lowmem_offload is "
+          "bit-identical to plain Lightning running the same fused kernel (0 of 314 / 173 tensors differ): the cell "
+          "should be judged against that", "tests/strategies/test_offload.py", verdicts=("differs",),
+          detail=r"running_mean|running_var"),
 ]
 
 
