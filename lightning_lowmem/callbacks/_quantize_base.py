@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem._compat import require
+from lightning_lowmem.memory.categories import storage_key
 
 QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4", "int8")
 
@@ -34,6 +35,18 @@ def _quantized(linear: nn.Linear, quant_type: str, bnb: Any) -> nn.Module:
             f"Passed `quantize_base={quant_type!r}` for a model whose weights are not loaded (on the meta device): "
             "bitsandbytes quantizes real values. Load the weights before `setup` (in `__init__` or `configure_model`)."
         )
+    if _fake(weight):
+        from lightning_lowmem.memory.fake import DryRunUnsupportedError
+
+        # NOTE: `Params4bit`/`Int8Params` are tensor subclasses built with `Tensor._make_subclass`, which cannot
+        # wrap a FakeTensor; bitsandbytes' quantize op itself has a fake kernel, its parameter classes do not.
+        raise DryRunUnsupportedError(
+            f"bitsandbytes {'Int8Params' if quant_type == 'int8' else 'Params4bit'}",
+            f"`Adapters(quantize_base={quant_type!r})` builds bitsandbytes' quantized parameters, which cannot wrap "
+            "a fake tensor; dry-run with `quantize_base=None` and count the base linears at their packed size "
+            "(see `packed_bytes`)",
+            None,
+        )
     has_bias = linear.bias is not None
     if quant_type == "int8":
         q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False,
@@ -47,7 +60,33 @@ def _quantized(linear: nn.Linear, quant_type: str, bnb: Any) -> nn.Module:
         q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
     # NOTE: bitsandbytes quantizes a weight when it is moved to a (non-meta) device: here, to the one it is on
     q.weight = q.weight.to(weight.device)
+    if quant_type != "int8":
+        q.register_load_state_dict_pre_hook(_load_quant_state)
     return q
+
+
+def _fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Restore a 4-bit layer's quantization state from the entries its ``state_dict`` wrote beside its weight.
+
+    NOTE: ``Linear4bit`` saves its quantization state as extra keys (``weight.absmax``, ``weight.quant_map``, ...)
+    but has no loader for them (Hugging Face's quantizer reads them when it builds the model): without this a
+    strict ``load_state_dict`` (Lightning's resume) refuses them as unexpected. Rebuilt by bitsandbytes' own
+    ``QuantState.from_dict``; the packed weight itself then loads as any parameter.
+    """
+    import bitsandbytes as bnb
+
+    start = prefix + "weight."
+    entries = {k[len(start):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(start)]}
+    if entries:
+        state = bnb.functional.QuantState.from_dict(entries, device=module.weight.device)
+        module.weight.quant_state = state
+        module.quant_state = state
 
 
 def quantize_linears(model: nn.Module, quant_type: str) -> list[str]:
@@ -79,21 +118,26 @@ def quantize_linears(model: nn.Module, quant_type: str) -> list[str]:
 
 
 def packed_bytes(module: nn.Module) -> int:
-    """Bytes of a quantized layer's weight as stored: the packed values and their quantization state."""
+    """Bytes of a quantized layer's weight as stored: the packed values and their quantization state.
+
+    Counted by storage (a quantization map that layers share is counted once per layer here).
+    """
     weight = module.weight
-    total = weight.numel() * weight.element_size()
-    state = getattr(weight, "quant_state", None) or getattr(module, "state", None)
-    for t in _state_tensors(state):
-        total += t.numel() * t.element_size()
+    tensors = [weight.data]
+    tensors += _state_tensors(getattr(weight, "quant_state", None))
     scb = getattr(weight, "SCB", None)
     if isinstance(scb, torch.Tensor):
-        total += scb.numel() * scb.element_size()
-    return total
+        tensors.append(scb)
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def _state_tensors(state: Any) -> list[torch.Tensor]:
     if state is None or not hasattr(state, "absmax"):
         return []
-    out = [t for t in (state.absmax, getattr(state, "code", None)) if isinstance(t, torch.Tensor)]
+    out = [t for t in (state.absmax, getattr(state, "code", None), getattr(state, "offset", None))
+           if isinstance(t, torch.Tensor)]
     nested = getattr(state, "state2", None)
     return out + _state_tensors(nested) if nested is not None else out

@@ -228,6 +228,10 @@ class Adapters(Reproducible, Callback):
 
         if self.quantize_base is not None:
             self.quantized = quantize_linears(model, self.quantize_base)
+            # NOTE: PEFT dispatches its bitsandbytes LoRA layers (which merge, and DoRA, need) on the flags
+            # `from_pretrained(quantization_config=...)` sets on a quantized Hugging Face model
+            flag = "is_loaded_in_8bit" if self.quantize_base == "int8" else "is_loaded_in_4bit"
+            object.__setattr__(model, flag, True)
         # NOTE: LoRA's A is drawn from the RNG; a forked RNG leaves the run's own stream (dropout, data) untouched
         with torch.random.fork_rng(devices=[]):
             if self.seed is not None:

@@ -17,13 +17,13 @@ import warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
+import lightning as L
+import torch
 
-from lightning_lowmem import Adapters  # noqa: E402
-from lightning_lowmem.strategies.offload import OffloadStrategy  # noqa: E402
-from tests.callbacks.test_adapters import LitLM  # noqa: E402
-from tests.helpers.models import random_batch  # noqa: E402
+from lightning_lowmem import Adapters
+from lightning_lowmem.strategies.offload import OffloadStrategy
+from tests.callbacks.test_adapters import LitLM
+from tests.helpers.models import random_batch
 
 
 class Keyed(LitLM):
