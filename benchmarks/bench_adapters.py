@@ -43,7 +43,7 @@ def _nf4_bytes_per_param() -> float:
 def _base_linear_params(shape: str) -> int:
     import json
 
-    from lightning_lowmem.memory import shapes  # noqa: F401  (the package of the shipped shapes)
+    from lightning_lowmem.memory import shapes
 
     cfg = json.loads((Path(shapes.__path__[0]) / f"{shape}.json").read_text())
     cfg = cfg.get("config", cfg)
@@ -78,7 +78,7 @@ def memory_rows(shapes: list[str]) -> list[dict[str, Any]]:
             if adapters and not offload:
                 saved = int(_base_linear_params(shape) * (2 - nf4))
                 rows.append({**rows[-1], "run": "QLoRA nf4 base r=16 (derived)",
-                             "figure": "derived: bf16 LoRA dry run - base linears x (2 - %.4f) B" % nf4,
+                             "figure": f"derived: bf16 LoRA dry run - base linears x (2 - {nf4:.4f}) B",
                              "peak_device": rows[-1]["peak_device"] - saved,
                              "device_weights": rows[-1]["device_weights"] - saved,
                              "peak_device_h": fmt_bytes(rows[-1]["peak_device"] - saved), "wall_s": None})
@@ -129,8 +129,8 @@ def main(argv: list[str]) -> None:
     rows = memory_rows(["llama-7b"] if quick else ["llama-7b", "llama-70b"])
     write_results("adapters", rows, ["model", "run", "strategy", "figure", "peak_device_h", "peak_host_h", "wall_s"],
                   title="LoRA adapters vs full fine-tuning: batch 1 x 2048, bf16-true, activation checkpointing",
-                  notes=["Dry run (CUDA target, uncalibrated corrections) except the QLoRA row, derived from the "
-                         "bf16 LoRA row (the dry run cannot trace bitsandbytes' quantized parameters)."])
+                  notes=[("Dry run (CUDA target, uncalibrated corrections) except the QLoRA row, derived from the "
+                          "bf16 LoRA row (the dry run cannot trace bitsandbytes' quantized parameters).")])
     cpu = step_time_rows(2 if quick else 3, 8 if quick else 12)
     write_results("adapters_step_time", cpu, ["model", "run", "figure", "median_step_s", "vs_full", "steps_timed"],
                   title="CPU step time, LoRA r=16 all-linear vs full fine-tuning (fp32, batch 2 x 128)",

@@ -209,3 +209,18 @@ def test_dry_run_sees_adapters_weights_without_base_gradients_or_state():
     # AdamW: two fp32 moments per element and one fp32 step counter per tensor
     assert full["optimizer_state"] == 8 * n_base + 4 * len(base)
     assert lora["optimizer_state"] == 8 * n_lora + 4 * len(adapters)
+
+
+def test_lightning_cli_yaml_names_the_callback_by_short_name(tmp_path):
+    import yaml
+
+    from lightning_lowmem.cli import LowMemCLI
+    from tests.test_cli import TINY
+
+    trainer = {**TINY["trainer"], "callbacks": [
+        {"class_path": "Adapters", "init_args": {"r": 2, "alpha": 4, "target_modules": ["c_attn"]}}]}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "trainer": trainer}))
+    cli = LowMemCLI(args=["fit", "--config", str(path)])
+    trained = {n for n, p in cli.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained) and cli.trainer.global_step == 1
