@@ -324,12 +324,6 @@ def demo(r: Results) -> str:
             f"demo's device-role saving is in `MemoryReport`'s table.\n\n{source(d, where(d))}")
 
 
-BLOCKS: dict[str, Block] = {
-    name: fn for name, fn in globals().items()
-    if callable(fn) and hasattr(fn, "sources") and fn.__module__ == __name__
-} | PREDICT_BLOCKS
-
-__all__ = ["BLOCKS", "Results", "parse_bytes"]
 
 
 @block("adapters", "adapters_step_time")
@@ -348,3 +342,11 @@ def adapters(r: Results) -> str:
             f"all-linear.\n\n{body}\n\n{source(d, '**dry run** (CUDA target)')}\n\n"
             f"CPU step time, side by side on the same small LLaMA (fp32, batch 2 x 128):\n\n{steps}\n\n"
             f"{source(t, where(t))}")
+
+
+BLOCKS: dict[str, Block] = {
+    name: fn for name, fn in globals().items()
+    if callable(fn) and hasattr(fn, "sources") and fn.__module__ == __name__
+} | PREDICT_BLOCKS
+
+__all__ = ["BLOCKS", "Results", "parse_bytes"]

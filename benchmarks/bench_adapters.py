@@ -12,6 +12,7 @@ Part 2 (CPU): one small LLaMA, fp32, batch 2 x 128, the same data, LoRA and full
 
     python benchmarks/run.py adapters            # both parts
     python benchmarks/run.py adapters --quick    # 7B only, fewer CPU steps
+    python benchmarks/run.py adapters --step-time-only  # part 2 only
 """
 
 from __future__ import annotations
@@ -119,18 +120,25 @@ def step_time_rows(runs: int, steps: int) -> list[dict[str, Any]]:
             trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
             times[label] += timer.times[2:]  # NOTE: the first steps allocate the optimizer state
     full = statistics.median(times["full fine-tune"])
-    return [{"model": "LLaMA 4x256 (5.9 M params)", "run": label, "figure": "CPU", "median_step_s": statistics.median(t),
+    n = sum(p.numel() for p in CausalLMModule(model_type="llama", config=config).parameters())
+    return [{"model": f"LLaMA 4 x 256 ({n / 1e6:.1f} M params)", "run": label, "figure": "CPU", "median_step_s": statistics.median(t),
              "vs_full": statistics.median(t) / full, "steps_timed": len(t)} for label, t in times.items()]
 
 
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
     quick = "--quick" in argv
+    if "--step-time-only" in argv:
+        return _write_step_time(quick)
     rows = memory_rows(["llama-7b"] if quick else ["llama-7b", "llama-70b"])
     write_results("adapters", rows, ["model", "run", "strategy", "figure", "peak_device_h", "peak_host_h", "wall_s"],
                   title="LoRA adapters vs full fine-tuning: batch 1 x 2048, bf16-true, activation checkpointing",
                   notes=[("Dry run (CUDA target, uncalibrated corrections) except the QLoRA row, derived from the "
                           "bf16 LoRA row (the dry run cannot trace bitsandbytes' quantized parameters).")])
+    _write_step_time(quick)
+
+
+def _write_step_time(quick: bool) -> None:
     cpu = step_time_rows(2 if quick else 3, 8 if quick else 12)
     write_results("adapters_step_time", cpu, ["model", "run", "figure", "median_step_s", "vs_full", "steps_timed"],
                   title="CPU step time, LoRA r=16 all-linear vs full fine-tuning (fp32, batch 2 x 128)",
