@@ -20,13 +20,13 @@ _STRATEGIES_MODULE = "lightning.pytorch.strategies"
 # name -> (module, class, description, preset keyword arguments)
 STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "lowmem_offload": (
-        "lightning_lowmem.strategies.offload",
+        "lightning_lowmem.strategies.offload.strategy",
         "OffloadStrategy",
         "CPU-master half precision: compute weights on the accelerator, fp32 masters, gradients and optimizer on the host",
         {},
     ),
     "lowmem_offload_params": (
-        "lightning_lowmem.strategies.offload",
+        "lightning_lowmem.strategies.offload.strategy",
         "OffloadStrategy",
         "lowmem_offload with the repeated blocks' compute weights on the host too, streamed to the device block by block",
         {"offload_params": True},
@@ -38,31 +38,31 @@ STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         {},
     ),
     "lowmem_zero2": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), also on CPU",
         {"stage": 2},
     ),
     "lowmem_zero2_offload": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 2 with the optimizer state and step on the CPU (DeepSpeedCPUAdam)",
         {"stage": 2, "offload_optimizer": True},
     ),
     "lowmem_zero3": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 3 (parameters sharded as well), also on CPU",
         {"stage": 3},
     ),
     "lowmem_zero3_offload": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to the CPU",
         {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
     ),
     "lowmem_zero3_nvme": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to NVMe (`nvme_path=` or the LOWMEM_NVME_PATH variable)",
         {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "offload_device": "nvme"},

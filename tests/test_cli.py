@@ -37,7 +37,7 @@ def _config(tmp_path, **trainer):
     "strategy",
     [
         "lowmem_offload",
-        {"class_path": "lightning_lowmem.strategies.offload.OffloadStrategy"},
+        {"class_path": "lightning_lowmem.strategies.offload.strategy.OffloadStrategy"},
         {"class_path": "OffloadStrategy"},  # short name: works because the CLI imports the package
     ],
     ids=["registered-string", "class-path", "short-name"],

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from lightning_lowmem import cli
-from lightning_lowmem.memory.estimate import COMBINATIONS
-from lightning_lowmem.memory.estimate_cli import main
+from lightning_lowmem.cli.estimate import main
+from lightning_lowmem.predict.estimate import COMBINATIONS
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*self.log.*", "ignore:.*LightningCLI's args parameter.*")
 

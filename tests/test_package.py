@@ -39,7 +39,7 @@ def test_pytorch_lightning_object_refused():
     pytest.importorskip("pytorch_lightning")
     import pytorch_lightning as pl
 
-    from lightning_lowmem._compat import check_lightning_object
+    from lightning_lowmem.core.hooks import check_lightning_object
 
     with pytest.raises(TypeError, match="lightning.pytorch"):
         check_lightning_object(pl.LightningModule(), "the model")
@@ -98,7 +98,7 @@ def test_pytorch_lightning_module_to_lightning_trainer_is_named():
 
 def _overrides_without_decorator() -> list[str]:
     """Every method of a package class that overrides a base class's (Lightning's, torch's, ours) without `@override`."""
-    from lightning_lowmem._compat import _EXTRAS
+    from lightning_lowmem.core.optional import _EXTRAS
 
     missing = []
     for info in pkgutil.walk_packages(lightning_lowmem.__path__, "lightning_lowmem."):

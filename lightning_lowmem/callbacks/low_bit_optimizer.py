@@ -10,9 +10,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, check_lightning_object, require
-from lightning_lowmem._schedulers import repoint_scheduler
-from lightning_lowmem.memory.categories import host_storage_keys, mark_host, storage_key
+from lightning_lowmem.core.accounting import host_storage_keys, mark_host, storage_key
+from lightning_lowmem.core.hooks import check_lightning_object
+from lightning_lowmem.core.optional import require
+from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.schedulers import repoint_scheduler
 
 Kind = Literal["adamw8bit", "paged_adamw8bit", "lion8bit", "adam8bit"]
 KINDS: tuple[str, ...] = get_args(Kind)

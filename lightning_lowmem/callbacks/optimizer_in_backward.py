@@ -10,7 +10,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem.core.hooks import check_lightning_object
+from lightning_lowmem.core.reproducible import Reproducible
 
 
 class OptimizerInBackward(Reproducible, Callback):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from lightning_lowmem.callbacks.chunked_lm_loss import is_chunked
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import is_chunked
 from lightning_lowmem.demo.tokenizer import ByteTokenizer
 
 IGNORE_INDEX = -100

@@ -12,8 +12,11 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, fresh
-from lightning_lowmem.memory.units import parse_bytes
+from lightning_lowmem.core.reproducible import Reproducible, fresh
+from lightning_lowmem.core.units import parse_bytes
+from lightning_lowmem.plan.hardware import PROFILES
+from lightning_lowmem.plan.output import trainer_yaml
+from lightning_lowmem.plan.search import effective_batch, plan
 
 #: what a device budget leaves free by default (CUDA context growth, allocator slack, fragmentation)
 DEFAULT_MARGIN = 0.1
@@ -70,12 +73,10 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         if hardware is not None and not isinstance(hardware, (str, os.PathLike)):
             problems.append(f"Passed `hardware={hardware!r}`; expected a profile name, 'measure' or a YAML file.")
             wrong_type = True
-        elif hardware is not None:
-            from lightning_lowmem.plan.hardware import PROFILES
-
-            if hardware not in PROFILES and hardware != "measure" and not str(hardware).endswith((".yaml", ".yml")):
-                problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
-                                "or a YAML file.")
+        elif hardware is not None and hardware not in PROFILES and hardware != "measure" \
+                and not str(hardware).endswith((".yaml", ".yml")):
+            problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
+                            "or a YAML file.")
         if problems:
             raise (TypeError if wrong_type else ValueError)("\n- ".join(["AutoStrategy:", *problems]))
         self.device_budget, self.host_budget, self.hardware, self.pure_half = device_budget, host_budget, hardware, \
@@ -109,8 +110,6 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
             trainer._accelerator_connector.strategy = self.chosen_strategy
             self.chosen_strategy.connect(model)
             return
-        from lightning_lowmem.plan.output import trainer_yaml
-        from lightning_lowmem.plan.search import effective_batch, plan
 
         device_budget, host_budget = self._budgets(self.root_device)
         user = [c for c in trainer.callbacks if type(c).__name__ in _FIXED_BY and isinstance(c, Reproducible)]

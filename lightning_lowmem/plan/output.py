@@ -6,8 +6,10 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem._compat import init_arguments
-from lightning_lowmem.memory.run import RunSpec
+from lightning_lowmem._registry import STRATEGIES
+from lightning_lowmem.core.atomic import atomic_write_text
+from lightning_lowmem.core.reproducible import init_arguments
+from lightning_lowmem.predict.run_spec import RunSpec
 
 #: the suite's technique callbacks: a plan replaces the ones a YAML already has
 TECHNIQUES = ("ActivationCheckpointing", "ActivationOffload", "AccumulationScheduler", "LowBitOptimizer",
@@ -24,7 +26,6 @@ def _changed_arguments(obj: Any) -> dict[str, Any]:
 def _strategy_yaml(strategy: Any) -> Any:
     if isinstance(strategy, str):
         return strategy
-    from lightning_lowmem._registry import STRATEGIES
 
     changed = _changed_arguments(strategy)
     for name, (module, cls, _, preset) in STRATEGIES.items():  # a registered name says it shortest
@@ -66,8 +67,6 @@ def write_yaml(path: str | Path, run: RunSpec, *, header: str, base_yaml: str | 
     """Write a YAML ``lowmem fit --config`` runs: ``base_yaml`` with its techniques replaced by the run's, or a
     new file with ``model`` and ``data`` (``class_path``/``init_args`` dicts). Written atomically."""
     import yaml
-
-    from lightning_lowmem._atomic import atomic_write_text
 
     config: dict[str, Any] = {}
     if base_yaml is not None:

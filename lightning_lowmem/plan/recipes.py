@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_lowmem.memory.run import RunSpec
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
+from lightning_lowmem.predict.run_spec import RunSpec
 
 Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"]
 Checkpointing = Literal["every_n", "all"]
@@ -92,8 +93,6 @@ class Recipe:
         micro = flags.pop("micro_batch_size", None)
         run = RunSpec.from_flags(batch_size=batch_size, micro_batch_size=micro, **flags)
         if micro is None and loader_batch is not None and batch_size is not None and loader_batch != batch_size:
-            from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
-
             run.callbacks.insert(0, AccumulationScheduler(effective_batch_size=batch_size, micro_batch_size=batch_size))
         if scheduler:
             run.callbacks = [c.fresh(**scheduler) if type(c).__name__ == "AccumulationScheduler" else c

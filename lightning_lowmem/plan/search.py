@@ -32,13 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_lowmem._compat import fresh, init_arguments, package_available
-from lightning_lowmem.memory.result import MemoryEstimate
-from lightning_lowmem.memory.run import RunSpec
-from lightning_lowmem.memory.units import fmt_size, parse_bytes
+from lightning_lowmem.core.optional import package_available
+from lightning_lowmem.core.reproducible import fresh, init_arguments
+from lightning_lowmem.core.units import fmt_size, parse_bytes
 from lightning_lowmem.plan.cost import ModelShape, StepCost, step_cost
 from lightning_lowmem.plan.hardware import PROFILES, HardwareProfile, load_profile
+from lightning_lowmem.plan.output import trainer_arguments, write_yaml
 from lightning_lowmem.plan.recipes import Recipe, candidates
+from lightning_lowmem.predict.configs import causal_lm_factory, resolve_config
+from lightning_lowmem.predict.depth import find_blocks
+from lightning_lowmem.predict.dry_run import dry_run
+from lightning_lowmem.predict.estimate import _is_module, _module_class
+from lightning_lowmem.predict.result import MemoryEstimate
+from lightning_lowmem.predict.run_config import load_run_config
+from lightning_lowmem.predict.run_spec import RunSpec
 
 Status = Literal["fits", "too big", "refused", "not traced"]
 
@@ -111,15 +118,11 @@ class Plan:
 
     def trainer_arguments(self) -> str:
         """The chosen recipe as Python ``Trainer`` arguments."""
-        from lightning_lowmem.plan.output import trainer_arguments
-
         return trainer_arguments(self.run)
 
     def write_yaml(self, path: str | Path, command: str = "") -> Path:
         """The chosen recipe as a YAML ``lowmem fit --config`` runs: the planned YAML with its techniques replaced,
         or (for a model shape) the demo causal-LM module and data at the planned batch and sequence length."""
-        from lightning_lowmem.plan.output import write_yaml
-
         header = "\n".join([f"Written by `{command or 'lightning_lowmem.plan.plan'}`.", self.summary(),
                             f"Python: {self.trainer_arguments()}"])
         return write_yaml(path, self.run, header=header, **self.yaml_parts)
@@ -423,8 +426,6 @@ class _Source:
     scheduler: dict[str, Any] = field(default_factory=dict)
 
     def estimate(self, run: RunSpec, target: str) -> MemoryEstimate:
-        from lightning_lowmem.memory.dry_run import dry_run
-
         return dry_run(self.module, self.data, run=run, target=target, **self.tokens)
 
     @classmethod
@@ -432,14 +433,10 @@ class _Source:
            ) -> _Source | None:
         import torch
 
-        from lightning_lowmem.memory.estimate import _is_module, _module_class
-
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 problems.append(f"Passed `{name}={value!r}`; expected a positive integer.")
         if isinstance(model, (str, Path)) and str(model).endswith((".yaml", ".yml")):
-            from lightning_lowmem.memory.run_config import load_run_config
-
             try:
                 module, data, run = load_run_config(model)
             except (ValueError, FileNotFoundError) as err:
@@ -462,7 +459,6 @@ class _Source:
             # NOTE: keyed by identity (the objects are kept alive by the key, so an id is never reused for another)
             return cls._of_module(module, data, batch_size, seq_len, key=("module", _Identity(model), _Identity(data)),
                                   problems=problems)
-        from lightning_lowmem.memory.configs import causal_lm_factory, resolve_config
 
         try:
             config = resolve_config(model)
@@ -488,8 +484,6 @@ class _Source:
     def _of_module(cls, module: Any, data: Any, batch_size: int | None, seq_len: int | None, *, key: Any,
                    problems: list[str]) -> _Source | None:
         import torch
-
-        from lightning_lowmem.memory.depth import find_blocks
 
         is_factory = callable(module) and not isinstance(module, torch.nn.Module)
         with torch.device("meta"):

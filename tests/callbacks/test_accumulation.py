@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lowmem.callbacks.accumulation import (
+from lightning_lowmem.callbacks.accumulation.scheduler import (
     AccumulationScheduler,
     Choice,
     _divisibility_message,

@@ -34,9 +34,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
-from lightning_lowmem import _atomic
+from lightning_lowmem.core import atomic as _atomic
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.strategies.zero import ZeroStrategy
+from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 from tests.helpers.models import GPT2_TINY, random_batch
 
 
@@ -65,8 +65,8 @@ def main() -> None:
 
     ZeroStrategy.save_checkpoint = counted_save
     if offload:
-        from lightning_lowmem.strategies import _atomic_checkpoint_io as aio
-        from lightning_lowmem.strategies.offload import OffloadStrategy
+        from lightning_lowmem.core import checkpoint_io as aio
+        from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
         offload_save = OffloadStrategy.save_checkpoint
 

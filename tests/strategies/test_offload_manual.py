@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
 from lightning_lowmem import MasterHalfPrecision
-from lightning_lowmem.strategies._host_masters import HostMasters
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.streams import assert_copies_were_deferred
 
 pytestmark = pytest.mark.integration

@@ -22,10 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_lowmem  # noqa: F401
-from lightning_lowmem import _host_memory
-from lightning_lowmem.memory.analytic import optimizer_state_bytes_per_param
-from lightning_lowmem.memory.optimizer_state import expected_state_bytes
-from lightning_lowmem.strategies.offload import NonFiniteGradientError, OffloadStrategy
+from lightning_lowmem.core import host_memory as _host_memory
+from lightning_lowmem.core.optimizer_state import expected_state_bytes
+from lightning_lowmem.predict.analytic import optimizer_state_bytes_per_param
+from lightning_lowmem.strategies.offload.strategy import NonFiniteGradientError, OffloadStrategy
 from tests.helpers.runif import RunIf
 
 
@@ -201,7 +201,7 @@ def test_ulimit_v_is_respected_before_allocating(tmp_path):
         import resource, psutil, torch, lightning as L
         import lightning_lowmem
         from lightning.pytorch.demos.boring_classes import BoringModel
-        from lightning_lowmem._host_memory import HostMemoryError
+        from lightning_lowmem.core.host_memory import HostMemoryError
 
         class Big(BoringModel):
             def __init__(self):
@@ -416,8 +416,8 @@ def test_bad_ckpt_path_names_the_file_and_the_fix(tmp_path, kind, match):
 
 def test_state_bytes_table_is_the_analytic_one():
     """The host-RAM check and the closed form read the one table of memory/optimizer_state.py, not copies."""
-    from lightning_lowmem.memory import optimizer_state
-    from lightning_lowmem.strategies import _offload_host_bytes
+    from lightning_lowmem.core import optimizer_state
+    from lightning_lowmem.strategies.offload import host_bytes as _offload_host_bytes
 
     assert optimizer_state_bytes_per_param is optimizer_state.optimizer_state_bytes_per_param
     assert _offload_host_bytes.expected_state_bytes is optimizer_state.expected_state_bytes

@@ -1,0 +1,688 @@
+"""``lowmem_offload``: half-precision compute weights on the accelerator; fp32 masters, gradients and optimizer on the host.
+
+The flow of one optimizer step (the README's ``lowmem_offload`` section tells it for users):
+
+1. ``setup``: the user's optimizer is built by ``configure_optimizers`` over the fp32 module; the fp32
+   weights are copied once to the host as masters; the optimizer's param groups are re-pointed at
+   the masters (same optimizer object, so LR schedulers keep working); the module is cast to the
+   compute dtype and moved to the accelerator.
+2. Forward and backward run on the accelerator. As each parameter's gradient is ready
+   (``register_post_accumulate_grad_hook``) it leaves the device (pinned staging + side stream on
+   CUDA) and is added into an fp32 host buffer, the master's ``.grad``; the device gradient is freed
+   at once. Accumulation over ``accumulate_grad_batches`` adds on the host; nothing goes back.
+3. Step (``MasterHalfPrecision.optimizer_step``): unscale and check for inf/nan (fp16), clip on the
+   masters, run the optimizer on the host, copy the masters back into the compute weights.
+4. Checkpoints are Lightning's single file holding the fp32 masters and the host optimizer state.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lowmem.core import preflight as _preflight
+from lightning_lowmem.core import resume_checks as _resume_checks
+from lightning_lowmem.core.accounting import (
+    MemoryBreakdown,
+    mark_host,
+    module_grad_bytes,
+    module_weight_bytes,
+    optimizer_state_bytes,
+    unique_storage_bytes,
+)
+from lightning_lowmem.core.checkpoint_io import AtomicCheckpointIO
+from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.units import parse_bytes
+from lightning_lowmem.strategies.offload import (
+    checks as _offload_checks,
+)
+from lightning_lowmem.strategies.offload import (
+    hf_weights,
+)
+from lightning_lowmem.strategies.offload import (
+    host_bytes as _offload_host_bytes,
+)
+from lightning_lowmem.strategies.offload import (
+    host_optimizer as _host_optimizer,
+)
+from lightning_lowmem.strategies.offload.checks import NONFINITE, NonFinite  # noqa: F401
+from lightning_lowmem.strategies.offload.host_optimizer import HostOptimizer
+from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
+from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.masters_view import MastersView, copy_to_compute, wrap_hooks
+from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
+from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.transfer import HostTransfer, transfer_for
+
+log = logging.getLogger(__name__)
+
+class NonFiniteGradientError(FloatingPointError):
+    """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
+
+
+class OffloadStrategy(Reproducible, SingleDeviceStrategy):
+    """CPU-master training on one device: only the compute weights (and activations) stay on the accelerator.
+
+    Memory on the device: 2 B/param for bf16/fp16 compute weights (4 B for ``"32-true"``) plus
+    activations and one parameter's gradient at a time, against 16 B/param for plain fp32 AdamW.
+    On the host: fp32 masters (4 B/param), fp32 gradient buffers (4 B/param, none with
+    ``optimizer_in_backward``), the optimizer state (8 B/param for Adam), and on CUDA pinned staging
+    buffers in the compute dtype (2 B/param). Cost: 2 B/param over PCIe each way per step and the
+    host optimizer step (memory-bandwidth bound, ~28 B touched per parameter for AdamW).
+
+    Precision is the Trainer's ``precision`` flag: ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"`` or ``"32-true"`` (see :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`;
+    fp16 uses dynamic loss scaling that skips overflowing steps). Any torch optimizer and LR scheduler
+    from ``configure_optimizers`` keeps working; gradient clipping (norm and value) and gradient
+    accumulation work on the masters. Code written for the fp32 module sees the fp32 masters through the module's
+    own parameters (``.data`` swapped for the call, see ``strategies/_masters_view.py``): the gradient hooks
+    (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) with their ``.grad``, every
+    hook of Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``), ``zero_grad()`` of the
+    module, and in manual optimization ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next
+    forward (``strategies/_manual_grads.py``); your own such code: ``with trainer.strategy.masters_view():``.
+    Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
+
+    Args:
+        optimizer_in_backward: step each master on the host as soon as its gradient is ready and
+            free that gradient (no host gradient buffers: -4 B/param of host memory). Needs
+            ``accumulate_grad_batches=1``, no norm clipping (value clipping works), bf16 or fp32, and
+            automatic optimization.
+        host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel
+            (same update rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host);
+            ``"as_is"`` runs the user's optimizer bit for bit as configured; ``"torch_fused"`` is
+            ``"auto"`` but refuses optimizers it cannot fuse.
+        check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers,
+            the state of the optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD
+            without momentum, ...) and pinned staging, instead of being killed mid-setup. The RAM counted
+            is what this process may allocate: the least of the machine's available memory, its cgroup
+            (container) limit and ``ulimit -v``/``-d``.
+        nonfinite: what a non-finite (inf/nan) fp32 master gradient does in bf16 and fp32 (fp16 always
+            skips through its loss scaler). ``"skip"`` (default): skip that optimizer step (masters and
+            optimizer state untouched, gradients dropped), log ``lowmem/skipped_steps``, warn once, and raise
+            :class:`NonFiniteGradientError` naming the parameter after ``max_consecutive_skips`` skips in a
+            row; ``"raise"``: raise at the first; ``"ignore"``: step anyway (plain Lightning's behaviour: the
+            masters become nan for good). Cost: one vectorised norm over the host gradients per step
+            (``torch._foreach_norm``). With ``optimizer_in_backward`` the loss is checked before backward
+            (a non-finite loss skips the whole step) and each gradient before its parameter steps.
+        max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
+        offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
+            block (GPT-2's ``transformer.h``, LLaMA's ``model.layers``) from host copies in the compute dtype (pinned on
+            CUDA, +2 B/param of host memory in bf16): on the device only the non-block weights (embeddings, LM head,
+            final norm) and ``prefetch + 1`` blocks at a time. Cost: each block's weights cross PCIe once in forward and
+            once in backward, overlapped with compute on a side stream (see
+            :class:`~lightning_lowmem.strategies.offload.param_stream.ParamStream`). ``"auto"``: the first blocks stay resident
+            as far as ``device_budget`` allows, the rest stream (the choice is logged). ``False``: all resident.
+        prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
+        device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a
+            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks and the resident blocks
+            must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least 2 GiB);
+            required on the CPU.
+        load_weights: a local Hugging Face ``save_pretrained`` directory in safetensors: its tensors are read one at a
+            time straight into the fp32 masters of a module built without weights (on the ``meta`` device, or under
+            ``trainer.init_module(empty_init=True)``, whose fp32 storage becomes the masters), so the host never holds
+            a second fp32 copy (see :mod:`~lightning_lowmem.strategies.offload.hf_weights`). Not read when resuming from
+            ``ckpt_path`` (the checkpoint's weights win).
+
+    Example:
+        >>> import lightning as L
+        >>> import lightning_lowmem  # registers "lowmem_offload"
+        >>> model = tiny_model()
+        >>> trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true", accumulate_grad_batches=4,
+        ...                     gradient_clip_val=1.0, max_steps=1, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> trainer.fit(model, tiny_data())
+        >>> trainer.global_step, {p.dtype for p in model.parameters()}  # fp32 again after fit: the masters' values
+        (1, {torch.float32})
+
+        >>> # the blocks' weights on the host too, two blocks on the device at a time
+        >>> trainer = L.Trainer(strategy=OffloadStrategy(offload_params=True, prefetch=1), precision="bf16-true")
+    """
+
+    strategy_name = "lowmem_offload"
+
+    def __init__(
+        self,
+        *,
+        optimizer_in_backward: bool = False,
+        host_optimizer: HostOptimizer = "auto",
+        check_host_memory: bool = True,
+        nonfinite: NonFinite = "skip",
+        max_consecutive_skips: int = 10,
+        offload_params: OffloadParams = False,
+        prefetch: int = 1,
+        device_budget: int | str | None = None,
+        load_weights: str | os.PathLike | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        _offload_checks.check_flags(
+            optimizer_in_backward=optimizer_in_backward,
+            host_optimizer=host_optimizer,
+            check_host_memory=check_host_memory,
+            nonfinite=nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
+            offload_params=offload_params,
+            prefetch=prefetch,
+            device_budget=device_budget,
+            load_weights=load_weights,
+        )
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.optimizer_in_backward = optimizer_in_backward
+        self.host_optimizer = host_optimizer
+        self.check_host_memory = check_host_memory
+        self.nonfinite = nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.offload_params = offload_params
+        self.load_weights = load_weights
+        self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
+        self._loading = False
+        self.prefetch = prefetch
+        self.device_budget = None if device_budget is None else parse_bytes(device_budget, "`device_budget`")
+        self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
+        self.skipped_steps = 0  # steps skipped by the non-finite guard (bf16/fp32), over the strategy's life
+        self._consecutive_skips = 0
+        self._warned_nonfinite = False
+        # NOTE: Lightning fills `parallel_devices` (the accelerator's device) only on strategies that have the
+        # attribute; without it a strategy picked by name stays on "cpu" even with accelerator="cuda".
+        self.parallel_devices: list[torch.device] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._masters = HostMasters()
+        self._hooks: list[Any] = []
+        self._transfer: HostTransfer | None = None
+        self._stream: ParamStream | None = None
+        self._view: MastersView | None = None  # see strategies/_masters_view.py
+        self._manual = ManualGrads()  # manual optimization: the gradients until the step (strategies/_manual_grads.py)
+        self._unwrap: Callable[[], None] = lambda: None
+        self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
+        self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
+        self._clip_value: float | None = None
+        self._skip_backward = False  # optimizer_in_backward: this backward's loss was not finite
+        self._bad_in_backward: list[str] = []  # optimizer_in_backward: parameters whose gradient was not finite
+        # NOTE: ids of the masters whose optimizer state is marked host; `mark_host` must not see a tensor twice
+        self._state_marked: dict[int, set[int]] = {}
+
+    # --- where things run ------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = MasterHalfPrecision("32-true")
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # NOTE: the Trainer's connector assigns its own plugin (HalfPrecision, MixedPrecision, Precision) to a
+        # strategy picked by name; translating it here, at assignment, also makes `configure_model` build the
+        # module in fp32 (the masters' source) and reports an unsupported precision when the Trainer is built.
+        self._precision_plugin = _offload_checks.to_master_precision(plugin)
+
+    @property  # type: ignore[override]
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # sets the inner IO only if unset
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    # --- setup -----------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self._check_trainer(trainer)
+        if self._loading:
+            hf_weights.materialize_meta(self.model)  # NOTE: before the optimizers are built over the parameters
+        self.accelerator.setup(trainer)
+        precision = self.precision_plugin
+        assert isinstance(precision, MasterHalfPrecision)
+        precision.device_type = self.root_device.type
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            # NOTE: configure_optimizers sees the fp32 module (still on the host); the param groups are
+            # re-pointed at the masters below, matching the parameters by identity.
+            self.setup_optimizers(trainer)
+            for opt in self.optimizers:
+                _offload_checks.check_host_can_run(opt, self.host_optimizer)
+        self._build_masters(self.model, self.optimizers if fitting else [], with_grads=fitting)
+        if fitting:
+            for opt in self.optimizers:
+                self._repoint(opt)
+        self.model = precision.convert_module(self.model)
+        self._masters.note_cast_buffers(self.model)
+        if self.offload_params is not False:
+            auto = self.offload_params == "auto" and self.device_budget is None
+            budget = default_budget(self.root_device) if auto else self.device_budget
+            self._stream, self.resident_blocks = plan_stream(self.model, self.offload_params, budget, self.prefetch,
+                                                             self.root_device, log)
+            self._stream.detach_weights()  # NOTE: before the move: the streamed weights never reach the device whole
+        self.model_to_device()
+        if self._stream is not None:
+            self._stream.attach()
+        self.model = self._setup_model(self.model)
+        self._transfer = transfer_for(self.root_device, self._masters.p_device)
+        self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
+        self._unwrap = wrap_hooks(trainer.callbacks, self.lightning_module, self._view)  # type: ignore[arg-type]
+        if fitting and not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
+            self._manual.attach(self._view, self.lightning_module)  # type: ignore[arg-type]
+        if fitting:
+            self._clip_value = (
+                float(trainer.gradient_clip_val)
+                if self.optimizer_in_backward and trainer.gradient_clip_val
+                else None
+            )
+            sink = self._step_in_backward if self.optimizer_in_backward else self._masters.fold
+            for i, p in enumerate(self._masters.p_device):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
+        precision._attached = True
+        precision._drain = self.drain_transfers
+        precision._view = self._view  # NOTE: the gradient hooks see the masters and their gradients
+        self.setup_precision_plugin()
+        # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._stream is not None:
+            self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self._masters.p_host:  # masters exist already (a later call): point the new optimizers at them
+            for opt in self.optimizers:
+                self._repoint(opt)
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        problems = _offload_checks.trainer_problems(self, module, trainer)
+        problems += _offload_checks.streaming_problems(self, module)
+        problems += _preflight.checkpoint_dir_problems(trainer)  # NOTE: a save that would fail after the first step
+        self._loading, loading = _offload_checks.loading_problems(self.load_weights, module, trainer)
+        problems += loading
+        if problems:
+            raise ValueError(
+                f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
+                + "\n- ".join(problems)
+            )
+
+    # --- masters and their host RAM (see strategies/_host_masters.py, strategies/_offload_host_bytes.py) -------
+    def host_bytes_needed(
+        self,
+        module: torch.nn.Module,
+        optimizers: list[Optimizer],
+        with_grads: bool = True,
+        callbacks: Sequence[Any] = (),
+    ) -> dict[str, int]:
+        """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part.
+
+        The optimizer state is that of the optimizer that will step: ``optimizers`` as configured, or the
+        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`lightning_lowmem.core.optimizer_state.expected_state_bytes`).
+        """
+        return _offload_host_bytes.host_bytes_needed(self, module, optimizers, with_grads, callbacks)
+
+    def _build_masters(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
+        if self.check_host_memory:
+            _offload_host_bytes.check_host_ram(self, module, optimizers, with_grads)
+        self._reset()
+        masters = self._masters
+        precision = self.precision_plugin
+        masters.build(module, self._loading, precision, grad_buffers=with_grads and not self.optimizer_in_backward)
+        if self._loading:
+            self.load_report = masters.load(self.load_weights)  # type: ignore[arg-type]
+        masters.mark_host()
+        masters.keep_buffers(module, precision)
+
+    def _repoint(self, optimizer: Optimizer) -> None:
+        """Point ``optimizer``'s param groups at the masters; move any state it has to the host."""
+        self._masters.repoint(optimizer)
+        if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
+                and _host_optimizer.why_not_fused(optimizer) is None):
+            self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
+
+    @property
+    def masters(self) -> dict[str, Parameter]:
+        """``{parameter name: fp32 host master}`` (empty outside ``fit``/``validate``/``test``)."""
+        return self._masters.as_dict()
+
+    def master_of(self, p_host: Tensor) -> Parameter | None:
+        """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
+        return self._masters.master_of(p_host)
+
+    def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
+        """Inside, the module's own parameters are the fp32 masters (``grads``: with their gradients as ``.grad``), for
+        code written for the fp32 module (your own weight averaging callback); ``write_back`` if it writes them."""
+        return self._view.view(grads=grads, buffers=True, write_back=write_back) if self._view else nullcontext()
+
+    # --- gradients ---------------------------------------------------------------------------------------
+    def _grad_ready(self, i: int, sink: Callable[[int, Tensor], None], p_device: Tensor) -> None:
+        grad = p_device.grad
+        if grad is None:
+            return
+        self._manual.grad_ready()
+        if not self._masters.p_host[i].requires_grad:
+            # NOTE: `LightningModule.toggle_optimizer` (manual optimization, e.g. a GAN) turns off `requires_grad`
+            # on the parameters of the *optimizers*, i.e. on the masters, not on these device weights; plain Lightning
+            # would compute no gradient for them, so the one backward produced here must not reach the master.
+            p_device.grad = None
+            return
+        assert self._transfer is not None
+        self._transfer.grad_to_host(i, grad, sink)
+        p_device.grad = None  # NOTE: the device gradient is freed here, one parameter at a time
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self._manual.before_backward()  # NOTE: backward needs the compute weights (the gradients accumulate on the masters)
+        # NOTE: with optimizer_in_backward each parameter steps inside backward: a non-finite loss must be caught
+        # before the first one does (one scalar; a device sync on CUDA).
+        self._skip_backward = bool(
+            self.optimizer_in_backward and self._guarding() and not torch.isfinite(closure_loss.detach()).all()
+        )
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        self.drain_transfers()  # NOTE: a no-op here in `Trainer.fit`: the precision plugin drained (see below)
+        self._manual.after_backward()  # manual optimization: `p.grad` is the master's until the step
+
+    def drain_transfers(self) -> None:
+        """Fold every gradient queued by the backwards so far into the masters (a sync point on CUDA).
+
+        NOTE: [drain before user code] Lightning calls ``on_after_backward`` from the precision plugin's
+        ``post_backward``, *before* the strategy's: ``MasterHalfPrecision.post_backward`` calls this first, so
+        every gradient of the backward is on the masters before user code (``on_after_backward``, manual
+        ``clip_gradients``, the step) reads them. Code that runs ``backward()`` outside Lightning's loop (the
+        micro-batch search's trial steps) must call it too, or its queued copies reach the next real step.
+        """
+        if self._transfer is not None:
+            self._transfer.synchronize()
+        if self._stream is not None:
+            self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
+
+    # --- the step --------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        self._manual.before_step()
+        model = model or self.lightning_module
+        assert isinstance(model, pl.LightningModule)
+        precision = self.precision_plugin
+        assert isinstance(precision, MasterHalfPrecision)
+        if self.optimizer_in_backward:
+            self._bad_in_backward = []
+            out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
+            precision._skip_clipping = True  # value clipping happened per parameter; norm clipping is refused
+            try:
+                precision._after_closure(model, optimizer)  # on_before_optimizer_step hooks; masters hold no gradient
+            finally:
+                precision._skip_clipping = False
+            precision.last_step_skipped = out is None or self._skip_backward
+            if self._skip_backward or self._bad_in_backward:
+                where = self._bad_in_backward or ["the loss"]
+                self._skip_backward = False
+                self._nonfinite_step(where[:3], len(where), model, whole=precision.last_step_skipped)
+            elif out is not None:
+                self._consecutive_skips = 0
+        else:
+            out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
+        if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/_manual_grads.py)
+            self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
+        elif not precision.last_step_skipped:
+            self._weights_to_device(optimizer)
+        if self._guarding() and model._trainer is not None and model._current_fx_name is not None:
+            # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
+            model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+        return out
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
+
+    # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
+    def _guarding(self) -> bool:
+        """Whether the guard runs: ``nonfinite != "ignore"`` and no fp16 loss scaler (which skips overflows itself)."""
+        return self.nonfinite != "ignore" and getattr(self.precision_plugin, "scaler", None) is None
+
+    def _nonfinite_step(self, names: list[str], count: int, model: pl.LightningModule, whole: bool = True) -> None:
+        """Count a step skipped for non-finite gradients; warn once; raise per ``nonfinite``/``max_consecutive_skips``."""
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        step = model.trainer.global_step if model._trainer is not None else "?"
+        what = ", ".join(f"`{n}`" if not n.startswith(("the ", "tensor ")) else n for n in names)
+        more = f" and {count - len(names)} more" if count > len(names) else ""
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more} "
+                "(`OffloadStrategy(nonfinite='raise')`). Look for the batch or loss that produced it "
+                "(`Trainer(detect_anomaly=True)`), or pass `nonfinite='skip'` to skip such steps."
+            )
+        if self._consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteGradientError(
+                f"lowmem_offload: {self._consecutive_skips} optimizer steps in a row had non-finite (inf/nan) gradients "
+                f"(the last at global step {step}, in {what}{more}); training is not progressing. Lower the learning "
+                "rate, check the data and the loss for inf/nan (`Trainer(detect_anomaly=True)`), or raise "
+                f"`OffloadStrategy(max_consecutive_skips={self.max_consecutive_skips})`."
+            )
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            partial = "" if whole else " (optimizer_in_backward: only those parameters' updates were skipped)"
+            warnings.warn(
+                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more}: skipped the "
+                f"optimizer step{partial}; the masters and the optimizer state are unchanged. Skips are counted in "
+                "`lowmem/skipped_steps`; this warning is shown once. "
+                f"{self.max_consecutive_skips} skips in a row raise an error.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _host_step(self, optimizer: Optimizer) -> Any:
+        """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
+        if self._guarding():
+            found = self._masters.nonfinite_grads(optimizer)
+            if found is not None:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None  # NOTE: the inf/nan gradient must not reach the next accumulation window
+                self.precision_plugin.last_step_skipped = True  # type: ignore[attr-defined]
+                self._nonfinite_step(*found, self.lightning_module)  # type: ignore[arg-type]
+                return None
+            self._consecutive_skips = 0
+        return self._raw_step(optimizer)
+
+    def _raw_step(self, optimizer: Optimizer) -> Any:
+        """``optimizer.step()`` on the host (with the fused kernel where it applies)."""
+        if self.host_optimizer != "as_is" and id(optimizer) not in self._fused:
+            # an optimizer swapped in after setup (e.g. by a callback in on_fit_start)
+            reason = _host_optimizer.why_not_fused(optimizer)
+            if reason is None:
+                self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
+            elif self.host_optimizer == "torch_fused":
+                raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer: {reason}. Use 'auto'.")
+        out = optimizer.step()
+        self._mark_state(optimizer)
+        return out
+
+    def _mark_state(self, optimizer: Optimizer, reset: bool = False) -> None:
+        """Count optimizer state created since the last call as host memory (each tensor marked once)."""
+        seen = self._state_marked.setdefault(id(optimizer), set())
+        if reset:
+            seen.clear()
+        if len(seen) == len(optimizer.state):
+            return
+        for p, state in optimizer.state.items():
+            if id(p) not in seen:
+                seen.add(id(p))
+                mark_host(*(v for v in state.values() if isinstance(v, Tensor)))
+
+    def _owner(self, p_host: Tensor) -> tuple[Optimizer, dict[str, Any]]:
+        """The optimizer and param group that hold ``p_host``, looked up in the *current* ``self.optimizers``."""
+        key = tuple(id(o) for o in self.optimizers)
+        if self._owner_cache is None or self._owner_cache[0] != key or id(p_host) not in self._owner_cache[1]:
+            table = {id(p): (opt, group) for opt in self.optimizers for group in opt.param_groups for p in group["params"]}
+            self._owner_cache = (key, table)
+        found = self._owner_cache[1].get(id(p_host))
+        if found is None:
+            raise RuntimeError(
+                f"Master of `{self._masters.names[self._masters.host_index[id(p_host)]]}` is in no optimizer of the strategy; an optimizer "
+                "swapped in after setup must hold the masters (`trainer.strategy.optimizers[i].param_groups`)."
+            )
+        return found
+
+    @torch.no_grad()
+    def _step_in_backward(self, i: int, grad: Tensor) -> None:
+        """Step master ``i`` alone, now, with the user's optimizer; then free its gradient."""
+        p_host = self._masters.p_host[i]
+        if self._skip_backward:
+            return  # NOTE: the loss was not finite (see `pre_backward`): no parameter steps in this backward
+        if self._guarding() and not bool(torch._foreach_norm([grad])[0].isfinite()):
+            self._bad_in_backward.append(self._masters.names[i])
+            return
+        p_host.grad = grad.to(torch.float32)  # NOTE: a copy for half gradients; aliases an fp32 one (freed below)
+        if self._clip_value is not None:
+            p_host.grad.clamp_(-self._clip_value, self._clip_value)  # what clip_grad_value_ does, per parameter
+        optimizer, group = self._owner(p_host)
+        params = group["params"]
+        # NOTE: torch optimizers step every parameter of a group that has a gradient; giving the group this
+        # one parameter for the call makes the update (state, hyperparameters, schedulers) exactly the usual one.
+        group["params"] = [p_host]
+        try:
+            self._raw_step(optimizer)
+        finally:
+            group["params"] = params
+            p_host.grad = None
+
+    def _weights_to_device(self, optimizer: Optimizer) -> None:
+        self._to_compute(self._masters.pairs(optimizer))
+
+    def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
+        assert self._transfer is not None
+        copy_to_compute(self._transfer, self._stream, pairs)
+
+    # --- checkpoints -------------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""
+        module = self.lightning_module
+        assert module is not None
+        return self._masters.state_dict(module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        _resume_checks.check_model(checkpoint, self.lightning_module)  # NOTE: another model's checkpoint, named
+        if self._stream is not None:
+            with self._stream.host_view():  # NOTE: streamed weights load into their host copies
+                super().load_model_state_dict(checkpoint, strict=strict)
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
+        if self._masters.p_host:  # loaded after setup: the masters take the checkpoint's fp32 values too
+            self._masters.load_state_dict(checkpoint["state_dict"])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # NOTE: unlike Strategy's, no `_optimizer_to_device(root_device)`: torch puts the state next to its
+        # parameters, which are the host masters.
+        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            _resume_checks.load_optimizer(optimizer, opt_state, _resume_checks.where(self.lightning_module.trainer))
+            if id(optimizer) in self._fused:
+                # NOTE: load_state_dict restores the groups' saved `fused`/`foreach` flags too; keep the host kernel
+                # this run chose, so a resumed run steps exactly like an uninterrupted one.
+                _host_optimizer.enable_fused(optimizer)
+            self._mark_state(optimizer, reset=True)  # load_state_dict made new state tensors
+
+    # --- memory report ------------------------------------------------------------------------------------------
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes of compute weights and gradients on the device; masters, gradients, optimizer state on the host."""
+        out = MemoryBreakdown()
+        module = self.lightning_module
+        if module is not None:
+            out.add("device", "weights", module_weight_bytes(module))
+            out.add("device", "gradients", module_grad_bytes(module))
+        out.add("host", "optimizer_state", unique_storage_bytes(self._masters.p_host))  # fp32 masters
+        for opt in self.optimizers:
+            out.add("host", "optimizer_state", optimizer_state_bytes(opt))
+        masters = self._masters
+        host_grads = [g for g in masters.grad_host if g is not None] + [p.grad for p in masters.p_host if p.grad is not None]
+        out.add("host", "gradients", unique_storage_bytes(host_grads))
+        if self._transfer is not None:
+            out.add("host", "other", self._transfer.staging_bytes())
+        if self._stream is not None:
+            out.add("host", "weights", self._stream.host_bytes())  # the streamed blocks' compute copies
+        return out
+
+    def host_bytes_per_param(self) -> dict[str, float]:
+        """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included).
+
+        ``weights`` is the streamed blocks' compute copies (``offload_params``), ``optimizer_state`` the fp32 masters
+        plus the optimizer's state, ``other`` the pinned staging (CUDA).
+        """
+        numel = sum(p.numel() for p in self._masters.p_host)
+        host = self.memory_breakdown().host
+        out = {k: v / numel for k, v in host.items() if v} if numel else {}
+        out["total"] = sum(out.values())
+        return out
+
+    # --- teardown ----------------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        self._manual.detach()
+        self._unwrap()
+        for handle in self._hooks:
+            handle.remove()
+        if self._transfer is not None:
+            self._transfer.synchronize()
+        if self._stream is not None:
+            self._stream.remove()
+        for optimizer, flags in self._fused.values():
+            _host_optimizer.restore(optimizer, flags)
+        module = self.lightning_module
+        if module is not None and self._masters.p_host:
+            self._masters.give_back_fp32(module, self.optimizers)
+        self._reset()
+        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            # NOTE: setup refused a meta-device module before materializing it: Strategy.teardown's `.cpu()` would fail
+            # on it and hide the ValueError that says why
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
+        super().teardown()
