@@ -79,6 +79,16 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
     return build
 
 
+def builds(name: str, cls: type) -> bool:
+    """Whether the registered name ``name`` builds exactly ``cls`` (False for a name not ours).
+
+    NOTE: compared with the class's own module and name, which the table holds so that registering imports nothing;
+    importing the entry's module to compare classes would import every strategy (and the planner) on first use.
+    """
+    entry = STRATEGIES.get(name)
+    return entry is not None and (entry[0], entry[1]) == (cls.__module__, cls.__qualname__)
+
+
 def register_strategies(registry: Any = None) -> None:
     """Register every ``lowmem_*`` name, now or as soon as Lightning is imported. Idempotent.
 

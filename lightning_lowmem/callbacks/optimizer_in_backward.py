@@ -7,11 +7,14 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, XLAStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.roles import HostMastersStrategy
 
 
 class OptimizerInBackward(Reproducible, Callback):
@@ -161,13 +164,10 @@ class OptimizerInBackward(Reproducible, Callback):
     @staticmethod
     def conflicts(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         """Every reason this Trainer/module cannot step in backward (empty when it can)."""
-        from lightning.pytorch.plugins.precision import MixedPrecision
-        from lightning.pytorch.strategies import SingleDeviceStrategy
-
         problems = []
         strategy = trainer.strategy
         name = type(strategy).__name__
-        if name == "OffloadStrategy":
+        if isinstance(strategy, HostMastersStrategy):
             problems.append(
                 "under `strategy='lowmem_offload'` the optimizer steps host masters; use "
                 "`OffloadStrategy(optimizer_in_backward=True)` instead of this callback"
@@ -176,7 +176,7 @@ class OptimizerInBackward(Reproducible, Callback):
             reason = (
                 "DDP reduces gradients in buckets after the per-parameter hook fires and keeps them in "
                 "persistent buffers, so the step would see unreduced gradients and save no memory"
-                if "DDP" in name
+                if isinstance(strategy, DDPStrategy) and not isinstance(strategy, (DeepSpeedStrategy, XLAStrategy))
                 else "it manages gradients or the optimizer itself"
             )
             problems.append(f"strategy `{name}` is not supported ({reason}); use a single device")

@@ -133,9 +133,9 @@ def _check(args: argparse.Namespace) -> tuple[int | None, list[tuple[str, dict[s
         if not combos:
             problems.append(f"Passed `--only {' '.join(args.only)}`, which matches no combination; the names are: "
                             + "; ".join(n for n, _ in COMBINATIONS))
-        from lightning_lowmem.predict.estimate import _module_class
+        from lightning_lowmem.predict.estimate import module_class
 
-        config = _module_class(args.model)  # a LightningModule class path: its own step (and data, unless sized)
+        config = module_class(args.model)  # a LightningModule class path: its own step (and data, unless sized)
         if config is None:
             try:
                 config = _model_config(args)
@@ -147,9 +147,9 @@ def _check(args: argparse.Namespace) -> tuple[int | None, list[tuple[str, dict[s
 
 
 def _names_module(name: str) -> bool:
-    from lightning_lowmem.predict.estimate import _module_class
+    from lightning_lowmem.predict.estimate import module_class
 
-    return _module_class(name) is not None
+    return module_class(name) is not None
 
 
 def _model_config(args: argparse.Namespace) -> Any:

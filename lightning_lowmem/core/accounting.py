@@ -17,6 +17,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from lightning_lowmem._internals import torch as torch_internals
+
 Category = Literal["weights", "gradients", "optimizer_state", "activations", "other"]
 Role = Literal["device", "host"]
 CATEGORIES: tuple[Category, ...] = ("weights", "gradients", "optimizer_state", "activations", "other")
@@ -70,7 +72,7 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     NOTE: the StorageImpl (``_cdata``), not ``data_ptr``: the storages of fake tensors (a dry run) and empty
     ones all have address 0.
     """
-    return (str(t.device), t.untyped_storage()._cdata)
+    return (str(t.device), torch_internals.storage_key(t.untyped_storage()))
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -25,31 +25,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_lowmem.core import (
-    atomic as _atomic,
-)
-from lightning_lowmem.core import (
-    digest as _digest,
-)
-from lightning_lowmem.core import (
-    disk_full as _disk_full,
-)
-from lightning_lowmem.core import (
-    trusted_load as _trusted_load,
-)
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.core import atomic as _atomic
+from lightning_lowmem.core import digest as _digest
+from lightning_lowmem.core import disk_full as _disk_full
+from lightning_lowmem.core import trusted_load as _trusted_load
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's single-file ``torch.save`` format, written to a temp file and renamed into place."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: lightning_internals.PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not lightning_internals.is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         if Path(path).is_dir():
@@ -62,12 +53,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: lightning_internals.PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"weights_only": True if weights_only is None else weights_only}
         if map_location is not None:
             kwargs["map_location"] = map_location
-        if not _is_local_file_protocol(path):
+        if not lightning_internals.is_local_file_protocol(path):
             return self._load(path, kwargs)
         problem = single_file_problem(path)
         if problem is not None:
@@ -87,7 +78,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             ) from err
 
 
-    def _load(self, path: _PATH, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _load(self, path: lightning_internals.PATH, kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
             return super().load_checkpoint(path, **kwargs)
         except pickle.UnpicklingError as err:
@@ -102,7 +93,7 @@ _FIX = (
 )
 
 
-def single_file_problem(path: _PATH) -> str | None:
+def single_file_problem(path: lightning_internals.PATH) -> str | None:
     """What is wrong with ``path`` as a single-file Lightning checkpoint, or None if it looks like one.
 
     Cheap: reads the first bytes and the zip directory at the end of the file, never the tensors.

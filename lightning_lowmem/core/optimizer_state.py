@@ -5,7 +5,7 @@
 :func:`expected_state_bytes` applies it, tensor by tensor, to an optimizer object before its first step
 (torch's other optimizers, Lion, a ``LowBitOptimizer`` swap). The analytic bound
 (:mod:`lightning_lowmem.predict.analytic`), the host-RAM check of ``lowmem_offload`` and ZeRO's host-RAM
-check all read it here; this module imports nothing of the package, so any of them can.
+check all read it here; it imports only ``core.optional``, so any of them can.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["expected_state_bytes", "optimizer_state_bytes_per_param"]
+from lightning_lowmem.core.optional import instance_of
+
+__all__ = ["expected_state_bytes", "optimizer_family", "optimizer_state_bytes_per_param"]
 
 
 def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int, numel: int) -> float:
@@ -33,6 +35,38 @@ def optimizer_state_bytes_per_param(optimizer: str, param_bytes: int, numel: int
     raise ValueError(f"Passed `optimizer={optimizer!r}`; expected 'adamw', 'adamw8bit' or 'sgd'.")
 
 
+# NOTE: optimizer classes of other packages, recognised by type when their module is imported already (an object of
+# them exists only then; see `loaded_class`): never by a class-name string
+_LION = (("lion_pytorch", "Lion"),)  # a Lion without bitsandbytes' `optimizer_name`, that LowBitOptimizer swaps
+_LION_STATE = (*_LION, ("deepspeed.ops.lion", "DeepSpeedCPULion"), ("deepspeed.ops.lion", "FusedLion"))
+_ADAGRAD_STATE = (("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad"),)  # no torch Adagrad: one fp32 sum as well
+_EIGHT_BIT = (("torchao.optim", "Adam8bit"), ("torchao.optim", "AdamW8bit"))  # blockwise 8-bit state, as bitsandbytes'
+_BNB_BASE = ("bitsandbytes.optim.optimizer", "Optimizer8bit")  # every bitsandbytes optimizer, 8- or 32-bit state
+
+
+def optimizer_family(optimizer: Optimizer) -> str | None:
+    """The algorithm family of ``optimizer`` that an 8-bit equivalent exists for: ``"adam"``, ``"lion"`` or None.
+
+    The one answer to "can ``LowBitOptimizer`` swap it": torch's Adam/AdamW, bitsandbytes' Adam and Lion optimizers
+    (they say it themselves: ``optimizer_name``) and ``lion_pytorch``'s Lion.
+    """
+    name = getattr(optimizer, "optimizer_name", None)  # bitsandbytes optimizers say it themselves
+    if name in ("adam", "lion"):
+        return name
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    if instance_of(optimizer, _LION):
+        return "lion"
+    return None
+
+
+def _eight_bit_state(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` keeps blockwise 8-bit state: a bitsandbytes optimizer with ``optim_bits=8``, torchao's."""
+    if instance_of(optimizer, (_BNB_BASE,)):
+        return getattr(getattr(optimizer, "args", None), "optim_bits", 32) == 8
+    return instance_of(optimizer, _EIGHT_BIT)
+
+
 def expected_state_bytes(
     optimizer: Optimizer, low_bit: Any | None = None, keep_32bit: set[int] | frozenset[int] = frozenset()
 ) -> int:
@@ -43,11 +77,12 @@ def expected_state_bytes(
     ``stable_embedding``, keep 32-bit state). The per-tensor rules are
     :func:`optimizer_state_bytes_per_param`'s; unknown optimizer classes count as Adam (8 B/param).
     """
-    name = type(optimizer).__name__
-    eight_bit = "8bit" in name
+    eight_bit = _eight_bit_state(optimizer)
     min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)
-    lion = "lion" in name.lower()
-    if low_bit is not None and (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or name in _LION_32BIT):
+    lion = getattr(optimizer, "optimizer_name", None) == "lion" or instance_of(optimizer, _LION_STATE)
+    family = optimizer_family(optimizer)
+    if low_bit is not None and (family == "adam" and not getattr(optimizer, "optimizer_name", None)
+                                or family == "lion" and not eight_bit):
         eight_bit, min_8bit = True, low_bit.min_8bit_size
         if not low_bit.stable_embedding:
             keep_32bit = frozenset()
@@ -69,8 +104,8 @@ def expected_state_bytes(
                 total += optimizer_state_bytes_per_param("adamw", 4, n) + (4 * n if group.get("amsgrad") else 0)
             elif isinstance(optimizer, torch.optim.SGD):
                 total += optimizer_state_bytes_per_param("sgd", 4, n) if group.get("momentum") else 0
-            elif isinstance(optimizer, (torch.optim.Adagrad, torch.optim.ASGD)) or "adagrad" in name.lower():
-                # NOTE: by name too: DeepSpeed's `DeepSpeedCPUAdagrad` is no torch Adagrad (one fp32 sum as well)
+            elif (isinstance(optimizer, (torch.optim.Adagrad, torch.optim.ASGD)) or instance_of(optimizer, _ADAGRAD_STATE)
+                  or getattr(optimizer, "optimizer_name", None) == "adagrad"):
                 total += 4 * n
             elif isinstance(optimizer, torch.optim.RMSprop):
                 total += 4 * n * (1 + bool(group.get("momentum")) + bool(group.get("centered")))
@@ -81,5 +116,3 @@ def expected_state_bytes(
                 total += optimizer_state_bytes_per_param("adamw", 4, n)
     return int(total)
 
-
-_LION_32BIT = ("Lion", "Lion32bit", "PagedLion", "PagedLion32bit")

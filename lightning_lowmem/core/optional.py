@@ -63,3 +63,20 @@ def require(name: str, feature: str) -> ModuleType:
             f"{feature} needs the `{name}` package, which is not installed ({err}). "
             f"Install it with `pip install 'lightning-lowmem[{extra}]'`."
         ) from err
+
+
+def loaded_class(module: str, name: str) -> type | None:
+    """Class ``name`` of ``module`` when that module is imported already, else None; never imports it.
+
+    NOTE: an object of an optional package's class (DeepSpeed's CPU Adam, a bitsandbytes optimizer, transformers'
+    ``Conv1D``) exists only once its module is imported, so a type check against it needs no import: ``isinstance``
+    against what this returns, never a class-name string (a subclass or a look-alike would be judged by its name).
+    """
+    loaded = sys.modules.get(module)
+    cls = getattr(loaded, name, None) if loaded is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def instance_of(obj: object, classes: tuple[tuple[str, str], ...]) -> bool:
+    """Whether ``obj`` is an instance of one of ``classes`` (``(module, name)`` pairs, see :func:`loaded_class`)."""
+    return any(cls is not None and isinstance(obj, cls) for cls in (loaded_class(m, n) for m, n in classes))

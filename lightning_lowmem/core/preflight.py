@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import Self
 
+from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core import ops_build as _ops_build
 from lightning_lowmem.core.ops_build import build_locks
 
@@ -55,7 +55,7 @@ def checkpoint_dir_problems(trainer: Any) -> list[str]:
     problems = []
     for callback in trainer.checkpoint_callbacks:
         dirpath = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
-        if not dirpath or not _is_local_file_protocol(dirpath):
+        if not dirpath or not lightning_internals.is_local_file_protocol(dirpath):
             continue
         problem = writable_problem(dirpath)
         if problem is not None:

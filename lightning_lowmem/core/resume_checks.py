@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem._internals import lightning as lightning_internals
+
 # per-parameter state keys -> the optimizer family that writes them (for the message only)
 _FAMILIES = {
     "exp_avg_sq": "Adam/AdamW", "momentum_buffer": "SGD with momentum", "square_avg": "RMSprop/Adadelta",
@@ -132,7 +134,7 @@ def _changed(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None)
 def check_model(checkpoint: Mapping[str, Any], module: Any) -> None:
     """Refuse (ValueError) a checkpoint whose ``state_dict`` holds tensors of other shapes than ``module``'s."""
     shapes = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_internals.attached_trainer(module)
     saved_hparams = checkpoint.get("hyper_parameters")
     problem = model_mismatch(checkpoint.get("state_dict", {}), shapes, where(trainer),
                              (saved_hparams, dict(getattr(module, "hparams", {}) or {})))

@@ -13,8 +13,13 @@ class HostMastersStrategy:
     (``OffloadStrategy``, ``strategy="lowmem_offload"``).
 
     A callback that steps or replaces the optimizer itself (``OptimizerInBackward``) refuses it and names the
-    strategy's own option instead.
+    strategy's own option instead; one that holds per-parameter state keyed by the module's parameters
+    (``LowBitOptimizer``) finds them through :meth:`master_of`.
     """
+
+    def master_of(self, p_host: object) -> object | None:
+        """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
+        raise NotImplementedError
 
 
 class LowBitOptimizerSwap:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem._internals import torch as torch_internals
+
 _HINT = (
     "Fix the module: make that operation out of place (`y = y + 1` instead of `y.add_(1)`, `inplace=False` for "
     "activation modules), or `.clone()` the tensor before changing it. `torch.autograd.set_detect_anomaly(True)` "
@@ -31,10 +33,8 @@ _HINT = (
 
 
 def _current_node() -> str | None:
-    # NOTE: private torch API (read-only, guarded): the backward node being run, i.e. the op that saved the tensor
-    current = getattr(torch._C, "_current_autograd_node", None)
-    node = current() if current is not None else None
-    return node.name() if node is not None else None
+    # NOTE: the backward node being run, i.e. the op that saved the tensor
+    return torch_internals.current_autograd_node_name()
 
 
 class SavedVersion:
@@ -47,7 +47,7 @@ class SavedVersion:
     __slots__ = ("counter", "dtype", "shape", "version")
 
     def __init__(self, t: torch.Tensor, keep: bool = False) -> None:
-        self.version = t._version
+        self.version = torch_internals.tensor_version(t)
         self.dtype, self.shape = t.dtype, t.shape
         if keep:
             self.counter = t
@@ -58,7 +58,7 @@ class SavedVersion:
 
     def check(self, who: str) -> None:
         """Raise what plain PyTorch raises if the saved tensor was modified in place since it was saved."""
-        now = self.counter._version
+        now = torch_internals.tensor_version(self.counter)
         if now != self.version:
             node = _current_node()
             saved_by = f", saved for the backward of {node}," if node else ""
@@ -80,7 +80,7 @@ class CheckedSaves:
     NOTE: non-reentrant ``torch.utils.checkpoint`` never checks versions: a tensor saved inside the region and
     changed in place afterwards comes back as recomputed (the change undone, or replayed), where plain PyTorch
     raises. The check compares the *original* tensor's counter, as autograd does. It reads the hooks below with
-    ``torch._C._autograd._top_saved_tensors_default_hooks`` (private torch API, as parameter streaming does).
+    ``_internals.torch.top_saved_tensors_hooks`` (private torch API, as parameter streaming does).
     """
 
     __slots__ = ("_hooks", "inner", "who")
@@ -92,7 +92,7 @@ class CheckedSaves:
     def __enter__(self) -> None:
         if self.inner is not None:
             self.inner.__enter__()
-        below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        below = torch_internals.top_saved_tensors_hooks()
         if below is None:  # NOTE: not inside a checkpoint: our hooks would keep what nobody asked to keep
             return
         pack_below, unpack_below = below

@@ -7,11 +7,11 @@ scheduler only has to be told which object to write the learning rates into.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from typing import Any
 
 import torch
+
+from lightning_lowmem._internals import torch as torch_internals
 
 
 def repoint_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
@@ -31,31 +31,9 @@ def repoint_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.opt
         >>> sched.optimizer is new and all(s.optimizer is new for s in sched._schedulers)
         True
     """
-    for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
+    for child in torch_internals.chained_schedulers(scheduler):  # SequentialLR, ChainedScheduler
         repoint_scheduler(child, old, new)
     if getattr(scheduler, "optimizer", None) is old:
         scheduler.optimizer = new
         if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-            _track_step_called(new)
-
-
-def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
-    """Wrap ``optimizer.step`` the way ``LRScheduler.__init__`` does (torch's own wrapper is a local function).
-
-    NOTE: torch schedulers wrap ``optimizer.step`` at construction to warn when ``scheduler.step()`` runs before
-    ``optimizer.step()``; without the same wrapper on the new optimizer every re-pointed scheduler would warn
-    "optimizer.step() has been overridden" at its first step.
-    """
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    opt_ref = weakref.ref(optimizer)
-    func = optimizer.step.__func__  # type: ignore[attr-defined]
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return func.__get__(opt, opt.__class__)(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
+            torch_internals.track_step_called(new)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core.hooks import swapped
 from lightning_lowmem.core.kept_state import kept_state
 
@@ -98,7 +99,7 @@ def stands_aside(pl_module: Any) -> bool:
     True inside :func:`side_step` (or :func:`marked`), and for a module detached from any Trainer (a step called by
     hand, or a copy of the module: a dry run's), where there is no loop whose step the wrapper could change.
     """
-    return _RUNNING.get(pl_module, 0) > 0 or getattr(pl_module, "_trainer", None) is None
+    return _RUNNING.get(pl_module, 0) > 0 or lightning_internals.attached_trainer(pl_module) is None
 
 
 @contextlib.contextmanager

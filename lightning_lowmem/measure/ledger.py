@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem._internals import torch as torch_internals
+
 _W, _G, _O, _A, _X = range(5)  # indices into CATEGORIES: weights, gradients, optimizer_state, activations, other
 _DEV, _HOST = 0, 1  # indices into ROLES
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
@@ -91,7 +93,7 @@ class StorageLedger:
         st = _storage(t)
         if st is None:
             return
-        key = st._cdata
+        key = torch_internals.storage_key(st)
         rec = self._recs.get(key)
         if rec is not None:
             if mutates:

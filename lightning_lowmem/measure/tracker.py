@@ -105,10 +105,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _python_dispatch as _pd
-from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import Self, override
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core import accounting as _cat
 from lightning_lowmem.core.accounting import CATEGORIES, ROLES, MemoryBreakdown, Role
 from lightning_lowmem.core.tensors import tensors_in
@@ -154,7 +153,7 @@ class PhasePeak:
         }
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(torch_internals.TorchDispatchMode):
     def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
         self.tracker = tracker
@@ -167,7 +166,7 @@ class _Mode(TorchDispatchMode):
         if mutates is None:
             # NOTE: only ops that write into an argument (in-place, out=, resize_, set_) can change the size of
             # a storage we already count; the others' outputs that share a storage are views.
-            mutates = _MUTATES[func] = bool(func._schema.is_mutable)
+            mutates = _MUTATES[func] = torch_internals.op_is_mutable(func)
         see = tracker._see
         if isinstance(out, torch.Tensor):
             see(out, mutates)
@@ -185,20 +184,20 @@ class _Mode(TorchDispatchMode):
 _MUTATES: dict[Any, bool] = {}
 
 
-def _exit_mode(mode: TorchDispatchMode, exc: tuple[Any, ...]) -> None:
+def _exit_mode(mode: torch_internals.TorchDispatchMode, exc: tuple[Any, ...]) -> None:
     """Leave ``mode`` even when a mode entered after it is still active (two callbacks' hooks interleaving)."""
-    stack = _pd._get_current_dispatch_mode_stack()
+    stack = torch_internals.dispatch_mode_stack()
     if not stack or stack[-1] is mode or not any(m is mode for m in stack):
         mode.__exit__(*exc)
         return
     # NOTE: a dispatch mode can only leave from the top of the stack; lift the later ones off and put them back,
     # so their own `__exit__` still finds them on top.
     above = []
-    while _pd._get_current_dispatch_mode_stack()[-1] is not mode:
-        above.append(_pd._pop_mode())
+    while torch_internals.dispatch_mode_stack()[-1] is not mode:
+        above.append(torch_internals.pop_dispatch_mode())
     mode.__exit__(*exc)
     for m in reversed(above):
-        _pd._push_mode(m)
+        torch_internals.push_dispatch_mode(m)
 
 
 class MemoryTracker(StorageLedger):
@@ -270,7 +269,7 @@ class MemoryTracker(StorageLedger):
         st = _storage(t)
         if st is None:
             return
-        key = st._cdata
+        key = torch_internals.storage_key(st)
         rec = self._recs.get(key)
         if rec is None:
             self._add(st, t, key, cat)
@@ -290,7 +289,7 @@ class MemoryTracker(StorageLedger):
                 self._tag(t, _W)
                 st = _storage(t)
                 if st is not None:
-                    keys.add(st._cdata)
+                    keys.add(torch_internals.storage_key(st))
             self._weight_keys = keys
         for opt in self.optimizers:
             self._scan_optimizer(opt)
@@ -309,7 +308,7 @@ class MemoryTracker(StorageLedger):
         for group in opt.param_groups:
             for p in group["params"]:
                 st = _storage(p)
-                if st is not None and st._cdata not in self._weight_keys:
+                if st is not None and torch_internals.storage_key(st) not in self._weight_keys:
                     self._tag(p, _O)  # NOTE: a master copy the module does not hold (CPU-master strategies)
                 if p.grad is not None:
                     self._tag(p.grad, _G)
@@ -328,7 +327,7 @@ class MemoryTracker(StorageLedger):
         st = _storage(t)
         if st is None:
             return None
-        key = st._cdata
+        key = torch_internals.storage_key(st)
         if key not in self._host_keys:
             self._host_keys.add(key)
             self._host_refs.append(weakref.ref(st, lambda _r, key=key: self._host_keys.discard(key)))
@@ -354,8 +353,8 @@ class MemoryTracker(StorageLedger):
         cat = CATEGORIES.index(category)
         for t in tensors_in(tensors):
             st = _storage(t)
-            if st is not None and st._cdata not in self._recs:
-                self._add(st, t, st._cdata, cat)
+            if st is not None and torch_internals.storage_key(st) not in self._recs:
+                self._add(st, t, torch_internals.storage_key(st), cat)
 
     def __enter__(self) -> Self:
         if self._mode is not None:
@@ -377,7 +376,7 @@ class MemoryTracker(StorageLedger):
             for group in opt.param_groups:
                 for p in group["params"]:
                     st = _storage(p)
-                    if st is not None and st._cdata not in self._weight_keys:
+                    if st is not None and torch_internals.storage_key(st) not in self._weight_keys:
                         self._extra_params.append(p)
                         if p.requires_grad:
                             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))

@@ -12,18 +12,16 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core.reproducible import Reproducible, fresh
 from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.plan.hardware import PROFILES
 from lightning_lowmem.plan.output import trainer_yaml
+from lightning_lowmem.plan.recipes import technique_field
 from lightning_lowmem.plan.search import effective_batch, plan
 
 #: what a device budget leaves free by default (CUDA context growth, allocator slack, fragmentation)
 DEFAULT_MARGIN = 0.1
-#: recipe field a user's own technique callback fixes (the plan keeps the user's, and does not add its own)
-_FIXED_BY = {"ActivationCheckpointing": "checkpointing", "ActivationOffload": "activation_offload",
-             "ChunkedLMLoss": "chunked_loss", "LowBitOptimizer": "optimizer_8bit",
-             "AccumulationScheduler": "micro_batch_size"}
 
 
 class AutoStrategy(Reproducible, SingleDeviceStrategy):
@@ -107,13 +105,14 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
     def connect(self, model: L.LightningModule) -> None:
         trainer = model.trainer
         if self.chosen_strategy is not None:  # a second fit with the same Trainer: the plan stands
-            trainer._accelerator_connector.strategy = self.chosen_strategy
+            lightning_internals.keep_strategy(trainer, self.chosen_strategy)
             self.chosen_strategy.connect(model)
             return
 
         device_budget, host_budget = self._budgets(self.root_device)
-        user = [c for c in trainer.callbacks if type(c).__name__ in _FIXED_BY and isinstance(c, Reproducible)]
-        data = trainer.fit_loop._data_source.instance
+        # NOTE: a user's own technique callback fixes its recipe field: the plan keeps it and adds none of its kind
+        user = [c for c in trainer.callbacks if technique_field(c) is not None and isinstance(c, Reproducible)]
+        data = lightning_internals.fit_data_source(trainer).instance
         data = None if data is model else data
         loader = getattr(data if hasattr(data, "batch_size") else model, "batch_size", None)
         effective = effective_batch(user, loader, trainer.accumulate_grad_batches)
@@ -123,8 +122,7 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         run = self.plan.run
         added = [c for c in run.callbacks if not any(type(u) is type(c) for u in user)]
         strategy = self._build(trainer, run.strategy, run.precision)
-        trainer._accelerator_connector.strategy = strategy
-        trainer._accelerator_connector.precision_plugin = strategy.precision_plugin
+        lightning_internals.replace_strategy(trainer, strategy)
         trainer.callbacks[:0] = added  # NOTE: before the user's own: MemoryReport moves itself last at setup
         self.chosen_strategy = strategy
         import yaml

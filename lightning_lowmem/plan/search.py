@@ -42,7 +42,7 @@ from lightning_lowmem.plan.recipes import Recipe, candidates
 from lightning_lowmem.predict.configs import causal_lm_factory, resolve_config
 from lightning_lowmem.predict.depth import find_blocks
 from lightning_lowmem.predict.dry_run import dry_run
-from lightning_lowmem.predict.estimate import _is_module, _module_class
+from lightning_lowmem.predict.estimate import is_module, module_class
 from lightning_lowmem.predict.result import MemoryEstimate
 from lightning_lowmem.predict.run_config import load_run_config
 from lightning_lowmem.predict.run_spec import RunSpec
@@ -454,8 +454,8 @@ class _Source:
                     source.scheduler = {k: v for k, v in init_arguments(scheduler).items()
                                         if k not in ("effective_batch_size", "micro_batch_size", "memory_budget")}
             return source
-        if _is_module(model) or _module_class(model) is not None:
-            module = model if _is_module(model) else _module_class(model)
+        if is_module(model) or module_class(model) is not None:
+            module = model if is_module(model) else module_class(model)
             # NOTE: keyed by identity (the objects are kept alive by the key, so an id is never reused for another)
             return cls._of_module(module, data, batch_size, seq_len, key=("module", _Identity(model), _Identity(data)),
                                   problems=problems)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses import fake_tensor as _fake
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.predict.unsupported import DryRunUnsupportedError
 
 _aten = torch.ops.aten
@@ -38,11 +38,11 @@ _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
 def _is_fake(t: Any) -> bool:
-    return isinstance(t, _fake.FakeTensor)
+    return isinstance(t, torch_internals.FakeTensor)
 
 
 def _real(fn: Callable[[], Any]) -> Any:
-    with _fake.unset_fake_temporarily():
+    with torch_internals.unset_fake_temporarily():
         return fn()
 
 
@@ -72,13 +72,13 @@ class DataDependent:
             _aten.index.Tensor: self._index,
             _aten.index_put.default: self._index_put,
             _aten.index_put_.default: self._index_put,
-            _aten._index_put_impl_.default: self._index_put,
-            _aten._unique2.default: self._unique2,
-            _aten._unique.default: self._unique,
+            torch_internals.ATEN.index_put_impl_.default: self._index_put,
+            torch_internals.ATEN.unique2.default: self._unique2,
+            torch_internals.ATEN.unique.default: self._unique,
             _aten.unique_dim.default: self._unique_dim,
             _aten.unique_consecutive.default: self._unique_consecutive,
             _aten.bincount.default: self._bincount,
-            _aten._pack_padded_sequence.default: self._pack_padded_sequence,
+            torch_internals.ATEN.pack_padded_sequence.default: self._pack_padded_sequence,
         }
 
     def handles(self, func: Any) -> bool:

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_lowmem.core.accounting import CATEGORIES
 from lightning_lowmem.measure.recorder import PHASES, StepMemoryRecorder, phase_maxima
 
@@ -199,7 +200,7 @@ def depth_unit(spec: Any) -> int | None:
     unit = 1
     for cb in spec.callbacks:
         policy = getattr(cb, "policy", None)
-        if type(cb).__name__ != "ActivationCheckpointing":
+        if not isinstance(cb, ActivationCheckpointing):
             continue
         if policy not in ("all", "selective", "every_n") or getattr(cb, "blocks", None):
             return None  # sqrt segments, a budget or an explicit list do not repeat per block

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.predict.analytic import analytic_phases
 from lightning_lowmem.predict.configs import causal_lm_factory, max_positions, resolve_config
 from lightning_lowmem.predict.dry_run import dry_run
@@ -136,9 +138,9 @@ def estimate_memory(
         if used or strategy != "auto" or callbacks:
             raise ValueError(f"Passed the YAML `{model_or_config}` with technique arguments; the YAML describes the run.")
         module, data, run = load_run_config(model_or_config)
-    elif _is_module(model_or_config):
+    elif is_module(model_or_config):
         module = model_or_config
-    elif (cls := _module_class(model_or_config)) is not None:
+    elif (cls := module_class(model_or_config)) is not None:
         module = cls  # built on the meta device with no arguments, its own data unless a token batch is given
     else:
         config = resolve_config(model_or_config)
@@ -178,7 +180,7 @@ def estimate_memory(
     return est
 
 
-def _module_class(name: Any) -> Any:
+def module_class(name: Any) -> Any:
     """The LightningModule class a dotted path such as ``my_project.models.MyModule`` names, or None."""
     import importlib
 
@@ -194,7 +196,7 @@ def _module_class(name: Any) -> Any:
     return cls if isinstance(cls, type) and issubclass(cls, L.LightningModule) else None
 
 
-def _is_module(obj: Any) -> bool:
+def is_module(obj: Any) -> bool:
     import lightning as L
 
     return isinstance(obj, L.LightningModule) or (
@@ -219,9 +221,8 @@ def _analytic_bound(config: Any, batch_size: int | None, micro: int | None, seq_
         largest = max(p.numel() for p in unique)
     except Exception:  # noqa: BLE001, S110  NOTE: any architecture transformers cannot build: closed-form counts
         pass
-    names = {type(c).__name__: c for c in run.callbacks}
-    ckpt = names.get("ActivationCheckpointing")
-    low_bit = "LowBitOptimizer" in names
+    ckpt = next((c for c in reversed(run.callbacks) if isinstance(c, ActivationCheckpointing)), None)
+    low_bit = any(isinstance(c, LowBitOptimizer) for c in run.callbacks)
     zero = run.zero()
     precision = run.precision
     if zero is not None:
@@ -265,4 +266,4 @@ COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-__all__ = ["COMBINATIONS", "MemoryEstimate", "estimate_memory", "validate_choice"]
+__all__ = ["COMBINATIONS", "MemoryEstimate", "estimate_memory", "is_module", "module_class", "validate_choice"]

@@ -41,28 +41,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses import fake_tensor as _fake
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.hooks import swapped
 from lightning_lowmem.core.side_step import quiet_warnings, silenced_log
 from lightning_lowmem.predict.data_dependent import DataDependent
 from lightning_lowmem.predict.kernels import KernelMatch
 from lightning_lowmem.predict.unsupported import DryRunUnsupportedError, model_line, unsupported
 
-FakeTensor = _fake.FakeTensor
-FAKE_ERRORS = (
-    _fake.UnsupportedOperatorException,
-    _fake.DataDependentOutputException,
-    _fake.DynamicOutputShapeException,
-    _fake.UnsupportedFakeTensorException,
-)
+FakeTensor = torch_internals.FakeTensor
+FAKE_ERRORS = torch_internals.FAKE_ERRORS
 #: outputs of an all-real op up to this size are computed for real (values exist); larger ones stay fake
 REAL_OUTPUT_LIMIT = 16 * 2**20
-_SCALAR = torch.ops.aten._local_scalar_dense.default
+_SCALAR = torch_internals.ATEN.local_scalar_dense.default
 _EQUAL = torch.ops.aten.equal.default
 _BOOL_READS = frozenset({_EQUAL, torch.ops.aten.is_nonzero.default})
 _aten = torch.ops.aten
@@ -70,16 +63,16 @@ _aten = torch.ops.aten
 # and a non-finite-gradient guard must not skip the step a dry run predicts
 _HEALTHY_OUTPUT = {_aten.isfinite: True, _aten.isnan: False, _aten.isinf: False, _aten.isposinf: False,
                    _aten.isneginf: False}
-_KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.view, _aten.reshape, _aten._unsafe_view,
+_KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.view, _aten.reshape, torch_internals.ATEN.unsafe_view,
                           _aten.squeeze, _aten.unsqueeze, _aten.expand, _aten.select, _aten.slice, _aten.clone,
-                          _aten.detach, _aten._to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
+                          _aten.detach, torch_internals.ATEN.to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
 _NEGATES = frozenset({_aten.logical_not, _aten.bitwise_not})
 # NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: fake
 # (`empty_like`/`new_empty` take the kind of their input), except small integer ones inside C++ composites that fill
 # them (see `_bookkeeping`)
 _EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
 _HALF = (torch.bfloat16, torch.float16)
-class _Values(TorchDispatchMode):
+class _Values(torch_internals.TorchDispatchMode):
     """Above the fake mode: real values where the inputs are real, stand-ins for reads of fake values."""
 
     def __init__(self, execution: FakeExecution) -> None:
@@ -88,7 +81,7 @@ class _Values(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in torch_internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
             execution = self.execution
             if func is _SCALAR:
@@ -106,25 +99,25 @@ class _Values(TorchDispatchMode):
         if self.execution.passthrough or (func in _EMPTY and not (self.execution.in_composite
                                                                    and _bookkeeping(func, args, kwargs))):
             return func(*args, **kwargs)  # fake: an empty tensor carries no values
-        if (func is _SCALAR or func._schema.is_mutable or (tensors and not self.execution.in_step)
+        if (func is _SCALAR or torch_internals.op_is_mutable(func) or (tensors and not self.execution.in_step)
                 or not _makes_tensors(func) or self.execution.data_dependent.handles(func)):
             # NOTE: reads and in-place changes of real tensors stay real (the fake mode refuses to change a real
             # tensor's metadata); outside the training step (data set-up, loading a batch) every op on real tensors
             # stays real: the data must keep its values whatever its size.
-            with _fake.unset_fake_temporarily():
+            with torch_internals.unset_fake_temporarily():
                 return func(*args, **kwargs)
         # NOTE: factories, and ops in the step: run under the fake mode first (cheap) to learn the output sizes; only
         # small outputs are worth their real bytes and compute (a causal mask of 64k x 64k tokens is not).
         try:
             out = func(*args, **kwargs)
-        except (_fake.DataDependentOutputException, _fake.DynamicOutputShapeException):
+        except (torch_internals.DataDependentOutputException, torch_internals.DynamicOutputShapeException):
             # NOTE: its size depends on the values: only the real kernel knows it (the inputs are real)
-            with _fake.unset_fake_temporarily():
+            with torch_internals.unset_fake_temporarily():
                 return func(*args, **kwargs)
-        sizes = [t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        sizes = [t.untyped_storage().nbytes() for t in torch_internals.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if sum(sizes) > REAL_OUTPUT_LIMIT:
             return out
-        with _fake.unset_fake_temporarily():
+        with torch_internals.unset_fake_temporarily():
             return func(*args, **kwargs)
 
 
@@ -147,7 +140,7 @@ def _makes_tensors(func: Any) -> bool:
     """Whether an op returns tensors (``allclose`` returns a bool: its value can only come from a real run)."""
     known = _MAKES_TENSORS.get(func)
     if known is None:
-        known = _MAKES_TENSORS[func] = any("Tensor" in str(r.type) for r in func._schema.returns)
+        known = _MAKES_TENSORS[func] = any("Tensor" in str(r.type) for r in torch_internals.op_returns(func))
     return known
 
 
@@ -157,7 +150,7 @@ _CHECKS = {torch.isfinite: True, torch.isnan: False, torch.isinf: False, torch.i
 
 
 #: C++ composites that allocate integer buffers with ``at::empty`` and write them through data pointers
-_FILLS_INTEGER_BUFFERS = frozenset({torch._C._VariableFunctions._pad_packed_sequence})
+_FILLS_INTEGER_BUFFERS = frozenset({torch_internals.PAD_PACKED_SEQUENCE})
 
 
 class _HealthyChecks(TorchFunctionMode):
@@ -186,7 +179,7 @@ class FakeExecution:
     """The state of one :func:`fake_execution`: its fake mode and the stand-in values it handed out."""
 
     def __init__(self) -> None:
-        self.mode = _fake.FakeTensorMode(allow_non_fake_inputs=True)
+        self.mode = torch_internals.FakeTensorMode(allow_non_fake_inputs=True)
         self.stand_ins: dict[str, int] = {}
         #: inside a training step (set by the dry run's hooks): all-real ops with large outputs stay fake there
         self.in_step = False
@@ -245,13 +238,15 @@ class FakeExecution:
 
 
 def _apply_on_fake(original: Any) -> Any:
-    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
-        params = [p for p in self._parameters.values() if p is not None]
+    """``nn.Module._apply`` that moves a module holding fake parameters through ``.data`` (see the NOTE below)."""
+
+    def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        params = [p for p in torch_internals.module_parameters(self).values() if p is not None]
         if not any(isinstance(p, FakeTensor) for p in params):
             return original(self, fn, recurse)
         if recurse:
             for child in self.children():
-                child._apply(fn)
+                torch_internals.module_apply(child, fn)
         with torch.no_grad():
             for p in params:
                 new = fn(p)
@@ -263,12 +258,13 @@ def _apply_on_fake(original: Any) -> Any:
                     grad = fn(p.grad)
                     if grad is not p.grad:
                         p.grad = grad
-        for key, buf in self._buffers.items():
+        buffers = torch_internals.module_buffers(self)
+        for key, buf in buffers.items():
             if buf is not None:
-                self._buffers[key] = fn(buf)
+                buffers[key] = fn(buf)
         return self
 
-    return _apply
+    return apply
 
 
 @contextlib.contextmanager
@@ -284,7 +280,7 @@ def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
     try:
         # NOTE: logging off for every LightningModule (the class: a module built inside is one too); a dry run's
         # warnings are about the simulation, not the run. Not a side step: the techniques' wrappers must run.
-        with (swapped(torch.nn.Module, _apply=_apply_on_fake(torch.nn.Module._apply)), silenced_log(pl.LightningModule),
+        with (torch_internals.module_apply_replaced(_apply_on_fake), silenced_log(pl.LightningModule),
               quiet_warnings() if quiet else contextlib.nullcontext(), execution.mode, _Values(execution),
               _HealthyChecks(execution)):
             yield execution

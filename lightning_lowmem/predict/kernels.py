@@ -32,9 +32,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch._subclasses import fake_tensor as _fake
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_lowmem._internals import torch as torch_internals
 
 _aten = torch.ops.aten
 #: a real probe of an op runs at full size when its inputs and fake outputs (x8 for the buffers only the real kernel
@@ -91,7 +90,7 @@ PROBED: dict[Any, _Entry] = {
 
 
 def _outputs(out: Any) -> list[torch.Tensor | None]:
-    leaves, _ = tree_flatten(out)
+    leaves, _ = torch_internals.tree_flatten(out)
     return [t if isinstance(t, torch.Tensor) else None for t in leaves]
 
 
@@ -103,14 +102,14 @@ def _describe(outs: list[torch.Tensor | None]) -> list[_Out | None]:
             specs.append(None)
             continue
         st = t.untyped_storage()
-        key = st._cdata
+        key = torch_internals.storage_key(st)
         specs.append(_Out(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, st.nbytes(), seen.get(key)))
         seen.setdefault(key, i)
     return specs
 
 
 def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
-    leaves, _ = tree_flatten((args, kwargs))
+    leaves, _ = torch_internals.tree_flatten((args, kwargs))
     sig: list[Any] = [torch.is_grad_enabled()]
     for x in leaves:
         if isinstance(x, torch.Tensor):
@@ -148,7 +147,7 @@ class KernelMatch:
 
     def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         entry = PROBED[func]
-        leaves, spec = tree_flatten(out)
+        leaves, spec = torch_internals.tree_flatten(out)
         fakes = _outputs(out)
         if entry.unalias_only:
             real = [s if s is None or s.alias is None else s._replace(alias=None) for s in _describe(fakes)]
@@ -163,12 +162,12 @@ class KernelMatch:
         name = (str(func), entry.what)
         self.corrections[name] = self.corrections.get(name, 0) + 1
         self.added_bytes[name] = self.added_bytes.get(name, 0) + added
-        return tree_unflatten([f if f is not None else leaf for f, leaf in zip(fixed, leaves)], spec)
+        return torch_internals.tree_unflatten([f if f is not None else leaf for f, leaf in zip(fixed, leaves)], spec)
 
     # --- asking the real kernel ----------------------------------------------------------------------------------
     def _probe(self, func: Any, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any],
                fakes: list[torch.Tensor | None]) -> list[_Out | None]:
-        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        leaves = [x for x in torch_internals.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         cost = sum(t.untyped_storage().nbytes() for t in leaves) + 8 * sum(
             t.untyped_storage().nbytes() for t in fakes if t is not None)
         if cost <= PROBE_BYTES:
@@ -226,15 +225,15 @@ class KernelMatch:
         def real(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
-            key = x.untyped_storage()._cdata
+            key = torch_internals.storage_key(x.untyped_storage())
             if key not in bases:
                 bases[key] = _zeros_like_storage(x)
                 return bases[key]
             base = bases[key]
             return base.as_strided(x.shape, x.stride(), x.storage_offset())
 
-        with _disable_current_modes(), _fake.unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
-            real_args, real_kwargs = tree_map(real, (args, kwargs))
+        with torch_internals.disable_current_modes(), torch_internals.unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
+            real_args, real_kwargs = torch_internals.tree_map(real, (args, kwargs))
             return func(*real_args, **real_kwargs)
 
     # --- fake outputs of the real sizes ----------------------------------------------------------------------------

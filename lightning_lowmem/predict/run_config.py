@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem._internals import lightning as lightning_internals
+
 # NOTE: the parser `lowmem fit` runs, so the YAML means here what it means there
 from lightning_lowmem.predict.lightning_cli import LowMemCLI
 from lightning_lowmem.predict.run_spec import RunSpec
@@ -32,9 +34,9 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
             # for this machine is described without allocating it. The Trainer is built outside (it is never run).
             with torch.device("meta"):
                 self.config_init = self.parser.instantiate_classes(self.config)
-            self.datamodule = self._get(self.config_init, "data")
-            self.model = self._get(self.config_init, "model")
-            self._add_configure_optimizers_method_to_model(self.subcommand)
+            self.datamodule = lightning_internals.cli_get(self, self.config_init, "data")
+            self.model = lightning_internals.cli_get(self, self.config_init, "model")
+            lightning_internals.cli_add_configure_optimizers(self, self.subcommand)
             self.trainer = self.instantiate_trainer()
 
     quiet = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]

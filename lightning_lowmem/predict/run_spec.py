@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_lowmem._registry import STRATEGIES
+from lightning_lowmem._registry import STRATEGIES, builds
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
@@ -28,6 +28,7 @@ from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_lowmem.core.reproducible import Reproducible, fresh
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
+from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
 #: technique flags of :func:`~lightning_lowmem.estimate_memory`, for messages
 SHORTHANDS = ("offload", "offload_params", "checkpointing", "activation_offload", "micro_batch_size", "optimizer",
@@ -80,15 +81,14 @@ class RunSpec:
         """The ZeRO layout of the strategy, or None when it is not a DeepSpeed strategy."""
         strategy = self.strategy
         if isinstance(strategy, str):
-            entry = STRATEGIES.get(strategy)
-            if entry is None or entry[1] != "ZeroStrategy":
+            if not builds(strategy, ZeroStrategy):
                 if strategy.startswith("deepspeed"):
                     raise ValueError(
                         f"Passed `strategy={strategy!r}`; estimate DeepSpeed through the `lowmem_zero*` presets "
                         "(e.g. 'lowmem_zero3_offload') or a `ZeroStrategy(...)` object."
                     )
                 return None
-            preset = entry[3]
+            preset = STRATEGIES[strategy][3]
             return ZeroPlan(preset.get("stage", 2), bool(preset.get("offload_optimizer")),
                             bool(preset.get("offload_parameters")), self.world_size)
         config = getattr(strategy, "config", None)

@@ -12,7 +12,8 @@ import traceback
 from typing import Any
 
 import torch
-from torch._subclasses import fake_tensor as _fake
+
+from lightning_lowmem._internals import torch as torch_internals
 
 # frames that are not "the model's code" when an op cannot be traced: torch, the dry run itself, the standard library
 _PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # lightning_lowmem/
@@ -72,7 +73,7 @@ def model_line(tb: Any = None) -> str | None:
 def unsupported(err: BaseException) -> DryRunUnsupportedError:
     op = getattr(err, "func", None)
     detail = str(err) or type(err).__name__
-    if isinstance(err, (_fake.DataDependentOutputException, _fake.DynamicOutputShapeException)):
+    if isinstance(err, (torch_internals.DataDependentOutputException, torch_internals.DynamicOutputShapeException)):
         detail = f"its output depends on the values of a tensor computed from the weights ({detail})"
     else:
         detail = f"it has no fake-tensor implementation ({detail})"

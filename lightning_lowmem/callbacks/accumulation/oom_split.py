@@ -52,8 +52,9 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities import apply_to_collection
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core import atomic as _atomic
 from lightning_lowmem.core.hooks import swapped
 from lightning_lowmem.core.kept_state import ModuleState
@@ -406,11 +407,12 @@ class OOMSplitter:
     def _fx(self, name: str) -> Iterator[None]:
         # NOTE: `self.log` checks the hook it is called from; the chunks after the first run inside `backward`
         module = self._module
-        previous, module._current_fx_name = module._current_fx_name, name
+        previous = lightning_internals.current_hook(module)
+        lightning_internals.set_current_hook(module, name)
         try:
             yield
         finally:
-            module._current_fx_name = previous
+            lightning_internals.set_current_hook(module, previous)
 
     @contextlib.contextmanager
     def _capturing(self, logged: _Logged) -> Iterator[None]:
@@ -459,7 +461,7 @@ class OOMSplitter:
 
 def _warn_batch_statistics(owner: str, module: torch.nn.Module) -> None:
     """Before the first step: name the layers in training mode whose output depends on the micro-batch's samples."""
-    found = [(n, type(m).__name__) for n, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    found = [(n, type(m).__name__) for n, m in module.named_modules() if isinstance(m, torch_internals.BatchNormBase) and m.training]
     if found:
         names = ", ".join(n for n, _ in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
         rank_zero_warn(

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.callbacks.accumulation import window as _aw
 from lightning_lowmem.callbacks.accumulation.micro_batch_search import search
 from lightning_lowmem.callbacks.accumulation.oom_split import OOMSplitter
@@ -431,7 +432,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
             )
 
     def _warn_batch_norm(self, pl_module: L.LightningModule) -> None:
-        norms = {type(m).__name__ for m in pl_module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+        norms = {type(m).__name__ for m in pl_module.modules() if isinstance(m, torch_internals.BatchNormBase)}
         if norms and not self._warned_bn and self._drives_loader:  # OOMRecovery: no micro-batches (see _oom_split)
             self._warned_bn = True
             rank_zero_warn(

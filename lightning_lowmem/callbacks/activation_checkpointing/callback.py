@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from typing_extensions import override
 
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.callbacks.activation_checkpointing.probe import (
     choose_submodules,
     measure_saved_bytes,
@@ -237,10 +239,9 @@ class ActivationCheckpointing(Reproducible, Callback):
         for _, module, _ in found:
             _blocks.unwrap(module)
         for module in root.modules():
-            for key, hook in list(module._forward_hooks.items()):
+            for key, hook in list(torch_internals.forward_hooks(module).items()):
                 if isinstance(hook, CloseSegments):
-                    del module._forward_hooks[key]
-                    module._forward_hooks_always_called.pop(key, None)
+                    torch_internals.remove_forward_hook(module, key)
         return len(found)
 
     # --- applying the policy --------------------------------------------------------------------
@@ -260,7 +261,7 @@ class ActivationCheckpointing(Reproducible, Callback):
                 f"`{type(strategy).__name__}` (ZeRO stage 3) a block's own parameters are gathered only by those "
                 "hooks; use policy='all', 'every_n', 'selective' or 'budget', or ZeRO stage 1/2."
             )
-        if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_activation_checkpointing_kwargs", None):
+        if isinstance(strategy, FSDPStrategy) and lightning_internals.fsdp_checkpointing_policy(strategy):
             problems.append(
                 "FSDPStrategy(activation_checkpointing_policy=...) is set as well; use one of the two, not both."
             )

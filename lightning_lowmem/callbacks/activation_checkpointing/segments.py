@@ -27,6 +27,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.blocks import INFO_ATTR, CheckpointInfo, call_inner, checkpoint_info, refuse_kv_cache
 from lightning_lowmem.core.buffers import BufferGuard
 from lightning_lowmem.core.saved_versions import SavedVersion
@@ -100,7 +101,7 @@ class _SegmentRun:
             return t
 
         rng_cpu = torch.get_rng_state()
-        rng_dev = get_device_states(*args) if getattr(self.device_module, "_initialized", False) else ([], [])
+        rng_dev = get_device_states(*args) if torch_internals.device_module_initialized(self.device_module) else ([], [])
         guard = BufferGuard(module)  # NOTE: the replay runs each block on the buffers its forward found
         guard.snapshot()
         self.calls.append((module, inner, _map(args, to_ref), _map(kwargs, to_ref), (rng_cpu, rng_dev), guard))

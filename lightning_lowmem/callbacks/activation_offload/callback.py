@@ -10,6 +10,13 @@ import lightning.pytorch as pl
 import psutil
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import (
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceXLAStrategy,
+    XLAStrategy,
+)
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -39,10 +46,8 @@ METRIC_KEYS = (
 
 def _unsupported_strategy(strategy: Any) -> str | None:
     """Why ``strategy`` cannot carry activation offload, or ``None`` when it can."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
     name = type(strategy).__name__
-    if isinstance(strategy, DeepSpeedStrategy) or name == "ZeroStrategy":
+    if isinstance(strategy, DeepSpeedStrategy):  # NOTE: lowmem_zero* (ZeroStrategy) included
         return (
             f"`{name}` (DeepSpeed) manages activation memory itself, and under ZeRO-3 saved tensors alias parameter "
             "storages it gathers and frees. Use DeepSpeed's `activation_checkpointing` with `cpu_checkpointing=True`, "
@@ -54,7 +59,7 @@ def _unsupported_strategy(strategy: Any) -> str | None:
             "that alias them would be copied to the host every step. Use the strategy's own CPU offload, or a single "
             "device, DDP or `strategy='lowmem_offload'` with ActivationOffload."
         )
-    if "XLA" in name:
+    if isinstance(strategy, (XLAStrategy, SingleDeviceXLAStrategy)):
         return f"`{name}` (XLA) traces the graph lazily; saved-tensor hooks do not see its activations."
     return None
 

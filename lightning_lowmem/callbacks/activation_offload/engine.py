@@ -21,7 +21,6 @@ copy has its own bytes copied again unless they lie within saves made densely be
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -29,50 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_lowmem._internals import frames
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.callbacks.activation_offload.copiers import StreamCopier, SyncCopier
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.core.saved_versions import SavedVersion
 
 # NOTE: wrapper subclasses (DTensor, quantized tensors) stay in place; a dry run's fake tensors stand for plain ones
-_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
-_CHECKPOINT_FILE = sys.modules["torch.utils.checkpoint"].__file__ if "torch.utils.checkpoint" in sys.modules else None
-_FUNCTION_FILE = torch.autograd.function.__file__
-
-
-def _checkpoint_file() -> str:
-    global _CHECKPOINT_FILE
-    if _CHECKPOINT_FILE is None:
-        import torch.utils.checkpoint
-
-        _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
-    return _CHECKPOINT_FILE
-
-
-def saved_by_checkpoint(frame: Any) -> bool:
-    """Whether the pack hook called from ``frame`` packs an input that ``torch.utils.checkpoint`` saves for recompute.
-
-    NOTE: checkpointing (reentrant or not, called directly, through Hugging Face's gradient checkpointing or
-    through ``checkpoint_wrapper``) saves the inputs of the checkpointed block from ``torch/utils/checkpoint.py``
-    itself (``_CheckpointFrame.save_inputs`` / ``CheckpointFunction.apply``), outside its own hooks; everything
-    the block saves inside is caught by checkpoint's own (innermost) hooks and never reaches ours. So a pack
-    call whose nearest Python caller, past ``torch/autograd/function.py``, lives in ``torch/utils/checkpoint.py``
-    is a block boundary. This reads torch internals: ``ActivationOffload`` warns when ``boundaries_only=True``
-    sees no boundary in a training step, which is how a torch change here would show.
-    """
-    ckpt = _checkpoint_file()
-    for _ in range(6):
-        if frame is None:
-            return False
-        filename = frame.f_code.co_filename
-        if filename == ckpt:
-            return True
-        if filename != _FUNCTION_FILE:
-            return False
-        frame = frame.f_back
-    return False
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch_internals.FakeTensor)
 
 
 # --- bookkeeping -----------------------------------------------------------------------------------------------
@@ -243,7 +208,7 @@ class SavedTensorOffloader:
 
     def refresh_skip(self, skip: list[torch.Tensor]) -> None:
         # NOTE: storages by StorageImpl (`_cdata`), not `data_ptr`: every fake storage of a dry run has address 0.
-        self._skip_ptrs = frozenset(t.untyped_storage()._cdata for t in skip if isinstance(t, torch.Tensor))
+        self._skip_ptrs = frozenset(torch_internals.storage_key(t.untyped_storage()) for t in skip if isinstance(t, torch.Tensor))
 
     @property
     def host_bytes_live(self) -> int:
@@ -264,8 +229,8 @@ class SavedTensorOffloader:
             entry = ref()
             if entry is not None:
                 entry.pending = entry.handles
-        if torch._C._current_graph_task_id() != -1:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if torch_internals.in_backward():
+            torch_internals.queue_backward_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         """Drop every restored copy we still hold (saved twice but unpacked once, or prefetched but unused)."""
@@ -294,10 +259,10 @@ class SavedTensorOffloader:
         """Whether a saved tensor stays in place; counts the kept bytes."""
         if type(t) not in _PLAIN or t.layout != torch.strided or t.device != self.device:
             return True
-        if t.untyped_storage()._cdata in self._skip_ptrs:
+        if torch_internals.storage_key(t.untyped_storage()) in self._skip_ptrs:
             return True  # a parameter, buffer or batch tensor: it stays alive anyway, a copy would free nothing
         nbytes = t.numel() * t.element_size()
-        boundary = self.boundaries_only and saved_by_checkpoint(caller)
+        boundary = self.boundaries_only and torch_internals.saved_by_checkpoint(caller)
         if boundary:
             self.stats.boundary_saves += 1
         if nbytes < self.min_bytes or nbytes == 0 or (self.boundaries_only and not boundary):
@@ -309,13 +274,13 @@ class SavedTensorOffloader:
     def pack(self, t: torch.Tensor) -> Any:
         if self._phase != "forward":
             self._begin_forward()
-        if self._keep(t, sys._getframe(1)):
+        if self._keep(t, frames.caller_frame()):
             return SavedVersion(t, keep=True)  # NOTE: autograd's in-place check, which our hooks turn off (see unpack)
         storage = t.untyped_storage()
         # NOTE: keyed by storage *and* version: a storage changed in place after one save and saved again needs
         # a second copy. The weak storage ref keeps the StorageImpl address from being reused by another
         # storage while the key is in the map (its memory is still freed when the last tensor on it dies).
-        key = (storage._cdata, t._version)
+        key = (torch_internals.storage_key(storage), torch_internals.tensor_version(t))
         hit = self._by_storage.get(key)
         start, end, dense = _extent(t)
         if hit is not None and not hit[1].expired():
@@ -433,4 +398,4 @@ class SavedTensorOffloader:
             self._restore(entry, prefetch=True)
 
 
-__all__ = ["OffloadStats", "SavedTensorOffloader", "StreamCopier", "SyncCopier", "saved_by_checkpoint"]
+__all__ = ["OffloadStats", "SavedTensorOffloader", "StreamCopier", "SyncCopier"]

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.callbacks.chunked_lm_loss.chunked_ce import (
     BACKENDS,
     Backend,
@@ -176,9 +177,7 @@ def head_transform(model: nn.Module) -> tuple[float | None, float | None]:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t) or t.device.type == "meta"
+    return torch_internals.is_fake(t) or t.device.type == "meta"
 
 
 def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_lowmem._internals import torch as torch_internals
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -63,14 +65,14 @@ def materialize_meta(module: torch.nn.Module) -> None:
         return
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for mod in module.modules():
-        for name, p in mod._parameters.items():
+        for name, p in torch_internals.module_parameters(mod).items():
             if p is not None:
                 owners.setdefault(id(p), []).append((mod, name))
     module.to_empty(device="cpu")
     for group in owners.values():
-        first = group[0][0]._parameters[group[0][1]]
+        first = torch_internals.module_parameters(group[0][0])[group[0][1]]
         for mod, name in group[1:]:
-            mod._parameters[name] = first
+            torch_internals.module_parameters(mod)[name] = first
 
 
 @torch.no_grad()

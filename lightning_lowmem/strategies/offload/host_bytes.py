@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core import host_memory as _host_memory
 from lightning_lowmem.core.optimizer_state import expected_state_bytes
+from lightning_lowmem.core.roles import LowBitOptimizerSwap
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.param_stream import block_params
 from lightning_lowmem.strategies.offload.precision import autocast_cast_params
@@ -39,7 +41,7 @@ def host_bytes_needed(
     numel = sum(p.numel() for _, p in HostMasters.unique_params(module))
     trainable = sum(p.numel() for _, p in HostMasters.unique_params(module) if p.requires_grad)
     dtype = strategy.precision_plugin.compute_dtype  # type: ignore[attr-defined]
-    low_bit = next((cb for cb in callbacks if type(cb).__name__ == "LowBitOptimizer"), None)
+    low_bit = next((cb for cb in callbacks if isinstance(cb, LowBitOptimizerSwap)), None)
     embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
     precision = strategy.precision_plugin
     half = {id(p) for p in autocast_cast_params(module)} if precision.mixed else None  # type: ignore[attr-defined]
@@ -71,10 +73,10 @@ def streamed_host_bytes(offload_params: Any, module: torch.nn.Module, dtype: tor
 
 def check_host_ram(strategy: OffloadStrategy, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
     """Raise (naming the parts and the fixes) when the host cannot hold what ``strategy`` is about to allocate."""
-    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    trainer = lightning_internals.attached_trainer(strategy.lightning_module)
     need = strategy.host_bytes_needed(module, optimizers, with_grads, trainer.callbacks if trainer else ())
     need.pop("total")
-    low_bit = any(type(cb).__name__ == "LowBitOptimizer" for cb in (trainer.callbacks if trainer else ()))
+    low_bit = any(isinstance(cb, LowBitOptimizerSwap) for cb in (trainer.callbacks if trainer else ()))
     fixes = []
     if need["optimizer_state"] and not low_bit:
         fixes.append("8-bit optimizer state (`callbacks=[LowBitOptimizer()]`, ~2 B/param for Adam instead of 8)")

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem._internals import torch as torch_internals
+
 
 class DynamicLossScaler:
     """Multiply the loss by ``scale``; on an inf/nan gradient skip the step and lower the scale.
@@ -94,7 +96,7 @@ class DynamicLossScaler:
         for (device, _), group in by_device.items():
             flag = torch.zeros((), dtype=torch.float32, device=device)
             inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+            torch_internals.non_finite_check_and_unscale_(group, flag, inv)
             found_inf = found_inf or bool(flag.item())
         return found_inf
 

@@ -107,7 +107,7 @@ class ManualGrads:
     def close(self) -> None:
         """The parameters hold the compute weights again (what code wrote into a gradient stays on the master), then
         the stepped masters are copied into them."""
-        if self._open is None or (self._view is not None and self._view._depth > 1):
+        if self._open is None or (self._view is not None and self._view.depth > 1):
             return  # NOTE: a view the user opened inside this one (`masters_view()`) is still open: it closes first
         stack, self._open = self._open, None
         stack.close()

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.strategies.offload import hf_weights
 
@@ -28,10 +29,10 @@ from lightning_lowmem.strategies.offload import hf_weights
 def _holders(buf: Tensor) -> tuple[int, int]:
     """Python references to ``buf``, and holders of its storage (a view or ``detach()`` of it holds the storage only).
 
-    NOTE: `_storage_Use_Count` is a private torch API (no public one counts a storage's holders); both counts hold for
-    fake tensors too.
+    NOTE: no public torch API counts a storage's holders (``_internals.torch.storage_use_count``); both counts hold
+    for fake tensors too.
     """
-    return sys.getrefcount(buf), torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+    return sys.getrefcount(buf), torch_internals.storage_use_count(buf.untyped_storage())
 
 
 def _unheld() -> tuple[int, int]:
@@ -188,7 +189,7 @@ class HostMasters:
             return None
         # NOTE: one vectorised pass (an L2 norm per tensor) instead of an isfinite mask per tensor; a norm that
         # overflows fp32 (|g| ~ 1e19) counts as non-finite too, which AdamW's g*g would have turned into inf state.
-        if bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
+        if bool(torch.stack(torch_internals.foreach_norm(grads)).isfinite().all()):
             return None
         bad = [
             self.names[self.host_index[id(p)]] if id(p) in self.host_index else f"tensor of shape {tuple(p.shape)}"
@@ -236,8 +237,8 @@ class HostMasters:
         """Leave the user an fp32 module holding the masters' values, and optimizers pointing at its parameters."""
         for name in self.buffers:
             owner, _, attr = name.rpartition(".")
-            sub = module.get_submodule(owner)
-            sub._buffers[attr] = self.buffer_fp32(name, sub._buffers[attr])  # type: ignore[index]
+            buffers = torch_internals.module_buffers(module.get_submodule(owner))
+            buffers[attr] = self.buffer_fp32(name, buffers[attr])  # type: ignore[arg-type]
         for p_device, p_host in zip(self.p_device, self.p_host):
             # NOTE: the master's storage becomes the module's weight (no copy); masters are never pinned.
             p_device.data = p_host.detach()

@@ -42,6 +42,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import Tensor, nn
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.param_stream import ParamStream
 from lightning_lowmem.strategies.offload.transfer import HostTransfer
@@ -91,6 +92,11 @@ class MastersView:
         self._depth = 0
         self._write_back = False
         self._shown: list[Tensor | None] | None = None  # the gradients a view with `grads` put on the parameters
+
+    @property
+    def depth(self) -> int:
+        """How many views are open now, nested (0: the parameters hold the compute weights)."""
+        return self._depth
 
     @contextlib.contextmanager
     def view(self, *, grads: bool = False, buffers: bool = False, write_back: bool = False) -> Iterator[None]:
@@ -159,28 +165,28 @@ class MastersView:
         taken: dict[str, Tensor] = {}
         for name in self.masters.buffers:
             owner, _, attr = name.rpartition(".")
-            sub = self.module.get_submodule(owner)
-            current = sub._buffers[attr]
+            buffers = torch_internals.module_buffers(self.module.get_submodule(owner))
+            current = buffers[attr]
             assert current is not None
             taken[name] = current
             # NOTE: a clone: code in the view may write the buffer in place, and the fp32 original is kept by reference
-            sub._buffers[attr] = self.masters.buffer_fp32(name, current.detach()).clone()
+            buffers[attr] = self.masters.buffer_fp32(name, current.detach()).clone()
         return taken
 
     @torch.no_grad()
     def _restore_buffers(self, taken: dict[str, Tensor], write: bool) -> None:
         for name, compute in taken.items():
             owner, _, attr = name.rpartition(".")
-            sub = self.module.get_submodule(owner)
-            value = sub._buffers[attr]  # NOTE: the one shown, or a new tensor the code assigned (SWA's BN reset does)
+            buffers = torch_internals.module_buffers(self.module.get_submodule(owner))
+            value = buffers[attr]  # NOTE: the one shown, or a new tensor the code assigned (SWA's BN reset does)
             if not write or value is None:
-                sub._buffers[attr] = compute
+                buffers[attr] = compute
                 continue
             if value.shape == compute.shape:
                 compute.copy_(value)  # NOTE: the same tensor object stays in the module (the cast rounds)
             else:
                 compute = value.detach().to(compute.device, compute.dtype, copy=True)
-            sub._buffers[attr] = compute
+            buffers[attr] = compute
             # NOTE: remember the exact fp32 value: a later checkpoint or the module given back gets it, not the upcast
             self.masters.buffers[name] = (value.detach().to("cpu", torch.float32, copy=True), compute.to("cpu", copy=True))
 

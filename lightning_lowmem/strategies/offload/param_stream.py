@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.core.blocks import find_repeated_blocks
 from lightning_lowmem.core.saved_versions import SavedVersion
@@ -174,7 +175,7 @@ class ParamStream:
         self._fetched: dict[int, list[Any]] = {}  # block -> [device tensors, event, waited]
         self._by_storage: dict[tuple[str, int], tuple[int, int]] = {}  # storage key -> (block, index in block)
         self._handles: list[Any] = []
-        self._pushed: list[bool] = []
+        self._pushed: list[torch.autograd.graph.saved_tensors_hooks | None] = []
         self._last_pre = -1
         self._last_event: Any = None
         self._placeholders: dict[tuple[torch.dtype, str], torch.Tensor] = {}
@@ -260,7 +261,7 @@ class ParamStream:
             p.data = t
             self._by_storage[storage_key(t)] = (b, j)
         # NOTE: the parameters' own version counters (`.data` assignment keeps them): see `_check_unchanged`
-        self._fetched[b] = [tensors, event, ops is None, [p._version for p in self.params[b]]]
+        self._fetched[b] = [tensors, event, ops is None, [torch_internals.tensor_version(p) for p in self.params[b]]]
         self.fetches += 1
 
     def _ready(self, b: int) -> None:
@@ -311,8 +312,9 @@ class ParamStream:
         self._push(b)
 
     def _post(self, b: int, output: Any) -> None:
-        if self._pushed and self._pushed.pop():
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+        pushed = self._pushed.pop() if self._pushed else None
+        if pushed is not None:
+            pushed.__exit__()
         if _in_backward() or output is None:
             return
         self._check_unchanged(b)
@@ -330,11 +332,11 @@ class ParamStream:
         if entry is None:
             return
         for p, version in zip(self.params[b], entry[3]):
-            if p._version != version:
+            if torch_internals.tensor_version(p) != version:
                 name = next((n for n, q in self.blocks[b].named_parameters() if q is p), "?")
                 raise RuntimeError(
                     f"lowmem_offload_params: the forward of block `{self.names[b]}` changed its weight `{name}` in "
-                    f"place (version {version} -> {p._version}). Parameter streaming fetches a fresh copy of the "
+                    f"place (version {version} -> {torch_internals.tensor_version(p)}). Parameter streaming fetches a fresh copy of the "
                     "block's weights from the host for every use, so the change would be lost (and a weight saved "
                     "for backward before the change makes plain PyTorch refuse the backward). Make the change out "
                     "of place in the module, or keep the block on the device (`OffloadStrategy(offload_params=False)`)."
@@ -350,13 +352,13 @@ class ParamStream:
     # --- saved tensors (see [saved weights]) -----------------------------------------------------------------------
     def _push(self, b: int) -> None:
         if not self.streamed[b]:
-            self._pushed.append(False)
+            self._pushed.append(None)
             return
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        torch._C._autograd._push_saved_tensors_default_hooks(
-            lambda t: self._pack(t, outer), lambda packed: self._unpack(packed)
-        )
-        self._pushed.append(True)
+        outer = torch_internals.top_saved_tensors_hooks()
+        # NOTE: entered here and left in the block's forward post-hook (`_post`): a hook pair spans two calls
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), lambda packed: self._unpack(packed))
+        hooks.__enter__()
+        self._pushed.append(hooks)
 
     def _pack(self, t: torch.Tensor, outer: Any) -> Any:
         try:
@@ -427,4 +429,4 @@ class ParamStream:
 
 
 def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return torch_internals.in_backward()

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -29,6 +28,8 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.core.optional import loaded_class
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.strategies.offload.loss_scaler import DynamicLossScaler
 
@@ -55,9 +56,10 @@ def _casts_at_every_use(module: Module, name: str) -> bool:
     if isinstance(module, nn.MultiheadAttention):
         # NOTE: only the input projections (F.linear); `bias_k`/`bias_v` are concatenated, not multiplied
         return forward is nn.MultiheadAttention.forward and name in _MHA_PROJECTIONS
-    cls = type(module)
-    # Hugging Face's GPT-2-style `Conv1D` is `torch.addmm(bias, x, weight)` (matched by name: transformers is optional)
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") and name in ("weight", "bias")
+    # Hugging Face's GPT-2-style `Conv1D` is `torch.addmm(bias, x, weight)` (NOTE: a module holding one has imported
+    # transformers' `pytorch_utils`; looked up there, never imported)
+    conv1d = loaded_class("transformers.pytorch_utils", "Conv1D")
+    return conv1d is not None and isinstance(module, conv1d) and forward is conv1d.forward and name in ("weight", "bias")
 
 
 def _read_by_adapter_layers(module: Module) -> set[int]:
@@ -112,7 +114,7 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
 
 def _overridden(module: pl.LightningModule, hooks: tuple[str, ...]) -> bool:
     """Whether ``module`` or one of its Trainer's callbacks implements one of ``hooks``."""
-    callbacks = module.trainer.callbacks if module._trainer is not None else []
+    callbacks = module.trainer.callbacks if lightning_internals.attached_trainer(module) is not None else []
     return any(is_overridden(h, module, pl.LightningModule) for h in hooks) or any(
         is_overridden(h, cb, Callback) for cb in callbacks for h in hooks if h.startswith("on_"))
 
@@ -198,10 +200,30 @@ class MasterHalfPrecision(Reproducible, Precision):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.last_step_skipped = False
         self._skip_clipping = False
-        self._attached = False  # set by OffloadStrategy, which keeps the masters this plugin steps
-        self._drain: Callable[[], None] | None = None  # OffloadStrategy.drain_transfers
-        # OffloadStrategy's MastersView: the gradient hooks run against the masters (strategies/_masters_view.py)
+        self._attached = False  # see `attach`: OffloadStrategy keeps the masters this plugin steps
+        self._drain: Callable[[], None] | None = None
         self._view: MastersView | None = None
+
+    def attach(self, *, drain: Callable[[], None], view: MastersView) -> None:
+        """Called by ``OffloadStrategy.setup``, which keeps the fp32 masters this plugin steps.
+
+        ``drain`` folds every gradient still in flight into the masters (called before ``on_after_backward``);
+        ``view`` shows the masters and their gradients through the module's parameters while the gradient hooks
+        run (``strategies/offload/masters_view.py``).
+        """
+        self._attached = True
+        self._drain = drain
+        self._view = view
+
+    def step_hooks(self, model: pl.LightningModule, optimizer: Optimizer, *, clip: bool = True) -> None:
+        """Run what Lightning runs between the closure and the step: ``on_before_optimizer_step`` and the gradient
+        clipping (``configure_gradient_clipping``), on the masters; ``clip=False`` leaves the clipping out (the
+        strategy's ``optimizer_in_backward`` clips each gradient by value before its step)."""
+        self._skip_clipping = not clip
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._skip_clipping = False
 
     @override
     def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple[Module, list[Optimizer], list[Any]]:
@@ -252,14 +274,14 @@ class MasterHalfPrecision(Reproducible, Precision):
                 yield
             return
         # NOTE: "32-true" casts nothing, so it does not touch the default dtype either (a user's float64 default stays)
-        with _DtypeContextManager(self.compute_dtype) if self.compute_dtype != torch.float32 else nullcontext():
+        with lightning_internals.DtypeContextManager(self.compute_dtype) if self.compute_dtype != torch.float32 else nullcontext():
             yield
 
     @override
     def convert_input(self, data: Any) -> Any:
         if self.mixed or self.compute_dtype == torch.float32:
             return data  # autocast casts per op
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
+        return apply_to_collection(data, function=lightning_internals.convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
 
     # --- backward and step ---------------------------------------------------------------------------
     @override
@@ -280,11 +302,11 @@ class MasterHalfPrecision(Reproducible, Precision):
         # NOTE: `on_before_optimizer_step` and `configure_gradient_clipping` run here: user code in them reads and
         # clips `p.grad` of the module's parameters, which must be the gradients the optimizer steps (the masters')
         with self._grad_view(model, "on_before_optimizer_step", "configure_gradient_clipping"):
-            super()._after_closure(model, optimizer)
+            lightning_internals.precision_after_closure(self, model, optimizer)
 
     def _grad_view(self, module: pl.LightningModule, *hooks: str) -> AbstractContextManager:
         """Under ``OffloadStrategy``, while ``hooks`` run, the module's parameters show the fp32 masters and their
-        gradients (strategies/_masters_view.py); only when the module or a callback overrides one of them."""
+        gradients (strategies/offload/masters_view.py); only when the module or a callback overrides one of them."""
         if self._view is None or not _overridden(module, hooks):
             return nullcontext()
         return self._view.view(grads=True)
@@ -317,11 +339,8 @@ class MasterHalfPrecision(Reproducible, Precision):
         """
         closure_result = closure()
         found_inf = self.unscale_gradients(optimizer)
-        self._skip_clipping = found_inf  # NOTE: a norm over inf/nan gradients is meaningless; the step is skipped
-        try:
-            self._after_closure(model, optimizer)
-        finally:
-            self._skip_clipping = False
+        # NOTE: a norm over inf/nan gradients is meaningless; the step is skipped
+        self.step_hooks(model, optimizer, clip=not found_inf)
         skipped_backward = closure_result is None and model.automatic_optimization
         self.last_step_skipped = found_inf or skipped_backward
         if found_inf:
@@ -331,7 +350,7 @@ class MasterHalfPrecision(Reproducible, Precision):
             log.info(
                 "fp16 gradient overflow (inf/nan): skipped the optimizer step at global step %s and lowered the loss "
                 "scale from %g to %g (%d step(s) skipped so far).",
-                model.trainer.global_step if model._trainer is not None else "?",
+                model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?",
                 old,
                 self.scaler.scale,
                 self.scaler.overflows,
@@ -349,7 +368,7 @@ class MasterHalfPrecision(Reproducible, Precision):
         return closure_result if out is None else out
 
     def _log_scale(self, model: pl.LightningModule) -> None:
-        if self.scaler is None or model._trainer is None:
+        if self.scaler is None or lightning_internals.attached_trainer(model) is None:
             return
         model.log("lowmem/loss_scale", self.scaler.scale, on_step=True, on_epoch=False, batch_size=1)
         model.log("lowmem/skipped_steps", float(self.scaler.overflows), on_step=True, on_epoch=False, batch_size=1)

@@ -28,7 +28,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -37,6 +36,8 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core import preflight as _preflight
 from lightning_lowmem.core import resume_checks as _resume_checks
 from lightning_lowmem.core.accounting import (
@@ -49,6 +50,7 @@ from lightning_lowmem.core.accounting import (
 )
 from lightning_lowmem.core.checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.roles import HostMastersStrategy
 from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.strategies.offload import (
     checks as _offload_checks,
@@ -77,7 +79,7 @@ class NonFiniteGradientError(FloatingPointError):
     """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
 
 
-class OffloadStrategy(Reproducible, SingleDeviceStrategy):
+class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     """CPU-master training on one device: only the compute weights (and activations) stay on the accelerator.
 
     Memory on the device: 2 B/param for bf16/fp16 compute weights (4 B for ``"32-true"``) plus
@@ -119,7 +121,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             :class:`NonFiniteGradientError` naming the parameter after ``max_consecutive_skips`` skips in a
             row; ``"raise"``: raise at the first; ``"ignore"``: step anyway (plain Lightning's behaviour: the
             masters become nan for good). Cost: one vectorised norm over the host gradients per step
-            (``torch._foreach_norm``). With ``optimizer_in_backward`` the loss is checked before backward
+            (one ``torch._foreach_norm``). With ``optimizer_in_backward`` the loss is checked before backward
             (a non-finite loss skips the whole step) and each gradient before its parameter steps.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
@@ -247,7 +249,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+        elif isinstance(self._checkpoint_io, lightning_internals.WrappingCheckpointIO):
             self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # sets the inner IO only if unset
         return self._checkpoint_io
 
@@ -289,7 +291,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.model_to_device()
         if self._stream is not None:
             self._stream.attach()
-        self.model = self._setup_model(self.model)
+        self.model = lightning_internals.setup_model(self, self.model)
         self._transfer = transfer_for(self.root_device, self._masters.p_device)
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
         self._unwrap = wrap_hooks(trainer.callbacks, self.lightning_module, self._view)  # type: ignore[arg-type]
@@ -305,9 +307,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             for i, p in enumerate(self._masters.p_device):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
-        precision._attached = True
-        precision._drain = self.drain_transfers
-        precision._view = self._view  # NOTE: the gradient hooks see the masters and their gradients
+        precision.attach(drain=self.drain_transfers, view=self._view)  # NOTE: the gradient hooks see the masters
         self.setup_precision_plugin()
         # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
 
@@ -377,6 +377,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """``{parameter name: fp32 host master}`` (empty outside ``fit``/``validate``/``test``)."""
         return self._masters.as_dict()
 
+    @override
     def master_of(self, p_host: Tensor) -> Parameter | None:
         """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
         return self._masters.master_of(p_host)
@@ -447,11 +448,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         if self.optimizer_in_backward:
             self._bad_in_backward = []
             out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
-            precision._skip_clipping = True  # value clipping happened per parameter; norm clipping is refused
-            try:
-                precision._after_closure(model, optimizer)  # on_before_optimizer_step hooks; masters hold no gradient
-            finally:
-                precision._skip_clipping = False
+            # NOTE: value clipping happened per parameter; norm clipping is refused; the masters hold no gradient
+            precision.step_hooks(model, optimizer, clip=False)
             precision.last_step_skipped = out is None or self._skip_backward
             if self._skip_backward or self._bad_in_backward:
                 where = self._bad_in_backward or ["the loss"]
@@ -465,7 +463,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
         elif not precision.last_step_skipped:
             self._weights_to_device(optimizer)
-        if self._guarding() and model._trainer is not None and model._current_fx_name is not None:
+        if (self._guarding() and lightning_internals.attached_trainer(model) is not None
+                and lightning_internals.current_hook(model) is not None):
             # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
             model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         return out
@@ -486,7 +485,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """Count a step skipped for non-finite gradients; warn once; raise per ``nonfinite``/``max_consecutive_skips``."""
         self.skipped_steps += 1
         self._consecutive_skips += 1
-        step = model.trainer.global_step if model._trainer is not None else "?"
+        step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
         what = ", ".join(f"`{n}`" if not n.startswith(("the ", "tensor ")) else n for n in names)
         more = f" and {count - len(names)} more" if count > len(names) else ""
         if self.nonfinite == "raise":
@@ -573,7 +572,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         p_host = self._masters.p_host[i]
         if self._skip_backward:
             return  # NOTE: the loss was not finite (see `pre_backward`): no parameter steps in this backward
-        if self._guarding() and not bool(torch._foreach_norm([grad])[0].isfinite()):
+        if self._guarding() and not bool(torch_internals.foreach_norm([grad])[0].isfinite()):
             self._bad_in_backward.append(self._masters.names[i])
             return
         p_host.grad = grad.to(torch.float32)  # NOTE: a copy for half gradients; aliases an fp32 one (freed below)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+
+from lightning_lowmem._internals import deepspeed as deepspeed_internals
+from lightning_lowmem._internals import frames
+from lightning_lowmem._internals import torch as torch_internals
 
 PARTITIONED_MESSAGE = (
     "The LightningModule's parameters are partitioned by DeepSpeed ZeRO stage 3 after `fit`, so `state_dict()` "
@@ -23,12 +25,7 @@ def is_partitioned(p: torch.Tensor) -> bool:
 
 def _called_by_deepspeed() -> bool:
     """Whether DeepSpeed's own code (its checkpoint writer) takes this state dict: not the user's concern."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if str(frame.f_globals.get("__name__", "")).startswith("deepspeed."):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
+    return frames.called_from_package("deepspeed.")
 
 
 class PartitionWarning:
@@ -76,9 +73,10 @@ def gather_full_weights(module: nn.Module) -> None:
                 value = p.data.detach().clone()
         p.data = value.detach().to(torch.float32)
     for sub in module.modules():
-        for name, buffer in sub._buffers.items():
+        buffers = torch_internals.module_buffers(sub)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
-                sub._buffers[name] = buffer.to(torch.float32)
+                buffers[name] = buffer.to(torch.float32)
 
 
 
@@ -89,9 +87,8 @@ def restore_functional_linear() -> None:
     back ("this will persist unless manually reset"): every linear layer run after ``fit`` (a plain model evaluated
     under autocast, another Trainer) would go through DeepSpeed's autograd function and round differently.
     """
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap  # NOTE: optional and slow to import
 
-    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    original = deepspeed_internals.functional_linear_before_zero3()
     if original is not None and torch.nn.functional.linear is zero3_linear_wrap:
         torch.nn.functional.linear = original

@@ -12,13 +12,16 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-_CPU_OPTIMIZERS = ("DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion")
+from lightning_lowmem.core.optional import instance_of
+
+_CPU_OPTIMIZERS = (("deepspeed.ops.adam", "DeepSpeedCPUAdam"), ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad"),
+                   ("deepspeed.ops.lion", "DeepSpeedCPULion"))
 # per-group keys of torch's Adam that DeepSpeedCPUAdam cannot honour when set
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
 
 
 def _is_deepspeed_cpu_optimizer(optimizer: Optimizer) -> bool:
-    return any(cls.__name__ in _CPU_OPTIMIZERS and cls.__module__.startswith("deepspeed.") for cls in type(optimizer).__mro__)
+    return instance_of(optimizer, _CPU_OPTIMIZERS)  # NOTE: by type, looked up where DeepSpeed is imported already
 
 
 def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Optimizer, str]:

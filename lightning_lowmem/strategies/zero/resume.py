@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem._internals import deepspeed as deepspeed_internals
 from lightning_lowmem.core import resume_checks as _resume_checks
 
 
@@ -49,11 +50,7 @@ def replay_cpu_adam_steps(optimizer: Any) -> int:
     empty = torch.empty(0, dtype=torch.float32)
     for step in range(1, steps + 1):
         for group in adam.param_groups:
-            beta1, beta2 = group["betas"]
-            adam.ds_opt_adam.adam_update(
-                adam.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                group["bias_correction"], empty, empty, empty, empty,
-            )
+            deepspeed_internals.cpu_adam_update(adam, step, group, empty, empty, empty, empty)
     return steps
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from lightning_lowmem._internals import lightning as lightning_internals
+
 
 class SkippedSteps:
     """Reads ``engine.skipped_steps`` around each ``optimizer_step`` of a ``ZeroStrategy``."""
@@ -28,7 +30,7 @@ class SkippedSteps:
         if engine is None:
             return
         skipped = self.count(strategy)
-        trainer = getattr(model, "_trainer", None)
+        trainer = lightning_internals.attached_trainer(model)
         if skipped > before and not self.warned and not engine.fp16_enabled():
             self.warned = True
             step = trainer.global_step if trainer is not None else "?"
@@ -40,6 +42,6 @@ class SkippedSteps:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if trainer is not None and getattr(model, "_current_fx_name", None) is not None:
+        if trainer is not None and lightning_internals.current_hook(model) is not None:
             # NOTE: only inside a loop hook (`optimizer_step`): `log` refuses elsewhere
             model.log("lowmem/skipped_steps", float(skipped), on_step=True, on_epoch=False, batch_size=1)

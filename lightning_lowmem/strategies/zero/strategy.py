@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._internals import deepspeed as deepspeed_internals
+from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core import atomic as _atomic
 from lightning_lowmem.core import preflight as _preflight
 from lightning_lowmem.core import trusted_load as _trusted_load
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 # callbacks that change the Trainer's accumulation while fitting: DeepSpeed fixes it when the engine is built.
 # NOTE: our AccumulationScheduler checks DeepSpeed itself (fixed window only) and composes.
-_ACCUMULATION_CALLBACKS = ("GradientAccumulationScheduler",)
+_ACCUMULATION_CALLBACKS = (GradientAccumulationScheduler,)
 
 
 class ZeroStrategy(Reproducible, DeepSpeedStrategy):
@@ -268,17 +269,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
     @override
     def _init_deepspeed_distributed(self) -> None:
-        import deepspeed.comm.comm as ds_comm
-        from deepspeed.utils import groups
-
-        if ds_comm.cdb is not None and not torch.distributed.is_initialized():
-            # NOTE: DeepSpeed caches its backend object and its process groups in module globals and keeps
-            # them after `destroy_process_group`; a second fit in the same process (notebooks, tests) would
-            # use the dead groups ("Group ... is not registered"). Drop them so DeepSpeed builds fresh ones.
-            ds_comm.cdb = None
-            for name, value in list(vars(groups).items()):
-                if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
-                    setattr(groups, name, {} if isinstance(value, dict) else None)
+        deepspeed_internals.drop_stale_process_groups()  # NOTE: a second fit in the same process
         with _preflight.rendezvous_notice(self):
             super()._init_deepspeed_distributed()
 
@@ -361,7 +352,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     def _micro_batch_size(self) -> int:
         # NOTE: the parent's `_auto_select_batch_size` fails on loaders with `batch_size=None` (no batch sampler).
         assert self.lightning_module is not None
-        source = self.lightning_module.trainer.fit_loop._data_source
+        source = lightning_internals.fit_data_source(self.lightning_module.trainer)
         if not source.is_defined():
             return 1
         loader = source.dataloader()
@@ -383,7 +374,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                 "`gradient_clip_algorithm='norm'`"
             )
         for callback in trainer.callbacks:
-            if type(callback).__name__ in _ACCUMULATION_CALLBACKS:
+            if isinstance(callback, _ACCUMULATION_CALLBACKS):
                 problems.append(
                     f"`{type(callback).__name__}` changes `accumulate_grad_batches` while fitting, but DeepSpeed fixes "
                     "`gradient_accumulation_steps` when its engine is built. Use a constant "
@@ -423,13 +414,13 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         return self.is_global_zero
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: lightning_internals.PATH, storage_options: Any | None = None) -> None:
         """DeepSpeed's directory checkpoint, written to ``.NAME.tmp-PID/`` beside ``filepath``, fsync-ed, swapped in.
 
         The previous checkpoint at ``filepath`` stays complete until the new one is; a process killed midway
         leaves at most the temp directory, removed at the next save (see ``_zero_checkpoint``).
         """
-        if storage_options is not None or not _is_local_file_protocol(filepath):
+        if storage_options is not None or not lightning_internals.is_local_file_protocol(filepath):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # the parent refuses storage_options
             return
         target = Path(self.broadcast(str(Path(filepath).absolute())))
@@ -451,8 +442,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self.barrier("lowmem_zero_save_end")
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if (self.load_full_weights and self.zero_stage_3) or not _is_local_file_protocol(checkpoint_path):
+    def load_checkpoint(self, checkpoint_path: lightning_internals.PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if (self.load_full_weights and self.zero_stage_3) or not lightning_internals.is_local_file_protocol(checkpoint_path):
             # NOTE: explicit, so that neither TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD nor Lightning's remote-URL default unpickles
             return super().load_checkpoint(checkpoint_path, True if weights_only is None else weights_only)
         path = Path(checkpoint_path)
