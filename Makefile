@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench resume-matrix gpu-wheels gpu-check gpu-rehearsal clean
+.PHONY: install demo test lint docs figures bench conformance resume-matrix gpu-wheels gpu-check gpu-rehearsal clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -37,10 +37,25 @@ resume-matrix: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The documentation site (docs/, mkdocs.yml) into the ignored site/; --strict fails on any warning: a broken link
+# or anchor, an API name mkdocstrings cannot resolve, a docstring it cannot parse
+docs: install
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# Rewrite every figure block of README.md and docs/ from benchmarks/results/*.json (tests/test_docs_figures.py
+# fails while a committed page differs from what this writes)
+figures: install
+	$(PY) benchmarks/figures.py
+
 bench: install
 	$(PY) benchmarks/run.py all
 
-# GPU checks (README "GPU checks"): three stages of at most 9 minutes each, offline, on the GPU machine's own
+# The whole conformance corpus (every module x every flag against plain Lightning; `make test` runs a slice of it):
+# resumable, re-runs every cell after a code change; results in benchmarks/results/conformance.{json,md}
+conformance: install
+	$(PY) tests/conformance/run.py
+
+# GPU checks (docs/gpu-checks.md): three stages of at most 9 minutes each, offline, on the GPU machine's own
 # python3 (no venv, nothing from a registry). `PY=...` on the command line picks the interpreter.
 GPU_PY := $(if $(filter command line,$(origin PY)),$(PY),python3)
 
@@ -66,4 +81,4 @@ gpu-rehearsal: install
 	fi
 
 clean:
-	rm -rf $(VENV) lightning_logs runs
+	rm -rf $(VENV) lightning_logs runs site

@@ -233,7 +233,8 @@ def write_xl(xl_rows: list[dict[str, Any]], quick: bool) -> None:
             ("Target CUDA: 1-byte dropout masks, flash SDPA and foreach AdamW traced on CPU, +512 MiB CUDA context, "
             "pinned staging for lowmem_offload; uncalibrated (no GPU run yet); allocator fragmentation not modelled."),
             ("ZeRO rows: traced on one device with DeepSpeed's partitioned model states in closed form (its engine does "
-            "not run on fake tensors). ZeRO with ActivationCheckpointing is refused, as by the real run."),
+            "not run on fake tensors). They carry full activations: ActivationCheckpointing composes with ZeRO but is not "
+            "in these combinations."),
             ("Founding figures (https://www.52hwl.com/43530.html; Colossal-AI Gemini's claim): GPT-2-XL fine-tuned on a 12 GB RTX 3060 with checkpointing + "
             "half weights on the GPU / fp32 on the CPU + accumulation (micro-batch 4) + 8-bit Adam; 1.5B parameters on a "
             "6 GB RTX 2060 with Colossal-AI Gemini. Cards: 12 GiB and 6 GiB."),

@@ -21,13 +21,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cuda)
 
 
+# NOTE: taken once, when the session starts: a module-scoped fixture that trains in-process (DeepSpeed sets MASTER_PORT
+# and keeps its store listening there) runs before a test's own snapshot, which would then keep its values for every
+# later test, and a child process started later would inherit a port that is still taken (EADDRINUSE).
+_SESSION_DIST_ENV = {k: os.environ.get(k) for k in _DIST_VARS}
+_SESSION_LINEAR = torch.nn.functional.linear
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """Give every test the default dtype, grad mode, distributed environment and no leftover process group."""
     dtype = torch.get_default_dtype()
     grad = torch.is_grad_enabled()
-    dist_env = {k: os.environ.get(k) for k in _DIST_VARS}
-    linear = torch.nn.functional.linear  # NOTE: DeepSpeed ZeRO-3 patches it (its own autograd function) globally
+    dist_env = _SESSION_DIST_ENV
+    linear = _SESSION_LINEAR  # NOTE: DeepSpeed ZeRO-3 patches it (its own autograd function) globally
     autocast_cache = torch.is_autocast_cache_enabled()
     matmul_precision = torch.get_float32_matmul_precision()
     yield

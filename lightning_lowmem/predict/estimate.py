@@ -86,11 +86,12 @@ def estimate_memory(
         target: ``"cuda"`` applies the listed CPU-vs-GPU corrections; ``"cpu"`` predicts a CPU run as traced.
         method: ``"analytic"`` skips the trace (closed form only; 21 % low to 6 % high against the measured peaks of benchmarks/results/estimate.md).
         extrapolate: see :func:`~lightning_lowmem.predict.dry_run.dry_run`.
-        offload, offload_params, checkpointing, checkpointing_every_n, activation_offload, micro_batch_size, optimizer,
-        optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands for the suite's techniques
-            (``OffloadStrategy``, ``OffloadStrategy(offload_params=True)``, ``ActivationCheckpointing``,
-            ``ActivationOffload``, ``AccumulationScheduler``, ``LowBitOptimizer``, ``OptimizerInBackward``, the
-            ``lowmem_zero*`` presets, ``ChunkedLMLoss(chunk_tokens=)``); not together with ``strategy``/``callbacks``.
+        offload, offload_params, checkpointing, checkpointing_every_n, activation_offload: shorthands for the
+            suite's techniques (``OffloadStrategy``, ``OffloadStrategy(offload_params=True)``,
+            ``ActivationCheckpointing``, ``ActivationOffload``); not together with ``strategy``/``callbacks``.
+        micro_batch_size, optimizer, optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands as well
+            (``AccumulationScheduler``, ``LowBitOptimizer``, ``OptimizerInBackward``, the ``lowmem_zero*`` presets,
+            the number of processes, ``ChunkedLMLoss(chunk_tokens=)``); not together with ``strategy``/``callbacks``.
 
     Raises:
         ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run

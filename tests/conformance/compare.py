@@ -1,0 +1,180 @@
+"""Weights and buffers after a run, and the verdict of a technique's run against plain Lightning's.
+
+Three kinds of comparison, chosen per flag (``flags.py`` says which and why):
+
+- ``exact``: the same maths at the same precision: every parameter and buffer ``torch.equal``.
+- ``reorder``: the same maths at the same precision in another rounding order (a weighted sum rescaled, a chunked
+  sum, a fused or vectorised optimizer kernel, DeepSpeed's flat buckets). ``close`` when every tensor's difference
+  is at most its rounding bound times the update training made to it (L2 norms, ``|T - R| <= b |R - W0|``).
+  ``b`` is ``REORDER_BOUND`` (1e-3), raised for a tensor whose gradient is a small sum of large terms: the rounding
+  error of a sum is ~fp32 eps times its largest terms, so relative to the tensor's own gradient it grows as
+  ``CANCELLATION * max_t |g_t| / |g_t|`` (first-backward gradient norms of plain Lightning's run; a gradient that
+  cancels to rounding noise, such as a conv bias before BatchNorm or a key bias under softmax, gets an unbounded
+  ``b``: such a tensor is trained by noise, which Adam scales up to full steps, and is checked for finiteness only).
+  A BatchNorm running mean is measured against the running standard deviation when that is larger than its update
+  (a channel whose mean is ~0, after a bias-free layer, moves by noise relative to its own update). A module that
+  amplifies rounding (deep BatchNorm nets over tiny batches: a one-ulp nudge of their initial weights moves some
+  tensors by most of their update) gets ``SENSITIVITY`` times that measured amplification as its bound
+  (:func:`calibrated`, from plain Lightning's own nudged run). Rounding order moves the last bits of each operation;
+  a lost or doubled contribution moves a sizeable fraction of the update.
+- ``precision``: a half-precision technique against plain Lightning at that precision, where the two round at other
+  places (fp32 master weights against half weights, DeepSpeed's bf16 against Lightning's bf16-true). Both are
+  measured against the fp32 run of the same module (same optimizer, accumulation and callbacks): ``close`` when the
+  technique's distance from it is at most ``PRECISION_FACTOR`` times plain Lightning's own at that precision over the
+  whole model and ``PRECISION_FACTOR_TENSOR`` times for any one tensor (plus the reorder allowance): the technique may
+  not be less exact than the precision the user chose already is.
+
+Integer buffers (``num_batches_tracked``) must be equal in every kind; a non-finite value is ``differs``. Note that
+Adam's update ``m / sqrt(v)`` does not see a gradient scaled the same way at every step: the corpus holds SGD modules
+for that (``test_harness.py`` shows it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+REORDER_BOUND = 1e-3
+PRECISION_FACTOR = 2.0  # the whole model (root of the summed squares)
+PRECISION_FACTOR_TENSOR = 4.0  # any one tensor: small tensors (a bias of 8) fluctuate more
+CANCELLATION = 1e-6  # fp32 rounding (eps 1.2e-7) of a gradient's largest terms, with a margin of 8
+SENSITIVITY = 10.0  # a reordering rounds at every op of every step; the nudge once, at the start
+
+State = dict[str, Tensor]
+
+
+def capture(module: torch.nn.Module, params: dict[str, Tensor] | None = None) -> State:
+    """Every parameter (fp32 copies; ``params`` overrides, e.g. DeepSpeed's gathered fp32 masters) and buffer."""
+    state: State = {}
+    for name, p in module.named_parameters():
+        value = params[name] if params is not None and name in params else p.detach()
+        state[f"param:{name}"] = value.float().clone() if value.is_floating_point() else value.clone()
+    for name, b in module.named_buffers():
+        state[f"buffer:{name}"] = b.detach().float().clone() if b.is_floating_point() else b.detach().clone()
+    return state
+
+
+@dataclass
+class Verdict:
+    verdict: str  # exact | close | differs
+    detail: str
+    measured: float | None = None
+
+
+def _norm(t: Tensor) -> float:
+    return float(t.double().norm())
+
+
+def _structural(got: State, want: State) -> str | None:
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    if missing or extra:
+        return f"state keys differ: missing {missing[:4]}, unexpected {extra[:4]}"
+    for key, b in want.items():
+        a = got[key]
+        if a.shape != b.shape:
+            return f"{key}: shape {tuple(a.shape)} vs plain {tuple(b.shape)}"
+        if a.is_floating_point() and not bool(torch.isfinite(a).all()):
+            return f"{key}: non-finite values after training (plain: {'finite' if torch.isfinite(b).all() else 'not finite'})"
+        if not a.is_floating_point() and not torch.equal(a, b):
+            return f"{key}: {a.tolist() if a.numel() < 5 else '...'} vs plain {b.tolist() if b.numel() < 5 else '...'}"
+    return None
+
+
+def _worst(rows: list[tuple[float, str]]) -> tuple[float, str]:
+    return max(rows, default=(0.0, "-"))
+
+
+def bounds(grad_norms: dict[str, float]) -> dict[str, float]:
+    """The reorder bound of each parameter (state key), from plain Lightning's first-backward gradient norms."""
+    top = max(grad_norms.values(), default=0.0)
+    return {f"param:{k}": max(REORDER_BOUND, CANCELLATION * top / v) if v > 0 else float("inf")
+            for k, v in grad_norms.items()}
+
+
+def calibrated(bound: dict[str, float], nudged: State, want: State, initial: State) -> dict[str, float]:
+    """``bound`` raised to ``SENSITIVITY`` times what a one-ulp nudge of the initial weights moves each tensor (in
+    plain Lightning's own run), for the tensors training moves: the module's own amplification of rounding."""
+    out = dict(bound)
+    for k in want:
+        if k in nudged and want[k].is_floating_point() and (k not in initial or not torch.equal(want[k], initial[k])):
+            own = _relative(nudged, want, initial, k)
+            if own > 0:
+                out[k] = max(out.get(k, REORDER_BOUND), SENSITIVITY * own)
+    return out
+
+
+def compare(got: State, want: State, initial: State, kind: str, reason: str = "", *,
+            want_fp32: State | None = None, precision: str = "", bound: dict[str, float] | None = None) -> Verdict:
+    """The verdict of ``got`` (technique) against ``want`` (plain Lightning), both trained from ``initial``;
+    ``bound``: each parameter's reorder bound (:func:`bounds`; ``REORDER_BOUND`` for any other tensor)."""
+    bound = bound or {}
+    problem = _structural(got, want)
+    if problem:
+        return Verdict("differs", problem)
+    unequal = [k for k in want if not torch.equal(got[k], want[k])]
+    if not unequal:
+        return Verdict("exact", "every parameter and buffer torch.equal to plain Lightning")
+    n = f"{len(unequal)}/{len(want)} tensors differ"
+    if kind == "exact":
+        worst, worst_key = _worst([(_relative(got, want, initial, k), k) for k in unequal])
+        return Verdict("differs", f"expected bit-identical; {n}; worst {worst_key}: |diff|/|update| = {worst:.3g}", worst)
+    noise = sorted(k for k in unequal if bound.get(k, REORDER_BOUND) >= 1.0)
+    note = (f"; {len(noise)} tensor(s) checked for finiteness only (a numerically zero gradient, or moved by a one-ulp "
+            "nudge of the initial weights about as much as by training) "
+            f"({', '.join(k.split(':', 1)[1] for k in noise[:3])}{', ...' if len(noise) > 3 else ''})" if noise else "")
+    rows = [(_relative(got, want, initial, k), bound.get(k, REORDER_BOUND), k) for k in unequal if k not in noise]
+    ratio, rel, b, key = max(((r / b, r, b, k) for r, b, k in rows), default=(0.0, 0.0, REORDER_BOUND, "-"))
+    if kind == "reorder":
+        at = f"{key}: |diff|/|update| = {rel:.2g}, bound {b:.2g}"
+        if ratio <= 1.0:
+            return Verdict("close", f"worst {at}; {n}{note}; {reason}", rel)
+        return Verdict("differs", f"beyond the rounding bound at {at}; {n}{note}", rel)
+    if kind != "precision" or want_fp32 is None:
+        raise ValueError(f"unknown comparison {kind!r} (or no fp32 run for 'precision')")
+    return _precision(got, want, want_fp32, initial, bound, noise, precision, reason, f"{n}{note}", rel)
+
+
+def _precision(got: State, want: State, want_fp32: State, initial: State, bound: dict[str, float], noise: list[str],
+               precision: str, reason: str, n: str, worst: float) -> Verdict:
+    rows, ours_total, bound_total = [], 0.0, 0.0
+    for k in want:
+        if not want[k].is_floating_point() or k in noise:
+            continue
+        ours = _norm(got[k] - want_fp32[k])
+        plains = _norm(want[k].float() - want_fp32[k])
+        allowance = bound.get(k, REORDER_BOUND) * _norm(want_fp32[k] - initial[k].float()) if k in initial else 0.0
+        ours_total += ours**2
+        bound_total += (plains + allowance) ** 2
+        limit = PRECISION_FACTOR_TENSOR * plains + allowance
+        rows.append((ours / limit if limit > 0 else (0.0 if ours == 0 else float("inf")), k, ours, plains))
+    ratio, key, ours, plains = max(rows, default=(0.0, "-", 0.0, 0.0))
+    model = (ours_total / bound_total) ** 0.5 if bound_total > 0 else (0.0 if ours_total == 0 else float("inf"))
+    measured = (f"whole model {model:.2f}x plain {precision}'s distance from the fp32 run (bound {PRECISION_FACTOR:g}x); "
+                f"worst tensor {key}: |ours - fp32| = {ours:.3g}, |plain - fp32| = {plains:.3g} "
+                f"({ratio * PRECISION_FACTOR_TENSOR:.2f}x, bound {PRECISION_FACTOR_TENSOR:g}x)")
+    if ratio <= 1.0 and model <= PRECISION_FACTOR:
+        return Verdict("close", f"{measured}; vs plain {precision}: max |diff|/|update| {worst:.2g}; {n}; {reason}",
+                       model)
+    return Verdict("differs", f"further from the fp32 run than plain {precision}: {measured}; {n}", model)
+
+
+def _relative(got: State, want: State, initial: State, k: str) -> float:
+    """|got - want| / |want - initial|, infinite where training did not move the tensor but the runs differ; a
+    BatchNorm running mean against the running standard deviation where that is larger (see the module's doc)."""
+    update = _norm(want[k].float() - initial[k].float()) if k in initial else _norm(want[k])
+    if k.endswith("running_mean") and k.replace("running_mean", "running_var") in want:
+        update = max(update, _norm(want[k.replace("running_mean", "running_var")].float().clamp(min=0).sqrt()))
+    diff = _norm(got[k].float() - want[k].float())
+    return diff / update if update > 0 else float("inf")
+
+
+def compare_values(got: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """Observables a Lightning callback decides with (chosen LR, batch size, stopped epoch, logged LRs): equal or a
+    message naming the first difference."""
+    for key in sorted(want.keys() | got.keys()):
+        if got.get(key) != want.get(key):
+            return f"{key}: {got.get(key)!r} vs plain {want.get(key)!r}"
+    return None

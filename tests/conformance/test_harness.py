@@ -1,0 +1,127 @@
+"""The conformance harness finds what it is there to find: a silent difference is ``differs``, an early refusal
+``refused``, a failure mid-run ``crash``, and rounding alone ``close`` (never ``differs``).
+
+Each test plants a known bug in an otherwise plain run (a callback that changes one gradient, a buffer, or raises) and
+runs it through the harness's own ``run_cell``, as the sweep does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from tests.conformance import compare
+from tests.conformance.cell import run_cell
+from tests.conformance.corpus import MODULES
+from tests.conformance.flags import Flag, Ref
+
+pytestmark = pytest.mark.integration
+
+
+class _ScaleGrad(Callback):
+    """Doubles the gradient of one parameter before every step (a contribution counted twice)."""
+
+    def __init__(self, name: str, factor: float = 2.0) -> None:
+        self.name, self.factor = name, factor
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        dict(pl_module.named_parameters())[self.name].grad.mul_(self.factor)
+
+
+class _BumpBatchNorm(Callback):
+    """Counts one batch more in a BatchNorm's ``num_batches_tracked`` (a second forward in train mode)."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        pl_module.backbone[0][1].num_batches_tracked += 1
+
+
+class _Raise(Callback):
+    def __init__(self, error: Exception, hook: str) -> None:
+        self.error, self.hook = error, hook
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.hook == "setup":
+            raise self.error
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.hook == "second_batch" and batch_idx == 1:
+            raise self.error
+
+
+def _flag(callback: Callback, **kwargs: Any) -> Flag:
+    return Flag("planted", callbacks=lambda spec: [callback], **kwargs)
+
+
+# NOTE: on an SGD module: Adam's update m / sqrt(v) is invariant to a gradient scaled the same way at every step
+# (measured: a doubled gradient moves an AdamW module's weights by 2e-6 of their update), which is why the corpus
+# holds SGD modules (cnn_bn, gru_lm, hf_resnet, hf_phi, hf_distilbert, ...) beside the Adam ones.
+@pytest.mark.parametrize("kind", ["exact", "reorder"])
+def test_a_doubled_gradient_contribution_differs(kind):
+    row = run_cell(MODULES["cnn_bn"], _flag(_ScaleGrad("head.bias"), compare=kind, reason="planted"))
+    assert row["verdict"] == "differs", row
+    assert "head.bias" in row["detail"]
+
+
+def test_a_gradient_one_percent_off_is_not_a_reordering():
+    row = run_cell(MODULES["cnn_bn"], _flag(_ScaleGrad("head.weight", 1.01), compare="reorder", reason="planted"))
+    assert row["verdict"] == "differs", row
+
+
+def test_a_batchnorm_counted_twice_differs():
+    row = run_cell(MODULES["cnn_bn"], _flag(_BumpBatchNorm(), compare="reorder", reason="planted"))
+    assert row["verdict"] == "differs" and "num_batches_tracked" in row["detail"], row
+
+
+def test_a_lost_gradient_at_half_precision_differs():
+    """bf16-true against plain bf16-true: the planted run is no further from fp32 anywhere but on that tensor."""
+    row = run_cell(MODULES["mlp"], _flag(_ScaleGrad("net.4.weight", 0.0), precision="bf16-true",
+                                         ref=Ref("bf16-true"), compare="precision", reason="planted"))
+    assert row["verdict"] == "differs" and "net.4.weight" in row["detail"], row
+
+
+def test_rounding_order_alone_is_close():
+    """The registered `lowmem_offload` (torch's fused AdamW kernel) against the for-loop kernel of plain Lightning."""
+    row = run_cell(MODULES["mlp"], Flag("fused", lambda: "lowmem_offload", compare="reorder", reason="fused kernel"))
+    assert row["verdict"] == "close", row
+    assert 0 < row["measured"] <= compare.REORDER_BOUND
+
+
+def test_a_refusal_is_the_suites_own_error_before_the_first_step_anything_else_a_crash():
+    from lightning_lowmem import LowBitOptimizer
+
+    refused = run_cell(MODULES["cnn_bn"], _flag(LowBitOptimizer()))  # SGD: no 8-bit equivalent
+    assert refused["verdict"] == "refused" and "no 8-bit equivalent" in refused["detail"], refused
+    # raised elsewhere (here: this file), after training started, or of another kind: a crash
+    for error, hook, when in [(ValueError("x"), "setup", "before the first step"),
+                              (ValueError("late"), "second_batch", "after 1 training batch"),
+                              (RuntimeError("boom"), "setup", "before the first step")]:
+        crashed = run_cell(MODULES["mlp"], _flag(_Raise(error, hook)))
+        assert crashed["verdict"] == "crash" and when in crashed["detail"], crashed
+
+
+def test_a_gradient_that_cancels_gets_a_rounding_bound_of_its_own():
+    """The bound grows as the gradient shrinks against the largest one; a zero gradient is finiteness only."""
+    bound = compare.bounds({"big": 1.0, "small": 1e-4, "zero": 0.0})
+    assert bound["param:big"] == compare.REORDER_BOUND and bound["param:small"] == pytest.approx(1e-2)
+    want = {"param:big": torch.tensor([1.0, 2.0]), "param:small": torch.tensor([0.5]), "param:zero": torch.tensor([1.0])}
+    initial = {k: torch.zeros_like(v) for k, v in want.items()}
+    got = {"param:big": want["param:big"].clone(), "param:small": torch.tensor([0.504]), "param:zero": torch.tensor([2.0])}
+    assert compare.compare(got, want, initial, "exact", bound=bound).verdict == "differs"
+    verdict = compare.compare(got, want, initial, "reorder", "r", bound=bound)
+    assert verdict.verdict == "close" and "finiteness only" in verdict.detail and "(zero)" in verdict.detail, verdict
+    got["param:small"] = torch.tensor([0.51])  # 2e-2 of its update: beyond its 1e-2
+    assert compare.compare(got, want, initial, "reorder", "r", bound=bound).verdict == "differs"
+    got["param:small"], got["param:zero"] = torch.tensor([0.5]), torch.tensor([float("nan")])
+    assert compare.compare(got, want, initial, "reorder", "r", bound=bound).verdict == "differs"
+
+
+def test_every_module_of_the_corpus_builds():
+    from tests.conformance.corpus import MODULES
+
+    for spec in MODULES.values():
+        module = spec.build()
+        module.configure_model()
+        assert sum(p.numel() for p in module.parameters()) > 0, spec.name
