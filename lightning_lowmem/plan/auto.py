@@ -18,7 +18,8 @@ from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.plan.hardware import PROFILES
 from lightning_lowmem.plan.output import trainer_yaml
 from lightning_lowmem.plan.recipes import technique_field
-from lightning_lowmem.plan.search import effective_batch, plan
+from lightning_lowmem.plan.search import plan
+from lightning_lowmem.plan.source import effective_batch
 
 #: what a device budget leaves free by default (CUDA context growth, allocator slack, fragmentation)
 DEFAULT_MARGIN = 0.1

@@ -168,7 +168,7 @@ def test_a_yamls_effective_batch_and_loss_normalisation_are_kept():
     from pathlib import Path
 
     from lightning_lowmem.plan.recipes import Recipe
-    from lightning_lowmem.plan.search import _Source
+    from lightning_lowmem.plan.source import Source as _Source
 
     problems: list[str] = []
     source = _Source.of(str(Path(__file__).parents[2] / "configs" / "demo.yaml"), None, None, None, problems)
