@@ -6,7 +6,8 @@ gradients and weights (``transfer``), steps on the host (``host_optimizer``) and
 strategy hands itself to the plugin through :meth:`MasterHalfPrecision.attach`.
 """
 
+from lightning_lowmem.strategies.offload.host_step import NonFiniteGradientError
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
-from lightning_lowmem.strategies.offload.strategy import NonFiniteGradientError, OffloadStrategy
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 __all__ = ["MasterHalfPrecision", "NonFiniteGradientError", "OffloadStrategy"]

@@ -20,8 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -37,17 +36,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
-from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core import preflight as _preflight
-from lightning_lowmem.core import resume_checks as _resume_checks
-from lightning_lowmem.core.accounting import (
-    MemoryBreakdown,
-    mark_host,
-    module_grad_bytes,
-    module_weight_bytes,
-    optimizer_state_bytes,
-    unique_storage_bytes,
-)
 from lightning_lowmem.core.checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.roles import HostMastersStrategy
@@ -66,20 +55,18 @@ from lightning_lowmem.strategies.offload import (
 )
 from lightning_lowmem.strategies.offload.checks import NONFINITE, NonFinite  # noqa: F401
 from lightning_lowmem.strategies.offload.host_optimizer import HostOptimizer
+from lightning_lowmem.strategies.offload.host_state import HostState
+from lightning_lowmem.strategies.offload.host_step import HostStep, NonFiniteGradientError  # noqa: F401  (imported from here too)
 from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
 from lightning_lowmem.strategies.offload.masters import HostMasters
-from lightning_lowmem.strategies.offload.masters_view import MastersView, copy_to_compute, wrap_hooks
+from lightning_lowmem.strategies.offload.masters_view import MastersView, wrap_hooks
 from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.transfer import HostTransfer, transfer_for
 
 log = logging.getLogger(__name__)
 
-class NonFiniteGradientError(FloatingPointError):
-    """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
-
-
-class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
+class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, SingleDeviceStrategy):
     """CPU-master training on one device: only the compute weights (and activations) stay on the accelerator.
 
     Memory on the device: 2 B/param for bf16/fp16 compute weights (4 B for ``"32-true"``) plus
@@ -430,234 +417,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             self._transfer.synchronize()
         if self._stream is not None:
             self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
-
-    # --- the step --------------------------------------------------------------------------------------------
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        self._manual.before_step()
-        model = model or self.lightning_module
-        assert isinstance(model, pl.LightningModule)
-        precision = self.precision_plugin
-        assert isinstance(precision, MasterHalfPrecision)
-        if self.optimizer_in_backward:
-            self._bad_in_backward = []
-            out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
-            # NOTE: value clipping happened per parameter; norm clipping is refused; the masters hold no gradient
-            precision.step_hooks(model, optimizer, clip=False)
-            precision.last_step_skipped = out is None or self._skip_backward
-            if self._skip_backward or self._bad_in_backward:
-                where = self._bad_in_backward or ["the loss"]
-                self._skip_backward = False
-                self._nonfinite_step(where[:3], len(where), model, whole=precision.last_step_skipped)
-            elif out is not None:
-                self._consecutive_skips = 0
-        else:
-            out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
-        if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/_manual_grads.py)
-            self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
-        elif not precision.last_step_skipped:
-            self._weights_to_device(optimizer)
-        if (self._guarding() and lightning_internals.attached_trainer(model) is not None
-                and lightning_internals.current_hook(model) is not None):
-            # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
-            model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
-        return out
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
-
-    # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
-    def _guarding(self) -> bool:
-        """Whether the guard runs: ``nonfinite != "ignore"`` and no fp16 loss scaler (which skips overflows itself)."""
-        return self.nonfinite != "ignore" and getattr(self.precision_plugin, "scaler", None) is None
-
-    def _nonfinite_step(self, names: list[str], count: int, model: pl.LightningModule, whole: bool = True) -> None:
-        """Count a step skipped for non-finite gradients; warn once; raise per ``nonfinite``/``max_consecutive_skips``."""
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
-        what = ", ".join(f"`{n}`" if not n.startswith(("the ", "tensor ")) else n for n in names)
-        more = f" and {count - len(names)} more" if count > len(names) else ""
-        if self.nonfinite == "raise":
-            raise NonFiniteGradientError(
-                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more} "
-                "(`OffloadStrategy(nonfinite='raise')`). Look for the batch or loss that produced it "
-                "(`Trainer(detect_anomaly=True)`), or pass `nonfinite='skip'` to skip such steps."
-            )
-        if self._consecutive_skips >= self.max_consecutive_skips:
-            raise NonFiniteGradientError(
-                f"lowmem_offload: {self._consecutive_skips} optimizer steps in a row had non-finite (inf/nan) gradients "
-                f"(the last at global step {step}, in {what}{more}); training is not progressing. Lower the learning "
-                "rate, check the data and the loss for inf/nan (`Trainer(detect_anomaly=True)`), or raise "
-                f"`OffloadStrategy(max_consecutive_skips={self.max_consecutive_skips})`."
-            )
-        if not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            partial = "" if whole else " (optimizer_in_backward: only those parameters' updates were skipped)"
-            warnings.warn(
-                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more}: skipped the "
-                f"optimizer step{partial}; the masters and the optimizer state are unchanged. Skips are counted in "
-                "`lowmem/skipped_steps`; this warning is shown once. "
-                f"{self.max_consecutive_skips} skips in a row raise an error.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def _host_step(self, optimizer: Optimizer) -> Any:
-        """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
-        if self._guarding():
-            found = self._masters.nonfinite_grads(optimizer)
-            if found is not None:
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        p.grad = None  # NOTE: the inf/nan gradient must not reach the next accumulation window
-                self.precision_plugin.last_step_skipped = True  # type: ignore[attr-defined]
-                self._nonfinite_step(*found, self.lightning_module)  # type: ignore[arg-type]
-                return None
-            self._consecutive_skips = 0
-        return self._raw_step(optimizer)
-
-    def _raw_step(self, optimizer: Optimizer) -> Any:
-        """``optimizer.step()`` on the host (with the fused kernel where it applies)."""
-        if self.host_optimizer != "as_is" and id(optimizer) not in self._fused:
-            # an optimizer swapped in after setup (e.g. by a callback in on_fit_start)
-            reason = _host_optimizer.why_not_fused(optimizer)
-            if reason is None:
-                self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
-            elif self.host_optimizer == "torch_fused":
-                raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer: {reason}. Use 'auto'.")
-        out = optimizer.step()
-        self._mark_state(optimizer)
-        return out
-
-    def _mark_state(self, optimizer: Optimizer, reset: bool = False) -> None:
-        """Count optimizer state created since the last call as host memory (each tensor marked once)."""
-        seen = self._state_marked.setdefault(id(optimizer), set())
-        if reset:
-            seen.clear()
-        if len(seen) == len(optimizer.state):
-            return
-        for p, state in optimizer.state.items():
-            if id(p) not in seen:
-                seen.add(id(p))
-                mark_host(*(v for v in state.values() if isinstance(v, Tensor)))
-
-    def _owner(self, p_host: Tensor) -> tuple[Optimizer, dict[str, Any]]:
-        """The optimizer and param group that hold ``p_host``, looked up in the *current* ``self.optimizers``."""
-        key = tuple(id(o) for o in self.optimizers)
-        if self._owner_cache is None or self._owner_cache[0] != key or id(p_host) not in self._owner_cache[1]:
-            table = {id(p): (opt, group) for opt in self.optimizers for group in opt.param_groups for p in group["params"]}
-            self._owner_cache = (key, table)
-        found = self._owner_cache[1].get(id(p_host))
-        if found is None:
-            raise RuntimeError(
-                f"Master of `{self._masters.names[self._masters.host_index[id(p_host)]]}` is in no optimizer of the strategy; an optimizer "
-                "swapped in after setup must hold the masters (`trainer.strategy.optimizers[i].param_groups`)."
-            )
-        return found
-
-    @torch.no_grad()
-    def _step_in_backward(self, i: int, grad: Tensor) -> None:
-        """Step master ``i`` alone, now, with the user's optimizer; then free its gradient."""
-        p_host = self._masters.p_host[i]
-        if self._skip_backward:
-            return  # NOTE: the loss was not finite (see `pre_backward`): no parameter steps in this backward
-        if self._guarding() and not bool(torch_internals.foreach_norm([grad])[0].isfinite()):
-            self._bad_in_backward.append(self._masters.names[i])
-            return
-        p_host.grad = grad.to(torch.float32)  # NOTE: a copy for half gradients; aliases an fp32 one (freed below)
-        if self._clip_value is not None:
-            p_host.grad.clamp_(-self._clip_value, self._clip_value)  # what clip_grad_value_ does, per parameter
-        optimizer, group = self._owner(p_host)
-        params = group["params"]
-        # NOTE: torch optimizers step every parameter of a group that has a gradient; giving the group this
-        # one parameter for the call makes the update (state, hyperparameters, schedulers) exactly the usual one.
-        group["params"] = [p_host]
-        try:
-            self._raw_step(optimizer)
-        finally:
-            group["params"] = params
-            p_host.grad = None
-
-    def _weights_to_device(self, optimizer: Optimizer) -> None:
-        self._to_compute(self._masters.pairs(optimizer))
-
-    def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
-        assert self._transfer is not None
-        copy_to_compute(self._transfer, self._stream, pairs)
-
-    # --- checkpoints -------------------------------------------------------------------------------------------
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""
-        module = self.lightning_module
-        assert module is not None
-        return self._masters.state_dict(module)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        _resume_checks.check_model(checkpoint, self.lightning_module)  # NOTE: another model's checkpoint, named
-        if self._stream is not None:
-            with self._stream.host_view():  # NOTE: streamed weights load into their host copies
-                super().load_model_state_dict(checkpoint, strict=strict)
-        else:
-            super().load_model_state_dict(checkpoint, strict=strict)
-        if self._masters.p_host:  # loaded after setup: the masters take the checkpoint's fp32 values too
-            self._masters.load_state_dict(checkpoint["state_dict"])
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # NOTE: unlike Strategy's, no `_optimizer_to_device(root_device)`: torch puts the state next to its
-        # parameters, which are the host masters.
-        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            _resume_checks.load_optimizer(optimizer, opt_state, _resume_checks.where(self.lightning_module.trainer))
-            if id(optimizer) in self._fused:
-                # NOTE: load_state_dict restores the groups' saved `fused`/`foreach` flags too; keep the host kernel
-                # this run chose, so a resumed run steps exactly like an uninterrupted one.
-                _host_optimizer.enable_fused(optimizer)
-            self._mark_state(optimizer, reset=True)  # load_state_dict made new state tensors
-
-    # --- memory report ------------------------------------------------------------------------------------------
-    def memory_breakdown(self) -> MemoryBreakdown:
-        """Bytes of compute weights and gradients on the device; masters, gradients, optimizer state on the host."""
-        out = MemoryBreakdown()
-        module = self.lightning_module
-        if module is not None:
-            out.add("device", "weights", module_weight_bytes(module))
-            out.add("device", "gradients", module_grad_bytes(module))
-        out.add("host", "optimizer_state", unique_storage_bytes(self._masters.p_host))  # fp32 masters
-        for opt in self.optimizers:
-            out.add("host", "optimizer_state", optimizer_state_bytes(opt))
-        masters = self._masters
-        host_grads = [g for g in masters.grad_host if g is not None] + [p.grad for p in masters.p_host if p.grad is not None]
-        out.add("host", "gradients", unique_storage_bytes(host_grads))
-        if self._transfer is not None:
-            out.add("host", "other", self._transfer.staging_bytes())
-        if self._stream is not None:
-            out.add("host", "weights", self._stream.host_bytes())  # the streamed blocks' compute copies
-        return out
-
-    def host_bytes_per_param(self) -> dict[str, float]:
-        """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included).
-
-        ``weights`` is the streamed blocks' compute copies (``offload_params``), ``optimizer_state`` the fp32 masters
-        plus the optimizer's state, ``other`` the pinned staging (CUDA).
-        """
-        numel = sum(p.numel() for p in self._masters.p_host)
-        host = self.memory_breakdown().host
-        out = {k: v / numel for k, v in host.items() if v} if numel else {}
-        out["total"] = sum(out.values())
-        return out
 
     # --- teardown ----------------------------------------------------------------------------------------------
     @override
