@@ -140,6 +140,22 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
         sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
+def _find_with_the_others(fullname: str, path: Any, target: Any) -> Any:
+    """The spec the import system would find without :class:`_AfterImport`: the first of the other meta-path finders.
+
+    NOTE: not ``PathFinder`` alone: editable installs and zipapps put their own finder on ``sys.meta_path``, and a
+    module only they find would be imported without the callback (the ``lowmem_*`` names never registered).
+    """
+    for finder in list(sys.meta_path):
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        spec = find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the loader of one module to run a callback after the module is executed."""
 
@@ -150,7 +166,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder again
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = _find_with_the_others(fullname, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader, callback = spec.loader, self.callback
