@@ -5,7 +5,7 @@ batch-norm net and a classifier updating torchmetrics metrics in ``training_step
 phase and role, CPU); "predicted" is the report's own prediction of the same run (``dry_run`` of the module and its
 first batch on fake tensors), plain fp32 and ``lowmem_offload`` (bf16 weights on the device, fp32 masters on the
 host). The ``uncorrected`` columns run the same dry run with torch's fake kernels as shipped and without the bounds
-for data-dependent ops (``lightning_lowmem.predict.kernels`` and ``_data_dependent`` switched off): what the
+for data-dependent ops (``lightning_lowmem.predict.kernels`` and ``predict.data_dependent`` switched off): what the
 prediction was before they existed.
 
     python benchmarks/run.py estimate_foreign            # every module at scale 4

@@ -48,7 +48,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         DiskFullError,
         StaleBuildLockError,
         LaunchError,
-        ArgumentError,  # jsonargparse's, raised instead of printing the usage text (see `_cli_errors`)
+        ArgumentError,  # jsonargparse's, raised instead of printing the usage text (see `cli.errors`)
     )
 
 

@@ -92,7 +92,7 @@ def atomic_write(
     Stale temp files of dead processes beside ``path`` are removed first (:func:`clean_orphans`). The file's
     permissions follow the process's umask, as ``open`` gives them (``mode`` forces others).
     ``digest=True`` appends the SHA-256 of what ``write`` wrote as the zip comment of a ``torch.save`` archive
-    (``_digest``; checked at load) and returns it. A full disk raises ``DiskFullError`` naming the device,
+    (``core.digest``; checked at load) and returns it. A full disk raises ``DiskFullError`` naming the device,
     the file, ``needed`` (an estimate of the bytes to write) and the free space, after removing the temp file.
     """
 

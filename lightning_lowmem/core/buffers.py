@@ -12,7 +12,7 @@ NOTE: BatchNorm's kernel writes its running statistics without bumping their ver
 forward changed a buffer cannot be told cheaply; every buffer of the block is copied, and the copies live until
 the block's backward. Blocks without buffers (Hugging Face transformer blocks) cost nothing.
 
-A step run outside the loop (a probe, a trial step) puts every buffer back instead: ``_kept_state``.
+A step run outside the loop (a probe, a trial step) puts every buffer back instead: ``core.kept_state``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Writes go through :func:`lightning_lowmem.core.atomic.atomic_write` (temp file i
 crash or a full disk mid-write leaves the previous checkpoint intact, and the ``.NAME.tmp-PID`` orphans
 of killed processes are removed at the next save. Remote (fsspec) paths use Lightning's own writer.
 
-Each saved file carries its SHA-256 as the zip comment (``_digest``; computed while it is written), and a
-full disk is named (``_disk_full``) instead of torch's ``unexpected pos ...``.
+Each saved file carries its SHA-256 as the zip comment (``core.digest``; computed while it is written), and a
+full disk is named (``core.disk_full``) instead of torch's ``unexpected pos ...``.
 
 Loads check the file before ``torch.load`` reads it, so that an empty, truncated, damaged (digest mismatch)
 or foreign file, or a DeepSpeed checkpoint directory, is an error naming the file and what to do instead of an

@@ -12,7 +12,7 @@ Two forms, both written by the atomic writers (:mod:`lightning_lowmem.core.atomi
 
 A file or directory without a digest (plain Lightning's, DeepSpeed's own) is read as before. The digest
 finds damage (flipped bits on disk, a copy that went wrong), not tampering: whoever can rewrite a
-checkpoint can rewrite its digest; what a load may execute is limited separately (``_trusted_load``).
+checkpoint can rewrite its digest; what a load may execute is limited separately (``core.trusted_load``).
 
 Cost: hashing runs at about 1.2 GiB/s on one core of the 2-core CI machine (``hashlib.sha256``), paid once
 per save (while writing) and once per load (a read before ``torch.load``'s, usually from the page cache).
@@ -43,7 +43,7 @@ class HashingWriter:
     """The file object a writer function gets: passes bytes on, hashes them, counts them, keeps the OSError.
 
     ``torch.save`` turns an ``OSError`` of ``write`` into a ``RuntimeError`` without the errno ("unexpected
-    pos ..."); ``error`` keeps the original so that a full disk can be named (``_disk_full``). The hash
+    pos ..."); ``error`` keeps the original so that a full disk can be named (``core.disk_full``). The hash
     leaves out the last 2 bytes seen (a zip archive's comment length, rewritten by :meth:`seal`).
 
     NOTE: only ``write`` and ``flush`` are offered: a writer that seeks would make the streamed hash wrong,

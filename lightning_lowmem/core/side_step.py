@@ -1,8 +1,8 @@
 """Running (part of) a user's ``training_step`` outside Lightning's loop: :func:`side_step` (private helper).
 
 Several techniques run the module's step themselves: ``ActivationCheckpointing`` measures what one forward saves
-(``_probe``), ``AccumulationScheduler(micro_batch_size="auto")`` times trial steps (``_micro_batch_search``), the
-out-of-memory splitter re-runs chunks of a batch (``_oom_split``), the dry run fits a fake copy
+(``callbacks.activation_checkpointing.probe``), ``AccumulationScheduler(micro_batch_size="auto")`` times trial steps (``callbacks.accumulation.micro_batch_search``), the
+out-of-memory splitter re-runs chunks of a batch (``callbacks.accumulation.oom_split``), the dry run fits a fake copy
 (``memory.fake``). Each piece of what such a step needs lives here once:
 
 - :func:`forked_rng`: the CPU generator (and the CUDA device's), Python's ``random`` and NumPy's global generator

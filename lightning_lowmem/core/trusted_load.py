@@ -5,7 +5,7 @@ shared directory) can run code the moment it is loaded. ``torch.load(weights_onl
 containers, primitives and an allow-list of classes. DeepSpeed 0.19 reads its own checkpoints with
 ``weights_only=False``; :func:`checked_loads` routes those reads (``Trainer.fit(ckpt_path=DIR)`` under a
 ``lowmem_zero*`` strategy, ``lowmem consolidate``) through a weights-only load, and checks each file
-against the directory's digest manifest (``_digest``) first.
+against the directory's digest manifest (``core.digest``) first.
 
 What DeepSpeed's files need beyond torch's own allow-list (found by writing real ZeRO-1/2/3 checkpoints, with
 and without optimizer/parameter offload, fp32 and bf16, on the CPU with DeepSpeed 0.19.8, and listing what

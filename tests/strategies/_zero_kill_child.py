@@ -149,7 +149,7 @@ def main() -> None:
     _atomic.replace_dir, _atomic._remove = replace, remove_half
     if phase == "mid_swap_fallback":
         _atomic._exchange = lambda a, b: False
-        _atomic.os.rename = rename_then_die  # NOTE: `_atomic` calls `os.rename`; only the fallback renames to `.old-`
+        _atomic.os.rename = rename_then_die  # NOTE: `core.atomic` calls `os.rename`; only the fallback renames to `.old-`
 
     class Report(L.Callback):
         def on_train_start(self, trainer, pl_module):

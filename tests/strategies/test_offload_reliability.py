@@ -418,7 +418,7 @@ def test_bad_ckpt_path_names_the_file_and_the_fix(tmp_path, kind, match):
 
 
 def test_state_bytes_table_is_the_analytic_one():
-    """The host-RAM check and the closed form read the one table of memory/optimizer_state.py, not copies."""
+    """The host-RAM check and the closed form read the one table of core/optimizer_state.py, not copies."""
     from lightning_lowmem.core import optimizer_state
     from lightning_lowmem.strategies.offload import host_bytes as _offload_host_bytes
 

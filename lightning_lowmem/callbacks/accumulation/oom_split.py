@@ -484,7 +484,7 @@ def _gib(n: int) -> str:
 
 
 def save_atomic(trainer: L.Trainer, path: Path) -> None:
-    """``trainer.save_checkpoint`` into a temp file beside ``path``, fsync-ed and renamed into place (``_atomic``)."""
+    """``trainer.save_checkpoint`` into a temp file beside ``path``, fsync-ed and renamed into place (``core.atomic``)."""
     tmp = _atomic.temp_path(path)
     _atomic.clean_orphans(path)
     trainer.save_checkpoint(tmp)

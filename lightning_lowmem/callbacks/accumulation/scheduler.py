@@ -421,7 +421,7 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
 
     def _warn_batch_norm(self, pl_module: L.LightningModule) -> None:
         norms = {type(m).__name__ for m in pl_module.modules() if isinstance(m, torch_internals.BatchNormBase)}
-        if norms and not self._warned_bn and self._drives_loader:  # OOMRecovery: no micro-batches (see _oom_split)
+        if norms and not self._warned_bn and self._drives_loader:  # OOMRecovery: no micro-batches (see callbacks.accumulation.oom_split)
             self._warned_bn = True
             rank_zero_warn(
                 f"AccumulationScheduler: the model has {', '.join(sorted(norms))} layers; they normalise over each "

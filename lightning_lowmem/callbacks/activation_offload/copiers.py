@@ -1,4 +1,4 @@
-"""The copy seam of the saved-tensor offload engine (``_offload_engine``): where the bytes actually move.
+"""The copy seam of the saved-tensor offload engine (``callbacks.activation_offload.engine``): where the bytes actually move.
 
 :class:`SyncCopier` makes plain synchronous copies (the CPU path, fully tested); :class:`StreamCopier` copies on a
 side stream into host buffers (pinned where the ops pin), synchronised with events: on CUDA through

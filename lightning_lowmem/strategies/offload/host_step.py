@@ -64,7 +64,7 @@ class HostStep:
                 self._consecutive_skips = 0
         else:
             out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
-        if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/_manual_grads.py)
+        if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/offload/manual_grads.py)
             self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
         elif not precision.last_step_skipped:
             self._weights_to_device(optimizer)

@@ -26,7 +26,7 @@ wrappers and the hooks of other techniques as they are. A checkpointed block sav
 forward (the checkpoint's own hooks are innermost) and recomputes after the output-gradient hook fetched it.
 
 NOTE: [in-place changes] The hooks turn off autograd's check that a saved tensor was not changed in place; the
-unpack makes it (``_saved_versions``). A block's forward that changes one of its streamed weights in place
+unpack makes it (``core.saved_versions``). A block's forward that changes one of its streamed weights in place
 (a clamp, a renormalisation) is refused when it returns: the fetched copy it changed is dropped at release,
 so the change would be lost. A change through ``.data`` bumps no version counter: neither plain PyTorch nor
 this check sees it, and under streaming it is lost.

@@ -1,6 +1,6 @@
 """``lowmem_offload``: half-precision compute weights on the accelerator; fp32 masters, gradients and optimizer on the host.
 
-The flow of one optimizer step (the README's ``lowmem_offload`` section tells it for users):
+The flow of one optimizer step (for users: docs/techniques/offload.md; docs/design.md tells it as well):
 
 1. ``setup``: the user's optimizer is built by ``configure_optimizers`` over the fp32 module; the fp32
    weights are copied once to the host as masters; the optimizer's param groups are re-pointed at
@@ -81,11 +81,11 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     fp16 uses dynamic loss scaling that skips overflowing steps). Any torch optimizer and LR scheduler
     from ``configure_optimizers`` keeps working; gradient clipping (norm and value) and gradient
     accumulation work on the masters. Code written for the fp32 module sees the fp32 masters through the module's
-    own parameters (``.data`` swapped for the call, see ``strategies/_masters_view.py``): the gradient hooks
+    own parameters (``.data`` swapped for the call, see ``strategies/offload/masters_view.py``): the gradient hooks
     (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) with their ``.grad``, every
     hook of Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``), ``zero_grad()`` of the
     module, and in manual optimization ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next
-    forward (``strategies/_manual_grads.py``); your own such code: ``with trainer.strategy.masters_view():``.
+    forward (``strategies/offload/manual_grads.py``); your own such code: ``with trainer.strategy.masters_view():``.
     Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
 
     Args:
@@ -199,8 +199,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._hooks: list[Any] = []
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
-        self._view: MastersView | None = None  # see strategies/_masters_view.py
-        self._manual = ManualGrads()  # manual optimization: the gradients until the step (strategies/_manual_grads.py)
+        self._view: MastersView | None = None  # see strategies/offload/masters_view.py
+        self._manual = ManualGrads()  # manual optimization: the gradients until the step (strategies/offload/manual_grads.py)
         self._unwrap: Callable[[], None] = lambda: None
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
@@ -325,7 +325,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
                 + "\n- ".join(problems)
             )
 
-    # --- masters and their host RAM (see strategies/_host_masters.py, strategies/_offload_host_bytes.py) -------
+    # --- masters and their host RAM (see strategies/offload/masters.py, strategies/offload/host_bytes.py) -------
     def host_bytes_needed(
         self,
         module: torch.nn.Module,

@@ -13,7 +13,7 @@ file, so that resume and ``lowmem consolidate`` fail with that instead of ``EOFE
 Integrity and disk-full (:func:`recorded_saves`): while DeepSpeed saves, its ``torch.save`` calls write through
 ``_digest.HashingWriter``, so each file's SHA-256 is computed as it is written (each rank its own shards; a
 ``.NAME.lowmem-sha256`` note beside each file hands it to the rank that writes ``lowmem_manifest.json`` last).
-A full disk is named (``_disk_full``) instead of torch's ``unexpected pos ...``, and the temporary directory is
+A full disk is named (``core.disk_full``) instead of torch's ``unexpected pos ...``, and the temporary directory is
 removed so that the space is given back. Loads go through ``_trusted_load.checked_loads``: weights-only, and
 each file checked against the manifest.
 """

@@ -40,7 +40,7 @@ class ZeroCheckpoints:
         """DeepSpeed's directory checkpoint, written to ``.NAME.tmp-PID/`` beside ``filepath``, fsync-ed, swapped in.
 
         The previous checkpoint at ``filepath`` stays complete until the new one is; a process killed midway
-        leaves at most the temp directory, removed at the next save (see ``_zero_checkpoint``).
+        leaves at most the temp directory, removed at the next save (see ``strategies.zero.checkpoint``).
         """
         if storage_options is not None or not lightning_internals.is_local_file_protocol(filepath):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # the parent refuses storage_options
@@ -88,7 +88,7 @@ class ZeroCheckpoints:
             if readable is None:
                 raise
             raise readable from err
-        _zero_resume.replay_cpu_adam_steps(self.deepspeed_engine.optimizer)  # NOTE: see `_zero_resume`
+        _zero_resume.replay_cpu_adam_steps(self.deepspeed_engine.optimizer)  # NOTE: see `strategies.zero.resume`
         return checkpoint
 
 

@@ -91,7 +91,7 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         cpu_optimizer: with offload, replace ``torch.optim.Adam``/``AdamW`` by ``DeepSpeedCPUAdam``.
         check_host_memory: with offload, refuse to start when the host RAM DeepSpeed will allocate on this
             machine (every local process's pinned and pageable buffers and optimizer state, see
-            ``_zero_host_bytes``) is more than this process may use (available RAM, cgroup limit, ``ulimit -v``).
+            ``strategies.zero.host_bytes``) is more than this process may use (available RAM, cgroup limit, ``ulimit -v``).
         gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value (the master)
             back into the module, so ``module.state_dict()`` and plain-PyTorch use see the trained weights. Without
             it the parameters stay partitioned (empty) after fit, and the first ``state_dict()`` of them warns,
