@@ -26,6 +26,7 @@ from lightning_lowmem.callbacks.accumulation.window import (
     _positive_int,
     lightning_accumulation,
 )
+from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.units import parse_bytes
@@ -330,7 +331,7 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
                 "on one process would leave the others waiting in a gradient all-reduce; pass `on_oom='raise'`"
             )
         in_backward = getattr(trainer.strategy, "optimizer_in_backward", False) or any(
-            type(c).__name__ == "OptimizerInBackward" for c in trainer.callbacks
+            isinstance(c, OptimizerInBackward) for c in trainer.callbacks
         )
         if explicit and in_backward:
             problems.append(
