@@ -183,7 +183,7 @@ def test_baseline_uses_the_modules_own_optimizer(tmp_path):
 
 
 def test_a_failed_prediction_is_reported_not_raised(tmp_path, monkeypatch):
-    import lightning_lowmem.predict.dry_run as dry_run_module
+    import lightning_lowmem.report.memory_report as dry_run_module  # NOTE: where MemoryReport reads `dry_run` from
 
     def broken(*args, **kwargs):
         raise RuntimeError("no trace today")
