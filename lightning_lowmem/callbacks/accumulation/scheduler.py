@@ -314,7 +314,7 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
             trainer.callbacks.insert(0, self)
 
     _drives_loader = True  # OOMRecovery: the loader's batch is the window, untouched
-    _epoch_start_step = 0  # global_step when this epoch started (the progress bar's count; see `_progress`)
+    _epoch_start_step = 0  # global_step when this epoch started (the progress bar's count; see `progress`)
 
     def _check_on_oom(self, trainer: L.Trainer) -> list[str]:
         """Resolve ``on_oom=None`` and say why an explicit ``"split"`` cannot run here."""

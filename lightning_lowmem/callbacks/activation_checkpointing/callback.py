@@ -68,7 +68,7 @@ class ActivationCheckpointing(Reproducible, Callback):
           the same recompute; ``"sqrt"`` pays off when block boundaries are as large as the blocks.
         - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap
           element-wise ops are recomputed (PyTorch's selective activation checkpointing). Blocks holding a
-          recurrent layer are recomputed whole; an in-place change of a kept output is refused (see ``_selective``).
+          recurrent layer are recomputed whole; an in-place change of a kept output is refused (see ``selective``).
         - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings
           the activations under the budget, from activation sizes measured on the first training batch
           (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
@@ -321,7 +321,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             name, module = self._block_list[i]
             whole = holds_recurrent_layer(module) if selective else None
             if whole is not None:
-                # NOTE: a recurrent layer's CPU kernel modifies its matmul outputs in place (see `_selective`):
+                # NOTE: a recurrent layer's CPU kernel modifies its matmul outputs in place (see `selective`):
                 # the block is recomputed whole, as under policy="all"
                 rank_zero_info(f"ActivationCheckpointing(policy='selective'): `{name}` holds an {whole}, whose "
                                "kernel modifies its matmul outputs in place; it is recomputed whole instead.")

@@ -275,7 +275,7 @@ class ParamStream:
             self.ops.synchronize(self._last_event)
 
     def first_use_check(self, kind: str) -> contextlib.AbstractContextManager:
-        """On the first ``kind`` step: refuse any op that reads a released streamed weight (see ``_stream_check``)."""
+        """On the first ``kind`` step: refuse any op that reads a released streamed weight (see ``stream_check``)."""
         if kind in self._checked or not any(self.params) or self._compiled:
             return contextlib.nullcontext()
         from lightning_lowmem.strategies.offload.stream_check import ReleasedReadCheck
