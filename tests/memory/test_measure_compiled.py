@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.measure.tracker import MemoryTracker
 
 
 def test_a_compiled_function_is_compiled_and_its_output_counted_under_the_tracker():

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 pytestmark = pytest.mark.integration
 STEPS = 4
@@ -247,7 +247,7 @@ def test_only_the_users_overridden_hooks_are_wrapped():
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_lowmem import MemoryReport
-    from lightning_lowmem.strategies._masters_view import wrap_grad_readers
+    from lightning_lowmem.strategies.offload.masters_view import wrap_grad_readers
 
     spy, others, module = GradSpy(), [ModelCheckpoint(), MemoryReport(predict=False, plot=False)], Clipped()
     undo = wrap_grad_readers([spy, *others], module, view=None)  # type: ignore[arg-type]  (never opened here)

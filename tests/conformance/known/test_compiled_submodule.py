@@ -9,7 +9,7 @@
 - ``MemoryReport`` (sampled steps): weights differed from the run without it by ~3e-6 of the update. Cause
   (confirmed): dynamo skips every frame while a ``TorchDispatchMode`` whose ``ignore_compile_internals()`` is False
   is on the stack, so the compiled region ran eagerly in the sampled steps. Fixed: the tracker's mode ignores compile
-  internals (``memory/measure.py``, [compiled regions]): the compiled code runs as untracked; this test passes.
+  internals (``measure/tracker.py``, [compiled regions]): the compiled code runs as untracked; this test passes.
 
 Found by the conformance sweep (module ``compiled_submodule``). Both are rounding differences, not lost terms; the
 README claims bit-identity for both, so either the claim names the torch.compile exception or the paths are aligned.
