@@ -45,3 +45,30 @@ def test_memory_report_with_a_compiled_submodule_matches_plain(tmp_path):
     torch.compiler.reset()
     report = MemoryReport(every_n_steps=1, predict=False, plot=False, save_dir=tmp_path)
     assert not differing(train(Compiled, callbacks=[report]), plain)
+
+
+class CompiledTrunk(Classifier):
+    """The conformance corpus's compiled module: a conv stem, a compiled trunk, an eager head (16x16 images)."""
+
+    def __init__(self) -> None:
+        from tests.conformance.corpus_nets import CompiledSubmodule
+
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 3, (16,), generator=g))
+        super().__init__(CompiledSubmodule(), data, lambda params: torch.optim.AdamW(params, lr=2e-3))
+
+
+@pytest.mark.xfail(strict=True, reason="lowmem_offload + ActivationCheckpointing crash on a compiled submodule")
+def test_offload_with_activation_checkpointing_of_a_compiled_submodule_runs():
+    """Found when the MemoryReport fix let the compiled trunk run compiled in the recipe cells: with
+    ``ActivationCheckpointing("sqrt")`` under ``lowmem_offload`` at ``bf16-mixed`` (no MemoryReport) the first step
+    fails inside the compiled code ("expected size 32==32, stride 1==32": a fake kernel's strides); the same at
+    ``bf16-true`` with ``ActivationCheckpointing("all")`` fails in the recomputation (``CheckpointError``: other
+    metadata). Plain Lightning with the same callback runs. Cause not looked for yet."""
+    from lightning_lowmem import ActivationCheckpointing
+
+    plain = train(CompiledTrunk, callbacks=[ActivationCheckpointing("sqrt")])
+    torch.compiler.reset()
+    got = train(CompiledTrunk, precision="bf16-mixed", strategy=OffloadStrategy(host_optimizer="as_is"),
+                callbacks=[ActivationCheckpointing("sqrt")])
+    assert got.keys() == plain.keys()
