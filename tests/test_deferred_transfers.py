@@ -358,6 +358,7 @@ def test_deferred_param_stream_host_view_waits_for_queued_fetches():
     stream.detach_weights()
     stream.attach()
     stream._pre(0)  # block 0 ready, blocks 1 and 2 prefetched: their copies are queued, not landed
+    stream._post(0, None)  # NOTE: pops the saved-tensor hooks `_pre` pushed (they are process-wide)
     assert ops.in_flight() > 0
     with stream.host_view():
         assert ops.in_flight() == 0  # every fetch landed before the host copies can be written

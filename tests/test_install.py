@@ -64,7 +64,7 @@ print(json.dumps({
     "scripts": sorted(f"{e.name}={e.value}" for e in dist.entry_points if e.group == "console_scripts"),
     "extras": sorted(dist.metadata.get_all("Provides-Extra") or []),
     "py_typed": (package / "py.typed").is_file(),
-    "shapes": sorted(p.name for p in (package / "memory" / "shapes").glob("*.json")),
+    "shapes": sorted(p.name for p in (package / "predict" / "shapes").glob("*.json")),
     "unsatisfied": missing,
 }))
 """

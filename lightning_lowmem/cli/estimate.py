@@ -194,10 +194,10 @@ def data_problems(args: argparse.Namespace, init_args: dict[str, Any], module_cl
 def _check(args: argparse.Namespace, init_args: dict[str, Any]
            ) -> tuple[int | None, list[tuple[str, dict[str, Any]]], Any, Any]:
     """Every problem with the arguments at once, before anything is traced."""
-    from lightning_lowmem.predict.estimate import COMBINATIONS, _module_class
+    from lightning_lowmem.predict.estimate import COMBINATIONS, module_class
 
     problems: list[str] = []
-    data, data_issues = data_problems(args, init_args, _module_class(args.model) if args.model else None)
+    data, data_issues = data_problems(args, init_args, module_class(args.model) if args.model else None)
     problems += data_issues
     budget = None
     if args.budget is not None:

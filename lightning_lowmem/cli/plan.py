@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"lowmem plan: error: {err}\n")
     args = parser.parse_args(glue_values(rest, ("--device-memory", "--host-memory")))
     from lightning_lowmem.plan.search import NoRecipeFitsError, plan
-    from lightning_lowmem.predict.estimate import _module_class
+    from lightning_lowmem.predict.estimate import module_class as _module_class
 
     problems = _check(args)
     model = args.config

@@ -140,7 +140,7 @@ def test_bitsandbytes_4bit_kernel_notice_dropped_from_our_import_only():
 
     notice = "Failed to load CPU gemm_4bit_forward"
     ours = subprocess.run(
-        [sys.executable, "-c", ("from lightning_lowmem.core.hooks import require; require('bitsandbytes', 'test')\n"
+        [sys.executable, "-c", ("from lightning_lowmem.core.optional import require; require('bitsandbytes', 'test')\n"
          "import logging; assert not logging.getLogger('bitsandbytes.backends.cpu.ops').filters")],
         capture_output=True, text=True, check=False,
     )

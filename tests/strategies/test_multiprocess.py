@@ -87,7 +87,11 @@ def _fit(kind: str, out: Path) -> None:
         params = dict(module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
             state = {n: p.detach().clone() for n, p in params.items()}
-        optimizer = type(trainer.strategy.optimizers[0].optimizer).__name__
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        inner = trainer.strategy.optimizers[0].optimizer
+        # NOTE: the swapped optimizer keeps the user's class name (LearningRateMonitor's key): ask its type
+        optimizer = "DeepSpeedCPUAdam" if isinstance(inner, DeepSpeedCPUAdam) else type(inner).__name__
     else:
         state = {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
         optimizer = type(trainer.strategy.optimizers[0]).__name__
