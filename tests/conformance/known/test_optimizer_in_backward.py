@@ -1,8 +1,8 @@
 """The step-in-backward techniques (``OptimizerInBackward``, ``OffloadStrategy(optimizer_in_backward=True)``) train
-silently differently from plain Lightning, where their documentation promises a refusal, in four cases:
+silently differently from plain Lightning, where their documentation promises a refusal, in three cases (a fourth,
+a user's ``configure_gradient_clipping`` override under ``OffloadStrategy(optimizer_in_backward=True)`` once ignored,
+is fixed: its test below stays as a regression test):
 
-- a user's ``configure_gradient_clipping`` override under ``OffloadStrategy(optimizer_in_backward=True)`` is ignored
-  (the callback refuses an override, the strategy option does not);
 - Lightning's ``GradientAccumulationScheduler`` switching to accumulation at epoch 1: no refusal, the step still
   happens in every backward (documented: "also checked each epoch for accumulation schedulers");
 - Lightning's ``BackboneFinetuning`` unfreezing the backbone at epoch 1: the param group it adds is not stepped as
@@ -62,7 +62,6 @@ def _fresh(cls, **kwargs):
     return callback
 
 
-@pytest.mark.xfail(strict=True, reason="optimizer_in_backward=True ignores a configure_gradient_clipping override")
 def test_offload_optimizer_in_backward_with_a_clipping_override():
     _refused_or_same(ClipsItself, {"strategy": OffloadStrategy(optimizer_in_backward=True, host_optimizer="as_is")})
 
