@@ -119,9 +119,41 @@ def test_a_gradient_that_cancels_gets_a_rounding_bound_of_its_own():
 
 
 def test_every_module_of_the_corpus_builds():
+    """Every module builds, and a transformers family's model holds the sizes its corpus entry gives (a config that
+    kept a default, such as DistilBERT's 12 heads over a tiny ``dim``, fails every cell as ``n/a``)."""
     from tests.conformance.corpus import MODULES
+    from tests.conformance.corpus_hf import FAMILIES
 
     for spec in MODULES.values():
         module = spec.build()
         module.configure_model()
         assert sum(p.numel() for p in module.parameters()) > 0, spec.name
+    for family in FAMILIES:
+        config = MODULES[family.name].build().model.config
+        wrong = {k: (getattr(config, k, None), v) for k, v in family.config.items()
+                 if not k.startswith("_") and getattr(config, k, None) != v}
+        assert not wrong, f"{family.name}: (built, entry) {wrong}"
+
+
+def test_rerun_failed_picks_the_cells_whose_latest_row_failed_and_the_report_names_their_code(tmp_path):
+    """``--rerun-failed``: the latest row of a cell decides, at any fingerprint; a cell never run is re-run too. The
+    report labels each cell with the code it ran at and counts them in its headline."""
+    from tests.conformance.dryrun import CONFIGS
+    from tests.conformance.report import _codes, _provenance, latest
+    from tests.conformance.run import to_rerun
+    from tests.conformance.worker import append
+
+    store = tmp_path / "cells.jsonl"
+    plain, recipe = (f"dry_run:{c}" for c in CONFIGS)
+    for flag, verdict, fp in [(plain, "off", "old"), (plain, "ok", "new"), (recipe, "crash", "old")]:
+        append(store, {"module": "mlp", "flag": flag, "verdict": verdict, "fingerprint": fp, "finished": "t"})
+    append(store, {"session": "t", "seconds": 1.0, "fingerprint": "old", "commit": "abc123"})
+    assert latest(store)[("mlp", plain)]["verdict"] == "ok"
+    assert to_rerun(store, [("mlp", "dry_run", 2)], []) == {("mlp", recipe)}
+    assert to_rerun(store, [("cnn_bn", "dry_run", 2)], []) == {("cnn_bn", plain), ("cnn_bn", recipe)}  # never ran
+    rows = list(latest(store).values())
+    codes = _codes(rows, [{"fingerprint": "old", "commit": "abc123"}], "new")
+    text = _provenance({"codes": codes, "fingerprint": "new", "cells_at_current_code": 1, "cells_at_earlier_code": 1,
+                        "cells_never_run": 3})
+    assert text.startswith("1 of 2 cells ran at the current code (fingerprint `new`")
+    assert "1 carry the earlier fingerprint `old` (commit abc123" in text and "3 cells of the corpus never ran" in text
