@@ -75,6 +75,29 @@ def test_a_batchnorm_counted_twice_differs():
     assert row["verdict"] == "differs" and "num_batches_tracked" in row["detail"], row
 
 
+class _NudgeBatchNorm(Callback):
+    """Moves a BatchNorm running statistic by 2 % of its scale after every batch (the running std for the mean, the
+    variance itself for the variance): far less than a second momentum update, far more than rounding."""
+
+    def __init__(self, buffer: str) -> None:
+        self.buffer = buffer
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        norm = pl_module.backbone[0][1]
+        if self.buffer == "running_mean":
+            norm.running_mean.add_(0.02 * norm.running_var.sqrt())
+        else:
+            norm.running_var.mul_(1.02)
+
+
+@pytest.mark.parametrize("buffer", ["running_mean", "running_var"])
+def test_a_running_statistic_two_percent_off_differs(buffer):
+    """A running statistic is judged at the scale of what it averages, not its own update (``compare.py``): a 2 %
+    change at that scale is no reordering."""
+    row = run_cell(MODULES["cnn_bn"], _flag(_NudgeBatchNorm(buffer), compare="reorder", reason="planted"))
+    assert row["verdict"] == "differs" and buffer in row["detail"], row
+
+
 def test_a_lost_gradient_at_half_precision_differs():
     """bf16-true against plain bf16-true: the planted run is no further from fp32 anywhere but on that tensor."""
     row = run_cell(MODULES["mlp"], _flag(_ScaleGrad("net.4.weight", 0.0), precision="bf16-true",
