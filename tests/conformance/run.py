@@ -139,8 +139,10 @@ def commit() -> str:
     return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else "")
 
 
-def to_rerun(store: Path, tasks: list[tuple[str, str, int]], flags: list[str]) -> set[tuple[str, str]]:
-    """(module, cell) of the sweep whose latest row, at any fingerprint, is FAILING, or that never ran."""
+def to_rerun(store: Path, tasks: list[tuple[str, str, int]], flags: list[str], which: str = "all") -> set[tuple[str, str]]:
+    """(module, cell) of the sweep whose latest row, at any fingerprint, is FAILING, or that never ran; ``which``:
+    ``known`` only those a ``known_bugs.py`` entry explains, ``unknown`` only the others (``all``: both)."""
+    from tests.conformance.known_bugs import classify
     from tests.conformance.report import latest
 
     rows = latest(store)
@@ -149,7 +151,9 @@ def to_rerun(store: Path, tasks: list[tuple[str, str, int]], flags: list[str]) -
         for f, c in cells(module, group, flags):
             row = rows.get((module, _name(f, c)))
             if row is None or row["verdict"] in FAILING:
-                out.add((module, _name(f, c)))
+                known = row is not None and classify(row) is not None
+                if which == "all" or (which == "known") == known:
+                    out.add((module, _name(f, c)))
     return out
 
 
@@ -162,7 +166,7 @@ def sweep(args: argparse.Namespace) -> None:
         store.write_text("".join(line + "\n" for line in kept))
     tasks = _tasks(args.modules, args.groups, args.flags)
     finished = done(store, fp)
-    wanted = to_rerun(store, tasks, args.flags) if args.rerun_failed else None
+    wanted = to_rerun(store, tasks, args.flags, args.which) if args.rerun_failed else None
     if wanted is not None:
         tasks = [(m, g, n) for m, g, n in tasks if any((m, _name(f, c)) in wanted for f, c in cells(m, g, args.flags))]
         print(f"--rerun-failed: {len(wanted)} cells whose latest row is {'/'.join(FAILING)} or missing, "
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="re-run cells already done with this code")
     parser.add_argument("--rerun-failed", action="store_true", help="re-run only the cells whose latest row (any "
                         f"code) is {'/'.join(FAILING)}, and those never run")
+    parser.add_argument("--which", choices=("all", "known", "unknown"), default="all", help="with --rerun-failed: "
+                        "only the failing cells a known_bugs.py entry explains (known), only the others (unknown)")
     parser.add_argument("--report", action="store_true", help="only rewrite conformance.json/.md from the store")
     parser.add_argument("--store", default=str(STORE))
     parser.add_argument("--results", default="", help="the report's directory (default: benchmarks/results for the "
