@@ -99,6 +99,22 @@ def _bnb_optimizers(module: L.LightningModule) -> None:
     module.configure_optimizers = configure_optimizers
 
 
+def _fused_optimizers(module: L.LightningModule) -> None:
+    """Plain Lightning with torch's fused CPU kernel: ``fused=True`` (``foreach=False``) on the fp32 groups of the
+    module's own Adam/AdamW (a user's one-argument change; a half-precision group keeps its kernel)."""
+    original = module.configure_optimizers
+
+    def configure_optimizers() -> Any:
+        optimizer = original()
+        if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            for group in optimizer.param_groups:
+                if all(p.dtype in (torch.float32, torch.float64) for p in group["params"]):
+                    group.update(fused=True, foreach=False)
+        return optimizer
+
+    module.configure_optimizers = configure_optimizers
+
+
 def initial_state(spec: ModuleSpec) -> compare.State:
     """The weights and buffers a run starts from; also by ``state_dict`` key (``state:NAME``, tied weights under each
     of their names, as a checkpoint holds them)."""
@@ -112,7 +128,8 @@ def initial_state(spec: ModuleSpec) -> compare.State:
 
 
 def fit(spec: ModuleSpec, *, strategy: Any = None, precision: str = "32-true", callbacks: list[Any] = (),
-        accumulate: int = 1, batches_per_step: int = 1, bnb: bool = False, companion: Companion | None = None,
+        accumulate: int = 1, batches_per_step: int = 1, bnb: bool = False, fused: bool = False,
+        companion: Companion | None = None,
         trainer_hook: Any = None) -> Outcome:
     """One ``Trainer.fit`` of a fresh ``spec`` module for ``STEPS`` optimizer steps (or the companion's schedule)."""
     started = time.perf_counter()
@@ -135,6 +152,8 @@ def fit(spec: ModuleSpec, *, strategy: Any = None, precision: str = "32-true", c
             module = spec.build()
             if bnb:
                 _bnb_optimizers(module)
+            if fused:
+                _fused_optimizers(module)
             trainer = L.Trainer(
                 accelerator="cpu", devices=1, strategy=strategy if strategy is not None else "auto",
                 precision=precision, callbacks=[*callbacks, *extra_callbacks, probe], accumulate_grad_batches=accumulate,
@@ -164,7 +183,7 @@ def reference(spec: ModuleSpec, ref: Ref, companion: Companion | None) -> Outcom
     key = (spec.name, ref.key, companion.name if companion else "")
     if key not in REFERENCES:
         REFERENCES[key] = fit(spec, precision=ref.precision, accumulate=ref.accumulate, batches_per_step=ref.accumulate,
-                              bnb=ref.bnb, companion=companion)
+                              bnb=ref.bnb, fused=ref.fused, companion=companion)
     return REFERENCES[key]
 
 
@@ -188,7 +207,7 @@ def sensitivity(spec: ModuleSpec, ref: Ref, companion: Companion | None) -> Outc
     key = (spec.name, ref.key + "+nudged", companion.name if companion else "")
     if key not in REFERENCES:
         REFERENCES[key] = fit(_nudged(spec), precision=ref.precision, accumulate=ref.accumulate,
-                              batches_per_step=ref.accumulate, bnb=ref.bnb, companion=companion)
+                              batches_per_step=ref.accumulate, bnb=ref.bnb, fused=ref.fused, companion=companion)
     return REFERENCES[key]
 
 

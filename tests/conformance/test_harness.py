@@ -180,3 +180,15 @@ def test_rerun_failed_picks_the_cells_whose_latest_row_failed_and_the_report_nam
                         "cells_never_run": 3})
     assert text.startswith("1 of 2 cells ran at the current code (fingerprint `new`")
     assert "1 carry the earlier fingerprint `old` (commit abc123" in text and "3 cells of the corpus never ran" in text
+
+
+def test_a_tensor_checked_for_finiteness_only_leaves_the_precision_bound_finite():
+    """A tensor with an unbounded rounding bound (a numerically zero gradient) that both runs leave equal adds no
+    allowance to the whole-model bound (it once added inf * 0 = nan, and every such cell read as infinitely far)."""
+    initial = {"param:a": torch.tensor([0.0, 0.0]), "param:z": torch.tensor([1.0])}
+    want = {"param:a": torch.tensor([1.0, 2.0]), "param:z": torch.tensor([1.0])}
+    fp32 = {"param:a": torch.tensor([1.01, 2.01]), "param:z": torch.tensor([1.0])}
+    got = {"param:a": torch.tensor([1.005, 2.0]), "param:z": torch.tensor([1.0])}
+    bound = {"param:a": compare.REORDER_BOUND, "param:z": float("inf")}
+    verdict = compare.compare(got, want, initial, "precision", "r", want_fp32=fp32, precision="bf16-true", bound=bound)
+    assert verdict.verdict == "close", verdict
