@@ -38,6 +38,10 @@ REPRODUCED = [
           _K + "test_backbone_finetuning_offload.py"),
     Known(".*", r"lowmem_zero.* \+ LearningRateFinder$", "lowmem_zero* + LearningRateFinder: torch's TypeError "
           "instead of a refusal", _K + "test_zero_lightning_callbacks.py"),
+    Known(".*", r"lowmem_zero3.* \+ EMAWeightAveraging$", "lowmem_zero3* + EMAWeightAveraging: size mismatch in "
+          "torch's swa_utils (averaging a partitioned module) instead of a refusal; the reproduction's small net no "
+          "longer shows it (its parameters stay under ZeRO-3's persistence threshold, unpartitioned), hf_gpt2 does",
+          _K + "test_zero_lightning_callbacks.py", verdicts=("crash",)),
     Known(".*", r"lowmem_zero._offload.* \+ LearningRateMonitor$", "the _offload presets' optimizer swap renames "
           "LearningRateMonitor's lr-AdamW to lr-DeepSpeedCPUAdam", _K + "test_zero_lightning_callbacks.py",
           detail=r"lr-DeepSpeedCPUAdam"),
