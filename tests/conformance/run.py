@@ -158,7 +158,7 @@ def to_rerun(store: Path, tasks: list[tuple[str, str, int]], flags: list[str], w
 
 
 def sweep(args: argparse.Namespace) -> None:
-    fp = fingerprint()
+    fp, at = fingerprint(), commit()  # NOTE: the commit when the sweep starts (its code), not when it ends
     store = Path(args.store)
     store.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and store.exists():
@@ -191,7 +191,7 @@ def sweep(args: argparse.Namespace) -> None:
                 print(f"    {time.time() - t0:.0f} s", flush=True)
     finally:
         append(store, {"session": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - started, 1),
-                       "fingerprint": fp, "commit": commit(), "argv": sys.argv[1:]})
+                       "fingerprint": fp, "commit": at, "argv": sys.argv[1:]})
     from tests.conformance.report import write
 
     write(store, fp, _results(store, args.results))
