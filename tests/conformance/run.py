@@ -151,7 +151,7 @@ def to_rerun(store: Path, tasks: list[tuple[str, str, int]], flags: list[str], w
         for f, c in cells(module, group, flags):
             row = rows.get((module, _name(f, c)))
             if row is None or row["verdict"] in FAILING:
-                known = row is not None and classify(row) is not None
+                known = row is not None and classify({"detail": "", **row}) is not None
                 if which == "all" or (which == "known") == known:
                     out.add((module, _name(f, c)))
     return out

@@ -174,6 +174,8 @@ def test_rerun_failed_picks_the_cells_whose_latest_row_failed_and_the_report_nam
     assert latest(store)[("mlp", plain)]["verdict"] == "ok"
     assert to_rerun(store, [("mlp", "dry_run", 2)], []) == {("mlp", recipe)}
     assert to_rerun(store, [("cnn_bn", "dry_run", 2)], []) == {("cnn_bn", plain), ("cnn_bn", recipe)}  # never ran
+    assert to_rerun(store, [("mlp", "dry_run", 2)], [], "known") == set()  # no known_bugs.py entry explains it
+    assert to_rerun(store, [("mlp", "dry_run", 2)], [], "unknown") == {("mlp", recipe)}
     rows = list(latest(store).values())
     codes = _codes(rows, [{"fingerprint": "old", "commit": "abc123"}], "new")
     text = _provenance({"codes": codes, "fingerprint": "new", "cells_at_current_code": 1, "cells_at_earlier_code": 1,
