@@ -187,15 +187,21 @@ def reference(spec: ModuleSpec, ref: Ref, companion: Companion | None) -> Outcom
     return REFERENCES[key]
 
 
-def _nudged(spec: ModuleSpec) -> ModuleSpec:
-    """``spec`` with every floating parameter moved by one fp32 ulp (towards +inf) after it is built."""
+_HALF = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def _nudged(spec: ModuleSpec, precision: str = "32-true") -> ModuleSpec:
+    """``spec`` with every floating parameter moved by one ulp (towards +inf) after it is built: an ulp of the
+    weights' dtype at ``precision`` (bf16 for bf16-true: an fp32 ulp would vanish in the cast), fp32 otherwise."""
+    dtype = _HALF.get(precision, torch.float32)
 
     def build() -> L.LightningModule:
         module = spec.factory()
         with torch.no_grad():
             for p in module.parameters():
                 if p.is_floating_point():
-                    p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
+                    q = p.to(dtype)
+                    p.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))).to(p.dtype))
         return module
 
     return ModuleSpec(spec.name, spec.kind, build, spec.tags)
@@ -206,7 +212,7 @@ def sensitivity(spec: ModuleSpec, ref: Ref, companion: Companion | None) -> Outc
     module's training (cached like the references)."""
     key = (spec.name, ref.key + "+nudged", companion.name if companion else "")
     if key not in REFERENCES:
-        REFERENCES[key] = fit(_nudged(spec), precision=ref.precision, accumulate=ref.accumulate,
+        REFERENCES[key] = fit(_nudged(spec, ref.precision), precision=ref.precision, accumulate=ref.accumulate,
                               batches_per_step=ref.accumulate, bnb=ref.bnb, fused=ref.fused, companion=companion)
     return REFERENCES[key]
 
@@ -292,6 +298,14 @@ def _judge(spec: ModuleSpec, got: Outcome, want: Outcome, kind: str, reason: str
         want32 = dict(twin.state or {})
         for k, v in twin.observed.get("ckpt_state", {}).items():
             want32[f"ckpt:{k}"] = v
+    # NOTE: plain's own distance from the fp32 run is one sample of the precision's noise; its twin from weights
+    # nudged by one half-precision ulp is a second (compare.py: the precision comparison takes the larger)
+    want_nudged = None
+    if kind == "precision":
+        nudge = sensitivity(spec, ref, companion)
+        if nudge.error is None and nudge.state is not None:
+            want_nudged = dict(nudge.state)
+            want_nudged.update({f"ckpt:{k}": v for k, v in nudge.observed.get("ckpt_state", {}).items()})
     bound = compare.bounds(want.grad_norms)
     if kind == "reorder":  # NOTE: a module that amplifies rounding (BatchNorm over tiny batches) gets a looser bound
         nudge = sensitivity(spec, ref, companion)
@@ -300,7 +314,7 @@ def _judge(spec: ModuleSpec, got: Outcome, want: Outcome, kind: str, reason: str
             nudged.update({f"ckpt:{k}": v for k, v in nudge.observed.get("ckpt_state", {}).items()})
             bound = compare.calibrated(bound, nudged, want_state, initial)
     verdict = compare.compare(got_state, want_state, initial, kind, reason, want_fp32=want32, precision=ref.precision,
-                              bound=bound)
+                              bound=bound, want_nudged=want_nudged)
     decided = compare.compare_values(got_obs, want_obs)
     if decided and verdict.verdict != "differs":
         return {"verdict": "differs", "detail": f"{companion.name if companion else ''} decided otherwise: {decided}; "

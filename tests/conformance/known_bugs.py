@@ -67,8 +67,9 @@ REPRODUCED = [
           _K + "test_dry_run_gaps.py", verdicts=("off",)),
     Known("hf_switch_transformers", r"lowmem_zero3", "ZeRO-3 on Switch Transformers (sparse MoE): fp32 differs, bf16 "
           "crashes in DeepSpeed's ZeRO-3 linear", _K + "test_zero_hugging_face_models.py"),
-    Known("hf_bart|hf_marian|hf_mobilebert|hf_falcon|hf_qwen3_moe|hf_.*", r"lowmem_zero.*bf16-mixed", "DeepSpeed's bf16: "
-          "some biases 4-12x further from the fp32 run than plain bf16-true (not explained yet)",
+    Known("hf_.*", r"lowmem_zero.*bf16-mixed", "DeepSpeed's bf16: some biases (Marian's LayerNorm) 4-12x further from "
+          "the fp32 run than plain bf16-true and its one-ulp-nudged twin (not explained yet; BART's and Qwen3-MoE's were "
+          "plain's lucky sample)",
           _K + "test_zero_hugging_face_models.py", verdicts=("differs",), detail=r"further from the fp32 run"),
     Known("hf_albert", r"offload.*(bf16-mixed|16-mixed)", "ALBERT's shared layers under lowmem_offload bf16-mixed: the "
           "documented bf16 sum of a reused weight's gradients, far above its stated size", _K + "test_albert_shared_layers.py"),

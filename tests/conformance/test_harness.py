@@ -194,3 +194,22 @@ def test_a_tensor_checked_for_finiteness_only_leaves_the_precision_bound_finite(
     bound = {"param:a": compare.REORDER_BOUND, "param:z": float("inf")}
     verdict = compare.compare(got, want, initial, "precision", "r", want_fp32=fp32, precision="bf16-true", bound=bound)
     assert verdict.verdict == "close", verdict
+
+
+def test_the_precision_noise_is_the_larger_of_plain_and_its_nudged_twin():
+    """Plain's own distance from the fp32 run is one sample of the precision's noise; its run from weights nudged by
+    one ulp of that precision is a second: a technique as far as the second is within the precision (hf_bart's fc2
+    bias under DeepSpeed's bf16: 3.9e-3, plain 3.2e-4, plain nudged 3.9e-3), one beyond both is not."""
+    initial = {"param:b": torch.zeros(4)}
+    fp32 = {"param:b": torch.tensor([1.0, 1.0, 1.0, 1.0])}
+    want = {"param:b": torch.tensor([1.0, 1.0, 1.0, 1.001])}
+    nudged = {"param:b": torch.tensor([1.0, 1.0, 1.0, 1.01])}
+    got = {"param:b": torch.tensor([1.0, 1.0, 1.0, 0.99])}
+
+    def verdict(**kw):
+        return compare.compare(got, want, initial, "precision", "r", want_fp32=fp32, precision="bf16-true", **kw)
+
+    assert verdict().verdict == "differs"
+    assert verdict(want_nudged=nudged).verdict == "close"
+    got["param:b"] = torch.tensor([1.0, 1.0, 1.0, 0.9])  # 10x the larger sample
+    assert verdict(want_nudged=nudged).verdict == "differs"

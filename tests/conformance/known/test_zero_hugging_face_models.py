@@ -45,5 +45,7 @@ def test_zero3_on_a_sparse_mixture_of_experts(flag):
 
 @pytest.mark.xfail(strict=True, reason="DeepSpeed's bf16: some biases 4-12x further from fp32 than plain bf16-true")
 def test_zero_bf16_is_as_close_to_fp32_as_plain_bf16_true():
-    row = _cell("hf_bart", "lowmem_zero2@bf16-mixed")
+    """On Marian (BART and Qwen3-MoE are within the precision's own noise since the comparison takes plain bf16-true
+    nudged by one bf16 ulp as a second sample of it: their 11x was plain's lucky sample)."""
+    row = _cell("hf_marian", "lowmem_zero2@bf16-mixed")
     assert row["verdict"] in ("exact", "close"), row
