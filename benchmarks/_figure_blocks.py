@@ -354,6 +354,25 @@ def conformance(r: Results) -> str:
             f"`tests/conformance/compare.py`; every cell: `benchmarks/results/conformance.md`.\n\n{source(d, where(d))}")
 
 
+
+@block("adapters", "adapters_step_time")
+def adapters(r: Results) -> str:
+    d, t = r["adapters"], r["adapters_step_time"]
+    body = table(
+        ["model", "run", "strategy", "device peak", "host peak", "device weights", "device grads + optimizer state",
+         "figure"],
+        [[v["model"], v["run"], v["strategy"], gib(v["peak_device"]), gib(v["peak_host"]), gib(v["device_weights"]),
+          gib(v["device_gradients"] + v["device_optimizer_state"]), v["figure"]] for v in d["rows"]],
+    )
+    steps = table(["model", "run", "median step", "vs full fine-tune", "steps timed"],
+                  [[v["model"], v["run"], f"{v['median_step_s'] * 1e3:.0f} ms", f"{v['vs_full']:.2f}",
+                    v["steps_timed"]] for v in t["rows"]])
+    return (f"Batch 1 x 2048, bf16-true, `ActivationCheckpointing(\"all\")`, AdamW; LoRA r=16, alpha 32, "
+            f"all-linear.\n\n{body}\n\n{source(d, '**dry run** (CUDA target)')}\n\n"
+            f"CPU step time, side by side on the same small LLaMA (fp32, batch 2 x 128):\n\n{steps}\n\n"
+            f"{source(t, where(t))}")
+
+
 BLOCKS: dict[str, Block] = {
     name: fn for name, fn in globals().items()
     if callable(fn) and hasattr(fn, "sources") and fn.__module__ == __name__

@@ -24,6 +24,7 @@ _LAZY = {
     "AccumulationScheduler": "lightning_lowmem.callbacks.accumulation",
     "OOMRecovery": "lightning_lowmem.callbacks.oom_recovery",
     "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
+    "Adapters": "lightning_lowmem.callbacks.adapters",
     "OptimizerInBackward": "lightning_lowmem.callbacks.optimizer_in_backward",
     "ChunkedLMLoss": "lightning_lowmem.callbacks.chunked_lm_loss",
     "chunked_causal_lm_loss": "lightning_lowmem.callbacks.chunked_lm_loss",

@@ -24,7 +24,10 @@ _UNLIMITED = 1 << 60  # cgroup v1 writes 0x7FFFFFFFFFFFF000 for "no limit"
 
 
 class HostMemoryError(MemoryError):
-    """A strategy refused to start: the host RAM it would allocate is more than this process may use."""
+    """Host RAM, not device memory: a strategy refused to start (it would allocate more than this process may use),
+    or a host buffer (pinned or not) could not be allocated. Not a ``RuntimeError``: the out-of-memory splitters
+    (``OOMRecovery``, ``AccumulationScheduler(on_oom="split")``) do not take it for a device OOM that a smaller
+    batch would cure."""
 
 
 @dataclass(frozen=True)
@@ -167,3 +170,42 @@ def pinned_bytes(nbytes: int, *, cuda: bool = True) -> int:
     if not cuda or nbytes <= 0:
         return max(0, nbytes)
     return 1 << (int(nbytes) - 1).bit_length()
+
+
+class PinnedHostCache:
+    """The host RAM a set of host buffers holds from the OS, as torch's allocators hold it.
+
+    On CUDA (``cuda=True``) buffers are page-locked through torch's ``CachingHostAllocator``: each request is rounded
+    up to a power of two, and a freed block goes back to the allocator's cache, not to the OS, to serve a later
+    request of the same size class. So the RAM taken (:attr:`reserved`) is, per size class, the most blocks of that
+    class alive at once; it never shrinks. Without pinning (``cuda=False``) it follows the live bytes.
+
+    NOTE: the allocator's cache is per process and shared with every pinned user; this counts the blocks of one owner.
+    """
+
+    def __init__(self, *, cuda: bool) -> None:
+        self.cuda = cuda
+        self.live = 0
+        self.reserved = 0
+        self._cached: dict[int, int] = {}  # size class -> freed blocks waiting in the allocator's cache
+
+    def cost(self, nbytes: int) -> int:
+        """New host RAM a buffer of ``nbytes`` would take now (0 where a cached block serves it)."""
+        size = pinned_bytes(nbytes, cuda=self.cuda)
+        return 0 if self.cuda and self._cached.get(size, 0) > 0 else size
+
+    def take(self, nbytes: int) -> None:
+        size = pinned_bytes(nbytes, cuda=self.cuda)
+        self.live += size
+        if self.cuda and self._cached.get(size, 0) > 0:
+            self._cached[size] -= 1
+        else:
+            self.reserved += size
+
+    def give(self, nbytes: int) -> None:
+        size = pinned_bytes(nbytes, cuda=self.cuda)
+        self.live -= size
+        if self.cuda:
+            self._cached[size] = self._cached.get(size, 0) + 1
+        else:
+            self.reserved -= size

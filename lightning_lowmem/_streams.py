@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
@@ -179,16 +180,30 @@ class DeferredOps(StreamOps):
         seed: the seed of ``"random"``.
         pins: count host buffers as CUDA's pinned allocator takes them (rounded up to a power of two); nothing is
             page-locked on the CPU.
+        device_lags: the device runs behind the host, as a GPU does behind the thread that queues its kernels: the
+            compute stream counts as having finished the work queued before a compute-stream event only once the
+            host synchronizes on that event (otherwise at once). Device buffers made by :meth:`to_device` are then
+            reused as CUDA's caching allocator reuses them: a freed buffer that :meth:`record_stream` tied to the
+            compute stream serves a new request only once the compute stream has finished the work queued before
+            the free; :attr:`reserved` / :attr:`reserved_peak` count the bytes the allocator would hold (best fit of
+            a reusable cached buffer, else new), :attr:`device_live` the buffers alive.
 
     ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` (host time spent doing the device's
     copies) count what happened; :meth:`run_all` lands every copy.
     """
 
-    def __init__(self, progress: Progress = "run_ahead", *, seed: int = 0, pins: bool = True) -> None:
+    def __init__(self, progress: Progress = "run_ahead", *, seed: int = 0, pins: bool = True,
+                 device_lags: bool = False) -> None:
         if progress not in PROGRESS:
             raise ValueError(f"Passed `progress={progress!r}`; expected one of {', '.join(map(repr, PROGRESS))}.")
         self.progress = progress
         self.pins = pins
+        self.device_lags = device_lags
+        self.compute_issued = 0  # compute-stream events recorded (positions)
+        self.compute_done = 0  # positions the lagging compute stream has finished
+        self.reserved = self.reserved_peak = self.device_live = 0
+        self._cache: list[tuple[int, int]] = []  # freed device buffers: (bytes, compute position they wait for)
+        self._compute_used: set[int] = set()  # ids of live buffers tied to the compute stream (record_stream)
         self._rng = random.Random(seed)
         self.streams: list[DeferredStream] = []
         self.copies_queued = 0
@@ -209,15 +224,25 @@ class DeferredOps(StreamOps):
 
     @override
     def record_event(self, stream: DeferredStream) -> DeferredEvent:
+        if stream is _COMPUTE:
+            self.compute_issued += 1
+            if not self.device_lags:
+                self.compute_done = self.compute_issued
+            return DeferredEvent(stream, self.compute_issued)
         return DeferredEvent(stream, stream.issued)
 
     @override
     def query(self, event: DeferredEvent) -> bool:
         self._progress()
+        if event.stream is _COMPUTE:
+            return self.compute_done >= event.position
         return event.stream is None or event.stream.done >= event.position
 
     @override
     def synchronize(self, event: DeferredEvent) -> None:
+        if event.stream is _COMPUTE:
+            self.compute_done = max(self.compute_done, event.position)
+            return
         self._host_waits(event.stream, event.position)
 
     @override
@@ -231,7 +256,10 @@ class DeferredOps(StreamOps):
 
     @override
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Skipped: the CPU has no stream-ordered allocator to reuse the block; the queued copy holds its source."""
+        """Nothing to do on the CPU (the queued copy holds its source); with ``device_lags``, a buffer of
+        :meth:`to_device` read by the compute stream is reused only after the compute stream passes its free."""
+        if stream is _COMPUTE:
+            self._compute_used.add(id(tensor))
 
     # -- memory and copies ------------------------------------------------------------------------------------------
     @override
@@ -240,8 +268,11 @@ class DeferredOps(StreamOps):
 
     @override
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: DeferredStream) -> None:
-        # NOTE: `src` is read when the copy runs, not now: a source changed in between is copied changed, as on a GPU
-        self._queue(stream, lambda: dst.copy_(src))
+        # NOTE: `src` is read when the copy runs, not now: a source changed in between is copied changed, as on a GPU.
+        # The version counter of `dst` moves now, as a CUDA copy's does when it is queued (`.data`: not again later)
+        torch.autograd.graph.increment_version(dst)
+        target = dst.data
+        self._queue(stream, lambda: target.copy_(src))
 
     @override
     def to_device(self, host: torch.Tensor, device: torch.device, stream: DeferredStream) -> torch.Tensor:
@@ -249,7 +280,28 @@ class DeferredOps(StreamOps):
         if out.numel():
             out.view(torch.uint8).fill_(0xFF)  # NOTE: read before the copy lands, these bytes are NaN in every float dtype
         self.copy(out, host, stream)
+        self._allocate(out)
         return out
+
+    def _allocate(self, out: torch.Tensor) -> None:
+        """Count ``out`` as the caching allocator would hold it (best fit of a reusable freed buffer, else new)."""
+        nbytes = out.numel() * out.element_size()
+        usable = [i for i, (size, ready) in enumerate(self._cache) if size >= nbytes and ready <= self.compute_done]
+        if usable:
+            self._cache.pop(min(usable, key=lambda i: self._cache[i][0]))
+        else:
+            self.reserved += nbytes
+            self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.device_live += nbytes
+        weakref.finalize(out, self._freed, id(out), nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        # NOTE: freed now, but the compute kernels queued so far may still read it: with record_stream the allocator
+        # hands it out again only after the compute stream passes an event recorded after this point.
+        used = key in self._compute_used
+        self._compute_used.discard(key)
+        self.device_live -= nbytes
+        self._cache.append((nbytes, self.compute_issued + 1 if used and self.device_lags else 0))
 
     # -- running the queues -----------------------------------------------------------------------------------------
     def advance(self, stream: DeferredStream, n: int = 1) -> None:

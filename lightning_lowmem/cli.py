@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from typing import Any
 
 # extra subcommands: name -> (module, function taking argv and returning an exit code)
@@ -29,7 +30,7 @@ _TOOLS = {
 }
 # every subcommand, for `lowmem --help` (answered without importing Lightning or torch)
 SUBCOMMANDS = {
-    "fit": "train: `lowmem fit --config run.yaml` (LightningCLI; `lowmem fit --help` lists every option)",
+    "fit": "train: `lowmem fit --config run.yaml` (LightningCLI; `--help`: the main options, `--help-all`: every one)",
     "validate": "run the validation loop of a config",
     "test": "run the test loop of a config",
     "predict": "run the predict loop of a config",
@@ -41,6 +42,20 @@ SUBCOMMANDS = {
     "build-ops": "compile DeepSpeed's CPU ops (cpu_adam, shm collectives) ahead of time, removing stale build locks",
 }
 _LAZY_NAMES = {"LowMemCLI", "check_strategy_name", "import_public_classes"}
+_LOOPS = ("fit", "validate", "test", "predict")
+# the suite's callbacks, for `lowmem fit --help` (tests/test_cli.py checks that every public one is here)
+CALLBACKS = {
+    "ActivationCheckpointing": "recompute blocks' activations in backward instead of keeping them (policy: all, "
+                               "every_n, sqrt, selective)",
+    "ActivationOffload": "keep saved activations in host memory between forward and backward",
+    "AccumulationScheduler": "an effective batch from micro-batches (exact loss normalisation; micro_batch_size: "
+                             "auto searches the largest that fits)",
+    "LowBitOptimizer": "8-bit AdamW state (bitsandbytes; the [bnb] extra)",
+    "OptimizerInBackward": "step each parameter as its gradient is ready (no full set of gradients)",
+    "ChunkedLMLoss": "a causal-LM loss without the full logits tensor (chunks of tokens)",
+    "OOMRecovery": "on an out-of-memory error, free the cache and retry the step with smaller pieces",
+    "MemoryReport": "measured peak memory by phase and category, beside the prediction and plain fp32",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -85,6 +100,47 @@ def print_help() -> None:
     print("\n`lowmem SUBCOMMAND --help` describes one. Set LOWMEM_TRACEBACK=1 to see full tracebacks.")
 
 
+def print_loop_help(subcommand: str) -> None:
+    """``lowmem fit --help``: what a user of the suite needs, without importing Lightning or torch.
+
+    NOTE: LightningCLI's own help (every argument of the Trainer, the model and the data: 500+ lines) imports
+    torch and Lightning and builds the whole parser, which takes seconds to a minute; it stays one flag away
+    (``--help-all``).
+    """
+    from lightning_lowmem._registry import STRATEGIES
+
+    print(f"usage: lowmem {subcommand} --config run.yaml [--config more.yaml] [--SECTION.KEY VALUE ...]\n")
+    what = {"fit": "Train", "validate": "Run the validation loop", "test": "Run the test loop",
+            "predict": "Run the predict loop"}[subcommand]
+    print(f"{what} with Lightning's LightningCLI. A YAML file names the model, the data and the Trainer's arguments "
+          "and callbacks (configs/demo.yaml is one); any key can be overridden on the command line.\n")
+    options = [
+        ("-c, --config FILE", "a YAML file (repeatable; later files and flags override earlier ones)"),
+        ("--print_config", "print the resolved configuration (after every override) and exit"),
+        ("--trainer.strategy NAME", "a lowmem_* name below, or Lightning's (auto, ddp, deepspeed_stage_2, ...)"),
+        ("--trainer.precision P", "32-true, bf16-true, 16-true, bf16-mixed, 16-mixed"),
+        ("--trainer.accelerator A", "auto (CUDA where present), cpu, gpu"),
+        ("--trainer.max_steps N", "optimizer steps to train for"),
+        ("--trainer.callbacks+=NAME", "add a callback by its short name (then --trainer.callbacks.KEY VALUE)"),
+        ("--model CLASS_PATH", "your LightningModule (--model.init_args.KEY VALUE for its arguments)"),
+        ("--data CLASS_PATH", "your LightningDataModule (--data.init_args.KEY VALUE)"),
+        ("--ckpt_path PATH", "resume from a checkpoint (`last` for the latest)"),
+    ]
+    width = max(len(flag) for flag, _ in options)
+    print("Main options:")
+    for flag, what in options:
+        print(f"  {flag.ljust(width)}  {what}")
+    width = max(map(len, [*STRATEGIES, *CALLBACKS]))
+    print("\nStrategies of lightning_lowmem (`strategy: NAME` under `trainer:`):")
+    for name, entry in STRATEGIES.items():
+        print(f"  {name.ljust(width)}  {entry[2]}")
+    print("\nCallbacks of lightning_lowmem (`- class_path: NAME` with `init_args:` under `trainer: callbacks:`):")
+    for name, what in CALLBACKS.items():
+        print(f"  {name.ljust(width)}  {what}")
+    print(f"\n`lowmem {subcommand} --help-all` lists every option (the Trainer's, your model's and data's: LightningCLI's "
+          "full help). `lowmem estimate --config run.yaml` predicts the run's peak memory first.")
+
+
 def _root_cause(err: BaseException) -> BaseException:
     """The innermost bad-input error behind ``err`` (jsonargparse wraps a constructor's error in its own)."""
     found, seen = err, set()
@@ -125,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print_help()
         return 0
+    if args[0] in _LOOPS and any(a in ("-h", "--help") for a in args[1:]):
+        print_loop_help(args[0])
+        return 0
+    if args[0] in _LOOPS and "--help-all" in args[1:]:
+        args = [("--help" if a == "--help-all" else a) for a in args]
+        argv = args
     _current_directory_importable()
     try:
         if args[0] in _TOOLS:
@@ -134,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_lowmem._lightning_cli import LowMemCLI
 
         _cli_errors.check_config_files(args)
-        LowMemCLI(args=argv)
+        with warnings.catch_warnings():
+            # NOTE: `--help-all` is handed on as `--help` through `args=`, which LightningCLI warns about whenever
+            # sys.argv holds arguments too (they are the same command line here)
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            LowMemCLI(args=argv)
     except Exception as err:
         if not isinstance(err, _user_errors()):
             raise

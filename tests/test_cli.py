@@ -267,7 +267,38 @@ def test_a_file_in_the_current_directory_does_not_replace_a_library(tmp_path):
     runner.write_text("import sys\nfrom lightning_lowmem.cli import main\nsys.exit(main())\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     env.pop("PYTHONSAFEPATH", None)
-    out = subprocess.run([sys.executable, str(runner), "fit", "--help"], cwd=project, env=env,
+    # NOTE: --help-all, LightningCLI's full help, imports jsonargparse (the short --help imports nothing heavy)
+    out = subprocess.run([sys.executable, str(runner), "fit", "--help-all"], cwd=project, env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert not marker.exists(), out.stderr[-2000:]
     assert out.returncode == 0 and "--trainer.max_steps" in out.stdout, out.stderr[-2000:]
+    assert "--trainer.enable_model_summary" in out.stdout and "--help-all" not in out.stdout  # Lightning's own help
+
+
+# --- `lowmem fit --help`: the suite's options first, answered without torch or Lightning ------------------------
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_loop_help_is_short_and_imports_neither_torch_nor_lightning(subcommand):
+    code = (
+        "import sys\nfrom lightning_lowmem.cli import main\n"
+        f"code = main([{subcommand!r}, '--config', 'run.yaml', '--help'])\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'jsonargparse', 'transformers'})\n"
+        "print('HEAVY', heavy, code)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "HEAVY [] 0"
+    text = out.stdout
+    assert text.startswith(f"usage: lowmem {subcommand} --config run.yaml")
+    for needed in ("--config", "--trainer.strategy", "lowmem_offload", "lowmem_zero3_offload", "ActivationCheckpointing",
+                   "AccumulationScheduler", "MemoryReport", f"lowmem {subcommand} --help-all"):
+        assert needed in text, needed
+    assert len(text.splitlines()) < 60
+
+
+def test_loop_help_lists_every_public_callback():
+    import lightning_lowmem
+    from lightning_lowmem.cli import CALLBACKS
+
+    public = {name for name, module in lightning_lowmem._LAZY.items()
+              if module.startswith("lightning_lowmem.callbacks.") and name[0].isupper()}
+    assert set(CALLBACKS) == public

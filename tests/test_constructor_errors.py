@@ -58,6 +58,13 @@ CASES = [
     ("OOMRecovery", {"loss_normalization": "mean"}, V, "loss_normalization='mean'"),
     ("OOMRecovery", {"regrow_after": "5"}, T, "regrow_after='5'"),
     ("OOMRecovery", {"regrow_after": 0}, V, "regrow_after=0"),
+    # Adapters
+    pytest.param("Adapters", {"kind": "ia3"}, V, "kind='ia3'", marks=RunIf(peft=True)),
+    pytest.param("Adapters", {"r": "16"}, T, "r='16'", marks=RunIf(peft=True)),
+    pytest.param("Adapters", {"r": 0}, V, "r=0", marks=RunIf(peft=True)),
+    pytest.param("Adapters", {"dropout": 1.0}, V, "dropout=1.0", marks=RunIf(peft=True)),
+    pytest.param("Adapters", {"target_modules": 3}, T, "target_modules=3", marks=RunIf(peft=True)),
+    pytest.param("Adapters", {"quantize_base": "nf2"}, V, "quantize_base='nf2'", marks=RunIf(peft=True)),
     # LowBitOptimizer
     ("LowBitOptimizer", {"kind": "adam4bit"}, V, "kind='adam4bit'"),
     ("LowBitOptimizer", {"min_8bit_size": "4096"}, T, "min_8bit_size='4096'"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lightning_lowmem import cli
 from lightning_lowmem.memory.estimate import COMBINATIONS
@@ -88,8 +89,11 @@ def test_config_predicts_the_run_of_a_yaml(tmp_path, capsys):
     yaml = tmp_path / "run.yaml"
     yaml.write_text(YAML)
     out = tmp_path / "estimate.json"
-    assert main(["--config", str(yaml), "--target", "cpu", "--budget", "1GB", "--json", str(out)]) == 0
+    # no --target: the YAML's `accelerator: cpu` is the target, said on the first line
+    assert main(["--config", str(yaml), "--budget", "1GB", "--json", str(out)]) == 0
     text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith(f"{yaml}: target cpu (from trainer.accelerator: cpu; `--target` overrides)")
+    assert "uncalibrated" not in text  # no CUDA corrections for a CPU run
     assert "device peak" in text and "host peak" in text and "fits 1GB" in text
     for phase in ("forward", "backward", "optimizer"):
         assert any(line.startswith(phase) for line in text.splitlines()), phase
@@ -97,6 +101,19 @@ def test_config_predicts_the_run_of_a_yaml(tmp_path, capsys):
     assert row["config"] == str(yaml) and row["method"] == "dry_run"
     assert row["run"]["precision"] == "bf16-true" and row["run"]["strategy"].startswith("OffloadStrategy(")
     assert row["peak_host"] > 0  # fp32 masters and AdamW state on the host
+    assert row["target"] == "cpu" and row["target_source"] == "trainer.accelerator: cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU run described on a machine without one")
+def test_config_of_a_gpu_run_is_predicted_for_cuda_on_a_machine_without_one(tmp_path, capsys):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(YAML.replace("accelerator: cpu", "accelerator: gpu"))
+    assert main(["--config", str(yaml)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith(f"{yaml}: target cuda (from trainer.accelerator: gpu;")
+    assert "uncalibrated" in text  # the CUDA corrections line
+    assert main(["--config", str(yaml), "--target", "cpu"]) == 0  # --target overrides the YAML
+    assert capsys.readouterr().out.splitlines()[0].startswith(f"{yaml}: target cpu (from --target;")
 
 
 def test_config_refuses_the_model_flags(tmp_path, capsys):
@@ -151,3 +168,49 @@ def test_unknown_model_and_bad_sizes(capsys, tmp_path):
     assert "--batch-size 0" in _error([*TINY, "--batch-size", "0", "--seq-len", "8"], capsys)
     err = _error([*TINY], capsys)  # a model shape needs both sizes
     assert "--batch-size None" in err and "--seq-len None" in err
+
+
+# --- --model CLASS_PATH --data CLASS_PATH: a module without `train_dataloader`, fed by a LightningDataModule ----------
+AUTOENCODER = ["--model", "tests.memory._modules.AutoEncoder", "--target", "cpu", "--only", "baseline"]
+
+
+def test_model_class_with_a_data_module_and_its_init_args(tmp_path, capsys):
+    from lightning_lowmem.memory.dry_run import dry_run
+    from tests.memory._modules import AutoEncoder, Images
+
+    peaks = {}
+    for form in (["--data.init_args.batch_size", "4"], ["--data.init_args.batch_size=4"],
+                 ["--data-args", '{"batch_size": 4}'], ["--data-args", '{"batch_size": 2}',
+                                                         "--data.init_args.batch_size", "16"]):
+        out = tmp_path / "e.json"
+        assert main([*AUTOENCODER, "--data", "tests.memory._modules.Images", *form, "--json", str(out)]) == 0
+        [row] = json.loads(out.read_text())
+        peaks[" ".join(form)] = row["peak_device"]
+    capsys.readouterr()
+    four, sixteen = dry_run(AutoEncoder, Images(batch_size=4)), dry_run(AutoEncoder, Images(batch_size=16))
+    assert sixteen.peak_device > four.peak_device  # the data's batch size reached the run
+    assert list(peaks.values()) == [four.peak_device] * 3 + [sixteen.peak_device]  # --data.init_args wins
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--data", "tests.memory._modules.Nope"], "Passed `--data tests.memory._modules.Nope`, which does not name"),
+        (["--data", "no_such_package.Data"], "cannot import 'no_such_package'"),
+        (["--data", "tests.memory._modules.AutoEncoder"], "does not name a LightningDataModule"),
+        (["--data", "tests.memory._modules.Images", "--data.init_args.bogus", "1"], "Images() refused them"),
+        (["--data", "tests.memory._modules.Images", "--data-args", "[4]"], "expected a JSON object"),
+        (["--data.init_args.batch_size", "4"], "Passed `--data.init_args.batch_size` without `--data CLASS_PATH`"),
+    ],
+)
+def test_data_arguments_refused_with_the_fix(argv, message, capsys):
+    assert message in _error([*AUTOENCODER, *argv], capsys)
+
+
+def test_data_needs_a_module_class(tmp_path, capsys):
+    err = _error([*TINY, "--batch-size", "2", "--seq-len", "8", "--data", "tests.memory._modules.Images"], capsys)
+    assert "`--data` feeds a LightningModule: pass its class path as --model" in err
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(YAML)
+    err = _error(["--config", str(yaml), "--data", "tests.memory._modules.Images"], capsys)
+    assert "`--data` is for --model; with --config the YAML's `data:` section names the data" in err

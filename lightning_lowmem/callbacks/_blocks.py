@@ -87,7 +87,8 @@ def find_repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module_list in candidates:
         if len(module_list) != longest:
             continue
-        if any(name.startswith(prefix + ".") for prefix, _ in chosen):
+        # NOTE: a list that is itself a chosen block (a list of lists) is nested too, not only a list below one
+        if any(name == prefix or name.startswith(prefix + ".") for prefix, _ in chosen):
             continue
         prefix = f"{name}." if name else ""
         chosen.extend((f"{prefix}{i}", child) for i, child in enumerate(module_list))

@@ -173,15 +173,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             return (*grads.result(), *none)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"``: Liger, else Cut Cross-Entropy, where installed and on CUDA; else ours (``"chunked"``)."""
+def resolve_backend(backend: str, device: torch.device, *, bias: bool = False,
+                    dtype: torch.dtype | None = None) -> str:
+    """``"auto"``: Liger, else Cut Cross-Entropy, where installed, on CUDA and able to take the head; else ours.
+
+    Cut Cross-Entropy is skipped under ``"auto"`` where it cannot compute this head's loss (:func:`cce_limits`).
+    """
     if backend != "auto":
         return backend
     if device.type == "cuda":
         for name, (package, _) in _KERNELS.items():
-            if package_available(package):
+            if package_available(package) and not (name == "cce" and cce_limits(bias, dtype)):
                 return name
     return "chunked"
+
+
+def cce_limits(bias: bool, dtype: torch.dtype | None) -> list[str]:
+    """What Cut Cross-Entropy (25.1) cannot do for this head: its ``linear_cross_entropy`` takes no bias, and its
+    backward kernel asserts float16/bfloat16 embeddings and classifier (an fp32 head fails inside backward)."""
+    limits = []
+    if bias:
+        limits.append("the LM head has a bias (Cut Cross-Entropy's linear_cross_entropy takes none)")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        limits.append(f"the head computes in {dtype} (Cut Cross-Entropy runs only in float16/bfloat16: use a "
+                      "'bf16-mixed' or '16-mixed' precision)")
+    return limits
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -203,17 +219,20 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
 
     The sum is in fp32 (fp64 for a fp64 compute dtype) for ``"chunked"``; the kernels return their own dtype.
     """
-    name = resolve_backend(backend, hidden.device)
+    dtype = compute_dtype(hidden, weight)
+    name = resolve_backend(backend, hidden.device, bias=bias is not None, dtype=dtype)
     if name == "chunked":
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, chunk_tokens,
-                                                compute_dtype(hidden, weight), scale, softcap, recompute)
+                                                dtype, scale, softcap, recompute)
     if not _on_cuda(hidden):
         raise ValueError(
             f"Passed `backend={backend!r}` with tensors on `{hidden.device}`; the {name} kernels are Triton (CUDA "
             "only). Use backend='auto' (ours off CUDA) or backend='chunked'."
         )
+    if name == "cce" and (limits := cce_limits(bias is not None, dtype)):
+        raise ValueError(f"Passed `backend='cce'`, but {'; and '.join(limits)}. Use backend='auto' (Liger or ours "
+                         "where Cut Cross-Entropy cannot run), 'liger' or 'chunked'.")
     kernels = require_kernel(name, f"ChunkedLMLoss(backend={name!r})")
-    dtype = compute_dtype(hidden, weight)
     # NOTE: neither kernel takes a logit scale; scale * (h @ W^T) == (scale * h) @ W^T, and the bias is scaled too
     h = hidden.to(dtype) if scale is None else hidden.to(dtype) * scale
     w = weight.to(dtype)
@@ -226,5 +245,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     if name == "liger":
         out = kernels.liger_fused_linear_cross_entropy(h.contiguous(), w, targets.contiguous(), **kwargs)
     else:
-        out = kernels.linear_cross_entropy(h, w, targets, **kwargs)
+        # NOTE: Cut Cross-Entropy's default `filter_eps` skips the gradient entries of logits whose softmax is below
+        # a threshold: other gradients than the cross-entropy's. None turns the filter off (exact within precision).
+        out = kernels.linear_cross_entropy(h, w, targets, filter_eps=None, **kwargs)
     return out[0] if isinstance(out, tuple) else out

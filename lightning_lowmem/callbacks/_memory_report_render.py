@@ -66,11 +66,23 @@ def table(steps: list[dict[str, Any]], predicted: dict[str, Any] | None, baselin
     elif baseline:
         plain = baseline["peak_device"]
         saving = plain - worst["peak_bytes"]
+        same = baseline.get("same_micro_batch")
+        label = "the whole accumulation window as one batch: " if same is not None else ""
         tail.append(
             f"Plain fp32 training of this module ({baseline['run']['strategy']} strategy, 32-true, your optimizer, no "
             f"technique callbacks, {baseline['batch']}), predicted: device peak {fmt_mib(plain)}; measured device peak "
-            f"{fmt_mib(worst['peak_bytes'])}: saving {fmt_mib(saving)} ({100 * saving / plain:.1f} %)."
+            f"{fmt_mib(worst['peak_bytes'])}: saving {label}{fmt_mib(saving)} ({100 * saving / plain:.1f} %)."
         )
+        if same is not None and "error" in same:
+            tail.append(f"Plain fp32 at the run's micro-batch: not available ({same['error']}).")
+        elif same is not None:
+            plain_micro = same["peak_device"]
+            saving = plain_micro - worst["peak_bytes"]
+            tail.append(
+                f"Plain fp32 training at the run's micro-batch ({same['batch']}), predicted: device peak "
+                f"{fmt_mib(plain_micro)}: saving of the techniques at the same micro-batch {fmt_mib(saving)} "
+                f"({100 * saving / plain_micro:.1f} %); the rest of the saving above is accumulation's."
+            )
     if worst["cuda_max_allocated"] is not None:
         tail.append(f"CUDA over the step: max allocated {fmt_mib(worst['cuda_max_allocated'])}, "
                     f"max reserved {fmt_mib(worst['cuda_max_reserved'])}.")

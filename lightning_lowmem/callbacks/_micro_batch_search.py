@@ -28,6 +28,7 @@ from typing_extensions import Self
 
 from lightning_lowmem._compat import training_step_args
 from lightning_lowmem.callbacks._side_step import side_step
+from lightning_lowmem.memory.units import fmt_bytes
 
 
 def search(
@@ -53,9 +54,9 @@ def search(
 
         if not fits(candidates[0]):
             first = peaks[candidates[0]]
-            what = "runs out of memory" if first is None else f"peaks at {first} B"
+            what = "runs out of memory" if first is None else f"peaks at {fmt_bytes(first)}"
             raise RuntimeError(
-                f"AccumulationScheduler: a micro-batch of {candidates[0]} {what}, over the budget of {budget} B. "
+                f"AccumulationScheduler: a micro-batch of {candidates[0]} {what}, over the budget of {fmt_bytes(budget)}. "
                 "Switch on activation checkpointing (`ActivationCheckpointing` callback), keep the optimizer and "
                 "fp32 master weights on the host (`strategy='lowmem_offload'`), offload activations "
                 "(`ActivationOffload`), or raise `memory_budget`."
@@ -143,7 +144,7 @@ def _trial(
 
 
 class _PeakMeter:
-    """Peak bytes of the device role over a block: CUDA's allocator peak on CUDA, ``MemoryTracker`` elsewhere."""
+    """Peak bytes of the device role over a block: CUDA's allocator reserved peak on CUDA, ``MemoryTracker`` elsewhere."""
 
     def __init__(self, device: torch.device, module: Any, optimizers: list[Any], batch: Any, enabled: bool) -> None:
         self.device, self.enabled, self.peak = device, enabled, 0
@@ -175,7 +176,10 @@ class _PeakMeter:
             self.peak = int(self._tracker.peak_bytes_role("device"))
         elif self._window is not None:
             torch.cuda.synchronize(self.device)
-            self.peak = int(self._window.read()[0])
+            # NOTE: the reserved peak, not the allocated one: blocks freed on one stream and not yet reusable, cached
+            # blocks and fragmentation are device memory too, and a micro-batch whose allocated peak fits can still
+            # run the allocator out of segments (its reserved peak is what must fit).
+            self.peak = int(max(self._window.read()))
             self._window.close()
 
 

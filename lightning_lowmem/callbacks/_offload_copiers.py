@@ -7,12 +7,31 @@ side stream into host buffers (pinned where the ops pin), synchronised with even
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from typing_extensions import override
 
+from lightning_lowmem._host_memory import HostMemoryError, fmt_bytes
 from lightning_lowmem._streams import StreamOps
+
+
+def host_buffer(allocate: Callable[[], torch.Tensor], nbytes: int, pinned: bool) -> torch.Tensor:
+    """``allocate()``, with a failure reported as host RAM (:class:`HostMemoryError`), not as a device OOM.
+
+    NOTE: a failed ``cudaHostAlloc`` raises "CUDA error: out of memory", which Lightning's ``is_oom_error`` (and so
+    a batch splitter) takes for device memory; a smaller batch would not cure it.
+    """
+    try:
+        return allocate()
+    except RuntimeError as err:
+        kind = "page-locked (pinned) " if pinned else ""
+        raise HostMemoryError(
+            f"ActivationOffload: allocating a {fmt_bytes(nbytes)} {kind}host buffer for an offloaded activation "
+            f"failed ({err}). This is host RAM, not device memory. Raise `min_bytes`, use `boundaries_only=True` with "
+            "ActivationCheckpointing, lower the batch size" + (", or pass `pin_memory=False`." if pinned else ".")
+        ) from err
 
 
 class SyncCopier:
@@ -21,7 +40,8 @@ class SyncCopier:
     pin_memory = False
 
     def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        host = torch.empty(src_bytes.numel(), dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+        n, pin = src_bytes.numel(), self.pin_memory
+        host = host_buffer(lambda: torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin), n, pin)
         host.copy_(src_bytes)
         return host, None
 
@@ -56,7 +76,8 @@ class StreamCopier(SyncCopier):
     @override
     def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
         ops = self.ops
-        host = ops.empty_host(src_bytes.numel(), torch.uint8)
+        n = src_bytes.numel()
+        host = host_buffer(lambda: ops.empty_host(n, torch.uint8), n, ops.pins)
         # NOTE: the source was written by kernels queued on the compute stream; without this wait the side
         # stream could copy it before they ran (a read-before-write race).
         ops.wait_stream(self.side, ops.compute_stream())

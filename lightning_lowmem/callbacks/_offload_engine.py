@@ -32,6 +32,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_lowmem._host_memory import PinnedHostCache
 from lightning_lowmem.callbacks._offload_copiers import StreamCopier, SyncCopier
 from lightning_lowmem.callbacks._saved_versions import SavedVersion
 from lightning_lowmem.memory.categories import mark_host
@@ -93,6 +94,7 @@ class OffloadStats:
     prefetched: int = 0  # restores issued before the tensor was asked for
     restore_misses: int = 0  # unpacks that found their storage not restored yet (compute waits for the copy)
     host_bytes_peak: int = 0  # most bytes of host copies alive at once
+    host_bytes_reserved: int = 0  # host RAM the copies hold from the OS (pinned: rounded, cached, never returned)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -144,6 +146,7 @@ class _StorageEntry:
         owner = self.owner
         if owner is not None:
             owner._host_bytes_live -= self.nbytes
+            owner._host_cache.give(self.nbytes)
 
 
 class _Packed:
@@ -195,8 +198,8 @@ class SavedTensorOffloader:
         prefetch: forward: host copies allowed in flight before compute waits for the oldest (CUDA);
             backward: restores issued ahead of need, in reverse pack order. 0 restores on demand only.
         boundaries_only: offload only the inputs ``torch.utils.checkpoint`` saves for its blocks.
-        before_host_alloc: called with the bytes about to be allocated on the host and the bytes alive there
-            (the host-RAM watch of the callback).
+        before_host_alloc: called before each host copy with the new host RAM it takes (0 where the pinned cache
+            serves it) and the RAM the copies hold already (the host-RAM watch of the callback).
 
     Use :meth:`hooks` as a context manager around the forward pass; call :meth:`begin_step` with the storages
     that must never be offloaded (parameters, buffers, the batch) before each training batch.
@@ -222,6 +225,7 @@ class SavedTensorOffloader:
         self._skip_ptrs: frozenset[int] = frozenset()
         self._phase = "idle"  # "forward" (packing), "backward" (unpacking), "idle"
         self._host_bytes_live = 0
+        self._host_cache = PinnedHostCache(cuda=copier.pin_memory)
         # forward state
         self._by_storage: dict[tuple[int, int], tuple[_StorageEntry, StorageWeakRef]] = {}
         self._order: list[weakref.ref[_StorageEntry]] = []
@@ -238,7 +242,7 @@ class SavedTensorOffloader:
 
     def begin_step(self, skip: list[torch.Tensor]) -> None:
         """Start counting a new step; ``skip``: tensors whose storages are never offloaded."""
-        self.stats = OffloadStats(host_bytes_peak=self._host_bytes_live)
+        self.stats = OffloadStats(host_bytes_peak=self._host_bytes_live, host_bytes_reserved=self._host_cache.reserved)
         self.refresh_skip(skip)
 
     def refresh_skip(self, skip: list[torch.Tensor]) -> None:
@@ -249,7 +253,16 @@ class SavedTensorOffloader:
     def host_bytes_live(self) -> int:
         return self._host_bytes_live
 
+    @property
+    def host_bytes_reserved(self) -> int:
+        """Host RAM the copies hold from the OS now (:class:`PinnedHostCache`)."""
+        return self._host_cache.reserved
+
     def _begin_forward(self) -> None:
+        if self._phase == "backward":
+            # NOTE: the last backward did not finish (an OOM raised inside it: autograd runs queued callbacks only
+            # on success), so `_end_backward` never ran: drop the device copies it held before this forward.
+            self._end_backward()
         self._phase = "forward"
         self._by_storage.clear()
         self._order = []
@@ -334,10 +347,12 @@ class SavedTensorOffloader:
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage) -> _StorageEntry:
         nbytes = storage.nbytes()
+        cache = self._host_cache
         if self.before_host_alloc is not None:
-            self.before_host_alloc(nbytes, self._host_bytes_live)
+            self.before_host_alloc(cache.cost(nbytes), cache.reserved)
         src = _storage_bytes(t)
         host, event = self.copier.to_host(src)
+        cache.take(nbytes)
         mark_host(host)
         entry = _StorageEntry(self, host, t.device, len(self._order))
         self._order.append(weakref.ref(entry))
@@ -346,6 +361,7 @@ class SavedTensorOffloader:
         stats.bytes_offloaded += nbytes
         stats.storages_offloaded += 1
         stats.host_bytes_peak = max(stats.host_bytes_peak, self._host_bytes_live)
+        stats.host_bytes_reserved = max(stats.host_bytes_reserved, cache.reserved)
         # NOTE: on CUDA the device source must outlive the side-stream copy; on CPU the copy is done already
         # and the source is dropped here, so the compute-role copy is freed once autograd lets go of it.
         self._fwd_inflight.append((src, event))

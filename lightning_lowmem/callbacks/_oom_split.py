@@ -57,7 +57,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_lowmem import _atomic
 from lightning_lowmem._compat import swapped
 from lightning_lowmem.callbacks._kept_state import ModuleState
-from lightning_lowmem.callbacks._side_step import stands_aside
+from lightning_lowmem.callbacks._side_step import forward_only, stands_aside
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,9 @@ class OOMSplitter:
     # --- the wrapped strategy methods ------------------------------------------------------------------------------
     def _standing_aside(self) -> bool:
         # NOTE: `_inside`: our own chunk's call; `stands_aside`: a side step (probe, micro-batch trial) or a module
-        # detached from the Trainer, which run their step once, whole, whatever size it has
-        return self._inside or stands_aside(self._module)
+        # detached from the Trainer, which run their step once, whole, whatever size it has; `forward_only`: an
+        # epoch without backward (SWA's BatchNorm update), whose forward runs the whole batch, as in plain Lightning
+        return self._inside or stands_aside(self._module) or forward_only(self._trainer)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._standing_aside() or not args:

@@ -20,13 +20,15 @@ from typing_extensions import override
 
 from lightning_lowmem._compat import Reproducible, check_lightning_object
 from lightning_lowmem.callbacks import _accumulation_window as _aw
+from lightning_lowmem.callbacks import _progress
 from lightning_lowmem.callbacks._accumulation_window import (
     _divisibility_message,
     _int,
     _positive_int,
     lightning_accumulation,
 )
-from lightning_lowmem.callbacks._side_step import stands_aside
+from lightning_lowmem.callbacks._side_step import forward_only, stands_aside
+from lightning_lowmem.memory.units import fmt_bytes
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
@@ -312,6 +314,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
         if self._micro is not None:
             self._apply(trainer, pl_module, self._micro)
         self._wrap_training_step(pl_module)
+        if self._drives_loader and not self._engine:  # the bar counts optimizer steps, as at the effective batch
+            _progress.count_optimizer_steps(trainer, self)
         # NOTE: first among the callbacks, so that every other callback's `on_before_optimizer_step` sees the
         # normalised gradients and its `on_train_batch_end` the reported loss (see [reported loss])
         if trainer.callbacks and trainer.callbacks[0] is not self:
@@ -319,6 +323,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
             trainer.callbacks.insert(0, self)
 
     _drives_loader = True  # OOMRecovery: the loader's batch is the window, untouched
+    _epoch_start_step = 0  # global_step when this epoch started (the progress bar's count; see `_progress`)
 
     def _check_on_oom(self, trainer: L.Trainer) -> list[str]:
         """Resolve ``on_oom=None`` and say why an explicit ``"split"`` cannot run here."""
@@ -403,7 +408,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
         rank_zero_info(
             f"AccumulationScheduler: micro-batch {c.micro_batch_size} x accumulation {c.accumulation} x "
             f"{c.world_size} process(es) = effective batch {c.effective_batch_size}"
-            + (f" (auto: peak {c.peaks[c.micro_batch_size]} B within budget {c.memory_budget} B)" if c.peaks else "")
+            + (f" (auto: peak {fmt_bytes(c.peaks[c.micro_batch_size])} within budget {fmt_bytes(c.memory_budget)})"
+               if c.peaks else "")
         )
 
     @override
@@ -456,12 +462,16 @@ class AccumulationScheduler(Reproducible, L.Callback):
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset_window()  # Lightning steps at the end of every epoch: windows never cross epochs
+        self._epoch_start_step = trainer.global_step  # the progress bar counts this epoch's steps from here
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._drives_loader and self._pos == 0 and batch_idx == 0:
             _aw.check_first_batch(self, extract_batch_size(batch))
         if self._engine:
+            return
+        if forward_only(trainer):  # NOTE: SWA's BatchNorm epoch: Lightning's own accumulation prevents every step
+            self._last = False
             return
         loop = trainer.fit_loop.epoch_loop
         ready = loop.batch_progress.current.ready
@@ -493,7 +503,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
         def training_step(*args: Any, **kwargs: Any) -> Any:
             out = step(*args, **kwargs)
             # NOTE: a side step (a probe, a micro-batch trial) or a module detached from the Trainer: no window
-            if stands_aside(pl_module):
+            if stands_aside(pl_module) or forward_only(pl_module.trainer):
                 return out
             return self._weigh(pl_module.trainer, out, args[0] if args else kwargs.get("batch"))
 
@@ -611,6 +621,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._splitter is not None:
             self._splitter.remove()
+        _progress.restore(trainer)
         if not self._wrapped_step:
             return
         if self._instance_step is not None:

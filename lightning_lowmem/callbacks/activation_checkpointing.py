@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -13,7 +12,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from typing_extensions import override
 
 from lightning_lowmem._compat import (
@@ -32,6 +30,7 @@ from lightning_lowmem.callbacks._blocks import (
     select_modules,
 )
 from lightning_lowmem.callbacks._segments import CloseSegments, Segment, wrap_segment
+from lightning_lowmem.callbacks._selective import holds_recurrent_layer, selective_contexts
 from lightning_lowmem.memory.units import parse_bytes
 
 __all__ = ["ActivationCheckpointing", "CheckpointInfo", "checkpoint_info", "checkpointed_modules", "find_repeated_blocks"]
@@ -40,28 +39,6 @@ log = logging.getLogger(__name__)
 
 PolicyName = Literal["all", "every_n", "sqrt", "selective", "budget"]
 POLICIES: tuple[str, ...] = ("all", "every_n", "sqrt", "selective", "budget")
-
-
-def _aten(*names: str) -> frozenset:
-    ops = []
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
-        if op is not None:
-            ops.append(op)
-    return frozenset(ops)
-
-
-# matmul-like ops whose outputs selective checkpointing keeps (everything else is recomputed)
-SELECTIVE_SAVE_OPS = _aten(
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-)  # fmt: skip
-
-
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class ActivationCheckpointing(Reproducible, Callback):
@@ -87,7 +64,8 @@ class ActivationCheckpointing(Reproducible, Callback):
           transformer block's input is ~1/50 of its activations, so there ``"all"`` keeps less for about
           the same recompute; ``"sqrt"`` pays off when block boundaries are as large as the blocks.
         - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap
-          element-wise ops are recomputed (PyTorch's selective activation checkpointing).
+          element-wise ops are recomputed (PyTorch's selective activation checkpointing). Blocks holding a
+          recurrent layer are recomputed whole; an in-place change of a kept output is refused (see ``_selective``).
         - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings
           the activations under the budget, from activation sizes measured on the first training batch
           (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
@@ -337,11 +315,17 @@ class ActivationCheckpointing(Reproducible, Callback):
         self._wrap_blocks(chosen, selective=self.policy == "selective")
 
     def _wrap_blocks(self, indices: list[int], selective: bool = False) -> None:
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if selective else None
         for segment, i in enumerate(indices):
             name, module = self._block_list[i]
-            info = CheckpointInfo("block", segment, 0, is_boundary=True, selective=selective)
-            if _blocks.wrap_block(module, info, context_fn):
+            whole = holds_recurrent_layer(module) if selective else None
+            if whole is not None:
+                # NOTE: a recurrent layer's CPU kernel modifies its matmul outputs in place (see `_selective`):
+                # the block is recomputed whole, as under policy="all"
+                rank_zero_info(f"ActivationCheckpointing(policy='selective'): `{name}` holds an {whole}, whose "
+                               "kernel modifies its matmul outputs in place; it is recomputed whole instead.")
+            keep = selective and whole is None
+            info = CheckpointInfo("block", segment, 0, is_boundary=True, selective=keep)
+            if _blocks.wrap_block(module, info, selective_contexts if keep else None):
                 self.wrapped.append(name)
         self._log()
 

@@ -263,10 +263,11 @@ class ActivationOffload(Reproducible, Callback):
     # -- reporting -------------------------------------------------------------------------------------------
 
     def memory_breakdown(self) -> MemoryBreakdown:
-        """Host-role activations: the most bytes of host copies alive at once in the current step, else the last."""
+        """Host-role activations: the host RAM the copies held in the current step, else the last (the most bytes alive
+        at once; on CUDA as the pinned allocator holds them: rounded to powers of two and cached)."""
         out = MemoryBreakdown()
         stats = self.engine.stats if self.engine is not None and not self._new_window else self.last_step
-        out.add("host", "activations", stats.host_bytes_peak)
+        out.add("host", "activations", stats.host_bytes_reserved)
         return out
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -289,13 +290,13 @@ class ActivationOffload(Reproducible, Callback):
     def _plan_host_budget(self, engine: SavedTensorOffloader) -> None:
         """Host bytes the copies may reach before a warning; warn now if the last step already needed more."""
         mem = psutil.virtual_memory()
-        self._host_budget = engine.host_bytes_live + int(mem.available - _HOST_RAM_RESERVE * mem.total)
-        if self.last_step.host_bytes_peak > self._host_budget:
-            self._warn_host_ram(self.last_step.host_bytes_peak, mem.available)
+        self._host_budget = engine.host_bytes_reserved + int(mem.available - _HOST_RAM_RESERVE * mem.total)
+        if self.last_step.host_bytes_reserved > self._host_budget:
+            self._warn_host_ram(self.last_step.host_bytes_reserved, mem.available)
 
-    def _watch_host_ram(self, nbytes: int, live: int) -> None:
-        if self._host_budget is not None and live + nbytes > self._host_budget:
-            self._warn_host_ram(live + nbytes, psutil.virtual_memory().available)
+    def _watch_host_ram(self, new_bytes: int, reserved: int) -> None:
+        if self._host_budget is not None and reserved + new_bytes > self._host_budget:
+            self._warn_host_ram(reserved + new_bytes, psutil.virtual_memory().available)
 
     def _warn_host_ram(self, need: int, available: int) -> None:
         if self._warned_host_ram:

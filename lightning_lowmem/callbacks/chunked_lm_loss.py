@@ -394,6 +394,11 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
                 f"Passed `backend={self.backend!r}` with the Trainer on `{strategy.root_device}`; the {self.backend} "
                 "kernels are Triton (CUDA only). Use backend='auto' (ours off CUDA) or backend='chunked'."
             )
+        if self.backend == "cce" and not str(trainer.precision).startswith(("bf16", "16")):
+            raise ValueError(
+                f"Passed `backend='cce'` with `Trainer(precision={trainer.precision!r})`; Cut Cross-Entropy runs only "
+                "in float16/bfloat16. Use precision='bf16-mixed' (or '16-mixed'), or backend='auto'/'chunked'."
+            )
         run_after_configure_model(pl_module, lambda: self.apply(pl_module))
         self._patched_configure_model = True
 
@@ -433,6 +438,9 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
                     f"{getattr(getattr(head, 'weight', None), 'dtype', None)} weight; the chunked loss needs a plain "
                     "`nn.Linear` with a floating-point weight (not quantized, not LoRA-wrapped)"
                 )
+            elif self.backend == "cce" and head.bias is not None:
+                problems.append(f"`{name or type(model).__name__}`'s LM head has a bias and backend='cce' was passed; "
+                                "Cut Cross-Entropy takes no bias (backend='auto' picks Liger or ours for it)")
         if problems:
             raise ValueError("ChunkedLMLoss: " + "; ".join(problems) + ".")
         settings = _Settings(self.chunk_tokens, self.backend, self.recompute)

@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
@@ -34,7 +34,13 @@ class OptimizerInBackward(Reproducible, Callback):
 
     Limits, enforced at fit start with a message:
 
-    * ``accumulate_grad_batches > 1`` is refused: the step would run on every micro-batch.
+    * ``accumulate_grad_batches > 1`` is refused: the step would run on every micro-batch; so is Lightning's
+      ``GradientAccumulationScheduler`` with a factor above 1 (also checked at every batch start, for other schedulers).
+    * Lightning's ``StochasticWeightAveraging`` on a module with BatchNorm is refused: its extra BatchNorm epoch has
+      Lightning step the optimizer once more with the last step's gradients (no backward runs), which the step in
+      backward has already used and freed.
+    * parameters added to the optimizer during the fit (``optimizer.add_param_group``, as Lightning's
+      ``BackboneFinetuning`` does when it unfreezes) or made trainable later are hooked at the next batch start.
     * gradient clipping by norm (``gradient_clip_val`` with ``gradient_clip_algorithm="norm"``) is
       refused: the global norm needs every gradient before the first step, which would take a second
       backward pass (LOMO's approach); it is not implemented. Clipping by **value** is per element and
@@ -63,6 +69,7 @@ class OptimizerInBackward(Reproducible, Callback):
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
+        self._hooked: set[int] = set()  # ids of the parameters that have the hook
         self._trainer: L.Trainer | None = None
         self._clip_value: float | None = None
         self._saved_clip_val: float | int | None = None
@@ -99,20 +106,36 @@ class OptimizerInBackward(Reproducible, Callback):
             self._saved_clip_val = clip
             trainer.gradient_clip_val = None
         self._remove_hooks()
-        seen: set[int] = set()
-        for group in trainer.optimizers[0].param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._step_param))
+        self._hook_params(trainer)
         # NOTE: a gradient left from before fit (or zeroed with set_to_none=False) would be stepped again by
         # the first hook's optimizer.step(); every trainable gradient must be None when backward starts.
         for group in trainer.optimizers[0].param_groups:
             for p in group["params"]:
                 p.grad = None
 
+    def _hook_params(self, trainer: L.Trainer) -> None:
+        """Hook every trainable parameter of the optimizer that has no hook yet."""
+        for group in trainer.optimizers[0].param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self._hooked:
+                    self._hooked.add(id(p))
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._step_param))
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        # NOTE: after every callback's `on_train_epoch_start`: a param group added there (BackboneFinetuning unfreezing
+        # the backbone) or a parameter made trainable is hooked before its first backward. Unhooked, its gradient would
+        # be stepped by the hook of the next parameter to finish (the whole optimizer steps every parameter holding a
+        # gradient) and again by Lightning's step.
+        self._check_accumulation(trainer)
+        self._hook_params(trainer)
+
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_accumulation(trainer)
+
+    @staticmethod
+    def _check_accumulation(trainer: L.Trainer) -> None:
         # NOTE: GradientAccumulationScheduler and AccumulationScheduler change this between epochs.
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -155,6 +178,7 @@ class OptimizerInBackward(Reproducible, Callback):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
 
     # --- validation -----------------------------------------------------------------------------------
     @staticmethod
@@ -192,6 +216,7 @@ class OptimizerInBackward(Reproducible, Callback):
             )
         if not pl_module.automatic_optimization:
             problems.append("manual optimization: you call `optimizer.step()` yourself; remove the callback")
+        problems += lightning_callback_problems(trainer, pl_module, "the step in backward")
         for hook in ("optimizer_step", "configure_gradient_clipping"):
             if is_overridden(hook, pl_module):
                 problems.append(
@@ -205,3 +230,25 @@ class OptimizerInBackward(Reproducible, Callback):
                 "use `precision='bf16-mixed'` or `'bf16-true'`"
             )
         return problems
+
+
+def lightning_callback_problems(trainer: L.Trainer, pl_module: L.LightningModule, who: str) -> list[str]:
+    """Lightning's callbacks in ``trainer`` that a step inside backward (``who``) cannot honour, each with the fix."""
+    problems = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        name = type(callback).__name__
+        if isinstance(callback, GradientAccumulationScheduler):
+            factors = {e: f for e, f in callback.scheduling.items() if f != 1}
+            if factors:
+                problems.append(
+                    f"`{name}(scheduling={callback.scheduling})` accumulates gradients from epoch {min(factors)}: "
+                    f"{who} cannot accumulate (each parameter steps as soon as its gradient is ready); remove the "
+                    "scheduler or the step in backward"
+                )
+        elif isinstance(callback, StochasticWeightAveraging) and callback.pl_module_contains_batch_norm(pl_module):
+            problems.append(
+                f"`{name}` on a module with BatchNorm: its extra BatchNorm epoch runs no backward and Lightning steps "
+                "the optimizer once more with the last step's gradients, which "
+                f"{who} has already used and freed, so the weights would differ; remove `{name}` or the step in backward"
+            )
+    return problems

@@ -22,6 +22,10 @@ fake run's for the same module and batch:
   size stays alive with the loss (as long as the loss); the fake kernel allocates 4 bytes. Probed the same
   way, shortened along the input's largest dimension.
 
+* ``aten._grouped_mm`` (Hugging Face's mixture-of-experts layers): torch's meta function checks the CUDA kernel's
+  dtypes (bf16 only) and raises on the fp32 inputs the CPU kernel takes; :data:`REPLACED` gives the CPU kernel's
+  output (contiguous, the meta function's shape) instead.
+
 Ops not listed run their fake kernels unchanged. A correction is counted in :attr:`KernelMatch.corrections`,
 which the dry run lists in its notes.
 """
@@ -90,6 +94,31 @@ PROBED: dict[Any, _Entry] = {
 }
 
 
+
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``aten._grouped_mm``'s output as the CPU kernel allocates it: contiguous, of the meta function's shape."""
+    # NOTE: the shapes of torch's meta function (`_create_grouped_mm_output_tensor`); its dtype checks are the CUDA
+    # kernel's (bf16 inputs only), so the dry run of a Hugging Face mixture of experts at fp32 raised there
+    groups = offs.size(0) if offs is not None else 0
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        shape = [groups, mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        shape = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        shape = [mat_a.size(1), mat_b.size(1)]
+    else:
+        shape = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+#: ops whose fake kernel refuses inputs the real CPU kernel takes: ``{op: (what differs, the fake kernel used)}``
+REPLACED: dict[Any, tuple[str, Callable[..., Any]]] = {
+    _aten._grouped_mm.default: ("the meta function accepts bf16 inputs only; the CPU kernel any float",
+                                _grouped_mm),
+}
+
+
 def _outputs(out: Any) -> list[torch.Tensor | None]:
     leaves, _ = tree_flatten(out)
     return [t if isinstance(t, torch.Tensor) else None for t in leaves]
@@ -145,6 +174,18 @@ class KernelMatch:
     @staticmethod
     def handles(func: Any) -> bool:
         return func in PROBED
+
+    @staticmethod
+    def replaces(func: Any) -> bool:
+        return func in REPLACED
+
+    def replace(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func``'s fake outputs from :data:`REPLACED`'s kernel instead of its own fake kernel."""
+        what, kernel = REPLACED[func]
+        name = (str(func), what)
+        self.corrections[name] = self.corrections.get(name, 0) + 1
+        self.added_bytes.setdefault(name, 0)
+        return kernel(*args, **kwargs)
 
     def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         entry = PROBED[func]
@@ -259,4 +300,4 @@ class KernelMatch:
         return (fixed if changed else None), added
 
 
-__all__ = ["PROBED", "PROBE_BYTES", "KernelMatch"]
+__all__ = ["PROBED", "PROBE_BYTES", "REPLACED", "KernelMatch"]

@@ -9,11 +9,21 @@ folds the current maxima into every open window. Both are re-exported by :mod:`l
 from __future__ import annotations
 
 import weakref
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
-__all__ = ["CudaPeakWindow", "reset_cuda_peak_stats"]
+__all__ = ["CudaPeakWindow", "CudaPeaks", "reset_cuda_peak_stats"]
+
+
+class CudaPeaks(NamedTuple):
+    """The caching allocator's peaks, bytes. ``allocated``: tensors; ``active``: blocks in use, tensors plus what a
+    freed block still holds until the streams that used it finish (``record_stream``); ``reserved``: what the
+    allocator holds from the device, cached free blocks and fragmentation included: what must fit in the device."""
+
+    allocated: int
+    reserved: int
+    active: int = 0
 
 
 class CudaPeakWindow:
@@ -27,7 +37,7 @@ class CudaPeakWindow:
 
         window = CudaPeakWindow(device=0)
         ...                                     # a training step
-        allocated, reserved = window.lap()      # peaks since the window opened; starts a new lap
+        allocated, reserved, active = window.lap()  # peaks since the window opened; starts a new lap
         window.close()
     """
 
@@ -37,25 +47,22 @@ class CudaPeakWindow:
         self.device = _indexed(device)
         if self.device.type != "cuda":
             raise ValueError(f"Passed `device={device!r}`; a CudaPeakWindow reads CUDA statistics, give a CUDA device.")
-        self._folded = (0, 0)
+        self._folded = CudaPeaks(0, 0, 0)
         reset_cuda_peak_stats(self.device)
         CudaPeakWindow._open.add(self)
 
-    def _fold(self, allocated: int, reserved: int) -> None:
-        self._folded = (max(self._folded[0], allocated), max(self._folded[1], reserved))
+    def _fold(self, peaks: CudaPeaks) -> None:
+        self._folded = CudaPeaks(*map(max, self._folded, peaks))
 
-    def read(self) -> tuple[int, int]:
-        """``(max allocated, max reserved)`` bytes since the last lap, without starting a new one."""
-        return (
-            max(self._folded[0], torch.cuda.max_memory_allocated(self.device)),
-            max(self._folded[1], torch.cuda.max_memory_reserved(self.device)),
-        )
+    def read(self) -> CudaPeaks:
+        """The peaks since the last lap, without starting a new one."""
+        return CudaPeaks(*map(max, self._folded, _current_peaks(self.device)))
 
-    def lap(self) -> tuple[int, int]:
+    def lap(self) -> CudaPeaks:
         """Read the peaks since the last lap and start a new lap (one global reset, folded into the others)."""
         peaks = self.read()
         reset_cuda_peak_stats(self.device)
-        self._folded = (0, 0)
+        self._folded = CudaPeaks(0, 0, 0)
         return peaks
 
     def close(self) -> None:
@@ -76,6 +83,11 @@ def _indexed(device: torch.device | int | str | None) -> torch.device:
     return device
 
 
+def _current_peaks(device: torch.device) -> CudaPeaks:
+    return CudaPeaks(torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
+                     int(torch.cuda.memory_stats(device).get("active_bytes.all.peak", 0)))
+
+
 def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> None:
     """Reset CUDA's peak statistics without losing them for any open :class:`CudaPeakWindow`.
 
@@ -85,9 +97,8 @@ def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> Non
     if not torch.cuda.is_available():
         return
     device = _indexed(device)
-    allocated = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
+    peaks = _current_peaks(device)
     for window in list(CudaPeakWindow._open):
         if window.device == device:
-            window._fold(allocated, reserved)
+            window._fold(peaks)
     torch.cuda.reset_peak_memory_stats(device)

@@ -23,12 +23,38 @@ from lightning_lowmem.memory.recorder import PHASES, StepMemoryRecorder, phase_m
 AGREEMENT = 1e-4
 
 
+#: the cut models keep at least this many blocks (the first depth traced): the blocks before may differ
+KEPT = 3
+
+
+def _signature(block: torch.nn.Module) -> tuple[Any, ...]:
+    """What two blocks must share to be interchangeable: class, every parameter's and buffer's name, shape and dtype,
+    and the printed configuration of every submodule (a convolution's stride, a dropout's rate)."""
+    tensors = [*block.named_parameters(), *block.named_buffers()]
+    return type(block), tuple((n, tuple(t.shape), t.dtype) for n, t in tensors), repr(block)
+
+
+def _interchangeable(blocks: torch.nn.ModuleList) -> bool:
+    """Whether every block a cut may end on (from the ``KEPT``-th on) is like every later one.
+
+    NOTE: a cut model feeds the output of its last kept block to the part after the list; one class of blocks need
+    not have one shape (MobileNetV2's inverted-residual layers change their channels from stage to stage: a model cut
+    to 3 of them fed 8 channels where 80 were expected). Blocks before the ``KEPT``-th are always kept (T5's first
+    block alone holds the relative position bias).
+    """
+    later = list(blocks)[KEPT - 1:]
+    first = _signature(later[0]) if later else None
+    return all(_signature(b) == first for b in later[1:])
+
+
 def find_blocks(module: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
-    """The model's repeated blocks: the longest ModuleList of >= 2 same-class children."""
+    """The model's repeated blocks: the longest ModuleList of >= 2 same-class children, the later of which are
+    interchangeable (:func:`_interchangeable`)."""
     best, best_size = None, (-1, -1)
     for parent in module.modules():
         for name, child in parent.named_children():
-            if isinstance(child, torch.nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1:
+            if (isinstance(child, torch.nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1
+                    and _interchangeable(child)):
                 size = (len(child), sum(p.numel() for p in child.parameters()))
                 if size > best_size:
                     best, best_size = (parent, name, child), size
@@ -47,6 +73,29 @@ def truncate_blocks(module: torch.nn.Module, keep: int) -> None:
         for attr in ("num_hidden_layers", "n_layer", "num_layers"):
             if config is not None and getattr(config, attr, None) == full:
                 setattr(config, attr, keep)
+
+
+#: Hugging Face's LayerDrop rates (``config.layerdrop`` in wav2vec2, HuBERT, WavLM; the encoder/decoder ones in
+#: BART, Whisper and their kin): each layer is skipped when a draw falls below them
+LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def keep_every_layer(module: torch.nn.Module) -> list[str]:
+    """Turn LayerDrop off in ``module`` (a dry run's copy); the settings turned off.
+
+    NOTE: a step that skips layers keeps fewer activations; which are skipped depends on the draws, so a dry run that
+    drew at another point of the random stream than the real step predicted another step (wav2vec2: 17 % low).
+    The largest step is the one that skips none, and the dry run predicts that one.
+    """
+    changed = []
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        for attr in LAYERDROP:
+            rate = getattr(config, attr, None) if config is not None else None
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+                setattr(config, attr, 0.0)
+                changed.append(f"{attr}={rate}")
+    return sorted(set(changed))
 
 
 class DepthWindows(L.Callback):
@@ -216,6 +265,7 @@ __all__ = [
     "event_values",
     "events",
     "find_blocks",
+    "keep_every_layer",
     "line",
     "non_negative",
     "phases_of",

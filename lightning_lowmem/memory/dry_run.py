@@ -58,6 +58,7 @@ from lightning_lowmem.memory.depth import (
     event_values,
     events,
     find_blocks,
+    keep_every_layer,
     line,
     non_negative,
     phases_of,
@@ -319,6 +320,8 @@ def dry_run(
             f"Passed `module` of type {type(module).__name__}; expected a LightningModule or a callable returning one."
         )
 
+    dropped: set[str] = set()
+
     def build(keep: int | None) -> Callable[[FakeExecution], torch.nn.Module]:
         def make(fx: FakeExecution) -> torch.nn.Module:
             if is_factory:
@@ -331,6 +334,7 @@ def dry_run(
             ActivationCheckpointing.remove(copy)
             if keep is not None:
                 truncate_blocks(copy, keep)
+            dropped.update(keep_every_layer(copy))
             return copy
 
         return make
@@ -388,6 +392,9 @@ def dry_run(
         values = values_of(traced_steps)
         if not extrapolate:
             notes.append(f"traced all {num_blocks or 'the'} blocks")
+    if dropped:
+        notes.append(f"LayerDrop turned off ({', '.join(sorted(dropped))}): the prediction is of a step that skips no "
+                     "layer, the largest")
     if stand_ins:
         notes.append("data-dependent reads of fake values answered with stand-ins: "
                      + ", ".join(f"{k} ({n}x)" for k, n in sorted(stand_ins.items())))

@@ -49,7 +49,7 @@ def estimate_memory(
     callbacks: Sequence[Any] = (),
     accumulate_grad_batches: int = 1,
     data: Any = None,
-    target: Literal["cpu", "cuda"] = "cuda",
+    target: Literal["cpu", "cuda"] | None = None,
     method: Literal["dry_run", "analytic"] = "dry_run",
     extrapolate: bool | None = None,
     offload: bool = False,
@@ -77,6 +77,8 @@ def estimate_memory(
         strategy, precision, callbacks, accumulate_grad_batches: what ``Trainer`` is given (names or objects).
         data: a LightningDataModule or dataloader for a module (its first batches).
         target: ``"cuda"`` applies the listed CPU-vs-GPU corrections; ``"cpu"`` predicts a CPU run as traced.
+            Default: a YAML's ``trainer.accelerator`` (``auto``: CUDA where this machine has it, else the CPU);
+            ``"cuda"`` for everything else. The result's ``target`` says which was used.
         method: ``"analytic"`` skips the trace (closed form only; 21 % low to 6 % high against the measured peaks of benchmarks/results/estimate.md).
         extrapolate: see :func:`~lightning_lowmem.memory.dry_run.dry_run`.
         offload, offload_params, checkpointing, checkpointing_every_n, activation_offload: shorthands for the
@@ -94,7 +96,7 @@ def estimate_memory(
     validate_choice("checkpointing", checkpointing, CHECKPOINTING)
     validate_choice("optimizer", optimizer, (*OPTIMIZERS, None))
     validate_choice("zero_stage", zero_stage, ZERO_STAGES)
-    validate_choice("target", target, ("cpu", "cuda"))
+    validate_choice("target", target, ("cpu", "cuda", None))
     validate_choice("method", method, ("dry_run", "analytic"))
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -128,12 +130,15 @@ def estimate_memory(
                       accumulate_grad_batches=accumulate_grad_batches, world_size=world_size)
 
     module, config = None, None
+    source = "target=" if target is not None else "the default for a model without a Trainer"
     if isinstance(model_or_config, (str, Path)) and str(model_or_config).endswith((".yaml", ".yml")):
         from lightning_lowmem.memory.run_config import load_run_config
 
         if used or strategy != "auto" or callbacks:
             raise ValueError(f"Passed the YAML `{model_or_config}` with technique arguments; the YAML describes the run.")
         module, data, run = load_run_config(model_or_config)
+        if target is None:
+            target, source = run.target or "cuda", run.target_source or "the default"
     elif _is_module(model_or_config):
         module = model_or_config
     elif (cls := _module_class(model_or_config)) is not None:
@@ -148,6 +153,7 @@ def estimate_memory(
         if positions is not None and seq_len > positions and getattr(config, "model_type", "") in ("gpt2", "opt"):
             raise ValueError(f"Passed `seq_len={seq_len}`, beyond the {positions} positions of the model; "
                              f"use at most {positions} or set `n_positions`/`max_position_embeddings`.")
+    target = target or "cuda"
     bound = _analytic_bound(config, batch_size, micro_batch_size, seq_len, run, target) if config is not None else None
     fallback = None
     est = None
@@ -174,6 +180,7 @@ def estimate_memory(
         est = MemoryEstimate(phases=bound[0], method="analytic", target=target, num_params=bound[1],
                              fallback_reason=fallback, run=run.describe(),
                              notes=["closed form (analytic.py): no trace; 21 % low to 6 % high on the benchmarked HF models"])
+    est.target_source = source
     if bound is not None:
         est.analytic_bound = {phase: bd.total("device") for phase, bd in bound[0].items()}
         est.analytic_bound["peak"] = max(est.analytic_bound.values())

@@ -3,6 +3,7 @@
     lowmem estimate --config configs/demo.yaml --budget 6GB          # exactly the run `lowmem fit` would do
     lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB   # the suite's combinations
     lowmem estimate --model llama --set num_hidden_layers=8 --set hidden_size=1024 --batch-size 2 --seq-len 256
+    lowmem estimate --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 4
 """
 
 from __future__ import annotations
@@ -54,6 +55,74 @@ def glue_values(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
 
 
 _SIZE_FLAGS = ("--budget",)
+_DATA_ARG = "--data.init_args."
+
+
+def split_data_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """``argv`` without its ``--data.init_args.KEY VALUE`` (or ``=VALUE``) pairs, and those as a dict.
+
+    NOTE: as LightningCLI spells a data module's arguments (``lowmem fit --data.init_args.batch_size 4``); a value
+    is read as JSON where it parses (``4``, ``true``, ``[1, 2]``), else kept as a string.
+    """
+    rest: list[str] = []
+    found: dict[str, Any] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith(_DATA_ARG):
+            rest.append(arg)
+            i += 1
+            continue
+        key, sep, raw = arg[len(_DATA_ARG):].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ValueError(f"Passed `{arg}` without a value; e.g. `{_DATA_ARG}batch_size 4`")
+            raw, i = args[i + 1], i + 1
+        try:
+            found[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            found[key] = raw
+        i += 1
+    return rest, found
+
+
+def build_data(class_path: str, data_args: str | None, init_args: dict[str, Any]) -> Any:
+    """The LightningDataModule ``class_path`` names, built with ``--data-args`` JSON and ``--data.init_args.*``.
+
+    Raises:
+        ValueError: naming what was given (no such class, not a LightningDataModule, arguments it refuses).
+    """
+    import importlib
+
+    import lightning as L
+
+    args: dict[str, Any] = {}
+    if data_args:
+        try:
+            args = json.loads(data_args)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"Passed `--data-args {data_args}`, which is not JSON ({err}); e.g. "
+                             "`--data-args '{\"batch_size\": 4}'`") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"Passed `--data-args {data_args}`; expected a JSON object of init arguments")
+    args.update(init_args)
+    module_name, _, attr = class_path.rpartition(".")
+    cls = None
+    if module_name:
+        try:
+            cls = getattr(importlib.import_module(module_name), attr, None)
+        except ImportError as err:
+            raise ValueError(f"Passed `--data {class_path}`: cannot import {module_name!r} ({err})") from None
+    if not (isinstance(cls, type) and issubclass(cls, L.LightningDataModule)):
+        raise ValueError(  # noqa: TRY004  (a name that names no data module: a wrong value, as a typo in a name)
+            f"Passed `--data {class_path}`, which does not name a LightningDataModule class; give its "
+                         "class path, e.g. `--data my_project.data.MyDataModule`")
+    try:
+        return cls(**args)
+    except TypeError as err:
+        raise ValueError(f"Passed `--data {class_path}` with init arguments {args}: {cls.__name__}() refused them "
+                         f"({err})") from None
 
 
 def size_problem(flag: str, value: str) -> tuple[int | None, str | None]:
@@ -80,12 +149,15 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--model", help="a shipped shape (gpt2 ... gpt2-xl, llama-7b, ...), config.json path, model type "
                       "or config class")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, help="with --model: the (effective) batch size")
     parser.add_argument("--seq-len", type=int, help="with --model: the sequence length")
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="with --model: accumulation micro-batch (default: the batch size)")
     parser.add_argument("--budget", default=None, help="device memory, e.g. 12GB, '12 GiB', 12e9")
-    parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--target", choices=("cuda", "cpu"), default=None,
+                        help="the device predicted (default: with --config the YAML's trainer.accelerator, `auto` "
+                        "meaning CUDA where this machine has it, else the CPU; with --model cuda)")
     parser.add_argument("--world-size", type=int, default=1, help="with --model: processes (ZeRO partitioning)")
     parser.add_argument("--only", action="append", default=None, help="with --model: combinations whose name has this")
     parser.add_argument("--analytic", action="store_true", help="closed form only (fast; 21%% low to 6%% high on the benchmarked HF models)")
@@ -94,11 +166,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check(args: argparse.Namespace) -> tuple[int | None, list[tuple[str, dict[str, Any]]], Any]:
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", help="with --model CLASS_PATH of a LightningModule: the LightningDataModule that feeds "
+                        "it (a class path); its arguments as `--data.init_args.KEY VALUE` (repeatable) or --data-args")
+    parser.add_argument("--data-args", help="the --data class's init arguments as a JSON object, e.g. "
+                        "'{\"batch_size\": 4}'")
+
+
+def data_problems(args: argparse.Namespace, init_args: dict[str, Any], module_class: Any) -> tuple[Any, list[str]]:
+    """``(the data module or None, problems)`` of ``--data``, ``--data-args`` and ``--data.init_args.*``."""
+    if args.data is None:
+        given = ["--data-args"] if args.data_args else []
+        given += [f"{_DATA_ARG}{k}" for k in init_args]
+        return None, [f"Passed `{'`, `'.join(given)}` without `--data CLASS_PATH`"] if given else []
+    if args.config:
+        return None, ["`--data` is for --model; with --config the YAML's `data:` section names the data"]
+    problems = []
+    if module_class is None:
+        problems.append(f"`--data` feeds a LightningModule: pass its class path as --model (given {args.model!r}, "
+                        "which is a model shape: it trains on `--batch-size` x `--seq-len` tokens)")
+    try:
+        return build_data(args.data, args.data_args, init_args), problems
+    except ValueError as err:
+        return None, [*problems, str(err)]
+
+
+def _check(args: argparse.Namespace, init_args: dict[str, Any]
+           ) -> tuple[int | None, list[tuple[str, dict[str, Any]]], Any, Any]:
     """Every problem with the arguments at once, before anything is traced."""
-    from lightning_lowmem.memory.estimate import COMBINATIONS
+    from lightning_lowmem.memory.estimate import COMBINATIONS, _module_class
 
     problems: list[str] = []
+    data, data_issues = data_problems(args, init_args, _module_class(args.model) if args.model else None)
+    problems += data_issues
     budget = None
     if args.budget is not None:
         budget, problem = size_problem("--budget", args.budget)
@@ -143,7 +243,7 @@ def _check(args: argparse.Namespace) -> tuple[int | None, list[tuple[str, dict[s
                 problems.append(str(err))
     if problems:
         raise ValueError("\n- ".join(["the arguments do not describe an estimate:", *problems]))
-    return budget, combos, config
+    return budget, combos, config, data
 
 
 def _names_module(name: str) -> bool:
@@ -176,12 +276,16 @@ def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem estimate``: predicted device and host peaks of a run (``--config``) or of the suite's combinations."""
     parser = _parser()
-    args = parser.parse_args(glue_values(sys.argv[1:] if argv is None else argv, _SIZE_FLAGS))
+    try:
+        rest, init_args = split_data_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        parser.exit(2, f"lowmem estimate: error: {err}\n")
+    args = parser.parse_args(glue_values(rest, _SIZE_FLAGS))
     from lightning_lowmem.memory.categories import CATEGORIES  # NOTE: after parsing: `--help` imports no torch
     from lightning_lowmem.memory.estimate import estimate_memory
 
     try:
-        budget, combos, config = _check(args)
+        budget, combos, config, data = _check(args, init_args)
     except ValueError as err:
         parser.exit(2, f"lowmem estimate: error: {err}\n")
     method = "analytic" if args.analytic else "dry_run"
@@ -193,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         est = estimate_memory(args.config, target=args.target, method=method, extrapolate=extrapolate)
         rows = [(phase, fmt_size(bd.total("device")), *(fmt_size(bd.device[c]) for c in CATEGORIES),
                  fmt_size(bd.total("host"))) for phase, bd in est.phases.items()]
-        print(f"{args.config}: target {args.target}; {est.run}")
+        source = "--target" if args.target else est.target_source
+        print(f"{args.config}: target {est.target} (from {source}; `--target` overrides); {est.run}")
         print("\n".join(_table(rows, ("phase", "device peak", *CATEGORIES, "host peak"))))
         verdict = "" if budget is None else f"; {'fits' if est.fits(budget) else 'does NOT fit'} {args.budget}"
         print(f"device peak {fmt_size(est.peak_device)} ({est.binding_phase}), host peak {fmt_size(est.peak_host)}"
@@ -206,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, kw in combos:
             t0 = time.perf_counter()
             try:
-                est = estimate_memory(config, args.batch_size, args.seq_len, micro_batch_size=args.micro_batch_size,
+                est = estimate_memory(config, args.batch_size, args.seq_len, data=data,
+                                      micro_batch_size=args.micro_batch_size,
                                       target=args.target, world_size=args.world_size, method=method,
                                       extrapolate=extrapolate, **kw)
             except ModuleNotFoundError as err:  # an optional extra (bitsandbytes) missing: say so, keep going
@@ -220,11 +326,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                          est.method + (f" ({est.fallback_reason})" if est.fallback_reason else ""),
                          f"{time.perf_counter() - t0:.1f} s"))
             payload.append({"combination": name, **est.to_dict()})
-        print(f"{args.model}: batch {args.batch_size}, seq {args.seq_len}, target {args.target}"
+        target = args.target or "cuda"
+        print(f"{args.model}: target {target} (from {'--target' if args.target else 'the default for --model'}), "
+              f"batch {args.batch_size}, seq {args.seq_len}"
               + (f", budget {args.budget} = {budget:,} B" if budget else ""))
         print("\n".join(_table(rows, ("combination", "device peak", "host peak", "binds", fits_header, "method",
                                       "time"))))
-    if args.target == "cuda":
+    if (est.target if args.config else args.target or "cuda") == "cuda":
         print("GPU corrections (uncalibrated, no GPU run yet): 1-byte dropout masks, flash SDPA, foreach AdamW "
               "traced; +512 MiB CUDA context; allocator fragmentation not modelled.")
     if args.json:
@@ -232,4 +340,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["main"]
+__all__ = ["add_data_arguments", "build_data", "data_problems", "main", "split_data_args"]

@@ -160,6 +160,8 @@ class _Values(TorchDispatchMode):
                 return execution.stand_in(torch.bool, True if func is _EQUAL else execution.healthy.get(tensors[0]))
             if execution.data_dependent.handles(func):
                 return execution.data_dependent(func, args, kwargs)
+            if execution.kernels.replaces(func):
+                return execution.kernels.replace(func, args, kwargs)
             out = func(*args, **kwargs)
             if execution.kernels.handles(func):
                 out = execution.kernels(func, args, kwargs, out)

@@ -113,10 +113,11 @@ from lightning_lowmem._compat import tensors_in
 from lightning_lowmem.memory import categories as _cat
 from lightning_lowmem.memory._storage_ledger import _A, _DEV, _G, _HOST, _O, _W, _X, StorageLedger, _Snap, _storage
 from lightning_lowmem.memory.categories import CATEGORIES, ROLES, MemoryBreakdown, Role
-from lightning_lowmem.memory.cuda_peak import CudaPeakWindow, reset_cuda_peak_stats
+from lightning_lowmem.memory.cuda_peak import CudaPeaks, CudaPeakWindow, reset_cuda_peak_stats
 
 __all__ = [
     "CudaPeakWindow",
+    "CudaPeaks",
     "MemoryTracker",
     "PhasePeak",
     "reset_cuda_peak_stats",
@@ -451,7 +452,7 @@ class MemoryTracker(StorageLedger):
         name = self._phase
         assert name is not None
         if self._cuda_window is not None:
-            allocated, reserved = self._cuda_window.lap()
+            allocated, reserved, _ = self._cuda_window.lap()
             prev = self._cuda.get(name, [0, 0])
             self._cuda[name] = [max(prev[0], allocated), max(prev[1], reserved)]
         self._in_fwd = False

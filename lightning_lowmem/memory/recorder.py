@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_lowmem.memory.categories import CATEGORIES, ReportsMemory
-from lightning_lowmem.memory.measure import CudaPeakWindow, MemoryTracker
+from lightning_lowmem.memory.measure import CudaPeaks, CudaPeakWindow, MemoryTracker
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
@@ -157,10 +157,10 @@ class StepMemoryRecorder(Callback):
         self._window_step = -1
 
     def step_closed(self, trainer: pl.Trainer, step: int, record: dict[str, Any] | None, tracker: MemoryTracker | None,
-                    cuda_step: tuple[int, int] | None) -> None:
+                    cuda_step: CudaPeaks | None) -> None:
         """Called once per optimizer step after its window closed (``record`` is None for an unsampled step)."""
 
-    def record(self, trainer: pl.Trainer, tracker: MemoryTracker, cuda_step: tuple[int, int] | None) -> dict[str, Any]:
+    def record(self, trainer: pl.Trainer, tracker: MemoryTracker, cuda_step: CudaPeaks | None) -> dict[str, Any]:
         """The sampled step as a JSON-able dict: peaks overall and per phase (device and host), components."""
         report = tracker.report()
         components = {}
@@ -182,6 +182,7 @@ class StepMemoryRecorder(Callback):
             "live_at_end": report["live_at_end"],
             "cuda_max_allocated": cuda_step[0] if cuda_step else None,
             "cuda_max_reserved": cuda_step[1] if cuda_step else None,
+            "cuda_max_active": cuda_step.active if cuda_step else None,
             "components": components,
             "aten_ops": tracker.num_ops,
             **({"window_events": tracker.window_events} if tracker.window_events else {}),

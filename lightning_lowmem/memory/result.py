@@ -53,6 +53,8 @@ class MemoryEstimate:
     fallback_reason: str | None = None
     analytic_bound: dict[str, int] | None = None
     bounds: list[dict[str, Any]] = field(default_factory=list)
+    #: why this target: the caller's ``target=``, a YAML's ``trainer.accelerator``, or the default (CUDA)
+    target_source: str = "the default"
 
     def peak(self, role: Literal["device", "host"] = "device") -> int:
         return max((bd.total(role) for bd in self.phases.values()), default=0)
@@ -80,6 +82,7 @@ class MemoryEstimate:
             "binding_phase": self.binding_phase,
             "method": self.method,
             "target": self.target,
+            "target_source": self.target_source,
             "num_params": self.num_params,
             "run": self.run,
             "phases": {name: bd.to_dict() for name, bd in self.phases.items()},

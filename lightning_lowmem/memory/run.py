@@ -49,6 +49,10 @@ class RunSpec:
     world_size: int = 1
     #: what the description leaves out (callbacks not part of a prediction, a strategy modelled as another)
     notes: list[str] = field(default_factory=list)
+    #: the device type the run trains on ("cuda" or "cpu") where the description says (a YAML's
+    #: ``trainer.accelerator``), with where it came from; None: the caller decides
+    target: str | None = None
+    target_source: str | None = None
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """``Trainer`` arguments with fresh, unused strategy and callback objects (call once per run)."""

@@ -35,7 +35,14 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
             self.datamodule = self._get(self.config_init, "data")
             self.model = self._get(self.config_init, "model")
             self._add_configure_optimizers_method_to_model(self.subcommand)
-            self.trainer = self.instantiate_trainer()
+            accelerator = self._get(self.config_init, "trainer", default={}).get("accelerator", "auto")
+            self.target, self.target_source = run_target(accelerator)
+            overrides: dict[str, Any] = {}
+            if self.target == "cuda" and not torch.cuda.is_available():
+                # NOTE: a GPU run described on a machine without one (the laptop asking "will it fit my card?"):
+                # the Trainer is only read for its strategy, precision and callbacks, so it is built for the CPU
+                overrides = {"accelerator": "cpu", "devices": 1}
+            self.trainer = self.instantiate_trainer(**overrides)
 
     quiet = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
     levels = [lg.level for lg in quiet]
@@ -46,7 +53,27 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
-    return cli.model, cli.datamodule, RunSpec.from_trainer(cli.trainer)
+    run = RunSpec.from_trainer(cli.trainer)
+    run.target, run.target_source = cli.target, cli.target_source
+    return cli.model, cli.datamodule, run
+
+
+def run_target(accelerator: Any) -> tuple[str, str]:
+    """``("cuda" | "cpu", why)``: the device a run with ``trainer.accelerator=accelerator`` trains on.
+
+    ``auto`` (Lightning's default) is CUDA when this machine has it, else the CPU, as the Trainer decides.
+    """
+    import torch
+    from lightning.pytorch.accelerators import Accelerator, CPUAccelerator
+
+    if isinstance(accelerator, Accelerator):
+        name = type(accelerator).__name__
+        return ("cpu" if isinstance(accelerator, CPUAccelerator) else "cuda"), f"trainer.accelerator: {name}"
+    name = str(accelerator or "auto").lower()
+    if name == "auto":
+        found = "cuda" if torch.cuda.is_available() else "cpu"
+        return found, f"trainer.accelerator: auto, {'a CUDA device' if found == 'cuda' else 'no CUDA device'} here"
+    return ("cpu" if name == "cpu" else "cuda"), f"trainer.accelerator: {name}"
 
 
 def _load(cls: Any, path: str | os.PathLike) -> Any:
@@ -56,4 +83,4 @@ def _load(cls: Any, path: str | os.PathLike) -> Any:
         return cls(run=False, args=["--config", str(path)], save_config_callback=None)
 
 
-__all__ = ["load_run_config"]
+__all__ = ["load_run_config", "run_target"]

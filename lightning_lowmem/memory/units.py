@@ -47,8 +47,19 @@ def fmt_size(n: float | None) -> str:
     return "-" if n is None else (fmt_gib(n) if abs(n) >= 2**30 else fmt_mib(n))
 
 
+def fmt_bytes(n: float | None) -> str:
+    """A size for a message, in the unit that reads best: B, KiB, MiB (fmt_size from 1 MiB up).
+
+    >>> fmt_bytes(64), fmt_bytes(3 * 2**10), fmt_bytes(199395552)
+    ('64 B', '3.00 KiB', '190.16 MiB')
+    """
+    if n is None or abs(n) >= 2**20:
+        return fmt_size(n)
+    return f"{int(n)} B" if abs(n) < 2**10 else f"{n / 2**10:.2f} KiB"
+
+
 def fmt_mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.2f} MiB"
 
 
-__all__ = ["fmt_gib", "fmt_mib", "fmt_size", "parse_bytes"]
+__all__ = ["fmt_bytes", "fmt_gib", "fmt_mib", "fmt_size", "parse_bytes"]

@@ -109,6 +109,8 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
             trainer._accelerator_connector.strategy = self.chosen_strategy
             self.chosen_strategy.connect(model)
             return
+        from lightning_lowmem.callbacks._kept_state import kept_state
+        from lightning_lowmem.callbacks._side_step import forked_rng
         from lightning_lowmem.plan.output import trainer_yaml
         from lightning_lowmem.plan.search import effective_batch, plan
 
@@ -118,9 +120,14 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         data = None if data is model else data
         loader = getattr(data if hasattr(data, "batch_size") else model, "batch_size", None)
         effective = effective_batch(user, loader, trainer.accumulate_grad_batches)
-        self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
-                         hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
-                         target="cuda" if self.root_device.type == "cuda" else "cpu")
+        # NOTE: the dry runs execute the module's forward; a draw whose value it reads (Hugging Face's LayerDrop:
+        # `torch.rand([]) < p`) advances the global generators, so training would see other numbers than the recipe
+        # it chose, given by hand. Planning runs on forked generators (CPU, the device's, Python's, NumPy's), and
+        # the module's buffers and attributes are put back.
+        with forked_rng(self.root_device), kept_state(model):
+            self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
+                             hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
+                             target="cuda" if self.root_device.type == "cuda" else "cpu")
         run = self.plan.run
         added = [c for c in run.callbacks if not any(type(u) is type(c) for u in user)]
         strategy = self._build(trainer, run.strategy, run.precision)

@@ -2,6 +2,8 @@
 
     lowmem plan --config run.yaml --device-memory 12GB --host-memory 64GB --write plan.yaml
     lowmem plan --model gpt2-xl --batch-size 4 --seq-len 1024 --hardware rtx3060-12gb
+    lowmem plan --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 8 \
+        --device-memory 12GB
     lowmem fit --config plan.yaml
 """
 
@@ -23,11 +25,15 @@ _EPILOG = (
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lightning_lowmem.memory.estimate_cli import add_data_arguments
+
     parser = argparse.ArgumentParser(prog="lowmem plan", description=__doc__.split("\n")[0], epilog=_EPILOG)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", help="a LightningCLI YAML (its model and data; its techniques are replaced)")
-    what.add_argument("--model", help="a shipped shape (gpt2 ... gpt2-xl, llama-7b, ...), config.json path or type")
+    what.add_argument("--model", help="a shipped shape (gpt2 ... gpt2-xl, llama-7b, ...), config.json path or type, or "
+                      "the class path of your LightningModule (with --data, or its own train_dataloader)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, help="the effective batch (--model; --config: the data's)")
     parser.add_argument("--seq-len", type=int, help="with --model: the sequence length")
     parser.add_argument("--device-memory", help="device budget, e.g. 12GB (default: the hardware profile's memory)")
@@ -70,14 +76,24 @@ def _check(args: argparse.Namespace) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem plan``: rank the suite's recipes for a run and a budget; write the fastest that fits."""
     parser = _parser()
-    from lightning_lowmem.memory.estimate_cli import glue_values
+    from lightning_lowmem.memory.estimate_cli import data_problems, glue_values, split_data_args
 
-    args = parser.parse_args(glue_values(sys.argv[1:] if argv is None else argv, ("--device-memory", "--host-memory")))
+    try:
+        rest, init_args = split_data_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        parser.exit(2, f"lowmem plan: error: {err}\n")
+    args = parser.parse_args(glue_values(rest, ("--device-memory", "--host-memory")))
+    from lightning_lowmem.memory.estimate import _module_class
     from lightning_lowmem.plan.search import NoRecipeFitsError, plan
 
     problems = _check(args)
     model = args.config
-    if args.model:
+    module_class = _module_class(args.model) if args.model else None
+    data, data_issues = data_problems(args, init_args, module_class)
+    problems += data_issues
+    if module_class is not None:
+        model = module_class  # your LightningModule, built on the meta device, on --data or its own dataloader
+    elif args.model:
         from lightning_lowmem.memory.estimate_cli import _model_config
 
         try:
@@ -89,12 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = plan(model, args.batch_size, args.seq_len, device_memory=args.device_memory,
                       host_memory=args.host_memory, hardware=args.hardware, pure_half=args.pure_half,
-                      target=args.target)
+                      target=args.target, data=data)
     except NoRecipeFitsError as err:
         parser.exit(1, f"lowmem plan: {err}\n")
     except ValueError as err:
         parser.exit(2, f"lowmem plan: error: {err}\n")
-    what = args.config or f"{args.model}: batch {args.batch_size}, seq {args.seq_len}"
+    what = args.config or (f"{args.model} on {args.data}" if data is not None else
+                           f"{args.model}: batch {args.batch_size}, seq {args.seq_len}")
     print(f"{what}; {result.hardware.name}; {'; '.join(result.notes)}; {result.wall_s:.1f} s")
     print(result.table())
     print(result.summary())

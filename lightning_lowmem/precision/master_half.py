@@ -86,6 +86,25 @@ def _read_by_adapter_layers(module: Module) -> set[int]:
     return read
 
 
+def _compiled_params(module: Module) -> set[int]:
+    """Ids of the parameters of ``torch.compile``-d modules (``torch.compile(m)`` wrappers and ``m.compile()``).
+
+    NOTE: inductor compiles autocast's cast of an fp32 weight together with its use: the fused kernel may add an
+    fp32 bias without rounding it to bf16 first, so plain compiled mixed precision is not eager autocast's rounding,
+    and a bf16 copy of the weight would give another result (|diff|/|update| ~5e-4 after 3 steps). These keep fp32:
+    the compiled graph is traced on the same fp32 weights as under plain mixed precision.
+    NOTE: private torch API: ``torch._dynamo.eval_frame.OptimizedModule`` (what ``torch.compile`` returns for a
+    module) and ``nn.Module._compiled_call_impl`` (set by ``nn.Module.compile``); no public way to ask.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    out: set[int] = set()
+    for sub in module.modules():
+        if isinstance(sub, OptimizedModule) or getattr(sub, "_compiled_call_impl", None) is not None:
+            out |= {id(p) for p in sub.parameters()}
+    return out
+
+
 def autocast_cast_params(module: Module) -> list[Parameter]:
     """The floating-point parameters of ``module`` that ``torch.autocast`` casts to the compute dtype at every use.
 
@@ -100,7 +119,7 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
     ``linear(x)``) sees the compute dtype here and fp32 under plain mixed precision; that is the one difference.
     """
     yes: dict[int, Parameter] = {}
-    no: set[int] = _read_by_adapter_layers(module)
+    no: set[int] = _read_by_adapter_layers(module) | _compiled_params(module)
     for sub in module.modules():
         for name, p in sub.named_parameters(recurse=False):
             if p.is_floating_point() and _casts_at_every_use(sub, name):
@@ -133,15 +152,15 @@ class MasterHalfPrecision(Reproducible, Precision):
       the parameters of ``nn.Linear``, ``nn.Conv*``/``nn.ConvTranspose*`` (forward not overridden), the
       input projections of ``nn.MultiheadAttention`` and Hugging Face's ``Conv1D`` (see
       :func:`autocast_cast_params`). Everything else stays fp32: norm layers, embeddings, tied weights,
-      custom parameters, the weights of PEFT adapter layers (LoRA reads ``lora_A.weight.dtype``) and every
-      buffer. The forward is therefore the same computation as plain ``*-mixed`` (the stored copy is the
+      custom parameters, the weights of PEFT adapter layers (LoRA reads ``lora_A.weight.dtype``), the weights of
+      ``torch.compile``-d modules (inductor fuses the cast with its use) and every buffer. The forward is therefore the same computation as plain ``*-mixed`` (the stored copy is the
       rounding autocast would make), and a module that runs under plain mixed precision runs here (an fp32
       buffer or tensor meets fp32 LayerNorm weights, as there). Gradients are bit-identical to plain mixed
-      precision except (1) for a half weight used several times in one backward (a GAN's discriminator on
-      real and fake images, a layer applied in a loop): its contributions are summed in the compute dtype,
-      where plain mixed precision sums them in fp32; (2) where other code reads a stored weight's ``dtype``
-      or values outside its layer's call (a wrapper's forward casting its input to ``linear.weight.dtype``
-      before other ops): it sees the compute dtype here, fp32 there.
+      precision, also for a layer called several times in one step (a GAN's discriminator on real and
+      fake images, ALBERT's shared layer): its contributions are summed in fp32 as there
+      (:mod:`~lightning_lowmem.precision._reused_grads`), except where other code reads a stored weight's
+      ``dtype`` or values outside its layer's call (a wrapper's forward casting its input to
+      ``linear.weight.dtype`` before other ops): it sees the compute dtype here, fp32 there.
       Device weights: 2 B/param for those layers, 4 B/param for the rest.
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
     * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ class HostMasters:
         self.device_index: dict[int, int] = {}  # id(module parameter) -> i
         self.host_index: dict[int, int] = {}  # id(master) -> i
         self.buffers: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (fp32 original on host, value after the cast)
+        # i -> (version counter, storage, dtype, device) of the compute weight when it last matched its master
+        self.seen: dict[int, tuple[int, tuple[str, int], torch.dtype, torch.device]] = {}
 
     @staticmethod
     def unique_params(module: torch.nn.Module) -> Iterator[tuple[str, Parameter]]:
@@ -137,6 +140,73 @@ class HostMasters:
                 key = self.p_host[i] if i is not None else p
                 state[key] = {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in s.items()}
             optimizer.state = state
+
+    # --- writes into the compute weights by other code (see `OffloadStrategy.adopt_device_writes`) ---------------
+    def note_device(self, indices: Iterable[int] | None = None, skip: frozenset[int] = frozenset()) -> None:
+        """Remember the version counter and storage of compute weights ``indices`` (all) that now match their masters.
+
+        NOTE: `Tensor._version` is a private torch API (the counter autograd checks saved tensors with; no public
+        reader): every in-place write through the parameter bumps it (``torch.no_grad(): p.clamp_()``, ``nn.init``,
+        ``p.copy_()``, ``load_state_dict``), a write through ``p.data`` does not (torch does not track it).
+        """
+        for i in range(len(self.p_device)) if indices is None else indices:
+            if i in skip:
+                continue
+            p = self.p_device[i]
+            self.seen[i] = (p._version, storage_key(p), p.dtype, p.device)
+
+    def device_writes(self) -> list[int]:
+        """The compute weights written (in place through the parameter, or ``p.data`` replaced) since they were noted."""
+        seen = self.seen
+        return [i for i, p in enumerate(self.p_device)
+                if i in seen and (seen[i][0] != p._version or seen[i][1] != storage_key(p))]
+
+    def adopt_writes(self) -> list[int]:
+        """Copy every compute weight written by other code into its master (:meth:`adopt`); return their indices.
+
+        NOTE: [writes outside the hooks] plain Lightning's parameters are the weights the optimizer steps, so a
+        callback's ``on_train_batch_end`` or ``training_step`` that clamps them (``with torch.no_grad(): p.clamp_()``)
+        or re-initialises a layer changes what is trained. Under ``lowmem_offload`` that code writes the compute
+        weights; without this the next step would overwrite them from the unchanged masters. The strategy calls it
+        before every read of the masters (the step, a view, a checkpoint, the module given back). Exact for fp32
+        compute weights; a half one is upcast (:meth:`warn_rounded`). Not seen: in-place writes through ``p.data``
+        (torch does not track them) and the weights of streamed blocks (``offload_params``).
+        """
+        changed = self.device_writes()
+        for i in changed:
+            self.adopt(i)
+        return changed
+
+    def warn_rounded(self, changed: list[int]) -> bool:
+        """Warn that the half compute weights among ``changed`` reached their masters rounded; whether it warned."""
+        rounded = [self.names[i] for i in changed if self.p_device[i].dtype != torch.float32]
+        if not rounded:
+            return False
+        more = f" and {len(rounded) - 3} more" if len(rounded) > 3 else ""
+        warnings.warn(
+            f"lowmem_offload: code wrote the weights {', '.join(f'`{n}`' for n in rounded[:3])}{more} outside the hooks "
+            f"that show the fp32 masters; their {self.p_device[changed[0]].dtype} compute weights were copied into the "
+            "masters (rounded: the masters' low bits are lost). For an exact fp32 write, write inside "
+            "`with trainer.strategy.masters_view(write_back=True):`. This warning is shown once.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return True
+
+    @torch.no_grad()
+    def adopt(self, i: int) -> None:
+        """Copy compute weight ``i`` (written by other code) into its master; give it back its dtype and device."""
+        p, p_host = self.p_device[i], self.p_host[i]
+        _, _, dtype, device = self.seen[i]
+        if p.shape != p_host.shape:
+            raise RuntimeError(
+                f"lowmem_offload: `{self.names[i]}` was given a tensor of shape {tuple(p.shape)} (its weight has shape "
+                f"{tuple(p_host.shape)}); a parameter's shape cannot change during training under lowmem_offload. "
+                "Write its values in place instead (`with torch.no_grad(): p.copy_(new)`)."
+            )
+        p_host.copy_(p.detach())  # NOTE: a half compute weight is upcast: the low fp32 bits of the master are lost
+        if p.dtype != dtype or p.device != device:
+            p.data = p.data.to(device=device, dtype=dtype)
 
     # --- reading -----------------------------------------------------------------------------------------
     def as_dict(self) -> dict[str, Parameter]:

@@ -39,8 +39,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, StochasticWeightAveraging, WeightAveraging
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from lightning_lowmem.strategies._host_masters import HostMasters
 from lightning_lowmem.strategies._host_transfer import HostTransfer
@@ -91,6 +92,10 @@ class MastersView:
         self._depth = 0
         self._write_back = False
         self._shown: list[Tensor | None] | None = None  # the gradients a view with `grads` put on the parameters
+        # NOTE: [writes outside the hooks] the strategy's: before the masters are shown, a compute weight other code wrote
+        # is copied into its master; after they are put back, every compute weight matches its master again
+        self.before_show: Callable[[], None] = lambda: None
+        self.after_restore: Callable[[], None] = lambda: None
 
     @contextlib.contextmanager
     def view(self, *, grads: bool = False, buffers: bool = False, write_back: bool = False) -> Iterator[None]:
@@ -110,6 +115,7 @@ class MastersView:
             finally:
                 self._depth -= 1
             return
+        self.before_show()
         self._write_back = write_back
         self._depth = 1
         masters = self.masters
@@ -141,6 +147,7 @@ class MastersView:
             self._restore_buffers(shown, write)
             if write:
                 self.to_compute([(i, p_host, p) for i, (p_host, p) in enumerate(zip(masters.p_host, masters.p_device))])
+            self.after_restore()
 
     def sync_grads(self) -> None:
         """Inside a view with ``grads``: after code replaced (or dropped) a parameter's ``.grad`` or its master's, make
@@ -243,6 +250,66 @@ def _in_view(callback: Callback, hook: str, view: MastersView, write: bool) -> C
             return method(self, *args, **kwargs)
 
     return types.MethodType(run, callback)
+
+
+# --- Lightning's fine-tuning callbacks -------------------------------------------------------------------------------
+def wrap_finetuning(
+    callbacks: Sequence[Callback],
+    masters: HostMasters,
+    optimizers: Callable[[], Sequence[Optimizer]],
+    repoint: Callable[[Optimizer], None],
+) -> Callable[[], None]:
+    """Run every hook of Lightning's ``BaseFinetuning`` callbacks (``BackboneFinetuning``) with the optimizers' param
+    groups holding the module's parameters; after each, ``repoint`` the groups at the masters; return the undo.
+
+    NOTE: those hooks look the groups' parameters up among ``pl_module.named_parameters()`` (a ``KeyError`` on a master)
+    and, when they unfreeze, add the module's parameters with ``optimizer.add_param_group``: shown the module's
+    parameters, they run as under plain Lightning, and the groups they add get the masters when the hook returns. The
+    strategy hooks the gradients of the parameters they make trainable at the next batch start.
+    """
+    wrapped: list[tuple[Callback, str]] = []
+    for callback in callbacks:
+        if not isinstance(callback, BaseFinetuning):
+            continue
+        for hook in _HOOKS:
+            if getattr(type(callback), hook) is getattr(Callback, hook) or _set_by_user(callback, hook):
+                continue
+            setattr(callback, hook, _with_module_params(callback, hook, masters, optimizers, repoint))
+            wrapped.append((callback, hook))
+
+    def undo() -> None:
+        for callback, hook in wrapped:
+            vars(callback).pop(hook, None)
+
+    return undo
+
+
+def _with_module_params(
+    callback: Callback,
+    hook: str,
+    masters: HostMasters,
+    optimizers: Callable[[], Sequence[Optimizer]],
+    repoint: Callable[[Optimizer], None],
+) -> Callable[..., Any]:
+    method = getattr(type(callback), hook)
+
+    @functools.wraps(method)
+    def run(self: Callback, *args: Any, **kwargs: Any) -> Any:
+        for optimizer in optimizers():
+            for group in optimizer.param_groups:
+                group["params"] = [_module_param(masters, p) for p in group["params"]]
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for optimizer in optimizers():  # NOTE: the live list: a hook may have replaced the groups (a resume)
+                repoint(optimizer)
+
+    return types.MethodType(run, callback)
+
+
+def _module_param(masters: HostMasters, p: Tensor) -> Tensor:
+    module_param = masters.master_of(p)
+    return p if module_param is None else module_param
 
 
 # --- the module's zero-grad hook ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
+from lightning_lowmem.callbacks.optimizer_in_backward import lightning_callback_problems
 from lightning_lowmem.memory.units import parse_bytes
 from lightning_lowmem.precision.master_half import PRECISIONS, MasterHalfPrecision
 from lightning_lowmem.strategies import _host_optimizer, hf_weights
@@ -82,6 +83,7 @@ def trainer_problems(strategy: OffloadStrategy, module: pl.LightningModule, trai
             )
         if not module.automatic_optimization:
             problems.append("`optimizer_in_backward=True` needs automatic optimization (the step happens in backward)")
+        problems += lightning_callback_problems(trainer, module, "`optimizer_in_backward=True`")
         problems += _gradient_hook_problems(module)
     return problems
 

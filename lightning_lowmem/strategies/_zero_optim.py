@@ -68,15 +68,39 @@ def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Opti
         weight_decay=defaults["weight_decay"],
         adamw_mode=adamw,
     )
+    # NOTE: DeepSpeed's low-precision master weights check `type(optimizer) == DeepSpeedCPUAdam`: no renaming there
+    low_masters = any(isinstance(config.get(k), dict) and config[k].get(f"{k}_master_weights_and_grads")
+                      for k in ("bf16", "fp16"))
+    if not low_masters:
+        cpu_adam.__class__ = _named_as(type(optimizer).__name__, DeepSpeedCPUAdam)
     summary = "; ".join(
         f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
         for i, g in enumerate(cpu_adam.param_groups)
     )
     message = (
         f"ZeroStrategy: optimizer offload steps on the CPU, so `{name}` was replaced by "
-        f"`DeepSpeedCPUAdam(adamw_mode={adamw})` with the same parameter groups ({summary})."
+        f"`DeepSpeedCPUAdam(adamw_mode={adamw})` with the same parameter groups ({summary})"
+        + ("." if low_masters else f"; it keeps the class name `{type(optimizer).__name__}` for Lightning's naming (e.g. "
+           f"LearningRateMonitor's `lr-{type(optimizer).__name__}`).")
     )
     return cpu_adam, message
+
+
+_NAMED: dict[tuple[str, type], type] = {}
+
+
+def _named_as(name: str, cls: type) -> type:
+    """A subclass of ``cls`` (adding nothing) whose ``__name__`` is ``name``.
+
+    NOTE: Lightning names what it logs after the optimizer's class (``LearningRateMonitor``'s ``lr-AdamW``, a
+    monitor, a dashboard, a checkpoint filename built from it); the swap must not rename the user's metrics. DeepSpeed
+    checks the CPU optimizer with ``isinstance`` (a subclass passes) and reads the class name only to pick an
+    optimizer from its own config (not used with a client optimizer).
+    """
+    if (name, cls) not in _NAMED:
+        doc = f"``{cls.__module__}.{cls.__qualname__}`` under the name of the optimizer it replaced (``{name}``)."
+        _NAMED[name, cls] = type(name, (cls,), {"__doc__": doc, "__module__": __name__, "__qualname__": name})
+    return _NAMED[name, cls]
 
 
 # torch-only per-group switches that mean nothing to DeepSpeedCPUAdam (the unsupported ones are refused above)

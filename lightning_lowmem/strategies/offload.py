@@ -48,6 +48,7 @@ from lightning_lowmem.memory.categories import (
     unique_storage_bytes,
 )
 from lightning_lowmem.memory.units import parse_bytes
+from lightning_lowmem.precision._reused_grads import ReusedGrads
 from lightning_lowmem.precision.master_half import MasterHalfPrecision
 from lightning_lowmem.strategies import _host_optimizer, _offload_checks, _offload_host_bytes, _preflight, hf_weights
 from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
@@ -55,7 +56,7 @@ from lightning_lowmem.strategies._host_masters import HostMasters
 from lightning_lowmem.strategies._host_optimizer import HostOptimizer
 from lightning_lowmem.strategies._host_transfer import HostTransfer, transfer_for
 from lightning_lowmem.strategies._manual_grads import ManualGrads
-from lightning_lowmem.strategies._masters_view import MastersView, copy_to_compute, wrap_hooks
+from lightning_lowmem.strategies._masters_view import MastersView, copy_to_compute, wrap_finetuning, wrap_hooks
 from lightning_lowmem.strategies._offload_checks import NONFINITE, NonFinite  # noqa: F401
 from lightning_lowmem.strategies.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 
@@ -113,13 +114,13 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
             block (GPT-2's ``transformer.h``, LLaMA's ``model.layers``) from host copies in the compute dtype (pinned on
             CUDA, +2 B/param of host memory in bf16): on the device only the non-block weights (embeddings, LM head,
-            final norm) and ``prefetch + 1`` blocks at a time. Cost: each block's weights cross PCIe once in forward and
+            final norm) and ``prefetch + 1`` blocks at a time (on CUDA one more, released, that the GPU may still read). Cost: each block's weights cross PCIe once in forward and
             once in backward, overlapped with compute on a side stream (see
             :class:`~lightning_lowmem.strategies.param_stream.ParamStream`). ``"auto"``: the first blocks stay resident
             as far as ``device_budget`` allows, the rest stream (the choice is logged). ``False``: all resident.
         prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
         device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a
-            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks and the resident blocks
+            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks (+ 1 on CUDA) and the resident blocks
             must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least 2 GiB);
             required on the CPU.
         load_weights: a local Hugging Face ``save_pretrained`` directory in safetensors: its tensors are read one at a
@@ -188,6 +189,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.skipped_steps = 0  # steps skipped by the non-finite guard (bf16/fp32), over the strategy's life
         self._consecutive_skips = 0
         self._warned_nonfinite = False
+        self._warned_rounded_write = False  # [writes outside the hooks] into a half compute weight: warned once
         # NOTE: Lightning fills `parallel_devices` (the accelerator's device) only on strategies that have the
         # attribute; without it a strategy picked by name stays on "cpu" even with accelerator="cuda".
         self.parallel_devices: list[torch.device] | None = None
@@ -196,8 +198,10 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _reset(self) -> None:
         self._masters = HostMasters()
         self._hooks: list[Any] = []
+        self._hooked: set[int] = set()  # the masters whose module parameter has the gradient hook
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
+        self._reused: ReusedGrads | None = None  # *-mixed: fp32 sums of a repeatedly called layer's half weights
         self._view: MastersView | None = None  # see strategies/_masters_view.py
         self._manual = ManualGrads()  # manual optimization: the gradients until the step (strategies/_manual_grads.py)
         self._unwrap: Callable[[], None] = lambda: None
@@ -267,6 +271,9 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             for opt in self.optimizers:
                 self._repoint(opt)
         self.model = precision.convert_module(self.model)
+        if fitting and precision.mixed and precision.compute_dtype != torch.float32:
+            half = [p for p in self._masters.p_device if p.dtype == precision.compute_dtype]
+            self._reused = ReusedGrads(self.model, half, self._masters.device_index)
         self._masters.note_cast_buffers(self.model)
         if self.offload_params is not False:
             auto = self.offload_params == "auto" and self.device_budget is None
@@ -280,7 +287,15 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         self.model = self._setup_model(self.model)
         self._transfer = transfer_for(self.root_device, self._masters.p_device)
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
-        self._unwrap = wrap_hooks(trainer.callbacks, self.lightning_module, self._view)  # type: ignore[arg-type]
+        self._view.before_show, self._view.after_restore = self.adopt_device_writes, self._note_device
+        undo = (wrap_hooks(trainer.callbacks, self.lightning_module, self._view),  # type: ignore[arg-type]
+                wrap_finetuning(trainer.callbacks, self._masters, lambda: self.optimizers, self._repoint))
+
+        def unwrap() -> None:
+            for u in undo:
+                u()
+
+        self._unwrap = unwrap
         if fitting and not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
             self._manual.attach(self._view, self.lightning_module)  # type: ignore[arg-type]
         if fitting:
@@ -289,10 +304,8 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
                 if self.optimizer_in_backward and trainer.gradient_clip_val
                 else None
             )
-            sink = self._step_in_backward if self.optimizer_in_backward else self._masters.fold
-            for i, p in enumerate(self._masters.p_device):
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
+            self._follow_trainable()
+        self._note_device()
         precision._attached = True
         precision._drain = self.drain_transfers
         precision._view = self._view  # NOTE: the gradient hooks see the masters and their gradients
@@ -304,6 +317,36 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         super().on_train_start()
         if self._stream is not None:
             self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
+        if self._reused is not None:
+            self._reused.hook()  # NOTE: after the stream's hooks: its views are taken of fetched weights
+
+    def _follow_trainable(self) -> None:
+        """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup: Lightning's
+        ``BackboneFinetuning`` unfreezing the backbone), with a master that takes gradients and a host buffer for them."""
+        masters = self._masters
+        sink = self._step_in_backward if self.optimizer_in_backward else masters.fold
+        for i, p in enumerate(masters.p_device):
+            if not p.requires_grad or i in self._hooked:
+                continue
+            self._hooked.add(i)
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
+            masters.p_host[i].requires_grad_(True)  # NOTE: a no-op at setup (the master copied the flag)
+            if not self.optimizer_in_backward and masters.grad_host[i] is None:
+                masters.grad_host[i] = torch.empty_like(masters.p_host[i])
+                mark_host(masters.grad_host[i])
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._follow_trainable()
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if self.optimizer_in_backward and trainer.accumulate_grad_batches != 1:
+            # NOTE: an accumulation scheduler setup did not know (Lightning's is refused there)
+            raise ValueError(
+                f"`OffloadStrategy(optimizer_in_backward=True)`: `accumulate_grad_batches` became "
+                f"{trainer.accumulate_grad_batches} at epoch {trainer.current_epoch}; the step in backward cannot "
+                "accumulate. Remove the accumulation scheduler, or set `optimizer_in_backward=False`."
+            )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -356,6 +399,11 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _repoint(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s param groups at the masters; move any state it has to the host."""
         self._masters.repoint(optimizer)
+        if id(optimizer) in self._fused:  # NOTE: groups added since (`add_param_group`) take the host kernel too
+            saved = self._fused[id(optimizer)][1]
+            for group in optimizer.param_groups[len(saved):]:
+                saved.append({"fused": group.get("fused"), "foreach": group.get("foreach")})
+                group["fused"], group["foreach"] = True, False
         if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
                 and _host_optimizer.why_not_fused(optimizer) is None):
             self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
@@ -387,12 +435,19 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             p_device.grad = None
             return
         assert self._transfer is not None
+        if self._reused is not None:
+            summed = self._reused.take(i, grad)
+            if summed is not grad:  # NOTE: an fp32 sum (a layer called several times): straight to the host
+                p_device.grad = None
+                sink(i, summed.to(self._masters.p_host[i].device))
+                return
         self._transfer.grad_to_host(i, grad, sink)
         p_device.grad = None  # NOTE: the device gradient is freed here, one parameter at a time
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         self._manual.before_backward()  # NOTE: backward needs the compute weights (the gradients accumulate on the masters)
+        self.adopt_device_writes()  # NOTE: optimizer_in_backward steps the masters inside this backward
         # NOTE: with optimizer_in_backward each parameter steps inside backward: a non-finite loss must be caught
         # before the first one does (one scalar; a device sync on CUDA).
         self._skip_backward = bool(
@@ -460,10 +515,18 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._reused is not None:
+            self._reused.new_step()
         try:
-            return super().training_step(*args, **kwargs)
+            with self._stream.first_use_check("train") if self._stream is not None else nullcontext():
+                return super().training_step(*args, **kwargs)
         finally:
             self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream.first_use_check("validate") if self._stream is not None else nullcontext():
+            return super().validation_step(*args, **kwargs)
 
     # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
     def _guarding(self) -> bool:
@@ -504,6 +567,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
 
     def _host_step(self, optimizer: Optimizer) -> Any:
         """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
+        self.adopt_device_writes()
         if self._guarding():
             found = self._masters.nonfinite_grads(optimizer)
             if found is not None:
@@ -584,6 +648,25 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
     def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
         assert self._transfer is not None
         copy_to_compute(self._transfer, self._stream, pairs)
+        self._note_device([i for i, _, _ in pairs])
+
+    # --- [writes outside the hooks] -------------------------------------------------------------------------------
+    def _note_device(self, indices: Sequence[int] | None = None) -> None:
+        """Compute weights ``indices`` (all) match their masters now (streamed weights are not followed)."""
+        streamed = self._stream.shapes if self._stream is not None else {}
+        skip = frozenset(i for i, p in enumerate(self._masters.p_device) if id(p) in streamed)
+        self._masters.note_device(indices, skip)
+
+    def adopt_device_writes(self) -> None:
+        """Copy into their masters the compute weights that code wrote outside the hooks that show the masters (a
+        callback clamping or re-initialising weights): see [writes outside the hooks] in ``_host_masters.py``."""
+        if self._view is not None and self._view._depth:
+            return  # NOTE: the parameters show the masters: code writes them directly
+        changed = self._masters.adopt_writes()
+        if changed:
+            self._note_device(changed)
+            if not self._warned_rounded_write:
+                self._warned_rounded_write = self._masters.warn_rounded(changed)
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     @override
@@ -591,6 +674,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
         """The module's state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""
         module = self.lightning_module
         assert module is not None
+        self.adopt_device_writes()
         return self._masters.state_dict(module)
 
     @override
@@ -603,6 +687,7 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             super().load_model_state_dict(checkpoint, strict=strict)
         if self._masters.p_host:  # loaded after setup: the masters take the checkpoint's fp32 values too
             self._masters.load_state_dict(checkpoint["state_dict"])
+            self._note_device()  # NOTE: the load wrote the compute weights: not a write to adopt
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -659,10 +744,13 @@ class OffloadStrategy(Reproducible, SingleDeviceStrategy):
             self._transfer.synchronize()
         if self._stream is not None:
             self._stream.remove()
+        if self._reused is not None:
+            self._reused.remove()
         for optimizer, flags in self._fused.values():
             _host_optimizer.restore(optimizer, flags)
         module = self.lightning_module
         if module is not None and self._masters.p_host:
+            self.adopt_device_writes()  # NOTE: an `on_train_end` / `on_fit_end` that wrote the weights
             self._masters.give_back_fp32(module, self.optimizers)
         self._reset()
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -48,6 +49,7 @@ from lightning_lowmem.callbacks._blocks import find_repeated_blocks
 from lightning_lowmem.callbacks._saved_versions import SavedVersion
 from lightning_lowmem.memory.categories import mark_host, storage_key
 from lightning_lowmem.memory.units import fmt_size
+from lightning_lowmem.precision.master_half import _compiled_params
 from lightning_lowmem.strategies._host_transfer import _bucket_sizes
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ ACTIVATION_SHARE = 0.25
 MIN_RESERVE = 2 * 2**30
 
 _WEIGHT, _OUTER, _PLAIN = 0, 1, 2
+#: released blocks whose device buffers the compute stream may still be reading, before a fetch waits for the oldest
+_FREES_IN_FLIGHT = 1
 
 
 def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[list[nn.Parameter]], list[nn.Parameter]]:
@@ -68,7 +72,7 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     A parameter shared between two blocks or with a module outside the blocks (tied weights) is not a block's:
     it stays resident.
     """
-    blocks = find_repeated_blocks(module)
+    blocks = _called(find_repeated_blocks(module))
     owners: dict[int, set[int]] = {}
     for b, (_, block) in enumerate(blocks):
         for p in block.parameters():
@@ -85,23 +89,41 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     return blocks, per_block, rest
 
 
-def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, prefetch: int) -> int:
+def _called(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its children.
+
+    NOTE: a container has no ``forward``: the model walks its layers itself (Funnel's ``encoder.blocks.0``,
+    PoolFormer's ``encoder.block.0``), so the hooks of a streamed container never run and its weights would be read
+    released (NaN). Its children are called: they are the streamed blocks.
+    """
+    out: list[tuple[str, nn.Module]] = []
+    for name, block in blocks:
+        if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+            out += _called([(f"{name}.{child}", m) for child, m in block.named_children()])
+        else:
+            out.append((name, block))
+    return out
+
+
+def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, prefetch: int, released: int = 0) -> int:
     """How many blocks (the first ones) stay resident under ``budget`` bytes of compute weights.
 
-    The rule: the non-block weights, ``prefetch + 1`` streamed blocks in flight, and the resident blocks must fit.
+    The rule: the non-block weights, ``prefetch + 1`` streamed blocks in flight (plus ``released`` blocks the GPU
+    may still be reading: ``_FREES_IN_FLIGHT`` on CUDA, see [bounded streaming]), and the resident blocks must fit.
     Raises ValueError (naming the smallest budget that works) when not even the streamed minimum fits.
     """
     n = len(block_bytes)
     largest = max(block_bytes, default=0)
     if other_bytes + sum(block_bytes) <= budget:
         return n
-    minimum = other_bytes + min(prefetch + 1, n) * largest
+    window = min(prefetch + 1 + released, n)
+    minimum = other_bytes + window * largest
     if minimum > budget:
+        why = "prefetch + 1" + (f" + {released} released, still read by the GPU" if released else "")
         raise ValueError(
             f"Passed `device_budget={budget}` ({fmt_size(budget)}); streaming needs at least {minimum} bytes "
             f"({fmt_size(minimum)}) for the compute weights: {fmt_size(other_bytes)} outside the blocks plus "
-            f"{min(prefetch + 1, n)} block(s) of {fmt_size(largest)} (prefetch + 1). Pass a larger budget, or a "
-            "smaller `prefetch`."
+            f"{window} block(s) of {fmt_size(largest)} ({why}). Pass a larger budget, or a smaller `prefetch`."
         )
     keep, used = 0, minimum
     while keep < n and used + block_bytes[keep] <= budget:
@@ -129,13 +151,14 @@ def plan_stream(
     if offload_params is True or budget is None:
         resident = 0
     else:
-        resident = plan_resident(sizes, other, budget, prefetch)
+        released = _FREES_IN_FLIGHT if device.type == "cuda" else 0
+        resident = plan_resident(sizes, other, budget, prefetch, released)
         logger.info(
             "lowmem_offload(offload_params='auto'): %d of %d blocks resident, %d streamed (budget %s for the compute "
             "weights: %s outside the blocks, %s per block; predicted weights on the device at most %s)",
             resident, len(sizes), len(sizes) - resident, fmt_size(budget), fmt_size(other),
             fmt_size(max(sizes, default=0)),
-            fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(prefetch + 1):])),
+            fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(prefetch + 1 + released):])),
         )  # fmt: skip
     streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
     return ParamStream(module, streamed, prefetch, device), resident
@@ -145,7 +168,8 @@ class ParamStream:
     """Moves the compute weights of streamed blocks between their host copies and the device, block by block.
 
     Memory on the device: the compute weights of the resident blocks and of the non-block parameters, plus at most
-    ``prefetch + 1`` streamed blocks at any instant. On the host: one copy of each streamed weight in the compute
+    ``prefetch + 2`` streamed blocks at any instant (``prefetch + 1`` fetched, and one released block the GPU may
+    still be reading: see [bounded streaming]). On the host: one copy of each streamed weight in the compute
     dtype (2 B/param in bf16; pinned on CUDA). Cost: each streamed block crosses PCIe once in forward and once in
     backward (a checkpointed block recomputes on the backward copy), on a side stream ``prefetch`` blocks ahead of
     compute; on the CPU each crossing is a host copy.
@@ -177,9 +201,13 @@ class ParamStream:
         self._pushed: list[bool] = []
         self._last_pre = -1
         self._last_event: Any = None
+        self._frees: deque[Any] = deque()  # compute-stream events recorded after released blocks' buffers were dropped
         self._placeholders: dict[tuple[torch.dtype, str], torch.Tensor] = {}
         self._buckets: list[torch.Tensor] = []
         self.fetches = 0  # blocks copied to the device (a count for tests and benchmarks)
+        self._checked: set[str] = set()  # the steps (training, validation) whose first call was checked
+        # NOTE: a dispatch mode makes a compiled region run another path (another rounding): no check there
+        self._compiled = bool(_compiled_params(module))
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def streamed_numel(self) -> int:
@@ -245,11 +273,24 @@ class ParamStream:
         if self._last_event is not None and self.ops is not None:
             self.ops.synchronize(self._last_event)
 
+    def first_use_check(self, kind: str) -> contextlib.AbstractContextManager:
+        """On the first ``kind`` step: refuse any op that reads a released streamed weight (see ``_stream_check``)."""
+        if kind in self._checked or not any(self.params) or self._compiled:
+            return contextlib.nullcontext()
+        from lightning_lowmem.strategies._stream_check import ReleasedReadCheck
+
+        self._checked.add(kind)
+        names = {id(p): f"{self.names[b]}.{n}" for b, block in enumerate(self.blocks)
+                 for n, p in block.named_parameters() if id(p) in self.shapes}
+        return ReleasedReadCheck({storage_key(t) for t in self._placeholders.values()}, names)
+
     # --- moving blocks -------------------------------------------------------------------------------------------
     def _fetch(self, b: int) -> None:
         if b in self._fetched or not self.streamed[b]:
             return
         ops = self.ops
+        if ops is not None:
+            self._limit_frees(ops)
         if ops is None:
             tensors = [h.to(self.device, copy=True) for h in self.host[b]]
             event = None
@@ -287,6 +328,25 @@ class ParamStream:
         for p, t in zip(self.params[b], entry[0]):
             self._by_storage.pop(storage_key(t), None)
             p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+        read_by_compute = entry[2] and self.ops is not None
+        entry = t = None  # NOTE: the buffers are freed here (to the allocator, which waits for compute: record_stream)
+        if read_by_compute:
+            self._frees.append(self.ops.record_event(self.ops.compute_stream()))  # type: ignore[union-attr]
+
+    def _limit_frees(self, ops: StreamOps) -> None:
+        """Wait (host) until at most ``_FREES_IN_FLIGHT`` released blocks may still be read by compute.
+
+        NOTE: [bounded streaming] a released block's buffers go back to CUDA's caching allocator, which hands them out
+        again only when the compute stream has passed the release (``record_stream``). The host queues kernels far
+        ahead of the GPU, so without back-pressure every fetch of a forward would take new memory while the released
+        blocks wait: the reserved memory grows toward the whole model (FSDP's ``limit_all_gathers`` solves the same
+        problem the same way). An event recorded on the compute stream after each release tells when its buffers are
+        reusable; before a fetch the host waits for the oldest beyond the limit, so the device holds at most the
+        ``prefetch + 1`` fetched blocks and ``_FREES_IN_FLIGHT`` released ones.
+        """
+        frees = self._frees
+        while frees and (len(frees) > _FREES_IN_FLIGHT or ops.query(frees[0])):
+            ops.synchronize(frees.popleft())
 
     def release_all(self) -> None:
         for b in list(self._fetched):
@@ -401,6 +461,8 @@ class ParamStream:
     def host_view(self) -> Iterator[None]:
         """Inside, the streamed parameters' ``.data`` are their host copies (a ``load_state_dict`` writes into them)."""
         self.release_all()
+        if self._last_event is not None and self.ops is not None:
+            self.ops.synchronize(self._last_event)  # NOTE: as in `update_host`: a queued fetch still reads the copies
         for ps, hs in zip(self.params, self.host):
             for p, h in zip(ps, hs):
                 p.data = h

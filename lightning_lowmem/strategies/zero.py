@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     import deepspeed
 
 _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
-# callbacks that change the Trainer's accumulation while fitting: DeepSpeed fixes it when the engine is built.
-# NOTE: our AccumulationScheduler checks DeepSpeed itself (fixed window only) and composes.
-_ACCUMULATION_CALLBACKS = ("GradientAccumulationScheduler",)
 
 
 class ZeroStrategy(Reproducible, DeepSpeedStrategy):
@@ -341,15 +338,16 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             },
         )
         errors, warnings = zc.conflicts(trainer_cfg, self._user_config, precision)
-        errors += self._setup_problems(trainer, precision)
+        merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
+        if not errors:
+            zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
+        errors += self._setup_problems(trainer, precision, merged)
         if errors:
             raise ValueError(
                 f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(errors)
             )
         for message in warnings:
             rank_zero_warn(f"{type(self).__name__}: {message}.")
-        merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
-        zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
         self.config.clear()
         self.config.update(merged)
 
@@ -363,29 +361,10 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
         return int(size) if isinstance(size, int) and size > 0 else 1
 
-    def _setup_problems(self, trainer: Any, precision: str) -> list[str]:
-        problems = []
-        if precision.startswith("16") and not isinstance(self.accelerator, CUDAAccelerator):
-            accel = require("deepspeed", _FEATURE).accelerator.get_accelerator()
-            if not accel.is_fp16_supported():
-                problems.append(
-                    f"`Trainer(precision={precision!r})` on the {type(self.accelerator).__name__}: DeepSpeed's CPU "
-                    "accelerator has no fp16 on this processor. Use `precision='bf16-mixed'` or '32-true'"
-                )
-        if str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
-            problems.append(
-                "`Trainer(gradient_clip_algorithm='value')`: DeepSpeed clips by norm only. Use "
-                "`gradient_clip_algorithm='norm'`"
-            )
-        for callback in trainer.callbacks:
-            if type(callback).__name__ in _ACCUMULATION_CALLBACKS:
-                problems.append(
-                    f"`{type(callback).__name__}` changes `accumulate_grad_batches` while fitting, but DeepSpeed fixes "
-                    "`gradient_accumulation_steps` when its engine is built. Use a constant "
-                    "`Trainer(accumulate_grad_batches=...)` or `lightning_lowmem.AccumulationScheduler` with a fixed "
-                    "window; for a schedule that changes, use `strategy='lowmem_offload'`"
-                )
-        return problems + _preflight.checkpoint_dir_problems(trainer)
+    def _setup_problems(self, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
+        from lightning_lowmem.strategies._zero_checks import setup_problems
+
+        return setup_problems(self, trainer, precision, config) + _preflight.checkpoint_dir_problems(trainer)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
 
@@ -506,25 +485,9 @@ _PARENT_DEFAULTS = {
     if p.default is not inspect.Parameter.empty
 }
 _PASSTHROUGH = {
-    "accelerator",
-    "remote_device",
-    "zero_allow_untested_optimizer",
-    "logging_batch_size_per_gpu",
-    "logging_level",
-    "parallel_devices",
-    "cluster_environment",
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "min_loss_scale",
-    "partition_activations",
-    "cpu_checkpointing",
-    "contiguous_memory_optimization",
-    "synchronize_checkpoint_boundary",
-    "load_full_weights",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
+    "accelerator", "remote_device", "zero_allow_untested_optimizer", "logging_batch_size_per_gpu", "logging_level",
+    "parallel_devices", "cluster_environment", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "min_loss_scale", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary", "load_full_weights", "precision_plugin", "process_group_backend", "timeout",
     "exclude_frozen_parameters",
 }

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 import warnings
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lowmem.callbacks.accumulation import (
@@ -187,9 +190,17 @@ def test_tokens_normalization_needs_the_token_count():
 
 def test_micro_batch_of_one_not_fitting_says_what_to_switch_on():
     trainer = L.Trainer(callbacks=[AccumulationScheduler(16, "auto", memory_budget=64)], **TRAINER)
-    with pytest.raises(RuntimeError, match="a micro-batch of 1 peaks at") as err:
+    with pytest.raises(RuntimeError, match=r"a micro-batch of 1 peaks at \d+ B, over the budget of 64 B\.") as err:
         trainer.fit(Regression())
     assert "ActivationCheckpointing" in str(err.value) and "lowmem_offload" in str(err.value)
+
+
+def test_auto_micro_batch_line_reads_in_human_units(caplog):
+    trainer = L.Trainer(callbacks=[AccumulationScheduler(16, "auto", memory_budget="1MiB")], **TRAINER)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(Regression())
+    [line] = [r.getMessage() for r in caplog.records if "(auto: peak" in r.getMessage()]
+    assert re.search(r"\(auto: peak [0-9.]+ (B|KiB) within budget 1.00 MiB\)$", line), line
 
 
 def test_batch_norm_warns_once():
@@ -231,3 +242,42 @@ def test_memory_budget_with_a_fixed_micro_batch_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the copy fixed at the chosen micro-batch (dry runs) drops the budget, silently
         assert auto.resolved().micro_batch_size == 4
+
+
+class _BarSeen(L.Callback):
+    """The train bar's (position, total, description) at the end of every epoch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float, str]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, TQDMProgressBar):
+            t = bar.train_progress_bar
+            self.seen.append((t.n, t.total, t.desc.rstrip(": ")))
+        else:
+            [t] = [t for t in bar.progress.tasks if t.id == bar.train_progress_bar_id]
+            self.seen.append((int(t.completed), t.total, t.description.strip()))
+
+
+@pytest.mark.parametrize("bar_class", [TQDMProgressBar, RichProgressBar])
+@pytest.mark.parametrize("limit", [{"max_steps": 3}, {"max_epochs": 2}], ids=["max_steps", "max_epochs"])
+def test_progress_bar_counts_optimizer_steps_as_plain_lightning_at_the_effective_batch(bar_class, limit):
+    """Micro-batches of 4 for an effective batch of 16: the bar reads what plain Lightning's reads with batches of 16
+    for the same optimizer steps ("3/3", not "12/3"), and never "Epoch 0/-2"."""
+    seen = {}
+    for name, callbacks, batch_size in (("plain", [], 16), ("scheduler", [AccumulationScheduler(16, 4)], 1)):
+        bar, recorder = bar_class(), _BarSeen()
+        trainer = L.Trainer(**{**TRAINER, "enable_progress_bar": True, "max_steps": -1, **limit},
+                            callbacks=[*callbacks, recorder, bar])
+        trainer.fit(Regression(batch_size=batch_size))
+        assert type(trainer.progress_bar_callback) is bar_class  # given back as it was
+        seen[name] = recorder.seen
+    rich = bar_class is RichProgressBar
+    expected = [(3, 3, "Epoch 0")] if "max_steps" in limit else [(4, 4, "Epoch 0/1" if rich else "Epoch 0"),
+                                                                 (4, 4, "Epoch 1/1" if rich else "Epoch 1")]
+    assert seen["scheduler"] == expected
+    if bar_class is TQDMProgressBar or "max_epochs" in limit:
+        assert seen["plain"] == seen["scheduler"]
+    else:  # plain Lightning's RichProgressBar writes max_epochs - 1 even when max_steps bounds the run
+        assert seen["plain"] == [(3, 3, "Epoch 0/-2")]

@@ -333,6 +333,6 @@ def test_constructor_rejects_bad_input(kwargs, error, match):
 def test_memory_breakdown_reports_host_activations():
     cb = ActivationOffload()
     assert cb.memory_breakdown().host["activations"] == 0
-    cb.last_step.host_bytes_peak = 1234
-    assert cb.memory_breakdown().host["activations"] == 1234
+    cb.last_step.host_bytes_peak, cb.last_step.host_bytes_reserved = 1234, 2048  # pinned: the allocator's RAM
+    assert cb.memory_breakdown().host["activations"] == 2048
     assert cb.memory_breakdown().total("device") == 0

@@ -421,3 +421,63 @@ def test_gpt2_xl_loss_under_64_mib_on_fake_tensors():
             with tracker.phase("backward"):
                 loss.backward()
     assert _transient(tracker, hidden, labels) <= 64 * 2**20
+
+
+# --- Cut Cross-Entropy's limits: no bias, float16/bfloat16 only ----------------------------------------------------
+def _stand_in_cce(monkeypatch, calls: dict) -> None:
+    """A stand-in ``cut_cross_entropy`` recording the call (no CUDA here; the kernel's own numerics are its own)."""
+
+    def linear_cross_entropy(e, c, targets, *, ignore_index, reduction, softcap=None, filter_eps="high"):
+        calls.update(e=e, c=c, filter_eps=filter_eps)
+        return F.cross_entropy(F.linear(e, c).float(), targets, ignore_index=ignore_index, reduction=reduction)
+
+    fake = types.ModuleType("cut_cross_entropy")
+    fake.linear_cross_entropy = linear_cross_entropy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", fake)
+    monkeypatch.setattr(_chunked_ce, "_on_cuda", lambda t: True)
+
+
+def test_auto_skips_cut_cross_entropy_for_a_biased_or_fp32_head(monkeypatch):
+    monkeypatch.setattr(_chunked_ce, "package_available", lambda name: name == "cut_cross_entropy")
+    cuda = torch.device("cuda", 0)
+    assert _chunked_ce.resolve_backend("auto", cuda, bias=False, dtype=torch.bfloat16) == "cce"
+    assert _chunked_ce.resolve_backend("auto", cuda, bias=True, dtype=torch.bfloat16) == "chunked"
+    assert _chunked_ce.resolve_backend("auto", cuda, bias=False, dtype=torch.float32) == "chunked"
+    monkeypatch.setattr(_chunked_ce, "package_available", lambda name: True)
+    assert _chunked_ce.resolve_backend("auto", cuda, bias=True, dtype=torch.float32) == "liger"  # Liger takes both
+
+
+def test_auto_with_a_biased_fp32_head_runs_ours_where_cut_cross_entropy_would_fail(monkeypatch):
+    calls: dict = {}
+    _stand_in_cce(monkeypatch, calls)
+    monkeypatch.setattr(_chunked_ce, "package_available", lambda name: name == "cut_cross_entropy")
+    rows, weight, bias, targets = torch.randn(6, 4), torch.randn(7, 4), torch.randn(7), torch.randint(0, 7, (6,))
+    loss = _chunked_ce.linear_cross_entropy_sum(rows, weight, targets, bias=bias, backend="auto")
+    assert not calls  # our chunked function, not the kernel
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(rows, weight, bias), targets, reduction="sum"))
+
+
+def test_forced_cut_cross_entropy_refuses_a_bias_and_fp32_naming_both(monkeypatch):
+    _stand_in_cce(monkeypatch, {})
+    rows, weight, targets = torch.randn(6, 4), torch.randn(7, 4), torch.randint(0, 7, (6,))
+    with pytest.raises(ValueError, match=r"backend='cce'.*has a bias.*takes none.*float32.*bfloat16.*backend='auto'"):
+        _chunked_ce.linear_cross_entropy_sum(rows, weight, targets, bias=torch.randn(7), backend="cce")
+
+
+def test_cut_cross_entropy_runs_with_its_gradient_filter_off(monkeypatch):
+    """CCE's default ``filter_eps`` drops small gradient entries (other gradients than cross-entropy's): we pass None."""
+    calls: dict = {}
+    _stand_in_cce(monkeypatch, calls)
+    rows, weight = torch.randn(6, 4, dtype=torch.bfloat16), torch.randn(7, 4, dtype=torch.bfloat16)
+    _chunked_ce.linear_cross_entropy_sum(rows, weight, torch.randint(0, 7, (6,)), backend="cce")
+    assert calls["filter_eps"] is None and calls["e"].dtype == torch.bfloat16
+
+
+def test_forced_cut_cross_entropy_refuses_a_biased_head_at_apply(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", types.ModuleType("cut_cross_entropy"))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8))
+    model.lm_head = torch.nn.Linear(8, 11, bias=True)
+    with pytest.raises(ValueError, match=r"LM head has a bias and backend='cce' was passed.*backend='auto'"):
+        ChunkedLMLoss(backend="cce").apply(model)

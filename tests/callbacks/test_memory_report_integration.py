@@ -130,6 +130,16 @@ def test_fit_with_accumulation(tmp_path):
     assert cb.baseline["num_params"] == sum(p.numel() for p in module.parameters())
     assert cb.baseline["phases"]["forward"]["device"]["activations"] > cb.predicted["phases"]["forward"]["device"][
         "activations"]
+    # and plain fp32 at the run's own micro-batch: the saving of the techniques alone, labelled apart
+    same = cb.baseline["same_micro_batch"]
+    assert same["run"] == PLAIN_FP32 and same["batch"] == "one micro-batch, as the run"
+    assert same["phases"]["forward"]["device"]["activations"] == cb.predicted["phases"]["forward"]["device"][
+        "activations"]
+    assert same["peak_device"] < cb.baseline["peak_device"]
+    whole = cb.baseline["peak_device"] - _worst(cb)["peak_bytes"]
+    alone = same["peak_device"] - _worst(cb)["peak_bytes"]
+    assert f"saving the whole accumulation window as one batch: {whole / 2**20:,.2f} MiB" in cb.table
+    assert f"saving of the techniques at the same micro-batch {alone / 2**20:,.2f} MiB" in cb.table
 
     report = json.loads((tmp_path / "mem" / "memory_report.json").read_text())
     assert [s["step"] for s in report["steps"]] == [0, 1, 2]

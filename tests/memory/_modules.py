@@ -62,6 +62,19 @@ class AutoEncoder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class Images(L.LightningDataModule):
+    """28x28 random images with labels, for ``AutoEncoder`` (a module without ``train_dataloader``)."""
+
+    def __init__(self, batch_size: int = 8, num_images: int = 64) -> None:
+        super().__init__()
+        self.batch_size, self.num_images = batch_size, num_images
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        images = torch.rand(self.num_images, 1, 28, 28, generator=_gen())
+        dataset = torch.utils.data.TensorDataset(images, torch.zeros(self.num_images, dtype=torch.long))
+        return torch.utils.data.DataLoader(dataset, batch_size=self.batch_size)
+
+
 class ConvBN(L.LightningModule):
     """Two conv + ``BatchNorm2d`` + ReLU + max-pool blocks, global average pooling, a linear head, SGD momentum."""
 

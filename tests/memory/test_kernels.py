@@ -141,3 +141,22 @@ def test_a_cuda_target_says_the_lstm_workspace_is_the_cpu_kernels():
     module, batch = make("lstm")
     est = dry_run(module, batch=batch, target="cuda")
     assert "rnn_workspace" in {c.name for c in est.corrections}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("a", "b"),  # the three forms Hugging Face's experts call (forward, grad of the input, grad of the weights)
+    [((96, 32), (4, 32, 128)), ((96, 128), (4, 128, 32)), ((32, 96), (96, 64))],
+)
+def test_grouped_mm_fake_output_is_the_cpu_kernels(a, b, dtype):
+    """fp32 raised in torch's meta function (bf16 only, the CUDA kernel's check); the output is the CPU kernel's."""
+    offs = torch.tensor([20, 50, 70, 96], dtype=torch.int32)
+    mat_a = torch.randn(a, dtype=dtype) if a[0] == 96 else torch.randn(a[::-1], dtype=dtype).t()
+    mat_b = torch.randn(b[0], b[2], b[1], dtype=dtype).transpose(1, 2) if len(b) == 3 else torch.randn(b, dtype=dtype)
+    real = _aten._grouped_mm.default(mat_a, mat_b, offs)
+    with fake_execution() as fx:
+        fake = _aten._grouped_mm.default(fx.fake(mat_a), fx.fake(mat_b), offs)
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+        assert _storages(fake) == _storages(real)
+        notes = fx.notes()
+    assert any(n.startswith("aten._grouped_mm.default") for n in notes), notes

@@ -393,11 +393,12 @@ class _FakeAllocatorStats:
     """torch.cuda's peak statistics for two devices, in Python: ``use`` raises a device's peaks, ``reset`` drops them."""
 
     def __init__(self) -> None:
-        self.peaks = {0: [0, 0], 1: [0, 0]}
+        self.peaks = {0: [0, 0, 0], 1: [0, 0, 0]}
         self.resets: list[int] = []
 
-    def use(self, index: int, allocated: int, reserved: int) -> None:
-        self.peaks[index] = [max(self.peaks[index][0], allocated), max(self.peaks[index][1], reserved)]
+    def use(self, index: int, allocated: int, reserved: int, active: int | None = None) -> None:
+        now = (allocated, reserved, allocated if active is None else active)
+        self.peaks[index] = [max(p, n) for p, n in zip(self.peaks[index], now)]
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         def index(device: torch.device) -> int:
@@ -408,8 +409,9 @@ class _FakeAllocatorStats:
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: self.peaks[index(d)][0])
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: self.peaks[index(d)][1])
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: {"active_bytes.all.peak": self.peaks[index(d)][2]})
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: self.resets.append(index(d))
-                            or self.peaks.__setitem__(index(d), [0, 0]))
+                            or self.peaks.__setitem__(index(d), [0, 0, 0]))
 
 
 def test_reset_cuda_peak_stats_folds_the_peak_into_every_open_window(monkeypatch):
@@ -417,20 +419,20 @@ def test_reset_cuda_peak_stats_folds_the_peak_into_every_open_window(monkeypatch
     stats = _FakeAllocatorStats()
     stats.install(monkeypatch)
     first = CudaPeakWindow(0)
-    stats.use(0, 100, 200)
+    stats.use(0, 100, 200, active=150)
     second = CudaPeakWindow("cuda")  # the current device, cuda:0: its reset is folded into `first`
     other = CudaPeakWindow("cuda:1")
     stats.use(0, 50, 60)
     stats.use(1, 7, 8)
     try:
-        assert first.read() == (100, 200) and second.read() == (50, 60)
+        assert first.read() == (100, 200, 150) and second.read() == (50, 60, 50)
         reset_cuda_peak_stats()  # someone else resets cuda:0: no window loses its peak
-        assert stats.peaks[0] == [0, 0] and stats.resets[-1] == 0
-        assert first.read() == (100, 200) and second.read() == (50, 60) and other.read() == (7, 8)
+        assert stats.peaks[0] == [0, 0, 0] and stats.resets[-1] == 0
+        assert first.read() == (100, 200, 150) and second.read() == (50, 60, 50) and other.read() == (7, 8, 7)
         stats.use(0, 70, 80)
-        assert second.lap() == (70, 80) and second.read() == (0, 0)  # a lap starts afresh ...
-        assert first.lap() == (100, 200)  # ... and the others still see their own peaks
-        assert other.read() == (7, 8)  # cuda:1 never reset by cuda:0's laps
+        assert second.lap() == (70, 80, 70) and second.read() == (0, 0, 0)  # a lap starts afresh ...
+        assert first.lap() == (100, 200, 150)  # ... and the others still see their own peaks
+        assert first.read().active == 0 and other.read() == (7, 8, 7)  # cuda:1 never reset by cuda:0's laps
         assert stats.resets.count(1) == 1  # only when `other` opened
     finally:
         for window in (first, second, other):
@@ -442,7 +444,8 @@ def test_reset_cuda_peak_stats_touches_no_cuda_statistics_without_cuda(monkeypat
     """Without CUDA it returns before any torch.cuda statistics call (on a CPU build those raise)."""
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "current_device"):
+    for name in ("max_memory_allocated", "max_memory_reserved", "memory_stats", "reset_peak_memory_stats",
+                 "current_device"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, _name=name: calls.append(_name))
     assert reset_cuda_peak_stats() is None
     assert reset_cuda_peak_stats("cuda:0") is None
@@ -460,8 +463,8 @@ def test_cuda_phase_peaks_and_shared_windows():
     for peak in tracker.peaks.values():
         assert peak.cuda_max_allocated is not None and peak.cuda_max_allocated >= peak.total
     # the tracker reset the statistics at every phase boundary; the outer window still sees the whole peak
-    allocated, _ = outer.lap()
-    assert allocated >= tracker.peak_bytes
+    allocated, reserved, active = outer.lap()
+    assert reserved >= active >= allocated >= tracker.peak_bytes
     outer.close()
 
 

@@ -43,11 +43,13 @@ def test_yaml_is_read_as_lowmem_fit_reads_it(tmp_path):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_estimate_of_a_yaml_equals_the_memory_report_of_its_fit(tmp_path, capsys):
+    # NOTE: no target given: the YAML's `accelerator: cpu` decides (a CUDA target would add the CUDA context)
     path = _small_demo(tmp_path)
-    est = estimate_memory(path, target="cpu")
-    assert main(["estimate", "--config", str(path), "--target", "cpu", "--budget", "1GB",
-                 "--json", str(tmp_path / "e.json")]) == 0
-    assert "fits 1GB" in capsys.readouterr().out
+    est = estimate_memory(path)
+    assert est.target == "cpu"
+    assert main(["estimate", "--config", str(path), "--budget", "1GB", "--json", str(tmp_path / "e.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(f"{path}: target cpu (from trainer.accelerator: cpu;") and "fits 1GB" in out
     assert json.loads((tmp_path / "e.json").read_text())[0]["peak_device"] == est.peak_device
     assert main(["fit", "--config", str(path)]) == 0
     report = json.loads((tmp_path / "report" / "memory_report.json").read_text())

@@ -179,3 +179,16 @@ def test_a_yamls_effective_batch_and_loss_normalisation_are_kept():
         (scheduler,) = [c for c in run.callbacks if type(c).__name__ == "AccumulationScheduler"]
         assert (scheduler.effective_batch_size, scheduler.micro_batch_size) == (16, micro)
         assert scheduler.loss_normalization == "tokens"
+
+
+def test_lowmem_plan_of_a_module_class_fed_by_a_data_module(capsys):
+    """`--model CLASS_PATH --data CLASS_PATH --data.init_args.KEY VALUE`: a module without `train_dataloader`."""
+    from lightning_lowmem.cli import main
+    from tests.memory._modules import AutoEncoder, Images
+
+    assert main(["plan", "--model", "tests.memory._modules.AutoEncoder", "--data", "tests.memory._modules.Images",
+                 "--data.init_args.batch_size", "8", "--device-memory", "1GB", "--target", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("tests.memory._modules.AutoEncoder on tests.memory._modules.Images;")
+    expected = plan(AutoEncoder, data=Images(batch_size=8), device_memory="1GB", target="cpu").summary()
+    assert expected in printed.splitlines()

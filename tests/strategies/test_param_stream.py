@@ -212,6 +212,9 @@ def test_stream_auto_budget_keeps_0_some_all_blocks_resident(caplog):
     assert plan_resident([10, 10, 10], 5, 5 + 30, 1) == 3
     with pytest.raises(ValueError, match="at least 25 bytes"):
         plan_resident([10, 10, 10], 5, 24, 1)
+    # on CUDA one released block may still be read by the GPU while the next is fetched ([bounded streaming])
+    with pytest.raises(ValueError, match=r"at least 35 bytes.*3 block\(s\).*prefetch \+ 1 \+ 1 released"):
+        plan_resident([10, 10, 10, 10], 5, 34, 1, released=1)
 
 
 def test_stream_memory_breakdown_and_validate():

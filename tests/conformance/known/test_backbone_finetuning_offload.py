@@ -1,13 +1,12 @@
-"""Lightning's ``BackboneFinetuning`` under ``strategy="lowmem_offload"`` fails at the first epoch start with a
+"""Lightning's ``BackboneFinetuning`` under ``strategy="lowmem_offload"`` failed at the first epoch start with a
 ``KeyError`` (a ``Parameter``) inside Lightning's ``finetuning.py``, at every precision.
 
-Found by the conformance sweep (``cnn_bn`` with every ``lowmem_offload`` flag). Suspected cause: ``BaseFinetuning``
-maps the optimizer's param groups to the module's parameter names (``{p: n for n, p in pl_module.named_parameters()}``)
-and, when it unfreezes, adds the module's parameters to the optimizer with ``add_param_group``; under
-``lowmem_offload`` the optimizer's groups hold the host fp32 masters, other tensors, so the lookup fails (and an added
-group would hold device weights instead of masters). Fix direction: the strategy follows param groups added mid-run
-(map a module parameter to its master, give it one) and translates the lookup, or refuses the callback at setup with
-that reason (Lightning itself refuses it under DeepSpeed).
+Found by the conformance sweep (``cnn_bn`` with every ``lowmem_offload`` flag). Cause: ``BaseFinetuning`` maps the
+optimizer's param groups to the module's parameter names (``{p: n for n, p in pl_module.named_parameters()}``) and, when
+it unfreezes, adds the module's parameters with ``add_param_group``; under ``lowmem_offload`` the groups hold the host
+fp32 masters, and the backbone, frozen at setup, had no gradient hook. Fixed: its hooks see the module's parameters in
+the groups (the groups it adds get the masters after), and parameters made trainable later are hooked at the next batch
+start (``strategies/_masters_view.py``: ``wrap_finetuning``; ``tests/strategies/test_offload_finetuning.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ class WithBackbone(Classifier):
         self.backbone = self.net[:3]
 
 
-@pytest.mark.xfail(strict=True, reason="lowmem_offload + BackboneFinetuning: KeyError in Lightning's finetuning.py")
 def test_backbone_finetuning_under_offload_matches_plain_lightning():
     def run(**kwargs):
         return train(WithBackbone, steps=2, max_epochs=2,

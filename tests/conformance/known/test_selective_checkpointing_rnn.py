@@ -44,8 +44,6 @@ class Recurrent(nn.Module):
 @pytest.mark.parametrize("policy", ["all", "selective"])
 @pytest.mark.parametrize("rnn", [nn.RNN, nn.LSTM, nn.GRU])
 def test_checkpointing_a_recurrent_net_matches_plain_lightning(rnn, policy, request):
-    if policy == "selective":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="selective checkpointing of RNN/LSTM/GRU (see top)"))
 
     def build():
         return Classifier(Recurrent(rnn), tokens())

@@ -27,7 +27,6 @@ def _build():
     return Classifier(trunk, images(), lambda params: torch.optim.AdamW(params, lr=2e-3))
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="lowmem_zero3 + a torch.compile'd submodule")
 def test_zero3_trains_or_refuses_a_compiled_submodule():
     try:
         train(_build, strategy="lowmem_zero3")

@@ -1,19 +1,22 @@
-"""The ZeRO presets on three Hugging Face families, against plain Lightning:
+"""The ZeRO presets on Hugging Face families, against plain Lightning:
 
-- Switch Transformers (sparse mixture of experts) under ZeRO-3 (``lowmem_zero3``, ``lowmem_zero3_offload``): at fp32
-  every weight differs (|diff|/|update| 0.08, ZeRO-2 is within rounding); at bf16 the first forward fails in
-  DeepSpeed's ZeRO-3 linear (``expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16``).
-  Suspected causes: an expert no token was routed to has no gradient in that step; torch's optimizer skips such a
-  parameter while ZeRO-3 steps its partition with a zero gradient (weight decay and momentum move it) or mis-fetches
-  it; and the router computes in fp32 (``router_dtype``) through the F.linear ZeRO-3 replaces, which does not cast.
-  Fix direction: refuse MoE modules (or parameters without a gradient) under ZeRO-3 with the reason, or follow
-  DeepSpeed's MoE leaf-module registration; refuse the fp32 router at bf16.
+- Switch Transformers (sparse mixture of experts) under ZeRO-3 (``lowmem_zero3``, ``lowmem_zero3_offload``) is
+  refused before the first step. Two causes, both measured: (1) the router multiplies its input by jitter noise in
+  place (``hidden_states *= ...uniform_(...)``, ``router_jitter_noise``), and the experts then read that same tensor.
+  ZeRO-3's forward pre-hook on every submodule hands it an alias of its inputs made inside DeepSpeed's own autograd
+  function, so the multiply changes the values the experts see but is missing from their gradient path: at fp32 every
+  weight differed (|diff|/|update| 0.08; with the jitter set to 0 the cell is ``close``, 0.00031). (2) The router keeps
+  ``self.dtype = router_dtype`` (fp32) and casts its classifier in forward; under ZeRO-3 that cast meets the
+  partitioned parameter and DeepSpeed fetches it in bf16: ``expected m1 and m2 to have the same dtype`` in its linear.
 - DeepSpeed's bf16 (``lowmem_zero*`` at ``bf16-mixed``) on BART, Marian, MobileBERT, Falcon and Qwen3-MoE: a few
-  biases / LayerNorm parameters end 4-12x further from the fp32 run than plain Lightning's bf16-true (the whole model
-  within 1.4x), where ``lowmem_offload`` bf16-true (fp32 masters too) stays within 2.1x on the same modules. Not
-  explained yet: DeepSpeed's bf16 path rounds something plain bf16-true keeps (a candidate: gradients accumulated and
-  reduced in bf16, ``grad_accum_dtype``/``communication_data_type`` default to the model's dtype). Needs a look
-  before the presets' bf16 is called equivalent to Lightning's.
+  tensors 4-12x further from the fp32 run than plain bf16-true. Not a bug: in each, the excess is one or a few
+  elements one or two AdamW steps (``lr`` = 2e-3 each) apart, e.g. BART ``encoder.layers.1.fc2.bias[5]`` +3.86e-3
+  where the fp32 run moved it +1.7e-4 over 3 steps (a near-zero summed gradient whose sign flips under bf16 rounding),
+  and Qwen3-MoE's router rows (a near-tie top-k choice). Plain Lightning's own bf16-mixed shows the same kind of
+  outliers (BART ``decoder.layers.0.self_attn.v_proj.bias`` 18x, Marian 23x) and DeepSpeed's
+  ``grad_accum_dtype``/``communication_data_type`` = fp32 change nothing (bit-identical). The comparison's per-tensor
+  4x bound against plain bf16-true does not hold for Adam; the test below stays ``xfail`` until the bound allows
+  ``2 * lr`` per element and step.
 
 Found by the conformance sweep.
 """
@@ -36,14 +39,30 @@ def _cell(module: str, flag: str) -> dict:
     return run_cell(MODULES[module], FLAGS_BY_NAME[flag])
 
 
-@pytest.mark.xfail(strict=True, reason="ZeRO-3 on Switch Transformers: fp32 differs, bf16 crashes")
 @pytest.mark.parametrize("flag", ["lowmem_zero3@32-true", "lowmem_zero3@bf16-mixed"])
 def test_zero3_on_a_sparse_mixture_of_experts(flag):
     row = _cell("hf_switch_transformers", flag)
     assert row["verdict"] in ("exact", "close", "refused"), row
+    if row["verdict"] == "refused":  # before the first step, naming the cause
+        assert "jitter" in row["detail"], row
 
 
-@pytest.mark.xfail(strict=True, reason="DeepSpeed's bf16: some biases 4-12x further from fp32 than plain bf16-true")
+def test_zero3_on_switch_without_router_jitter_at_bf16_is_refused_naming_the_router_dtype(monkeypatch):
+    """Without the jitter, Switch at fp32 trains (``close``), at bf16 its fp32 router meets ZeRO-3's bf16 fetch."""
+    from transformers.models.switch_transformers import modeling_switch_transformers as switch
+
+    original = switch.SwitchTransformersTop1Router.__init__
+
+    def without_jitter(self, config):
+        original(self, config)
+        self.jitter_noise = 0.0
+
+    monkeypatch.setattr(switch.SwitchTransformersTop1Router, "__init__", without_jitter)
+    row = _cell("hf_switch_transformers", "lowmem_zero3@bf16-mixed")
+    assert row["verdict"] == "refused" and "router_dtype" in row["detail"], row
+
+
+@pytest.mark.xfail(strict=True, reason="the comparison's per-tensor 4x bound does not allow Adam's lr-sized sign flips")
 def test_zero_bf16_is_as_close_to_fp32_as_plain_bf16_true():
     """On Marian (BART and Qwen3-MoE are within the precision's own noise since the comparison takes plain bf16-true
     nudged by one bf16 ulp as a second sample of it: their 11x was plain's lucky sample)."""

@@ -62,37 +62,39 @@ class ClipsItself(Classifier):
         self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
 
 
-@pytest.mark.xfail(strict=True, reason="lowmem_zero2 ignores a configure_gradient_clipping override")
 def test_a_clipping_override_is_refused_or_applied():
     def build():
         return ClipsItself(_net(False), images())
 
     try:
         got = train(build, strategy="lowmem_zero2")
-    except ValueError:
-        return  # refused, naming gradient_clip_val
+    except ValueError as err:
+        assert "configure_gradient_clipping" in str(err) and "gradient_clip_val" in str(err), err
+        return  # refused, naming the override and gradient_clip_val
     assert not differing(got, train(build))
 
 
-@pytest.mark.xfail(strict=True, reason="lowmem_zero2 + LearningRateFinder: torch's TypeError, no refusal")
 def test_learning_rate_finder_is_refused_or_runs():
     assert _fit("32-true", False, [LearningRateFinder(min_lr=1e-4, max_lr=1e-1, num_training_steps=3)])
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="lowmem_zero2 bf16 + BatchNorm: dtype RuntimeError")
 def test_bf16_batchnorm_is_refused_or_trains():
-    assert _fit("bf16-mixed", True)
+    got = _fit("bf16-mixed", True)
+    assert got == "trained" or ("`net.1`" in got and "buffer_dtype" in got), got
 
 
 def test_weight_averaging_under_zero3_is_refused_or_runs():
+    from lightning_lowmem.strategies.zero import ZeroStrategy
+
+    # NOTE: the net's tensors are below DeepSpeed's persistence threshold (kept whole); 0 partitions every one of them
+    strategy = ZeroStrategy(stage=3, config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     try:
-        train(lambda: Classifier(_net(False), images()), strategy="lowmem_zero3",
-              callbacks=[EMAWeightAveraging(decay=0.5)])
-    except ValueError:
+        train(lambda: Classifier(_net(False), images()), strategy=strategy, callbacks=[EMAWeightAveraging(decay=0.5)])
+    except ValueError as err:
+        assert "EMAWeightAveraging" in str(err) and "lowmem_zero2" in str(err), err
         return  # refused before the first step
 
 
-@pytest.mark.xfail(strict=True, reason="lowmem_zero2_offload renames LearningRateMonitor's lr-AdamW")
 def test_learning_rate_monitor_keeps_the_optimizer_name(tmp_path):
     import torch
 

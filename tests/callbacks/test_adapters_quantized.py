@@ -1,0 +1,108 @@
+"""``Adapters(quantize_base=...)``: a QLoRA run on the CPU (bitsandbytes 0.50 has CPU 4-bit and 8-bit kernels).
+
+The reference for a 4-bit base is plain PEFT LoRA on the plain model whose linear weights are the dequantized
+values (``bitsandbytes.functional.dequantize_4bit``): bitsandbytes' CPU ``Linear4bit`` dequantizes and multiplies,
+so the two runs are bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lowmem import Adapters, dry_run
+from lightning_lowmem.callbacks._quantize_base import packed_bytes, quantize_linears
+from lightning_lowmem.memory.fake import DryRunUnsupportedError
+from lightning_lowmem.strategies.offload import OffloadStrategy
+from tests.callbacks.test_adapters import LORA, LitLM, assert_equal_states, fit, peft_wrap, state
+from tests.helpers.models import random_batch, tiny_gpt2
+from tests.helpers.runif import RunIf
+
+pytestmark = [RunIf(peft=True, bitsandbytes=True)]
+QLORA = {**LORA, "quantize_base": "nf4"}
+
+
+def dequantized_reference() -> LitLM:
+    import bitsandbytes as bnb
+
+    quantized, reference = LitLM(None), LitLM(None)
+    for name in quantize_linears(quantized.model, "nf4"):
+        layer = quantized.model.get_submodule(name)
+        dense = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        reference.model.get_submodule(name).weight.data.copy_(dense)
+    reference.model = peft_wrap(reference.model)
+    return reference
+
+
+class TrainableOnly(LitLM):
+    """Under ``lowmem_offload`` the optimizer is built over the trainable parameters: the strategy refuses a
+    packed (integer) bitsandbytes weight in a param group, as it has no fp32 master."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "offload"])
+def test_nf4_base_trains_as_plain_lora_on_its_dequantized_weights(strategy):
+    import bitsandbytes as bnb
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    reference = dequantized_reference()
+    fit(reference, [])
+    ours = TrainableOnly(None) if strategy == "offload" else LitLM(None)
+    fit(ours, [Adapters("lora", **QLORA)], OffloadStrategy(host_optimizer="as_is") if strategy == "offload" else "auto")
+    layer = ours.model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+    assert isinstance(layer, LoraLinear4bit) and isinstance(layer.base_layer, bnb.nn.Linear4bit)
+    assert layer.base_layer.weight.dtype == torch.uint8
+    assert not isinstance(ours.model.get_base_model().lm_head, bnb.nn.Linear4bit)  # the head keeps its dtype
+    want = {k: v for k, v in state(reference).items() if "lora_" in k}
+    got = {k: v for k, v in state(ours).items() if "lora_" in k}
+    assert_equal_states(got, want)
+
+
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_quantized_checkpoint_restores_the_base_and_adapters_it_saved(quant):
+    """A strict ``load_state_dict`` (Lightning's resume) of a quantized run into another base restores the saved one."""
+    ours = LitLM(None)
+    fit(ours, [Adapters("lora", **{**LORA, "quantize_base": quant})], steps=2)
+    saved = state(ours)
+    assert any(k.endswith("base_layer.weight") and saved[k].dtype in (torch.uint8, torch.int8) for k in saved)
+    other = LitLM(None)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)  # another base: what the checkpoint holds must win
+    Adapters("lora", **{**LORA, "quantize_base": quant}).apply(other)
+    other.load_state_dict(saved, strict=True)
+    restored = other.state_dict()
+    assert all(torch.equal(restored[k], v) for k, v in saved.items())
+    ids = random_batch(2, 16, seed=7)["input_ids"]
+    ours.eval(), other.eval()
+    with torch.no_grad():
+        assert torch.equal(other.model(input_ids=ids).logits, ours.model(input_ids=ids).logits)
+
+
+def test_packed_size_is_bitsandbytes_layout():
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 1024), torch.nn.Linear(4096, 1024))
+    quantize_linears(model, "nf4")
+    n = 4096 * 1024
+    # 4 bits per value, one 8-bit absmax per 64 values (double quantization), its fp32 absmax per 256 blocks,
+    # the two code books (16 + 256 fp32) and the offset
+    assert packed_bytes(model[0]) == n // 2 + n // 64 + 4 * (n // 64 // 256) + 4 * (16 + 256) + 4
+
+
+def test_a_model_without_linear_layers_is_refused():
+    with pytest.raises(ValueError, match=r"no `torch.nn.Linear` layer.*Conv1D.*quantize_base=None"):
+        quantize_linears(tiny_gpt2(), "nf4")
+
+
+def test_dry_run_of_a_quantized_base_says_it_is_not_supported():
+    with pytest.raises(DryRunUnsupportedError, match=r"cannot wrap a fake tensor.*quantize_base=None"):
+        dry_run(lambda: LitLM(None), batch_size=2, seq_len=16, callbacks=[Adapters("lora", **QLORA)],
+                extrapolate=False)
+
+
+def test_export_merged_of_a_quantized_base_is_refused(tmp_path):
+    module = LitLM(None)
+    Adapters("lora", **QLORA).apply(module)
+    with pytest.raises(ValueError, match=r"base of the PEFT model is quantized"):
+        Adapters.export_merged(module, tmp_path / "m")
