@@ -46,6 +46,7 @@ class Outcome:
     grad_norms: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    adam_lr: float = 0.0  # the largest learning rate of the run's torch Adam/AdamW groups (0: no Adam)
 
 
 class _Probe(Callback):
@@ -163,6 +164,8 @@ def fit(spec: ModuleSpec, *, strategy: Any = None, precision: str = "32-true", c
             trainer.fit(module)
             out.global_step = trainer.global_step
             out.state = compare.capture(module, probe.params)
+            out.adam_lr = max((g["lr"] for o in trainer.optimizers if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))
+                               for g in o.param_groups), default=0.0)
             if companion is not None:
                 out.observed = companion.observe(trainer, module, root)
             if trainer_hook is not None:
@@ -314,7 +317,7 @@ def _judge(spec: ModuleSpec, got: Outcome, want: Outcome, kind: str, reason: str
             nudged.update({f"ckpt:{k}": v for k, v in nudge.observed.get("ckpt_state", {}).items()})
             bound = compare.calibrated(bound, nudged, want_state, initial)
     verdict = compare.compare(got_state, want_state, initial, kind, reason, want_fp32=want32, precision=ref.precision,
-                              bound=bound, want_nudged=want_nudged)
+                              bound=bound, want_nudged=want_nudged, adam_step=want.adam_lr)
     decided = compare.compare_values(got_obs, want_obs)
     if decided and verdict.verdict != "differs":
         return {"verdict": "differs", "detail": f"{companion.name if companion else ''} decided otherwise: {decided}; "

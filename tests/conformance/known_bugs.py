@@ -32,12 +32,6 @@ _K = "tests/conformance/known/"
 REPRODUCED = [
     Known("compiled_submodule", r"MemoryReport", "MemoryReport's sampled steps change a compiled submodule's "
           "rounding", _K + "test_compiled_submodule.py"),
-    Known("hf_.*", r"lowmem_zero.*bf16-mixed", "not a bug (measured): single elements one or two Adam steps "
-          "(lr each) apart from the fp32 run, a sign flip of a near-zero bias gradient or a near-tie MoE routing under "
-          "bf16 rounding; plain bf16-mixed shows the same (BART 18x, Marian 23x). The comparison now takes plain "
-          "bf16-true nudged by one bf16 ulp as a second sample of the precision's noise (BART, Qwen3-MoE: close); "
-          "Marian's LayerNorm bias is beyond both samples", _K + "test_zero_hugging_face_models.py",
-          verdicts=("differs",), detail=r"further from the fp32 run"),
 ]
 
 

@@ -213,3 +213,25 @@ def test_the_precision_noise_is_the_larger_of_plain_and_its_nudged_twin():
     assert verdict(want_nudged=nudged).verdict == "close"
     got["param:b"] = torch.tensor([1.0, 1.0, 1.0, 0.9])  # 10x the larger sample
     assert verdict(want_nudged=nudged).verdict == "differs"
+
+
+def test_one_element_one_adam_step_either_way_is_within_half_precision_but_a_lost_step_is_not():
+    """Under Adam a gradient within rounding of zero moves its element by a full ``lr`` either way: one element two
+    steps apart (``2 lr``) is within the precision; every element of a 16-element tensor one step short is not."""
+    lr = 2e-3
+    # a weight whose precision noise dominates the whole model (the whole-model bound gets no per-element allowance)
+    g = torch.Generator().manual_seed(0)
+    noise = lambda: 4 * lr * torch.randn(256, generator=g)
+    initial = {"param:b": torch.zeros(16), "param:w": torch.zeros(256)}
+    fp32 = {"param:b": torch.full((16,), 3 * lr), "param:w": torch.full((256,), 3 * lr)}
+    want = {"param:b": torch.full((16,), 3 * lr + 1e-5), "param:w": fp32["param:w"] + noise()}
+    got = {"param:b": fp32["param:b"].clone(), "param:w": fp32["param:w"] + noise()}
+    got["param:b"][5] -= 2 * lr
+
+    def verdict():
+        return compare.compare(got, want, initial, "precision", "r", want_fp32=fp32, precision="bf16-true",
+                               adam_step=lr)
+
+    assert verdict().verdict == "close"
+    got["param:b"] = torch.full((16,), 2 * lr)  # a lost step on every element
+    assert verdict().verdict == "differs"
