@@ -33,9 +33,11 @@ test: install
 resume-matrix: install
 	LOWMEM_RESUME_MATRIX=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m slow tests/test_resume_across_processes.py
 
-# ruff's default rules of the pinned minor version (pyproject.toml's dev extra), over the whole tree
+# ruff's default rules of the pinned minor version (pyproject.toml's dev extra), over the whole tree; then the import
+# contract of pyproject.toml ([tool.importlinter]: each layer of the package imports only the layers below it)
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 # The documentation site (docs/, mkdocs.yml) into the ignored site/; --strict fails on any warning: a broken link
 # or anchor, an API name mkdocstrings cannot resolve, a docstring it cannot parse

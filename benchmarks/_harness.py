@@ -3,7 +3,7 @@ results written as JSON + markdown.
 
 A benchmark script builds a list of rows (one per variant measured side by side in the same run),
 then calls :func:`write_results`, which writes ``benchmarks/results/NAME.json`` and ``NAME.md``.
-Memory is reported in bytes, by category (see ``lightning_lowmem.memory.categories``).
+Memory is reported in bytes, by category (see ``lightning_lowmem.core.accounting``).
 
 Every script runs both as ``python benchmarks/run.py NAME`` and as ``python benchmarks/bench_NAME.py``
 from the repository root: each puts the repository root first on ``sys.path`` before importing this
@@ -197,7 +197,7 @@ def step_probe(at: int | None = 1) -> Any:
     """
     import lightning as L
 
-    from lightning_lowmem.memory.measure import MemoryTracker
+    from lightning_lowmem.measure.tracker import MemoryTracker
 
     class StepProbe(L.Callback):
         def __init__(self) -> None:

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import bench_trainer, fmt_bytes, interleaved, write_results
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.demo.data import StdlibTextDataModule
 from lightning_lowmem.demo.module import CausalLMModule
 

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import add_gpt2_args, build_gpt2, fmt_bytes, interleaved, lm_step, write_results
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.measure.tracker import MemoryTracker
 
 
 def main() -> None:

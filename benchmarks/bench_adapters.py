@@ -34,7 +34,7 @@ LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
 
 
 def _nf4_bytes_per_param() -> float:
-    from lightning_lowmem.callbacks._quantize_base import packed_bytes, quantize_linears
+    from lightning_lowmem.callbacks.adapters.quantize_base import packed_bytes, quantize_linears
 
     layer = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False))
     quantize_linears(layer, "nf4")
@@ -44,7 +44,7 @@ def _nf4_bytes_per_param() -> float:
 def _base_linear_params(shape: str) -> int:
     import json
 
-    from lightning_lowmem.memory import shapes
+    from lightning_lowmem.predict import shapes
 
     cfg = json.loads((Path(shapes.__path__[0]) / f"{shape}.json").read_text())
     cfg = cfg.get("config", cfg)

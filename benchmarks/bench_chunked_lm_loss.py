@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import write_results
-from lightning_lowmem.callbacks.chunked_lm_loss import ChunkedLMLoss, chunked_causal_lm_loss
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss, chunked_causal_lm_loss
+from lightning_lowmem.measure.tracker import MemoryTracker
 
 MiB, GiB = 2**20, 2**30
 XL = {"n_layer": 48, "n_embd": 1600, "n_head": 25, "n_positions": 1024, "use_cache": False, "vocab_size": 50257}
@@ -80,7 +80,7 @@ def loss_memory(chunk: int | None, recompute: bool = True, batch: int = 4, seq: 
 
 def dry_run_rows() -> list[dict[str, Any]]:
     from lightning_lowmem.demo.module import CausalLMModule
-    from lightning_lowmem.memory.dry_run import dry_run
+    from lightning_lowmem.predict.dry_run import dry_run
 
     def build(chunk: int | None, recompute: bool) -> Any:
         def make() -> CausalLMModule:
@@ -175,7 +175,7 @@ def main() -> None:
     notes = [
         ("loss: fake tensors, GPT-2-XL head (1600 x 50257, bf16) at batch 4 x 1024; transient = activations + other at "
         "each phase's peak less the inputs and the hidden states' gradient (MemoryTracker, device role)."),
-        ("dry_run: CausalLMModule (GPT-2-XL) through lightning_lowmem.memory.dry_run, precision bf16-true, "
+        ("dry_run: CausalLMModule (GPT-2-XL) through lightning_lowmem.predict.dry_run, precision bf16-true, "
         "lowmem_offload, checkpointing 'all', target 'cuda' (uncalibrated corrections, see estimate_gpt2xl.md)."),
         ("cpu_time: forward + backward + SGD step, fp32, dropout 0.1 (GPT-2's default), one torch thread; median "
         "process CPU time (headline) and wall time of interleaved rounds. The machine's 2 cores are shared with "

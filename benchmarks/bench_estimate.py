@@ -64,7 +64,7 @@ def measure(model_type: str, config: dict[str, Any], techniques: dict[str, Any])
     """Two real optimizer steps through Trainer.fit with the suite's techniques; MemoryReport's worst step."""
     from lightning_lowmem import MemoryReport
     from lightning_lowmem.demo.module import CausalLMModule
-    from lightning_lowmem.memory.run import RunSpec
+    from lightning_lowmem.predict.run_spec import RunSpec
     from tests.helpers.models import random_batch
 
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def accuracy(quick: bool) -> list[dict[str, Any]]:
 def gpt2_xl(quick: bool) -> list[dict[str, Any]]:
     """Every ``lowmem estimate`` combination at batch 1 and 4: the default estimate beside a full 48-block trace."""
     from lightning_lowmem import estimate_memory
-    from lightning_lowmem.memory.estimate import COMBINATIONS
+    from lightning_lowmem.predict.estimate import COMBINATIONS
 
     card_12gb, card_6gb = 12 * 2**30, 6 * 2**30  # RTX 3060 12 GB (12,288 MiB), RTX 2060 6 GB (6,144 MiB)
     rows = []

@@ -5,7 +5,7 @@ batch-norm net and a classifier updating torchmetrics metrics in ``training_step
 phase and role, CPU); "predicted" is the report's own prediction of the same run (``dry_run`` of the module and its
 first batch on fake tensors), plain fp32 and ``lowmem_offload`` (bf16 weights on the device, fp32 masters on the
 host). The ``uncorrected`` columns run the same dry run with torch's fake kernels as shipped and without the bounds
-for data-dependent ops (``lightning_lowmem.memory._kernels`` and ``_data_dependent`` switched off): what the
+for data-dependent ops (``lightning_lowmem.predict.kernels`` and ``predict.data_dependent`` switched off): what the
 prediction was before they existed.
 
     python benchmarks/run.py estimate_foreign            # every module at scale 4
@@ -31,14 +31,14 @@ MiB = 2**20
 
 
 def _runs() -> dict[str, Any]:
-    from lightning_lowmem.memory.run import RunSpec
+    from lightning_lowmem.predict.run_spec import RunSpec
 
     return {"fp32": RunSpec(), "lowmem_offload bf16": RunSpec(strategy="lowmem_offload", precision="bf16-true")}
 
 
 def measure(name: str, scale: int, run_name: str) -> dict[str, Any]:
     from lightning_lowmem import MemoryReport
-    from lightning_lowmem.memory.dry_run import _Repeat, dry_run
+    from lightning_lowmem.predict.dry_run import _Repeat, dry_run
     from tests.memory._modules import make
 
     module, batch = make(name, scale)
@@ -62,8 +62,9 @@ def measure(name: str, scale: int, run_name: str) -> dict[str, Any]:
         row["bounds"] = len(predicted.get("bounds", []))
         row["corrections"] = "; ".join(n.split(":")[0] for n in predicted["notes"] if "fake kernel corrected" in n)
     # the same dry run with torch's fake kernels as shipped and no bounds for data-dependent ops
-    from lightning_lowmem._compat import swapped
-    from lightning_lowmem.memory import _data_dependent, _kernels
+    from lightning_lowmem.core.hooks import swapped
+    from lightning_lowmem.predict import data_dependent as _data_dependent
+    from lightning_lowmem.predict import kernels as _kernels
 
     fresh, batch = make(name, scale)
     try:

@@ -5,7 +5,7 @@ variants: fp32 AdamW (the normal step), ``LowBitOptimizer(kind="adamw8bit")``, `
 with fp32 AdamW, and both callbacks together. For each:
 
 * ``opt_B/param``: bytes of every tensor in ``optimizer.state`` (distinct storages) after the first
-  step, divided by the number of parameters (``lightning_lowmem.memory.categories.optimizer_state_bytes``).
+  step, divided by the number of parameters (``lightning_lowmem.core.accounting.optimizer_state_bytes``).
 * ``peak``: the device-role peak of the second training step measured by ``MemoryTracker`` (forward,
   backward and optimizer phases set from Lightning hooks; the batch tracked), with its breakdown.
 * ``step_s``: median wall time of one training step, the variants' fits interleaved round after round
@@ -53,8 +53,8 @@ from benchmarks._harness import (
 )
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
+from lightning_lowmem.core.accounting import optimizer_state_bytes
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.memory.categories import optimizer_state_bytes
 
 MIN_8BIT = 4096  # bitsandbytes' default, LowBitOptimizer's default
 BLOCK = 256  # bitsandbytes' block size (fixed since 0.44)
@@ -163,7 +163,7 @@ def main() -> None:
     # --- lowmem_offload: host bytes per parameter of masters + optimizer state --------------------------------
     offload_rows = []
     try:
-        from lightning_lowmem.strategies.offload import OffloadStrategy
+        from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
     except ImportError as err:  # pragma: no cover - the strategy ships with the package
         offload_rows.append({"variant": "lowmem_offload", "note": f"not importable: {err}"})
     else:

@@ -32,9 +32,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import bench_trainer, fmt_bytes, interleaved, write_results
-from lightning_lowmem.callbacks.memory_report import MemoryReport
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.measure.tracker import MemoryTracker
+from lightning_lowmem.report.memory_report import MemoryReport
 
 CONFIG = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 128}
 BATCH, SEQ = 4, 128

@@ -49,7 +49,7 @@ from benchmarks._harness import (
     write_results,
 )
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.strategies import _host_optimizer
+from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 
 
 def fit(args, strategy, precision, steps, probe: L.Callback) -> CausalLMModule:

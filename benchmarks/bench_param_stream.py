@@ -30,16 +30,16 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import RESULTS, add_int_args, bench_trainer, fmt_bytes, lm_batches, step_clock, write_results
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 GIB = 2**30
 
 
 def estimates(rows: list[dict[str, Any]], quick: bool) -> None:
     from lightning_lowmem import estimate_memory
-    from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-    from lightning_lowmem.callbacks.activation_offload import ActivationOffload
-    from lightning_lowmem.callbacks.chunked_lm_loss import ChunkedLMLoss
+    from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+    from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+    from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
 
     def callbacks(chunked: bool) -> list[Any]:
         out: list[Any] = [ActivationCheckpointing("all"), ActivationOffload(boundaries_only=True)]

@@ -33,11 +33,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import add_int_args, bench_trainer, fmt_bytes, lm_batches, lm_sample, write_results
-from lightning_lowmem._host_memory import pinned_bytes
-from lightning_lowmem._streams import DeferredOps, cpu_stand_in
+from lightning_lowmem.core.host_memory import pinned_bytes
+from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.strategies._host_transfer import StreamTransfer, planned_staging_bytes
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
+from lightning_lowmem.strategies.offload.transfer import StreamTransfer, planned_staging_bytes
 
 
 class FoldInHook(StreamTransfer):

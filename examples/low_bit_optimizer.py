@@ -21,9 +21,9 @@ import lightning as L
 import torch
 
 from lightning_lowmem import LowBitOptimizer, OptimizerInBackward  # the one import the suite needs
+from lightning_lowmem.core.accounting import optimizer_state_bytes
 from lightning_lowmem.demo.data import StdlibTextDataModule
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.memory.categories import optimizer_state_bytes
 
 
 def main() -> None:

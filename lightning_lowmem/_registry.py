@@ -20,13 +20,13 @@ _STRATEGIES_MODULE = "lightning.pytorch.strategies"
 # name -> (module, class, description, preset keyword arguments)
 STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "lowmem_offload": (
-        "lightning_lowmem.strategies.offload",
+        "lightning_lowmem.strategies.offload.strategy",
         "OffloadStrategy",
         "CPU-master half precision: compute weights on the accelerator, fp32 masters, gradients and optimizer on the host",
         {},
     ),
     "lowmem_offload_params": (
-        "lightning_lowmem.strategies.offload",
+        "lightning_lowmem.strategies.offload.strategy",
         "OffloadStrategy",
         "lowmem_offload with the repeated blocks' compute weights on the host too, streamed to the device block by block",
         {"offload_params": True},
@@ -38,31 +38,31 @@ STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         {},
     ),
     "lowmem_zero2": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), also on CPU",
         {"stage": 2},
     ),
     "lowmem_zero2_offload": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 2 with the optimizer state and step on the CPU (DeepSpeedCPUAdam)",
         {"stage": 2, "offload_optimizer": True},
     ),
     "lowmem_zero3": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 3 (parameters sharded as well), also on CPU",
         {"stage": 3},
     ),
     "lowmem_zero3_offload": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to the CPU",
         {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
     ),
     "lowmem_zero3_nvme": (
-        "lightning_lowmem.strategies.zero",
+        "lightning_lowmem.strategies.zero.strategy",
         "ZeroStrategy",
         "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to NVMe (`nvme_path=` or the LOWMEM_NVME_PATH variable)",
         {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "offload_device": "nvme"},
@@ -77,6 +77,16 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
     build.__qualname__ = build.__name__ = f"{cls}"
     build.__doc__ = f"Builds `{module}.{cls}` (imported on first use)."
     return build
+
+
+def builds(name: str, cls: type) -> bool:
+    """Whether the registered name ``name`` builds exactly ``cls`` (False for a name not ours).
+
+    NOTE: compared with the class's own module and name, which the table holds so that registering imports nothing;
+    importing the entry's module to compare classes would import every strategy (and the planner) on first use.
+    """
+    entry = STRATEGIES.get(name)
+    return entry is not None and (entry[0], entry[1]) == (cls.__module__, cls.__qualname__)
 
 
 def register_strategies(registry: Any = None) -> None:
@@ -130,6 +140,22 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
         sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
+def _find_with_the_others(fullname: str, path: Any, target: Any) -> Any:
+    """The spec the import system would find without :class:`_AfterImport`: the first of the other meta-path finders.
+
+    NOTE: not ``PathFinder`` alone: editable installs and zipapps put their own finder on ``sys.meta_path``, and a
+    module only they find would be imported without the callback (the ``lowmem_*`` names never registered).
+    """
+    for finder in list(sys.meta_path):
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        spec = find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the loader of one module to run a callback after the module is executed."""
 
@@ -140,7 +166,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder again
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = _find_with_the_others(fullname, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader, callback = spec.loader, self.callback

@@ -59,7 +59,7 @@ def transfer_mode(request):
     Yields ``(mode, ops)``: ``ops`` lists the ``DeferredOps`` built (empty in ``"immediate"``), so a test can check
     that copies really were in flight.
     """
-    from lightning_lowmem._streams import DeferredOps, cpu_stand_in
+    from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 
     if request.param == "immediate":
         yield request.param, []

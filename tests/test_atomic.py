@@ -1,4 +1,4 @@
-"""``lightning_lowmem._atomic``: atomic file and directory writes, orphans of dead processes, recovery."""
+"""``lightning_lowmem.core.atomic``: atomic file and directory writes, orphans of dead processes, recovery."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_lowmem import _atomic
+from lightning_lowmem.core import atomic as _atomic
 
 
 def _dead_pid() -> int:
@@ -131,7 +131,7 @@ def test_digest_is_the_zip_comment_and_finds_flipped_tensor_bytes(tmp_path):
 
     import torch
 
-    from lightning_lowmem import _digest
+    from lightning_lowmem.core import digest as _digest
     from tests.helpers.checkpoints import flip_tensor_bytes
 
     state = {"w": torch.randn(300, 300), "step": 3}
@@ -153,7 +153,7 @@ def test_a_full_disk_is_named_and_the_temp_file_removed(tmp_path):
     """A real ENOSPC: the temp file is a link to /dev/full, whose writes the kernel refuses with ENOSPC."""
     import torch
 
-    from lightning_lowmem._disk_full import DiskFullError
+    from lightning_lowmem.core.disk_full import DiskFullError
 
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")

@@ -16,10 +16,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_lowmem  # noqa: F401
-from lightning_lowmem._digest import DigestMismatchError
-from lightning_lowmem._disk_full import DiskFullError
-from lightning_lowmem._trusted_load import UntrustedCheckpointError
-from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
+from lightning_lowmem.core.checkpoint_io import AtomicCheckpointIO
+from lightning_lowmem.core.digest import DigestMismatchError
+from lightning_lowmem.core.disk_full import DiskFullError
+from lightning_lowmem.core.trusted_load import UntrustedCheckpointError
 from tests.helpers.checkpoints import flip_tensor_bytes, forge
 
 ROOT = Path(__file__).resolve().parents[1]

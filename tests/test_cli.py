@@ -37,7 +37,7 @@ def _config(tmp_path, **trainer):
     "strategy",
     [
         "lowmem_offload",
-        {"class_path": "lightning_lowmem.strategies.offload.OffloadStrategy"},
+        {"class_path": "lightning_lowmem.strategies.offload.strategy.OffloadStrategy"},
         {"class_path": "OffloadStrategy"},  # short name: works because the CLI imports the package
     ],
     ids=["registered-string", "class-path", "short-name"],
@@ -300,5 +300,5 @@ def test_loop_help_lists_every_public_callback():
     from lightning_lowmem.cli import CALLBACKS
 
     public = {name for name, module in lightning_lowmem._LAZY.items()
-              if module.startswith("lightning_lowmem.callbacks.") and name[0].isupper()}
+              if module.startswith(("lightning_lowmem.callbacks.", "lightning_lowmem.report.")) and name[0].isupper()}
     assert set(CALLBACKS) == public

@@ -47,7 +47,7 @@ def test_misspelled_precision_lists_the_choices_and_the_closest(tmp_path, capsys
 
 
 def test_strategy_class_path_refusing_its_argument_says_why(tmp_path, capsys):
-    strategy = {"class_path": "lightning_lowmem.strategies.offload.OffloadStrategy", "init_args": {"prefetch": -3}}
+    strategy = {"class_path": "lightning_lowmem.strategies.offload.strategy.OffloadStrategy", "init_args": {"prefetch": -3}}
     cfg = {**TINY, "trainer": {**TINY["trainer"], "strategy": strategy}}
     assert main(["fit", "--config", _write(tmp_path, cfg)]) == 2
     line = _one_line_error(capsys)

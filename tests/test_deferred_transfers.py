@@ -19,14 +19,14 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import lightning_lowmem  # noqa: F401  (registers "lowmem_offload")
-from lightning_lowmem._host_memory import pinned_bytes
-from lightning_lowmem._streams import CudaOps, DeferredOps, cpu_stand_in
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
-from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+from lightning_lowmem.core.host_memory import pinned_bytes
+from lightning_lowmem.core.streams import CudaOps, DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.memory import measure
-from lightning_lowmem.strategies._host_transfer import StreamTransfer
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.measure import tracker as measure
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
+from lightning_lowmem.strategies.offload.transfer import StreamTransfer
 from tests.helpers.models import GPT2_TINY, random_batch
 from tests.helpers.runif import RunIf
 
@@ -286,7 +286,7 @@ def test_deferred_cuda_peak_window_folds_resets_of_its_device_named_without_inde
 
 
 def test_staging_layout_first_fit_aligned_and_large_slots_share_their_rounding():
-    from lightning_lowmem.strategies._host_transfer import staging_layout
+    from lightning_lowmem.strategies.offload.transfer import staging_layout
 
     sizes, slots = staging_layout([100, 600, 70000, 300, 60000], bucket_bytes=1024)
     assert slots == [(0, 0), (1, 0), (2, 0), (0, 512), (2, 70144)]  # 512 B aligned; the 128 KiB bucket's tail is used
@@ -347,7 +347,7 @@ def test_deferred_param_stream_device_memory_stays_bounded_when_the_device_lags(
 
 def test_deferred_param_stream_host_view_waits_for_queued_fetches():
     """Loading a checkpoint writes the host copies (``host_view``): no queued fetch may still be reading them."""
-    from lightning_lowmem.strategies.param_stream import ParamStream
+    from lightning_lowmem.strategies.offload.param_stream import ParamStream
 
     torch.manual_seed(0)
     model = nn.Module()

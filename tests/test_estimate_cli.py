@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_lowmem import cli
-from lightning_lowmem.memory.estimate import COMBINATIONS
-from lightning_lowmem.memory.estimate_cli import main
+from lightning_lowmem.cli.estimate import main
+from lightning_lowmem.predict.estimate import COMBINATIONS
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*self.log.*", "ignore:.*LightningCLI's args parameter.*")
 
@@ -175,7 +175,7 @@ AUTOENCODER = ["--model", "tests.memory._modules.AutoEncoder", "--target", "cpu"
 
 
 def test_model_class_with_a_data_module_and_its_init_args(tmp_path, capsys):
-    from lightning_lowmem.memory.dry_run import dry_run
+    from lightning_lowmem.predict.dry_run import dry_run
     from tests.memory._modules import AutoEncoder, Images
 
     peaks = {}

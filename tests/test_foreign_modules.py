@@ -31,11 +31,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.foreign import FOREIGN_MODULES, STAGES, make
 from tests.helpers.runif import RunIf
 
@@ -178,7 +178,7 @@ def test_optimizer_in_backward_matches_plain(name):
 
 @pytest.mark.parametrize("name", MODULES)
 def test_memory_report_measures_without_changing_training(name, tmp_path):
-    from lightning_lowmem.callbacks.memory_report import MemoryReport
+    from lightning_lowmem.report.memory_report import MemoryReport
 
     report = MemoryReport(every_n_steps=1, predict=False, plot=False, save_dir=tmp_path)
     _assert_same(_run(name, callbacks=(report,)), _plain(name))
@@ -212,7 +212,7 @@ def test_zero_presets_train_every_single_optimizer_module(name, strategy):
         with pytest.raises(Exception, match="DeepSpeed currently only supports single optimizer"):
             _run(name, strategy=strategy)
         return
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     if strategy == "lowmem_zero3":  # the weights come back into the module for the check
         strategy = ZeroStrategy(stage=3, gather_on_fit_end=True)

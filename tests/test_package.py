@@ -1,4 +1,6 @@
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
 import pkgutil
 import subprocess
@@ -39,7 +41,7 @@ def test_pytorch_lightning_object_refused():
     pytest.importorskip("pytorch_lightning")
     import pytorch_lightning as pl
 
-    from lightning_lowmem._compat import check_lightning_object
+    from lightning_lowmem.core.hooks import check_lightning_object
 
     with pytest.raises(TypeError, match="lightning.pytorch"):
         check_lightning_object(pl.LightningModule(), "the model")
@@ -98,7 +100,7 @@ def test_pytorch_lightning_module_to_lightning_trainer_is_named():
 
 def _overrides_without_decorator() -> list[str]:
     """Every method of a package class that overrides a base class's (Lightning's, torch's, ours) without `@override`."""
-    from lightning_lowmem._compat import _EXTRAS
+    from lightning_lowmem.core.optional import _EXTRAS
 
     missing = []
     for info in pkgutil.walk_packages(lightning_lowmem.__path__, "lightning_lowmem."):
@@ -128,3 +130,36 @@ def _overrides_without_decorator() -> list[str]:
 def test_every_overriding_method_is_marked_override():
     missing = _overrides_without_decorator()
     assert not missing, "Mark these with `@override` (typing_extensions):\n" + "\n".join(missing)
+
+
+class _MemoryFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A meta-path finder of one module that ``PathFinder`` cannot find (as editable installs and zipapps have)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname, path, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname == self.name else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        module.EXECUTED = True
+
+
+def test_after_import_runs_for_a_module_another_meta_path_finder_finds():
+    from lightning_lowmem._registry import after_import
+
+    name = "lowmem_test_meta_path_module"
+    finder = _MemoryFinder(name)
+    sys.meta_path.append(finder)  # NOTE: after PathFinder, where setuptools' editable finders go
+    calls = []
+    try:
+        after_import(name, lambda: calls.append(sys.modules[name].EXECUTED))
+        module = importlib.import_module(name)
+        assert calls == [True] and module.__loader__ is finder
+        assert not any(getattr(f, "name", None) == name for f in sys.meta_path if f is not finder)  # one shot
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop(name, None)

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_lowmem._compat import package_available
+from lightning_lowmem.core.optional import package_available
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "_resume_child.py"
@@ -91,7 +91,7 @@ def test_zero2_offload_resumes_identically_after_five_steps(tmp_path):
 def test_cpu_adam_replay_rebuilds_the_bias_correction_of_the_uninterrupted_run():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from lightning_lowmem.strategies._zero_resume import replay_cpu_adam_steps
+    from lightning_lowmem.strategies.zero.resume import replay_cpu_adam_steps
 
     torch.manual_seed(0)
     start, grads = torch.randn(300), [torch.randn(300) for _ in range(9)]
@@ -125,7 +125,7 @@ def test_cpu_adam_replay_rebuilds_the_bias_correction_of_the_uninterrupted_run()
 def test_mid_window_checkpoint_under_deepspeed_or_ddp_warns():
     """Where the window's gradients cannot be written (DeepSpeed's own buffers, other processes' parts), say so."""
     from lightning_lowmem import AccumulationScheduler
-    from lightning_lowmem.callbacks._accumulation_window import window_state
+    from lightning_lowmem.callbacks.accumulation.window import window_state
 
     callback = AccumulationScheduler(4, 2)
     callback._pos, callback._window = 1, 2

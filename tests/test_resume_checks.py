@@ -78,7 +78,7 @@ def test_negative_size_in_a_model_config():
 
 
 def test_device_budget_without_auto_offload_params_warns():
-    from lightning_lowmem.strategies.offload import OffloadStrategy
+    from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
     with pytest.warns(UserWarning, match=r"`device_budget='1GB'` is used only with `offload_params='auto'`.*with "
                                          r"`offload_params=True` it is ignored"):

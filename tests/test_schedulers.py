@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as S
 
-from lightning_lowmem._schedulers import repoint_scheduler
+from lightning_lowmem.core.schedulers import repoint_scheduler
 
 
 def _params() -> list[torch.nn.Parameter]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import BatchEncoding
 
-from lightning_lowmem._compat import tensors_in
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.core.tensors import tensors_in
+from lightning_lowmem.measure.tracker import MemoryTracker
 from tests.helpers.models import random_batch, tiny_gpt2
 
 Pair = namedtuple("Pair", ["first", "second"])

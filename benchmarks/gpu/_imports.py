@@ -9,12 +9,12 @@ from __future__ import annotations
 
 # NOTE: the transfers' CPU stand-in: the CUDA stream logic of lowmem_offload / ActivationOffload / parameter
 # streaming, run on the CPU with deferred copies (the rehearsal's stand-in for the GPU)
-from lightning_lowmem._streams import DeferredOps, cpu_stand_in
+from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 
 # NOTE: the fused host AdamW that lowmem_offload(host_optimizer="auto") switches the user's AdamW to
-from lightning_lowmem.strategies._host_optimizer import enable_fused, why_not_fused
+from lightning_lowmem.strategies.offload.host_optimizer import enable_fused, why_not_fused
 
 # NOTE: the size of lowmem_offload's pinned staging buckets (the bandwidth entry copies at that size)
-from lightning_lowmem.strategies._host_transfer import BUCKET_BYTES
+from lightning_lowmem.strategies.offload.transfer import BUCKET_BYTES
 
 __all__ = ["BUCKET_BYTES", "DeferredOps", "cpu_stand_in", "enable_fused", "why_not_fused"]

@@ -1,1 +1,34 @@
-"""callbacks."""
+"""The technique callbacks, one technique per module (or per folder when it has several parts).
+
+Each class is also importable from here, as ``lightning_lowmem.callbacks.ActivationCheckpointing`` (a YAML
+``class_path``); they are imported on first use, so importing one technique does not import the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY = {
+    "AccumulationScheduler": "lightning_lowmem.callbacks.accumulation.scheduler",
+    "ActivationCheckpointing": "lightning_lowmem.callbacks.activation_checkpointing.callback",
+    "ActivationOffload": "lightning_lowmem.callbacks.activation_offload.callback",
+    "ChunkedLMLoss": "lightning_lowmem.callbacks.chunked_lm_loss.callback",
+    "chunked_causal_lm_loss": "lightning_lowmem.callbacks.chunked_lm_loss.callback",
+    "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
+    "OOMRecovery": "lightning_lowmem.callbacks.oom_recovery",
+    "OptimizerInBackward": "lightning_lowmem.callbacks.optimizer_in_backward",
+}
+
+__all__ = sorted(_LAZY)  # noqa: PLE0605  (built from the lazy table)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -10,9 +10,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, check_lightning_object, require
-from lightning_lowmem._schedulers import repoint_scheduler
-from lightning_lowmem.memory.categories import host_storage_keys, mark_host, storage_key
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.core.accounting import host_storage_keys, mark_host, storage_key
+from lightning_lowmem.core.hooks import check_lightning_object
+from lightning_lowmem.core.optimizer_state import optimizer_family
+from lightning_lowmem.core.optional import require
+from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.roles import HostMastersStrategy, LowBitOptimizerSwap
+from lightning_lowmem.core.schedulers import repoint_scheduler
 
 Kind = Literal["adamw8bit", "paged_adamw8bit", "lion8bit", "adam8bit"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -35,23 +40,11 @@ _TORCH_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentia
 _DEFAULT_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-def _family(optimizer: torch.optim.Optimizer) -> str | None:
-    """The algorithm family of ``optimizer``: ``"adam"``, ``"lion"`` or None (no 8-bit equivalent here)."""
-    name = getattr(optimizer, "optimizer_name", None)  # bitsandbytes optimizers say it themselves
-    if name in ("adam", "lion"):
-        return name
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return "adam"
-    if type(optimizer).__name__ in ("Lion", "PagedLion", "Lion32bit", "PagedLion32bit", "Lion8bit", "PagedLion8bit"):
-        return "lion"
-    return None
-
-
 def _describe(optimizer: torch.optim.Optimizer) -> str:
     return f"`{type(optimizer).__module__}.{type(optimizer).__qualname__}`"
 
 
-class LowBitOptimizer(Reproducible, Callback):
+class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
     """Replace the optimizer your LightningModule configured by its bitsandbytes 8-bit equivalent.
 
     Memory saved: Adam/AdamW keep two fp32 moments, 8 B per parameter; the 8-bit block-wise state
@@ -217,7 +210,7 @@ class LowBitOptimizer(Reproducible, Callback):
     def check_convertible(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise ``ValueError`` naming every reason ``optimizer`` has no exact 8-bit equivalent of ``kind``."""
         family = _TARGETS[self.kind][1]
-        source = _family(optimizer)
+        source = optimizer_family(optimizer)
         if source is None:
             raise ValueError(
                 f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}: it has no 8-bit "
@@ -278,7 +271,7 @@ class LowBitOptimizer(Reproducible, Callback):
 
 
 def _module_param_of(pl_module: L.LightningModule, p: torch.Tensor) -> torch.Tensor | None:
-    strategy = pl_module._trainer.strategy if pl_module._trainer is not None else None
-    master_of = getattr(strategy, "master_of", None)
-    return master_of(p) if callable(master_of) else None
+    trainer = lightning_internals.attached_trainer(pl_module)
+    strategy = trainer.strategy if trainer is not None else None
+    return strategy.master_of(p) if isinstance(strategy, HostMastersStrategy) else None
 

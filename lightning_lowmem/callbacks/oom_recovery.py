@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler, Normalization
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler, Normalization
 
 
 class OOMRecovery(AccumulationScheduler):

@@ -6,11 +6,16 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, XLAStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, check_lightning_object
+from lightning_lowmem.core.hooks import check_lightning_object
+from lightning_lowmem.core.lightning_callbacks import lightning_callback_problems
+from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.roles import HostMastersStrategy
 
 
 class OptimizerInBackward(Reproducible, Callback):
@@ -184,13 +189,10 @@ class OptimizerInBackward(Reproducible, Callback):
     @staticmethod
     def conflicts(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         """Every reason this Trainer/module cannot step in backward (empty when it can)."""
-        from lightning.pytorch.plugins.precision import MixedPrecision
-        from lightning.pytorch.strategies import SingleDeviceStrategy
-
         problems = []
         strategy = trainer.strategy
         name = type(strategy).__name__
-        if name == "OffloadStrategy":
+        if isinstance(strategy, HostMastersStrategy):
             problems.append(
                 "under `strategy='lowmem_offload'` the optimizer steps host masters; use "
                 "`OffloadStrategy(optimizer_in_backward=True)` instead of this callback"
@@ -199,7 +201,7 @@ class OptimizerInBackward(Reproducible, Callback):
             reason = (
                 "DDP reduces gradients in buckets after the per-parameter hook fires and keeps them in "
                 "persistent buffers, so the step would see unreduced gradients and save no memory"
-                if "DDP" in name
+                if isinstance(strategy, DDPStrategy) and not isinstance(strategy, (DeepSpeedStrategy, XLAStrategy))
                 else "it manages gradients or the optimizer itself"
             )
             problems.append(f"strategy `{name}` is not supported ({reason}); use a single device")
@@ -230,25 +232,3 @@ class OptimizerInBackward(Reproducible, Callback):
                 "use `precision='bf16-mixed'` or `'bf16-true'`"
             )
         return problems
-
-
-def lightning_callback_problems(trainer: L.Trainer, pl_module: L.LightningModule, who: str) -> list[str]:
-    """Lightning's callbacks in ``trainer`` that a step inside backward (``who``) cannot honour, each with the fix."""
-    problems = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        name = type(callback).__name__
-        if isinstance(callback, GradientAccumulationScheduler):
-            factors = {e: f for e, f in callback.scheduling.items() if f != 1}
-            if factors:
-                problems.append(
-                    f"`{name}(scheduling={callback.scheduling})` accumulates gradients from epoch {min(factors)}: "
-                    f"{who} cannot accumulate (each parameter steps as soon as its gradient is ready); remove the "
-                    "scheduler or the step in backward"
-                )
-        elif isinstance(callback, StochasticWeightAveraging) and callback.pl_module_contains_batch_norm(pl_module):
-            problems.append(
-                f"`{name}` on a module with BatchNorm: its extra BatchNorm epoch runs no backward and Lightning steps "
-                "the optimizer once more with the last step's gradients, which "
-                f"{who} has already used and freed, so the weights would differ; remove `{name}` or the step in backward"
-            )
-    return problems

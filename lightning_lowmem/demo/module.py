@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from lightning_lowmem.callbacks.chunked_lm_loss import is_chunked
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import is_chunked
 from lightning_lowmem.demo.tokenizer import ByteTokenizer
 
 IGNORE_INDEX = -100
@@ -170,7 +171,8 @@ class CausalLMModule(L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         # NOTE: caught here, before the first step, instead of an IndexError deep inside the embedding lookup.
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        trainer = lightning_internals.attached_trainer(self)
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
         seq_len = getattr(datamodule, "seq_len", None)
         if isinstance(seq_len, int):
             self._check_seq_len(seq_len, f"The datamodule (`{type(datamodule).__name__}(seq_len={seq_len})`)")

@@ -11,7 +11,7 @@ from typing import Any
 
 _LAZY = {
     "plan": "lightning_lowmem.plan.search",
-    "Plan": "lightning_lowmem.plan.search",
+    "Plan": "lightning_lowmem.plan.result",
     "NoRecipeFitsError": "lightning_lowmem.plan.search",
     "Recipe": "lightning_lowmem.plan.recipes",
     "candidates": "lightning_lowmem.plan.recipes",

@@ -12,15 +12,19 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem._compat import Reproducible, fresh
-from lightning_lowmem.memory.units import parse_bytes
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.core.kept_state import kept_state
+from lightning_lowmem.core.reproducible import Reproducible, fresh
+from lightning_lowmem.core.side_step import forked_rng
+from lightning_lowmem.core.units import parse_bytes
+from lightning_lowmem.plan.hardware import PROFILES
+from lightning_lowmem.plan.output import trainer_yaml
+from lightning_lowmem.plan.recipes import technique_field
+from lightning_lowmem.plan.search import plan
+from lightning_lowmem.plan.source import effective_batch
 
 #: what a device budget leaves free by default (CUDA context growth, allocator slack, fragmentation)
 DEFAULT_MARGIN = 0.1
-#: recipe field a user's own technique callback fixes (the plan keeps the user's, and does not add its own)
-_FIXED_BY = {"ActivationCheckpointing": "checkpointing", "ActivationOffload": "activation_offload",
-             "ChunkedLMLoss": "chunked_loss", "LowBitOptimizer": "optimizer_8bit",
-             "AccumulationScheduler": "micro_batch_size"}
 
 
 class AutoStrategy(Reproducible, SingleDeviceStrategy):
@@ -70,12 +74,10 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         if hardware is not None and not isinstance(hardware, (str, os.PathLike)):
             problems.append(f"Passed `hardware={hardware!r}`; expected a profile name, 'measure' or a YAML file.")
             wrong_type = True
-        elif hardware is not None:
-            from lightning_lowmem.plan.hardware import PROFILES
-
-            if hardware not in PROFILES and hardware != "measure" and not str(hardware).endswith((".yaml", ".yml")):
-                problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
-                                "or a YAML file.")
+        elif hardware is not None and hardware not in PROFILES and hardware != "measure" \
+                and not str(hardware).endswith((".yaml", ".yml")):
+            problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
+                            "or a YAML file.")
         if problems:
             raise (TypeError if wrong_type else ValueError)("\n- ".join(["AutoStrategy:", *problems]))
         self.device_budget, self.host_budget, self.hardware, self.pure_half = device_budget, host_budget, hardware, \
@@ -106,17 +108,14 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
     def connect(self, model: L.LightningModule) -> None:
         trainer = model.trainer
         if self.chosen_strategy is not None:  # a second fit with the same Trainer: the plan stands
-            trainer._accelerator_connector.strategy = self.chosen_strategy
+            lightning_internals.keep_strategy(trainer, self.chosen_strategy)
             self.chosen_strategy.connect(model)
             return
-        from lightning_lowmem.callbacks._kept_state import kept_state
-        from lightning_lowmem.callbacks._side_step import forked_rng
-        from lightning_lowmem.plan.output import trainer_yaml
-        from lightning_lowmem.plan.search import effective_batch, plan
 
         device_budget, host_budget = self._budgets(self.root_device)
-        user = [c for c in trainer.callbacks if type(c).__name__ in _FIXED_BY and isinstance(c, Reproducible)]
-        data = trainer.fit_loop._data_source.instance
+        # NOTE: a user's own technique callback fixes its recipe field: the plan keeps it and adds none of its kind
+        user = [c for c in trainer.callbacks if technique_field(c) is not None and isinstance(c, Reproducible)]
+        data = lightning_internals.fit_data_source(trainer).instance
         data = None if data is model else data
         loader = getattr(data if hasattr(data, "batch_size") else model, "batch_size", None)
         effective = effective_batch(user, loader, trainer.accumulate_grad_batches)
@@ -131,8 +130,7 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         run = self.plan.run
         added = [c for c in run.callbacks if not any(type(u) is type(c) for u in user)]
         strategy = self._build(trainer, run.strategy, run.precision)
-        trainer._accelerator_connector.strategy = strategy
-        trainer._accelerator_connector.precision_plugin = strategy.precision_plugin
+        lightning_internals.replace_strategy(trainer, strategy)
         trainer.callbacks[:0] = added  # NOTE: before the user's own: MemoryReport moves itself last at setup
         self.chosen_strategy = strategy
         import yaml

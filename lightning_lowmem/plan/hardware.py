@@ -9,7 +9,7 @@ Shipped profiles carry the vendor's figures, with their source; ``measure_host()
     link_gbps: 12          # e.g. a card in a PCIe 3.0 slot
 
 Only ratios between recipes are used for ranking; absolute seconds are printed as "predicted", uncalibrated
-until a GPU run has been compared (see the README's planner section).
+until a GPU run has been compared (see docs/planner.md, "Limits").
 """
 
 from __future__ import annotations

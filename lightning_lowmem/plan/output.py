@@ -6,12 +6,22 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem._compat import init_arguments
-from lightning_lowmem.memory.run import RunSpec
+from lightning_lowmem._registry import STRATEGIES, builds
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
+from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
+from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
+from lightning_lowmem.core.atomic import atomic_write_text
+from lightning_lowmem.core.reproducible import init_arguments
+from lightning_lowmem.predict.run_spec import RunSpec
 
 #: the suite's technique callbacks: a plan replaces the ones a YAML already has
-TECHNIQUES = ("ActivationCheckpointing", "ActivationOffload", "AccumulationScheduler", "LowBitOptimizer",
-              "OptimizerInBackward", "ChunkedLMLoss")
+TECHNIQUE_CLASSES = (ActivationCheckpointing, ActivationOffload, AccumulationScheduler, LowBitOptimizer,
+                     OptimizerInBackward, ChunkedLMLoss)
+#: their names, as a YAML's ``class_path`` gives them (short or full): what a YAML file has to compare with
+TECHNIQUES = tuple(cls.__name__ for cls in TECHNIQUE_CLASSES)
 
 
 def _changed_arguments(obj: Any) -> dict[str, Any]:
@@ -24,11 +34,10 @@ def _changed_arguments(obj: Any) -> dict[str, Any]:
 def _strategy_yaml(strategy: Any) -> Any:
     if isinstance(strategy, str):
         return strategy
-    from lightning_lowmem._registry import STRATEGIES
 
     changed = _changed_arguments(strategy)
-    for name, (module, cls, _, preset) in STRATEGIES.items():  # a registered name says it shortest
-        if cls == type(strategy).__name__ and module == type(strategy).__module__ and preset == changed:
+    for name, (_, _, _, preset) in STRATEGIES.items():  # a registered name says it shortest
+        if builds(name, type(strategy)) and preset == changed:
             return name
     return {"class_path": f"{type(strategy).__module__}.{type(strategy).__name__}", "init_args": changed}
 
@@ -67,8 +76,6 @@ def write_yaml(path: str | Path, run: RunSpec, *, header: str, base_yaml: str | 
     new file with ``model`` and ``data`` (``class_path``/``init_args`` dicts). Written atomically."""
     import yaml
 
-    from lightning_lowmem._atomic import atomic_write_text
-
     config: dict[str, Any] = {}
     if base_yaml is not None:
         config = yaml.safe_load(Path(base_yaml).read_text()) or {}
@@ -79,7 +86,7 @@ def write_yaml(path: str | Path, run: RunSpec, *, header: str, base_yaml: str | 
     planned = trainer_yaml(run)
     trainer.update(strategy=planned["strategy"], precision=planned["precision"],
                    callbacks=planned["callbacks"] + kept)
-    if any(c["class_path"] == "AccumulationScheduler" for c in planned["callbacks"]):
+    if any(isinstance(c, AccumulationScheduler) for c in run.callbacks):
         trainer.pop("accumulate_grad_batches", None)
     trainer.setdefault("max_steps", 100)
     if model is not None:

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_lowmem.memory.run import RunSpec
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
+from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
+from lightning_lowmem.predict.run_spec import RunSpec
 
 Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"]
 Checkpointing = Literal["every_n", "all"]
@@ -33,6 +38,20 @@ _DEEPSPEED = ("zero2_offload", "zero3_offload")
 _CKPT_RANK = {None: 0, "every_n": 1, "all": 2}
 #: the chunk of ``ChunkedLMLoss`` the planner uses (GPT-2-XL's loss under 64 MiB)
 CHUNK_TOKENS = 128
+#: the technique callbacks a recipe switches on -> the recipe field that switches each on (a user's own callback of
+#: one of these types fixes that field: ``lowmem_auto`` keeps it and plans around it)
+TECHNIQUE_FIELDS: tuple[tuple[type, str], ...] = (
+    (ActivationCheckpointing, "checkpointing"),
+    (ActivationOffload, "activation_offload"),
+    (ChunkedLMLoss, "chunked_loss"),
+    (LowBitOptimizer, "optimizer_8bit"),
+    (AccumulationScheduler, "micro_batch_size"),
+)
+
+
+def technique_field(callback: Any) -> str | None:
+    """The recipe field that ``callback``'s technique is (by type), or None for a callback no recipe switches on."""
+    return next((name for cls, name in TECHNIQUE_FIELDS if isinstance(callback, cls)), None)
 
 
 @dataclass(frozen=True)
@@ -92,11 +111,9 @@ class Recipe:
         micro = flags.pop("micro_batch_size", None)
         run = RunSpec.from_flags(batch_size=batch_size, micro_batch_size=micro, **flags)
         if micro is None and loader_batch is not None and batch_size is not None and loader_batch != batch_size:
-            from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
-
             run.callbacks.insert(0, AccumulationScheduler(effective_batch_size=batch_size, micro_batch_size=batch_size))
         if scheduler:
-            run.callbacks = [c.fresh(**scheduler) if type(c).__name__ == "AccumulationScheduler" else c
+            run.callbacks = [c.fresh(**scheduler) if isinstance(c, AccumulationScheduler) else c
                              for c in run.callbacks]
         return run
 
@@ -163,4 +180,4 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
     return out
 
 
-__all__ = ["BASES", "CHUNK_TOKENS", "Recipe", "candidates", "micro_batches"]
+__all__ = ["BASES", "CHUNK_TOKENS", "TECHNIQUE_FIELDS", "Recipe", "candidates", "micro_batches", "technique_field"]

@@ -28,121 +28,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from lightning_lowmem._compat import fresh, init_arguments, package_available
-from lightning_lowmem.memory.result import MemoryEstimate
-from lightning_lowmem.memory.run import RunSpec
-from lightning_lowmem.memory.units import fmt_size, parse_bytes
-from lightning_lowmem.plan.cost import ModelShape, StepCost, step_cost
+from lightning_lowmem._internals import frames
+from lightning_lowmem.core.optional import package_available
+from lightning_lowmem.core.reproducible import fresh
+from lightning_lowmem.core.units import fmt_size, parse_bytes
+from lightning_lowmem.plan.cost import step_cost
 from lightning_lowmem.plan.hardware import PROFILES, HardwareProfile, load_profile
-from lightning_lowmem.plan.recipes import Recipe, candidates
-
-Status = Literal["fits", "too big", "refused", "not traced"]
+from lightning_lowmem.plan.recipes import candidates, technique_field
+from lightning_lowmem.plan.result import Plan, Row
+from lightning_lowmem.plan.source import Source, effective_batch
+from lightning_lowmem.predict.run_spec import RunSpec
 
 
 class NoRecipeFitsError(ValueError):
     """No recipe of the suite fits the budgets; the message says the smallest memory any recipe needs."""
-
-
-@dataclass
-class Row:
-    """One candidate: its prediction (where traced), its predicted step time, and the verdict."""
-
-    recipe: Recipe
-    name: str
-    cost: StepCost
-    status: Status = "not traced"
-    why: str = ""
-    estimate: MemoryEstimate | None = None
-
-    @property
-    def peak_device(self) -> int | None:
-        return None if self.estimate is None else self.estimate.peak_device
-
-    @property
-    def peak_host(self) -> int | None:
-        return None if self.estimate is None else self.estimate.peak_host
-
-
-@dataclass
-class Plan:
-    """The ranked candidates, the chosen one (the fastest that fits), and how to run it."""
-
-    rows: list[Row]
-    chosen: Row
-    device_budget: int
-    host_budget: int | None
-    hardware: HardwareProfile
-    batch_size: int | None
-    half: str
-    traces: int
-    wall_s: float
-    notes: list[str] = field(default_factory=list)
-    #: what a written YAML takes from the planned source (``base_yaml``, or ``model`` and ``data``)
-    yaml_parts: dict[str, Any] = field(default_factory=dict)
-    #: the batch the data loader yields as given (a YAML's micro-batch), when it is not the effective batch
-    loader_batch: int | None = None
-    #: the YAML's own AccumulationScheduler arguments besides the batch sizes (kept in the plan's)
-    scheduler: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def run(self) -> RunSpec:
-        """The chosen run (fresh objects: give ``run.trainer_kwargs()`` to a Trainer)."""
-        return self.chosen.recipe.run(self.batch_size, self.half, self.loader_batch, self.scheduler)
-
-    def table(self) -> str:
-        """The traced candidates (and the chosen one), fastest first; the rest counted by why they were not traced."""
-        fastest = min(r.cost.total_s for r in self.rows)
-        shown = [r for r in self.rows if r.estimate is not None or r.status == "refused"]
-        body = [("*" if r is self.chosen else "", r.name, r.status, _size(r.peak_device), _size(r.peak_host),
-                 f"{r.cost.total_s / fastest:.2f}x", r.why) for r in shown]
-        header = ("", "recipe", "verdict", "device peak", "host peak", "step time", "why")
-        widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(x, widths)).rstrip() for x in [header, *body]]
-        pruned = sum(r.estimate is None and r.status == "too big" for r in self.rows)
-        slower = sum(r.status == "not traced" for r in self.rows)
-        lines.append(f"not traced: {pruned} candidates taken to be too big (saving no more than a traced one that is, "
-                     f"or scaled from a trace at another micro-batch), {slower} slower than the chosen one (step time: "
-                     "relative to the fastest candidate)")
-        return "\n".join(lines)
-
-    def trainer_arguments(self) -> str:
-        """The chosen recipe as Python ``Trainer`` arguments."""
-        from lightning_lowmem.plan.output import trainer_arguments
-
-        return trainer_arguments(self.run)
-
-    def write_yaml(self, path: str | Path, command: str = "") -> Path:
-        """The chosen recipe as a YAML ``lowmem fit --config`` runs: the planned YAML with its techniques replaced,
-        or (for a model shape) the demo causal-LM module and data at the planned batch and sequence length."""
-        from lightning_lowmem.plan.output import write_yaml
-
-        header = "\n".join([f"Written by `{command or 'lightning_lowmem.plan.plan'}`.", self.summary(),
-                            f"Python: {self.trainer_arguments()}"])
-        return write_yaml(path, self.run, header=header, **self.yaml_parts)
-
-    def summary(self) -> str:
-        r = self.chosen
-        return (f"chosen: {r.name}: device peak {_size(r.peak_device)} of {fmt_size(self.device_budget)}, host peak "
-                f"{_size(r.peak_host)}" + (f" of {fmt_size(self.host_budget)}" if self.host_budget else "")
-                + f"; predicted step {r.cost.total_s:.3g} s on {self.hardware.name} (uncalibrated)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "chosen": self.chosen.name, "run": self.run.describe(), "device_budget": self.device_budget,
-            "host_budget": self.host_budget, "hardware": self.hardware.name, "traces": self.traces,
-            "wall_s": round(self.wall_s, 2), "notes": self.notes,
-            "rows": [{"recipe": r.name, "status": r.status, "why": r.why, "peak_device": r.peak_device,
-                      "peak_host": r.peak_host, **{k: round(v, 6) for k, v in r.cost.to_dict().items()}}
-                     for r in self.rows if r.status != "not traced" or r is self.chosen],
-        }
-
-
-def _size(n: int | None) -> str:
-    return "-" if n is None else fmt_size(n)
 
 
 def plan(
@@ -188,155 +90,221 @@ def plan(
         ValueError: bad arguments (all named at once, with what is accepted); TypeError when one is of a wrong type.
     """
     t0 = time.perf_counter()
-    problems: list[str] = []
-    type_error = False
-    profile = None
-    try:
-        profile = load_profile(hardware)
-    except ValueError as err:
-        problems.append(str(err))
-    device_budget = host_budget = None
-    for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
-        if value is None:
-            continue
-        try:
-            parsed = parse_bytes(value, f"`{name}`")
-        except (TypeError, ValueError) as err:
-            problems.append(str(err))
-            type_error |= isinstance(err, TypeError)
-            continue
-        if name == "device_memory":
-            device_budget = parsed
-        else:
-            host_budget = parsed
-    if device_budget is None and device_memory is None:
-        if profile is None:
-            problems.append("Passed neither `device_memory` nor `hardware`; give the device's memory (e.g. "
-                            f"device_memory='12GB') or a profile ({', '.join(PROFILES)}).")
-        else:
-            device_budget = profile.memory_bytes
-    if target not in ("cpu", "cuda"):
-        problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
-    source = _Source.of(model, batch_size, seq_len, data, problems)
-    if problems or source is None or device_budget is None:
-        # NOTE: one exception for every problem at once; a TypeError when one of them is a wrong type
-        raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:", *problems]))
-    if profile is None:
-        profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
-    half = "bf16" if profile.bf16 else "16"
-    cache = {} if cache is None else cache
-    b = source.batch_size
-    fixed = {type(c).__name__ for c in fixed_callbacks}
+    budgets = Budgets.of(model, batch_size, seq_len, data, device_memory, host_memory, hardware, target)
+    source, b = budgets.source, budgets.source.batch_size
+    fixed = frozenset(f for f in map(technique_field, fixed_callbacks) if f is not None)
+    rows = candidate_rows(source, budgets.profile, budgets.half, fixed, pure_half=pure_half, bases=bases,
+                          keep_deepspeed=not fixed_callbacks)
     # NOTE: a user's own AccumulationScheduler sets the loader's batch itself
-    loader = None if "AccumulationScheduler" in fixed else source.loader_batch
+    loader = None if "micro_batch_size" in fixed else source.loader_batch
+    judge = Judge(source, budgets, fixed_callbacks, fixed, loader, target, {} if cache is None else cache)
+    rows_floors = floors(rows)
+    chosen = search(rows, rows_floors, judge)
+    if chosen is None:
+        raise NoRecipeFitsError(_no_fit_message(rows_floors, budgets.device, budgets.host, source))
+    notes = [f"{judge.traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
+    return Plan(rows, chosen, budgets.device, budgets.host, budgets.profile, b, budgets.half, judge.traces,
+                time.perf_counter() - t0, notes, source.yaml_parts, loader, source.scheduler)
+
+
+@dataclass
+class Budgets:
+    """The checked arguments of :func:`plan`: the planned source, the hardware profile and the memory budgets."""
+
+    source: Source
+    profile: HardwareProfile
+    device: int
+    host: int | None
+
+    @property
+    def half(self) -> str:
+        """The half precision of the device: ``"bf16"`` where it has bf16, else ``"16"``."""
+        return "bf16" if self.profile.bf16 else "16"
+
+    @classmethod
+    def of(cls, model: Any, batch_size: int | None, seq_len: int | None, data: Any, device_memory: int | str | None,
+           host_memory: int | str | None, hardware: Any, target: str) -> Budgets:
+        """Check every argument, and raise one ``ValueError`` (``TypeError`` when one is of a wrong type) naming all
+        the problems at once."""
+        problems: list[str] = []
+        type_error = False
+        profile = None
+        try:
+            profile = load_profile(hardware)
+        except ValueError as err:
+            problems.append(str(err))
+        device_budget = host_budget = None
+        for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
+            if value is None:
+                continue
+            try:
+                parsed = parse_bytes(value, f"`{name}`")
+            except (TypeError, ValueError) as err:
+                problems.append(str(err))
+                type_error |= isinstance(err, TypeError)
+                continue
+            if name == "device_memory":
+                device_budget = parsed
+            else:
+                host_budget = parsed
+        if device_budget is None and device_memory is None:
+            if profile is None:
+                problems.append("Passed neither `device_memory` nor `hardware`; give the device's memory (e.g. "
+                                f"device_memory='12GB') or a profile ({', '.join(PROFILES)}).")
+            else:
+                device_budget = profile.memory_bytes
+        if target not in ("cpu", "cuda"):
+            problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
+        source = Source.of(model, batch_size, seq_len, data, problems)
+        if problems or source is None or device_budget is None:
+            # NOTE: one exception for every problem at once; a TypeError when one of them is a wrong type
+            raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:",
+                                                                         *problems]))
+        if profile is None:
+            profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
+        return cls(source, profile, device_budget, host_budget)
+
+
+def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: frozenset[str], *, pure_half: bool,
+                   bases: Sequence[str] | None, keep_deepspeed: bool = True) -> list[Row]:
+    """Every candidate recipe for ``source``, priced by the cost model, fastest first.
+
+    ``fixed``: the recipe fields (:func:`~lightning_lowmem.plan.recipes.technique_field`) the user's own callbacks
+    fix: no candidate switches those techniques on. ``keep_deepspeed=False`` (the user's own callbacks) leaves out the
+    DeepSpeed bases, unless nothing else is left.
+    """
+    b = source.batch_size
     rows = [Row(r, r.name(half), step_cost(r, source.shape, b or 1, profile))
             for r in candidates(b or 1, pure_half=pure_half, deepspeed=package_available("deepspeed"),
-                                chunked_loss=source.causal_lm and "ChunkedLMLoss" not in fixed,
-                                micro=source.can_split and "AccumulationScheduler" not in fixed,
-                                checkpointing="ActivationCheckpointing" not in fixed,
-                                activation_offload="ActivationOffload" not in fixed,
-                                eight_bit="LowBitOptimizer" not in fixed, bases=bases, half=half)]
-    if fixed_callbacks:
+                                chunked_loss=source.causal_lm and "chunked_loss" not in fixed,
+                                micro=source.can_split and "micro_batch_size" not in fixed,
+                                checkpointing="checkpointing" not in fixed,
+                                activation_offload="activation_offload" not in fixed,
+                                eight_bit="optimizer_8bit" not in fixed, bases=bases, half=half)]
+    if not keep_deepspeed:
         rows = [r for r in rows if r.recipe.base not in ("zero2_offload", "zero3_offload")] or rows
     rows.sort(key=lambda r: r.cost.total_s)
-    traces = 0
+    return rows
 
-    # (base, technique) -> why: a technique that refused this module under a base refuses it in every candidate of
-    # the base (LowBitOptimizer refuses a module's SGD whatever else is on), so those are not traced again
-    refusals: dict[tuple[str, str], str] = {}
 
-    def judge(row: Row) -> None:
-        nonlocal traces
-        key = (source.key, b, target, row.recipe, half, tuple(sorted(fixed)))
+@dataclass
+class Judge:
+    """Dry-runs a candidate (once per cache key) and gives it its verdict against the budgets."""
+
+    source: Source
+    budgets: Budgets
+    fixed_callbacks: Sequence[Any]
+    fixed: frozenset[str]
+    loader: int | None
+    target: str
+    cache: dict[Any, Any]
+    #: how many dry runs this judge ran (cache hits not counted)
+    traces: int = 0
+    #: (base, recipe field) -> why: a technique that refused this module under a base refuses it in every candidate of
+    #: the base (LowBitOptimizer refuses a module's SGD whatever else is on), so those are not traced again
+    refusals: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def __call__(self, row: Row) -> None:
+        b, half = self.source.batch_size, self.budgets.half
+        key = (self.source.key, b, self.target, row.recipe, half, tuple(sorted(self.fixed)))
+        cache = self.cache
         if key not in cache:
-            traces += 1
+            self.traces += 1
             run = None
             try:
-                run = row.recipe.run(b, half, loader, source.scheduler)
-                run.callbacks += [fresh(c) for c in fixed_callbacks]
-                cache[key] = source.estimate(run, target)
+                run = row.recipe.run(b, half, self.loader, self.source.scheduler)
+                run.callbacks += [fresh(c) for c in self.fixed_callbacks]
+                cache[key] = self.source.estimate(run, self.target)
             except (ValueError, TypeError, ModuleNotFoundError, NotImplementedError) as err:
-                cache[key] = (err, _refusing_technique(err, run))
+                cache[key] = (err, refusing_technique(err, run))
         result = cache[key]
         if isinstance(result, tuple):
             err, technique = result
             row.status, row.why = "refused", " ".join(str(err).split())[:160]
             if technique is not None:
-                refusals[(row.recipe.base, technique)] = f"`{technique}` refused this module (traced in `{row.name}`)"
+                self.refusals[(row.recipe.base, technique_field(technique))] = (
+                    f"`{type(technique).__name__}` refused this module (traced in `{row.name}`)")
             return
         row.estimate = result
         over = []
+        device_budget, host_budget = self.budgets.device, self.budgets.host
         if result.peak_device > device_budget:
             over.append(f"device {fmt_size(result.peak_device)} > {fmt_size(device_budget)} ({result.binding_phase})")
         if host_budget is not None and result.peak_host > host_budget:
             over.append(f"host {fmt_size(result.peak_host)} > {fmt_size(host_budget)}")
         row.status, row.why = ("too big", "; ".join(over)) if over else ("fits", f"binds in {result.binding_phase}")
 
-    # a base's floors (the candidates that save the most: no other saves more) are traced when the first candidate of
-    # the base comes up: a base whose floors are all too big is out whatever else is switched on (a refused floor,
-    # techniques that do not compose, says nothing); bases slower than the chosen recipe are never traced
-    floors = [r for r in rows if not any(o is not r and o.recipe.saves_at_least(r.recipe)
-                                         and not r.recipe.saves_at_least(o.recipe) for o in rows)]
+    def refused(self, row: Row) -> str | None:
+        """Why a technique of ``row`` is known to refuse this module under ``row``'s base, or None."""
+        return next((why for (base, name), why in self.refusals.items()
+                     if base == row.recipe.base and getattr(row.recipe, name)), None)
+
+
+def floors(rows: list[Row]) -> list[Row]:
+    """Each base's floors: the candidates that save the most (no other candidate saves more)."""
+    return [r for r in rows if not any(o is not r and o.recipe.saves_at_least(r.recipe)
+                                       and not r.recipe.saves_at_least(o.recipe) for o in rows)]
+
+
+def search(rows: list[Row], rows_floors: list[Row], judge: Judge) -> Row | None:
+    """The first of ``rows`` (fastest first) that fits, judging as few as it can; None when none fits.
+
+    A base's floors are judged when the first candidate of the base comes up: a base whose floors are all too big is
+    out whatever else is switched on (a refused floor, techniques that do not compose, says nothing); bases slower
+    than the chosen recipe are never traced.
+    """
     too_big: list[Row] = []
     floored: set[str] = set()
-    chosen = None
     for row in rows:
         if row.recipe.base not in floored:
             floored.add(row.recipe.base)
-            for floor in (f for f in floors if f.recipe.base == row.recipe.base):
+            for floor in (f for f in rows_floors if f.recipe.base == row.recipe.base):
                 judge(floor)
                 if floor.status == "too big":
                     too_big.append(floor)
-        if row.status == "not traced":
-            refused = next((why for (base, technique), why in refusals.items()
-                            if base == row.recipe.base and getattr(row.recipe, _TECHNIQUE_FIELDS[technique])), None)
-            if refused is not None:
-                row.status, row.why = "refused", refused
-                continue
-            beaten = next((t for t in too_big if t.recipe.saves_at_least(row.recipe)), None)
-            if beaten is not None:
-                row.status, row.why = "too big", f"saves no more than `{beaten.name}`, which is too big"
-                continue
-            scaled = _scaled_from_another_micro_batch(row, rows)
-            if scaled is not None and scaled[0] > MICRO_MARGIN * device_budget:
-                row.status, row.why = "too big", (f"{fmt_size(scaled[0])} predicted from the trace at micro-batch "
-                                                  f"{scaled[1]} (activations scale with the micro-batch)")
-                continue
+        if row.status == "not traced" and not _ruled_out(row, rows, too_big, judge):
             judge(row)
             if row.status == "too big":
                 too_big.append(row)
         if row.status == "fits":
-            chosen = row
-            break
-    if chosen is None:
-        raise NoRecipeFitsError(_no_fit_message(floors, device_budget, host_budget, source))
-    notes = [f"{traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
-    return Plan(rows, chosen, device_budget, host_budget, profile, b, half, traces, time.perf_counter() - t0, notes,
-                source.yaml_parts, loader, source.scheduler)
+            return row
+    return None
 
 
-#: the technique callbacks a recipe switches on -> the recipe field that switches it on
-_TECHNIQUE_FIELDS = {"ActivationCheckpointing": "checkpointing", "ActivationOffload": "activation_offload",
-                     "ChunkedLMLoss": "chunked_loss", "LowBitOptimizer": "optimizer_8bit"}
+def _ruled_out(row: Row, rows: list[Row], too_big: list[Row], judge: Judge) -> bool:
+    """Give ``row`` its verdict without a trace where one is known (True then): a technique of it refused this module
+    under its base, it saves no more than a candidate too big, or its trace at another micro-batch scales over."""
+    refused = judge.refused(row)
+    if refused is not None:
+        row.status, row.why = "refused", refused
+        return True
+    beaten = next((t for t in too_big if t.recipe.saves_at_least(row.recipe)), None)
+    if beaten is not None:
+        row.status, row.why = "too big", f"saves no more than `{beaten.name}`, which is too big"
+        return True
+    scaled = _scaled_from_another_micro_batch(row, rows)
+    if scaled is not None and scaled[0] > MICRO_MARGIN * judge.budgets.device:
+        row.status, row.why = "too big", (f"{fmt_size(scaled[0])} predicted from the trace at micro-batch "
+                                          f"{scaled[1]} (activations scale with the micro-batch)")
+        return True
+    return False
 
 
-def _refusing_technique(err: BaseException, run: RunSpec | None) -> str | None:
-    """The technique of the run whose callback code raised ``err`` (the innermost such frame), if one did.
+def refusing_technique(err: BaseException, run: RunSpec | None) -> Any:
+    """The technique callback of the run whose code raised ``err`` (the innermost such frame), if one did.
 
     NOTE: found by the raising frames' ``self`` being an instance of one of the run's technique callbacks (an object,
-    not its message; the dry run traces copies of the callbacks, hence the class), so a refusal by the module, the
-    strategy or the data is not taken for a technique's.
+    not its message; the dry run traces copies of the callbacks, hence the type), so a refusal by the module, the
+    strategy or the data is not taken for a technique's. The accumulation scheduler's refusals are not counted (a
+    micro-batch is a recipe of its own).
     """
     if run is None:
         return None
-    ours = {type(c) for c in run.callbacks if type(c).__name__ in _TECHNIQUE_FIELDS}
+    ours = {type(c) for c in run.callbacks if technique_field(c) not in (None, "micro_batch_size")}
     found = None
-    tb = err.__traceback__
-    while tb is not None:
-        owner = type(tb.tb_frame.f_locals.get("self"))
-        if owner in ours:
-            found = owner.__name__
-        tb = tb.tb_next
+    for owner in frames.raising_instances(err):
+        if type(owner) in ours:
+            found = owner
     return found
 
 
@@ -348,8 +316,6 @@ MICRO_MARGIN = 1.1
 def _scaled_from_another_micro_batch(row: Row, rows: list[Row]) -> tuple[int, int] | None:
     """The device peak of ``row`` scaled from a traced row with the same techniques at another micro-batch: the
     model states (weights, gradients, optimizer state) kept, the rest (activations, temporaries) scaled."""
-    from dataclasses import replace
-
     for other in rows:
         if other.estimate is None or replace(other.recipe, micro_batch_size=row.recipe.micro_batch_size) != row.recipe:
             continue
@@ -362,16 +328,7 @@ def _scaled_from_another_micro_batch(row: Row, rows: list[Row]) -> tuple[int, in
     return None
 
 
-def effective_batch(callbacks: Sequence[Any], loader_batch: Any, accumulate_grad_batches: int) -> int | None:
-    """Samples per optimizer step of a run: its ``AccumulationScheduler``'s effective batch, else the loader's batch
-    times ``accumulate_grad_batches`` (None when the loader does not say)."""
-    scheduler = next((c for c in callbacks if type(c).__name__ == "AccumulationScheduler"), None)
-    if scheduler is not None:
-        return scheduler.effective_batch_size
-    return loader_batch * accumulate_grad_batches if isinstance(loader_batch, int) else None
-
-
-def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | None, source: _Source) -> str:
+def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | None, source: Source) -> str:
     traced = [r for r in floors if r.estimate is not None]
     if not traced:
         reasons = "; ".join(f"{r.name}: {r.why}" for r in floors)
@@ -392,133 +349,5 @@ def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | No
     return " ".join(lines)
 
 
-class _Identity:
-    """A cache key part that is equal only for the same object, and keeps it alive (its id cannot be reused)."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
-@dataclass
-class _Source:
-    """What is planned for: a model shape, a module (with data) or a YAML, and how to dry-run a recipe on it."""
-
-    key: Any
-    shape: ModelShape
-    batch_size: int | None
-    causal_lm: bool
-    can_split: bool
-    module: Any
-    data: Any
-    tokens: dict[str, int]
-    notes: list[str]
-    yaml_parts: dict[str, Any] = field(default_factory=dict)
-    loader_batch: int | None = None
-    scheduler: dict[str, Any] = field(default_factory=dict)
-
-    def estimate(self, run: RunSpec, target: str) -> MemoryEstimate:
-        from lightning_lowmem.memory.dry_run import dry_run
-
-        return dry_run(self.module, self.data, run=run, target=target, **self.tokens)
-
-    @classmethod
-    def of(cls, model: Any, batch_size: int | None, seq_len: int | None, data: Any, problems: list[str]
-           ) -> _Source | None:
-        import torch
-
-        from lightning_lowmem.memory.estimate import _is_module, _module_class
-
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                problems.append(f"Passed `{name}={value!r}`; expected a positive integer.")
-        if isinstance(model, (str, Path)) and str(model).endswith((".yaml", ".yml")):
-            from lightning_lowmem.memory.run_config import load_run_config
-
-            try:
-                module, data, run = load_run_config(model)
-            except (ValueError, FileNotFoundError) as err:
-                problems.append(str(err))
-                return None
-            scheduler = next((c for c in run.callbacks if type(c).__name__ == "AccumulationScheduler"), None)
-            if batch_size is None:
-                batch_size = effective_batch(run.callbacks, getattr(data, "batch_size", None),
-                                             run.accumulate_grad_batches)
-            source = cls._of_module(module, data, batch_size, seq_len, key=("yaml", str(Path(model).resolve())),
-                                    problems=problems)
-            if source is not None:
-                source.yaml_parts = {"base_yaml": model}
-                if scheduler is not None:  # its maths (loss normalisation) stays; the plan sets the batch sizes
-                    source.scheduler = {k: v for k, v in init_arguments(scheduler).items()
-                                        if k not in ("effective_batch_size", "micro_batch_size", "memory_budget")}
-            return source
-        if _is_module(model) or _module_class(model) is not None:
-            module = model if _is_module(model) else _module_class(model)
-            # NOTE: keyed by identity (the objects are kept alive by the key, so an id is never reused for another)
-            return cls._of_module(module, data, batch_size, seq_len, key=("module", _Identity(model), _Identity(data)),
-                                  problems=problems)
-        from lightning_lowmem.memory.configs import causal_lm_factory, resolve_config
-
-        try:
-            config = resolve_config(model)
-        except (ValueError, FileNotFoundError, TypeError) as err:
-            problems.append(str(err))
-            return None
-        if batch_size is None or seq_len is None:
-            problems.append(f"Passed the model shape {model!r} without `batch_size` and `seq_len`.")
-            return None
-        factory = causal_lm_factory(config)
-        fields = factory.keywords
-        yaml_parts = {
-            "model": {"class_path": "lightning_lowmem.demo.module.CausalLMModule", "init_args": fields},
-            "data": {"class_path": "lightning_lowmem.demo.data.StdlibTextDataModule",
-                     "init_args": {"seq_len": seq_len, "batch_size": batch_size}},
-        }
-        with torch.device("meta"):
-            num_params = sum(p.numel() for p in {id(p): p for p in factory().parameters()}.values())
-        return cls(("shape", config.to_json_string()), ModelShape.of(num_params, config, seq_len), batch_size, True,
-                   True, factory, None, {"batch_size": batch_size, "seq_len": seq_len}, [], yaml_parts)
-
-    @classmethod
-    def _of_module(cls, module: Any, data: Any, batch_size: int | None, seq_len: int | None, *, key: Any,
-                   problems: list[str]) -> _Source | None:
-        import torch
-
-        from lightning_lowmem.memory.depth import find_blocks
-
-        is_factory = callable(module) and not isinstance(module, torch.nn.Module)
-        with torch.device("meta"):
-            probe = module() if is_factory else module
-        import lightning as L
-
-        # NOTE: an AccumulationScheduler sets the micro-batch through a `batch_size` attribute of the data module, or
-        # of the module when it makes its own loader; a DataLoader given to `fit` keeps its batch
-        if isinstance(data, L.LightningDataModule):
-            holder = data if hasattr(data, "batch_size") else None
-        else:
-            holder = probe if data is None and hasattr(probe, "batch_size") else None
-        data_batch = getattr(holder if holder is not None else data, "batch_size", None)
-        if batch_size is None:
-            batch_size = data_batch if isinstance(data_batch, int) else None
-        notes = []
-        if holder is None:
-            notes.append("no `batch_size` attribute on the data module (or on the module making its own loader): "
-                         "micro-batches not considered")
-        config = getattr(getattr(probe, "model", probe), "config", None)
-        found = find_blocks(probe)
-        num_params = sum(p.numel() for p in {id(p): p for p in probe.parameters()}.values())
-        causal_lm = config is not None and hasattr(getattr(probe, "model", None), "get_output_embeddings")
-        shape = ModelShape.of(num_params, config, seq_len or getattr(data, "seq_len", None),
-                              len(found[2]) if found else None)
-
-        loader = data_batch if isinstance(data_batch, int) and data_batch != batch_size else None
-        return cls(key, shape, batch_size, causal_lm, holder is not None and batch_size is not None, module, data, {},
-                   notes, loader_batch=loader)
-
-
-__all__ = ["NoRecipeFitsError", "Plan", "Row", "effective_batch", "plan"]
+__all__ = ["Budgets", "Judge", "NoRecipeFitsError", "Plan", "Row", "candidate_rows", "effective_batch", "floors",
+           "plan", "refusing_technique", "search"]

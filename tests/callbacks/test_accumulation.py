@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lowmem.callbacks.accumulation import (
+from lightning_lowmem.callbacks.accumulation.scheduler import (
     AccumulationScheduler,
     Choice,
     _divisibility_message,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.demo.module import IGNORE_INDEX, CausalLMModule
 from tests.helpers.models import GPT2_TINY
 from tests.helpers.runif import RunIf
@@ -214,7 +214,7 @@ def test_epoch_schedule_warm_up():
 def _plain_trial_peak(module0: CausalLMModule, batch: dict[str, torch.Tensor]) -> int:
     """Device-role peak of one steady-state training step, measured on a plain PyTorch loop (no Lightning):
     a warm-up step creates gradients and AdamW state, then forward + backward + step run under the tracker."""
-    from lightning_lowmem.memory.measure import MemoryTracker
+    from lightning_lowmem.measure.tracker import MemoryTracker
 
     module = copy.deepcopy(module0).double()
     optimizer = module.configure_optimizers()

@@ -10,9 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem.callbacks import _blocks, _segments
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing, choose_for_budget, parse_bytes
-from lightning_lowmem.memory import measure
+from lightning_lowmem.callbacks.activation_checkpointing import segments as _segments
+from lightning_lowmem.callbacks.activation_checkpointing.callback import (
+    ActivationCheckpointing,
+    choose_for_budget,
+    parse_bytes,
+)
+from lightning_lowmem.core import blocks as _blocks
+from lightning_lowmem.measure import tracker as measure
 from tests.helpers.models import random_batch, tiny_gpt2, tiny_llama
 
 STEPS = 3
@@ -366,13 +371,13 @@ def test_manual_optimization_without_repeated_blocks_is_asked_to_name_them():
 
 
 def _measured(**entries):
-    from lightning_lowmem.callbacks._probe import ModuleActivations
+    from lightning_lowmem.callbacks.activation_checkpointing.probe import ModuleActivations
 
     return {name: ModuleActivations(name, i, saved, inputs) for i, (name, (saved, inputs)) in enumerate(entries.items())}
 
 
 def test_choose_submodules_splits_the_dominant_module_and_skips_the_negligible():
-    from lightning_lowmem.callbacks._probe import choose_submodules
+    from lightning_lowmem.callbacks.activation_checkpointing.probe import choose_submodules
 
     # `body` holds 80% of 1000 bytes: split into its children; `head` frees 0.5%: not worth a wrapper
     measured = _measured(body=(800, 100), **{"body.a": (500, 100), "body.b": (300, 50)}, head=(105, 100))

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem.callbacks import _blocks
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing, choose_for_budget
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing, choose_for_budget
+from lightning_lowmem.core import blocks as _blocks
 from tests.helpers.activation_modules import LitCalibrated, LitConvBN, assert_same_state, fit_state
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_lowmem.callbacks import _blocks
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.core import blocks as _blocks
 from lightning_lowmem.demo.module import CausalLMModule, build_causal_lm
 from tests.helpers.models import GPT2_TINY, random_batch, tiny_lm_module
 

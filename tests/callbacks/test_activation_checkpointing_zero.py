@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from tests.helpers.activation_modules import LitCalibrated, LitConvBN, assert_same_state, fit_state
 from tests.helpers.runif import RunIf
 
@@ -26,7 +26,7 @@ pytestmark = [
 
 
 def _strategy(preset: str):
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     stage = 3 if "zero3" in preset else 2
     # NOTE: stage 3 leaves the parameters partitioned after fit; gathered back so the state dicts compare

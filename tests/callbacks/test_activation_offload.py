@@ -9,10 +9,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from lightning_lowmem._streams import DeferredOps
-from lightning_lowmem.callbacks._offload_engine import SavedTensorOffloader, StreamCopier, SyncCopier
-from lightning_lowmem.callbacks.activation_offload import ActivationOffload
-from lightning_lowmem.memory.categories import is_host
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+from lightning_lowmem.callbacks.activation_offload.engine import SavedTensorOffloader, StreamCopier, SyncCopier
+from lightning_lowmem.core.accounting import is_host
+from lightning_lowmem.core.streams import DeferredOps
 from tests.helpers.models import random_batch, tiny_gpt2, tiny_llama
 
 CPU = torch.device("cpu")

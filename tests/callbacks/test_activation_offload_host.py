@@ -7,11 +7,11 @@ import weakref
 import pytest
 import torch
 
-from lightning_lowmem._host_memory import HostMemoryError, PinnedHostCache, pinned_bytes
-from lightning_lowmem._streams import DeferredOps
-from lightning_lowmem.callbacks import _offload_copiers
-from lightning_lowmem.callbacks._offload_engine import SavedTensorOffloader, StreamCopier, SyncCopier
-from lightning_lowmem.callbacks._oom_split import is_oom
+from lightning_lowmem.callbacks.accumulation.oom_split import is_oom
+from lightning_lowmem.callbacks.activation_offload import copiers as _offload_copiers
+from lightning_lowmem.callbacks.activation_offload.engine import SavedTensorOffloader, StreamCopier, SyncCopier
+from lightning_lowmem.core.host_memory import HostMemoryError, PinnedHostCache, pinned_bytes
+from lightning_lowmem.core.streams import DeferredOps
 
 CPU = torch.device("cpu")
 

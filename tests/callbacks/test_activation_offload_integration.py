@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from lightning_lowmem.callbacks import activation_offload as ao
-from lightning_lowmem.callbacks.activation_offload import METRIC_KEYS, ActivationOffload
+from lightning_lowmem.callbacks.activation_offload import callback as ao
+from lightning_lowmem.callbacks.activation_offload.callback import METRIC_KEYS, ActivationOffload
 from lightning_lowmem.demo.module import CausalLMModule
 from tests.helpers.models import random_batch, tiny_lm_module
 from tests.helpers.runif import RunIf
@@ -63,7 +63,7 @@ def _fit(module: L.LightningModule, callbacks: list[Callback], n_batches: int, *
 
 
 def _checkpointing_callbacks() -> list[Callback]:
-    from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 
     return [ActivationCheckpointing()]
 

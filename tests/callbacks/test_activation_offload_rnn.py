@@ -14,8 +14,8 @@ import functools
 import pytest
 import torch
 
-from lightning_lowmem.callbacks._offload_engine import SavedTensorOffloader, SyncCopier
-from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+from lightning_lowmem.callbacks.activation_offload.engine import SavedTensorOffloader, SyncCopier
 from tests.helpers.activation_modules import LitRecurrent, assert_same_state, fit_state
 from tests.helpers.streams import assert_copies_were_deferred
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_lowmem import Adapters, dry_run
-from lightning_lowmem.callbacks._quantize_base import packed_bytes, quantize_linears
-from lightning_lowmem.memory.fake import DryRunUnsupportedError
+from lightning_lowmem.callbacks.adapters.quantize_base import packed_bytes, quantize_linears
+from lightning_lowmem.predict.fake import DryRunUnsupportedError
 from lightning_lowmem.strategies.offload import OffloadStrategy
 from tests.callbacks.test_adapters import LORA, LitLM, assert_equal_states, fit, peft_wrap, state
 from tests.helpers.models import random_batch, tiny_gpt2

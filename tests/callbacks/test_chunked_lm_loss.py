@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_lowmem.callbacks import _chunked_ce
-from lightning_lowmem.callbacks.chunked_lm_loss import (
+from lightning_lowmem.callbacks.chunked_lm_loss import chunked_ce as _chunked_ce
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import (
     ChunkedLMLoss,
     chunked_causal_lm_loss,
     chunked_causal_lm_loss_sum,
     is_chunked,
 )
 from lightning_lowmem.demo.module import build_causal_lm
-from lightning_lowmem.memory.measure import MemoryTracker
+from lightning_lowmem.measure.tracker import MemoryTracker
 from tests.helpers.models import random_batch, tiny_gpt2, tiny_llama
 
 # Gradient tolerance in fp32: |chunked - model's own| <= GRAD_TOL * max|model's own| for every parameter. The two

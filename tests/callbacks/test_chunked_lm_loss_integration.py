@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from lightning_lowmem.callbacks.chunked_lm_loss import ChunkedLMLoss, is_chunked
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss, is_chunked
 from lightning_lowmem.demo.module import CausalLMModule
 from tests.helpers.models import GPT2_TINY, random_batch, tiny_gpt2, tiny_llama
 from tests.helpers.runif import RunIf
@@ -143,7 +143,7 @@ def test_fit_matches_the_models_own_loss(arch, recompute):
 
 
 def test_fit_with_accumulation_scheduler_is_token_exact():
-    from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+    from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 
     def callbacks() -> list[Callback]:
         return [AccumulationScheduler(effective_batch_size=4, micro_batch_size=2, loss_normalization="tokens")]
@@ -155,13 +155,13 @@ def test_fit_with_accumulation_scheduler_is_token_exact():
 
 
 def test_fit_with_activation_checkpointing():
-    from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 
     _compare(LabelsLM, lambda: [ActivationCheckpointing(policy="all")], FP32_RTOL)
 
 
 def test_fit_with_activation_offload():
-    from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+    from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 
     _compare(LabelsLM, lambda: [ActivationOffload(min_bytes=1024)], FP32_RTOL)
 

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from tests.helpers.activation_modules import _Fixed, assert_same_state, fit_state
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_lowmem._schedulers import repoint_scheduler
 from lightning_lowmem.callbacks.low_bit_optimizer import _TARGETS, KINDS, LowBitOptimizer
+from lightning_lowmem.core.schedulers import repoint_scheduler
 from tests.helpers.models import tiny_gpt2
 from tests.helpers.runif import RunIf
 
@@ -140,7 +140,7 @@ def test_bitsandbytes_4bit_kernel_notice_dropped_from_our_import_only():
 
     notice = "Failed to load CPU gemm_4bit_forward"
     ours = subprocess.run(
-        [sys.executable, "-c", ("from lightning_lowmem._compat import require; require('bitsandbytes', 'test')\n"
+        [sys.executable, "-c", ("from lightning_lowmem.core.hooks import require; require('bitsandbytes', 'test')\n"
          "import logging; assert not logging.getLogger('bitsandbytes.backends.cpu.ops').filters")],
         capture_output=True, text=True, check=False,
     )

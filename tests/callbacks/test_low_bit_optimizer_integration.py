@@ -213,8 +213,8 @@ def test_under_lowmem_offload_state_is_8bit_on_the_host_masters():
     Host bytes per parameter: masters (4) + gradient buffers (4) + AdamW state (8) = 16 B, of which masters +
     state = 12 B; with 8-bit state the latter is ~6 B (4 + ~2.03 for the tensors over min_8bit_size).
     """
-    from lightning_lowmem.memory.categories import is_host, optimizer_state_bytes, unique_storage_bytes
-    from lightning_lowmem.strategies.offload import OffloadStrategy
+    from lightning_lowmem.core.accounting import is_host, optimizer_state_bytes, unique_storage_bytes
+    from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
     class Inspect(Callback):
         """Reads the strategy's masters at the end of training (teardown gives the module its fp32 weights back)."""

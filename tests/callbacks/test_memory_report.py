@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_lowmem._atomic import atomic_write_text
-from lightning_lowmem.callbacks import _memory_report_render as render
-from lightning_lowmem.callbacks.memory_report import MemoryReport
-from lightning_lowmem.memory.categories import CATEGORIES
-from lightning_lowmem.memory.recorder import StepMemoryRecorder, reporters
+from lightning_lowmem.core.accounting import CATEGORIES
+from lightning_lowmem.core.atomic import atomic_write_text
+from lightning_lowmem.measure.recorder import StepMemoryRecorder, reporters
+from lightning_lowmem.report import render
+from lightning_lowmem.report.memory_report import MemoryReport
 
 
 @pytest.mark.parametrize("bad", [1.5, True, "10", None])

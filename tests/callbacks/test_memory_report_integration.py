@@ -13,8 +13,8 @@ from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_lowmem import ActivationCheckpointing
-from lightning_lowmem.callbacks.memory_report import PHASES, MemoryReport
-from lightning_lowmem.memory.categories import CATEGORIES, module_weight_bytes
+from lightning_lowmem.core.accounting import CATEGORIES, module_weight_bytes
+from lightning_lowmem.report.memory_report import PHASES, MemoryReport
 from tests.helpers.models import random_batch, tiny_lm_module
 
 pytestmark = pytest.mark.integration
@@ -193,7 +193,7 @@ def test_baseline_uses_the_modules_own_optimizer(tmp_path):
 
 
 def test_a_failed_prediction_is_reported_not_raised(tmp_path, monkeypatch):
-    import lightning_lowmem.memory.dry_run as dry_run_module
+    import lightning_lowmem.report.memory_report as dry_run_module  # NOTE: where MemoryReport reads `dry_run` from
 
     def broken(*args, **kwargs):
         raise RuntimeError("no trace today")

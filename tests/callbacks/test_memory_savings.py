@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
-from lightning_lowmem.memory.categories import MemoryBreakdown
-from lightning_lowmem.memory.recorder import StepMemoryRecorder
+from lightning_lowmem.core.accounting import MemoryBreakdown
+from lightning_lowmem.measure.recorder import StepMemoryRecorder
 from tests.helpers.models import random_batch, tiny_lm_module
 from tests.helpers.runif import RunIf
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import lightning_lowmem  # noqa: F401  (registers "lowmem_offload")
-from lightning_lowmem.callbacks._oom_split import MicroBatchOutOfMemoryError, split_batch
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+from lightning_lowmem.callbacks.accumulation.oom_split import MicroBatchOutOfMemoryError, split_batch
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.oom_recovery import OOMRecovery
 from tests.callbacks.test_accumulation_integration import (
     ListData,
@@ -353,7 +353,7 @@ def test_refused_where_it_cannot_recover():
 def test_memory_report_names_the_recoveries():
     from types import SimpleNamespace
 
-    from lightning_lowmem.callbacks.memory_report import _oom_line
+    from lightning_lowmem.report.memory_report import _oom_line
 
     quiet = SimpleNamespace(callbacks=[SimpleNamespace(oom_recoveries=0)])
     assert _oom_line(quiet) == ""

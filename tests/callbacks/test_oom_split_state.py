@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.oom_recovery import OOMRecovery
 from tests.helpers.activation_modules import LitCalibrated, LitConvBN, assert_same_state, fit_state
 

@@ -17,16 +17,9 @@ import pytest
 import torch
 from torchmetrics import CatMetric, SumMetric
 
-from lightning_lowmem.callbacks._side_step import (
-    forked_rng,
-    marked,
-    quiet_warnings,
-    side_step,
-    silenced_log,
-    stands_aside,
-)
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.core.side_step import forked_rng, marked, quiet_warnings, side_step, silenced_log, stands_aside
 from lightning_lowmem.demo.module import CausalLMModule
 from tests.callbacks.test_accumulation_integration import ListData, fit_kwargs, padded_samples
 

@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_lowmem.callbacks.accumulation import AccumulationScheduler
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from tests.helpers.activation_modules import LitConvBN, assert_same_state, fit_state
 
 pytestmark = pytest.mark.integration

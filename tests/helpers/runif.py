@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lightning_lowmem._compat import package_available
+from lightning_lowmem.core.optional import package_available
 
 
 def RunIf(

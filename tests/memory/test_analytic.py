@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_lowmem.memory.analytic import (
+from lightning_lowmem.predict.analytic import (
     analytic_phases,
     layer_activation_bytes,
     optimizer_state_bytes_per_param,
     per_param_rule_bytes,
     transformer_shape,
 )
-from lightning_lowmem.memory.configs import resolve_config
+from lightning_lowmem.predict.configs import resolve_config
 
 
 @pytest.mark.parametrize(

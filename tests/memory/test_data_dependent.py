@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lightning_lowmem import dry_run
-from lightning_lowmem.memory.fake import DryRunUnsupportedError, _where, fake_execution
+from lightning_lowmem.predict.fake import fake_execution
+from lightning_lowmem.predict.unsupported import DryRunUnsupportedError, _where
 
 
 def _fake_step():

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lowmem import dry_run
-from lightning_lowmem.memory.depth import find_blocks
+from lightning_lowmem.predict.depth import find_blocks
 
 
 class _Stage(nn.Module):
@@ -84,7 +84,7 @@ def test_dry_run_predicts_the_step_that_skips_no_layer():
 
 
 def test_keep_every_layer_changes_only_the_copy_it_is_given():
-    from lightning_lowmem.memory.depth import keep_every_layer
+    from lightning_lowmem.predict.depth import keep_every_layer
 
     module = _LayerDropNet(0.5)
     dry_run(module, precision="32-true")

@@ -13,10 +13,10 @@ from lightning_lowmem import (
     MemoryReport,
     OptimizerInBackward,
 )
-from lightning_lowmem.memory.dry_run import _Repeat, dry_run
-from lightning_lowmem.memory.estimate import COMBINATIONS, estimate_memory
-from lightning_lowmem.memory.fake import DryRunUnsupportedError
-from lightning_lowmem.memory.run import RunSpec
+from lightning_lowmem.predict.dry_run import _Repeat, dry_run
+from lightning_lowmem.predict.estimate import COMBINATIONS, estimate_memory
+from lightning_lowmem.predict.fake import DryRunUnsupportedError
+from lightning_lowmem.predict.run_spec import RunSpec
 from tests.helpers.models import random_batch, tiny_lm_module
 from tests.helpers.runif import RunIf
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from lightning_lowmem import ActivationCheckpointing, estimate_memory
+from lightning_lowmem.core.accounting import CATEGORIES
+from lightning_lowmem.core.units import fmt_gib, fmt_mib, parse_bytes
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.memory.categories import CATEGORIES
-from lightning_lowmem.memory.configs import max_positions, resolve_config, shipped_shapes
-from lightning_lowmem.memory.dry_run import dry_run
-from lightning_lowmem.memory.result import MemoryEstimate
-from lightning_lowmem.memory.units import fmt_gib, fmt_mib, parse_bytes
+from lightning_lowmem.predict.configs import max_positions, resolve_config, shipped_shapes
+from lightning_lowmem.predict.dry_run import dry_run
+from lightning_lowmem.predict.result import MemoryEstimate
 from tests.helpers.runif import RunIf
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*self.log.*")
@@ -283,7 +283,7 @@ def test_op_without_fake_implementation_falls_back_and_names_the_op(monkeypatch)
     assert est.method == "analytic"
     assert "aten.repeat_interleave" in est.fallback_reason
     # a module has no closed form to fall back on: the dry run's error is raised
-    from lightning_lowmem.memory.fake import DryRunUnsupportedError
+    from lightning_lowmem.predict.fake import DryRunUnsupportedError
 
     with pytest.raises(DryRunUnsupportedError, match="aten.repeat_interleave"):
         estimate_memory(CausalLMModule(config=TINY_MODULE_CONFIG), 2, 16, target="cpu")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_lowmem.memory.run import RunSpec
+from lightning_lowmem.predict.run_spec import RunSpec
 from tests.memory._modules import make
 from tests.memory.test_dry_run import _assert_predicted_equals_measured, _measure
 

@@ -1,4 +1,4 @@
-"""Fake kernels allocate what the real CPU kernels allocate (``lightning_lowmem.memory._kernels``).
+"""Fake kernels allocate what the real CPU kernels allocate (``lightning_lowmem.predict.kernels``).
 
 Each op of ``PROBED`` runs once for real and once inside a fake execution on tensors of the same sizes; the
 storages of their outputs (bytes, and which outputs share one) must be the same.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_lowmem.memory import _kernels
-from lightning_lowmem.memory.fake import DryRunUnsupportedError, fake_execution
+from lightning_lowmem.predict import kernels as _kernels
+from lightning_lowmem.predict.fake import DryRunUnsupportedError, fake_execution
 
 _aten = torch.ops.aten
 

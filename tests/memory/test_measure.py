@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_lowmem.memory.categories import CATEGORIES, mark_host
-from lightning_lowmem.memory.measure import CudaPeakWindow, MemoryTracker, reset_cuda_peak_stats
+from lightning_lowmem.core.accounting import CATEGORIES, mark_host
+from lightning_lowmem.measure.tracker import CudaPeakWindow, MemoryTracker, reset_cuda_peak_stats
 from tests.helpers.models import random_batch, tiny_gpt2
 from tests.helpers.runif import RunIf
 

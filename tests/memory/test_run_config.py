@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from lightning_lowmem.cli import main
-from lightning_lowmem.memory.estimate import estimate_memory
-from lightning_lowmem.memory.run_config import load_run_config
+from lightning_lowmem.predict.estimate import estimate_memory
+from lightning_lowmem.predict.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import lightning_lowmem  # noqa: F401  (registers lowmem_auto)
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_lowmem.memory.dry_run import dry_run
-from lightning_lowmem.memory.recorder import StepMemoryRecorder
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.measure.recorder import StepMemoryRecorder
 from lightning_lowmem.plan.auto import AutoStrategy
 from lightning_lowmem.plan.search import NoRecipeFitsError, plan
+from lightning_lowmem.predict.dry_run import dry_run
 from tests.helpers.models import random_batch, tiny_lm_module
 
 pytestmark = pytest.mark.integration
@@ -168,7 +168,7 @@ def test_a_yamls_effective_batch_and_loss_normalisation_are_kept():
     from pathlib import Path
 
     from lightning_lowmem.plan.recipes import Recipe
-    from lightning_lowmem.plan.search import _Source
+    from lightning_lowmem.plan.source import Source as _Source
 
     problems: list[str] = []
     source = _Source.of(str(Path(__file__).parents[2] / "configs" / "demo.yaml"), None, None, None, problems)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_lowmem.precision.loss_scaler import DynamicLossScaler
-from lightning_lowmem.precision.master_half import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.loss_scaler import DynamicLossScaler
+from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 
 
 def test_rejects_unknown_precision():

@@ -34,9 +34,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
-from lightning_lowmem import _atomic
+from lightning_lowmem.core import atomic as _atomic
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.strategies.zero import ZeroStrategy
+from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 from tests.helpers.models import GPT2_TINY, random_batch
 
 
@@ -65,8 +65,8 @@ def main() -> None:
 
     ZeroStrategy.save_checkpoint = counted_save
     if offload:
-        from lightning_lowmem.strategies import _atomic_checkpoint_io as aio
-        from lightning_lowmem.strategies.offload import OffloadStrategy
+        from lightning_lowmem.core import checkpoint_io as aio
+        from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
         offload_save = OffloadStrategy.save_checkpoint
 
@@ -149,7 +149,7 @@ def main() -> None:
     _atomic.replace_dir, _atomic._remove = replace, remove_half
     if phase == "mid_swap_fallback":
         _atomic._exchange = lambda a, b: False
-        _atomic.os.rename = rename_then_die  # NOTE: `_atomic` calls `os.rename`; only the fallback renames to `.old-`
+        _atomic.os.rename = rename_then_die  # NOTE: `core.atomic` calls `os.rename`; only the fallback renames to `.old-`
 
     class Report(L.Callback):
         def on_train_start(self, trainer, pl_module):

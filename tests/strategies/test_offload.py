@@ -9,10 +9,10 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_lowmem  # noqa: F401  (registers "lowmem_offload")
-from lightning_lowmem.precision.master_half import MasterHalfPrecision
-from lightning_lowmem.strategies import _host_optimizer
-from lightning_lowmem.strategies._atomic_checkpoint_io import AtomicCheckpointIO
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.core.checkpoint_io import AtomicCheckpointIO
+from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
+from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.runif import RunIf
 
 
@@ -128,7 +128,7 @@ def test_manual_optimization_with_16_true_is_refused_with_what_works():
 def test_too_little_host_ram_is_refused_before_allocating(monkeypatch):
     import psutil
 
-    from lightning_lowmem._host_memory import HostMemoryError
+    from lightning_lowmem.core.host_memory import HostMemoryError
 
     class Tiny:
         available = 100  # bytes: less than the 660 the BoringModel's 66 parameters need

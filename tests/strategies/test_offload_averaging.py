@@ -26,7 +26,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.foreign import FOREIGN_MODULES, make
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 pytestmark = pytest.mark.integration
 STEPS = 4

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_lowmem  # noqa: F401  (registers "lowmem_offload")
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.precision.master_half import MasterHalfPrecision
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.models import GPT2_TINY, random_batch
 from tests.helpers.streams import assert_copies_were_deferred
 
@@ -223,7 +223,7 @@ def test_fp16_planted_overflow_skips_exactly_that_step_and_halves_the_scale(capl
 
     snaps = Snapshots()
     t = trainer(precision=None, plugins=[MasterHalfPrecision("16-true", init_scale=2.0**8)], steps=5, callbacks=[snaps])
-    with caplog.at_level(logging.INFO, logger="lightning_lowmem.precision.master_half"):
+    with caplog.at_level(logging.INFO, logger="lightning_lowmem.strategies.offload.precision"):
         t.fit(module, DataLoader(Batches(10), batch_size=2))
     assert snaps.scales == [256.0, 256.0, 128.0, 128.0, 128.0]
     changed = [any(not torch.equal(a[n], b[n]) for n in a) for a, b in zip(snaps.weights, snaps.weights[1:])]

@@ -3,7 +3,7 @@
 Between ``self.manual_backward(loss)`` and ``opt.step()`` plain Lightning's parameters hold their gradients, and code in
 ``training_step`` reads, clips and changes them. Under ``lowmem_offload`` the gradients the optimizer steps are the fp32
 host masters': from each ``manual_backward`` to the step (or the next forward, backward, or the end of
-``training_step``) the module's parameters show the masters and their gradients (strategies/_manual_grads.py).
+``training_step``) the module's parameters show the masters and their gradients (strategies/offload/manual_grads.py).
 Compared through ``Trainer.fit`` over several steps, weights and BatchNorm buffers, ``torch.equal`` with plain Lightning
 at ``32-true`` and ``bf16-mixed`` (``host_optimizer="as_is"``), and at ``16-mixed`` with plain Lightning's
 ``GradScaler`` (gradients loss-scaled until the step there as here): torch's clipping on all or some parameters,
@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
 from lightning_lowmem import MasterHalfPrecision
-from lightning_lowmem.strategies._host_masters import HostMasters
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.streams import assert_copies_were_deferred
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.precision.master_half import MasterHalfPrecision
-from lightning_lowmem.strategies.offload import OffloadStrategy
+from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.models import random_batch, tiny_gpt2
 from tests.helpers.runif import RunIf
 

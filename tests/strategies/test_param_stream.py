@@ -17,12 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_lowmem.callbacks.activation_offload import ActivationOffload
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.memory.measure import MemoryTracker
-from lightning_lowmem.strategies.offload import OffloadStrategy
-from lightning_lowmem.strategies.param_stream import ParamStream, plan_resident
+from lightning_lowmem.measure.tracker import MemoryTracker
+from lightning_lowmem.strategies.offload.param_stream import ParamStream, plan_resident
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.models import random_batch
 from tests.helpers.runif import RunIf
 
@@ -202,7 +202,7 @@ def test_stream_auto_budget_keeps_0_some_all_blocks_resident(caplog):
         reference = _module("llama")
         streamed = copy.deepcopy(reference)
         _fit(reference, "lowmem_offload", steps=2)
-        with caplog.at_level("INFO", logger="lightning_lowmem.strategies.offload"):
+        with caplog.at_level("INFO", logger="lightning_lowmem.strategies.offload.strategy"):
             trainer, watch = _fit(streamed, OffloadStrategy(offload_params="auto", prefetch=0, device_budget=budget),
                                   steps=2)
         assert trainer.strategy.resident_blocks == want

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
 from lightning_lowmem.strategies.offload import OffloadStrategy
-from lightning_lowmem.strategies.param_stream import block_params
+from lightning_lowmem.strategies.offload.param_stream import block_params
 
 
 class Layer(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_lowmem
-from lightning_lowmem.strategies import _zero_config as zc
+from lightning_lowmem.strategies.zero import config as zc
 from tests.helpers.runif import RunIf
 
 pytestmark = [pytest.mark.deepspeed, RunIf(deepspeed=True)]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.deepspeed, RunIf(deepspeed=True)]
     ],
 )
 def test_presets_carry_the_reference_settings(name, stage, optimizer_offload, param_offload):
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     strategy = StrategyRegistry.get(name)
     assert isinstance(strategy, ZeroStrategy)
@@ -90,7 +90,7 @@ def test_resolve_auto_from_hidden_size():
 
 
 def test_user_json_file_is_merged_over_the_preset(tmp_path):
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"overlap_comm": false}, "steps_per_print": 10}')
@@ -106,7 +106,7 @@ def test_user_json_file_is_merged_over_the_preset(tmp_path):
 
 
 def test_bad_arguments_are_reported_together():
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     with pytest.raises(ValueError) as err:
         ZeroStrategy(stage=4, offload_parameters=True, offload_device="disk", overlap=True)
@@ -116,7 +116,7 @@ def test_bad_arguments_are_reported_together():
 
 
 def test_nvme_path_is_checked(tmp_path, monkeypatch):
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     monkeypatch.delenv("LOWMEM_NVME_PATH", raising=False)
     with pytest.raises(ValueError, match="LOWMEM_NVME_PATH"):
@@ -135,7 +135,7 @@ def test_nvme_path_is_checked(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write to any directory")
 def test_nvme_path_not_writable(tmp_path):
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
@@ -144,7 +144,7 @@ def test_nvme_path_not_writable(tmp_path):
 
 
 def test_missing_deepspeed_names_the_extra(monkeypatch):
-    from lightning_lowmem.strategies import zero
+    from lightning_lowmem.strategies.zero import strategy as zero
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ModuleNotFoundError, match=r"lightning-lowmem\[deepspeed\]"):
@@ -160,7 +160,7 @@ def _params():
 def test_adamw_becomes_cpu_adam_with_the_same_groups_and_one_step_matches():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
+    from lightning_lowmem.strategies.zero.optim import to_cpu_optimizer
 
     w, b = _params()
     groups = [{"params": [w], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0, "lr": 3e-3}]
@@ -186,7 +186,7 @@ def test_adamw_becomes_cpu_adam_with_the_same_groups_and_one_step_matches():
 
 
 def test_adam_keeps_l2_mode_and_unsupported_optimizers_are_refused():
-    from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
+    from lightning_lowmem.strategies.zero.optim import to_cpu_optimizer
 
     cpu_opt, _ = to_cpu_optimizer(torch.optim.Adam(_params(), lr=1e-3, weight_decay=0.1), {})
     assert not cpu_opt.adam_w_mode
@@ -200,8 +200,8 @@ def test_adam_keeps_l2_mode_and_unsupported_optimizers_are_refused():
 
 
 def test_scheduler_follows_the_swapped_optimizer():
-    from lightning_lowmem._schedulers import repoint_scheduler
-    from lightning_lowmem.strategies._zero_optim import to_cpu_optimizer
+    from lightning_lowmem.core.schedulers import repoint_scheduler
+    from lightning_lowmem.strategies.zero.optim import to_cpu_optimizer
 
     torch_opt = torch.optim.AdamW(_params(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda step: 0.5 ** step)
@@ -224,7 +224,7 @@ def test_consolidate_refuses_a_non_checkpoint(tmp_path):
 
 
 def test_gather_on_fit_end_is_for_stage_3_only():
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     with pytest.raises(ValueError, match=r"`gather_on_fit_end=True` with `stage=2`; only stage 3 partitions"):
         ZeroStrategy(stage=2, gather_on_fit_end=True)

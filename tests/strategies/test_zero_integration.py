@@ -176,7 +176,7 @@ def test_bad_setups_are_reported_together():
     """fp16 on a CPU without fp16, accumulation contradicting the JSON, and an accumulation-changing callback."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     strategy = ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 4, "gradient_clipping": 2.0})
     module = CausalLMModule(config={**GPT2_TINY, **NO_DROPOUT})
@@ -329,8 +329,8 @@ _PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}
 
 
 def test_zero3_state_dict_after_fit_warns_once_and_names_both_fixes(tmp_path):
-    from lightning_lowmem.strategies._zero_after_fit import PARTITIONED_MESSAGE
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.after_fit import PARTITIONED_MESSAGE
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     module = _WarnsItself()
     # NOTE: no persistence threshold: ZeRO-3 would otherwise keep this tiny model's parameters whole
@@ -348,7 +348,7 @@ def test_zero3_state_dict_after_fit_warns_once_and_names_both_fixes(tmp_path):
 
 
 def test_zero3_gather_on_fit_end_gives_the_module_its_fp32_weights(tmp_path):
-    from lightning_lowmem.strategies.zero import ZeroStrategy, consolidate
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy, consolidate
 
     module = _WarnsItself()
     trainer = _trainer(ZeroStrategy(stage=3, gather_on_fit_end=True, config=_PARTITION_ALL), max_steps=2, limit_val_batches=2,

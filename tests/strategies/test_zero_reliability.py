@@ -16,9 +16,10 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_lowmem import _atomic, _host_memory
-from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
-from lightning_lowmem.strategies._zero_host_bytes import zero_offload_host_bytes
+from lightning_lowmem.core import atomic as _atomic
+from lightning_lowmem.core import host_memory as _host_memory
+from lightning_lowmem.strategies.zero.checkpoint import zero_checkpoint_problem
+from lightning_lowmem.strategies.zero.host_bytes import zero_offload_host_bytes
 from tests.helpers.runif import RunIf
 
 pytestmark = [
@@ -79,7 +80,7 @@ def test_zero3_offload_bytes():
 
 
 def test_check_host_memory_flag_must_be_bool():
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     with pytest.raises(TypeError, match=r"`check_host_memory='no'`; expected True or False"):
         ZeroStrategy(stage=2, offload_optimizer=True, check_host_memory="no")
@@ -138,8 +139,8 @@ import sys, threading, time, warnings, psutil, torch, lightning as L
 warnings.filterwarnings("ignore")
 sys.path.insert(0, {str(ROOT)!r})
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.strategies.zero import ZeroStrategy
-from lightning_lowmem.strategies._zero_host_bytes import zero_offload_host_bytes
+from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
+from lightning_lowmem.strategies.zero.host_bytes import zero_offload_host_bytes
 from tests.helpers.models import random_batch
 proc, rec, peak = psutil.Process(), {{}}, [0]
 original = ZeroStrategy._check_host_memory

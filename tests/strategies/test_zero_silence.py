@@ -88,7 +88,7 @@ def zero2_checkpoint(tmp_path_factory):
 
 @pytest.mark.integration
 def test_zero3_resuming_a_zero2_directory_names_the_stages(zero2_checkpoint, tmp_path):
-    from lightning_lowmem.strategies._zero_resume import checkpoint_stage
+    from lightning_lowmem.strategies.zero.resume import checkpoint_stage
 
     ckpt = tmp_path / "last.ckpt"
     shutil.copytree(zero2_checkpoint, ckpt)
@@ -138,14 +138,14 @@ def test_resuming_another_model_shape_or_optimizer_names_the_file(zero2_checkpoi
     ],
 )
 def test_bad_sizes_and_stage_are_refused_in_the_constructor(kwargs, error, match):
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     with pytest.raises(error, match=match):
         ZeroStrategy(**kwargs)
 
 
 def test_settings_another_stage_ignores_warn():
-    from lightning_lowmem.strategies.zero import ZeroStrategy
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
     with pytest.warns(UserWarning, match=r"`sub_group_size=500000000.0` is used by ZeRO stage 3 only; with `stage=2`"):
         ZeroStrategy(stage=2, sub_group_size=5e8)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_lowmem import _ops_build
+from lightning_lowmem.core import ops_build as _ops_build
 from tests.helpers.runif import RunIf
 
 pytestmark = [pytest.mark.deepspeed, RunIf(deepspeed=True)]

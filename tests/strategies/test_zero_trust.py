@@ -13,10 +13,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_lowmem._digest import MANIFEST, DigestMismatchError
-from lightning_lowmem._disk_full import DiskFullError
-from lightning_lowmem._trusted_load import UntrustedCheckpointError
-from lightning_lowmem.strategies._zero_checkpoint import zero_checkpoint_problem
+from lightning_lowmem.core.digest import MANIFEST, DigestMismatchError
+from lightning_lowmem.core.disk_full import DiskFullError
+from lightning_lowmem.core.trusted_load import UntrustedCheckpointError
+from lightning_lowmem.strategies.zero.checkpoint import zero_checkpoint_problem
 from tests.helpers.checkpoints import flip_tensor_bytes, forge
 from tests.helpers.runif import RunIf
 

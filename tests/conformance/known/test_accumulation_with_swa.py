@@ -6,7 +6,7 @@ Found by the conformance sweep (``cnn_bn`` + ``StochasticWeightAveraging``, with
 recompute the BatchNorm statistics of the averaged model, telling Lightning's automatic loop to skip backward and the
 step (``_skip_backward``); these callbacks drive the micro-batch loop and the step themselves and do not see that
 flag, so they step the optimizer in that epoch. Fixed: both stand aside in an epoch Lightning runs forward only
-(``lightning_lowmem.callbacks._side_step.forward_only``).
+(``lightning_lowmem.core.side_step.forward_only``).
 """
 
 from __future__ import annotations

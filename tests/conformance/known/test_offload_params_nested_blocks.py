@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("module", ["hf_funnel", "hf_poolformer"])
 def test_offload_params_on_hugging_face_nested_blocks_matches_plain(module):
-    from lightning_lowmem.callbacks._blocks import find_repeated_blocks
+    from lightning_lowmem.core.blocks import find_repeated_blocks
     from tests.conformance.cell import run_cell
     from tests.conformance.corpus import MODULES
     from tests.conformance.flags import FLAGS_BY_NAME

@@ -1,0 +1,69 @@
+"""DeepSpeed internals: the only module of the package that touches DeepSpeed's module globals and private state.
+
+Each one is wrapped here with a NOTE on why DeepSpeed's public API does not do the job. :data:`PRIVATE_SYMBOLS`
+lists the module-level names and :data:`SOURCE_ATTRIBUTES` the attributes DeepSpeed sets in a method (checked in its
+source: building ``cpu_adam`` takes minutes); ``tests/test_internals.py`` asserts they exist in the installed
+DeepSpeed. DeepSpeed is optional and slow to import: it is imported inside each function (NOTE: import cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: DeepSpeed module globals used here (dotted), checked by tests/test_internals.py
+PRIVATE_SYMBOLS = (
+    "deepspeed.comm.comm.cdb",
+    "deepspeed.utils.groups._WORLD_GROUP",
+    "deepspeed.utils.groups._EXPERT_PARALLEL_GROUP",
+)
+#: (class path, method, attribute) DeepSpeed assigns in that method, checked in the method's source by the test
+SOURCE_ATTRIBUTES = (
+    ("deepspeed.ops.adam.DeepSpeedCPUAdam", "__init__", "self.ds_opt_adam"),
+    ("deepspeed.ops.adam.DeepSpeedCPUAdam", "__init__", "self.opt_id"),
+    ("deepspeed.runtime.zero.partition_parameters.InsertPostInitMethodToModuleSubClasses",
+     "_enable_mem_efficient_linear", "InsertPostInitMethodToModuleSubClasses.linear_bk"),
+)
+
+
+def drop_stale_process_groups() -> None:
+    """Forget DeepSpeed's cached communication backend and process groups when torch.distributed is down.
+
+    NOTE: DeepSpeed caches its backend object (``deepspeed.comm.comm.cdb``) and its process groups in module globals
+    (``deepspeed.utils.groups._*_GROUP``) and keeps them after ``destroy_process_group``; a second fit in the same
+    process (notebooks, tests) would use the dead groups ("Group ... is not registered"). Dropping them makes
+    DeepSpeed build fresh ones; DeepSpeed has no public reset.
+    """
+    import deepspeed.comm.comm as ds_comm
+    import torch
+    from deepspeed.utils import groups
+
+    if ds_comm.cdb is not None and not torch.distributed.is_initialized():
+        ds_comm.cdb = None
+        for name, value in list(vars(groups).items()):
+            if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
+                setattr(groups, name, {} if isinstance(value, dict) else None)
+
+
+def cpu_adam_update(adam: Any, step: int, group: dict[str, Any], *tensors: Any) -> None:
+    """One call of ``DeepSpeedCPUAdam``'s C++ ``adam_update`` for param group ``group`` at ``step``.
+
+    NOTE: the C++ optimizer keeps its own step count and bias corrections, which ``load_state_dict`` does not
+    restore; replaying the steps with empty tensors (``tensors``) brings a resumed run to where the uninterrupted one
+    was. Only the op handle (``ds_opt_adam``) and the optimizer's id in it (``opt_id``) reach that state.
+    """
+    beta1, beta2 = group["betas"]
+    adam.ds_opt_adam.adam_update(
+        adam.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"],
+        *tensors,
+    )
+
+
+def functional_linear_before_zero3() -> Callable[..., Any] | None:
+    """The ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced (None if it never did).
+
+    NOTE: DeepSpeed keeps the original in a class attribute of its ``zero.Init`` context and never puts it back.
+    """
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    return getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)

@@ -1,0 +1,47 @@
+"""Python frame inspection: the only module of the package that walks the call stack or a traceback's frames.
+
+``sys._getframe`` is CPython's (documented as an implementation detail); a frame's ``f_locals``, ``f_globals`` and
+``f_back`` are documented, but reading who called us is fragile enough to live in one place. Each use says why.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+#: every implementation-private name used here, checked by tests/test_internals.py
+PRIVATE_SYMBOLS = ("sys._getframe",)
+
+
+def caller_frame(depth: int = 1) -> FrameType:
+    """The frame ``depth`` levels above the caller of this function (1: the caller's caller)."""
+    return sys._getframe(depth + 1)
+
+
+def called_from_package(prefix: str, depth: int = 1) -> bool:
+    """Whether a module whose ``__name__`` starts with ``prefix`` is on the stack above the caller's ``depth``.
+
+    NOTE: ZeRO-3 warns that ``state_dict()`` after fit holds empty partitions, except when DeepSpeed's own code (its
+    checkpoint writer) takes it: no argument says who asks.
+    """
+    frame: FrameType | None = sys._getframe(depth + 1)
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).startswith(prefix):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def raising_instances(err: BaseException) -> list[Any]:
+    """The ``self`` of each frame ``err`` was raised through, outermost first (None where a frame has none).
+
+    NOTE: the planner finds which technique refused a run by the object whose method raised (an object, not its
+    message): the dry run traces copies of the callbacks, so only their class is known beforehand.
+    """
+    out = []
+    tb = err.__traceback__
+    while tb is not None:
+        out.append(tb.tb_frame.f_locals.get("self"))
+        tb = tb.tb_next
+    return out

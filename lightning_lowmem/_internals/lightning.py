@@ -1,0 +1,165 @@
+"""Private Lightning APIs: the only module of the package that touches them.
+
+Each one is wrapped or re-exported here with a NOTE on why no public API does the job. :data:`PRIVATE_SYMBOLS`
+(module-level names), :data:`INSTANCE_ATTRIBUTES` (attributes of Lightning objects), :data:`OVERRIDDEN` (private
+hooks of Lightning classes that the package's subclasses override: the only way in) and :data:`INHERITED`
+(private attributes of Lightning base classes that those subclasses read or set through ``self``) list every one;
+``tests/test_internals.py`` asserts that each exists in the installed Lightning, and ``tests/test_package.py`` that
+no other module uses a private Lightning name it does not list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+
+#: every private module-level Lightning name used here (dotted), checked by tests/test_internals.py
+PRIVATE_SYMBOLS = (
+    "lightning.fabric.plugins.precision.utils._convert_fp_tensor",
+    "lightning.fabric.plugins.precision.utils._DtypeContextManager",
+    "lightning.fabric.utilities.cloud_io._is_local_file_protocol",
+    "lightning.fabric.utilities.types._PATH",
+    "lightning.pytorch.plugins.io.wrapper._WrappingCheckpointIO",
+    "lightning.pytorch.plugins.precision.Precision._after_closure",
+    "lightning.pytorch.cli.LightningCLI._get",
+    "lightning.pytorch.cli.LightningCLI._add_configure_optimizers_method_to_model",
+    "lightning.pytorch.strategies.Strategy._setup_model",
+)
+#: private attributes of Lightning objects (class path -> names), checked on an instance by the test
+INSTANCE_ATTRIBUTES = {
+    "lightning.pytorch.LightningModule": ("_trainer", "_current_fx_name"),
+    "lightning.pytorch.Trainer": ("_accelerator_connector",),
+    "lightning.pytorch.loops.fit_loop._FitLoop": ("_data_source",),
+    "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector": ("strategy", "precision_plugin"),
+    "lightning.pytorch.strategies.FSDPStrategy": ("_activation_checkpointing_kwargs",),
+}
+#: private hooks of Lightning classes that the package's subclasses override (class path -> method names)
+OVERRIDDEN = {
+    # NOTE: `MasterHalfPrecision` runs `on_before_optimizer_step` and the clipping on the fp32 masters: Lightning calls
+    # them from this hook, between the closure and the step
+    "lightning.pytorch.plugins.precision.Precision": ("_after_closure",),
+    # NOTE: `LowMemCLI` names a damaged `--ckpt_path` before LightningCLI torch.loads it for the hyperparameters
+    "lightning.pytorch.cli.LightningCLI": ("_parse_ckpt_path",),
+    # NOTE: `ZeroStrategy` runs DeepSpeed on the CPU accelerator (gloo), swaps in DeepSpeed's CPU Adam and refuses
+    # configurations DeepSpeed would get wrong: each is a step of DeepSpeedStrategy with no public hook
+    "lightning.pytorch.strategies.DeepSpeedStrategy": (
+        "_format_config",
+        "_init_deepspeed_distributed",
+        "_init_optimizers",
+        "_initialize_deepspeed_inference",
+        "_setup_model_and_optimizer",
+    ),
+}
+#: private attributes of Lightning base classes that the package's subclasses read or set through ``self``
+INHERITED = {
+    # NOTE: `OffloadStrategy` overrides the `root_device`, `precision_plugin` and `checkpoint_io` properties, whose
+    # storage these are (it builds its own precision plugin and checkpoint IO when none is given)
+    "lightning.pytorch.strategies.Strategy": ("_root_device", "_precision_plugin", "_checkpoint_io"),
+}
+
+# --- re-exported ---------------------------------------------------------------------------------------------------
+#: ``Union[str, Path]``: the path type of Lightning's checkpoint signatures (an override keeps its annotation)
+PATH = _PATH
+#: a checkpoint IO that wraps another (``AsyncCheckpointIO``): ``OffloadStrategy`` fills in its inner IO
+WrappingCheckpointIO = _WrappingCheckpointIO
+#: ``with DtypeContextManager(dtype):`` sets torch's default dtype, as Lightning's ``HalfPrecision`` does
+DtypeContextManager = _DtypeContextManager
+
+
+def convert_fp_tensor(tensor: Any, dst_type: Any) -> Any:
+    """A floating-point tensor cast to ``dst_type`` (others unchanged): how Lightning's ``HalfPrecision`` casts
+    inputs, so ``MasterHalfPrecision`` casts them the same way."""
+    return _convert_fp_tensor(tensor, dst_type)
+
+
+def is_local_file_protocol(path: Any) -> bool:
+    """Whether ``path`` is on the local file system (no ``s3://``...): Lightning's own test before it writes."""
+    return _is_local_file_protocol(path)
+
+
+# --- LightningModule and Trainer state -------------------------------------------------------------------------------
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or None.
+
+    NOTE: the public ``module.trainer`` raises when there is none; code that runs both inside and outside a fit
+    (a module's own check, a precision plugin used alone) asks without raising.
+    """
+    return getattr(module, "_trainer", None)
+
+
+def current_hook(module: Any) -> str | None:
+    """The name of the hook Lightning is running ``module``'s code from (None outside every hook).
+
+    NOTE: ``self.log`` refuses outside the hooks Lightning allows; code that logs for the module checks first.
+    """
+    return getattr(module, "_current_fx_name", None)
+
+
+def set_current_hook(module: Any, name: str | None) -> None:
+    """Make ``self.log`` take the calls that follow as made from hook ``name`` (see :func:`current_hook`)."""
+    module._current_fx_name = name
+
+
+def fit_data_source(trainer: Any) -> Any:
+    """The fit loop's data source (``.instance``: the datamodule or module giving the loaders; ``.dataloader()``).
+
+    NOTE: the only place the loader's batch size can be read before the loop starts (the planner of ``lowmem_auto``,
+    ZeRO's micro-batch size for DeepSpeed's config).
+    """
+    return trainer.fit_loop._data_source
+
+
+def replace_strategy(trainer: Any, strategy: Any) -> None:
+    """Make ``strategy`` (with its precision plugin) the Trainer's from now on.
+
+    NOTE: ``lowmem_auto`` plans when the fit starts (it needs the module and the data) and hands over to the chosen
+    strategy then; the Trainer reads both through its accelerator connector, which has no public setter.
+    """
+    connector = trainer._accelerator_connector
+    connector.strategy = strategy
+    connector.precision_plugin = strategy.precision_plugin
+
+
+def keep_strategy(trainer: Any, strategy: Any) -> None:
+    """Make ``strategy`` the Trainer's again, as chosen by an earlier fit (its precision plugin already is)."""
+    trainer._accelerator_connector.strategy = strategy
+
+
+def setup_model(strategy: Any, model: Any) -> Any:
+    """``Strategy._setup_model(model)``: the strategy's wrapping of the module (none for a single device).
+
+    NOTE: the step of ``Strategy.setup`` between moving the module and setting up the precision plugin; a strategy
+    that overrides ``setup`` (``OffloadStrategy``) calls it to keep Lightning's order.
+    """
+    return strategy._setup_model(model)
+
+
+def precision_after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
+    """Lightning's ``Precision._after_closure``: ``on_before_optimizer_step``, then the gradient clipping."""
+    Precision._after_closure(plugin, model, optimizer)
+
+
+# --- LightningCLI ----------------------------------------------------------------------------------------------------
+def cli_get(cli: Any, config: Any, key: str, default: Any = None) -> Any:
+    """``LightningCLI._get``: ``config[key]`` of the subcommand being run (``default`` where it has none)."""
+    return cli._get(config, key, default=default)
+
+
+def cli_add_configure_optimizers(cli: Any, subcommand: str | None) -> None:
+    """``LightningCLI._add_configure_optimizers_method_to_model``: the YAML's ``optimizer:``/``lr_scheduler:`` become
+    the model's ``configure_optimizers`` (what ``instantiate_classes`` does after building the classes)."""
+    cli._add_configure_optimizers_method_to_model(subcommand)
+
+
+def fsdp_checkpointing_policy(strategy: Any) -> Any:
+    """``FSDPStrategy``'s own activation-checkpointing setting (empty when it has none).
+
+    NOTE: kept private by Lightning after the constructor; ``ActivationCheckpointing`` refuses to checkpoint the same
+    blocks twice.
+    """
+    return getattr(strategy, "_activation_checkpointing_kwargs", None)

@@ -1,0 +1,344 @@
+"""Private torch APIs: the only module of the package that touches them (frame inspection: :mod:`.frames`).
+
+Each one is wrapped or re-exported here with a NOTE on why no public API does the job. :data:`PRIVATE_SYMBOLS` and
+:data:`INSTANCE_ATTRIBUTES` list every private name used; ``tests/test_internals.py`` asserts that each exists in
+the installed torch, so an upgrade that removes one fails there, by name, instead of deep inside a training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from types import FrameType, SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+# NOTE: fake tensors (the dry run, MemoryTracker under a fake mode) have no public module: torch's own users
+# (torch.compile, torch.export, FSDP's meta init) import them from here too.
+from torch._subclasses import fake_tensor as _fake_tensor
+
+# NOTE: `_BatchNorm` is the one base of every batch-norm layer (BatchNorm1d/2d/3d, their lazy forms, SyncBatchNorm and
+# user subclasses of it); no public class covers them all.
+from torch.nn.modules.batchnorm import _BatchNorm
+
+# NOTE: dispatch modes and pytrees are private torch modules with no public home; every TorchDispatchMode user
+# (FlopCounterMode, torch's MemTracker, torchao) imports them from here.
+from torch.utils import _python_dispatch, _pytree
+
+#: every private torch name used here (dotted, from ``torch``), checked by tests/test_internals.py
+PRIVATE_SYMBOLS = (
+    "torch._subclasses.fake_tensor.FakeTensor",
+    "torch._subclasses.fake_tensor.FakeTensorMode",
+    "torch._subclasses.fake_tensor.is_fake",
+    "torch._subclasses.fake_tensor.unset_fake_temporarily",
+    "torch._subclasses.fake_tensor.UnsupportedOperatorException",
+    "torch._subclasses.fake_tensor.DataDependentOutputException",
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException",
+    "torch._subclasses.fake_tensor.UnsupportedFakeTensorException",
+    "torch.nn.modules.batchnorm._BatchNorm",
+    "torch.utils._python_dispatch.TorchDispatchMode",
+    "torch.utils._python_dispatch._disable_current_modes",
+    "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
+    "torch.utils._python_dispatch._push_mode",
+    "torch.utils._python_dispatch._pop_mode",
+    "torch.utils._pytree.tree_flatten",
+    "torch.utils._pytree.tree_unflatten",
+    "torch.utils._pytree.tree_map",
+    "torch.utils._pytree.tree_leaves",
+    "torch._C._autograd._top_saved_tensors_default_hooks",
+    "torch._C._current_graph_task_id",
+    "torch._C._current_autograd_node",
+    "torch._C._storage_Use_Count",
+    "torch._C._VariableFunctions._pad_packed_sequence",
+    "torch._foreach_norm",
+    "torch._amp_foreach_non_finite_check_and_unscale_",
+    "torch.autograd.Variable._execution_engine",
+    "torch.nn.Module._apply",
+    "torch.ops.aten._local_scalar_dense",
+    "torch.ops.aten._unsafe_view",
+    "torch.ops.aten._to_copy",
+    "torch.ops.aten._index_put_impl_",
+    "torch.ops.aten._unique",
+    "torch.ops.aten._unique2",
+    "torch.ops.aten._pack_padded_sequence",
+    "torch.cuda._initialized",
+    "torch._dynamo.eval_frame.OptimizedModule",
+)
+#: private attributes of torch objects (class path -> attribute names), checked on an instance by the test
+INSTANCE_ATTRIBUTES = {
+    "torch.Tensor": ("_version",),
+    "torch.UntypedStorage": ("_cdata",),
+    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called"),
+    "torch.optim.lr_scheduler.SequentialLR": ("_schedulers",),
+    "torch.optim.lr_scheduler.ChainedScheduler": ("_schedulers",),
+    "torch._ops.OpOverload": ("_schema",),
+}
+
+# --- fake tensors ------------------------------------------------------------------------------------------------
+FakeTensor = _fake_tensor.FakeTensor
+FakeTensorMode = _fake_tensor.FakeTensorMode
+is_fake = _fake_tensor.is_fake
+unset_fake_temporarily = _fake_tensor.unset_fake_temporarily
+DataDependentOutputException = _fake_tensor.DataDependentOutputException
+DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
+#: what a fake mode raises for an op it cannot run
+FAKE_ERRORS = (
+    _fake_tensor.UnsupportedOperatorException,
+    _fake_tensor.DataDependentOutputException,
+    _fake_tensor.DynamicOutputShapeException,
+    _fake_tensor.UnsupportedFakeTensorException,
+)
+
+# --- dispatch modes and pytrees --------------------------------------------------------------------------------------
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+#: ``with disable_current_modes():`` runs ops unseen by every dispatch mode (the dry run's real kernels)
+disable_current_modes = _python_dispatch._disable_current_modes
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
+tree_leaves = _pytree.tree_leaves
+
+
+def dispatch_mode_stack() -> list[Any]:
+    """The dispatch modes entered now, outermost first."""
+    return _python_dispatch._get_current_dispatch_mode_stack()
+
+
+def pop_dispatch_mode() -> Any:
+    """Take the innermost dispatch mode off the stack (without its ``__exit__``); see :func:`push_dispatch_mode`."""
+    return _python_dispatch._pop_mode()
+
+
+def push_dispatch_mode(mode: Any) -> None:
+    """Put back a mode :func:`pop_dispatch_mode` took off.
+
+    NOTE: a dispatch mode can only leave from the top of the stack; MemoryTracker lifts the later ones off and puts
+    them back to leave while two callbacks' modes interleave. No public API reorders the stack.
+    """
+    _python_dispatch._push_mode(mode)
+
+
+# --- storages, versions, ops ---------------------------------------------------------------------------------------
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The identity of a storage: its StorageImpl (``_cdata``), shared by every Python wrapper of it.
+
+    NOTE: not ``data_ptr()``: every fake storage of a dry run, and every empty one, has address 0.
+    """
+    return storage._cdata
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place change; shared by its views and ``detach()``)."""
+    return t._version
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors (views, ``detach()``) hold ``storage``; no public API counts a storage's holders."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def op_is_mutable(func: Any) -> bool:
+    """Whether the aten op overload ``func`` writes into an argument (in-place, ``out=``, ``resize_``, ``set_``)."""
+    return bool(func._schema.is_mutable)
+
+
+def op_arguments(func: Any) -> list[Any]:
+    """The argument declarations of the aten op overload ``func``'s schema (``.alias_info.is_write``: written)."""
+    return list(func._schema.arguments)
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled: what ``torch.compile(module)`` returns (``OptimizedModule``), or a module
+    whose ``nn.Module.compile()`` set ``_compiled_call_impl``. No public way to ask."""
+    from torch._dynamo.eval_frame import OptimizedModule  # NOTE: here: importing dynamo takes a second
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def op_returns(func: Any) -> list[Any]:
+    """The return declarations of the aten op overload ``func``'s schema."""
+    return list(func._schema.returns)
+
+
+#: aten ops whose names start with an underscore (internal ops the dry run must recognise by identity)
+ATEN = SimpleNamespace(
+    local_scalar_dense=torch.ops.aten._local_scalar_dense,
+    unsafe_view=torch.ops.aten._unsafe_view,
+    to_copy=torch.ops.aten._to_copy,
+    index_put_impl_=torch.ops.aten._index_put_impl_,
+    unique=torch.ops.aten._unique,
+    unique2=torch.ops.aten._unique2,
+    pack_padded_sequence=torch.ops.aten._pack_padded_sequence,
+)
+#: the C++ function behind ``nn.utils.rnn.pad_packed_sequence`` (it fills integer buffers the dry run keeps real)
+PAD_PACKED_SEQUENCE = torch._C._VariableFunctions._pad_packed_sequence
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in one vectorised pass.
+
+    NOTE: ``torch.nn.utils.get_total_norm`` reduces them to one norm (a different rounding and overflow point than
+    the per-tensor ones the non-finite guard of ``lowmem_offload`` reads); no public per-tensor form exists.
+    """
+    return torch._foreach_norm(tensors)
+
+
+def non_finite_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` to 1 if any value is inf/nan.
+
+    NOTE: the kernel ``torch.amp.GradScaler.unscale_`` runs (it is private to it); the fp16 loss scaler of
+    ``lowmem_offload`` unscales the host masters' gradients exactly as GradScaler would.
+    """
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# --- autograd ----------------------------------------------------------------------------------------------------
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward now (a hook called from it, a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward running now ends (call only when :func:`in_backward`).
+
+    NOTE: the engine's own callback queue (FSDP and DDP use it for the same purpose); no public API ends a backward.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def current_autograd_node_name() -> str | None:
+    """The name of the backward node the engine is running (None outside backward, or without the API)."""
+    current = getattr(torch._C, "_current_autograd_node", None)  # NOTE: read-only, guarded
+    node = current() if current is not None else None
+    return node.name() if node is not None else None
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The (pack, unpack) saved-tensor hooks innermost now, or None: the hooks a new pair would wrap.
+
+    NOTE: ``torch.autograd.graph.saved_tensors_hooks`` enters a pair publicly, but nothing public reads the pair
+    below it (a checkpoint's): parameter streaming and the in-place check inside checkpointed blocks need it.
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+_CHECKPOINT_FILE: str | None = None
+_FUNCTION_FILE = torch.autograd.function.__file__
+
+
+def saved_by_checkpoint(frame: FrameType | None) -> bool:
+    """Whether a pack hook called from ``frame`` packs an input that ``torch.utils.checkpoint`` saves for recompute.
+
+    NOTE: checkpointing (reentrant or not, called directly, through Hugging Face's gradient checkpointing or through
+    ``checkpoint_wrapper``) saves the inputs of the checkpointed block from ``torch/utils/checkpoint.py`` itself
+    (``_CheckpointFrame.save_inputs`` / ``CheckpointFunction.apply``), outside its own hooks; everything the block
+    saves inside is caught by checkpoint's own (innermost) hooks and never reaches ours. So a pack call whose
+    nearest Python caller, past ``torch/autograd/function.py``, lives in ``torch/utils/checkpoint.py`` is a block
+    boundary. This reads torch's file layout: ``ActivationOffload`` warns when ``boundaries_only=True`` sees no
+    boundary in a training step, which is how a torch change here would show.
+    """
+    global _CHECKPOINT_FILE
+    if _CHECKPOINT_FILE is None:
+        import torch.utils.checkpoint  # NOTE: imported by any checkpointing there is; here only on first use
+
+        _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+    for _ in range(6):
+        if frame is None:
+            return False
+        filename = frame.f_code.co_filename
+        if filename == _CHECKPOINT_FILE:
+            return True
+        if filename != _FUNCTION_FILE:
+            return False
+        frame = frame.f_back
+    return False
+
+
+# --- nn.Module internals --------------------------------------------------------------------------------------------
+BatchNormBase = _BatchNorm
+
+
+def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffer table (the live dict, ``None`` entries included).
+
+    NOTE: read and written in place to swap a buffer's tensor for a while (the masters' view, ZeRO's fp32 gather):
+    ``setattr`` would run the global buffer-registration hooks, and ``named_buffers`` skips ``None`` entries.
+    """
+    return module._buffers  # type: ignore[return-value]
+
+
+def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter table (the live dict): a tied weight set in place in every owner (``to_empty``)."""
+    return module._parameters
+
+
+def forward_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
+    """``module``'s forward hooks by handle id (the live dict)."""
+    return module._forward_hooks  # type: ignore[return-value]
+
+
+def remove_forward_hook(module: nn.Module, key: int) -> None:
+    """Remove forward hook ``key`` of ``module`` as its ``RemovableHandle`` would (the handle is long gone)."""
+    del module._forward_hooks[key]
+    module._forward_hooks_always_called.pop(key, None)
+
+
+def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+    """``module._apply(fn)``: what ``.to()``, ``.cuda()``, ``.half()`` run on every parameter and buffer."""
+    return module._apply(fn, recurse)
+
+
+@contextlib.contextmanager
+def module_apply_replaced(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Inside, ``nn.Module._apply`` is ``make(original)`` for every module.
+
+    NOTE: the dry run makes ``.to()``/``.cuda()`` of a module on fake tensors go through ``.data`` (the one hook into
+    every device and dtype move of a module; no public API wraps it).
+    """
+    original = nn.Module._apply
+    nn.Module._apply = make(original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = original  # type: ignore[method-assign]
+
+
+# --- LR schedulers ----------------------------------------------------------------------------------------------------
+def chained_schedulers(scheduler: Any) -> tuple[Any, ...]:
+    """The inner schedulers of a ``SequentialLR``/``ChainedScheduler`` (empty for any other scheduler)."""
+    return tuple(getattr(scheduler, "_schedulers", ()))
+
+
+def track_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` the way ``LRScheduler.__init__`` does (torch's own wrapper is a local function).
+
+    NOTE: torch schedulers wrap ``optimizer.step`` at construction to warn when ``scheduler.step()`` runs before
+    ``optimizer.step()``; without the same wrapper on the new optimizer every re-pointed scheduler would warn
+    "optimizer.step() has been overridden" at its first step.
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def device_module_initialized(device_module: Any) -> bool:
+    """Whether a device module (``torch.cuda``) has started, i.e. has RNG states worth saving.
+
+    NOTE: the test ``torch.utils.checkpoint`` itself makes before ``get_device_states`` (it reads the same private
+    flag); a replay of a checkpointed segment saves the RNG states exactly when torch's checkpoint would.
+    """
+    return bool(getattr(device_module, "_initialized", False))

@@ -1,0 +1,453 @@
+"""``ActivationCheckpointing``: a checkpointing policy for any LightningModule under any strategy."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.callbacks.activation_checkpointing.probe import (
+    choose_submodules,
+    measure_saved_bytes,
+    measure_submodules,
+)
+from lightning_lowmem.callbacks.activation_checkpointing.segments import CloseSegments, Segment, wrap_segment
+from lightning_lowmem.callbacks.activation_checkpointing.selective import holds_recurrent_layer, selective_contexts
+from lightning_lowmem.core import blocks as _blocks
+from lightning_lowmem.core.blocks import (
+    CheckpointInfo,
+    checkpoint_info,
+    checkpointed_modules,
+    find_repeated_blocks,
+    owner_of,
+    select_modules,
+)
+from lightning_lowmem.core.hooks import check_lightning_object, restore_configure_model, run_after_configure_model
+from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.units import parse_bytes
+
+__all__ = ["ActivationCheckpointing", "CheckpointInfo", "checkpoint_info", "checkpointed_modules", "find_repeated_blocks"]
+
+log = logging.getLogger(__name__)
+
+PolicyName = Literal["all", "every_n", "sqrt", "selective", "budget"]
+POLICIES: tuple[str, ...] = ("all", "every_n", "sqrt", "selective", "budget")
+
+
+class ActivationCheckpointing(Reproducible, Callback):
+    """Recompute the activations of chosen blocks in backward instead of keeping them: a policy for any model.
+
+    Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward
+    work in backward. Blocks are found automatically (the longest ``nn.ModuleList`` of same-class modules:
+    GPT-2, LLaMA, BERT, T5, ViT, ``nn.TransformerEncoder``) or named with ``blocks``. A model with no such list
+    (an MLP, an autoencoder, a CNN, a one-layer ``nn.Transformer``) gets its blocks by measurement on the first
+    training batch (one extra forward, RNG untouched): the largest submodules whose checkpointing frees memory,
+    splitting any that holds more than half of all activations into its children (:attr:`chosen_by_measurement`);
+    if none frees anything it warns and trains unchanged. Manual-optimization modules without repeated blocks
+    (GANs) must name ``blocks``: measuring would run their ``training_step``, which steps optimizers. Checkpointing is
+    non-reentrant (``use_reentrant=False``) with the RNG state preserved, so gradients are bit-identical to
+    training without it, dropout included. Blocks are wrapped by giving them an instance-level ``forward``,
+    so ``state_dict`` keys do not change: checkpoints load into a model without the callback and back.
+
+    Policies (``policy=``):
+        - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
+        - ``"every_n"`` with ``n``: blocks 0, n, 2n, ... are recomputed (``n=1`` is ``"all"``).
+        - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only
+          the segment inputs (at most 2*sqrt(L) blocks' worth at the peak). Not under FSDP or ZeRO-3. NOTE: a
+          transformer block's input is ~1/50 of its activations, so there ``"all"`` keeps less for about
+          the same recompute; ``"sqrt"`` pays off when block boundaries are as large as the blocks.
+        - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap
+          element-wise ops are recomputed (PyTorch's selective activation checkpointing). Blocks holding a
+          recurrent layer are recomputed whole; an in-place change of a kept output is refused (see ``selective``).
+        - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings
+          the activations under the budget, from activation sizes measured on the first training batch
+          (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
+        - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
+
+    Module buffers end as plain training leaves them: each recompute runs on a copy of the buffers its forward
+    found (so ``BatchNorm`` running statistics and a module's own counters are updated once, and a forward that
+    reads a buffer it updates recomputes the same thing), and the measuring forward puts every buffer back. Cost:
+    a copy of a checkpointed block's buffers per call, held until its backward (nothing for blocks without
+    buffers, such as Hugging Face transformer blocks).
+
+    Works with models built in ``__init__`` or in ``configure_model``, under single-device, DDP, FSDP /
+    ModelParallel (per-block policies), ``lowmem_offload`` and DeepSpeed ZeRO (the ``lowmem_zero*`` presets; under
+    stage 3 every policy but ``"sqrt"``), as Hugging Face's non-reentrant checkpointing composes with ZeRO-3's
+    parameter fetching. Hugging Face models: their own ``gradient_checkpointing`` is turned off (with a warning)
+    to avoid recomputing twice, and ``config.use_cache`` is set to False while fitting (a KV cache cannot be
+    recomputed).
+
+    Example:
+        >>> from lightning_lowmem import ActivationCheckpointing
+        >>> checkpointing = ActivationCheckpointing(policy="selective")
+        >>> trainer = L.Trainer(callbacks=[checkpointing], max_steps=1, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())
+        >>> checkpointing.wrapped
+        ['model.transformer.h.0', 'model.transformer.h.1']
+        >>> trainer = L.Trainer(callbacks=[ActivationCheckpointing(policy="budget", budget="6GiB")])
+
+    Attributes:
+        wrapped: qualified names of the checkpointed modules, after setup.
+        measured: for ``"budget"``, the measured bytes (``outside``, per-block ``blocks``, ``block_inputs``).
+        chosen_by_measurement: for a model without repeated blocks, ``{module name: bytes its checkpointing
+            frees}`` of the modules chosen on the first batch (``None`` otherwise).
+    """
+
+    def __init__(
+        self,
+        policy: PolicyName | Sequence[str | type] = "all",
+        n: int | None = None,
+        budget: int | str | None = None,
+        blocks: str | Sequence[str] | None = None,
+    ) -> None:
+        self.targets: list[str | type] | None = None
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise ValueError(
+                    f"Passed `policy={policy!r}`; expected one of {', '.join(map(repr, POLICIES))}, "
+                    "or a list of module classes / class names / name patterns to checkpoint."
+                )
+        elif isinstance(policy, Sequence) and all(isinstance(p, (str, type)) for p in policy):
+            if not policy:
+                raise ValueError("Passed `policy=[]`; name at least one module class, class name or name pattern.")
+            self.targets = list(policy)
+        else:
+            raise TypeError(
+                f"Passed `policy={policy!r}`; expected one of {', '.join(map(repr, POLICIES))}, or a non-empty "
+                "list of module classes, class names (e.g. 'GPT2Block') or name patterns (e.g. 'model.layers.*')."
+            )
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+            raise TypeError(f"Passed `n={n!r}`; expected an integer >= 1 (checkpoint every n-th block).")
+        if blocks is not None and not (
+            isinstance(blocks, str) or (isinstance(blocks, Sequence) and all(isinstance(b, str) for b in blocks))
+        ):
+            raise TypeError(f"Passed `blocks={blocks!r}`; expected a name pattern such as 'model.layers.*', or a list of them.")
+        if policy == "every_n":
+            if n is None or n < 1:
+                raise ValueError(f"Passed `n={n!r}` with policy='every_n'; `n` must be an integer >= 1 (1 means 'all').")
+        elif n is not None:
+            raise ValueError(f"Passed `n={n!r}` with `policy={policy!r}`; `n` is only used by policy='every_n'.")
+        if policy == "budget":
+            if budget is None:
+                raise ValueError("Passed policy='budget' without `budget`; give the activation budget, e.g. budget='4GiB'.")
+            self.budget: int | None = parse_bytes(budget, "`budget`")
+            if self.budget <= 0:
+                raise ValueError(f"Passed `budget={budget!r}`; it must be positive.")
+        elif budget is not None:
+            raise ValueError(f"Passed `budget={budget!r}` with `policy={policy!r}`; `budget` is only used by policy='budget'.")
+        else:
+            self.budget = None
+        if self.targets is not None and blocks is not None:
+            raise ValueError("Passed both an explicit `policy` list and `blocks`; the list already names the modules.")
+        self.policy = "explicit" if self.targets is not None else policy
+        self.n = n
+        self.blocks = [blocks] if isinstance(blocks, str) else (list(blocks) if blocks is not None else None)
+        self.wrapped: list[str] = []
+        self.measured: dict[str, Any] | None = None
+        self._root: nn.Module | None = None
+        self._block_list: list[tuple[str, nn.Module]] = []
+        self._hook_handles: list[Any] = []
+        self._use_cache: list[tuple[Any, Any]] = []
+        self._patched_configure_model = False
+        self._pending_choice = False  # no repeated blocks: choose submodules on the first training batch
+        self.chosen_by_measurement: dict[str, int] | None = None
+
+    # --- Lightning hooks ------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_lightning_object(trainer, "the Trainer of ActivationCheckpointing")
+        self._check_strategy(trainer)
+        run_after_configure_model(pl_module, lambda: self._apply(pl_module))
+        self._patched_configure_model = True
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # NOTE: configure_model ran already (our wrapper applied the policy); this covers a module whose
+        # class-level configure_model Lightning skipped, and is a no-op otherwise (never applied twice).
+        if self._root is None:
+            self._apply(pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._pending_choice:
+            self._choose_by_measurement(trainer, pl_module, batch, batch_idx)
+        if self.policy == "budget" and self.measured is None:
+            self._measure_and_choose(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self._patched_configure_model:
+            restore_configure_model(pl_module)
+            self._patched_configure_model = False
+        for config, value in self._use_cache:
+            config.use_cache = value
+        self._use_cache = []
+
+    @override
+    def resolved(self) -> ActivationCheckpointing | None:
+        """A fresh copy; with ``policy="budget"`` once it chose, the blocks it chose (None: it chose none)."""
+        if self.policy == "budget" and self.measured is not None:
+            return ActivationCheckpointing(policy=list(self.wrapped)) if self.wrapped else None
+        return self.fresh()
+
+    @staticmethod
+    def remove(root: nn.Module) -> int:
+        """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many.
+
+        A fit leaves the blocks checkpointed (so ``trainer.validate``/``fit`` again run the same model); a copy of
+        the module as built, such as the dry run of ``MemoryReport``'s baseline, starts from this.
+        """
+        found = checkpointed_modules(root)
+        for _, module, _ in found:
+            _blocks.unwrap(module)
+        for module in root.modules():
+            for key, hook in list(torch_internals.forward_hooks(module).items()):
+                if isinstance(hook, CloseSegments):
+                    torch_internals.remove_forward_hook(module, key)
+        return len(found)
+
+    # --- applying the policy --------------------------------------------------------------------
+
+    def _check_strategy(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+        strategy = trainer.strategy
+        problems = []
+        # NOTE: DeepSpeed composes: per-block checkpointing is non-reentrant `torch.utils.checkpoint` inside the
+        # block's module call, so ZeRO-3's fetch hooks run around the forward, again around the recompute's
+        # submodule calls, and its pre-backward fetch has gathered the block's own parameters before the recompute
+        stage = _zero_stage(strategy) if isinstance(strategy, DeepSpeedStrategy) else 0
+        if self.policy == "sqrt" and stage == 3:
+            problems.append(
+                f"policy='sqrt' replays several blocks at once in backward without their module hooks, and under "
+                f"`{type(strategy).__name__}` (ZeRO stage 3) a block's own parameters are gathered only by those "
+                "hooks; use policy='all', 'every_n', 'selective' or 'budget', or ZeRO stage 1/2."
+            )
+        if isinstance(strategy, FSDPStrategy) and lightning_internals.fsdp_checkpointing_policy(strategy):
+            problems.append(
+                "FSDPStrategy(activation_checkpointing_policy=...) is set as well; use one of the two, not both."
+            )
+        if self.policy == "sqrt" and isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+            problems.append(
+                f"policy='sqrt' recomputes several blocks at once, which FSDP's per-block parameter gathering does not "
+                f"allow under `{type(strategy).__name__}`; use policy='all', 'every_n', 'selective' or 'budget'."
+            )
+        if problems:
+            raise ValueError("ActivationCheckpointing cannot run here:\n- " + "\n- ".join(problems))
+
+    def _find_blocks(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
+        if self.targets is not None:
+            found = select_modules(root, self.targets)
+            what = f"the modules named by `policy={self.targets!r}`"
+        elif self.blocks is not None:
+            found = select_modules(root, self.blocks)
+            what = f"the blocks named by `blocks={self.blocks!r}`"
+        else:
+            found = find_repeated_blocks(root)
+            if not found:
+                return []  # chosen by measurement on the first training batch (see `_choose_by_measurement`)
+            return found
+        if not found:
+            raise ValueError(
+                f"ActivationCheckpointing found none of {what} in `{type(root).__name__}`. Name the blocks to checkpoint: "
+                "`ActivationCheckpointing(blocks='model.layers')` (a ModuleList or module name, a pattern such as "
+                "'encoder.*.block' or a class name such as 'MyBlock'), or pass them as the policy: "
+                "`ActivationCheckpointing(policy=['MyBlock'])`."
+            )
+        return found
+
+    def _apply(self, pl_module: pl.LightningModule) -> None:
+        if self._root is not None:
+            return
+        blocks = self._find_blocks(pl_module)
+        if not blocks:  # no repeated blocks and none named: measured on the first training batch
+            if not getattr(pl_module, "automatic_optimization", True):
+                children = [n for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
+                raise ValueError(
+                    f"ActivationCheckpointing found no repeated blocks (no `nn.ModuleList` of at least two same-class "
+                    f"modules) in `{type(pl_module).__name__}`, and cannot measure which submodules to checkpoint: "
+                    "that runs `training_step` once more, which a manual-optimization module would use to step its "
+                    f"optimizers. Name the blocks: `ActivationCheckpointing(blocks={children!r})` (module names, "
+                    "patterns such as 'encoder.*' or class names)."
+                )
+            self._root, self._pending_choice = pl_module, True
+            self._prepare_hf(pl_module)
+            return
+        foreign = {_blocks.has_foreign_checkpointing(m) for _, m in blocks} - {None}
+        if foreign:
+            rank_zero_warn(
+                f"ActivationCheckpointing: the model is already checkpointed by {foreign.pop()}; leaving it as it is "
+                "(checkpointing it twice would recompute twice)."
+            )
+            self._root = pl_module
+            return
+        self._root, self._block_list = pl_module, blocks
+        self._prepare_hf(pl_module)
+        self._apply_policy()
+
+    def _apply_policy(self) -> None:
+        blocks = self._block_list
+        if self.policy == "budget":
+            return  # chosen on the first training batch, from measured sizes
+        L = len(blocks)
+        if self.policy == "sqrt":
+            size = max(1, round(math.sqrt(L)))
+            self._wrap_segments([blocks[i : i + size] for i in range(0, L, size)])
+            return
+        if self.policy == "every_n":
+            chosen = [i for i in range(L) if i % self.n == 0]  # type: ignore[operator]
+        else:
+            chosen = list(range(L))
+        self._wrap_blocks(chosen, selective=self.policy == "selective")
+
+    def _wrap_blocks(self, indices: list[int], selective: bool = False) -> None:
+        for segment, i in enumerate(indices):
+            name, module = self._block_list[i]
+            whole = holds_recurrent_layer(module) if selective else None
+            if whole is not None:
+                # NOTE: a recurrent layer's CPU kernel modifies its matmul outputs in place (see `selective`):
+                # the block is recomputed whole, as under policy="all"
+                rank_zero_info(f"ActivationCheckpointing(policy='selective'): `{name}` holds an {whole}, whose "
+                               "kernel modifies its matmul outputs in place; it is recomputed whole instead.")
+            keep = selective and whole is None
+            info = CheckpointInfo("block", segment, 0, is_boundary=True, selective=keep)
+            if _blocks.wrap_block(module, info, selective_contexts if keep else None):
+                self.wrapped.append(name)
+        self._log()
+
+    def _wrap_segments(self, groups: list[list[tuple[str, nn.Module]]]) -> None:
+        segments: list[Segment] = []
+        for index, group in enumerate(groups):
+            segment, ok = wrap_segment([m for _, m in group], index)
+            if ok:
+                segments.append(segment)
+                self.wrapped.extend(name for name, _ in group)
+        owners = {id(o): o for o in (owner_of(self._root, name) for group in groups for name, _ in group)}  # type: ignore[arg-type]
+        for owner in owners.values():
+            self._hook_handles.append(owner.register_forward_hook(CloseSegments(segments), always_call=True))
+        self._log(segments=[len(g) for g in groups])
+
+    def _log(self, segments: list[int] | None = None) -> None:
+        kinds = sorted({type(m).__name__ for _, m in self._block_list})
+        how = f" in {len(segments)} segments of {segments}" if segments else ""
+        msg = (
+            f"ActivationCheckpointing(policy={self.policy!r}): checkpointing {len(self.wrapped)} of "
+            f"{len(self._block_list)} blocks ({', '.join(kinds)}){how}: {', '.join(self.wrapped) or 'none'}"
+        )
+        log.info(msg)
+        rank_zero_info(msg)
+
+    def _prepare_hf(self, root: nn.Module) -> None:
+        """Hugging Face models: no double checkpointing, no KV cache while training."""
+        for module in root.modules():
+            config = getattr(module, "config", None)
+            # NOTE: transformers 5 renamed gradient_* to activation_* (the old names warn); accept both.
+            is_on = getattr(module, "is_activation_checkpointing", None)
+            if is_on is None:
+                is_on = getattr(module, "is_gradient_checkpointing", False)
+            disable = getattr(module, "activation_checkpointing_disable", None) or getattr(
+                module, "gradient_checkpointing_disable", None
+            )
+            if is_on and disable is not None:
+                rank_zero_warn(
+                    f"ActivationCheckpointing: turning off `{type(module).__name__}`'s own activation checkpointing "
+                    "(`gradient_checkpointing_enable()` was called); the callback's policy replaces it."
+                )
+                disable()
+            if config is not None and getattr(config, "use_cache", False) and disable is not None:
+                self._use_cache.append((config, config.use_cache))
+                config.use_cache = False
+
+    # --- models without repeated blocks ----------------------------------------------------------
+
+    def _choose_by_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Blocks for a model with no repeated blocks: the largest submodules whose checkpointing frees memory."""
+        self._pending_choice = False
+        with trainer.precision_plugin.train_step_context():
+            measured, total = measure_submodules(pl_module, batch, batch_idx)
+        # NOTE: every rank must wrap the same modules: rank 0's measurement decides
+        names = trainer.strategy.broadcast(choose_submodules(pl_module, measured, total), src=0)
+        self.chosen_by_measurement = {n: measured[n].saving for n in names if n in measured}
+        if not names:
+            rank_zero_warn(
+                f"ActivationCheckpointing: `{type(pl_module).__name__}` has no repeated blocks and no submodule whose "
+                "checkpointing frees activation memory (measured on the first training batch); training continues "
+                "without checkpointing. Name modules with `blocks=` to checkpoint them anyway."
+            )
+            return
+        self._block_list = [(n, pl_module.get_submodule(n)) for n in names]
+        self._apply_policy()
+
+    # --- budget ---------------------------------------------------------------------------------
+
+    def _measure_and_choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._root is None:
+            self._apply(pl_module)
+        if not self._block_list:
+            self.measured = {}
+            return
+        with trainer.precision_plugin.train_step_context():
+            measured = measure_saved_bytes(pl_module, [m for _, m in self._block_list], batch, batch_idx)
+        # NOTE: every rank must wrap the same blocks; the largest measurement of any rank decides.
+        values = torch.tensor([measured["outside"], *measured["blocks"], *measured["block_inputs"]], dtype=torch.float64)
+        values = trainer.strategy.reduce(values.to(trainer.strategy.root_device), reduce_op="max").cpu()
+        L = len(self._block_list)
+        outside, blocks, inputs = int(values[0]), [int(v) for v in values[1 : L + 1]], [int(v) for v in values[L + 1 :]]
+        self.measured = {"outside": outside, "blocks": blocks, "block_inputs": inputs}
+        chosen, minimum = choose_for_budget(outside, blocks, inputs, self.budget)  # type: ignore[arg-type]
+        if chosen is None:
+            raise ValueError(
+                f"Passed `budget={self.budget}` bytes ({self.budget / 2**20:.1f} MiB) for activations, below the minimum "
+                f"possible for this model and batch: {minimum} bytes ({minimum / 2**20:.1f} MiB), measured with every "
+                f"block checkpointed ({outside} bytes outside the blocks, {sum(inputs)} of block inputs, "
+                f"{max(blocks)} to recompute the largest block). Raise the budget or reduce the batch size."
+            )
+        self._wrap_blocks(chosen)
+
+
+def _zero_stage(strategy: Any) -> int:
+    """The ZeRO stage of a DeepSpeed strategy's config (0 when it has none)."""
+    config = getattr(strategy, "config", None)
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return stage if isinstance(stage, int) else 0
+
+
+def choose_for_budget(outside: int, blocks: list[int], inputs: list[int], budget: int) -> tuple[list[int] | None, int]:
+    """The fewest blocks to checkpoint so that the kept activations fit ``budget``; and the minimum possible.
+
+    Kept bytes with the set ``S`` checkpointed: ``outside + sum(blocks[i], i not in S) + sum(inputs[i], i in S)
+    + max(blocks[i], i in S)`` (the last term: one block's activations exist while it is recomputed).
+    Blocks are added largest saving first. Returns ``(None, minimum)`` when even all of them do not fit.
+    """
+    order = sorted(range(len(blocks)), key=lambda i: blocks[i] - inputs[i], reverse=True)
+
+    def kept(chosen: list[int]) -> int:
+        c = set(chosen)
+        recompute = max((blocks[i] for i in c), default=0)
+        return outside + sum(b for i, b in enumerate(blocks) if i not in c) + sum(inputs[i] for i in c) + recompute
+
+    minimum = kept(list(range(len(blocks))))
+    chosen: list[int] = []
+    for i in [None, *order]:
+        if i is not None:
+            chosen.append(i)
+        if kept(chosen) <= budget:
+            return sorted(chosen), minimum
+    return None, minimum

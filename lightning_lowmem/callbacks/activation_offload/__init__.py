@@ -1,0 +1,8 @@
+"""``ActivationOffload``: saved activations to host memory in forward, back in backward.
+
+``callback`` is the callback; ``engine`` the saved-tensor hooks, ``copiers`` the device-host copies.
+"""
+
+from lightning_lowmem.callbacks.activation_offload.callback import METRIC_KEYS, ActivationOffload
+
+__all__ = ["METRIC_KEYS", "ActivationOffload"]

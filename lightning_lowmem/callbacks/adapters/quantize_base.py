@@ -1,0 +1,141 @@
+"""Quantize a frozen base model's linear layers with bitsandbytes (the base of a QLoRA fine-tune).
+
+Each ``nn.Linear`` but the output head (Hugging Face's ``BitsAndBytesConfig`` skips it too: the logits are the
+most precision-sensitive product) becomes a ``bitsandbytes.nn.Linear4bit`` (``"nf4"``/``"fp4"``, bitsandbytes'
+defaults: blocks of 64 values, double-quantized absmax) or ``Linear8bitLt`` (``"int8"``, row-wise scales, no
+outlier threshold), whose weight is quantized at once from the layer's current values on the layer's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.accounting import storage_key
+from lightning_lowmem.core.dry_run_refusal import DryRunUnsupportedError
+from lightning_lowmem.core.optional import require
+
+QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4", "int8")
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        head = None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _quantized(linear: nn.Linear, quant_type: str, bnb: Any) -> nn.Module:
+    weight = linear.weight
+    if weight.is_meta:
+        raise ValueError(
+            f"Passed `quantize_base={quant_type!r}` for a model whose weights are not loaded (on the meta device): "
+            "bitsandbytes quantizes real values. Load the weights before `setup` (in `__init__` or `configure_model`)."
+        )
+    if _fake(weight):
+        # NOTE: `Params4bit`/`Int8Params` are tensor subclasses built with `Tensor._make_subclass`, which cannot
+        # wrap a FakeTensor; bitsandbytes' quantize op itself has a fake kernel, its parameter classes do not.
+        raise DryRunUnsupportedError(
+            f"bitsandbytes {'Int8Params' if quant_type == 'int8' else 'Params4bit'}",
+            f"`Adapters(quantize_base={quant_type!r})` builds bitsandbytes' quantized parameters, which cannot wrap "
+            "a fake tensor; dry-run with `quantize_base=None` and count the base linears at their packed size "
+            "(see `packed_bytes`)",
+            None,
+        )
+    has_bias = linear.bias is not None
+    if quant_type == "int8":
+        q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False,
+                                device="meta")
+        q.weight = bnb.nn.Int8Params(weight.detach(), requires_grad=False, has_fp16_weights=False)
+    else:
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias, quant_type=quant_type,
+                              device="meta")
+        q.weight = bnb.nn.Params4bit(weight.detach(), requires_grad=False, quant_type=quant_type, module=q)
+    if has_bias:
+        q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    # NOTE: bitsandbytes quantizes a weight when it is moved to a (non-meta) device: here, to the one it is on
+    q.weight = q.weight.to(weight.device)
+    if quant_type != "int8":
+        q.register_load_state_dict_pre_hook(_load_quant_state)
+    return q
+
+
+def _fake(t: torch.Tensor) -> bool:
+    return torch_internals.is_fake(t)
+
+
+def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Restore a 4-bit layer's quantization state from the entries its ``state_dict`` wrote beside its weight.
+
+    NOTE: ``Linear4bit`` saves its quantization state as extra keys (``weight.absmax``, ``weight.quant_map``, ...)
+    but has no loader for them (Hugging Face's quantizer reads them when it builds the model): without this a
+    strict ``load_state_dict`` (Lightning's resume) refuses them as unexpected. Rebuilt by bitsandbytes' own
+    ``QuantState.from_dict``; the packed weight itself then loads as any parameter.
+    """
+    import bitsandbytes as bnb
+
+    start = prefix + "weight."
+    entries = {k[len(start):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(start)]}
+    if entries:
+        state = bnb.functional.QuantState.from_dict(entries, device=module.weight.device)
+        module.weight.quant_state = state
+        module.quant_state = state
+
+
+def quantize_linears(model: nn.Module, quant_type: str) -> list[str]:
+    """Replace every ``nn.Linear`` of ``model`` but its output head by its bitsandbytes quantized layer, in place.
+
+    Returns the names of the layers replaced.
+
+    Raises:
+        ValueError: no ``nn.Linear`` to quantize (GPT-2's ``Conv1D`` layers are not linears), or weights on meta.
+    """
+    bnb = require("bitsandbytes", f"Adapters(quantize_base={quant_type!r})")
+    head = _head(model)
+    skip = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    replaced: list[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or isinstance(child, skip) or child is head:
+                continue
+            setattr(parent, child_name, _quantized(child, quant_type, bnb))
+            replaced.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    if not replaced:
+        kinds = sorted({type(m).__name__ for m in model.modules() if not list(m.children())})
+        raise ValueError(
+            f"Passed `quantize_base={quant_type!r}`, but the `{type(model).__name__}` has no `torch.nn.Linear` layer "
+            f"to quantize besides its output head (its leaf layers: {', '.join(kinds)}). bitsandbytes quantizes "
+            "`nn.Linear` only (GPT-2's `Conv1D` is not one): use `quantize_base=None`."
+        )
+    return replaced
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of a quantized layer's weight as stored: the packed values and their quantization state.
+
+    Counted by storage (a quantization map that layers share is counted once per layer here).
+    """
+    weight = module.weight
+    tensors = [weight.data]
+    tensors += _state_tensors(getattr(weight, "quant_state", None))
+    scb = getattr(weight, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        tensors.append(scb)
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    if state is None or not hasattr(state, "absmax"):
+        return []
+    out = [t for t in (state.absmax, getattr(state, "code", None), getattr(state, "offset", None))
+           if isinstance(t, torch.Tensor)]
+    nested = getattr(state, "state2", None)
+    return out + _state_tensors(nested) if nested is not None else out

@@ -1,0 +1,13 @@
+"""``ChunkedLMLoss``: a causal LM's cross-entropy computed chunk by chunk, never building the whole logits.
+
+``callback`` is the callback and the loss functions; ``chunked_ce`` the chunked cross-entropy itself.
+"""
+
+from lightning_lowmem.callbacks.chunked_lm_loss.callback import (
+    ChunkedLMLoss,
+    chunked_causal_lm_loss,
+    chunked_causal_lm_loss_sum,
+    is_chunked,
+)
+
+__all__ = ["ChunkedLMLoss", "chunked_causal_lm_loss", "chunked_causal_lm_loss_sum", "is_chunked"]

@@ -1,0 +1,467 @@
+"""``ChunkedLMLoss``: a causal LM's training loss without its full logits tensor."""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.callbacks.chunked_lm_loss.chunked_ce import (
+    BACKENDS,
+    Backend,
+    linear_cross_entropy_sum,
+    require_kernel,
+)
+from lightning_lowmem.core.hooks import check_lightning_object, restore_configure_model, run_after_configure_model
+from lightning_lowmem.core.reproducible import Reproducible
+
+__all__ = ["ChunkedLMLoss", "chunked_causal_lm_loss", "chunked_causal_lm_loss_sum", "is_chunked"]
+
+IGNORE_INDEX = -100
+_MARK = "_lowmem_chunked_lm_loss"  # instance attribute on a wrapped model: its settings
+_VERIFIED = "_lowmem_chunked_lm_loss_verified"
+# NOTE: logit values passed through the model's own post-processing once per model, to check that we reproduce it
+_PROBE = (-30.0, -4.0, -1.0, -0.25, 0.0, 0.5, 2.0, 7.0, 30.0)
+
+
+def _validate(chunk_tokens: Any, backend: Any, reduction: Any = "mean", ignore_index: Any = IGNORE_INDEX) -> list[str]:
+    problems = []
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        problems.append(f"`chunk_tokens={chunk_tokens!r}`; expected a positive int (rows of logits per chunk)")
+    if backend not in BACKENDS:
+        problems.append(f"`backend={backend!r}`; expected one of {', '.join(map(repr, BACKENDS))}")
+    if reduction not in ("mean", "sum"):
+        problems.append(f"`reduction={reduction!r}`; expected 'mean' or 'sum'")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        problems.append(f"`ignore_index={ignore_index!r}`; expected an int")
+    return problems
+
+
+def chunked_causal_lm_loss_sum(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    head_bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int = 1024,
+    shift: bool = True,
+    logit_scale: float | None = None,
+    logit_softcap: float | None = None,
+    backend: Backend = "auto",
+    recompute: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed next-token cross-entropy and the number of tokens it sums over: ``(loss_sum, num_tokens)``.
+
+    What ``AccumulationScheduler(loss_normalization="tokens")`` reads from ``training_step``:
+    ``return {"loss": loss_sum, "num_tokens": num_tokens}``. Arguments as :func:`chunked_causal_lm_loss`.
+    """
+    problems = _validate(chunk_tokens, backend, "mean", ignore_index)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        problems.append(f"`hidden` of shape {tuple(getattr(hidden, 'shape', ()))}; expected [..., tokens, hidden_size]")
+    elif not isinstance(head_weight, torch.Tensor) or head_weight.dim() != 2 or head_weight.size(1) != hidden.size(-1):
+        problems.append(
+            f"`head_weight` of shape {tuple(getattr(head_weight, 'shape', ()))}; expected [vocab_size, "
+            f"{hidden.size(-1)}] (the LM head's `weight`, e.g. `model.get_output_embeddings().weight`)"
+        )
+    elif not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        problems.append(
+            f"`labels` of shape {tuple(getattr(labels, 'shape', ()))}; expected {tuple(hidden.shape[:-1])} "
+            "(the hidden states' shape without the last dimension)"
+        )
+    if head_bias is not None and (head_bias.dim() != 1 or head_bias.size(0) != head_weight.size(0)):
+        problems.append(f"`head_bias` of shape {tuple(head_bias.shape)}; expected [{head_weight.size(0)}]")
+    if problems:
+        raise ValueError("chunked_causal_lm_loss: passed " + "; ".join(problems) + ".")
+    if shift:
+        # NOTE: as Hugging Face's ForCausalLMLoss: position t predicts label t+1, the last position predicts nothing.
+        # Shifting the labels (a pad) instead of the hidden states keeps `hidden` a view: no copy of the activations.
+        labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = labels.reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.size(-1))
+    loss_sum = linear_cross_entropy_sum(
+        rows, head_weight, targets, bias=head_bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+        scale=logit_scale, softcap=logit_softcap, backend=backend, recompute=recompute,
+    )
+    return loss_sum, (targets != ignore_index).sum()
+
+
+def chunked_causal_lm_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    head_bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int = 1024,
+    reduction: Literal["mean", "sum"] = "mean",
+    shift: bool = True,
+    logit_scale: float | None = None,
+    logit_softcap: float | None = None,
+    backend: Backend = "auto",
+    recompute: bool = True,
+) -> torch.Tensor:
+    """Next-token cross-entropy of ``hidden @ head_weight^T`` computed ``chunk_tokens`` rows at a time.
+
+    Same result as ``F.cross_entropy(logits[..., :-1, :].float(), labels[..., 1:], ignore_index=-100)`` with
+    ``logits = hidden @ head_weight^T (+ head_bias)``, but the logits exist one chunk at a time, in forward and
+    in backward (recomputed there): the loss's memory is about 1.5 x ``chunk_tokens x vocab x 4`` bytes instead of
+    ``tokens x vocab x (2 + 4 + 4)``. Cost: the head's matmul runs twice (once more in backward).
+
+    Args:
+        hidden: the last hidden states, ``[..., tokens, hidden_size]`` (after the final norm).
+        head_weight: the LM head's weight ``[vocab, hidden_size]``; ``head_bias`` its bias, if any.
+        labels: ``[..., tokens]`` token ids, ``ignore_index`` where no loss is wanted (padding, prompts).
+        chunk_tokens: rows of logits per chunk.
+        reduction: ``"mean"`` over the labelled tokens (0 when there are none), or ``"sum"``.
+        shift: labels are the inputs (shifted inside, as Hugging Face does); ``False``: already aligned.
+        logit_scale, logit_softcap: ``softcap * tanh(scale * logits / softcap)`` (Cohere's ``logit_scale``,
+            Gemma's ``final_logit_softcapping``), applied in fp32.
+        backend: ``"auto"`` (Liger Kernel, else Cut Cross-Entropy where installed and on CUDA, else ours),
+            ``"chunked"`` (ours), ``"liger"``, ``"cce"``.
+        recompute: ours recomputes each chunk's logits in backward. ``False``: computes the gradients in forward
+            from the logits it has (no second head matmul) and holds them (``[tokens, hidden]`` and
+            ``[vocab, hidden]`` in the compute dtype) until backward; no second backward through the loss.
+
+    Example (``model`` a Hugging Face ``GPT2LMHeadModel``; the same loss as its ``labels=`` one):
+
+        >>> model = tiny_model().model.eval()  # no dropout
+        >>> ids = torch.randint(0, model.config.vocab_size, (2, 32))
+        >>> out = model.transformer(input_ids=ids)                         # hidden states only
+        >>> loss = chunked_causal_lm_loss(out.last_hidden_state, model.lm_head.weight, ids, chunk_tokens=16)
+        >>> torch.allclose(loss, model(input_ids=ids, labels=ids).loss)
+        True
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"chunked_causal_lm_loss: passed `reduction={reduction!r}`; expected 'mean' or 'sum'.")
+    loss_sum, count = chunked_causal_lm_loss_sum(
+        hidden, head_weight, labels, head_bias=head_bias, ignore_index=ignore_index, chunk_tokens=chunk_tokens,
+        shift=shift, logit_scale=logit_scale, logit_softcap=logit_softcap, backend=backend, recompute=recompute,
+    )
+    return loss_sum if reduction == "sum" else loss_sum / count.clamp(min=1)
+
+
+# --- the Hugging Face model's forward -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Settings:
+    chunk_tokens: int
+    backend: str
+    recompute: bool
+
+
+def is_chunked(model: nn.Module) -> bool:
+    """Whether ``ChunkedLMLoss`` wraps ``model``'s forward (its training forward with labels returns no logits)."""
+    return getattr(model, _MARK, None) is not None
+
+
+def head_transform(model: nn.Module) -> tuple[float | None, float | None]:
+    """``(scale, softcap)`` the model applies to ``lm_head``'s output: Cohere, Granite, Gemma. Checked by a probe."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(model, "logit_scale", None)  # Cohere: logits * logit_scale
+    scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
+    scaling = getattr(text, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if isinstance(scaling, (int, float)) and scaling not in (0, 1):
+        scale = (scale or 1.0) / float(scaling)
+    softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2/3: cap * tanh(logits / cap)
+    return scale, (float(softcap) if softcap else None)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return torch_internals.is_fake(t) or t.device.type == "meta"
+
+
+def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The instance ``forward`` of a wrapped model (bound with ``types.MethodType``, so ``deepcopy`` rebinds it)."""
+    settings: _Settings = getattr(self, _MARK)
+    original = type(self).forward.__get__(self)
+    if not self.training:
+        return original(*args, **kwargs)
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)  # NOTE: let the model raise its own message
+    arguments = dict(bound.arguments)
+    for name, param in inspect.signature(original).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    labels, shift_labels = arguments.pop("labels", None), arguments.pop("shift_labels", None)
+    keep = arguments.get("logits_to_keep")
+    if (labels is None and shift_labels is None) or not (keep is None or (isinstance(keep, int) and keep == 0)):
+        return original(*args, **kwargs)
+    num_items = arguments.pop("num_items_in_batch", None)
+    ignore_index = arguments.pop("ignore_index", IGNORE_INDEX)
+    head = self.get_output_embeddings()
+    scale, softcap = head_transform(self)
+    result: dict[str, Any] = {}
+
+    def head_forward(hidden: torch.Tensor) -> torch.Tensor:
+        # NOTE: runs inside `head.__call__`, so hooks that fetch or stream the head's weight around its forward still
+        # fire around the loss; returns a tiny probe instead of [batch, tokens, vocab] logits.
+        if result:
+            raise RuntimeError(f"ChunkedLMLoss: `{type(self).__name__}` calls its LM head twice in one forward; "
+                               "compute the loss with `chunked_causal_lm_loss` in your own training_step instead.")
+        target = labels if shift_labels is None else shift_labels
+        result["sum"], result["count"] = chunked_causal_lm_loss_sum(
+            hidden, head.weight, target.to(hidden.device), head_bias=head.bias, ignore_index=ignore_index,
+            chunk_tokens=settings.chunk_tokens, shift=shift_labels is None, logit_scale=scale, logit_softcap=softcap,
+            backend=settings.backend, recompute=settings.recompute,  # type: ignore[arg-type]
+        )
+        dtype = torch.promote_types(hidden.dtype, head.weight.dtype)
+        if torch.is_autocast_enabled(hidden.device.type):
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+        shape = (*([1] * (hidden.dim() - 1)), len(_PROBE))
+        if getattr(self, _VERIFIED, False):  # NOTE: no host-to-device copy (a sync on CUDA) after the first step
+            result["probe"] = hidden.new_zeros(shape, dtype=dtype)
+        else:
+            result["probe"] = torch.tensor(_PROBE, dtype=dtype, device=hidden.device).reshape(shape)
+        return result["probe"]
+
+    previous = head.__dict__.get("forward")
+    head.__dict__["forward"] = head_forward
+    try:
+        out = original(**arguments)
+    finally:
+        if previous is None:
+            del head.__dict__["forward"]
+        else:
+            head.__dict__["forward"] = previous
+    if not result:
+        raise RuntimeError(f"ChunkedLMLoss: `{type(self).__name__}`'s forward never called its output embeddings "
+                           f"(`{type(head).__name__}`); compute the loss with `chunked_causal_lm_loss` instead.")
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    _verify_once(self, result["probe"], logits, scale, softcap)
+    loss_sum, count = result["sum"], result["count"]
+    if num_items is not None:  # NOTE: Hugging Face's convention: the caller's token count for the whole batch
+        loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
+    else:
+        loss = loss_sum / count.clamp(min=1)
+    if isinstance(out, tuple):
+        return (loss, *out[1:])
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    new = type(out)(loss=loss, **fields)
+    new["loss_sum"], new["num_tokens"] = loss_sum, count
+    return new
+
+
+def _verify_once(model: nn.Module, probe: torch.Tensor, logits: Any, scale: float | None, softcap: float | None) -> None:
+    """Check once per model that its post-processing of ``lm_head``'s output is what the loss applies."""
+    if getattr(model, _VERIFIED, False) or _is_fake(probe) or (torch.is_tensor(logits) and _is_fake(logits)):
+        return  # NOTE: a dry run (fake weights: the head's output has no values to compare)
+    expected = probe.detach().double()
+    if scale is not None:
+        expected = expected * scale
+    if softcap is not None:
+        expected = torch.tanh(expected / softcap) * softcap
+    ok = torch.is_tensor(logits) and logits.shape == probe.shape
+    if ok:
+        tol = 1e-5 if probe.dtype in (torch.float32, torch.float64) else 2e-2
+        ok = torch.allclose(logits.detach().double(), expected, rtol=tol, atol=tol * 10)
+    if not ok:
+        raise ValueError(
+            f"ChunkedLMLoss cannot reproduce `{type(model).__name__}`'s logits: its forward changes the LM head's "
+            f"output in a way the callback does not know (it knows Cohere's `logit_scale`, Granite's "
+            "`logits_scaling` and Gemma's `final_logit_softcapping`). Remove the callback and compute the loss in "
+            "your training_step with `chunked_causal_lm_loss(hidden, head.weight, labels, logit_scale=..., "
+            "logit_softcap=...)`."
+        )
+    model.__dict__[_VERIFIED] = True
+
+
+def _causal_lm_classes() -> frozenset[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return frozenset(n for v in names for n in ([v] if isinstance(v, str) else v))
+
+
+def find_causal_lms(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost Hugging Face causal LMs under ``root`` (a class of, or derived from, an ``AutoModelForCausalLM``).
+
+    NOTE: causal only: a masked LM's or a seq2seq model's ``labels`` are not shifted, and a masked LM's head is
+    more than its output embeddings.
+    """
+    from transformers import PreTrainedModel
+
+    causal = _causal_lm_classes()
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        if any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        if not isinstance(module, PreTrainedModel) or not any(c.__name__ in causal for c in type(module).__mro__):
+            continue
+        if getattr(module.config, "is_encoder_decoder", False):
+            continue
+        try:
+            head = module.get_output_embeddings()
+        except (AttributeError, NotImplementedError):
+            head = None
+        if isinstance(head, nn.Module):
+            found.append((name, module))
+    return found
+
+
+class ChunkedLMLoss(Reproducible, pl.Callback):
+    """Compute a Hugging Face causal LM's training loss ``chunk_tokens`` tokens at a time, without the full logits.
+
+    Memory: the logits of a step (``tokens x vocab``: 4 x 1024 x 50257 for GPT-2-XL at batch 4, 0.39 GiB in bf16,
+    0.77 GiB more upcast to fp32, as much again for their gradient) never exist; one chunk's logits do (about
+    1.5 x ``chunk_tokens x vocab x 4`` bytes at the loss's peak: 128 tokens keep GPT-2-XL's loss under 64 MiB).
+    Cost: the head's matmul runs once more, in backward (each chunk's logits are recomputed there).
+
+    How: the model's own ``forward`` runs (so every input it takes keeps working), with its output embedding
+    (``lm_head``) computing the chunked loss from the hidden states and the labels instead of the logits. Same
+    result as the model's ``labels=`` loss: labels shifted inside, ``-100`` ignored, mean over the labelled tokens,
+    ``num_items_in_batch`` and ``shift_labels`` honoured; the head's bias, Gemma's logit soft-capping and Cohere's /
+    Granite's logit scale applied (in fp32; checked once per model against the model's own post-processing).
+
+    In training (``model.training`` and a ``labels`` or ``shift_labels`` argument) the output has
+    ``loss``, ``loss_sum`` and ``num_tokens`` (for ``AccumulationScheduler(loss_normalization="tokens")``:
+    ``return {"loss": out.loss_sum, "num_tokens": out.num_tokens}``) and **``logits`` is ``None``**.
+    Validation, test and predict (eval mode) and calls without labels run the model untouched.
+    ``CausalLMModule`` uses it in its training step by itself.
+
+    Args:
+        chunk_tokens: rows of logits per chunk (smaller: less memory, more, smaller matmuls).
+        backend: ``"auto"``: Liger Kernel's fused linear cross-entropy, else Apple's Cut Cross-Entropy, where
+            installed (``pip install 'lightning-lowmem[kernels]'``) and on CUDA; our chunked loss otherwise.
+            ``"chunked"``, ``"liger"`` or ``"cce"`` force one.
+        recompute: our loss recomputes each chunk's logits in backward (one more head matmul). ``False``
+            computes the gradients in the loss's forward instead, from the logits it has, and holds them (the head
+            weight's gradient and the hidden states') until backward, which follows at once: no extra matmul
+            (where the head dominates the step, e.g. a large vocabulary on a small model), about the same peak.
+
+    Composes with ``lowmem_offload``, DDP, ``ActivationCheckpointing``, ``ActivationOffload``,
+    ``AccumulationScheduler`` and ``LowBitOptimizer``. Not with DeepSpeed ZeRO stage 3 (refused: the head's
+    partitioned weight is not re-gathered for the loss's backward).
+
+    Example (the demo module's ``training_step`` computes ``self.model(input_ids=ids, labels=ids).loss``):
+
+        >>> from lightning_lowmem import ChunkedLMLoss
+        >>> chunked = ChunkedLMLoss(chunk_tokens=16)
+        >>> trainer = L.Trainer(strategy="lowmem_offload", precision="bf16-true", callbacks=[chunked],
+        ...                     max_steps=1, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(tiny_model(), tiny_data())
+        >>> trainer.global_step
+        1
+
+    Attributes:
+        wrapped: qualified names of the wrapped models, from setup to the end of fit (then ``[]``: unwrapped).
+    """
+
+    def __init__(self, chunk_tokens: int = 1024, backend: Backend = "auto", recompute: bool = True) -> None:
+        super().__init__()
+        problems = _validate(chunk_tokens, backend)
+        if not isinstance(recompute, bool):
+            problems.append(f"`recompute={recompute!r}`; expected True or False")
+        if problems:
+            wrong_type = isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or not isinstance(recompute, bool)
+            raise (TypeError if wrong_type else ValueError)("ChunkedLMLoss: passed " + "; ".join(problems) + ".")
+        if backend in ("liger", "cce"):
+            require_kernel(backend, f"ChunkedLMLoss(backend={backend!r})")
+        self.chunk_tokens = chunk_tokens
+        self.backend = backend
+        self.recompute = recompute
+        self.wrapped: list[str] = []
+        self._models: list[nn.Module] = []
+        self._patched_configure_model = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_lightning_object(trainer, "the Trainer of ChunkedLMLoss")
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = trainer.strategy
+        if isinstance(strategy, DeepSpeedStrategy) and (strategy.config or {}).get("zero_optimization", {}).get("stage") == 3:
+            raise ValueError(
+                f"ChunkedLMLoss cannot run under `{type(strategy).__name__}` with ZeRO stage 3: DeepSpeed re-gathers "
+                "a partitioned weight only for its module's own backward, not for the loss's. Use ZeRO stage 2, "
+                "`strategy='lowmem_offload'`, or remove the callback."
+            )
+        if self.backend in ("liger", "cce") and strategy.root_device.type != "cuda":
+            raise ValueError(
+                f"Passed `backend={self.backend!r}` with the Trainer on `{strategy.root_device}`; the {self.backend} "
+                "kernels are Triton (CUDA only). Use backend='auto' (ours off CUDA) or backend='chunked'."
+            )
+        if self.backend == "cce" and not str(trainer.precision).startswith(("bf16", "16")):
+            raise ValueError(
+                f"Passed `backend='cce'` with `Trainer(precision={trainer.precision!r})`; Cut Cross-Entropy runs only "
+                "in float16/bfloat16. Use precision='bf16-mixed' (or '16-mixed'), or backend='auto'/'chunked'."
+            )
+        run_after_configure_model(pl_module, lambda: self.apply(pl_module))
+        self._patched_configure_model = True
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._models:  # a no-op when configure_model applied it already
+            self.apply(pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self._patched_configure_model:
+            restore_configure_model(pl_module)
+            self._patched_configure_model = False
+        self.remove()
+
+    def apply(self, root: nn.Module) -> list[str]:
+        """Wrap the causal LMs under ``root`` (what setup does; for a dry run of the module). Returns their names."""
+        if self._models:
+            return self.wrapped
+        found = find_causal_lms(root)
+        if not found:
+            raise ValueError(
+                f"ChunkedLMLoss found no Hugging Face causal LM in `{type(root).__name__}` (a model class of "
+                "`AutoModelForCausalLM`, or derived from one, with output embeddings: GPT2LMHeadModel, "
+                "LlamaForCausalLM, ...). For a head of your own, call `chunked_causal_lm_loss(hidden, head_weight, labels)` "
+                "in training_step instead of the callback."
+            )
+        problems = []
+        for name, model in found:
+            head = model.get_output_embeddings()
+            plain = isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
+            if not plain or not head.weight.is_floating_point():
+                problems.append(
+                    f"`{name or type(model).__name__}`'s output embeddings are a `{type(head).__name__}` with a "
+                    f"{getattr(getattr(head, 'weight', None), 'dtype', None)} weight; the chunked loss needs a plain "
+                    "`nn.Linear` with a floating-point weight (not quantized, not LoRA-wrapped)"
+                )
+            elif self.backend == "cce" and head.bias is not None:
+                problems.append(f"`{name or type(model).__name__}`'s LM head has a bias and backend='cce' was passed; "
+                                "Cut Cross-Entropy takes no bias (backend='auto' picks Liger or ours for it)")
+        if problems:
+            raise ValueError("ChunkedLMLoss: " + "; ".join(problems) + ".")
+        settings = _Settings(self.chunk_tokens, self.backend, self.recompute)
+        for name, model in found:
+            if "forward" in model.__dict__:
+                raise ValueError(
+                    f"ChunkedLMLoss: `{name or type(model).__name__}` already has an instance-level `forward` "
+                    "(another wrapper); the callback replaces the class's forward and would drop it."
+                )
+            model.__dict__[_MARK] = settings
+            model.forward = types.MethodType(_chunked_forward, model)  # type: ignore[method-assign]
+            self._models.append(model)
+        self.wrapped = [name or type(model).__name__ for name, model in found]
+        rank_zero_info(f"ChunkedLMLoss: chunked training loss for {', '.join(self.wrapped)} "
+                       f"(chunk_tokens={self.chunk_tokens}, backend={self.backend!r}, recompute={self.recompute})")
+        return self.wrapped
+
+    def remove(self) -> None:
+        """Give the wrapped models their class's forward back."""
+        for model in self._models:
+            model.__dict__.pop("forward", None)
+            model.__dict__.pop(_MARK, None)
+            model.__dict__.pop(_VERIFIED, None)
+        self._models, self.wrapped = [], []

@@ -1,0 +1,177 @@
+"""The ``lowmem`` command: Lightning's LightningCLI with the ``lowmem_*`` names registered.
+
+    lowmem fit --config configs/demo.yaml      # any LightningCLI subcommand: fit, validate, test, predict
+    lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB
+    lowmem plan --config run.yaml --device-memory 12GB --write plan.yaml   # the fastest recipe that fits
+    lowmem consolidate CHECKPOINT_DIR OUT_FILE  # DeepSpeed directory checkpoint -> plain fp32 state dict
+    lowmem build-ops                           # compile DeepSpeed's CPU ops once, ahead of the runs
+
+A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in
+``class_path:`` form, and callbacks by their short names (``class_path: ActivationCheckpointing``).
+Modules in the current directory are importable (``class_path: my_module.MyModel``), after every installed one.
+Bad input ends with one ``lowmem: error: ...`` line naming the value and the fix; set
+``LOWMEM_TRACEBACK=1`` to see the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import warnings
+
+from lightning_lowmem.cli.commands import CALLBACKS, LOOPS, SUBCOMMANDS, TOOLS
+
+# NOTE: the imports inside the functions below are deliberate: `lowmem --help` (and each tool's `--help`) must
+# answer without importing Lightning or torch (seconds), so what needs them is imported when it is used.
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "bad input": shown as one line, not a traceback."""
+    from jsonargparse import ArgumentError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_lowmem.core.disk_full import DiskFullError
+    from lightning_lowmem.core.host_memory import HostMemoryError
+    from lightning_lowmem.core.ops_build import StaleBuildLockError
+    from lightning_lowmem.core.preflight import LaunchError
+    from lightning_lowmem.strategies.offload.strategy import NonFiniteGradientError
+
+    return (
+        ValueError,
+        TypeError,
+        FileNotFoundError,
+        IsADirectoryError,
+        ModuleNotFoundError,
+        MisconfigurationException,
+        HostMemoryError,
+        NonFiniteGradientError,
+        DiskFullError,
+        StaleBuildLockError,
+        LaunchError,
+        ArgumentError,  # jsonargparse's, raised instead of printing the usage text (see `cli.errors`)
+    )
+
+
+def print_help() -> None:
+    width = max(map(len, SUBCOMMANDS))
+    print("usage: lowmem {" + ",".join(SUBCOMMANDS) + "} ...\n")
+    print("lightning_lowmem: train models larger than the GPU's memory with Lightning flags.\n")
+    for name, what in SUBCOMMANDS.items():
+        print(f"  {name.ljust(width)}  {what}")
+    print("\n`lowmem SUBCOMMAND --help` describes one. Set LOWMEM_TRACEBACK=1 to see full tracebacks.")
+
+
+def print_loop_help(subcommand: str) -> None:
+    """``lowmem fit --help``: what a user of the suite needs, without importing Lightning or torch.
+
+    NOTE: LightningCLI's own help (every argument of the Trainer, the model and the data: 500+ lines) imports
+    torch and Lightning and builds the whole parser, which takes seconds to a minute; it stays one flag away
+    (``--help-all``).
+    """
+    from lightning_lowmem._registry import STRATEGIES
+
+    print(f"usage: lowmem {subcommand} --config run.yaml [--config more.yaml] [--SECTION.KEY VALUE ...]\n")
+    what = {"fit": "Train", "validate": "Run the validation loop", "test": "Run the test loop",
+            "predict": "Run the predict loop"}[subcommand]
+    print(f"{what} with Lightning's LightningCLI. A YAML file names the model, the data and the Trainer's arguments "
+          "and callbacks (configs/demo.yaml is one); any key can be overridden on the command line.\n")
+    options = [
+        ("-c, --config FILE", "a YAML file (repeatable; later files and flags override earlier ones)"),
+        ("--print_config", "print the resolved configuration (after every override) and exit"),
+        ("--trainer.strategy NAME", "a lowmem_* name below, or Lightning's (auto, ddp, deepspeed_stage_2, ...)"),
+        ("--trainer.precision P", "32-true, bf16-true, 16-true, bf16-mixed, 16-mixed"),
+        ("--trainer.accelerator A", "auto (CUDA where present), cpu, gpu"),
+        ("--trainer.max_steps N", "optimizer steps to train for"),
+        ("--trainer.callbacks+=NAME", "add a callback by its short name (then --trainer.callbacks.KEY VALUE)"),
+        ("--model CLASS_PATH", "your LightningModule (--model.init_args.KEY VALUE for its arguments)"),
+        ("--data CLASS_PATH", "your LightningDataModule (--data.init_args.KEY VALUE)"),
+        ("--ckpt_path PATH", "resume from a checkpoint (`last` for the latest)"),
+    ]
+    width = max(len(flag) for flag, _ in options)
+    print("Main options:")
+    for flag, what in options:
+        print(f"  {flag.ljust(width)}  {what}")
+    width = max(map(len, [*STRATEGIES, *CALLBACKS]))
+    print("\nStrategies of lightning_lowmem (`strategy: NAME` under `trainer:`):")
+    for name, entry in STRATEGIES.items():
+        print(f"  {name.ljust(width)}  {entry[2]}")
+    print("\nCallbacks of lightning_lowmem (`- class_path: NAME` with `init_args:` under `trainer: callbacks:`):")
+    for name, what in CALLBACKS.items():
+        print(f"  {name.ljust(width)}  {what}")
+    print(f"\n`lowmem {subcommand} --help-all` lists every option (the Trainer's, your model's and data's: LightningCLI's "
+          "full help). `lowmem estimate --config run.yaml` predicts the run's peak memory first.")
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost bad-input error behind ``err`` (jsonargparse wraps a constructor's error in its own)."""
+    found, seen = err, set()
+    user_errors = _user_errors()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, user_errors):
+            found = err
+        err = err.__cause__ or err.__context__
+    return found
+
+
+def _current_directory_importable() -> None:
+    """Put the working directory LAST on ``sys.path``, so that a YAML file's ``class_path: my_module.MyModel`` imports.
+
+    NOTE: a console script's ``sys.path[0]`` is its ``bin`` folder, so ``my_module.py`` next to the YAML file
+    would fail with "No module named 'my_module'". Last, not first: a file in the current directory named like
+    a module that ``lowmem`` itself imports (``jsonargparse.py``, ``yaml.py``, ``torch.py``) must not replace it
+    (code from a downloaded project's folder would run in place of the library). ``python -P`` /
+    ``PYTHONSAFEPATH`` (the user asked for no such entry) is respected.
+    """
+    if sys.flags.safe_path:
+        return
+    cwd = os.getcwd()
+    if not any(entry in ("", ".", cwd) for entry in sys.path):
+        sys.path.append(cwd)
+
+
+def _message(err: BaseException, args: list[str]) -> str:
+    """The one line for ``err``: jsonargparse's errors explained (``_cli_errors.one_line``), others' root cause."""
+    from lightning_lowmem.cli import errors as _cli_errors  # NOTE: imports Lightning: only on an error
+
+    return _cli_errors.one_line(err, args, _root_cause(err))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print_help()
+        return 0
+    if args[0] in LOOPS and any(a in ("-h", "--help") for a in args[1:]):
+        print_loop_help(args[0])
+        return 0
+    if args[0] in LOOPS and "--help-all" in args[1:]:
+        args = [("--help" if a == "--help-all" else a) for a in args]
+        argv = args
+    _current_directory_importable()
+    try:
+        if args[0] in TOOLS:
+            module, function = TOOLS[args[0]]
+            return int(getattr(importlib.import_module(module), function)(args[1:]) or 0)
+        from lightning_lowmem.cli import errors as _cli_errors
+        from lightning_lowmem.predict.lightning_cli import LowMemCLI
+
+        _cli_errors.check_config_files(args)
+        with warnings.catch_warnings():
+            # NOTE: `--help-all` is handed on as `--help` through `args=`, which LightningCLI warns about whenever
+            # sys.argv holds arguments too (they are the same command line here)
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            LowMemCLI(args=argv)
+    except Exception as err:
+        if not isinstance(err, _user_errors()):
+            raise
+        if os.environ.get("LOWMEM_TRACEBACK"):
+            raise
+        print(f"lowmem: error: {_message(err, args)}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

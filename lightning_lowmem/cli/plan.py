@@ -1,0 +1,128 @@
+"""``lowmem plan``: the fastest recipe of the suite that fits your GPU, as a YAML ``lowmem fit`` runs.
+
+    lowmem plan --config run.yaml --device-memory 12GB --host-memory 64GB --write plan.yaml
+    lowmem plan --model gpt2-xl --batch-size 4 --seq-len 1024 --hardware rtx3060-12gb
+    lowmem plan --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 8 \
+        --device-memory 12GB
+    lowmem fit --config plan.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+_EPILOG = (
+    "Every candidate (strategy, precision, checkpointing, activation offload, chunked loss, micro-batch for the same "
+    "effective batch, 8-bit AdamW, optimizer in backward, ZeRO offload presets) is priced by a cost model, then "
+    "predicted by the dry run (the real Trainer.fit on fake tensors), fastest first, until one fits. Hardware "
+    "profiles: rtx2060-6gb, rtx3060-12gb, rtx4090-24gb, a100-40gb, a100-80gb, h100-80gb, 'measure' (this "
+    "machine), or a YAML file (`base: <profile>` and the fields to change)."
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from lightning_lowmem.cli.estimate import add_data_arguments
+
+    parser = argparse.ArgumentParser(prog="lowmem plan", description=__doc__.split("\n")[0], epilog=_EPILOG)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", help="a LightningCLI YAML (its model and data; its techniques are replaced)")
+    what.add_argument("--model", help="a shipped shape (gpt2 ... gpt2-xl, llama-7b, ...), config.json path or type, or "
+                      "the class path of your LightningModule (with --data, or its own train_dataloader)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    add_data_arguments(parser)
+    parser.add_argument("--batch-size", type=int, help="the effective batch (--model; --config: the data's)")
+    parser.add_argument("--seq-len", type=int, help="with --model: the sequence length")
+    parser.add_argument("--device-memory", help="device budget, e.g. 12GB (default: the hardware profile's memory)")
+    parser.add_argument("--host-memory", help="host budget, e.g. 64GB (default: not checked)")
+    parser.add_argument("--hardware", help="a profile name, 'measure', or a YAML file (default: rtx3060-12gb rates)")
+    parser.add_argument("--pure-half", action="store_true", help="also consider half weights without fp32 masters")
+    parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--write", help="write the chosen recipe as a YAML `lowmem fit --config` runs")
+    parser.add_argument("--json", help="also write the plan as JSON")
+    return parser
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    problems = []
+    for flag in ("write", "json"):
+        value = getattr(args, flag)
+        if value and Path(value).is_dir():
+            problems.append(f"Passed `--{flag} {value}`, which is a directory; give a file name in it")
+        elif value and not Path(value).parent.is_dir():
+            parent = Path(value).parent
+            problems.append(f"Passed `--{flag} {value}`, but the directory {str(parent)!r} does not exist; create it "
+                            f"(`mkdir -p {parent}`) or give a path in an existing one")
+    from lightning_lowmem.cli.estimate import size_problem
+
+    for flag in ("device_memory", "host_memory"):
+        value = getattr(args, flag)
+        problem = None if value is None else size_problem(f"--{flag.replace('_', '-')}", value)[1]
+        problems += [problem] if problem else []
+    for flag in ("batch_size", "seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            problems.append(f"Passed `--{flag.replace('_', '-')} {value}`; expected a positive integer")
+    if args.config and (args.set or args.seq_len):
+        problems.append("`--set`/`--seq-len` are for --model; with --config the YAML describes the model and data")
+    if args.device_memory is None and args.hardware is None:
+        problems.append("give `--device-memory` (e.g. 12GB) or `--hardware` (a profile with its memory)")
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lowmem plan``: rank the suite's recipes for a run and a budget; write the fastest that fits."""
+    parser = _parser()
+    from lightning_lowmem.cli.estimate import data_problems, glue_values, split_data_args
+
+    try:
+        rest, init_args = split_data_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        parser.exit(2, f"lowmem plan: error: {err}\n")
+    args = parser.parse_args(glue_values(rest, ("--device-memory", "--host-memory")))
+    from lightning_lowmem.plan.search import NoRecipeFitsError, plan
+    from lightning_lowmem.predict.estimate import _module_class
+
+    problems = _check(args)
+    model = args.config
+    module_class = _module_class(args.model) if args.model else None
+    data, data_issues = data_problems(args, init_args, module_class)
+    problems += data_issues
+    if module_class is not None:
+        model = module_class  # your LightningModule, built on the meta device, on --data or its own dataloader
+    elif args.model:
+        from lightning_lowmem.cli.estimate import _model_config
+
+        try:
+            model = _model_config(args)
+        except (ValueError, FileNotFoundError, TypeError) as err:
+            problems.append(str(err))
+    if problems:
+        parser.exit(2, "lowmem plan: error: " + "\n- ".join(["the arguments do not describe a plan:", *problems]) + "\n")
+    try:
+        result = plan(model, args.batch_size, args.seq_len, device_memory=args.device_memory,
+                      host_memory=args.host_memory, hardware=args.hardware, pure_half=args.pure_half,
+                      target=args.target, data=data)
+    except NoRecipeFitsError as err:
+        parser.exit(1, f"lowmem plan: {err}\n")
+    except ValueError as err:
+        parser.exit(2, f"lowmem plan: error: {err}\n")
+    what = args.config or (f"{args.model} on {args.data}" if data is not None else
+                           f"{args.model}: batch {args.batch_size}, seq {args.seq_len}")
+    print(f"{what}; {result.hardware.name}; {'; '.join(result.notes)}; {result.wall_s:.1f} s")
+    print(result.table())
+    print(result.summary())
+    print(f"Python: {result.trainer_arguments()}")
+    if args.write:
+        command = "lowmem plan " + " ".join(sys.argv[1:] if argv is None else argv)
+        path = result.write_yaml(args.write, command)
+        print(f"wrote {path}: run it with `lowmem fit --config {path}`")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    return 0
+
+
+__all__ = ["main"]

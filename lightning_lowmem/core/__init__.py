@@ -1,0 +1,1 @@
+"""The bottom layer: byte accounting, the CUDA seam, atomic files, shared model plumbing (imports only ``_internals``)."""

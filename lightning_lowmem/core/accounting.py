@@ -1,0 +1,168 @@
+"""The five memory categories every report and benchmark of this project speaks in.
+
+``weights``, ``gradients``, ``optimizer_state`` (fp32 masters included), ``activations`` (tensors
+autograd saves for backward) and ``other`` (temporaries, buffers, allocator slack), each counted in
+bytes per role: ``device`` (the accelerator, the compute role) and ``host`` (CPU memory a technique
+offloads to). On a CPU-only machine both roles are the same memory; the split then says which
+tensors a technique keeps in the compute role.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from lightning_lowmem._internals import torch as torch_internals
+
+Category = Literal["weights", "gradients", "optimizer_state", "activations", "other"]
+Role = Literal["device", "host"]
+CATEGORIES: tuple[Category, ...] = ("weights", "gradients", "optimizer_state", "activations", "other")
+ROLES: tuple[Role, ...] = ("device", "host")
+
+
+def _zeros() -> dict[str, int]:
+    return dict.fromkeys(CATEGORIES, 0)
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes by category, for the device role and the host role."""
+
+    device: dict[str, int] = field(default_factory=_zeros)
+    host: dict[str, int] = field(default_factory=_zeros)
+
+    def add(self, role: Role, category: Category, nbytes: int) -> None:
+        if category not in CATEGORIES:
+            raise ValueError(f"Passed `category={category!r}`; expected one of {CATEGORIES}.")
+        getattr(self, role)[category] += int(nbytes)
+
+    def total(self, role: Role) -> int:
+        return sum(getattr(self, role).values())
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        out = MemoryBreakdown()
+        for role in ROLES:
+            for cat in CATEGORIES:
+                out.add(role, cat, getattr(self, role)[cat] + getattr(other, role)[cat])
+        return out
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {role: {**getattr(self, role), "total": self.total(role)} for role in ROLES}
+
+
+@runtime_checkable
+class ReportsMemory(Protocol):
+    """Implemented by strategies and callbacks that know where they keep their tensors.
+
+    ``MemoryReport`` and the benchmarks ask every strategy and callback of the Trainer that
+    implements it, and add the answers.
+    """
+
+    def memory_breakdown(self) -> MemoryBreakdown: ...
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Identity of a tensor's storage: two views of one storage have the same key.
+
+    NOTE: the StorageImpl (``_cdata``), not ``data_ptr``: the storages of fake tensors (a dry run) and empty
+    ones all have address 0.
+    """
+    return (str(t.device), torch_internals.storage_key(t.untyped_storage()))
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        key = storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def module_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers of ``module``."""
+    return unique_storage_bytes([*module.parameters(), *module.buffers()])
+
+
+def module_grad_bytes(module: torch.nn.Module) -> int:
+    return unique_storage_bytes(p.grad for p in module.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, quantization state, step counters)."""
+    tensors = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    return unique_storage_bytes(tensors)
+
+
+# --- host-role marking ---------------------------------------------------------------------------
+# NOTE: on a CPU-only machine a tensor "offloaded to the host" lives in the same memory as one kept
+# in the compute role, so the device alone cannot tell the roles apart. Techniques that keep tensors
+# on the host (fp32 masters, host gradients, offloaded activations) mark them here, and trackers
+# count marked storages in the host role. Marks are weak: a freed tensor drops out by itself.
+_HOST_TENSORS: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+
+_HOST_LISTENERS: list[Callable[[torch.Tensor], None]] = []
+
+
+_MARKED: dict[int, weakref.ref] = {}  # id -> ref of every marked tensor, to make marking idempotent
+
+
+def _unmark(key: int, ref: weakref.ref) -> None:
+    """A marked tensor died: forget its id (unless the id already marks a newer tensor)."""
+    if _MARKED.get(key) is ref:
+        del _MARKED[key]
+
+
+def mark_host(*tensors: torch.Tensor) -> None:
+    """Mark tensors as kept in the host role (their storage is counted on the host side). Idempotent."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            # NOTE: WeakSet.add compares two live refs to one tensor with Tensor.__eq__ (elementwise: "Boolean
+            # value of Tensor ... is ambiguous"), so a tensor already marked must not reach it again.
+            ref = _MARKED.get(id(t))
+            if ref is not None and ref() is t:
+                continue
+            _MARKED[id(t)] = weakref.ref(t, functools.partial(_unmark, id(t)))
+            _HOST_TENSORS.add(t)
+            for listener in _HOST_LISTENERS:
+                listener(t)
+
+
+def host_tensors() -> list[torch.Tensor]:
+    """Every live tensor marked with :func:`mark_host`."""
+    return list(_HOST_TENSORS)
+
+
+def add_host_listener(fn: Callable[[torch.Tensor], None]) -> None:
+    """Call ``fn(tensor)`` on every later :func:`mark_host` (an active ``MemoryTracker`` re-tags at once)."""
+    _HOST_LISTENERS.append(fn)
+
+
+def remove_host_listener(fn: Callable[[torch.Tensor], None]) -> None:
+    if fn in _HOST_LISTENERS:
+        _HOST_LISTENERS.remove(fn)
+
+
+def host_storage_keys() -> set[tuple[str, int]]:
+    """Storage keys of every live tensor marked with :func:`mark_host`."""
+    return {storage_key(t) for t in list(_HOST_TENSORS)}
+
+
+def is_host(t: torch.Tensor) -> bool:
+    return storage_key(t) in host_storage_keys()

@@ -1,0 +1,107 @@
+"""A full disk during a save, said in one line: which device, which file, how much was needed, how much is free.
+
+``torch.save`` reports a failed write as ``RuntimeError: ... unexpected pos N vs M`` (the errno is lost);
+the atomic writers keep the ``OSError`` of the write itself (``_digest.HashingWriter.error``) and turn an
+``ENOSPC`` / ``EDQUOT`` into :class:`DiskFullError`, after removing their temporary file or directory so that
+the space is given back.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from typing_extensions import override
+
+from lightning_lowmem.core.accounting import unique_storage_bytes
+from lightning_lowmem.core.tensors import tensors_in
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """No space left on the device (or the quota) while writing a checkpoint; the previous one is intact."""
+
+    @override
+    def __str__(self) -> str:
+        return str(self.strerror)  # NOTE: the sentence alone, without OSError's "[Errno 28] ...: 'filename'"
+
+
+def full_disk_error(err: BaseException | None) -> OSError | None:
+    """The ``ENOSPC``/``EDQUOT`` ``OSError`` behind ``err`` (itself, a cause or a context), or None."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _FULL:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def device_of(path: str | os.PathLike) -> str:
+    """``/dev/sda1 (mounted at /data)`` for the filesystem holding ``path`` (its nearest existing ancestor)."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    mount = p
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    source = None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 2 and fields[1].replace("\\040", " ") == str(mount):
+                    source = fields[0]  # NOTE: the last entry for a mount point is the one in effect
+    except OSError:
+        pass
+    return f"{source} (mounted at {mount})" if source else f"the filesystem mounted at {mount}"
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def disk_full_error(cause: OSError, path: str | os.PathLike, needed: int | None, part: str = "") -> DiskFullError:
+    """The error to raise for ``cause`` (ENOSPC/EDQUOT) while writing ``path`` (``part``: which file of it).
+
+    Call it after the cleanup, so that the free space it reports is what the user has now.
+    """
+    free = free_bytes(path)
+    what = "no space left on" if cause.errno == errno.ENOSPC else "the disk quota is exceeded on"
+    amounts = ", ".join(
+        x for x in (f"needed ~{_size(needed)}" if needed else "", f"free {_size(free)}" if free is not None else "") if x
+    )
+    error = DiskFullError(
+        cause.errno,
+        f"{what.capitalize()} {device_of(path)} while writing {str(path)!r}"
+        + (f" ({part})" if part else "")
+        + (f" ({amounts})" if amounts else "")
+        + ". What was written was removed; the previous checkpoint there, if any, is intact. Free space on that device, "
+        "or save elsewhere (`ModelCheckpoint(dirpath=...)`, `Trainer(default_root_dir=...)`), or keep fewer "
+        "checkpoints (`ModelCheckpoint(save_top_k=...)`).",
+    )
+    error.filename = str(path)
+    return error
+
+
+def tensor_bytes(obj: object) -> int:
+    """The bytes of the distinct tensor storages in a (nested) checkpoint: about what ``torch.save`` writes."""
+
+    return unique_storage_bytes(tensors_in(obj))

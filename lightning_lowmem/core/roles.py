@@ -1,0 +1,40 @@
+"""Roles a technique declares, so that code in another part of the package recognises it by type, never by name.
+
+The strategies (``strategies/``) and the callbacks (``callbacks/``) never import each other. Where one must know
+what the other is, it asks ``isinstance(obj, Role)`` for a role defined here, which the technique's class
+inherits: a subclass keeps the role, a renamed class keeps it, and a look-alike of another package never has it.
+"""
+
+from __future__ import annotations
+
+
+class HostMastersStrategy:
+    """A strategy whose optimizers step fp32 master weights on the host, not the module's parameters
+    (``OffloadStrategy``, ``strategy="lowmem_offload"``).
+
+    A callback that steps or replaces the optimizer itself (``OptimizerInBackward``) refuses it and names the
+    strategy's own option instead; one that holds per-parameter state keyed by the module's parameters
+    (``LowBitOptimizer``) finds them through :meth:`master_of`.
+    """
+
+    def master_of(self, p_host: object) -> object | None:
+        """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
+        raise NotImplementedError
+
+
+class LowBitOptimizerSwap:
+    """A callback that replaces the configured optimizer by a bitsandbytes 8-bit one at fit start
+    (``LowBitOptimizer``).
+
+    A strategy that counts the host RAM of the optimizer state before the swap counts the 8-bit state instead
+    (:func:`~lightning_lowmem.core.optimizer_state.expected_state_bytes` reads :attr:`min_8bit_size` and
+    :attr:`stable_embedding`).
+    """
+
+    #: tensors with fewer values keep 32-bit state
+    min_8bit_size: int
+    #: embeddings keep 32-bit state
+    stable_embedding: bool
+
+
+__all__ = ["HostMastersStrategy", "LowBitOptimizerSwap"]

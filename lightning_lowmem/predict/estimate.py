@@ -1,0 +1,277 @@
+"""``estimate_memory``: the predicted peak memory of a run, before any training.
+
+It answers "will this model fit my card, and with which flags?" from a dry run
+(:func:`~lightning_lowmem.predict.dry_run.dry_run`: the real ``Trainer.fit`` on fake tensors) of the run
+described the way the Trainer is given it: ``strategy`` and ``callbacks`` are what ``Trainer`` accepts, or
+a LightningCLI YAML (the file ``lowmem fit --config`` runs). Keyword shorthands (``offload=True``,
+``checkpointing="all"``, ...) name the suite's techniques for quick tables; they build the same run
+description. Closed forms (:mod:`~lightning_lowmem.predict.analytic`) are printed beside the figure as a
+bound, and used alone only with ``method="analytic"`` or when the model cannot be traced (the result says why).
+
+Example (a tiny GPT-2 shape here; ``"gpt2-xl"`` and the other shipped names are given the same way, and
+``estimate_memory("configs/demo.yaml")`` predicts the run a YAML describes, with its own data):
+
+    >>> from lightning_lowmem import ActivationCheckpointing, LowBitOptimizer, estimate_memory
+    >>> shape = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}
+    >>> est = estimate_memory(shape, batch_size=2, seq_len=32, strategy="lowmem_offload", precision="bf16-true",
+    ...                       callbacks=[ActivationCheckpointing("all"), LowBitOptimizer("adamw8bit")])
+    >>> est.peak_device > 0, est.peak_host > 0, est.binding_phase      # bytes, bytes, the phase of the peak
+    (True, True, 'backward')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
+from lightning_lowmem.predict.analytic import analytic_phases
+from lightning_lowmem.predict.configs import causal_lm_factory, max_positions, resolve_config
+from lightning_lowmem.predict.dry_run import dry_run
+from lightning_lowmem.predict.fake import DryRunUnsupportedError
+from lightning_lowmem.predict.result import MemoryEstimate
+from lightning_lowmem.predict.run_config import load_run_config
+from lightning_lowmem.predict.run_spec import SHORTHANDS, RunSpec
+
+PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
+CHECKPOINTING = ("all", "every_n", "sqrt", "selective", None)
+OPTIMIZERS = ("adamw", "adamw8bit")
+ZERO_STAGES = (0, 2, 3)
+
+
+def validate_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"Passed `{name}={value!r}`; expected one of {', '.join(repr(c) for c in choices)}.")
+
+
+def estimate_memory(
+    model_or_config: Any,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    *,
+    strategy: Any = "auto",
+    precision: str = "32-true",
+    callbacks: Sequence[Any] = (),
+    accumulate_grad_batches: int = 1,
+    data: Any = None,
+    target: Literal["cpu", "cuda"] | None = None,
+    method: Literal["dry_run", "analytic"] = "dry_run",
+    extrapolate: bool | None = None,
+    offload: bool = False,
+    offload_params: bool = False,
+    checkpointing: Literal["all", "every_n", "sqrt", "selective"] | None = None,
+    checkpointing_every_n: int = 2,
+    activation_offload: bool = False,
+    micro_batch_size: int | None = None,
+    optimizer: Literal["adamw", "adamw8bit"] | None = None,
+    optimizer_in_backward: bool = False,
+    zero_stage: Literal[0, 2, 3] = 0,
+    world_size: int = 1,
+    chunked_loss: int | None = None,
+) -> MemoryEstimate:
+    """Predict peak memory per phase, role and category of one run.
+
+    Args:
+        model_or_config: a LightningModule (or a callable building one; its own ``training_step`` and
+            ``configure_optimizers`` run), a LightningCLI YAML path (``*.yaml``: model, data, trainer and callbacks
+            as ``lowmem fit --config`` reads them), or a model shape: a shipped name (``gpt2``, ``gpt2-medium``,
+            ``gpt2-large``, ``gpt2-xl``, ``opt-1.3b``, ``llama-7b``, ...), a ``config.json`` path, a model type, a dict
+            or a ``transformers`` config (run with the demo ``CausalLMModule``'s causal-LM step).
+        batch_size, seq_len: a causal-LM token batch (the effective batch with ``micro_batch_size``); for a module
+            with ``data`` (or its own dataloader) leave them out.
+        strategy, precision, callbacks, accumulate_grad_batches: what ``Trainer`` is given (names or objects).
+        data: a LightningDataModule or dataloader for a module (its first batches).
+        target: ``"cuda"`` applies the listed CPU-vs-GPU corrections; ``"cpu"`` predicts a CPU run as traced.
+            Default: a YAML's ``trainer.accelerator`` (``auto``: CUDA where this machine has it, else the CPU);
+            ``"cuda"`` for everything else. The result's ``target`` says which was used.
+        method: ``"analytic"`` skips the trace (closed form only; 21 % low to 6 % high against the measured peaks of benchmarks/results/estimate.md).
+        extrapolate: see :func:`~lightning_lowmem.predict.dry_run.dry_run`.
+        offload, offload_params, checkpointing, checkpointing_every_n, activation_offload: shorthands for the
+            suite's techniques (``OffloadStrategy``, ``OffloadStrategy(offload_params=True)``,
+            ``ActivationCheckpointing``, ``ActivationOffload``); not together with ``strategy``/``callbacks``.
+        micro_batch_size, optimizer, optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands as well
+            (``AccumulationScheduler``, ``LowBitOptimizer``, ``OptimizerInBackward``, the ``lowmem_zero*`` presets,
+            the number of processes, ``ChunkedLMLoss(chunk_tokens=)``); not together with ``strategy``/``callbacks``.
+
+    Raises:
+        ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run
+            refuses (with the real run's message).
+    """
+    validate_choice("precision", precision, PRECISIONS)
+    validate_choice("checkpointing", checkpointing, CHECKPOINTING)
+    validate_choice("optimizer", optimizer, (*OPTIMIZERS, None))
+    validate_choice("zero_stage", zero_stage, ZERO_STAGES)
+    validate_choice("target", target, ("cpu", "cuda", None))
+    validate_choice("method", method, ("dry_run", "analytic"))
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"Passed `{name}={value!r}`; expected a positive integer.")
+    if micro_batch_size is not None and (batch_size is None or not isinstance(micro_batch_size, int)
+                                         or not 1 <= micro_batch_size <= batch_size or batch_size % micro_batch_size):
+        raise ValueError(
+            f"Passed `micro_batch_size={micro_batch_size!r}` with `batch_size={batch_size!r}`; expected a divisor "
+            "of the batch size (AccumulationScheduler steps on whole micro-batches)."
+        )
+    flags = {"offload": offload, "offload_params": offload_params, "checkpointing": checkpointing,
+             "activation_offload": activation_offload, "micro_batch_size": micro_batch_size, "optimizer": optimizer,
+             "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage, "chunked_loss": chunked_loss}
+    used = [k for k in SHORTHANDS if flags[k] not in (None, False, 0, "adamw")]
+    if used and (strategy != "auto" or callbacks):
+        raise ValueError(
+            f"Passed the shorthand(s) {used} together with `strategy`/`callbacks`; describe the run one way: either "
+            "the shorthands, or the Trainer's own `strategy=` and `callbacks=[...]`."
+        )
+    if zero_stage and optimizer_in_backward:
+        raise ValueError("Passed `zero_stage` and `optimizer_in_backward=True`; DeepSpeed runs its own optimizer step.")
+    if used:
+        run = RunSpec.from_flags(precision=precision, offload=offload, offload_params=offload_params,
+                                 checkpointing=checkpointing,
+                                 checkpointing_every_n=checkpointing_every_n, activation_offload=activation_offload,
+                                 batch_size=batch_size, micro_batch_size=micro_batch_size, optimizer=optimizer,
+                                 optimizer_in_backward=optimizer_in_backward, zero_stage=zero_stage,
+                                 world_size=world_size, chunked_loss=chunked_loss)
+    else:
+        run = RunSpec(strategy=strategy, precision=precision, callbacks=list(callbacks),
+                      accumulate_grad_batches=accumulate_grad_batches, world_size=world_size)
+
+    module, config = None, None
+    source = "target=" if target is not None else "the default for a model without a Trainer"
+    if isinstance(model_or_config, (str, Path)) and str(model_or_config).endswith((".yaml", ".yml")):
+        if used or strategy != "auto" or callbacks:
+            raise ValueError(f"Passed the YAML `{model_or_config}` with technique arguments; the YAML describes the run.")
+        module, data, run = load_run_config(model_or_config)
+        if target is None:
+            target, source = run.target or "cuda", run.target_source or "the default"
+    elif is_module(model_or_config):
+        module = model_or_config
+    elif (cls := module_class(model_or_config)) is not None:
+        module = cls  # built on the meta device with no arguments, its own data unless a token batch is given
+    else:
+        config = resolve_config(model_or_config)
+        if batch_size is None or seq_len is None:
+            raise ValueError(f"Passed the model shape {model_or_config!r} without `batch_size` and `seq_len`.")
+        positions = max_positions(config)
+        if positions is not None and seq_len > positions and getattr(config, "model_type", "") in ("gpt2", "opt"):
+            raise ValueError(f"Passed `seq_len={seq_len}`, beyond the {positions} positions of the model; "
+                             f"use at most {positions} or set `n_positions`/`max_position_embeddings`.")
+    target = target or "cuda"
+    bound = _analytic_bound(config, batch_size, micro_batch_size, seq_len, run, target) if config is not None else None
+    fallback = None
+    est = None
+    if method == "dry_run":
+
+        try:
+            factory = module if module is not None else causal_lm_factory(config)
+        except ValueError as err:
+            factory, fallback = None, str(err)
+        if factory is not None:
+            tokens = {"batch_size": batch_size, "seq_len": seq_len} if config is not None or (
+                data is None and batch_size and seq_len) else {}
+            try:
+                est = dry_run(factory, data, run=run, target=target, extrapolate=extrapolate, **tokens)
+            except DryRunUnsupportedError as err:
+                if bound is None:
+                    raise
+                fallback = str(err)
+    if est is None:
+        if bound is None:
+            raise ValueError(f"Cannot estimate this model: {fallback or 'no trace and no transformer config'}.")
+        est = MemoryEstimate(phases=bound[0], method="analytic", target=target, num_params=bound[1],
+                             fallback_reason=fallback, run=run.describe(),
+                             notes=["closed form (analytic.py): no trace; 21 % low to 6 % high on the benchmarked HF models"])
+    est.target_source = source
+    if bound is not None:
+        est.analytic_bound = {phase: bd.total("device") for phase, bd in bound[0].items()}
+        est.analytic_bound["peak"] = max(est.analytic_bound.values())
+    return est
+
+
+def module_class(name: Any) -> Any:
+    """The LightningModule class a dotted path such as ``my_project.models.MyModule`` names, or None."""
+    import importlib
+
+    import lightning as L
+
+    if not isinstance(name, str) or "." not in name or "/" in name or name.endswith(".json"):
+        return None
+    module_name, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, L.LightningModule) else None
+
+
+def is_module(obj: Any) -> bool:
+    import lightning as L
+
+    return isinstance(obj, L.LightningModule) or (
+        callable(obj) and not isinstance(obj, (str, Path, dict)) and not hasattr(obj, "model_type")
+    )
+
+
+def _analytic_bound(config: Any, batch_size: int | None, micro: int | None, seq_len: int | None, run: RunSpec,
+                    target: str) -> tuple[dict, int | None] | None:
+    """The closed-form bound of a transformer config, with exact parameter counts from a meta model."""
+    if batch_size is None or seq_len is None:
+        return None
+    num_params = largest = None
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        unique = {id(p): p for p in meta.parameters()}.values()
+        num_params = sum(p.numel() for p in unique)
+        largest = max(p.numel() for p in unique)
+    except Exception:  # noqa: BLE001, S110  NOTE: any architecture transformers cannot build: closed-form counts
+        pass
+    ckpt = next((c for c in reversed(run.callbacks) if isinstance(c, ActivationCheckpointing)), None)
+    low_bit = any(isinstance(c, LowBitOptimizer) for c in run.callbacks)
+    zero = run.zero()
+    precision = run.precision
+    if zero is not None:
+        precision = {"bf16-mixed": "bf16-true", "16-mixed": "16-true"}.get(precision, precision)
+    try:
+        phases = analytic_phases(
+            config, micro or batch_size, seq_len, precision=precision, optimizer="adamw8bit" if low_bit else "adamw",
+            checkpointing=getattr(ckpt, "policy", None) if ckpt is not None else None,
+            checkpointing_every_n=getattr(ckpt, "n", None) or 2, num_params=num_params, largest_param=largest,
+            flash_attention=True if target == "cuda" else None,
+            offload="offload" in run.strategy_name and zero is None,
+        )
+    except ValueError:
+        return None
+    return phases, num_params
+
+
+# --- the suite's combinations, for ``lowmem estimate --model`` ----------------------------------------------------
+COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
+    ("fp32 AdamW (baseline)", {}),
+    ("bf16-mixed", {"precision": "bf16-mixed"}),
+    ("bf16-true", {"precision": "bf16-true"}),
+    ("bf16-true + ckpt(all)", {"precision": "bf16-true", "checkpointing": "all"}),
+    ("bf16-true + ckpt(all) + 8-bit AdamW", {"precision": "bf16-true", "checkpointing": "all",
+                                             "optimizer": "adamw8bit"}),
+    ("offload + ckpt(all)", {"precision": "bf16-true", "offload": True, "checkpointing": "all"}),
+    ("offload + ckpt(all) + 8-bit AdamW", {"precision": "bf16-true", "offload": True, "checkpointing": "all",
+                                           "optimizer": "adamw8bit"}),
+    ("offload + ckpt(all) + act. offload", {"precision": "bf16-true", "offload": True, "checkpointing": "all",
+                                            "activation_offload": True}),
+    ("offload + ckpt(all) + act. offload + chunked loss", {"precision": "bf16-true", "offload": True,
+                                                            "checkpointing": "all", "activation_offload": True,
+                                                            "chunked_loss": 128}),
+    ("offload params + ckpt(all) + act. offload + chunked loss", {"precision": "bf16-true", "offload": True,
+                                                                   "offload_params": True, "checkpointing": "all",
+                                                                   "activation_offload": True, "chunked_loss": 128}),
+    ("bf16-true + ckpt(all) + opt-in-bwd", {"precision": "bf16-true", "checkpointing": "all",
+                                            "optimizer_in_backward": True}),
+    ("ZeRO-2", {"precision": "bf16-mixed", "zero_stage": 2}),
+    ("ZeRO-3 + offload", {"precision": "bf16-mixed", "zero_stage": 3, "offload": True}),
+]
+
+
+__all__ = ["COMBINATIONS", "MemoryEstimate", "estimate_memory", "is_module", "module_class", "validate_choice"]

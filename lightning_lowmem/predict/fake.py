@@ -1,0 +1,320 @@
+"""Real code on fake tensors: the environment a dry run executes the user's training in.
+
+Inside :func:`fake_execution`, every tensor made from a parameter is a ``FakeTensor`` (shape, dtype
+and storage size, no bytes), so the real ``Trainer``, strategy, precision plugin, callbacks and
+``training_step`` run on a model far larger than this machine's memory. What makes real code run
+there, each item named because without it a real run and its dry run part ways:
+
+* Values where they exist. Ops whose tensor inputs are all real (the batch, ``torch.arange``
+  positions, Lightning's scalars) run for real (inside a training step only when their outputs are
+  small), so data set-up keeps its values, and masks, token counts and Hugging Face's "is this
+  attention mask all ones?" checks get the answer the real run gets.
+* Stand-ins where they do not. A data-dependent read of a fake tensor (``.item()``, ``bool(t)``,
+  ``aten._local_scalar_dense``, ``torch.equal``) gets the value a healthy run gives where the op that made
+  it says so (``isfinite(x)`` is all True, ``isnan(x)``/``isinf(x)`` all False, through ``all``/``any``/``~``:
+  a non-finite guard or ``if not torch.isfinite(loss): return None`` does not skip the predicted step),
+  ``torch.equal`` True, and otherwise ``0.0`` for a float (a logged loss; "no overflow" for an fp16 found-inf
+  flag), ``1`` for an integer (a count you may divide by) and ``False`` for a bool.
+  :attr:`FakeExecution.stand_ins` counts them; the dry run lists them in its notes.
+* Module conversions. ``module.to(dtype)`` / ``.to(device)`` on fake parameters would go through
+  ``torch.utils.swap_tensors``, which refuses tensors that have weak references (every fake tensor
+  does); here the parameter's ``.data`` is replaced instead, keeping the ``Parameter`` object (and so
+  every optimizer and hook holding it).
+* ``LightningModule.log``/``log_dict`` are no-ops: Lightning's result collection moves logged values
+  with storage swaps that a fake tensor cannot take (the logged scalars are a few bytes).
+* Ops whose output size depends on values (``nonzero``, ``unique``, ``bincount``, boolean indexing): exact
+  where the values deciding the size are real (a mask or labels from the batch), otherwise a stated bound
+  (:mod:`lightning_lowmem.predict.data_dependent`; :attr:`FakeExecution.bounds`, listed in the estimate).
+* Fake kernels that allocate less than the real CPU kernel (the workspace of ``nn.LSTM``'s oneDNN kernel, the
+  unreduced buffer CPU's ``mse_loss`` returns its 0-d loss as a view of): corrected from the real kernel
+  (:mod:`lightning_lowmem.predict.kernels`; :attr:`FakeExecution.kernels`).
+* Ops that truly cannot run on fake tensors (no fake kernel, a size no bound covers) raise
+  :class:`DryRunUnsupportedError`, naming the op and the line of the model's code that called it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.hooks import swapped
+from lightning_lowmem.core.side_step import quiet_warnings, silenced_log
+from lightning_lowmem.predict.data_dependent import DataDependent
+from lightning_lowmem.predict.kernels import KernelMatch
+from lightning_lowmem.predict.unsupported import DryRunUnsupportedError, model_line, unsupported
+
+FakeTensor = torch_internals.FakeTensor
+FAKE_ERRORS = torch_internals.FAKE_ERRORS
+#: outputs of an all-real op up to this size are computed for real (values exist); larger ones stay fake
+REAL_OUTPUT_LIMIT = 16 * 2**20
+_SCALAR = torch_internals.ATEN.local_scalar_dense.default
+_EQUAL = torch.ops.aten.equal.default
+_BOOL_READS = frozenset({_EQUAL, torch.ops.aten.is_nonzero.default})
+_aten = torch.ops.aten
+# NOTE: the value a check of weight-derived values has in a healthy run (finite numbers): `if not torch.isfinite(loss)`
+# and a non-finite-gradient guard must not skip the step a dry run predicts
+_HEALTHY_OUTPUT = {_aten.isfinite: True, _aten.isnan: False, _aten.isinf: False, _aten.isposinf: False,
+                   _aten.isneginf: False}
+_KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.view, _aten.reshape, torch_internals.ATEN.unsafe_view,
+                          _aten.squeeze, _aten.unsqueeze, _aten.expand, _aten.select, _aten.slice, _aten.clone,
+                          _aten.detach, torch_internals.ATEN.to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
+_NEGATES = frozenset({_aten.logical_not, _aten.bitwise_not})
+# NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: fake
+# (`empty_like`/`new_empty` take the kind of their input), except small integer ones inside C++ composites that fill
+# them (see `_bookkeeping`)
+_EMPTY = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
+_HALF = (torch.bfloat16, torch.float16)
+class _Values(torch_internals.TorchDispatchMode):
+    """Above the fake mode: real values where the inputs are real, stand-ins for reads of fake values."""
+
+    def __init__(self, execution: FakeExecution) -> None:
+        super().__init__()
+        self.execution = execution
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        tensors = [t for t in torch_internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            execution = self.execution
+            if func is _SCALAR:
+                return execution.stand_in(tensors[0].dtype, execution.healthy.get(tensors[0]))
+            if func in _BOOL_READS:
+                return execution.stand_in(torch.bool, True if func is _EQUAL else execution.healthy.get(tensors[0]))
+            if execution.data_dependent.handles(func):
+                return execution.data_dependent(func, args, kwargs)
+            if execution.kernels.replaces(func):
+                return execution.kernels.replace(func, args, kwargs)
+            out = func(*args, **kwargs)
+            if execution.kernels.handles(func):
+                out = execution.kernels(func, args, kwargs, out)
+            if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+                execution.note_health(func, tensors, out)
+            return out
+        if self.execution.passthrough or (func in _EMPTY and not (self.execution.in_composite
+                                                                   and _bookkeeping(func, args, kwargs))):
+            return func(*args, **kwargs)  # fake: an empty tensor carries no values
+        if (func is _SCALAR or torch_internals.op_is_mutable(func) or (tensors and not self.execution.in_step)
+                or not _makes_tensors(func) or self.execution.data_dependent.handles(func)):
+            # NOTE: reads and in-place changes of real tensors stay real (the fake mode refuses to change a real
+            # tensor's metadata); outside the training step (data set-up, loading a batch) every op on real tensors
+            # stays real: the data must keep its values whatever its size.
+            with torch_internals.unset_fake_temporarily():
+                return func(*args, **kwargs)
+        # NOTE: factories, and ops in the step: run under the fake mode first (cheap) to learn the output sizes; only
+        # small outputs are worth their real bytes and compute (a causal mask of 64k x 64k tokens is not).
+        try:
+            out = func(*args, **kwargs)
+        except (torch_internals.DataDependentOutputException, torch_internals.DynamicOutputShapeException):
+            # NOTE: its size depends on the values: only the real kernel knows it (the inputs are real)
+            with torch_internals.unset_fake_temporarily():
+                return func(*args, **kwargs)
+        sizes = [t.untyped_storage().nbytes() for t in torch_internals.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if sum(sizes) > REAL_OUTPUT_LIMIT:
+            return out
+        with torch_internals.unset_fake_temporarily():
+            return func(*args, **kwargs)
+
+
+def _bookkeeping(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """A small integer ``empty``: lengths or indices that a C++ composite (``pad_packed_sequence``) fills and reads.
+
+    NOTE: only inside those composites (``FakeExecution.in_composite``): elsewhere a real empty could be filled by an
+    op on fake tensors, keep its garbage and be read as a value (a token count).
+    """
+    dtype = kwargs.get("dtype")
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return False
+    return math.prod(args[0]) * dtype.itemsize <= REAL_OUTPUT_LIMIT if args else False
+
+
+_MAKES_TENSORS: dict[Any, bool] = {}
+
+
+def _makes_tensors(func: Any) -> bool:
+    """Whether an op returns tensors (``allclose`` returns a bool: its value can only come from a real run)."""
+    known = _MAKES_TENSORS.get(func)
+    if known is None:
+        known = _MAKES_TENSORS[func] = any("Tensor" in str(r.type) for r in torch_internals.op_returns(func))
+    return known
+
+
+_CHECKS = {torch.isfinite: True, torch.isnan: False, torch.isinf: False, torch.isposinf: False, torch.isneginf: False,
+           torch.Tensor.isfinite: True, torch.Tensor.isnan: False, torch.Tensor.isinf: False,
+           torch.Tensor.isposinf: False, torch.Tensor.isneginf: False}
+
+
+#: C++ composites that allocate integer buffers with ``at::empty`` and write them through data pointers
+_FILLS_INTEGER_BUFFERS = frozenset({torch_internals.PAD_PACKED_SEQUENCE})
+
+
+class _HealthyChecks(TorchFunctionMode):
+    """Notes the healthy-run value of ``isfinite``/``isnan``/``isinf`` results (they decompose before dispatch)."""
+
+    def __init__(self, execution: FakeExecution) -> None:
+        super().__init__()
+        self.execution = execution
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _FILLS_INTEGER_BUFFERS:
+            execution = self.execution
+            inside, execution.in_composite = execution.in_composite, True
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                execution.in_composite = inside
+        out = func(*args, **(kwargs or {}))
+        healthy = _CHECKS.get(func)
+        if healthy is not None and isinstance(out, FakeTensor):
+            self.execution.healthy[out] = healthy
+        return out
+
+
+class FakeExecution:
+    """The state of one :func:`fake_execution`: its fake mode and the stand-in values it handed out."""
+
+    def __init__(self) -> None:
+        self.mode = torch_internals.FakeTensorMode(allow_non_fake_inputs=True)
+        self.stand_ins: dict[str, int] = {}
+        #: inside a training step (set by the dry run's hooks): all-real ops with large outputs stay fake there
+        self.in_step = False
+        #: every op goes to the fake mode (see :meth:`fake`)
+        self.passthrough = False
+        #: inside a C++ composite that fills small integer buffers (see ``_bookkeeping``)
+        self.in_composite = False
+        #: fake boolean tensors whose value in a healthy run is known (``isfinite(x)`` is all True)
+        self.healthy: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: data-dependent ops (``nonzero``, ``unique``...): their bounds in :attr:`DataDependent.bounds`
+        self.data_dependent = DataDependent(model_line)
+        #: fake kernels corrected to the real CPU kernels' outputs (:attr:`KernelMatch.corrections`)
+        self.kernels = KernelMatch(lambda op, detail: DryRunUnsupportedError(op, detail, model_line()))
+
+    def notes(self) -> list[str]:
+        """What this execution assumed or corrected, one line each (the dry run lists them in its notes)."""
+        out = [f"{op} at {where}: {assumption} ({n}x)" for (op, where, assumption), n in self.data_dependent.bounds.items()]
+        for (op, what), n in self.kernels.corrections.items():
+            detail = self.kernels.details.get((op, what))
+            out.append(f"{op}: fake kernel corrected to the real CPU kernel's output ({what}; "
+                       f"+{self.kernels.added_bytes[(op, what)]:,} B over {n} calls{'; ' + detail if detail else ''})")
+        return out
+
+    def note_health(self, func: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Remember what a boolean result is in a healthy run, when its op says (see ``_HEALTHY_OUTPUT``)."""
+        packet = func.overloadpacket
+        known = [self.healthy.get(t) for t in inputs if t.dtype == torch.bool]
+        if packet in _HEALTHY_OUTPUT:
+            self.healthy[out] = _HEALTHY_OUTPUT[packet]
+        elif packet in _KEEPS_VALUE and known and None not in known and len(set(known)) == 1:
+            self.healthy[out] = known[0]
+        elif packet in _NEGATES and known and known[0] is not None:
+            self.healthy[out] = not known[0]
+
+    def stand_in(self, dtype: torch.dtype, healthy: bool | None = None) -> Any:
+        if healthy is not None:
+            value: Any = healthy if dtype == torch.bool else (float(healthy) if dtype.is_floating_point else int(healthy))
+        elif dtype == torch.bool:
+            value = False
+        elif dtype.is_floating_point or dtype.is_complex:
+            value = 0.0
+        else:
+            value = 1
+        key = f"{dtype} -> {value!r}"
+        self.stand_ins[key] = self.stand_ins.get(key, 0) + 1
+        return value
+
+    def fake(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fake CPU tensor with ``t``'s size, stride and (or) ``dtype``: no bytes are allocated."""
+        passthrough, self.passthrough = self.passthrough, True
+        try:
+            with self.mode:
+                return torch.empty_strided(t.size(), t.stride(), dtype=dtype or t.dtype, device="cpu")
+        finally:
+            self.passthrough = passthrough
+
+
+def _apply_on_fake(original: Any) -> Any:
+    """``nn.Module._apply`` that moves a module holding fake parameters through ``.data`` (see the NOTE below)."""
+
+    def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        params = [p for p in torch_internals.module_parameters(self).values() if p is not None]
+        if not any(isinstance(p, FakeTensor) for p in params):
+            return original(self, fn, recurse)
+        if recurse:
+            for child in self.children():
+                torch_internals.module_apply(child, fn)
+        with torch.no_grad():
+            for p in params:
+                new = fn(p)
+                if new is not p:
+                    # NOTE: `.data` keeps the Parameter object that optimizers and hooks hold (as `.to()` does on
+                    # real tensors); swap_tensors, which `.to()` picks for fake ones, refuses weakly referenced ones.
+                    p.data = new
+                if p.grad is not None:
+                    grad = fn(p.grad)
+                    if grad is not p.grad:
+                        p.grad = grad
+        buffers = torch_internals.module_buffers(self)
+        for key, buf in buffers.items():
+            if buf is not None:
+                buffers[key] = fn(buf)
+        return self
+
+    return apply
+
+
+@contextlib.contextmanager
+def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
+    """Run the block with fake tensors from parameters on, real values where they exist (see module docstring).
+
+    Raises:
+        DryRunUnsupportedError: an op of the model cannot run on fake tensors.
+    """
+    import lightning.pytorch as pl
+
+    execution = FakeExecution()
+    try:
+        # NOTE: logging off for every LightningModule (the class: a module built inside is one too); a dry run's
+        # warnings are about the simulation, not the run. Not a side step: the techniques' wrappers must run.
+        with (torch_internals.module_apply_replaced(_apply_on_fake), silenced_log(pl.LightningModule),
+              quiet_warnings() if quiet else contextlib.nullcontext(), execution.mode, _Values(execution),
+              _HealthyChecks(execution)):
+            yield execution
+    except FAKE_ERRORS as err:
+        raise unsupported(err) from err
+
+
+def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bool = False) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are fake (same sizes, strides, tying); nothing allocated.
+
+    The module objects are deep-copied (cheap: no tensor bytes), so the caller's module is never touched;
+    tied weights stay one tensor. ``upcast_half``: bf16/fp16 floating tensors become fp32 (the module as
+    built, before a half-precision plugin converted it). A Trainer reference is not copied.
+    """
+    memo: dict[int, Any] = {}
+
+    def fake_of(t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if upcast_half and t.dtype in _HALF else t.dtype
+        shape = getattr(t, "ds_shape", None)  # NOTE: DeepSpeed ZeRO-3 leaves empty partitions; this is the full size
+        f = execution.fake(t if shape is None else torch.empty(shape, device="meta"), dtype)
+        if isinstance(t, torch.nn.Parameter):
+            f = torch.nn.Parameter(f, requires_grad=t.requires_grad)
+        return f
+
+    def deepcopy_tensor(self: torch.Tensor, memo_: dict[int, Any]) -> torch.Tensor:
+        if id(self) not in memo_:
+            memo_[id(self)] = fake_of(self)
+        return memo_[id(self)]
+
+    # NOTE: every tensor reachable from the module (parameters, buffers, plain tensor attributes) becomes fake
+    with swapped(torch.Tensor, __deepcopy__=deepcopy_tensor), swapped(torch.nn.Parameter, __deepcopy__=deepcopy_tensor):
+        return copy.deepcopy(module, memo)
+
+
+__all__ = ["DryRunUnsupportedError", "FakeExecution", "fake_copy", "fake_execution", "model_line"]

@@ -1,0 +1,1 @@
+"""``MemoryReport``: the measured step beside its prediction, rendered."""

@@ -1,0 +1,92 @@
+"""Host RAM that ``lowmem_offload`` allocates, and the check made before it allocates any (private helper).
+
+:func:`host_bytes_needed` adds up, by part, what :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy`
+will hold on the host: fp32 masters (4 B/param), fp32 gradient buffers (4 B/trainable param, none with
+``optimizer_in_backward``), the state of the optimizer that will step (the table of
+:mod:`lightning_lowmem.core.optimizer_state`, shared with the analytic bound), the pinned staging buckets on
+CUDA (the compute weights themselves on the CPU) and the host copies of streamed blocks. :func:`check_host_ram`
+compares the total with what this process may allocate (:func:`lightning_lowmem.core.host_memory.check_host_memory`)
+and refuses to start, naming the parts and the fixes, instead of being killed mid-setup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.core import host_memory as _host_memory
+from lightning_lowmem.core.optimizer_state import expected_state_bytes
+from lightning_lowmem.core.roles import LowBitOptimizerSwap
+from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.param_stream import block_params
+from lightning_lowmem.strategies.offload.precision import autocast_cast_params
+from lightning_lowmem.strategies.offload.transfer import planned_staging_bytes
+
+if TYPE_CHECKING:
+    from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
+
+
+def host_bytes_needed(
+    strategy: OffloadStrategy,
+    module: torch.nn.Module,
+    optimizers: list[Optimizer],
+    with_grads: bool = True,
+    callbacks: Sequence[Any] = (),
+) -> dict[str, int]:
+    """Host bytes ``strategy`` will allocate for ``module`` and ``optimizers``, by part (see the module docstring)."""
+    numel = sum(p.numel() for _, p in HostMasters.unique_params(module))
+    trainable = sum(p.numel() for _, p in HostMasters.unique_params(module) if p.requires_grad)
+    dtype = strategy.precision_plugin.compute_dtype  # type: ignore[attr-defined]
+    low_bit = next((cb for cb in callbacks if isinstance(cb, LowBitOptimizerSwap)), None)
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    precision = strategy.precision_plugin
+    half = {id(p) for p in autocast_cast_params(module)} if precision.mixed else None  # type: ignore[attr-defined]
+    specs = [
+        (p.numel(), dtype if half is None or id(p) in half else torch.float32)
+        for _, p in HostMasters.unique_params(module)
+    ]
+    parts = {
+        "masters": 4 * numel,
+        "gradient_buffers": 4 * trainable if with_grads and not strategy.optimizer_in_backward else 0,
+        "optimizer_state": sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers),
+        # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
+        # (see [staging buckets]); on CPU: the compute weights share host RAM
+        "staging_or_compute_weights": planned_staging_bytes(strategy.root_device, specs),
+        "streamed_weights": streamed_host_bytes(strategy.offload_params, module, dtype),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def streamed_host_bytes(offload_params: Any, module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Host copies of the streamed blocks (all blocks under ``True``; counted for all under ``"auto"`` too)."""
+    if offload_params is False:
+        return 0
+    _, per_block, _ = block_params(module)
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() * size for ps in per_block for p in ps)
+
+
+def check_host_ram(strategy: OffloadStrategy, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
+    """Raise (naming the parts and the fixes) when the host cannot hold what ``strategy`` is about to allocate."""
+    trainer = lightning_internals.attached_trainer(strategy.lightning_module)
+    need = strategy.host_bytes_needed(module, optimizers, with_grads, trainer.callbacks if trainer else ())
+    need.pop("total")
+    low_bit = any(isinstance(cb, LowBitOptimizerSwap) for cb in (trainer.callbacks if trainer else ()))
+    fixes = []
+    if need["optimizer_state"] and not low_bit:
+        fixes.append("8-bit optimizer state (`callbacks=[LowBitOptimizer()]`, ~2 B/param for Adam instead of 8)")
+    if need["gradient_buffers"]:
+        fixes.append("`OffloadStrategy(optimizer_in_backward=True)` (no gradient buffers)")
+    fixes += [
+        "a smaller model, or a machine/container with more RAM (or raise the limit named above)",
+        "`OffloadStrategy(check_host_memory=False)` to try anyway",
+    ]
+    _host_memory.check_host_memory(
+        {k.replace("_", " "): v for k, v in need.items()}, who="`OffloadStrategy` (strategy='lowmem_offload')",
+        fixes=fixes,
+    )

@@ -1,0 +1,249 @@
+"""The optimizer step of ``lowmem_offload`` (a part of :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy`).
+
+The step on the host masters (the fused host kernel where it applies), the copy of the stepped masters back into the
+compute weights, the step of each parameter inside backward (``optimizer_in_backward``) and the non-finite guard
+(bf16 / fp32: a step on inf/nan gradients is skipped, counted, warned about once, refused after too many in a row).
+:class:`HostStep` is a base of ``OffloadStrategy`` and reads its state (``_masters``, ``_transfer``, ...); it is not
+used on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.accounting import mark_host
+from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
+from lightning_lowmem.strategies.offload.masters_view import copy_to_compute
+from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
+
+
+class HostStep:
+    """The step of ``OffloadStrategy`` (see the module docstring)."""
+
+    # --- the step --------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        self._manual.before_step()
+        model = model or self.lightning_module
+        assert isinstance(model, pl.LightningModule)
+        precision = self.precision_plugin
+        assert isinstance(precision, MasterHalfPrecision)
+        if self.optimizer_in_backward:
+            self._bad_in_backward = []
+            out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
+            # NOTE: value clipping happened per parameter; norm clipping is refused; the masters hold no gradient
+            precision.step_hooks(model, optimizer, clip=False)
+            precision.last_step_skipped = out is None or self._skip_backward
+            if self._skip_backward or self._bad_in_backward:
+                where = self._bad_in_backward or ["the loss"]
+                self._skip_backward = False
+                self._nonfinite_step(where[:3], len(where), model, whole=precision.last_step_skipped)
+            elif out is not None:
+                self._consecutive_skips = 0
+        else:
+            out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
+        if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/offload/manual_grads.py)
+            self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
+        elif not precision.last_step_skipped:
+            self._weights_to_device(optimizer)
+        if (self._guarding() and lightning_internals.attached_trainer(model) is not None
+                and lightning_internals.current_hook(model) is not None):
+            # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
+            model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+        return out
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._reused is not None:
+            self._reused.new_step()
+        try:
+            with self._stream.first_use_check("train") if self._stream is not None else nullcontext():
+                return super().training_step(*args, **kwargs)
+        finally:
+            self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream.first_use_check("validate") if self._stream is not None else nullcontext():
+            return super().validation_step(*args, **kwargs)
+
+    # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
+    def _guarding(self) -> bool:
+        """Whether the guard runs: ``nonfinite != "ignore"`` and no fp16 loss scaler (which skips overflows itself)."""
+        return self.nonfinite != "ignore" and getattr(self.precision_plugin, "scaler", None) is None
+
+    def _nonfinite_step(self, names: list[str], count: int, model: pl.LightningModule, whole: bool = True) -> None:
+        """Count a step skipped for non-finite gradients; warn once; raise per ``nonfinite``/``max_consecutive_skips``."""
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
+        what = ", ".join(f"`{n}`" if not n.startswith(("the ", "tensor ")) else n for n in names)
+        more = f" and {count - len(names)} more" if count > len(names) else ""
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more} "
+                "(`OffloadStrategy(nonfinite='raise')`). Look for the batch or loss that produced it "
+                "(`Trainer(detect_anomaly=True)`), or pass `nonfinite='skip'` to skip such steps."
+            )
+        if self._consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteGradientError(
+                f"lowmem_offload: {self._consecutive_skips} optimizer steps in a row had non-finite (inf/nan) gradients "
+                f"(the last at global step {step}, in {what}{more}); training is not progressing. Lower the learning "
+                "rate, check the data and the loss for inf/nan (`Trainer(detect_anomaly=True)`), or raise "
+                f"`OffloadStrategy(max_consecutive_skips={self.max_consecutive_skips})`."
+            )
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            partial = "" if whole else " (optimizer_in_backward: only those parameters' updates were skipped)"
+            warnings.warn(
+                f"lowmem_offload: non-finite (inf/nan) gradient at global step {step} in {what}{more}: skipped the "
+                f"optimizer step{partial}; the masters and the optimizer state are unchanged. Skips are counted in "
+                "`lowmem/skipped_steps`; this warning is shown once. "
+                f"{self.max_consecutive_skips} skips in a row raise an error.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _host_step(self, optimizer: Optimizer) -> Any:
+        """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
+        self.adopt_device_writes()
+        if self._guarding():
+            found = self._masters.nonfinite_grads(optimizer)
+            if found is not None:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None  # NOTE: the inf/nan gradient must not reach the next accumulation window
+                self.precision_plugin.last_step_skipped = True  # type: ignore[attr-defined]
+                self._nonfinite_step(*found, self.lightning_module)  # type: ignore[arg-type]
+                return None
+            self._consecutive_skips = 0
+        return self._raw_step(optimizer)
+
+    def _raw_step(self, optimizer: Optimizer) -> Any:
+        """``optimizer.step()`` on the host (with the fused kernel where it applies)."""
+        if self.host_optimizer != "as_is" and id(optimizer) not in self._fused:
+            # an optimizer swapped in after setup (e.g. by a callback in on_fit_start)
+            reason = _host_optimizer.why_not_fused(optimizer)
+            if reason is None:
+                self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
+            elif self.host_optimizer == "torch_fused":
+                raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer: {reason}. Use 'auto'.")
+        out = optimizer.step()
+        self._mark_state(optimizer)
+        return out
+
+    def _mark_state(self, optimizer: Optimizer, reset: bool = False) -> None:
+        """Count optimizer state created since the last call as host memory (each tensor marked once)."""
+        seen = self._state_marked.setdefault(id(optimizer), set())
+        if reset:
+            seen.clear()
+        if len(seen) == len(optimizer.state):
+            return
+        for p, state in optimizer.state.items():
+            if id(p) not in seen:
+                seen.add(id(p))
+                mark_host(*(v for v in state.values() if isinstance(v, Tensor)))
+
+    def _owner(self, p_host: Tensor) -> tuple[Optimizer, dict[str, Any]]:
+        """The optimizer and param group that hold ``p_host``, looked up in the *current* ``self.optimizers``."""
+        key = tuple(id(o) for o in self.optimizers)
+        if self._owner_cache is None or self._owner_cache[0] != key or id(p_host) not in self._owner_cache[1]:
+            table = {id(p): (opt, group) for opt in self.optimizers for group in opt.param_groups for p in group["params"]}
+            self._owner_cache = (key, table)
+        found = self._owner_cache[1].get(id(p_host))
+        if found is None:
+            raise RuntimeError(
+                f"Master of `{self._masters.names[self._masters.host_index[id(p_host)]]}` is in no optimizer of the strategy; an optimizer "
+                "swapped in after setup must hold the masters (`trainer.strategy.optimizers[i].param_groups`)."
+            )
+        return found
+
+    @torch.no_grad()
+    def _step_in_backward(self, i: int, grad: Tensor) -> None:
+        """Step master ``i`` alone, now, with the user's optimizer; then free its gradient."""
+        p_host = self._masters.p_host[i]
+        if self._skip_backward:
+            return  # NOTE: the loss was not finite (see `pre_backward`): no parameter steps in this backward
+        if self._guarding() and not bool(torch_internals.foreach_norm([grad])[0].isfinite()):
+            self._bad_in_backward.append(self._masters.names[i])
+            return
+        p_host.grad = grad.to(torch.float32)  # NOTE: a copy for half gradients; aliases an fp32 one (freed below)
+        if self._clip_value is not None:
+            p_host.grad.clamp_(-self._clip_value, self._clip_value)  # what clip_grad_value_ does, per parameter
+        optimizer, group = self._owner(p_host)
+        params = group["params"]
+        # NOTE: torch optimizers step every parameter of a group that has a gradient; giving the group this
+        # one parameter for the call makes the update (state, hyperparameters, schedulers) exactly the usual one.
+        group["params"] = [p_host]
+        try:
+            self._raw_step(optimizer)
+        finally:
+            group["params"] = params
+            p_host.grad = None
+
+    def _follow_trainable(self) -> None:
+        """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup: Lightning's
+        ``BackboneFinetuning`` unfreezing the backbone), with a master that takes gradients and a host buffer for them."""
+        masters = self._masters
+        sink = self._step_in_backward if self.optimizer_in_backward else masters.fold
+        for i, p in enumerate(masters.p_device):
+            if not p.requires_grad or i in self._hooked:
+                continue
+            self._hooked.add(i)
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i, sink)))
+            masters.p_host[i].requires_grad_(True)  # NOTE: a no-op at setup (the master copied the flag)
+            if not self.optimizer_in_backward and masters.grad_host[i] is None:
+                masters.grad_host[i] = torch.empty_like(masters.p_host[i])
+                mark_host(masters.grad_host[i])
+
+    def _weights_to_device(self, optimizer: Optimizer) -> None:
+        self._to_compute(self._masters.pairs(optimizer))
+
+    def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
+        assert self._transfer is not None
+        copy_to_compute(self._transfer, self._stream, pairs)
+        self._note_device([i for i, _, _ in pairs])
+
+    # --- [writes outside the hooks] -------------------------------------------------------------------------------
+    def _note_device(self, indices: Sequence[int] | None = None) -> None:
+        """Compute weights ``indices`` (all) match their masters now (streamed weights are not followed)."""
+        streamed = self._stream.shapes if self._stream is not None else {}
+        skip = frozenset(i for i, p in enumerate(self._masters.p_device) if id(p) in streamed)
+        self._masters.note_device(indices, skip)
+
+    def adopt_device_writes(self) -> None:
+        """Copy into their masters the compute weights that code wrote outside the hooks that show the masters (a
+        callback clamping or re-initialising weights): see [writes outside the hooks] in ``masters.py``."""
+        if self._view is not None and self._view._depth:
+            return  # NOTE: the parameters show the masters: code writes them directly
+        changed = self._masters.adopt_writes()
+        if changed:
+            self._note_device(changed)
+            if not self._warned_rounded_write:
+                self._warned_rounded_write = self._masters.warn_rounded(changed)
+
+
+__all__ = ["HostStep", "NonFiniteGradientError"]

@@ -1,0 +1,320 @@
+"""The fp32 host masters of ``lowmem_offload`` (private helper of :mod:`~lightning_lowmem.strategies.offload.strategy`).
+
+:class:`HostMasters` holds, for every floating-point parameter of the module (tied weights once), the pair
+(module parameter in the compute dtype on the device, fp32 master on the host), its name, the fp32 host
+gradient buffer that gradients are folded into, and the fp32 originals of the buffers that the cast to the
+compute dtype rounded. It builds the masters, points optimizers at them, folds gradients into them, reads and
+writes them in checkpoints, and hands them back to the module after training. Moving gradients and weights
+across the link is :mod:`~lightning_lowmem.strategies.offload.transfer`'s; the step is the strategy's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
+
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.accounting import mark_host, storage_key
+from lightning_lowmem.strategies.offload import hf_weights
+
+
+def _holders(buf: Tensor) -> tuple[int, int]:
+    """Python references to ``buf``, and holders of its storage (a view or ``detach()`` of it holds the storage only).
+
+    NOTE: no public torch API counts a storage's holders (``_internals.torch.storage_use_count``); both counts hold
+    for fake tensors too.
+    """
+    return sys.getrefcount(buf), torch_internals.storage_use_count(buf.untyped_storage())
+
+
+def _unheld() -> tuple[int, int]:
+    """:func:`_holders` of a buffer held as :meth:`HostMasters.fold` holds one (a list, a local), measured once: the
+    counts differ between Python versions."""
+    held = [torch.empty(1)]
+    buf = held[0]
+    return _holders(buf)
+
+
+_UNHELD = _unheld()
+
+
+class HostMasters:
+    """The masters of one module: parallel lists indexed by ``i``, with look-ups by identity."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.p_device: list[Parameter] = []
+        self.p_host: list[Parameter] = []
+        self.grad_host: list[Tensor | None] = []
+        self.device_index: dict[int, int] = {}  # id(module parameter) -> i
+        self.host_index: dict[int, int] = {}  # id(master) -> i
+        self.buffers: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (fp32 original on host, value after the cast)
+        # i -> (version counter, storage, dtype, device) of the compute weight when it last matched its master
+        self.seen: dict[int, tuple[int, tuple[str, int], torch.dtype, torch.device]] = {}
+
+    @staticmethod
+    def unique_params(module: torch.nn.Module) -> Iterator[tuple[str, Parameter]]:
+        for name, p in module.named_parameters():  # NOTE: de-duplicates tied weights (GPT-2 wte/lm_head)
+            if p.is_floating_point():
+                yield name, p
+
+    # --- building ----------------------------------------------------------------------------------------
+    @staticmethod
+    def storage(p: Tensor, loading: bool, precision: Any) -> Tensor:
+        """The fp32 host tensor of a new master: a copy of ``p``, or (loading weights) room for them."""
+        if not loading:
+            return p.detach().to("cpu", torch.float32, copy=True)
+        if (p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta and not precision.mixed
+                and precision.compute_dtype != torch.float32):
+            # NOTE: an empty_init module's fp32 storage becomes the master (no second fp32 copy on the host); the
+            # cast to the compute dtype right after gives the module parameter a storage of its own.
+            return p.detach()
+        return torch.empty(p.shape, dtype=torch.float32)
+
+    def build(self, module: torch.nn.Module, loading: bool, precision: Any, grad_buffers: bool) -> None:
+        """One master per parameter of ``module`` (and an fp32 gradient buffer each with ``grad_buffers``)."""
+        for i, (name, p) in enumerate(self.unique_params(module)):
+            p_host = Parameter(self.storage(p, loading, precision), requires_grad=p.requires_grad)
+            self.names.append(name)
+            self.p_device.append(p)
+            self.p_host.append(p_host)
+            self.device_index[id(p)] = i
+            self.host_index[id(p_host)] = i
+            grad = torch.empty_like(p_host) if grad_buffers and p.requires_grad else None
+            self.grad_host.append(grad)
+
+    def load(self, path: str | os.PathLike) -> dict[str, int]:
+        """Read a ``save_pretrained`` directory into the masters (see :mod:`~lightning_lowmem.strategies.offload.hf_weights`)."""
+        report = hf_weights.load_into(dict(zip(self.names, self.p_host)), path)
+        with torch.no_grad():
+            for p, p_host in zip(self.p_device, self.p_host):
+                if not p.is_meta and storage_key(p) != storage_key(p_host):
+                    p.detach().copy_(p_host)  # NOTE: an empty_init module whose storage the master could not reuse
+        return report
+
+    def mark_host(self) -> None:
+        mark_host(*self.p_host, *(g for g in self.grad_host if g is not None))
+
+    def keep_buffers(self, module: torch.nn.Module, precision: Any) -> None:
+        """Keep the fp32 originals of the buffers that the cast to the compute dtype will round."""
+        # NOTE: under "*-mixed" buffers keep fp32 (see MasterHalfPrecision.convert_module): nothing to restore
+        if precision.compute_dtype != torch.float32 and not precision.mixed:
+            for name, b in module.named_buffers():
+                if b.is_floating_point():
+                    self.buffers[name] = (b.detach().to("cpu", copy=True), b)
+
+    def note_cast_buffers(self, module: torch.nn.Module) -> None:
+        """After the cast: remember each kept buffer's value in the compute dtype."""
+        for name, (original, _) in self.buffers.items():
+            self.buffers[name] = (original, module.get_buffer(name).detach().to("cpu", copy=True))
+
+    def repoint(self, optimizer: Optimizer) -> None:
+        """Point ``optimizer``'s param groups at the masters; move any state it has to the host."""
+        for g, group in enumerate(optimizer.param_groups):
+            params = []
+            for p in group["params"]:
+                if id(p) in self.host_index:
+                    params.append(p)
+                    continue
+                i = self.device_index.get(id(p))
+                if i is None:
+                    raise ValueError(
+                        f"`{type(optimizer).__name__}` param group {g} holds a tensor of shape {tuple(p.shape)} that is "
+                        "not a parameter of the LightningModule; `lowmem_offload` can only optimize the module's "
+                        "parameters (build the optimizer from `self.parameters()` in `configure_optimizers`)."
+                    )
+                params.append(self.p_host[i])
+            group["params"] = params
+        if optimizer.state:
+            state: defaultdict[Any, Any] = defaultdict(dict)
+            for p, s in optimizer.state.items():
+                i = self.device_index.get(id(p), self.host_index.get(id(p)))
+                key = self.p_host[i] if i is not None else p
+                state[key] = {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in s.items()}
+            optimizer.state = state
+
+    # --- writes into the compute weights by other code (see `OffloadStrategy.adopt_device_writes`) ---------------
+    def note_device(self, indices: Iterable[int] | None = None, skip: frozenset[int] = frozenset()) -> None:
+        """Remember the version counter and storage of compute weights ``indices`` (all) that now match their masters.
+
+        NOTE: `Tensor._version` is a private torch API (the counter autograd checks saved tensors with; no public
+        reader): every in-place write through the parameter bumps it (``torch.no_grad(): p.clamp_()``, ``nn.init``,
+        ``p.copy_()``, ``load_state_dict``), a write through ``p.data`` does not (torch does not track it).
+        """
+        for i in range(len(self.p_device)) if indices is None else indices:
+            if i in skip:
+                continue
+            p = self.p_device[i]
+            self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
+
+    def device_writes(self) -> list[int]:
+        """The compute weights written (in place through the parameter, or ``p.data`` replaced) since they were noted."""
+        seen = self.seen
+        return [i for i, p in enumerate(self.p_device)
+                if i in seen and (seen[i][0] != torch_internals.tensor_version(p) or seen[i][1] != storage_key(p))]
+
+    def adopt_writes(self) -> list[int]:
+        """Copy every compute weight written by other code into its master (:meth:`adopt`); return their indices.
+
+        NOTE: [writes outside the hooks] plain Lightning's parameters are the weights the optimizer steps, so a
+        callback's ``on_train_batch_end`` or ``training_step`` that clamps them (``with torch.no_grad(): p.clamp_()``)
+        or re-initialises a layer changes what is trained. Under ``lowmem_offload`` that code writes the compute
+        weights; without this the next step would overwrite them from the unchanged masters. The strategy calls it
+        before every read of the masters (the step, a view, a checkpoint, the module given back). Exact for fp32
+        compute weights; a half one is upcast (:meth:`warn_rounded`). Not seen: in-place writes through ``p.data``
+        (torch does not track them) and the weights of streamed blocks (``offload_params``).
+        """
+        changed = self.device_writes()
+        for i in changed:
+            self.adopt(i)
+        return changed
+
+    def warn_rounded(self, changed: list[int]) -> bool:
+        """Warn that the half compute weights among ``changed`` reached their masters rounded; whether it warned."""
+        rounded = [self.names[i] for i in changed if self.p_device[i].dtype != torch.float32]
+        if not rounded:
+            return False
+        more = f" and {len(rounded) - 3} more" if len(rounded) > 3 else ""
+        warnings.warn(
+            f"lowmem_offload: code wrote the weights {', '.join(f'`{n}`' for n in rounded[:3])}{more} outside the hooks "
+            f"that show the fp32 masters; their {self.p_device[changed[0]].dtype} compute weights were copied into the "
+            "masters (rounded: the masters' low bits are lost). For an exact fp32 write, write inside "
+            "`with trainer.strategy.masters_view(write_back=True):`. This warning is shown once.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return True
+
+    @torch.no_grad()
+    def adopt(self, i: int) -> None:
+        """Copy compute weight ``i`` (written by other code) into its master; give it back its dtype and device."""
+        p, p_host = self.p_device[i], self.p_host[i]
+        _, _, dtype, device = self.seen[i]
+        if p.shape != p_host.shape:
+            raise RuntimeError(
+                f"lowmem_offload: `{self.names[i]}` was given a tensor of shape {tuple(p.shape)} (its weight has shape "
+                f"{tuple(p_host.shape)}); a parameter's shape cannot change during training under lowmem_offload. "
+                "Write its values in place instead (`with torch.no_grad(): p.copy_(new)`)."
+            )
+        p_host.copy_(p.detach())  # NOTE: a half compute weight is upcast: the low fp32 bits of the master are lost
+        if p.dtype != dtype or p.device != device:
+            p.data = p.data.to(device=device, dtype=dtype)
+
+    # --- reading -----------------------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, Parameter]:
+        return dict(zip(self.names, self.p_host))
+
+    def master_of(self, p_host: Tensor) -> Parameter | None:
+        """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
+        i = self.host_index.get(id(p_host))
+        return self.p_device[i] if i is not None else None
+
+    # --- gradients and the step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def fold(self, i: int, grad: Tensor) -> None:
+        """Add a gradient (compute dtype, on the host) into master ``i``'s fp32 buffer."""
+        p_host = self.p_host[i]
+        if p_host.grad is None:  # first micro-batch of the window: the optimizer's zero_grad set it to None
+            buf = self.grad_host[i]
+            assert buf is not None
+            if _holders(buf) != _UNHELD:
+                # NOTE: [kept gradient] code kept the last window's gradient (`self.prev = p.grad`, or a view of it, in
+                # a hook or `training_step`): plain Lightning's backward makes a new tensor after `zero_grad()`, so the
+                # kept one still holds the old values, and must here too. The old buffer is left to that code.
+                buf = self.grad_host[i] = torch.empty_like(buf)
+                mark_host(buf)
+            buf.copy_(grad)
+            p_host.grad = buf
+        else:
+            p_host.grad.add_(grad)
+
+    def pairs(self, optimizer: Optimizer) -> list[tuple[int, Parameter, Parameter]]:
+        """``(i, master, module parameter)`` for every parameter ``optimizer`` holds (all must be masters)."""
+        pairs = []
+        for group in optimizer.param_groups:
+            for p_host in group["params"]:
+                i = self.host_index.get(id(p_host))
+                if i is None:
+                    raise RuntimeError(
+                        f"`{type(optimizer).__name__}` holds a tensor of shape {tuple(p_host.shape)} that is not a master "
+                        "of `lowmem_offload`; an optimizer swapped in after setup must be built over the masters "
+                        "(the param groups of `trainer.strategy.optimizers`)."
+                    )
+                pairs.append((i, p_host, self.p_device[i]))
+        return pairs
+
+    def nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[str], int] | None:
+        """None if every gradient ``optimizer`` holds is finite; else (names of the first bad ones, how many)."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return None
+        # NOTE: one vectorised pass (an L2 norm per tensor) instead of an isfinite mask per tensor; a norm that
+        # overflows fp32 (|g| ~ 1e19) counts as non-finite too, which AdamW's g*g would have turned into inf state.
+        if bool(torch.stack(torch_internals.foreach_norm(grads)).isfinite().all()):
+            return None
+        bad = [
+            self.names[self.host_index[id(p)]] if id(p) in self.host_index else f"tensor of shape {tuple(p.shape)}"
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
+        return bad[:3], len(bad) or 1
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def state_dict(self, module: torch.nn.Module) -> OrderedDict[str, Any]:
+        """``module``'s state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""
+        state = module.state_dict(keep_vars=True)
+        if not self.p_host:
+            return OrderedDict((k, v.detach() if isinstance(v, Tensor) else v) for k, v in state.items())
+        out: OrderedDict[str, Any] = OrderedDict()
+        for key, value in state.items():
+            i = self.device_index.get(id(value))
+            if i is not None:
+                out[key] = self.p_host[i].detach()
+            elif key in self.buffers:
+                out[key] = self.buffer_fp32(key, value.detach())
+            else:
+                out[key] = value.detach() if isinstance(value, Tensor) else value
+        return out
+
+    def buffer_fp32(self, name: str, current: Tensor) -> Tensor:
+        original, cast = self.buffers[name]
+        # NOTE: a buffer unchanged since the cast goes back to its exact fp32 value; one the model updated
+        # (running statistics) can only be upcast from its half-precision value.
+        if torch.equal(current.to("cpu"), cast):
+            return original
+        return current.to("cpu", torch.float32)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy a checkpoint's fp32 weights into the masters (loaded after setup)."""
+        with torch.no_grad():
+            for name, p_host in zip(self.names, self.p_host):
+                if name in state:
+                    p_host.copy_(state[name])
+
+    # --- after training --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def give_back_fp32(self, module: torch.nn.Module, optimizers: list[Optimizer]) -> None:
+        """Leave the user an fp32 module holding the masters' values, and optimizers pointing at its parameters."""
+        for name in self.buffers:
+            owner, _, attr = name.rpartition(".")
+            buffers = torch_internals.module_buffers(module.get_submodule(owner))
+            buffers[attr] = self.buffer_fp32(name, buffers[attr])  # type: ignore[arg-type]
+        for p_device, p_host in zip(self.p_device, self.p_host):
+            # NOTE: the master's storage becomes the module's weight (no copy); masters are never pinned.
+            p_device.data = p_host.detach()
+            p_device.grad = None
+        back = {id(h): d for d, h in zip(self.p_device, self.p_host)}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["params"] = [back.get(id(p), p) for p in group["params"]]
+            opt.state = defaultdict(dict, {back.get(id(p), p): s for p, s in opt.state.items()})

@@ -1,0 +1,494 @@
+"""Parameter streaming for ``lowmem_offload``: the compute weights of repeated blocks live on the host and visit the device.
+
+``OffloadStrategy(offload_params=True)`` (``strategy="lowmem_offload_params"``) keeps, for every streamed block
+(:func:`~lightning_lowmem.core.blocks.find_repeated_blocks`: GPT-2's ``transformer.h``, LLaMA's
+``model.layers``), one host copy of each weight in the compute dtype (pinned on CUDA; on the CPU a separate
+tensor, so every fetch is a real copy). The module's parameters stay the same objects (names, ``state_dict``
+keys, gradient hooks, optimizers are untouched); only their ``.data`` changes:
+
+* released: a one-element NaN expanded to the parameter's shape (its shape and dtype, no memory);
+* fetched: a device tensor filled from the host copy by a copy queued on the side stream of the transfer seam
+  (:mod:`lightning_lowmem.core.streams`), ``prefetch`` blocks ahead, the compute stream waiting on its event.
+
+Forward: a block's pre-hook waits for the block and queues the next ``prefetch`` streamed blocks; its post-hook
+releases it (the last ``prefetch + 1`` streamed blocks stay: backward starts with them). Backward: a hook on the
+block's output gradient (it fires before the block's backward, and before a checkpointed block recomputes)
+releases the blocks after it, waits for it and queues the ``prefetch`` blocks before it.
+
+NOTE: [saved weights] autograd keeps views of the weights for backward (``linear`` saves ``weight.t()``): such a
+view holds the fetched storage alive, so swapping ``.data`` alone would free nothing. While a streamed block runs
+forward, a ``saved_tensors_hooks`` pair replaces every saved tensor on a fetched weight's storage by
+``(parameter, size, stride, offset)`` and rebuilds the view on the weight's *current* data when backward unpacks
+it (fetching the block first if it is not on the device: correct even when a hook did not run). Saved tensors
+that are not weights go to the hooks that were active outside the block (``ActivationOffload``), or are kept.
+Chosen over an autograd Function at block boundaries because it leaves the module's forward, the checkpoint
+wrappers and the hooks of other techniques as they are. A checkpointed block saves nothing of its weights in
+forward (the checkpoint's own hooks are innermost) and recomputes after the output-gradient hook fetched it.
+
+NOTE: [in-place changes] The hooks turn off autograd's check that a saved tensor was not changed in place; the
+unpack makes it (``core.saved_versions``). A block's forward that changes one of its streamed weights in place
+(a clamp, a renormalisation) is refused when it returns: the fetched copy it changed is dropped at release,
+so the change would be lost. A change through ``.data`` bumps no version counter: neither plain PyTorch nor
+this check sees it, and under streaming it is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.accounting import mark_host, storage_key
+from lightning_lowmem.core.blocks import find_repeated_blocks
+from lightning_lowmem.core.saved_versions import SavedVersion
+from lightning_lowmem.core.streams import CudaOps, StreamOps, cpu_ops
+from lightning_lowmem.core.tensors import tensors_in
+from lightning_lowmem.core.units import fmt_size
+from lightning_lowmem.strategies.offload.precision import _compiled_params
+from lightning_lowmem.strategies.offload.transfer import _bucket_sizes
+
+log = logging.getLogger(__name__)
+
+OffloadParams = Literal[False, True, "auto"]
+OFFLOAD_PARAMS: tuple[Any, ...] = (False, True, "auto")
+# NOTE: the default budget of "auto" on CUDA keeps this share of the free memory (at least 2 GiB) for activations,
+# the CUDA context, gradients in flight and allocator slack: the budget itself covers the compute weights only.
+ACTIVATION_SHARE = 0.25
+MIN_RESERVE = 2 * 2**30
+
+_WEIGHT, _OUTER, _PLAIN = 0, 1, 2
+#: released blocks whose device buffers the compute stream may still be reading, before a fetch waits for the oldest
+_FREES_IN_FLIGHT = 1
+
+
+def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[list[nn.Parameter]], list[nn.Parameter]]:
+    """The repeated blocks, the floating-point parameters only each block holds, and every other parameter.
+
+    A parameter shared between two blocks or with a module outside the blocks (tied weights) is not a block's:
+    it stays resident.
+    """
+    blocks = _called(find_repeated_blocks(module))
+    owners: dict[int, set[int]] = {}
+    for b, (_, block) in enumerate(blocks):
+        for p in block.parameters():
+            owners.setdefault(id(p), set()).add(b)
+    inside = {id(m) for _, block in blocks for m in block.modules()}
+    # NOTE: a module outside the blocks that holds a block's parameter (tied weights) makes it resident
+    outside = {id(p) for m in module.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+    per_block = [
+        [p for p in block.parameters() if p.is_floating_point() and owners[id(p)] == {b} and id(p) not in outside]
+        for b, (_, block) in enumerate(blocks)
+    ]
+    streamed = {id(p) for ps in per_block for p in ps}
+    rest = [p for p in module.parameters() if id(p) not in streamed]
+    return blocks, per_block, rest
+
+
+def _called(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its children.
+
+    NOTE: a container has no ``forward``: the model walks its layers itself (Funnel's ``encoder.blocks.0``,
+    PoolFormer's ``encoder.block.0``), so the hooks of a streamed container never run and its weights would be read
+    released (NaN). Its children are called: they are the streamed blocks.
+    """
+    out: list[tuple[str, nn.Module]] = []
+    for name, block in blocks:
+        if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+            out += _called([(f"{name}.{child}", m) for child, m in block.named_children()])
+        else:
+            out.append((name, block))
+    return out
+
+
+def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, prefetch: int, released: int = 0) -> int:
+    """How many blocks (the first ones) stay resident under ``budget`` bytes of compute weights.
+
+    The rule: the non-block weights, ``prefetch + 1`` streamed blocks in flight (plus ``released`` blocks the GPU
+    may still be reading: ``_FREES_IN_FLIGHT`` on CUDA, see [bounded streaming]), and the resident blocks must fit.
+    Raises ValueError (naming the smallest budget that works) when not even the streamed minimum fits.
+    """
+    n = len(block_bytes)
+    largest = max(block_bytes, default=0)
+    if other_bytes + sum(block_bytes) <= budget:
+        return n
+    window = min(prefetch + 1 + released, n)
+    minimum = other_bytes + window * largest
+    if minimum > budget:
+        why = "prefetch + 1" + (f" + {released} released, still read by the GPU" if released else "")
+        raise ValueError(
+            f"Passed `device_budget={budget}` ({fmt_size(budget)}); streaming needs at least {minimum} bytes "
+            f"({fmt_size(minimum)}) for the compute weights: {fmt_size(other_bytes)} outside the blocks plus "
+            f"{window} block(s) of {fmt_size(largest)} ({why}). Pass a larger budget, or a smaller `prefetch`."
+        )
+    keep, used = 0, minimum
+    while keep < n and used + block_bytes[keep] <= budget:
+        used += block_bytes[keep]
+        keep += 1
+    # NOTE: conservative: the window in flight is counted as prefetch + 1 blocks even when fewer stay streamed
+    return min(keep, n)
+
+
+def default_budget(device: torch.device) -> int:
+    """On CUDA: the free memory now minus a reserve (25 %, at least 2 GiB) for activations and the context."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, int(free - max(MIN_RESERVE, ACTIVATION_SHARE * free)))
+
+
+def plan_stream(
+    module: nn.Module, offload_params: OffloadParams, budget: int | None, prefetch: int, device: torch.device,
+    logger: logging.Logger = log,
+) -> tuple[ParamStream, int]:
+    """The stream of ``module``'s blocks and how many stay resident: none with ``offload_params=True``; under
+    ``"auto"`` the first ones that fit ``budget`` bytes of compute weights (the choice is logged)."""
+    _, per_block, rest = block_params(module)
+    sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in per_block]
+    other = sum(p.numel() * p.element_size() for p in rest)
+    if offload_params is True or budget is None:
+        resident = 0
+    else:
+        released = _FREES_IN_FLIGHT if device.type == "cuda" else 0
+        resident = plan_resident(sizes, other, budget, prefetch, released)
+        logger.info(
+            "lowmem_offload(offload_params='auto'): %d of %d blocks resident, %d streamed (budget %s for the compute "
+            "weights: %s outside the blocks, %s per block; predicted weights on the device at most %s)",
+            resident, len(sizes), len(sizes) - resident, fmt_size(budget), fmt_size(other),
+            fmt_size(max(sizes, default=0)),
+            fmt_size(other + sum(sizes[:resident]) + sum(sorted(sizes[resident:])[-(prefetch + 1 + released):])),
+        )  # fmt: skip
+    streamed = [b >= resident and bool(ps) for b, ps in enumerate(per_block)]
+    return ParamStream(module, streamed, prefetch, device), resident
+
+
+class ParamStream:
+    """Moves the compute weights of streamed blocks between their host copies and the device, block by block.
+
+    Memory on the device: the compute weights of the resident blocks and of the non-block parameters, plus at most
+    ``prefetch + 2`` streamed blocks at any instant (``prefetch + 1`` fetched, and one released block the GPU may
+    still be reading: see [bounded streaming]). On the host: one copy of each streamed weight in the compute
+    dtype (2 B/param in bf16; pinned on CUDA). Cost: each streamed block crosses PCIe once in forward and once in
+    backward (a checkpointed block recomputes on the backward copy), on a side stream ``prefetch`` blocks ahead of
+    compute; on the CPU each crossing is a host copy.
+
+    Built by :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy`; example:
+
+        >>> trainer = L.Trainer(strategy="lowmem_offload_params", precision="bf16-true")
+        >>> trainer.strategy.offload_params
+        True
+    """
+
+    def __init__(self, module: nn.Module, streamed: Sequence[bool], prefetch: int, device: torch.device) -> None:
+        blocks, per_block, _ = block_params(module)
+        self.names = [name for name, _ in blocks]
+        self.blocks = [block for _, block in blocks]
+        self.streamed = list(streamed)
+        self.prefetch = prefetch
+        self.device = device
+        self.ops: StreamOps | None = CudaOps(device) if device.type == "cuda" else cpu_ops()
+        self.stream = self.ops.side_stream() if self.ops is not None else None
+        self.params: list[list[nn.Parameter]] = [ps if s else [] for ps, s in zip(per_block, self.streamed)]
+        self.host: list[list[torch.Tensor]] = [[] for _ in self.blocks]
+        self.shapes = {id(p): p.shape for ps in self.params for p in ps}  # NOTE: `.data` changes shape when emptied
+        self._order = [b for b, s in enumerate(self.streamed) if s]
+        self._tail = set(self._order[-(prefetch + 1):]) if self._order else set()
+        self._fetched: dict[int, list[Any]] = {}  # block -> [device tensors, event, waited]
+        self._by_storage: dict[tuple[str, int], tuple[int, int]] = {}  # storage key -> (block, index in block)
+        self._handles: list[Any] = []
+        self._pushed: list[torch.autograd.graph.saved_tensors_hooks | None] = []
+        self._last_pre = -1
+        self._last_event: Any = None
+        self._frees: deque[Any] = deque()  # compute-stream events recorded after released blocks' buffers were dropped
+        self._placeholders: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+        self._buckets: list[torch.Tensor] = []
+        self.fetches = 0  # blocks copied to the device (a count for tests and benchmarks)
+        self._checked: set[str] = set()  # the steps (training, validation) whose first call was checked
+        # NOTE: a dispatch mode makes a compiled region run another path (another rounding): no check there
+        self._compiled = bool(_compiled_params(module))
+
+    # --- setup ---------------------------------------------------------------------------------------------------
+    def streamed_numel(self) -> int:
+        return sum(p.numel() for ps in self.params for p in ps)
+
+    @torch.no_grad()
+    def detach_weights(self) -> None:
+        """Make the host copies from the current compute weights, and leave the parameters empty (before moving)."""
+        flat = [p for ps in self.params for p in ps]
+        if self.ops is not None:
+            copies: list[torch.Tensor | None] = [None] * len(flat)
+            for sizes, slots, idx in _bucket_sizes([(p.numel(), p.dtype) for p in flat]):
+                buckets = [self.ops.empty_host(n, torch.uint8) for n in sizes]
+                for i, (b, offset) in zip(idx, slots):
+                    p = flat[i]
+                    view = buckets[b][offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                    view.copy_(p.detach())
+                    copies[i] = view
+                self._buckets += buckets
+            it = iter(copies)
+        else:
+            it = iter([p.detach().to("cpu", copy=True) for p in flat])  # NOTE: a separate tensor: fetches really copy
+        for b, ps in enumerate(self.params):
+            self.host[b] = [next(it) for _ in ps]  # type: ignore[misc]
+            for p in ps:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        mark_host(*self._buckets, *(h for hs in self.host for h in hs))
+
+    def attach(self) -> None:
+        """After the module moved to the device: placeholders there, and the hooks."""
+        for ps in self.params:
+            for p in ps:
+                p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+        self.hook_blocks()
+
+    def hook_blocks(self) -> None:
+        """(Re-)register the block hooks, after every hook registered so far.
+
+        NOTE: ``OffloadStrategy.on_train_start`` calls it again, after the callbacks' ``on_train_start``: a hook a
+        callback puts on the first block then (the dry run's depth windows, which cut the step at the first block's
+        pre-hook) runs before the fetch, so the fetch is counted inside the blocks, at every depth alike.
+        """
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for b, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(lambda m, a, b=b: self._pre(b)))
+            self._handles.append(block.register_forward_hook(lambda m, a, o, b=b: self._post(b, o), always_call=True))
+
+    def _placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        key = (dtype, str(self.device))
+        base = self._placeholders.get(key)
+        if base is None:
+            fill = float("nan") if dtype.is_floating_point else 0
+            base = self._placeholders[key] = torch.full((), fill, dtype=dtype, device=self.device)
+        return base.expand(shape)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.release_all()
+        if self._last_event is not None and self.ops is not None:
+            self.ops.synchronize(self._last_event)
+
+    def first_use_check(self, kind: str) -> contextlib.AbstractContextManager:
+        """On the first ``kind`` step: refuse any op that reads a released streamed weight (see ``stream_check``)."""
+        if kind in self._checked or not any(self.params) or self._compiled:
+            return contextlib.nullcontext()
+        from lightning_lowmem.strategies.offload.stream_check import ReleasedReadCheck
+
+        self._checked.add(kind)
+        names = {id(p): f"{self.names[b]}.{n}" for b, block in enumerate(self.blocks)
+                 for n, p in block.named_parameters() if id(p) in self.shapes}
+        return ReleasedReadCheck({storage_key(t) for t in self._placeholders.values()}, names)
+
+    # --- moving blocks -------------------------------------------------------------------------------------------
+    def _fetch(self, b: int) -> None:
+        if b in self._fetched or not self.streamed[b]:
+            return
+        ops = self.ops
+        if ops is not None:
+            self._limit_frees(ops)
+        if ops is None:
+            tensors = [h.to(self.device, copy=True) for h in self.host[b]]
+            event = None
+        else:
+            tensors = [ops.to_device(h, self.device, self.stream) for h in self.host[b]]
+            event = self._last_event = ops.record_event(self.stream)
+        for j, (p, t) in enumerate(zip(self.params[b], tensors)):
+            p.data = t
+            self._by_storage[storage_key(t)] = (b, j)
+        # NOTE: the parameters' own version counters (`.data` assignment keeps them): see `_check_unchanged`
+        self._fetched[b] = [tensors, event, ops is None, [torch_internals.tensor_version(p) for p in self.params[b]]]
+        self.fetches += 1
+
+    def _ready(self, b: int) -> None:
+        """Block ``b``'s weights may be read by compute from now on."""
+        if not self.streamed[b]:
+            return
+        self._fetch(b)
+        entry = self._fetched[b]
+        if not entry[2]:
+            ops = self.ops
+            assert ops is not None
+            compute = ops.compute_stream()
+            ops.wait_event(compute, entry[1])
+            for t in entry[0]:
+                # NOTE: [fetched lifetime] allocated for the side stream, read on the compute stream: the allocator
+                # must not hand the block to the next fetch before compute is done with it.
+                ops.record_stream(t, compute)
+            entry[2] = True
+
+    def release(self, b: int) -> None:
+        entry = self._fetched.pop(b, None)
+        if entry is None:
+            return
+        for p, t in zip(self.params[b], entry[0]):
+            self._by_storage.pop(storage_key(t), None)
+            p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+        read_by_compute = entry[2] and self.ops is not None
+        entry = t = None  # NOTE: the buffers are freed here (to the allocator, which waits for compute: record_stream)
+        if read_by_compute:
+            self._frees.append(self.ops.record_event(self.ops.compute_stream()))  # type: ignore[union-attr]
+
+    def _limit_frees(self, ops: StreamOps) -> None:
+        """Wait (host) until at most ``_FREES_IN_FLIGHT`` released blocks may still be read by compute.
+
+        NOTE: [bounded streaming] a released block's buffers go back to CUDA's caching allocator, which hands them out
+        again only when the compute stream has passed the release (``record_stream``). The host queues kernels far
+        ahead of the GPU, so without back-pressure every fetch of a forward would take new memory while the released
+        blocks wait: the reserved memory grows toward the whole model (FSDP's ``limit_all_gathers`` solves the same
+        problem the same way). An event recorded on the compute stream after each release tells when its buffers are
+        reusable; before a fetch the host waits for the oldest beyond the limit, so the device holds at most the
+        ``prefetch + 1`` fetched blocks and ``_FREES_IN_FLIGHT`` released ones.
+        """
+        frees = self._frees
+        while frees and (len(frees) > _FREES_IN_FLIGHT or ops.query(frees[0])):
+            ops.synchronize(frees.popleft())
+
+    def release_all(self) -> None:
+        for b in list(self._fetched):
+            self.release(b)
+        self._last_pre = -1
+
+    def fetched_blocks(self) -> list[int]:
+        return sorted(self._fetched)
+
+    # --- hooks ---------------------------------------------------------------------------------------------------
+    def _pre(self, b: int) -> None:
+        if _in_backward():  # a recompute that calls the block's __call__ (reentrant or HF checkpointing)
+            self._ready(b)
+            self._push(b)
+            return
+        if b <= self._last_pre:
+            self.release_all()  # a new forward pass (the previous one had no backward: validation, a skipped step)
+        self._last_pre = b
+        self._ready(b)
+        for c in [c for c in self._order if c > b][: self.prefetch]:
+            self._fetch(c)
+        self._push(b)
+
+    def _post(self, b: int, output: Any) -> None:
+        pushed = self._pushed.pop() if self._pushed else None
+        if pushed is not None:
+            pushed.__exit__()
+        if _in_backward() or output is None:
+            return
+        self._check_unchanged(b)
+        grad = torch.is_grad_enabled()
+        if self.streamed[b] and not (grad and b in self._tail):
+            self.release(b)
+        if grad:
+            out = next((t for t in tensors_in(output) if t.requires_grad), None)
+            if out is not None:
+                out.register_hook(lambda g, b=b: self._before_backward(b))
+
+    def _check_unchanged(self, b: int) -> None:
+        """Refuse a forward that changed one of its streamed weights in place (see [in-place changes])."""
+        entry = self._fetched.get(b)
+        if entry is None:
+            return
+        for p, version in zip(self.params[b], entry[3]):
+            if torch_internals.tensor_version(p) != version:
+                name = next((n for n, q in self.blocks[b].named_parameters() if q is p), "?")
+                raise RuntimeError(
+                    f"lowmem_offload_params: the forward of block `{self.names[b]}` changed its weight `{name}` in "
+                    f"place (version {version} -> {torch_internals.tensor_version(p)}). Parameter streaming fetches a fresh copy of the "
+                    "block's weights from the host for every use, so the change would be lost (and a weight saved "
+                    "for backward before the change makes plain PyTorch refuse the backward). Make the change out "
+                    "of place in the module, or keep the block on the device (`OffloadStrategy(offload_params=False)`)."
+                )
+
+    def _before_backward(self, b: int) -> None:
+        for c in [c for c in self._fetched if c > b]:
+            self.release(c)
+        self._ready(b)
+        for c in [c for c in reversed(self._order) if c < b][: self.prefetch]:
+            self._fetch(c)
+
+    # --- saved tensors (see [saved weights]) -----------------------------------------------------------------------
+    def _push(self, b: int) -> None:
+        if not self.streamed[b]:
+            self._pushed.append(None)
+            return
+        outer = torch_internals.top_saved_tensors_hooks()
+        # NOTE: entered here and left in the block's forward post-hook (`_post`): a hook pair spans two calls
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), lambda packed: self._unpack(packed))
+        hooks.__enter__()
+        self._pushed.append(hooks)
+
+    def _pack(self, t: torch.Tensor, outer: Any) -> Any:
+        try:
+            found = self._by_storage.get(storage_key(t))
+        except (RuntimeError, NotImplementedError):  # a tensor without a storage (nested, sparse)
+            found = None
+        if found is not None:
+            b, j = found
+            base = self._fetched[b][0][j]
+            offset = t.storage_offset() - base.storage_offset()
+            return (_WEIGHT, b, j, t.size(), t.stride(), offset, t.requires_grad, SavedVersion(t))
+        if outer is not None:
+            return (_OUTER, outer[1], outer[0](t))
+        return (_PLAIN, SavedVersion(t, keep=True))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        # NOTE: [in-place changes] autograd skips its version check for tensors packed by hooks: it is made here
+        # (the outer hooks make their own), so a module that changed a saved tensor in place fails as in plain
+        kind = packed[0]
+        if kind == _PLAIN:
+            packed[1].check("lowmem_offload_params")
+            return packed[1].counter
+        if kind == _OUTER:
+            return packed[1](packed[2])
+        _, b, j, size, stride, offset, _, saved = packed
+        saved.check("lowmem_offload_params")
+        self._ready(b)  # NOTE: a no-op when the output-gradient hook fetched it; else a synchronous fetch
+        data = self.params[b][j].data
+        return data.as_strided(size, stride, data.storage_offset() + offset)
+
+    # --- the step ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_host(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each ``(master, host copy)`` into the host copy (rounding to the compute dtype, as the device path)."""
+        self.release_all()
+        if self._last_event is not None and self.ops is not None:
+            self.ops.synchronize(self._last_event)  # NOTE: a queued fetch must not read a half-written host copy
+        for master, host in pairs:
+            host.copy_(master)
+
+    @contextlib.contextmanager
+    def host_view(self) -> Iterator[None]:
+        """Inside, the streamed parameters' ``.data`` are their host copies (a ``load_state_dict`` writes into them)."""
+        self.release_all()
+        if self._last_event is not None and self.ops is not None:
+            self.ops.synchronize(self._last_event)  # NOTE: as in `update_host`: a queued fetch still reads the copies
+        for ps, hs in zip(self.params, self.host):
+            for p, h in zip(ps, hs):
+                p.data = h
+        try:
+            yield
+        finally:
+            for ps in self.params:
+                for p in ps:
+                    p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+
+    def released(self, p: nn.Parameter) -> torch.Tensor:
+        """What streamed parameter ``p``'s ``.data`` is while its block is released (built here, never read from ``p``)."""
+        return self._placeholder(p.dtype, self.shapes[id(p)])
+
+    def host_of(self) -> dict[int, torch.Tensor]:
+        """``{id(parameter): host copy}`` for every streamed parameter."""
+        return {id(p): h for ps, hs in zip(self.params, self.host) for p, h in zip(ps, hs)}
+
+    def host_bytes(self) -> int:
+        if self._buckets:
+            assert self.ops is not None
+            return sum(self.ops.host_bytes(b.numel()) for b in self._buckets)
+        return sum(h.numel() * h.element_size() for hs in self.host for h in hs)
+
+
+def _in_backward() -> bool:
+    return torch_internals.in_backward()

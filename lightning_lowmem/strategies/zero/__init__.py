@@ -1,0 +1,11 @@
+"""The ``lowmem_zero*`` presets: ``ZeroStrategy`` (DeepSpeed ZeRO with the reference settings) and ``consolidate``.
+
+``strategy`` is the strategy; ``config`` builds the DeepSpeed config, ``checkpoint``/``consolidate``/``resume``
+write, read and convert its checkpoints, ``host_bytes`` checks the host RAM, ``optim`` swaps in DeepSpeed's CPU
+Adam, ``skips`` and ``after_fit`` keep Lightning's semantics around the engine.
+"""
+
+from lightning_lowmem.strategies.zero.consolidation import consolidate
+from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
+
+__all__ = ["ZeroStrategy", "consolidate"]

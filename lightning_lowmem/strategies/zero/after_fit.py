@@ -1,0 +1,94 @@
+"""After ``fit`` under ZeRO stage 3 the module's parameters are partitioned (empty): say so, or gather them back."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_lowmem._internals import deepspeed as deepspeed_internals
+from lightning_lowmem._internals import frames
+from lightning_lowmem._internals import torch as torch_internals
+
+PARTITIONED_MESSAGE = (
+    "The LightningModule's parameters are partitioned by DeepSpeed ZeRO stage 3 after `fit`, so `state_dict()` "
+    "holds empty tensors. Pass `ZeroStrategy(stage=3, ..., gather_on_fit_end=True)` to have the full fp32 weights put "
+    "back into the module at the end of fit, or save a checkpoint (`trainer.save_checkpoint('last.ckpt')`) and run "
+    "`lowmem consolidate last.ckpt model.pt` for a state dict a plain model loads."
+)
+
+
+def is_partitioned(p: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter whose values live only in its partition (``p.data`` is empty)."""
+    return hasattr(p, "ds_id") and p.data.numel() == 0 and getattr(p, "ds_numel", 0) > 0
+
+
+def _called_by_deepspeed() -> bool:
+    """Whether DeepSpeed's own code (its checkpoint writer) takes this state dict: not the user's concern."""
+    return frames.called_from_package("deepspeed.")
+
+
+class PartitionWarning:
+    """``state_dict`` pre-hooks on every module that owns parameters: warns once, the first time partitioned
+    weights are taken; nothing while :attr:`suspended` (our own checkpoint path, which DeepSpeed writes itself)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.warned = False
+        self.suspended = False
+        self.handles = [
+            m.register_state_dict_pre_hook(self._hook)
+            for m in module.modules()
+            if any(True for _ in m.parameters(recurse=False))
+        ]
+
+    def _hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.warned or self.suspended:
+            return
+        if any(is_partitioned(p) for p in module.parameters(recurse=False)) and not _called_by_deepspeed():
+            self.warned = True
+            rank_zero_warn(PARTITIONED_MESSAGE)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+@torch.no_grad()
+def gather_full_weights(module: nn.Module) -> None:
+    """Give every parameter of a ZeRO-3 ``module`` its full value: the fp32 master (frozen ones: their gathered
+    16-bit value, upcast), and upcast floating buffers, as the fp32 module the user built.
+
+    The partitions are left as they are, so the engine still works (``trainer.save_checkpoint`` after fit, another
+    ``validate``/``fit``); the next forward under DeepSpeed gathers into the parameters and frees them again.
+    NOTE: collective: every rank walks the parameters in the same order.
+    """
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for p in module.parameters():
+        value = safe_get_full_fp32_param(p) if p.requires_grad else None
+        if value is None:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                value = p.data.detach().clone()
+        p.data = value.detach().to(torch.float32)
+    for sub in module.modules():
+        buffers = torch_internals.module_buffers(sub)
+        for name, buffer in buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                buffers[name] = buffer.to(torch.float32)
+
+
+
+def restore_functional_linear() -> None:
+    """Put back the ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced.
+
+    NOTE: DeepSpeed swaps ``torch.nn.functional.linear`` for its ``zero3_linear_wrap`` process-wide and never puts it
+    back ("this will persist unless manually reset"): every linear layer run after ``fit`` (a plain model evaluated
+    under autocast, another Trainer) would go through DeepSpeed's autograd function and round differently.
+    """
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap  # NOTE: optional and slow to import
+
+    original = deepspeed_internals.functional_linear_before_zero3()
+    if original is not None and torch.nn.functional.linear is zero3_linear_wrap:
+        torch.nn.functional.linear = original

@@ -1,0 +1,165 @@
+"""DeepSpeed directory checkpoints: written atomically, checked before they are read (private helper of ``zero.py``).
+
+DeepSpeed's ``engine.save_checkpoint(dir)`` rewrites ``dir/checkpoint/*.pt`` and ``dir/latest`` in place,
+so a kill while ``last.ckpt/`` is rewritten leaves a directory whose ``latest`` names a tag holding a
+0-byte or truncated ``mp_rank_00_model_states.pt``, and the only copy of the previous checkpoint is
+gone. ``ZeroStrategy.save_checkpoint`` therefore has DeepSpeed write ``.NAME.tmp-PID/`` beside the target,
+fsyncs it, and swaps it into place (:func:`lightning_lowmem.core.atomic.replace_dir`); the previous
+checkpoint stays complete until the new one is.
+
+:func:`zero_checkpoint_problem` says what is wrong with a directory before DeepSpeed opens it, naming the
+file, so that resume and ``lowmem consolidate`` fail with that instead of ``EOFError``.
+
+Integrity and disk-full (:func:`recorded_saves`): while DeepSpeed saves, its ``torch.save`` calls write through
+``_digest.HashingWriter``, so each file's SHA-256 is computed as it is written (each rank its own shards; a
+``.NAME.lowmem-sha256`` note beside each file hands it to the rank that writes ``lowmem_manifest.json`` last).
+A full disk is named (``core.disk_full``) instead of torch's ``unexpected pos ...``, and the temporary directory is
+removed so that the space is given back. Loads go through ``_trusted_load.checked_loads``: weights-only, and
+each file checked against the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_lowmem.core import digest as _digest
+from lightning_lowmem.core import disk_full as _disk_full
+from lightning_lowmem.core.checkpoint_io import torch_file_problem
+from lightning_lowmem.core.hooks import swapped
+
+_NOTE = ".lowmem-sha256"
+
+_FIX = (
+    "Use an earlier checkpoint. (A `lowmem_zero*` save killed midway leaves the previous checkpoint complete under "
+    "its name, with at most a `.NAME.tmp-PID` directory beside it; this damage came from elsewhere: a copy cut "
+    "short, a full disk, another tool.)"
+)
+
+
+def zero_checkpoint_problem(path: str | os.PathLike, tag: str | None = None) -> str | None:
+    """What is wrong with ``path`` as a DeepSpeed checkpoint directory, or None if it looks complete.
+
+    Checks: a directory; ``latest`` (or ``tag``) names a folder; that folder holds a
+    ``*model_states.pt``; every ``.pt`` in it is a complete ``torch.save`` file (its first bytes and zip
+    directory; the tensors are not read).
+    """
+    p = Path(path)
+    if not p.exists():
+        return f"{str(path)!r} does not exist."
+    if not p.is_dir():
+        return (
+            f"{str(path)!r} is a file, not a DeepSpeed checkpoint directory (a `lowmem_zero*` strategy writes a directory "
+            "holding `latest` and a tag folder); a single-file Lightning checkpoint has nothing to consolidate, and is "
+            "resumed with `lowmem_offload` or a plain strategy (or `ZeroStrategy(load_full_weights=True)` for weights only)."
+        )
+    if tag is None:
+        latest = p / "latest"
+        if not latest.is_file():
+            found = sorted(c.name for c in p.iterdir())[:8]
+            return (
+                f"{str(path)!r} is not a DeepSpeed checkpoint directory: it has no `latest` file (it holds "
+                f"{found or 'nothing'}). Pass the directory that `Trainer.save_checkpoint` / `ModelCheckpoint` wrote with "
+                "a `lowmem_zero*` strategy, or name the tag folder with `--tag`."
+            )
+        tag = latest.read_text().strip()
+        if not tag:
+            return f"{str(latest)!r} is empty: the checkpoint's save was interrupted. {_FIX}"
+    folder = p / tag
+    if not folder.is_dir():
+        return f"{str(path)!r} names the tag {tag!r}, but {str(folder)!r} is not a directory. {_FIX}"
+    files = sorted(folder.glob("*.pt"))
+    if not any(f.name.endswith("model_states.pt") for f in files):
+        return f"{str(folder)!r} holds no `*model_states.pt` file, so it is not a complete DeepSpeed checkpoint. {_FIX}"
+    for f in files:
+        reason = torch_file_problem(f)
+        if reason is not None:
+            return f"The DeepSpeed checkpoint {str(path)!r} is damaged: {str(f)!r} {reason}. {_FIX}"
+    try:
+        listed = _digest.read_manifest(p)
+        problem = None if listed is None else _digest.manifest_problem(p, listed)
+        if problem is None and listed is not None and (p / "latest").is_file():
+            problem = _digest.entry_problem(p / "latest", listed.get("latest"), p / _digest.MANIFEST)
+    except _digest.DigestMismatchError as err:
+        problem = str(err)
+    if problem is not None:
+        return f"The DeepSpeed checkpoint {str(path)!r} is damaged: {problem}. {_FIX}"
+    return None
+
+
+class _Full(Exception):
+    """A write of ``path`` hit a full disk (``cause``); raised through DeepSpeed, named after the cleanup."""
+
+    def __init__(self, cause: OSError, path: Path, remaining: int) -> None:
+        super().__init__(str(cause))
+        self.cause, self.path, self.remaining = cause, path, remaining
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink()) if root.is_dir() else 0
+
+
+@contextlib.contextmanager
+def recorded_saves(tmp: str | os.PathLike, target: str | os.PathLike) -> Iterator[None]:
+    """While DeepSpeed writes ``tmp``: hash each ``torch.save`` file as written, name a full disk, clean up on failure.
+
+    On any error ``tmp`` is removed (every rank; it is only ever a temporary) and a full disk becomes
+    ``DiskFullError`` ("no space left on DEVICE while writing PATH (needed ~N, free M)").
+
+    NOTE: swaps the ``torch.save`` attribute of the ``torch`` module (how DeepSpeed's checkpoint engine calls it);
+    only saves into ``tmp`` are redirected.
+    """
+    tmp, target = Path(tmp).absolute(), Path(target).absolute()
+    original = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        path = Path(os.fspath(f)).absolute() if isinstance(f, (str, os.PathLike)) else None
+        if path is None or not path.is_relative_to(tmp):
+            return original(obj, f, *args, **kwargs)
+        sink = None
+        try:
+            with open(path, "wb") as handle:
+                sink = _digest.HashingWriter(handle)
+                original(obj, sink, *args, **kwargs)
+            note = {path.relative_to(tmp).as_posix(): {"bytes": sink.written, "sha256": sink.hexdigest()}}
+            path.with_name(f".{path.name}{_NOTE}").write_text(json.dumps(note))
+        except Exception as err:
+            full = _disk_full.full_disk_error(sink.error if sink is not None else None) or _disk_full.full_disk_error(err)
+            if full is not None:
+                remaining = max(0, _disk_full.tensor_bytes(obj) - (sink.written if sink is not None else 0))
+                raise _Full(full, path, remaining) from err
+            raise
+        return None
+
+    try:
+        with swapped(torch, save=save):
+            yield
+    except BaseException as err:
+        full = err if isinstance(err, _Full) else None
+        cause = full.cause if full is not None else _disk_full.full_disk_error(err)
+        written = _tree_bytes(tmp) if cause is not None else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cause is None:
+            raise
+        path = full.path if full is not None else Path(getattr(cause, "filename", None) or tmp).absolute()
+        part = f"its file {path.relative_to(tmp).as_posix()}" if path.is_relative_to(tmp) and path != tmp else ""
+        needed = max(written + (full.remaining if full is not None else 0), _tree_bytes(target))
+        raise _disk_full.disk_full_error(cause, target, needed or None, part) from err
+
+
+def write_manifest(tmp: str | os.PathLike) -> None:
+    """Gather the per-file digest notes of every rank under ``tmp`` and write ``lowmem_manifest.json`` (last)."""
+    tmp = Path(tmp)
+    known: dict[str, dict[str, Any]] = {}
+    for note in tmp.rglob(f".*{_NOTE}"):
+        with contextlib.suppress(ValueError, OSError):
+            known.update(json.loads(note.read_text()))
+        note.unlink()
+    _digest.write_manifest(tmp, known)

@@ -1,0 +1,201 @@
+"""Host RAM that DeepSpeed ZeRO-Offload allocates, per process, read off DeepSpeed 0.19's code (private helper).
+
+``ZeroStrategy`` checks this against :func:`lightning_lowmem.core.host_memory.available_host_memory` before
+DeepSpeed allocates anything, so that a model too large for the host is an error naming the need instead
+of the kernel's OOM killer taking the machine. Per process, ``N`` data-parallel processes, a parameter
+group of ``n`` trainable elements partitioned into ``p = ceil(n / N)`` (``w``: 2 B for fp16/bf16, 4 for fp32):
+
+ZeRO-1/2, ``offload_optimizer.device="cpu"`` (``runtime/zero/stage_1_and_2.py``)
+    pinned: the fp32 master partition (4p, ``single_partition_of_fp32_groups``), a 16-bit copy of it
+    (``w p``, ``param_buffer_of_bit16_for_cpu_offload_groups``), the fp32 gradient partition (4p,
+    ``initialize_optimizer_states``), one ``w x largest parameter`` gradient staging buffer
+    (``temp_grad_buffer_for_cpu_offload``) and, with gradient accumulation, a ``w x numel`` buffer per
+    parameter of the partition (``accumulated_grads_in_cpu``); pageable: the optimizer state
+    (``DeepSpeedCPUAdam``: exp_avg + exp_avg_sq, 8p), and while each pinned buffer is made, its pageable
+    source (``pin_memory(tensor)`` copies).
+ZeRO-3, ``offload_optimizer.device="cpu"`` (``runtime/zero/stage3.py``)
+    pinned: the flat gradient partitions (``grad_partitions_flat_buffer``, p in the gradient-accumulation
+    dtype) and one fp32 gradient buffer per sub-group (4p); pageable: the fp32 partitions (4p), the
+    optimizer state (8p), and during ``initialize_optimizer_states`` a 4 B buffer of the largest
+    sub-group's *full* size (``gradient_buffer``).
+ZeRO-3, ``offload_param.device="cpu"``: the 16-bit parameter partitions, pinned (``w p``).
+NVMe: the optimizer swapper's ``buffer_count`` fp32 buffers of the largest sub-group, the parameter
+    swapper's ``buffer_count x buffer_size`` 16-bit buffers, up to ``max_in_cpu`` parameters kept in RAM,
+    the gradient partitions and the ``gradient_buffer`` above (all page-locked by DeepSpeed's aio).
+
+On CUDA, torch rounds every pinned buffer up to a power of two (:func:`~lightning_lowmem.core.host_memory.pinned_bytes`);
+on the CPU accelerator nothing is pinned, but DeepSpeed's "device" buffers are host RAM too: the flat 16-bit
+copy of the model (ZeRO-1/2), the gradient staging buffer, the reduce bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_lowmem.core import host_memory as _host_memory
+from lightning_lowmem.core.host_memory import pinned_bytes
+from lightning_lowmem.core.optimizer_state import expected_state_bytes
+
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
+
+
+def _enabled(cfg: dict[str, Any], key: str) -> bool:
+    value = cfg.get(key, {}).get("enabled", False) if isinstance(cfg.get(key), dict) else False
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def zero_offload_host_bytes(
+    config: dict[str, Any],
+    groups: Sequence[Sequence[int]],
+    *,
+    world_size: int,
+    cuda: bool,
+    state_bytes_per_element: float = 8.0,
+) -> dict[str, int]:
+    """Host bytes one process of a ZeRO-offload run allocates, by part (empty without offload).
+
+    Args:
+        config: the final DeepSpeed config (``zero_optimization``, ``fp16``/``bf16``, ``gradient_accumulation_steps``).
+        groups: the element counts of the trainable parameters, one sequence per optimizer param group.
+        world_size: data-parallel processes (the partitions are ``1/world_size`` of each group).
+        cuda: CUDA accelerator (pinned buffers rounded up to powers of two) or CPU (device buffers in RAM).
+        state_bytes_per_element: optimizer state per fp32 element (8 for Adam, 4 for Adagrad/Lion).
+    """
+    zero = config.get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0))
+    off_opt = zero.get("offload_optimizer") or {}
+    off_param = zero.get("offload_param") or {}
+    opt_device = off_opt.get("device", "none") if isinstance(off_opt, dict) else "none"
+    param_device = off_param.get("device", "none") if isinstance(off_param, dict) else "none"
+    if opt_device not in ("cpu", "nvme") and param_device not in ("cpu", "nvme"):
+        return {}
+    w = 2 if (_enabled(config, "fp16") or _enabled(config, "bf16")) else 4
+    grad_accum = _DTYPE_BYTES.get(str((config.get("data_types") or {}).get("grad_accum_dtype", "")).lower(), w)
+    gas = int(config.get("gradient_accumulation_steps", 1) or 1)
+    n_ranks = max(1, int(world_size))
+    all_params = [n for g in groups for n in g]
+    largest = max(all_params, default=0)
+    parts: dict[str, float] = {}
+
+    def pin(nbytes: float, enabled: bool = True) -> int:
+        return pinned_bytes(int(nbytes), cuda=cuda) if enabled else int(nbytes)
+
+    if stage in (1, 2):
+        if opt_device == "cpu":
+            pinned = bool(off_opt.get("pin_memory", False))
+            partitions = [math.ceil(sum(g) / n_ranks) for g in groups if sum(g)]
+            parts["fp32 master partition"] = sum(pin(4 * p, pinned) for p in partitions)
+            parts["16-bit partition copy"] = sum(pin(w * p, pinned) for p in partitions)
+            parts["fp32 gradient partition"] = sum(pin(4 * p, pinned) for p in partitions)
+            parts["gradient staging (largest parameter)"] = pin(w * largest, pinned)
+            if gas > 1:
+                parts["accumulated gradients"] = sum(pin(w * n, pinned) for n in all_params) / n_ranks
+            parts["optimizer state"] = state_bytes_per_element * sum(partitions)
+            if pinned and cuda:
+                parts["pageable copy while pinning"] = 4 * max(partitions, default=0)
+            if not cuda:
+                # NOTE: the flat copy replaces the module's own tensors (a transient of one model copy); the reduce
+                # buckets (two with overlap_comm) are `torch.empty`, so only the part gradients fill becomes RAM.
+                bucket = zero.get("reduce_bucket_size", int(5e8))
+                bucket = min(bucket if isinstance(bucket, int) else int(5e8), sum(all_params))
+                buckets = 2 if zero.get("overlap_comm", False) else 1
+                parts["device buffers in host RAM (flat model copy, gradient staging, reduce buckets)"] = (
+                    w * sum(all_params) + w * largest + buckets * w * bucket
+                )
+    elif stage == 3:
+        sub_group_size = int(zero.get("sub_group_size", int(1e9)) or int(1e9))
+        partitions = [[math.ceil(n / n_ranks) for n in g] for g in groups]
+        p_total = sum(sum(g) for g in partitions)
+        sub_groups: list[tuple[int, int]] = []  # (partition elements, full elements)
+        for g_part, g_full in zip(partitions, groups):
+            if sub_group_size >= sum(g_part):
+                sub_groups.append((sum(g_part), sum(g_full)))
+                continue
+            acc_p = acc_f = 0
+            for k, (np_, nf) in enumerate(zip(g_part, g_full)):
+                acc_p, acc_f = acc_p + np_, acc_f + nf
+                if acc_p >= sub_group_size or k == len(g_part) - 1:
+                    sub_groups.append((acc_p, acc_f))
+                    acc_p = acc_f = 0
+        largest_sub_partition = max((s[0] for s in sub_groups), default=0)
+        largest_sub_full = max((s[1] for s in sub_groups), default=0)
+        if opt_device in ("cpu", "nvme"):
+            pinned = bool(off_opt.get("pin_memory", False)) or opt_device == "nvme"
+            parts["gradient partitions"] = pin(grad_accum * p_total, pinned)
+        if opt_device == "cpu":
+            parts["fp32 gradient buffers"] = sum(pin(4 * s[0], pinned) for s in sub_groups)
+            parts["fp32 partitions"] = 4 * p_total
+            parts["optimizer state"] = state_bytes_per_element * p_total
+        if opt_device in ("cpu", "nvme"):
+            # NOTE: two transients at different moments: the fp32 conversion copy of a sub-group while the
+            # partitions are built, then `gradient_buffer` (the largest sub-group's full size) while the state is
+            # initialised; the larger one counts.
+            parts["init transient (largest sub-group)"] = 4 * max(largest_sub_full, largest_sub_partition)
+        elif opt_device == "nvme":
+            count = int(off_opt.get("buffer_count", 4))
+            parts["NVMe optimizer swap buffers"] = count * 4 * largest_sub_partition
+        if param_device == "cpu":
+            pinned = bool(off_param.get("pin_memory", False))
+            parts["16-bit parameter partitions"] = sum(pin(w * sum(g), pinned) for g in partitions)
+            if pinned and cuda:
+                parts["pageable copy while pinning"] = w * max((sum(g) for g in partitions), default=0)
+        elif param_device == "nvme":
+            count, size = int(off_param.get("buffer_count", 5)), int(off_param.get("buffer_size", int(1e8)))
+            in_cpu = min(p_total, int(off_param.get("max_in_cpu", int(1e9))))
+            parts["NVMe parameter swap buffers"] = count * size * w
+            parts["16-bit parameters kept in RAM (max_in_cpu)"] = pin(w * in_cpu)
+        elif not cuda:
+            parts["device buffers in host RAM (16-bit partitions)"] = w * p_total
+    return {k: int(v) for k, v in parts.items() if v}
+
+
+def check_zero_host_memory(strategy: Any, optimizer: Any) -> None:
+    """Refuse (``HostMemoryError``) when the host RAM that ``strategy``'s offload will allocate is not available.
+
+    ``strategy`` is a ``ZeroStrategy`` before its engine exists; ``optimizer`` the one ``configure_optimizers``
+    returned. Rank 0 decides for every process (broadcast), so that all of them stop and none waits in a collective.
+    """
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+
+    groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    # NOTE: the one optimizer-state table (DeepSpeedCPUAdam keeps Adam's two fp32 moments, its Adagrad and Lion one)
+    per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))
+    cuda = isinstance(strategy.accelerator, CUDAAccelerator)
+    per_rank = zero_offload_host_bytes(
+        strategy.config, groups, world_size=strategy.world_size, cuda=cuda, state_bytes_per_element=per_element
+    )
+    if not per_rank:
+        return
+    local = max(1, len(strategy.parallel_devices or [None]))
+    need = {k: v * local for k, v in per_rank.items()}
+    problem = None
+    if strategy.is_global_zero:
+        stage = strategy.config["zero_optimization"].get("stage")
+        try:
+            _host_memory.check_host_memory(
+                need,
+                who=f"`{type(strategy).__name__}` (ZeRO-{stage} with offload, {local} process(es) on this machine)",
+                fixes=_host_memory_fixes(strategy.config, cuda),
+            )
+        except _host_memory.HostMemoryError as err:
+            problem = str(err)
+    problem = strategy.broadcast(problem)
+    if problem:
+        raise _host_memory.HostMemoryError(problem)
+
+
+def _host_memory_fixes(config: dict[str, Any], cuda: bool) -> list[str]:
+    zero = config.get("zero_optimization", {})
+    offloads = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
+    fixes = ["more processes or machines to shard over (each process holds 1/N of the masters and optimizer state)"]
+    if cuda and any(o.get("pin_memory") for o in offloads):
+        fixes.append("`ZeroStrategy(pin_memory=False)` (torch rounds each pinned buffer up to a power of two)")
+    if not any(o.get("device") == "nvme" for o in offloads):
+        fixes.append("`strategy='lowmem_zero3_nvme'` to keep the optimizer state and parameters on an SSD")
+    return fixes + [
+        "a machine/container with more RAM (or raise the limit named above)",
+        "`ZeroStrategy(check_host_memory=False)` to try anyway",
+    ]

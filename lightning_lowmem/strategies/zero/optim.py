@@ -1,0 +1,111 @@
+"""Optimizer swap for ZeRO-Offload: ``torch.optim.Adam``/``AdamW`` -> ``DeepSpeedCPUAdam`` (private helper).
+
+DeepSpeed refuses a client optimizer that is not one of its CPU optimizers under optimizer offload
+(``zero_force_ds_cpu_optimizer``), and a torch Adam stepping fp32 masters on the host would be several
+times slower than the vectorised C++ kernel anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_lowmem.core.optional import instance_of
+
+_CPU_OPTIMIZERS = (("deepspeed.ops.adam", "DeepSpeedCPUAdam"), ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad"),
+                   ("deepspeed.ops.lion", "DeepSpeedCPULion"))
+# per-group keys of torch's Adam that DeepSpeedCPUAdam cannot honour when set
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
+
+
+def _is_deepspeed_cpu_optimizer(optimizer: Optimizer) -> bool:
+    return instance_of(optimizer, _CPU_OPTIMIZERS)  # NOTE: by type, looked up where DeepSpeed is imported already
+
+
+def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Optimizer, str]:
+    """``DeepSpeedCPUAdam`` with ``optimizer``'s parameter groups and hyper-parameters, and a log line.
+
+    Returns ``optimizer`` itself when it already is a DeepSpeed CPU optimizer, or when the user set
+    ``zero_force_ds_cpu_optimizer: false`` in the DeepSpeed config.
+
+    Raises:
+        ValueError: any other optimizer, or an Adam flag ``DeepSpeedCPUAdam`` does not implement.
+    """
+    if _is_deepspeed_cpu_optimizer(optimizer):
+        return optimizer, ""
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        if config.get("zero_force_ds_cpu_optimizer") is False:
+            return optimizer, ""
+        raise ValueError(
+            f"`configure_optimizers` returned a `{name}`, which an optimizer-offload preset cannot run: DeepSpeed "
+            "steps offloaded state with its own CPU optimizers only. Return `torch.optim.Adam` or `AdamW` (swapped "
+            "for `DeepSpeedCPUAdam` automatically) or a `deepspeed.ops.adam.DeepSpeedCPUAdam`/`DeepSpeedCPUAdagrad`/"
+            "`deepspeed.ops.lion.DeepSpeedCPULion`; or use a preset without offload (`lowmem_zero2`, `lowmem_zero3`) "
+            "or `lowmem_offload`; or pass `config={'zero_force_ds_cpu_optimizer': False}` to run it as is (slow)."
+        )
+    bad = sorted({flag for g in optimizer.param_groups for flag in _UNSUPPORTED_FLAGS if g.get(flag)})
+    if bad:
+        raise ValueError(
+            f"`configure_optimizers` returned a `{name}` with {', '.join(f'`{b}=True`' for b in bad)}, which "
+            "`DeepSpeedCPUAdam` (used by the optimizer-offload presets) does not implement. Drop the flag, or use "
+            "a preset without offload (`lowmem_zero2`, `lowmem_zero3`)."
+        )
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    # NOTE: torch's AdamW is a subclass of Adam; `decoupled_weight_decay=True` makes Adam an AdamW too.
+    adamw = isinstance(optimizer, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)
+    keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+    groups = [
+        {"params": g["params"], **{k: g[k] for k in keep if k in g}, **{k: v for k, v in g.items() if k not in _TORCH_ONLY}}
+        for g in optimizer.param_groups
+    ]
+    defaults = optimizer.defaults
+    cpu_adam = DeepSpeedCPUAdam(
+        groups,
+        lr=float(defaults["lr"]),
+        betas=tuple(defaults["betas"]),
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        adamw_mode=adamw,
+    )
+    # NOTE: DeepSpeed's low-precision master weights check `type(optimizer) == DeepSpeedCPUAdam`: no renaming there
+    low_masters = any(isinstance(config.get(k), dict) and config[k].get(f"{k}_master_weights_and_grads")
+                      for k in ("bf16", "fp16"))
+    if not low_masters:
+        cpu_adam.__class__ = _named_as(type(optimizer).__name__, DeepSpeedCPUAdam)
+    summary = "; ".join(
+        f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
+        for i, g in enumerate(cpu_adam.param_groups)
+    )
+    message = (
+        f"ZeroStrategy: optimizer offload steps on the CPU, so `{name}` was replaced by "
+        f"`DeepSpeedCPUAdam(adamw_mode={adamw})` with the same parameter groups ({summary})"
+        + ("." if low_masters else f"; it keeps the class name `{type(optimizer).__name__}` for Lightning's naming (e.g. "
+           f"LearningRateMonitor's `lr-{type(optimizer).__name__}`).")
+    )
+    return cpu_adam, message
+
+
+_NAMED: dict[tuple[str, type], type] = {}
+
+
+def _named_as(name: str, cls: type) -> type:
+    """A subclass of ``cls`` (adding nothing) whose ``__name__`` is ``name``.
+
+    NOTE: Lightning names what it logs after the optimizer's class (``LearningRateMonitor``'s ``lr-AdamW``, a
+    monitor, a dashboard, a checkpoint filename built from it); the swap must not rename the user's metrics. DeepSpeed
+    checks the CPU optimizer with ``isinstance`` (a subclass passes) and reads the class name only to pick an
+    optimizer from its own config (not used with a client optimizer).
+    """
+    if (name, cls) not in _NAMED:
+        doc = f"``{cls.__module__}.{cls.__qualname__}`` under the name of the optimizer it replaced (``{name}``)."
+        _NAMED[name, cls] = type(name, (cls,), {"__doc__": doc, "__module__": __name__, "__qualname__": name})
+    return _NAMED[name, cls]
+
+
+# torch-only per-group switches that mean nothing to DeepSpeedCPUAdam (the unsupported ones are refused above)
+_TORCH_ONLY = {"params", "foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
+

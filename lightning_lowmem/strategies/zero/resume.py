@@ -1,0 +1,110 @@
+"""What a ZeRO resume needs beyond DeepSpeed's checkpoint (private helper of ``zero.py``).
+
+- :func:`replay_cpu_adam_steps`: ``DeepSpeedCPUAdam`` keeps Adam's bias-correction powers ``beta**t`` in its C++
+  object, not in the checkpoint. An uninterrupted run multiplies them by ``beta`` once per step (float32); a fresh
+  process resuming at step ``t`` computes ``pow(beta, t)`` in one go (``IncrementStep`` in DeepSpeed's
+  ``csrc/includes/cpu_adam.h``). The two differ in the last bit from about the fifth step on, so every weight of a
+  resumed run drifts from the uninterrupted one. Replaying the step counter (no tensors touched) rebuilds the
+  product exactly as the uninterrupted run built it.
+- :func:`stage_mismatch`: a directory written under another ZeRO stage, named before DeepSpeed's bare
+  ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_lowmem._internals import deepspeed as deepspeed_internals
+from lightning_lowmem.core import resume_checks as _resume_checks
+
+
+def cpu_adam_of(optimizer: Any) -> Any:
+    """The ``DeepSpeedCPUAdam`` inside DeepSpeed's ZeRO optimizer wrapper(s), or None."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        if isinstance(optimizer, DeepSpeedCPUAdam):
+            return optimizer
+        seen.add(id(optimizer))
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
+@torch.no_grad()
+def replay_cpu_adam_steps(optimizer: Any) -> int:
+    """Bring a freshly loaded ``DeepSpeedCPUAdam``'s C++ step state to where the uninterrupted run had it.
+
+    Calls the C++ update with empty tensors for steps ``1..t`` (``t``: the loaded ``state["step"]``), once per
+    parameter group in the order DeepSpeed steps them, as the uninterrupted run did. Returns ``t`` (0: nothing to do).
+    NOTE: exact when every state holds the same step count and the betas did not change during the run (the
+    usual case); a parameter group that skipped steps, or betas changed by a scheduler, cannot be replayed exactly.
+    """
+    adam = cpu_adam_of(optimizer)
+    if adam is None:
+        return 0
+    steps = max((int(s["step"]) for s in adam.state.values() if isinstance(s, dict) and "step" in s), default=0)
+    empty = torch.empty(0, dtype=torch.float32)
+    for step in range(1, steps + 1):
+        for group in adam.param_groups:
+            deepspeed_internals.cpu_adam_update(adam, step, group, empty, empty, empty, empty)
+    return steps
+
+
+def checkpoint_stage(path: str | Path, tag: str | None = None) -> int | None:
+    """3 when the directory holds ZeRO-3 model shards, 2 for a ZeRO-1/2 (or stage 0) one; None if it cannot tell."""
+    p = Path(path)
+    if tag is None:
+        latest = p / "latest"
+        if not latest.is_file():
+            return None
+        tag = latest.read_text().strip()
+    folder = p / tag
+    if not folder.is_dir():
+        return None
+    names = [f.name for f in folder.glob("*model_states.pt")]
+    if any(n.startswith("zero_pp_rank_") for n in names):
+        return 3
+    if any(n.startswith("mp_rank_") for n in names):
+        return 2
+    return None
+
+
+def stage_mismatch(path: str | Path, stage: int) -> str | None:
+    """Why a ZeRO-``stage`` strategy cannot resume from ``path``'s shards, or None when their stage fits."""
+    written = checkpoint_stage(path)
+    if written is None or (written == 3) == (stage == 3):
+        return None
+    was = "ZeRO-3 (parameters partitioned: `zero_pp_rank_*_model_states.pt`)" if written == 3 else (
+        "ZeRO-1/2 (one `mp_rank_*_model_states.pt` with the whole model)")
+    presets = "`lowmem_zero3` / `lowmem_zero3_offload`" if written == 3 else "`lowmem_zero2` / `lowmem_zero2_offload`"
+    return (
+        f"it was written by {was}, and this strategy runs ZeRO-{stage}; DeepSpeed cannot read one stage's shards "
+        f"into the other. Resume with the strategy that wrote it ({presets}), or convert it to one fp32 state dict "
+        "with `lowmem consolidate DIR model.pt` and load that as the model's initial weights (a new optimizer state)."
+    )
+
+
+def load_error(err: BaseException, optimizer: Any, source: str) -> ValueError | None:
+    """DeepSpeed's error for a checkpoint of another model shape or optimizer, as one that names both; else None."""
+    if isinstance(err, RuntimeError) and "size mismatch" in str(err):
+        return ValueError(_resume_checks.shape_message(_resume_checks.parse_size_mismatches(str(err)), source))
+    weights = ("or keep only its weights: `lowmem consolidate DIR model.pt`, load that into the model and fit "
+               "without `ckpt_path` (the optimizer, the schedule and the step count start afresh)")
+    if isinstance(err, KeyError):
+        return ValueError(_resume_checks.mismatch_message(set(), cpu_adam_of(optimizer) or _base(optimizer), source,
+                                                          err=err, weights_only=weights))
+    if "ZeRO checkpoint" in str(err):  # NOTE: DeepSpeed's own layout checks (parameter groups, alignment)
+        return ValueError(f"Cannot resume from {source}: DeepSpeed cannot load it into this run ({err}) It was written "
+                          "with other parameter groups (`configure_optimizers`) or ZeRO settings; resume with those, "
+                          f"{weights}.")
+    return None
+
+
+def _base(optimizer: Any) -> Any:
+    """The torch optimizer inside DeepSpeed's ZeRO wrapper."""
+    inner = getattr(optimizer, "optimizer", None)
+    return optimizer if inner is None else _base(inner)

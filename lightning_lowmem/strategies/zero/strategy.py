@@ -1,0 +1,409 @@
+"""DeepSpeed ZeRO presets that run on GPU clusters and on the CPU accelerator (gloo), and ``consolidate``.
+
+``Trainer(strategy="lowmem_zero3_offload")`` and its siblings are :class:`ZeroStrategy` with the reference
+settings of the ZeRO-2/ZeRO-3 offload JSON files in
+https://blog.csdn.net/weixin_42486623/article/details/132761712, which follow Hugging Face's DeepSpeed
+integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed).
+``consolidate(checkpoint_dir, out_file)`` (also ``lowmem consolidate DIR FILE``)
+turns the directory checkpoint DeepSpeed writes into one fp32 state dict a plain model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lowmem._internals import deepspeed as deepspeed_internals
+from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.core import preflight as _preflight
+from lightning_lowmem.core import warning_filters as _warnings
+from lightning_lowmem.core.hooks import swapped
+from lightning_lowmem.core.optional import require
+from lightning_lowmem.core.reproducible import Reproducible
+from lightning_lowmem.core.schedulers import repoint_scheduler
+from lightning_lowmem.strategies.zero import config as zc
+from lightning_lowmem.strategies.zero.after_fit import PartitionWarning, gather_full_weights, restore_functional_linear
+from lightning_lowmem.strategies.zero.checkpoint_io import ZeroCheckpoints
+from lightning_lowmem.strategies.zero.checks import setup_problems
+from lightning_lowmem.strategies.zero.consolidation import consolidate  # noqa: F401 (re-exported)
+from lightning_lowmem.strategies.zero.host_bytes import check_zero_host_memory
+from lightning_lowmem.strategies.zero.optim import to_cpu_optimizer
+from lightning_lowmem.strategies.zero.skips import SkippedSteps
+
+if TYPE_CHECKING:
+    import deepspeed
+
+_FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
+
+
+class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
+    """DeepSpeed ZeRO with the reference settings (module docstring), Trainer flags flowing in, on CUDA or the CPU.
+
+    Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
+    fp32 masters, Adam moments and gradients (``16P -> 2P + 14P/N`` bytes of model state on the device);
+    stage 3 shards the 16-bit weights too (``16P/N``). ``offload_optimizer`` moves the sharded fp32 state and
+    the Adam step to host memory (``DeepSpeedCPUAdam``), ``offload_parameters`` (stage 3) the weights as
+    well, fetched layer by layer; ``offload_device="nvme"`` puts both on a local SSD. The cost: gradients
+    cross to the host and weights back every step, and the step runs on the CPU (see the benchmark).
+
+    Defaults (the reference settings): fp16 dynamic loss scaling when ``Trainer(precision="16-mixed")`` (bf16 for
+    ``"bf16-mixed"``), ``overlap_comm``, ``contiguous_gradients``, pinned host buffers, 2e8-element buckets
+    (stage 2), hidden-size-derived buckets (stage 3) and ``stage3_gather_16bit_weights_on_model_save``.
+    ``accumulate_grad_batches``, ``gradient_clip_val``, the precision and the loader's batch size are put in
+    the DeepSpeed config; ``config=`` (a dict or JSON path) is deep-merged over the result and wins, except
+    where Lightning applies the setting too (accumulation, fp16/bf16): a contradiction there is an error.
+    With an offload preset the module's ``torch.optim.Adam``/``AdamW`` is swapped for ``DeepSpeedCPUAdam``
+    with the same parameter groups and hyper-parameters (logged). Steps DeepSpeed skips for inf/nan gradients are
+    logged as ``lowmem/skipped_steps`` (the first one of a bf16/fp32 run warns).
+
+    Example:
+        >>> trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
+        >>> type(trainer.strategy).__name__
+        'ZeroStrategy'
+        >>> nvme = ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True,  # doctest: +SKIP
+        ...                     offload_device="nvme", nvme_path="/local_nvme")  # a directory on a local NVMe drive
+        >>> trainer = L.Trainer(strategy=nvme)  # doctest: +SKIP
+
+    Args:
+        stage: ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters).
+        offload_optimizer: keep optimizer state and its step on ``offload_device``.
+        offload_parameters: keep the parameters on ``offload_device`` (stage 3 only).
+        offload_device: ``"cpu"`` or ``"nvme"``; ``nvme`` needs ``nvme_path`` (or ``LOWMEM_NVME_PATH``).
+        nvme_path: an existing, writable directory on a fast local drive.
+        pin_memory: page-locked host buffers for the offloaded state (faster copies on CUDA).
+        overlap_comm, contiguous_gradients, reduce_bucket_size, allgather_bucket_size, sub_group_size:
+            DeepSpeed's ``zero_optimization`` keys; ``reduce_bucket_size=None`` means 2e8 (stage 1/2) or
+            ``hidden_size**2`` (stage 3, as Hugging Face's ``"auto"``).
+        gather_16bit_weights_on_model_save: ``stage3_gather_16bit_weights_on_model_save``.
+        cpu_optimizer: with offload, replace ``torch.optim.Adam``/``AdamW`` by ``DeepSpeedCPUAdam``.
+        check_host_memory: with offload, refuse to start when the host RAM DeepSpeed will allocate on this
+            machine (every local process's pinned and pageable buffers and optimizer state, see
+            ``strategies.zero.host_bytes``) is more than this process may use (available RAM, cgroup limit, ``ulimit -v``).
+        gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value (the master)
+            back into the module, so ``module.state_dict()`` and plain-PyTorch use see the trained weights. Without
+            it the parameters stay partitioned (empty) after fit, and the first ``state_dict()`` of them warns,
+            pointing to this option and to ``lowmem consolidate``. The partitions are kept either way
+            (``trainer.save_checkpoint`` after fit works); a later forward under DeepSpeed partitions them again.
+        config: a DeepSpeed config dict or JSON path merged over everything above.
+        **kwargs: any other ``lightning.pytorch.strategies.DeepSpeedStrategy`` argument
+            (``parallel_devices``, ``cluster_environment``, ``process_group_backend``, ``timeout``,
+            ``load_full_weights``, ``exclude_frozen_parameters``, ``remote_device``, ``logging_level``, ...).
+    """
+
+    strategy_name = "lowmem_zero"
+
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        offload_device: zc.OffloadDevice = "cpu",
+        nvme_path: str | os.PathLike | None = None,
+        pin_memory: bool = True,
+        overlap_comm: bool = True,
+        contiguous_gradients: bool = True,
+        reduce_bucket_size: int | None = None,
+        allgather_bucket_size: int = int(2e8),
+        sub_group_size: int = int(1e9),
+        gather_16bit_weights_on_model_save: bool = True,
+        cpu_optimizer: bool = True,
+        check_host_memory: bool = True,
+        config: dict[str, Any] | str | os.PathLike | None = None,
+        gather_on_fit_end: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        require("deepspeed", _FEATURE)
+        problems = []
+        flags = {"offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters, "pin_memory": pin_memory,
+                 "cpu_optimizer": cpu_optimizer, "check_host_memory": check_host_memory,
+                 "gather_on_fit_end": gather_on_fit_end}
+        not_bool = [f"Passed `{k}={v!r}`; expected True or False." for k, v in flags.items() if not isinstance(v, bool)]
+        problems.extend(not_bool)
+        if isinstance(gather_on_fit_end, bool) and gather_on_fit_end and stage != 3:
+            problems.append(
+                f"Passed `gather_on_fit_end=True` with `stage={stage}`; only stage 3 partitions the module's "
+                "parameters (remove it, or use stage=3)."
+            )
+        # NOTE: LightningCLI (jsonargparse) follows **kwargs into DeepSpeedStrategy's signature and passes every
+        # parent default; those are dropped, a real value for a config-building argument we replace is refused.
+        kwargs = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH or _PARENT_DEFAULTS.get(k, _MISSING) != v}
+        if stage not in (1, 2, 3):
+            problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
+        if offload_device not in ("cpu", "nvme"):
+            problems.append(f"Passed `offload_device={offload_device!r}`; expected 'cpu' or 'nvme'.")
+        bad_type = bool(not_bool)
+        if offload_parameters and stage != 3:
+            problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
+        unknown = set(kwargs) - _PASSTHROUGH
+        if unknown:
+            replaced = sorted(unknown & set(_PARENT_DEFAULTS))
+            problems.append(
+                f"Passed argument(s) {sorted(unknown)}: "
+                + (f"{replaced} are DeepSpeedStrategy config-building arguments that ZeroStrategy replaces by its own "
+                   "(`stage`, `offload_*`, `pin_memory`, ...) and `config=`; " if replaced else "")
+                + f"ZeroStrategy also passes on {sorted(_PASSTHROUGH)}. Other DeepSpeed keys go in `config=`."
+            )
+        sizes = {"reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": allgather_bucket_size,
+                 "sub_group_size": sub_group_size}
+        wrong_size, bad_size, ignored = zc.size_arguments(stage, sizes, _OWN_DEFAULTS)
+        problems += wrong_size + bad_size
+        if problems:
+            raise (TypeError if bad_type or wrong_size else ValueError)(" ".join(problems))
+        for message in ignored:
+            rank_zero_warn(f"ZeroStrategy: {message}")
+        if offload_device == "nvme":
+            nvme_path = zc.check_nvme_path(nvme_path or os.environ.get("LOWMEM_NVME_PATH"))
+            kwargs.setdefault("remote_device", "nvme")
+        self.gather_on_fit_end = gather_on_fit_end
+        self._warning_filters: list[Any] = []
+        self._partition_warning: Any = None
+        self._skips = SkippedSteps()
+        self._user_config = zc.load_user_config(config)
+        if config_problems := zc.config_problems(self._user_config):
+            raise ValueError(f"ZeroStrategy(config=...): {' '.join(config_problems)}")
+        self._cpu_optimizer = cpu_optimizer
+        self.check_host_memory = check_host_memory
+        self._offload_optimizer = offload_optimizer
+        preset = zc.reference_config(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            offload_device=offload_device,
+            nvme_path=None if nvme_path is None else str(nvme_path),
+            pin_memory=pin_memory,
+            overlap_comm=overlap_comm,
+            contiguous_gradients=contiguous_gradients,
+            reduce_bucket_size=int(reduce_bucket_size) if reduce_bucket_size else ("auto" if stage == 3 else int(2e8)),
+            allgather_bucket_size=int(allgather_bucket_size),
+            sub_group_size=int(sub_group_size),
+            gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save,
+            zero_force_ds_cpu_optimizer=True,
+        )
+        # NOTE: the parent gets the preset merged with the user's JSON so that `zero_stage_3` and
+        # `model_sharded_context` (called before `setup`) already see the final ZeRO section.
+        super().__init__(config=zc.merge(preset, self._user_config), **kwargs)
+
+    # ---- the three CPU obstacles of Lightning's DeepSpeedStrategy -----------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
+        _preflight.check_start(self)  # a stray LOCAL_RANK, a stale op-build lock: refused instead of waiting forever
+        DDPStrategy.setup_environment(self)
+
+        _warnings.remove(self._warning_filters)
+        specs = [_warnings.DEEPSPEED_COLLECTIVES] + ([_warnings.SYNC_DIST_ONE_PROCESS] if self.world_size == 1 else [])
+        self._warning_filters = _warnings.install(*specs)  # removed in `teardown`
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self._partition_warning is not None:
+            self._partition_warning.remove()
+            self._partition_warning = None
+        super().setup(trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        module = self.lightning_module
+        if not self.zero_stage_3 or module is None:
+            return
+
+        if self.gather_on_fit_end:
+            gather_full_weights(module)
+        # NOTE: also after a gather: the next forward under DeepSpeed partitions the weights again
+        self._partition_warning = PartitionWarning(module)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # NOTE: Lightning's checkpoint dict; DeepSpeed drops its "state_dict" and writes the partitions itself, so
+        # the partition warning (meant for the user's own `state_dict()`) stays quiet here.
+        hooks = self._partition_warning
+        if hooks is None:
+            return super().lightning_module_state_dict()
+        hooks.suspended = True
+        try:
+            return super().lightning_module_state_dict()
+        finally:
+            hooks.suspended = False
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+
+        restore_functional_linear()
+
+        _warnings.remove(self._warning_filters)
+        self._warning_filters = []
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return super().setup_distributed()
+        # NOTE: `_validate_device_index_selection` fails on the CPU device's `None` index; the rest is kept.
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+        return None
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        deepspeed_internals.drop_stale_process_groups()  # NOTE: a second fit in the same process
+        with _preflight.rendezvous_notice(self):
+            super()._init_deepspeed_distributed()
+
+    @property
+    def _device_rank(self) -> int:
+        # NOTE: DeepSpeed compares `device_rank` with 0; the CPU device's index is None.
+        index = self.root_device.index
+        return self.local_rank if index is None else index
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        root = self.root_device
+        if root.index is not None:
+            return super()._initialize_deepspeed_inference(model)
+        # NOTE: the parent builds `Namespace(device_rank=root_device.index)`; present the local rank instead
+        # for the duration of the call (the strategy's own `root_device` is not changed).
+        import deepspeed
+
+        original = deepspeed.initialize
+
+        def initialize(*args: Any, **kw: Any) -> Any:
+            if "args" in kw and getattr(kw["args"], "device_rank", 0) is None:
+                kw["args"] = argparse.Namespace(device_rank=self._device_rank)
+            return original(*args, **kw)
+
+        with swapped(deepspeed, initialize=initialize):
+            super()._initialize_deepspeed_inference(model)
+        return None
+
+    # ---- config: preset <- Trainer <- user JSON ------------------------------------------------------------
+
+    @override
+    def _format_config(self) -> None:
+        assert self.lightning_module is not None and self.config is not None
+        trainer = self.lightning_module.trainer
+        precision = str(self.precision_plugin.precision)
+        trainer_cfg = zc.trainer_settings(
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+            precision=precision,
+            micro_batch_size=self._micro_batch_size(),
+            fp16={
+                "loss_scale": self.loss_scale,
+                "initial_scale_power": self.initial_scale_power,
+                "loss_scale_window": self.loss_scale_window,
+                "hysteresis": self.hysteresis,
+                "min_loss_scale": self.min_loss_scale,
+            },
+        )
+        errors, warnings = zc.conflicts(trainer_cfg, self._user_config, precision)
+        merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
+        if not errors:
+            zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
+        errors += self._setup_problems(trainer, precision, merged)
+        if errors:
+            raise ValueError(
+                f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(errors)
+            )
+        for message in warnings:
+            rank_zero_warn(f"{type(self).__name__}: {message}.")
+        self.config.clear()
+        self.config.update(merged)
+
+    def _micro_batch_size(self) -> int:
+        # NOTE: the parent's `_auto_select_batch_size` fails on loaders with `batch_size=None` (no batch sampler).
+        assert self.lightning_module is not None
+        source = lightning_internals.fit_data_source(self.lightning_module.trainer)
+        if not source.is_defined():
+            return 1
+        loader = source.dataloader()
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
+        return int(size) if isinstance(size, int) and size > 0 else 1
+
+    def _setup_problems(self, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
+        return setup_problems(self, trainer, precision, config) + _preflight.checkpoint_dir_problems(trainer)
+
+    # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
+
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, Any]:
+        optimizer, scheduler_config = super()._init_optimizers()
+        if self.check_host_memory:
+            self._check_host_memory(optimizer)  # NOTE: before DeepSpeedCPUAdam and the engine allocate anything
+        if not (self._offload_optimizer and self._cpu_optimizer):
+            return optimizer, scheduler_config
+
+        with _preflight.SlowStartNotice("Creating DeepSpeedCPUAdam", _preflight.OP_BUILD_HINT):
+            cpu_optimizer, message = to_cpu_optimizer(optimizer, self.config)
+        if cpu_optimizer is not optimizer:
+            rank_zero_info(message)
+            if scheduler_config is not None:
+                repoint_scheduler(scheduler_config.scheduler, optimizer, cpu_optimizer)
+        return cpu_optimizer, scheduler_config
+
+    def _check_host_memory(self, optimizer: Optimizer) -> None:
+        check_zero_host_memory(self, optimizer)
+
+    #: A micro-batch's loss is divided by the accumulation once (by Lightning's loop), not again by DeepSpeed.
+    loss_divided_once = True
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # NOTE: Lightning's loop already divides the loss by `accumulate_grad_batches`; DeepSpeed's
+        # `engine.backward` would divide it again (gradients 1/k^2 of the right value).
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        before = self._skips.count(self)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._skips.after_step(self, before, model or self.lightning_module)  # `lowmem/skipped_steps`, a warning
+        return out
+
+
+_MISSING = object()
+_OWN_DEFAULTS = {name: p.default for name, p in inspect.signature(ZeroStrategy.__init__).parameters.items()}
+_PARENT_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
+_PASSTHROUGH = {
+    "accelerator", "remote_device", "zero_allow_untested_optimizer", "logging_batch_size_per_gpu", "logging_level",
+    "parallel_devices", "cluster_environment", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "min_loss_scale", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary", "load_full_weights", "precision_plugin", "process_group_backend", "timeout",
+    "exclude_frozen_parameters",
+}
