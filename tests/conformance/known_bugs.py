@@ -30,6 +30,9 @@ class Known:
 BEING_FIXED: list[Known] = []
 _K = "tests/conformance/known/"
 REPRODUCED = [
+    Known("configure_model", r"^lowmem_zero2.*@bf16-mixed$", "lowmem_zero2* bf16: a BatchNorm built in configure_model "
+          "escapes the running-statistics refusal (torch's dtype RuntimeError)", _K + "test_zero_bf16_configure_model.py",
+          verdicts=("crash",), detail=r"expected scalar type BFloat16 but found Float"),
     Known("compiled_submodule", r"MemoryReport", "MemoryReport's sampled steps change a compiled submodule's "
           "rounding", _K + "test_compiled_submodule.py"),
 ]
