@@ -132,6 +132,17 @@ class _Mode(torch_internals.TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
 
+    @classmethod
+    @override
+    def ignore_compile_internals(cls) -> bool:
+        # NOTE: [compiled regions] False (torch's default) makes dynamo skip every frame it would compile while the
+        # mode is on the stack: a `torch.compile`d submodule would run eagerly in the sampled steps only, and eager
+        # kernels round otherwise than inductor's fused ones (the run would differ from one without the tracker).
+        # True: the compiled code runs as it does untracked; the mode is off while dynamo traces and compiles and on
+        # while the compiled artifact runs, so it sees the artifact's allocations (its outputs and buffers), not the
+        # fused ops inside it.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker

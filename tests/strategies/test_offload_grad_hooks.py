@@ -173,3 +173,85 @@ def test_optimizer_in_backward_refuses_a_clipping_override_and_warns_about_gradi
     warns = pytest.warns(UserWarning, match=r"`Clipped.on_after_backward` and `Clipped.on_before_optimizer_step` will see")
     with warns, pytest.raises(ValueError, match=r"before `Clipped.configure_gradient_clipping` runs.*optimizer_in_backward=False"):
         trainer.fit(Clipped())
+
+
+_AFTER_STEP = ("on_train_batch_start", "on_before_zero_grad", "on_train_batch_end", "on_train_epoch_end")
+
+
+class GradSpy(Callback):
+    """What ``p.grad`` shows in the hooks between a step and the next ``zero_grad`` (a gradient-norm logger's hooks)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, torch.Tensor | None]]] = []
+
+    def _look(self, hook: str, pl_module) -> None:
+        self.seen.append((hook, {n: None if p.grad is None else p.grad.clone() for n, p in pl_module.named_parameters()}))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._look("on_train_batch_start", pl_module)
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        self._look("on_before_zero_grad", pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._look("on_train_batch_end", pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._look("on_train_epoch_end", pl_module)
+
+
+class LogsGradNorms(Clipped):
+    """The module's own ``on_train_batch_end`` logging gradient norms, as users write it."""
+
+    def __init__(self) -> None:
+        super().__init__(own_clip=False)
+        self.batch_end_norms: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.batch_end_norms.append({k: float(v) for k, v in grad_norm(self, norm_type=2).items()})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_hooks_after_the_step_see_the_last_gradients_as_plain_lightning(precision, stream):
+    """``on_train_batch_end``, ``on_train_epoch_end``, the next ``on_train_batch_start`` and ``on_before_zero_grad``
+    show the last step's gradients (or, between micro-batches, those accumulated so far), as plain Lightning does."""
+    seen = {}
+    for name, strategy in (("plain", "auto"), ("ours", OffloadStrategy(host_optimizer="as_is", offload_params=stream))):
+        spy = GradSpy()
+        L.seed_everything(0, verbose=False)
+        module = LogsGradNorms()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_epochs=2, limit_train_batches=4,
+            accumulate_grad_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, callbacks=[spy],
+        )  # fmt: skip
+        trainer.fit(module)
+        seen[name] = (spy.seen, module.batch_end_norms, {k: v.clone() for k, v in module.state_dict().items()})
+    (want, want_norms, want_state), (got, got_norms, got_state) = seen["plain"], seen["ours"]
+    assert [hook for hook, _ in got] == [hook for hook, _ in want] and {hook for hook, _ in want} == set(_AFTER_STEP)
+    for i, ((hook, grads), (_, plain)) in enumerate(zip(got, want)):
+        assert grads.keys() == plain.keys()
+        for key, g in plain.items():
+            assert (grads[key] is None) == (g is None), f"call {i} ({hook}): {key}.grad is {grads[key]}, plain {g}"
+            assert g is None or torch.equal(grads[key], g), f"call {i} ({hook}): {key}.grad differs"
+    assert any(g is not None for _, grads in want for g in grads.values())  # the hooks do see gradients
+    assert got_norms == want_norms and len(want_norms) == 8 and all(want_norms)
+    _assert_equal(got_state, want_state)
+    assert all(p.grad is None for p in trainer.lightning_module.parameters())  # outside the hooks: none
+
+
+def test_only_the_users_overridden_hooks_are_wrapped():
+    """Lightning's own callbacks and this package's (a checkpoint, MemoryReport) and hooks nobody overrides run as
+    they are: no view, nothing shown."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_lowmem import MemoryReport
+    from lightning_lowmem.strategies.offload.masters_view import wrap_grad_readers
+
+    spy, others, module = GradSpy(), [ModelCheckpoint(), MemoryReport(predict=False, plot=False)], Clipped()
+    undo = wrap_grad_readers([spy, *others], module, view=None)  # type: ignore[arg-type]  (never opened here)
+    assert sorted(h for h in vars(spy) if h.startswith("on_")) == sorted(_AFTER_STEP)
+    assert not [h for cb in (*others, module) for h in vars(cb) if h.startswith("on_")]
+    undo()
+    assert not [h for h in vars(spy) if h.startswith("on_")]

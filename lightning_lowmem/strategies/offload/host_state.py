@@ -9,6 +9,7 @@ the host. :class:`HostState` is a base of ``OffloadStrategy`` and reads its stat
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 from typing_extensions import override
@@ -66,8 +67,9 @@ class HostState:
         out = MemoryBreakdown()
         module = self.lightning_module
         if module is not None:
-            out.add("device", "weights", module_weight_bytes(module))
-            out.add("device", "gradients", module_grad_bytes(module))
+            with self._view.hidden() if self._view is not None else nullcontext():  # NOTE: called in a hook's view
+                out.add("device", "weights", module_weight_bytes(module))
+                out.add("device", "gradients", module_grad_bytes(module))
         out.add("host", "optimizer_state", unique_storage_bytes(self._masters.p_host))  # fp32 masters
         for opt in self.optimizers:
             out.add("host", "optimizer_state", optimizer_state_bytes(opt))

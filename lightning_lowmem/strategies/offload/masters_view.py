@@ -13,6 +13,10 @@ against the fp32 module reads and writes the masters here, through :class:`Maste
 * the gradient hooks (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) read and
   clip ``p.grad``: :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision` runs them inside a view with
   the masters' gradients, so ``clip_grad_value_(self.encoder.parameters(), ...)`` clips what the optimizer steps;
+* the user's own hooks between a step and the next ``zero_grad`` (``on_train_batch_end``, ``on_train_epoch_end``, the
+  next ``on_train_batch_start``, ``on_before_zero_grad``), where plain Lightning's ``p.grad`` still holds the last
+  step's gradients: :func:`wrap_grad_readers` runs them inside a view with the masters' gradients (a weight written
+  there is followed to its compute weight);
 * ``zero_grad()`` of the module and of its submodules (:func:`wrap_module_zero_grad`) clears the masters' gradients;
 * manual optimization: ``training_step`` from each ``manual_backward`` and each step to the next forward
   (:mod:`~lightning_lowmem.strategies.offload.manual_grads`).
@@ -44,6 +48,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.accounting import storage_key
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.param_stream import ParamStream
 from lightning_lowmem.strategies.offload.transfer import HostTransfer
@@ -92,6 +97,8 @@ class MastersView:
         self.stream = stream
         self._depth = 0
         self._write_back = False
+        self._follow = False
+        self._compute: list[Tensor] = []  # the compute weights, while a view shows the masters
         self._shown: list[Tensor | None] | None = None  # the gradients a view with `grads` put on the parameters
         # NOTE: [writes outside the hooks] the strategy's: before the masters are shown, a compute weight other code wrote
         # is copied into its master; after they are put back, every compute weight matches its master again
@@ -104,17 +111,22 @@ class MastersView:
         return self._depth
 
     @contextlib.contextmanager
-    def view(self, *, grads: bool = False, buffers: bool = False, write_back: bool = False) -> Iterator[None]:
+    def view(
+        self, *, grads: bool = False, buffers: bool = False, write_back: bool = False, follow_writes: bool = False
+    ) -> Iterator[None]:
         """Show the masters (``grads``: with their gradients; ``buffers``: the fp32 values of rounded buffers).
 
-        ``write_back``: on exit, copy every master (and every shown buffer) into the compute tensors. A view inside a
-        view shows what the outer one shows and passes its ``write_back`` to it.
+        ``write_back``: on exit, copy every master (and every shown buffer) into the compute tensors.
+        ``follow_writes``: on exit, copy into the compute weights only the masters code wrote through the module's
+        parameters (in place, or ``p.data`` replaced; see :meth:`_written`). A view inside a view shows what the outer
+        one shows and passes its ``write_back`` and ``follow_writes`` to it.
         """
         if not self.masters.p_host:
             yield
             return
         if self._depth:
             self._write_back |= write_back
+            self._follow |= follow_writes
             self._depth += 1
             try:
                 yield
@@ -122,7 +134,7 @@ class MastersView:
                 self._depth -= 1
             return
         self.before_show()
-        self._write_back = write_back
+        self._write_back, self._follow = write_back, follow_writes
         self._depth = 1
         masters = self.masters
         stream = self.stream
@@ -130,8 +142,10 @@ class MastersView:
         if stream is not None:
             stream.release_all()  # NOTE: a released block is refetched where needed (a pending backward included)
         # NOTE: a streamed weight's placeholder is not read back from the parameter (`.data` of it is an op the dry
-        # run's fake mode refuses on a real placeholder): it is rebuilt on exit
-        data = [None if id(p) in streamed else p.data for p in masters.p_device]
+        # run's fake mode refuses on a real placeholder): it is rebuilt, here, before any parameter shows its master
+        # (in its compute dtype; no op runs while only some parameters are put back on exit)
+        data = [stream.released(p) if id(p) in streamed else p.data for p in masters.p_device]  # type: ignore[union-attr]
+        self._compute = data
         shown = self._show_buffers() if buffers else {}
         with torch.no_grad():
             for p, p_host in zip(masters.p_device, masters.p_host):
@@ -139,21 +153,65 @@ class MastersView:
                 if grads:
                     p.grad = p_host.grad
         self._shown = [p_host.grad for p_host in masters.p_host] if grads else None
+        versions = [torch_internals.tensor_version(p) for p in masters.p_device]
         try:
             yield
         finally:
             self._depth = 0
             write, self._write_back = self._write_back, False
+            follow, self._follow = self._follow, False
+            written = self._written(versions) if write or follow else []
             self.sync_grads()
             for p, d in zip(masters.p_device, data):
                 if grads:
                     p.grad = None  # NOTE: before `.data` goes back: the compute weight's dtype may differ
-                p.data = d if d is not None else stream.released(p)  # type: ignore[union-attr]
-            self._shown = None
+                p.data = d
+            self._shown, self._compute = None, []
             self._restore_buffers(shown, write)
-            if write:
-                self.to_compute([(i, p_host, p) for i, (p_host, p) in enumerate(zip(masters.p_host, masters.p_device))])
+            if write or written:
+                self.to_compute([(i, masters.p_host[i], masters.p_device[i])
+                                 for i in (range(len(masters.p_host)) if write else written)])
             self.after_restore()
+
+    @torch.no_grad()
+    def _written(self, versions: list[int]) -> list[int]:
+        """Inside the view: the masters code wrote through the module's parameters since ``versions`` were read; a
+        parameter whose ``.data`` was replaced (``p.data = new``) has its new value copied into its master first."""
+        written = []
+        for i, (p, p_host) in enumerate(zip(self.masters.p_device, self.masters.p_host)):
+            if storage_key(p) != storage_key(p_host):
+                if p.shape != p_host.shape:
+                    raise RuntimeError(
+                        f"lowmem_offload: `{self.masters.names[i]}` was given a tensor of shape {tuple(p.shape)} (its "
+                        f"weight has shape {tuple(p_host.shape)}); a parameter's shape cannot change during training "
+                        "under lowmem_offload. Write its values in place instead (`with torch.no_grad(): p.copy_(new)`)."
+                    )
+                p_host.copy_(p.detach())
+                written.append(i)
+            elif torch_internals.tensor_version(p) != versions[i]:  # NOTE: an in-place write through the parameter (not through `p.data`)
+                written.append(i)
+        return written
+
+    @contextlib.contextmanager
+    def hidden(self) -> Iterator[None]:
+        """Inside a view: put the compute weights back for a while, without gradients (what is on the device, for a
+        memory breakdown taken in a hook that shows the masters); elsewhere: nothing."""
+        if not self._depth:
+            yield
+            return
+        params = self.masters.p_device
+        kept = [(p.data, p.grad) for p in params]
+        with torch.no_grad():
+            for p, d in zip(params, self._compute):
+                p.grad = None
+                p.data = d
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, (d, g) in zip(params, kept):
+                    p.data = d
+                    p.grad = g
 
     def sync_grads(self) -> None:
         """Inside a view with ``grads``: after code replaced (or dropped) a parameter's ``.grad`` or its master's, make
@@ -371,9 +429,64 @@ def wrap_module_zero_grad(module: nn.Module, view: MastersView) -> Callable[[], 
     return undo
 
 
+# --- hooks that run between a step and the next zero_grad -----------------------------------------------------------
+_GRAD_READERS = ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_end", "on_before_zero_grad")
+# NOTE: [grad readers] the packages whose hooks are not wrapped: Lightning's own callbacks and this package's read no
+# gradients there (a checkpoint, a progress bar, MemoryReport, which must see the compute weights it measures); the
+# defining class's module is checked because their classes are many and a user's subclass may override the hook again
+_NOT_USER = ("lightning.", "pytorch_lightning.", "lightning_lowmem.")
+
+
+def _user_hook(obj: Any, hook: str) -> bool:
+    """Whether the class of ``obj`` defines ``hook`` in user code (not in Lightning or this package)."""
+    for cls in type(obj).__mro__:
+        if hook in vars(cls):
+            return not cls.__module__.startswith(_NOT_USER)
+    return False
+
+
+def wrap_grad_readers(callbacks: Sequence[Callback], module: nn.Module, view: MastersView) -> Callable[[], None]:
+    """Run the user's ``on_train_batch_start``, ``on_train_batch_end``, ``on_train_epoch_end`` and
+    ``on_before_zero_grad`` (of ``module`` and of ``callbacks``) inside ``view`` with the masters' gradients; return
+    the undo.
+
+    NOTE: plain Lightning's ``p.grad`` still holds the last step's gradients in those hooks (until the next step's
+    ``zero_grad``): a callback logging gradient norms in ``on_train_batch_end`` reads them. Here the parameters hold no
+    ``.grad`` outside a view, so it would silently read ``None``. A weight written in the hook reaches its master and,
+    from it, its compute weight (``follow_writes``). Only overridden hooks are wrapped: none, no view.
+    """
+    wrapped: list[tuple[Any, str]] = []
+    for obj in [*callbacks, module]:
+        for hook in _GRAD_READERS:
+            if _set_by_user(obj, hook) or not _user_hook(obj, hook):
+                continue
+            setattr(obj, hook, _with_grads(obj, hook, view))
+            wrapped.append((obj, hook))
+
+    def undo() -> None:
+        for obj, hook in wrapped:
+            vars(obj).pop(hook, None)
+
+    return undo
+
+
+def _with_grads(obj: Any, hook: str, view: MastersView) -> Callable[..., Any]:
+    """``obj.hook`` run inside ``view`` with gradients (a bound method: pickles and copies as :func:`_in_view`'s)."""
+    method = getattr(type(obj), hook)
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with view.view(grads=True, follow_writes=True):
+            return method(self, *args, **kwargs)
+
+    return types.MethodType(run, obj)
+
+
 def wrap_hooks(callbacks: Sequence[Callback], module: nn.Module, view: MastersView) -> Callable[[], None]:
-    """:func:`wrap_averaging`, :func:`wrap_zero_grad` and :func:`wrap_module_zero_grad` for one fit; return the undo."""
-    undo = [wrap_averaging(callbacks, view), wrap_zero_grad(module, view), wrap_module_zero_grad(module, view)]
+    """:func:`wrap_averaging`, :func:`wrap_zero_grad`, :func:`wrap_module_zero_grad` and :func:`wrap_grad_readers`
+    for one fit; return the undo."""
+    undo = [wrap_averaging(callbacks, view), wrap_zero_grad(module, view), wrap_module_zero_grad(module, view),
+            wrap_grad_readers(callbacks, module, view)]
 
     def unwrap() -> None:
         for u in undo:

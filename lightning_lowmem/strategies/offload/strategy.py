@@ -83,8 +83,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     accumulation work on the masters. Code written for the fp32 module sees the fp32 masters through the module's
     own parameters (``.data`` swapped for the call, see ``strategies/offload/masters_view.py``): the gradient hooks
     (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) with their ``.grad``, every
-    hook of Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``), ``zero_grad()`` of the
-    module, and in manual optimization ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next
+    hook of Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``), the user's own
+    ``on_train_batch_start``/``on_train_batch_end``/``on_train_epoch_end``/``on_before_zero_grad`` with the last step's
+    ``.grad``, ``zero_grad()`` of the module, and in manual optimization ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next
     forward (``strategies/offload/manual_grads.py``); your own such code: ``with trainer.strategy.masters_view():``.
     Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
 

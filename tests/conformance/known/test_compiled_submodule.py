@@ -6,9 +6,10 @@
   traced on bf16 parameters instead of fp32 parameters cast inside the graph, and inductor fuses the cast with the
   bias add (no bf16 rounding of the fp32 bias) where eager autocast rounds. Fixed: the parameters of compiled modules
   keep fp32 under ``*-mixed`` (``master_half._compiled_params``); this test passes.
-- ``MemoryReport`` (sampled steps): weights differ from the run without it by ~3e-6 of the update. Suspected cause:
-  the tracker's ``TorchDispatchMode`` is active during the sampled step, so the compiled region runs another path
-  (eager kernels or a recompile under the mode) than the unsampled run.
+- ``MemoryReport`` (sampled steps): weights differed from the run without it by ~3e-6 of the update. Cause
+  (confirmed): dynamo skips every frame while a ``TorchDispatchMode`` whose ``ignore_compile_internals()`` is False
+  is on the stack, so the compiled region ran eagerly in the sampled steps. Fixed: the tracker's mode ignores compile
+  internals (``measure/tracker.py``, [compiled regions]): the compiled code runs as untracked; this test passes.
 
 Found by the conformance sweep (module ``compiled_submodule``). Both are rounding differences, not lost terms; the
 README claims bit-identity for both, so either the claim names the torch.compile exception or the paths are aligned.
@@ -39,9 +40,35 @@ def test_offload_bf16_mixed_with_a_compiled_submodule_matches_plain():
     assert not differing(train(Compiled, precision="bf16-mixed", strategy=OffloadStrategy(host_optimizer="as_is")), plain)
 
 
-@pytest.mark.xfail(strict=True, reason="MemoryReport's sampled steps change a compiled submodule's rounding")
 def test_memory_report_with_a_compiled_submodule_matches_plain(tmp_path):
     plain = train(Compiled)
     torch.compiler.reset()
     report = MemoryReport(every_n_steps=1, predict=False, plot=False, save_dir=tmp_path)
     assert not differing(train(Compiled, callbacks=[report]), plain)
+
+
+class CompiledTrunk(Classifier):
+    """The conformance corpus's compiled module: a conv stem, a compiled trunk, an eager head (16x16 images)."""
+
+    def __init__(self) -> None:
+        from tests.conformance.corpus_nets import CompiledSubmodule
+
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 3, (16,), generator=g))
+        super().__init__(CompiledSubmodule(), data, lambda params: torch.optim.AdamW(params, lr=2e-3))
+
+
+@pytest.mark.xfail(strict=True, reason="lowmem_offload + ActivationCheckpointing crash on a compiled submodule")
+def test_offload_with_activation_checkpointing_of_a_compiled_submodule_runs():
+    """Found when the MemoryReport fix let the compiled trunk run compiled in the recipe cells: with
+    ``ActivationCheckpointing("sqrt")`` under ``lowmem_offload`` at ``bf16-mixed`` (no MemoryReport) the first step
+    fails inside the compiled code ("expected size 32==32, stride 1==32": a fake kernel's strides); the same at
+    ``bf16-true`` with ``ActivationCheckpointing("all")`` fails in the recomputation (``CheckpointError``: other
+    metadata). Plain Lightning with the same callback runs. Cause not looked for yet."""
+    from lightning_lowmem import ActivationCheckpointing
+
+    plain = train(CompiledTrunk, callbacks=[ActivationCheckpointing("sqrt")])
+    torch.compiler.reset()
+    got = train(CompiledTrunk, precision="bf16-mixed", strategy=OffloadStrategy(host_optimizer="as_is"),
+                callbacks=[ActivationCheckpointing("sqrt")])
+    assert got.keys() == plain.keys()
