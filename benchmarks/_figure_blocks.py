@@ -324,6 +324,35 @@ def demo(r: Results) -> str:
             f"demo's device-role saving is in `MemoryReport`'s table.\n\n{source(d, where(d))}")
 
 
+@block("conformance")
+def conformance(r: Results) -> str:
+    d = r["conformance"]
+    kinds = sorted({m["kind"] for m in d["modules"]})
+    cb = d["lightning_callbacks"]
+    counts, dry = d["counts"], d["dry_run_counts"]
+    total, dry_total = sum(counts.values()), sum(dry.values())
+    codes = d.get("codes", [])
+    earlier = [c for c in codes if not c["current"]]
+    provenance = (f"{d['cells_at_current_code']} of {total + dry_total} cells ran at the final code (fingerprint "
+                  f"`{d['fingerprint']}`)" if codes else f"every cell ran at code fingerprint `{d['fingerprint']}`")
+    if earlier:
+        provenance += "; " + "; ".join(f"{c['cells']} carry the earlier fingerprint `{c['fingerprint']}` (commit "
+                                       f"{', '.join(c['commits'])}), not re-run since" for c in earlier)
+    if d.get("cells_never_run"):
+        provenance += f"; {d['cells_never_run']} never ran"
+    hf = sum("hf" in m["tags"] and "peft" not in m["tags"] for m in d["modules"])
+    corpus = (f"{len(d['modules'])} modules ({hf} transformers model families, {len(d['modules']) - hf} hand-written "
+              f"modules) of {len(kinds)} kinds ({', '.join(kinds)}) x {len(d['flags'])} flags "
+              f"(strategies at each precision, callbacks, the README's recipes, the ZeRO presets), and Lightning's "
+              f"{len(cb['callbacks'])} own callbacks on {len(cb['hosts'])} hosts ({', '.join(cb['hosts'])}): "
+              f"{total} training cells, each judged against plain Lightning, and {dry_total} dry-run predictions.")
+    body = table(["exact", "close", "refused", "differs", "crash", "n/a"],
+                 [[counts[v] for v in ("exact", "close", "refused", "differs", "crash", "n/a")]])
+    dry_body = table(["dry run: within 1 %", "off", "refused", "n/a", "crash"],
+                     [[dry[v] for v in ("ok", "off", "refused", "n/a", "crash")]])
+    return (f"{corpus}\n\n{body}\n\n{dry_body}\n\n{provenance}. What each verdict allows: "
+            f"`tests/conformance/compare.py`; every cell: `benchmarks/results/conformance.md`.\n\n{source(d, where(d))}")
+
 
 
 @block("adapters", "adapters_step_time")

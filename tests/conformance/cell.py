@@ -46,6 +46,7 @@ class Outcome:
     grad_norms: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    adam_lr: float = 0.0  # the largest learning rate of the run's torch Adam/AdamW groups (0: no Adam)
 
 
 class _Probe(Callback):
@@ -99,6 +100,22 @@ def _bnb_optimizers(module: L.LightningModule) -> None:
     module.configure_optimizers = configure_optimizers
 
 
+def _fused_optimizers(module: L.LightningModule) -> None:
+    """Plain Lightning with torch's fused CPU kernel: ``fused=True`` (``foreach=False``) on the fp32 groups of the
+    module's own Adam/AdamW (a user's one-argument change; a half-precision group keeps its kernel)."""
+    original = module.configure_optimizers
+
+    def configure_optimizers() -> Any:
+        optimizer = original()
+        if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            for group in optimizer.param_groups:
+                if all(p.dtype in (torch.float32, torch.float64) for p in group["params"]):
+                    group.update(fused=True, foreach=False)
+        return optimizer
+
+    module.configure_optimizers = configure_optimizers
+
+
 def initial_state(spec: ModuleSpec) -> compare.State:
     """The weights and buffers a run starts from; also by ``state_dict`` key (``state:NAME``, tied weights under each
     of their names, as a checkpoint holds them)."""
@@ -112,7 +129,8 @@ def initial_state(spec: ModuleSpec) -> compare.State:
 
 
 def fit(spec: ModuleSpec, *, strategy: Any = None, precision: str = "32-true", callbacks: list[Any] = (),
-        accumulate: int = 1, batches_per_step: int = 1, bnb: bool = False, companion: Companion | None = None,
+        accumulate: int = 1, batches_per_step: int = 1, bnb: bool = False, fused: bool = False,
+        companion: Companion | None = None,
         trainer_hook: Any = None) -> Outcome:
     """One ``Trainer.fit`` of a fresh ``spec`` module for ``STEPS`` optimizer steps (or the companion's schedule)."""
     started = time.perf_counter()
@@ -135,6 +153,8 @@ def fit(spec: ModuleSpec, *, strategy: Any = None, precision: str = "32-true", c
             module = spec.build()
             if bnb:
                 _bnb_optimizers(module)
+            if fused:
+                _fused_optimizers(module)
             trainer = L.Trainer(
                 accelerator="cpu", devices=1, strategy=strategy if strategy is not None else "auto",
                 precision=precision, callbacks=[*callbacks, *extra_callbacks, probe], accumulate_grad_batches=accumulate,
@@ -144,6 +164,8 @@ def fit(spec: ModuleSpec, *, strategy: Any = None, precision: str = "32-true", c
             trainer.fit(module)
             out.global_step = trainer.global_step
             out.state = compare.capture(module, probe.params)
+            out.adam_lr = max((g["lr"] for o in trainer.optimizers if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))
+                               for g in o.param_groups), default=0.0)
             if companion is not None:
                 out.observed = companion.observe(trainer, module, root)
             if trainer_hook is not None:
@@ -164,19 +186,25 @@ def reference(spec: ModuleSpec, ref: Ref, companion: Companion | None) -> Outcom
     key = (spec.name, ref.key, companion.name if companion else "")
     if key not in REFERENCES:
         REFERENCES[key] = fit(spec, precision=ref.precision, accumulate=ref.accumulate, batches_per_step=ref.accumulate,
-                              bnb=ref.bnb, companion=companion)
+                              bnb=ref.bnb, fused=ref.fused, companion=companion)
     return REFERENCES[key]
 
 
-def _nudged(spec: ModuleSpec) -> ModuleSpec:
-    """``spec`` with every floating parameter moved by one fp32 ulp (towards +inf) after it is built."""
+_HALF = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def _nudged(spec: ModuleSpec, precision: str = "32-true") -> ModuleSpec:
+    """``spec`` with every floating parameter moved by one ulp (towards +inf) after it is built: an ulp of the
+    weights' dtype at ``precision`` (bf16 for bf16-true: an fp32 ulp would vanish in the cast), fp32 otherwise."""
+    dtype = _HALF.get(precision, torch.float32)
 
     def build() -> L.LightningModule:
         module = spec.factory()
         with torch.no_grad():
             for p in module.parameters():
                 if p.is_floating_point():
-                    p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
+                    q = p.to(dtype)
+                    p.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))).to(p.dtype))
         return module
 
     return ModuleSpec(spec.name, spec.kind, build, spec.tags)
@@ -187,8 +215,8 @@ def sensitivity(spec: ModuleSpec, ref: Ref, companion: Companion | None) -> Outc
     module's training (cached like the references)."""
     key = (spec.name, ref.key + "+nudged", companion.name if companion else "")
     if key not in REFERENCES:
-        REFERENCES[key] = fit(_nudged(spec), precision=ref.precision, accumulate=ref.accumulate,
-                              batches_per_step=ref.accumulate, bnb=ref.bnb, companion=companion)
+        REFERENCES[key] = fit(_nudged(spec, ref.precision), precision=ref.precision, accumulate=ref.accumulate,
+                              batches_per_step=ref.accumulate, bnb=ref.bnb, fused=ref.fused, companion=companion)
     return REFERENCES[key]
 
 
@@ -273,6 +301,14 @@ def _judge(spec: ModuleSpec, got: Outcome, want: Outcome, kind: str, reason: str
         want32 = dict(twin.state or {})
         for k, v in twin.observed.get("ckpt_state", {}).items():
             want32[f"ckpt:{k}"] = v
+    # NOTE: plain's own distance from the fp32 run is one sample of the precision's noise; its twin from weights
+    # nudged by one half-precision ulp is a second (compare.py: the precision comparison takes the larger)
+    want_nudged = None
+    if kind == "precision":
+        nudge = sensitivity(spec, ref, companion)
+        if nudge.error is None and nudge.state is not None:
+            want_nudged = dict(nudge.state)
+            want_nudged.update({f"ckpt:{k}": v for k, v in nudge.observed.get("ckpt_state", {}).items()})
     bound = compare.bounds(want.grad_norms)
     if kind == "reorder":  # NOTE: a module that amplifies rounding (BatchNorm over tiny batches) gets a looser bound
         nudge = sensitivity(spec, ref, companion)
@@ -281,7 +317,7 @@ def _judge(spec: ModuleSpec, got: Outcome, want: Outcome, kind: str, reason: str
             nudged.update({f"ckpt:{k}": v for k, v in nudge.observed.get("ckpt_state", {}).items()})
             bound = compare.calibrated(bound, nudged, want_state, initial)
     verdict = compare.compare(got_state, want_state, initial, kind, reason, want_fp32=want32, precision=ref.precision,
-                              bound=bound)
+                              bound=bound, want_nudged=want_nudged, adam_step=want.adam_lr)
     decided = compare.compare_values(got_obs, want_obs)
     if decided and verdict.verdict != "differs":
         return {"verdict": "differs", "detail": f"{companion.name if companion else ''} decided otherwise: {decided}; "

@@ -73,14 +73,5 @@ _NETS = [
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in [*_NETS, *map(_hf, corpus_hf.FAMILIES)]}
 
-#: the module of each kind the fast slice runs (the cheapest that shows what the kind is about)
-SLICE_MODULES = {
-    "causal_lm": "hf_llama", "seq2seq": "hf_t5", "encoder_cls": "hf_bert", "vision_cls": "hf_resnet",
-    "audio_cls": "hf_wav2vec2", "cnn": "cnn_bn", "mlp": "mlp", "rnn": "lstm_packed", "peft": "peft_lora_llama",
-    "frozen_backbone": "frozen_backbone", "configure_model": "configure_model", "compiled": "compiled_submodule",
-    "outputs": "outputs_dataclass", "manual_opt": "manual_3_optimizers", "torchmetrics": "torchmetrics",
-    "sync_dist": "sync_dist_logging", "clipping": "clipping_override",
-}
-
 #: the modules every Lightning callback is run on, beside every flag
 CALLBACK_HOSTS = ("cnn_bn", "hf_gpt2")

@@ -19,12 +19,14 @@ from tests.conformance.corpus import ModuleSpec
 
 @dataclass(frozen=True)
 class Ref:
-    """A plain Lightning run: precision, ``accumulate_grad_batches``, and whether ``configure_optimizers``' Adam/AdamW
-    is replaced by bitsandbytes' ``AdamW8bit`` with the same groups."""
+    """A plain Lightning run: precision, ``accumulate_grad_batches``, whether ``configure_optimizers``' Adam/AdamW
+    is replaced by bitsandbytes' ``AdamW8bit`` with the same groups, and whether it runs torch's fused CPU kernel
+    (``fused=True`` on its fp32 groups: what a user gets by passing ``fused=True`` to their Adam/AdamW)."""
 
     precision: str = "32-true"
     accumulate: int = 1
     bnb: bool = False
+    fused: bool = False
 
     def fp32(self) -> Ref:
         return replace(self, precision="32-true")
@@ -32,7 +34,7 @@ class Ref:
     @property
     def key(self) -> str:
         return f"plain@{self.precision}" + (f"+accumulate{self.accumulate}" if self.accumulate > 1 else "") + (
-            "+AdamW8bit" if self.bnb else "")
+            "+AdamW8bit" if self.bnb else "") + ("+fused" if self.fused else "")
 
 
 def _none(spec: ModuleSpec) -> list[Any]:
@@ -133,7 +135,11 @@ def chunked_if_lm(spec: ModuleSpec) -> list[Any]:
 # --- the reasons a `close` is allowed -------------------------------------------------------------------------------
 R_ACCUM = ("each micro-batch's loss is weighted by its samples and the sum rescaled, where Lightning divides each by "
            "the accumulation: the same mean, rounded in another order")
-R_FUSED = "torch's fused CPU Adam/AdamW kernel: the same update rule as the for-loop kernel, another rounding order"
+R_FUSED = ("torch's fused CPU Adam/AdamW kernel, which the registered name runs by default: judged against plain "
+           "Lightning running the same kernel (fused=True), bit for bit; the fused and for-loop kernels round "
+           "otherwise, and under Adam an element whose gradient is within rounding of zero takes a full step either "
+           "way (0.6-1.1 of the update of BatchNorm biases of LeViT/MobileNetV2 between two plain runs), which no "
+           "rounding bound of the whole tensor covers")
 R_MASTERS = ("fp32 master weights (the technique) against half weights (plain {p}): an update below half a bf16 ulp "
              "is kept by the master and lost by plain {p}")
 R_CHUNKED = "the cross-entropy and the head's weight gradient summed chunk by chunk: another summation order"
@@ -150,9 +156,10 @@ FLAGS: list[Flag] = [
     Flag("lowmem_offload@16-mixed", offload(), "16-mixed", ref=Ref("16-mixed")),
     Flag("lowmem_offload@bf16-true", offload(), "bf16-true", ref=B16, compare="precision",
          reason=R_MASTERS.format(p="bf16-true")),
-    Flag("lowmem_offload(fused)@32-true", registered("lowmem_offload"), "32-true", compare="reorder", reason=R_FUSED),
-    Flag("lowmem_offload(fused)@bf16-true", registered("lowmem_offload"), "bf16-true", ref=B16, compare="precision",
-         reason=R_MASTERS.format(p="bf16-true") + "; " + R_FUSED, slice=False),
+    Flag("lowmem_offload(fused)@32-true", registered("lowmem_offload"), "32-true", ref=Ref(fused=True),
+         reason=R_FUSED),
+    Flag("lowmem_offload(fused)@bf16-true", registered("lowmem_offload"), "bf16-true", ref=Ref("bf16-true", fused=True),
+         compare="precision", reason=R_MASTERS.format(p="bf16-true") + "; " + R_FUSED, slice=False),
     Flag("lowmem_offload(optimizer_in_backward)@32-true", offload(optimizer_in_backward=True), "32-true"),
     Flag("lowmem_offload_params@32-true", offload(offload_params=True), "32-true"),
     Flag("lowmem_offload_params@bf16-mixed", offload(offload_params=True), "bf16-mixed", ref=Ref("bf16-mixed")),

@@ -1,5 +1,7 @@
-"""``benchmarks/results/conformance.json`` and ``conformance.md`` from the sweep's store (the rows of one code
-fingerprint; the last row of each cell wins)."""
+"""``benchmarks/results/conformance.json`` and ``conformance.md`` from the sweep's store: the latest row of every cell
+of the corpus, whatever code it ran at, each labelled with its code fingerprint. The headline says how many cells ran
+at the current code and how many carry an earlier fingerprint (which, with the commit its sessions recorded), and how
+many never ran: a cell not re-run after a change is reported as what it was, at the code it ran on."""
 
 from __future__ import annotations
 
@@ -15,21 +17,51 @@ DRY_VERDICTS = ("ok", "off", "refused", "n/a", "crash")
 COMMAND = "python tests/conformance/run.py"
 
 
-def _rows(store: Path, fp: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    cells: dict[tuple[str, str], dict[str, Any]] = {}
-    sessions = []
+def _lines(store: Path) -> list[dict[str, Any]]:
+    out = []
     for line in store.read_text().splitlines() if store.exists() else []:
         try:
-            row = json.loads(line)
+            out.append(json.loads(line))
         except ValueError:
             continue
-        if row.get("fingerprint") != fp:
-            continue
-        if "session" in row:
-            sessions.append(row)
-        elif "verdict" in row:
-            cells[(row["module"], row["flag"])] = row
-    return list(cells.values()), sessions
+    return out
+
+
+def latest(store: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The last row of each (module, cell) in the store (rows are appended as cells finish), at any fingerprint."""
+    return {(r["module"], r["flag"]): r for r in _lines(store) if "verdict" in r and "fingerprint" in r}
+
+
+def universe() -> set[tuple[str, str]]:
+    """(module, cell) of the whole sweep over the current corpus."""
+    from tests.conformance.corpus import MODULES
+    from tests.conformance.worker import GROUPS, cell_name, cells
+
+    return {(m, cell_name(f, c)) for m in MODULES for g in GROUPS for f, c in cells(m, g)}
+
+
+def _rows(store: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, int]:
+    """The latest row of each cell of the current corpus, the sessions, the cells never run and the rows of cells
+    no longer in the corpus (left out)."""
+    cells, want = latest(store), universe()
+    rows = [dict(r) for k, r in cells.items() if k in want]
+    return rows, [r for r in _lines(store) if "session" in r], len(want - cells.keys()), len(cells.keys() - want)
+
+
+def _codes(rows: list[dict[str, Any]], sessions: list[dict[str, Any]], fp: str) -> list[dict[str, Any]]:
+    """Each fingerprint the reported rows carry: cells, the dates its cells finished, the commit(s) its sessions ran
+    at (when recorded), current or earlier."""
+    by_fp: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_fp[r["fingerprint"]].append(r)
+    out = []
+    for code, rs in sorted(by_fp.items(), key=lambda kv: (kv[0] != fp, -len(kv[1]))):
+        dates = sorted(r["finished"] for r in rs if r.get("finished"))
+        commits = sorted({s["commit"] for s in sessions if s.get("fingerprint") == code and s.get("commit")})
+        out.append({"fingerprint": code, "current": code == fp, "cells": len(rs),
+                    "first": dates[0] if dates else None, "last": dates[-1] if dates else None,
+                    "commits": commits or ["not recorded"]})
+    return out
 
 
 def _machine() -> dict[str, Any]:
@@ -45,7 +77,10 @@ def write(store: Path, fp: str, results: Path) -> tuple[Path, Path]:
     from tests.conformance.flags import FLAGS
     from tests.conformance.known_bugs import classify
 
-    rows, sessions = _rows(store, fp)
+    rows, all_sessions, never_run, left_out = _rows(store)
+    codes = _codes(rows, all_sessions, fp)
+    shown = {c["fingerprint"] for c in codes}
+    sessions = [s for s in all_sessions if s.get("fingerprint") in shown]
     for r in rows:
         known = classify(r)
         if known is not None:
@@ -62,6 +97,11 @@ def write(store: Path, fp: str, results: Path) -> tuple[Path, Path]:
         "command": COMMAND,
         "machine": _machine(),
         "fingerprint": fp,
+        "codes": codes,
+        "cells_at_current_code": sum(c["cells"] for c in codes if c["current"]),
+        "cells_at_earlier_code": sum(c["cells"] for c in codes if not c["current"]),
+        "cells_never_run": never_run,
+        "rows_of_cells_no_longer_in_the_corpus": left_out,
         "sweep_seconds": round(sum(s["seconds"] for s in sessions), 1),
         "cell_seconds": round(sum(r.get("seconds") or 0 for r in rows), 1),
         "counts": {v: counts.get(v, 0) for v in VERDICTS},
@@ -77,7 +117,7 @@ def write(store: Path, fp: str, results: Path) -> tuple[Path, Path]:
     json_path, md_path = results / "conformance.json", results / "conformance.md"
     json_path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     md_path.write_text(_markdown(payload))
-    print(f"wrote {json_path} and {md_path}: {dict(counts)}")
+    print(f"wrote {json_path} and {md_path}: {dict(counts)}; {_provenance(payload)}")
     return json_path, md_path
 
 
@@ -87,12 +127,34 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _provenance(p: dict[str, Any]) -> str:
+    """Which code the reported cells ran at: the headline's sentence."""
+    current = next((c for c in p["codes"] if c["current"]), None)
+    earlier = [c for c in p["codes"] if not c["current"]]
+    total = p["cells_at_current_code"] + p["cells_at_earlier_code"]
+    text = (f"{p['cells_at_current_code']} of {total} cells ran at the current code (fingerprint `{p['fingerprint']}`"
+            + (f", commit {', '.join(current['commits'])}" if current else "") + ")")
+    if earlier:
+        text += "; " + "; ".join(f"{c['cells']} carry the earlier fingerprint `{c['fingerprint']}` (commit "
+                                 f"{', '.join(c['commits'])}, run {c['first']} to {c['last']})" for c in earlier)
+        text += " and were not re-run at the current code"
+    if p["cells_never_run"]:
+        text += f"; {p['cells_never_run']} cells of the corpus never ran"
+    return text + "."
+
+
+def _code_counts(rows: list[dict[str, Any]]) -> str:
+    """``fingerprint: cells`` of these rows, the most frequent first."""
+    return ", ".join(f"{fp} ({n})" for fp, n in Counter(r["fingerprint"] for r in rows).most_common())
+
+
 def _markdown(p: dict[str, Any]) -> str:
     m = p["machine"]
-    header = (f"Run {p['date']} on {m['processor']}, {m['cpu_count']} cores, GPU: {m['gpu'] or 'none'}; torch "
+    header = (f"Report of {p['date']}, cells run on {m['processor']}, {m['cpu_count']} cores, GPU: {m['gpu'] or 'none'}; torch "
               f"{m['torch']}, lightning {m['lightning']}, transformers {m.get('transformers', '-')}. Command: "
-              f"`{p['command']}` (code fingerprint `{p['fingerprint']}`). Sweep wall time {p['sweep_seconds'] / 60:.1f} "
-              f"min (cells alone {p['cell_seconds'] / 60:.1f} min), one worker at a time, nice 10, one torch thread.")
+              f"`{p['command']}`. {_provenance(p)} Sweep wall time {p['sweep_seconds'] / 60:.1f} "
+              f"min (cells alone {p['cell_seconds'] / 60:.1f} min) over the sessions of these fingerprints, one worker "
+              "at a time, nice 10, one torch thread.")
     method = ("Each cell trains a fresh module for 3 optimizer steps (or the Lightning callback's schedule) with the "
               "flag and compares every parameter and buffer with plain Lightning at the same precision and optimizer "
               "(`tests/conformance/compare.py` says what `close` allows, per flag; `flags.py` gives each reason).")
@@ -109,18 +171,23 @@ def _markdown(p: dict[str, Any]) -> str:
     for where, rows in sorted(groups.items()):
         if where != "unexplained":
             for what, n in Counter(r["known"]["what"] for r in rows).items():
-                known_rows.append([what, where, n, ", ".join(sorted({r["module"] for r in rows
-                                                                     if r["known"]["what"] == what}))[:200]])
-    out += [_table(["known bug", "where", "cells", "modules"], known_rows) if known_rows else "", ""]
+                mine = [r for r in rows if r["known"]["what"] == what]
+                known_rows.append([what, where, n, ", ".join(sorted({r["module"] for r in mine}))[:200],
+                                   _code_counts(mine)])
+    out += [_table(["known bug", "where", "cells", "modules", "code"], known_rows) if known_rows else "", ""]
     unexplained = groups.get("unexplained", [])
-    out += ["### Not yet explained", "", _table(["module", "flag", "verdict", "detail"], [
-        [r["module"], r["flag"], r["verdict"], r["detail"]] for r in unexplained]) if unexplained else "none", ""]
+    out += ["### Not yet explained", "", _table(["module", "flag", "verdict", "code", "detail"], [
+        [r["module"], r["flag"], r["verdict"], r["fingerprint"], r["detail"]] for r in unexplained])
+        if unexplained else "none", ""]
     per_module: dict[str, Counter] = defaultdict(Counter)
     for r in p["cells"]:
         per_module[r["module"]][r["verdict"]] += 1
-    out += ["## Per module", "", _table(["module", "kind", *VERDICTS], [
-        [m["name"], m["kind"], *[per_module[m["name"]].get(v, 0) for v in VERDICTS]] for m in p["modules"]
-        if m["name"] in per_module]), ""]
+    codes: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in p["cells"]:
+        codes[r["module"]].append(r)
+    out += ["## Per module", "", _table(["module", "kind", *VERDICTS, "code"], [
+        [m["name"], m["kind"], *[per_module[m["name"]].get(v, 0) for v in VERDICTS], _code_counts(codes[m["name"]])]
+        for m in p["modules"] if m["name"] in per_module]), ""]
     per_flag: dict[str, Counter] = defaultdict(Counter)
     for r in p["cells"]:
         per_flag[r["flag"].split(" + ")[0]][r["verdict"]] += 1
@@ -129,8 +196,8 @@ def _markdown(p: dict[str, Any]) -> str:
         ""]
     out += ["## Dry run: predicted vs measured peak (MemoryReport), per module", "",
             _table(list(DRY_VERDICTS), [[p["dry_run_counts"][v] for v in DRY_VERDICTS]]), "",
-            _table(["module", "run", "verdict", "device error", "host error", "detail"], [
-                [r["module"], r["flag"].removeprefix("dry_run:"), r["verdict"],
+            _table(["module", "run", "verdict", "code", "device error", "host error", "detail"], [
+                [r["module"], r["flag"].removeprefix("dry_run:"), r["verdict"], r["fingerprint"],
                  f"{r['error_device']:+.3%}" if "error_device" in r else "-",
                  f"{r['error_host']:+.3%}" if "error_host" in r else "-",
                  r["detail"][:160] if r["verdict"] not in ("ok",) else ""] for r in p["dry_run"]]), ""]

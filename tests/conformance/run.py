@@ -11,7 +11,16 @@ with the fingerprint of the code it ran (the package and this harness, file cont
 stopped at any point resumes where it stopped, and a sweep after any change to the code re-runs every cell
 (``--fresh`` re-runs regardless). A worker that dies or runs over ``--worker-timeout`` has its current cell recorded
 as a ``crash`` and is restarted after it. ``--report`` (also run at the end of every sweep) writes
-``benchmarks/results/conformance.json`` and ``conformance.md`` from the rows of the current fingerprint.
+``benchmarks/results/conformance.json`` and ``conformance.md`` from the latest row of every cell of the corpus, each
+labelled with the fingerprint of the code it ran at (the headline counts the cells at the current code and at each
+earlier one).
+
+After a fix, ``--rerun-failed`` re-runs at the current code only the cells whose latest row (at any fingerprint) is
+``differs``, ``crash``, ``off`` or ``n/a`` (an n/a is an error: plain Lightning's own run failed), and the cells that
+never ran; a cell whose latest row already ran at the current code is not re-run (``--fresh`` re-runs it). The other
+cells keep their rows from the code they ran at, and the report says so.
+
+    python tests/conformance/run.py --rerun-failed      # then the report, as after every sweep
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # harness files that do not change a verdict (a change to them does not re-run the sweep)
 _NOT_VERDICTS = {"run.py", "report.py", "screen.py", "known_bugs.py", "test_slice.py", "test_harness.py", "__init__.py"}
 STORE = RESULTS / "conformance.cells.jsonl"
+FAILING = ("differs", "crash", "off", "n/a")  # what --rerun-failed re-runs (n/a: plain Lightning's own run failed)
 
 
 def fingerprint() -> str:
@@ -77,13 +87,19 @@ def _tasks(modules: list[str], groups: list[str], flags: list[str]) -> list[tupl
 
 
 def _worker(module: str, group: str, flags: list[str], fp: str, store: Path, log, timeout: float,
-            nice: int) -> None:
-    """Run the worker until its cells are all in the store; record the cell of a worker that died as a crash."""
+            nice: int, only: list[str] | None = None) -> None:
+    """Run the worker until its cells (``only``: these names) are all in the store; record the cell of a worker that
+    died as a crash."""
     current = Path(tempfile.gettempdir()) / f"conformance-current-{os.getpid()}.json"
+    only_path = Path(tempfile.gettempdir()) / f"conformance-only-{os.getpid()}.json"
+    if only is not None:
+        only_path.write_text(json.dumps(only))
     for attempt in range(50):
         current.unlink(missing_ok=True)
         command = [sys.executable, "-m", "tests.conformance.worker", "--module", module, "--group", group, "--store",
                    str(store), "--fingerprint", fp, "--current", str(current), "--flags", ",".join(flags)]
+        if only is not None:
+            command += ["--only", str(only_path)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         if nice:  # NOTE: `nice` itself, not preexec_fn (unsafe with threads)
@@ -113,8 +129,36 @@ def _worker(module: str, group: str, flags: list[str], fp: str, store: Path, log
               flush=True)
 
 
+def commit() -> str:
+    """The checkout's commit, ``+changes`` when the package or the harness differ from it (the sessions record it, so
+    the report can say which commit a fingerprint was)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "lightning_lowmem", "tests/conformance")
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else "")
+
+
+def to_rerun(store: Path, tasks: list[tuple[str, str, int]], flags: list[str], which: str = "all") -> set[tuple[str, str]]:
+    """(module, cell) of the sweep whose latest row, at any fingerprint, is FAILING, or that never ran; ``which``:
+    ``known`` only those a ``known_bugs.py`` entry explains, ``unknown`` only the others (``all``: both)."""
+    from tests.conformance.known_bugs import classify
+    from tests.conformance.report import latest
+
+    rows = latest(store)
+    out = set()
+    for module, group, _ in tasks:
+        for f, c in cells(module, group, flags):
+            row = rows.get((module, _name(f, c)))
+            if row is None or row["verdict"] in FAILING:
+                known = row is not None and classify({"detail": "", **row}) is not None
+                if which == "all" or (which == "known") == known:
+                    out.add((module, _name(f, c)))
+    return out
+
+
 def sweep(args: argparse.Namespace) -> None:
-    fp = fingerprint()
+    fp, at = fingerprint(), commit()  # NOTE: the commit when the sweep starts (its code), not when it ends
     store = Path(args.store)
     store.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and store.exists():
@@ -122,6 +166,11 @@ def sweep(args: argparse.Namespace) -> None:
         store.write_text("".join(line + "\n" for line in kept))
     tasks = _tasks(args.modules, args.groups, args.flags)
     finished = done(store, fp)
+    wanted = to_rerun(store, tasks, args.flags, args.which) if args.rerun_failed else None
+    if wanted is not None:
+        tasks = [(m, g, n) for m, g, n in tasks if any((m, _name(f, c)) in wanted for f, c in cells(m, g, args.flags))]
+        print(f"--rerun-failed: {len(wanted)} cells whose latest row is {'/'.join(FAILING)} or missing, "
+              f"{len(wanted & finished)} of them already at this code", flush=True)
     print(f"fingerprint {fp}: {sum(n for *_, n in tasks)} cells in {len(tasks)} worker runs, "
           f"{len(finished)} already in {store}", flush=True)
     started = time.time()
@@ -131,19 +180,29 @@ def sweep(args: argparse.Namespace) -> None:
     try:
         with open(log_path, "a") as log:
             for i, (module, group, n) in enumerate(tasks, 1):
-                todo = sum(1 for f, c in cells(module, group, args.flags) if (module, _name(f, c)) not in finished)
-                if not todo:
+                names = [_name(f, c) for f, c in cells(module, group, args.flags)
+                         if (module, _name(f, c)) not in finished and (wanted is None or (module, _name(f, c)) in wanted)]
+                if not names:
                     continue
                 t0 = time.time()
-                print(f"[{i}/{len(tasks)}] {module} / {group}: {todo} of {n} cells", flush=True)
-                _worker(module, group, args.flags, fp, store, log, args.worker_timeout, args.nice)
+                print(f"[{i}/{len(tasks)}] {module} / {group}: {len(names)} of {n} cells", flush=True)
+                _worker(module, group, args.flags, fp, store, log, args.worker_timeout, args.nice,
+                        names if wanted is not None else None)
                 print(f"    {time.time() - t0:.0f} s", flush=True)
     finally:
         append(store, {"session": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - started, 1),
-                       "fingerprint": fp, "argv": sys.argv[1:]})
+                       "fingerprint": fp, "commit": at, "argv": sys.argv[1:]})
     from tests.conformance.report import write
 
-    write(store, fp, RESULTS)
+    write(store, fp, _results(store, args.results))
+
+
+def _results(store: Path, results: str) -> Path:
+    """Where the report goes: ``benchmarks/results`` for the sweep's own store, beside any other store (a shard's
+    store in /tmp must not overwrite the committed results)."""
+    if results:
+        return Path(results)
+    return RESULTS if store.resolve() == STORE.resolve() else store.with_name(store.stem + "-report")
 
 
 def _name(flag, companion) -> str:
@@ -158,8 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {', '.join(GROUPS)}")
     parser.add_argument("--flags", default="", help="comma-separated substrings of the cell names to run")
     parser.add_argument("--fresh", action="store_true", help="re-run cells already done with this code")
+    parser.add_argument("--rerun-failed", action="store_true", help="re-run only the cells whose latest row (any "
+                        f"code) is {'/'.join(FAILING)}, and those never run")
+    parser.add_argument("--which", choices=("all", "known", "unknown"), default="all", help="with --rerun-failed: "
+                        "only the failing cells a known_bugs.py entry explains (known), only the others (unknown)")
     parser.add_argument("--report", action="store_true", help="only rewrite conformance.json/.md from the store")
     parser.add_argument("--store", default=str(STORE))
+    parser.add_argument("--results", default="", help="the report's directory (default: benchmarks/results for the "
+                        "default store, STORE-report/ beside any other)")
     parser.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "lightning_lowmem_conformance.log"))
     parser.add_argument("--worker-timeout", type=float, default=3600)
     parser.add_argument("--nice", type=int, default=10)
@@ -173,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         from tests.conformance.report import write
 
-        write(Path(args.store), fingerprint(), RESULTS)
+        write(Path(args.store), fingerprint(), _results(Path(args.store), args.results))
         return 0
     sweep(args)
     return 0

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fingerprint", required=True)
     parser.add_argument("--current", required=True, type=Path)
     parser.add_argument("--flags", default="")
+    parser.add_argument("--only", type=Path, default=None, help="a JSON list of the cell names to run (others skipped)")
     args = parser.parse_args(argv)
     _quiet()
     import torch
@@ -140,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = MODULES[args.module]
     finished = done(args.store, args.fingerprint)
+    only = set(json.loads(args.only.read_text())) if args.only is not None else None
     signal.signal(signal.SIGALRM, _alarm)
     for flag, companion in cells(args.module, args.group, [f for f in args.flags.split(",") if f]):
         name = cell_name(flag, companion)
-        if (spec.name, name) in finished:
+        if (spec.name, name) in finished or (only is not None and name not in only):
             continue
         args.current.write_text(json.dumps({"module": spec.name, "flag": name, "group": args.group}))
         signal.alarm(CELL_TIMEOUT_S)

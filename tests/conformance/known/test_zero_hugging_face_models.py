@@ -15,8 +15,10 @@
   and Qwen3-MoE's router rows (a near-tie top-k choice). Plain Lightning's own bf16-mixed shows the same kind of
   outliers (BART ``decoder.layers.0.self_attn.v_proj.bias`` 18x, Marian 23x) and DeepSpeed's
   ``grad_accum_dtype``/``communication_data_type`` = fp32 change nothing (bit-identical). The comparison's per-tensor
-  4x bound against plain bf16-true does not hold for Adam; the test below stays ``xfail`` until the bound allows
-  ``2 * lr`` per element and step.
+  4x bound against plain bf16-true did not hold for Adam: it now takes plain bf16-true nudged by one bf16 ulp as a
+  second sample of the precision's noise and allows each tensor one element's Adam step either way (``2 * lr``,
+  ``compare.py``): every one of these cells is ``close`` (Marian's LayerNorm bias 4.02e-3 from fp32, 0.74 of its
+  limit); the test below is the regression test.
 
 Found by the conformance sweep.
 """
@@ -62,7 +64,7 @@ def test_zero3_on_switch_without_router_jitter_at_bf16_is_refused_naming_the_rou
     assert row["verdict"] == "refused" and "router_dtype" in row["detail"], row
 
 
-@pytest.mark.xfail(strict=True, reason="the comparison's per-tensor 4x bound does not allow Adam's lr-sized sign flips")
 def test_zero_bf16_is_as_close_to_fp32_as_plain_bf16_true():
-    row = _cell("hf_bart", "lowmem_zero2@bf16-mixed")
+    """On Marian, the furthest: one LayerNorm bias element two Adam steps from the fp32 run."""
+    row = _cell("hf_marian", "lowmem_zero2@bf16-mixed")
     assert row["verdict"] in ("exact", "close"), row

@@ -16,12 +16,8 @@ where a refusal before the first step (or support) is due:
   ``configure_gradient_clipping`` at setup, naming ``Trainer(gradient_clip_val=...)`` (which the presets pass to
   DeepSpeed), as ``OptimizerInBackward`` does.
 
-- ``EMAWeightAveraging`` (Lightning's ``WeightAveraging``) under ZeRO-3: ``RuntimeError: The size of tensor a (32)
-  must match the size of tensor b (0)`` in torch's ``swa_utils`` at the first average, after a training step.
-  Suspected cause: ``AveragedModel`` deep-copies the module while ZeRO-3 has partitioned its parameters (empty local
-  tensors), then averages full parameters into the empty copies. Lightning refuses ``StochasticWeightAveraging`` on
-  sharded models ("SWA does not currently support sharded models") but not ``WeightAveraging``; the ZeRO-3 presets
-  could refuse it at setup, or average under ``GatheredParameters``.
+- (fixed, kept as a regression test) ``EMAWeightAveraging`` under ZeRO-3 once crashed in torch's ``swa_utils``
+  (``The size of tensor a (32) must match the size of tensor b (0)``: averaging a partitioned module).
 - the ``_offload`` presets swap ``AdamW`` for ``DeepSpeedCPUAdam``, so ``LearningRateMonitor`` logs ``lr-DeepSpeedCPUAdam``
   where plain Lightning logs ``lr-AdamW`` (a renamed metric: a monitor, a dashboard or a checkpoint filename that
   names it no longer finds it). Fix direction: keep the user's optimizer class name visible to Lightning's naming, or
