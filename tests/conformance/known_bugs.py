@@ -30,9 +30,6 @@ class Known:
 BEING_FIXED: list[Known] = []
 _K = "tests/conformance/known/"
 REPRODUCED = [
-    Known("configure_model", r"^lowmem_zero2.*@bf16-mixed$", "lowmem_zero2* bf16: a BatchNorm built in configure_model "
-          "escapes the running-statistics refusal (torch's dtype RuntimeError)", _K + "test_zero_bf16_configure_model.py",
-          verdicts=("crash",), detail=r"expected scalar type BFloat16 but found Float"),
     Known("compiled_submodule", r"^recipe:(offload@bf16-mixed\+ckpt|demo )", "lowmem_offload + "
           "ActivationCheckpointing crash on a torch.compile-d submodule (hidden until MemoryReport stopped forcing the "
           "compiled region to run eagerly)", _K + "test_compiled_submodule.py", verdicts=("crash",)),

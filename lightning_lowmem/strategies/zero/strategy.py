@@ -210,6 +210,12 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         if self._partition_warning is not None:
             self._partition_warning.remove()
             self._partition_warning = None
+        if self.config is not None and self.lightning_module is not None:
+            # NOTE: the config was checked when it was formatted, before Lightning called `configure_model`: the
+            # layers a module builds there (BatchNorm, compiled submodules) are checked now, before the engine
+            module_errors = setup_problems(self, trainer, str(self.precision_plugin.precision), self.config)
+            if module_errors:
+                raise ValueError(f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(module_errors))
         super().setup(trainer)
 
     @override
