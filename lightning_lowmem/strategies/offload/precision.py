@@ -105,6 +105,23 @@ def _compiled_params(module: Module) -> set[int]:
     return out
 
 
+def _dtype_pinning_params(module: Module) -> set[int]:
+    """Ids of the parameters under modules that pin their own floating dtype (a ``torch.dtype`` in their ``dtype``
+    attribute: Hugging Face's Switch/MoE routers keep ``router_dtype`` and run ``self.classifier.to(self.dtype)`` and
+    ``x.to(self.dtype)`` in forward).
+
+    NOTE: under plain mixed precision those weights are fp32 and such a module computes exactly in fp32; a
+    compute-dtype copy would be cast up from its bf16 rounding by the module's own ``.to`` (|diff|/|update| 0.63 on
+    Switch Transformers' router after 3 steps). They keep fp32.
+    """
+    out: set[int] = set()
+    for sub in module.modules():
+        pinned = sub.__dict__.get("dtype")
+        if isinstance(pinned, torch.dtype) and pinned.is_floating_point:
+            out |= {id(p) for p in sub.parameters()}
+    return out
+
+
 def autocast_cast_params(module: Module) -> list[Parameter]:
     """The floating-point parameters of ``module`` that ``torch.autocast`` casts to the compute dtype at every use.
 
@@ -113,13 +130,14 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
     such a parameter in the compute dtype changes nothing in the forward: autocast would round it the same way.
     A parameter used elsewhere too (an embedding tied to an LM head, a LayerNorm weight, ``x * self.scale``)
     does not qualify and keeps fp32, where plain mixed precision keeps it; so do the parameters of PEFT adapter
-    layers, whose forward reads their dtype (see :func:`_read_by_adapter_layers`).
+    layers, whose forward reads their dtype (see :func:`_read_by_adapter_layers`), and those of modules that pin
+    their own dtype (:func:`_dtype_pinning_params`).
 
     NOTE: other code that reads a qualifying ``linear.weight`` directly (its ``dtype``, or its values outside
     ``linear(x)``) sees the compute dtype here and fp32 under plain mixed precision; that is the one difference.
     """
     yes: dict[int, Parameter] = {}
-    no: set[int] = _read_by_adapter_layers(module) | _compiled_params(module)
+    no: set[int] = _read_by_adapter_layers(module) | _compiled_params(module) | _dtype_pinning_params(module)
     for sub in module.modules():
         for name, p in sub.named_parameters(recurse=False):
             if p.is_floating_point() and _casts_at_every_use(sub, name):
