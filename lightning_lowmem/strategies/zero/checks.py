@@ -74,6 +74,13 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str
                 "them (each process holds a slice; the module's own tensors are empty between forwards). Use "
                 "`strategy='lowmem_zero2'` (or `lowmem_zero2_offload`), or `strategy='lowmem_offload'`"
             )
+    return problems + module_problems(strategy, module, precision, config)
+
+
+def module_problems(strategy: Any, module: nn.Module, precision: str, config: dict[str, Any]) -> list[str]:
+    """The reasons of :func:`setup_problems` that depend on the module's layers (checked again once
+    ``configure_model`` has built them)."""
+    problems = []
     if strategy.zero_stage_3:
         problems += _compiled_submodules(module) + _input_jitter(module)
     if precision.startswith(("bf16", "16")):

@@ -34,7 +34,7 @@ from lightning_lowmem.core.schedulers import repoint_scheduler
 from lightning_lowmem.strategies.zero import config as zc
 from lightning_lowmem.strategies.zero.after_fit import PartitionWarning, gather_full_weights, restore_functional_linear
 from lightning_lowmem.strategies.zero.checkpoint_io import ZeroCheckpoints
-from lightning_lowmem.strategies.zero.checks import setup_problems
+from lightning_lowmem.strategies.zero.checks import module_problems, setup_problems
 from lightning_lowmem.strategies.zero.consolidation import consolidate  # noqa: F401 (re-exported)
 from lightning_lowmem.strategies.zero.host_bytes import check_zero_host_memory
 from lightning_lowmem.strategies.zero.optim import to_cpu_optimizer
@@ -213,7 +213,7 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         if self.config is not None and self.lightning_module is not None:
             # NOTE: the config was checked when it was formatted, before Lightning called `configure_model`: the
             # layers a module builds there (BatchNorm, compiled submodules) are checked now, before the engine
-            module_errors = setup_problems(self, trainer, str(self.precision_plugin.precision), self.config)
+            module_errors = module_problems(self, self.lightning_module, str(self.precision_plugin.precision), self.config)
             if module_errors:
                 raise ValueError(f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(module_errors))
         super().setup(trainer)
