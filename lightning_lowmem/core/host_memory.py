@@ -157,8 +157,6 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
-fmt_bytes = _fmt
-
 
 def pinned_bytes(nbytes: int, *, cuda: bool = True) -> int:
     """Host bytes a page-locked buffer of ``nbytes`` takes.

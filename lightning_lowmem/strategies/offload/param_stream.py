@@ -453,18 +453,23 @@ class ParamStream:
     @torch.no_grad()
     def update_host(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each ``(master, host copy)`` into the host copy (rounding to the compute dtype, as the device path)."""
-        self.release_all()
-        if self._last_event is not None and self.ops is not None:
-            self.ops.synchronize(self._last_event)  # NOTE: a queued fetch must not read a half-written host copy
+        self._settle_host()
         for master, host in pairs:
             host.copy_(master)
+
+    def _settle_host(self) -> None:
+        """Release every block and wait for the last queued fetch: the host copies are about to be written.
+
+        NOTE: a fetch queued on the side stream still reads its host copies; written now, it would copy half-old bytes.
+        """
+        self.release_all()
+        if self._last_event is not None and self.ops is not None:
+            self.ops.synchronize(self._last_event)
 
     @contextlib.contextmanager
     def host_view(self) -> Iterator[None]:
         """Inside, the streamed parameters' ``.data`` are their host copies (a ``load_state_dict`` writes into them)."""
-        self.release_all()
-        if self._last_event is not None and self.ops is not None:
-            self.ops.synchronize(self._last_event)  # NOTE: as in `update_host`: a queued fetch still reads the copies
+        self._settle_host()
         for ps, hs in zip(self.params, self.host):
             for p, h in zip(ps, hs):
                 p.data = h
