@@ -1,7 +1,7 @@
 """Host RAM that ``lowmem_offload`` allocates, and the check made before it allocates any (private helper).
 
 :func:`host_bytes_needed` adds up, by part, what :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy`
-will hold on the host: fp32 masters (4 B/param), fp32 gradient buffers (4 B/trainable param, none with
+will hold on the host: fp32 masters (4 B/param; none for most frozen parameters, see ``frozen_without_master``), fp32 gradient buffers (4 B/trainable param, none with
 ``optimizer_in_backward``), the state of the optimizer that will step (the table of
 :mod:`lightning_lowmem.core.optimizer_state`, shared with the analytic bound), the pinned staging buckets on
 CUDA (the compute weights themselves on the CPU) and the host copies of streamed blocks. :func:`check_host_ram`
@@ -21,7 +21,7 @@ from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core import host_memory as _host_memory
 from lightning_lowmem.core.optimizer_state import expected_state_bytes
 from lightning_lowmem.core.roles import LowBitOptimizerSwap
-from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
 from lightning_lowmem.strategies.offload.param_stream import block_params
 from lightning_lowmem.strategies.offload.precision import autocast_cast_params
 from lightning_lowmem.strategies.offload.transfer import planned_staging_bytes
@@ -38,17 +38,18 @@ def host_bytes_needed(
     callbacks: Sequence[Any] = (),
 ) -> dict[str, int]:
     """Host bytes ``strategy`` will allocate for ``module`` and ``optimizers``, by part (see the module docstring)."""
-    numel = sum(p.numel() for _, p in HostMasters.unique_params(module))
-    trainable = sum(p.numel() for _, p in HostMasters.unique_params(module) if p.requires_grad)
-    dtype = strategy.precision_plugin.compute_dtype  # type: ignore[attr-defined]
+    precision = strategy.precision_plugin
+    frozen = frozen_without_master(module, precision, bool(getattr(strategy, "_loading", False)))
+    mastered = [p for _, p in HostMasters.unique_params(module) if id(p) not in frozen]
+    numel = sum(p.numel() for p in mastered)
+    trainable = sum(p.numel() for p in mastered if p.requires_grad)
+    dtype = precision.compute_dtype  # type: ignore[attr-defined]
     low_bit = next((cb for cb in callbacks if isinstance(cb, LowBitOptimizerSwap)), None)
     embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    precision = strategy.precision_plugin
     half = {id(p) for p in autocast_cast_params(module)} if precision.mixed else None  # type: ignore[attr-defined]
-    specs = [
-        (p.numel(), dtype if half is None or id(p) in half else torch.float32)
-        for _, p in HostMasters.unique_params(module)
-    ]
+    # NOTE: on CUDA the staging covers the mastered parameters only; on the CPU every compute weight is host RAM
+    staged = mastered if strategy.root_device.type == "cuda" else [p for _, p in HostMasters.unique_params(module)]
+    specs = [(p.numel(), dtype if half is None or id(p) in half else torch.float32) for p in staged]
     parts = {
         "masters": 4 * numel,
         "gradient_buffers": 4 * trainable if with_grads and not strategy.optimizer_in_backward else 0,

@@ -28,6 +28,7 @@ from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload.masters_view import copy_to_compute
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.transfer import transfer_for
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -207,6 +208,7 @@ class HostStep:
     def _follow_trainable(self) -> None:
         """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup: Lightning's
         ``BackboneFinetuning`` unfreezing the backbone), with a master that takes gradients and a host buffer for them."""
+        self._master_unfrozen()
         masters = self._masters
         sink = self._step_in_backward if self.optimizer_in_backward else masters.fold
         for i, p in enumerate(masters.p_device):
@@ -218,6 +220,20 @@ class HostStep:
             if not self.optimizer_in_backward and masters.grad_host[i] is None:
                 masters.grad_host[i] = torch.empty_like(masters.p_host[i])
                 mark_host(masters.grad_host[i])
+
+    def _master_unfrozen(self, repoint: bool = True) -> None:
+        """Masters for the frozen parameters kept without one that are trainable now (see [unfrozen later] in
+        ``masters.py``); the optimizers' groups that hold them are re-pointed, the transfer knows them."""
+        stream = self._stream.host_of() if self._stream is not None else {}
+        new = self._masters.master_unfrozen(lambda p: stream.get(id(p), p))
+        if not new:
+            return
+        self._note_device(new)
+        if self._transfer is not None:
+            self._transfer.synchronize()
+            self._transfer = transfer_for(self.root_device, self._masters.p_device)
+        for opt in self.optimizers if repoint else ():
+            self._repoint(opt)
 
     def _weights_to_device(self, optimizer: Optimizer) -> None:
         self._to_compute(self._masters.pairs(optimizer))

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.strategies.offload import hf_weights
+from lightning_lowmem.strategies.offload.precision import autocast_cast_params
 
 
 def _holders(buf: Tensor) -> tuple[int, int]:
@@ -47,6 +48,23 @@ def _unheld() -> tuple[int, int]:
 _UNHELD = _unheld()
 
 
+def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool) -> set[int]:
+    """Ids of the frozen (``requires_grad=False``) parameters of ``module`` that need no fp32 host master.
+
+    A frozen weight never changes: it needs no master, no gradient buffer, no optimizer state, when its compute
+    weight holds its whole value. Under ``*-true`` (``32-true`` included) it does: plain Lightning holds that weight
+    in the compute dtype too. Under ``*-mixed`` a weight kept fp32 on the device (norms, embeddings, adapters) does;
+    one stored in the compute dtype (:func:`~lightning_lowmem.strategies.offload.precision.autocast_cast_params`)
+    does not: plain mixed precision keeps its fp32 value (checkpoints, and an unfreeze later steps from it), so it
+    keeps its master. Loading weights into the masters (``load_weights``) keeps every master.
+    """
+    if loading or precision is None:
+        return set()
+    half = ({id(p) for p in autocast_cast_params(module)}
+            if precision.mixed and precision.compute_dtype != torch.float32 else set())
+    return {id(p) for _, p in HostMasters.unique_params(module) if not p.requires_grad and id(p) not in half}
+
+
 class HostMasters:
     """The masters of one module: parallel lists indexed by ``i``, with look-ups by identity."""
 
@@ -60,6 +78,8 @@ class HostMasters:
         self.buffers: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (fp32 original on host, value after the cast)
         # i -> (version counter, storage, dtype, device) of the compute weight when it last matched its master
         self.seen: dict[int, tuple[int, tuple[str, int], torch.dtype, torch.device]] = {}
+        # id(module parameter) -> (name, parameter): frozen parameters that have no master (see `frozen_without_master`)
+        self.frozen: dict[int, tuple[str, Parameter]] = {}
 
     @staticmethod
     def unique_params(module: torch.nn.Module) -> Iterator[tuple[str, Parameter]]:
@@ -80,17 +100,44 @@ class HostMasters:
             return p.detach()
         return torch.empty(p.shape, dtype=torch.float32)
 
-    def build(self, module: torch.nn.Module, loading: bool, precision: Any, grad_buffers: bool) -> None:
-        """One master per parameter of ``module`` (and an fp32 gradient buffer each with ``grad_buffers``)."""
-        for i, (name, p) in enumerate(self.unique_params(module)):
+    def build(self, module: torch.nn.Module, loading: bool, precision: Any, grad_buffers: bool,
+              frozen: Collection[int] = ()) -> None:
+        """One master per parameter of ``module`` (and an fp32 gradient buffer each with ``grad_buffers``), but those
+        whose id is in ``frozen`` (see :func:`frozen_without_master`): they are kept aside, without a master."""
+        for name, p in self.unique_params(module):
+            if id(p) in frozen:
+                self.frozen[id(p)] = (name, p)
+                continue
             p_host = Parameter(self.storage(p, loading, precision), requires_grad=p.requires_grad)
-            self.names.append(name)
-            self.p_device.append(p)
-            self.p_host.append(p_host)
-            self.device_index[id(p)] = i
-            self.host_index[id(p_host)] = i
-            grad = torch.empty_like(p_host) if grad_buffers and p.requires_grad else None
-            self.grad_host.append(grad)
+            self._add(name, p, p_host, torch.empty_like(p_host) if grad_buffers and p.requires_grad else None)
+
+    def _add(self, name: str, p: Parameter, p_host: Parameter, grad: Tensor | None) -> int:
+        i = len(self.names)
+        self.names.append(name)
+        self.p_device.append(p)
+        self.p_host.append(p_host)
+        self.device_index[id(p)] = i
+        self.host_index[id(p_host)] = i
+        self.grad_host.append(grad)
+        return i
+
+    def master_unfrozen(self, value_of: Callable[[Parameter], Tensor]) -> list[int]:
+        """Give a master to every parameter kept without one that is trainable now; return their indices.
+
+        NOTE: [unfrozen later] (Lightning's ``BackboneFinetuning``, or code setting ``requires_grad``) the master
+        is the exact value the forward used: ``value_of(p)`` (the compute weight, or a streamed block's host copy)
+        upcast to fp32. Only parameters whose compute weight is their whole value are kept without a master (see
+        :func:`frozen_without_master`), so nothing is rounded here.
+        """
+        new = []
+        for key, (name, p) in list(self.frozen.items()):
+            if not p.requires_grad:
+                continue
+            del self.frozen[key]
+            p_host = Parameter(value_of(p).detach().to("cpu", torch.float32, copy=True), requires_grad=True)
+            mark_host(p_host)
+            new.append(self._add(name, p, p_host, None))
+        return new
 
     def load(self, path: str | os.PathLike) -> dict[str, int]:
         """Read a ``save_pretrained`` directory into the masters (see :mod:`~lightning_lowmem.strategies.offload.hf_weights`)."""
@@ -122,8 +169,8 @@ class HostMasters:
         for g, group in enumerate(optimizer.param_groups):
             params = []
             for p in group["params"]:
-                if id(p) in self.host_index:
-                    params.append(p)
+                if id(p) in self.host_index or id(p) in self.frozen:
+                    params.append(p)  # NOTE: a frozen parameter without a master has no gradient: no step moves it
                     continue
                 i = self.device_index.get(id(p))
                 if i is None:
@@ -243,6 +290,8 @@ class HostMasters:
         for group in optimizer.param_groups:
             for p_host in group["params"]:
                 i = self.host_index.get(id(p_host))
+                if i is None and id(p_host) in self.frozen:
+                    continue  # NOTE: frozen, without a master (see `repoint`)
                 if i is None:
                     raise RuntimeError(
                         f"`{type(optimizer).__name__}` holds a tensor of shape {tuple(p_host.shape)} that is not a master "

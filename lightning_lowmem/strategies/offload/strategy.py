@@ -57,7 +57,7 @@ from lightning_lowmem.strategies.offload.host_optimizer import HostOptimizer
 from lightning_lowmem.strategies.offload.host_state import HostState
 from lightning_lowmem.strategies.offload.host_step import HostStep, NonFiniteGradientError  # noqa: F401  (imported from here too)
 from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
-from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
 from lightning_lowmem.strategies.offload.masters_view import MastersView, wrap_finetuning, wrap_hooks
 from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
@@ -374,7 +374,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._reset()
         masters = self._masters
         precision = self.precision_plugin
-        masters.build(module, self._loading, precision, grad_buffers=with_grads and not self.optimizer_in_backward)
+        masters.build(module, self._loading, precision, grad_buffers=with_grads and not self.optimizer_in_backward,
+                      frozen=frozen_without_master(module, precision, self._loading))
         if self._loading:
             self.load_report = masters.load(self.load_weights)  # type: ignore[arg-type]
         masters.mark_host()
@@ -382,6 +383,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
 
     def _repoint(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s param groups at the masters; move any state it has to the host."""
+        self._master_unfrozen(repoint=False)  # NOTE: a group added with unfrozen parameters (BackboneFinetuning)
         self._masters.repoint(optimizer)
         if id(optimizer) in self._fused:  # NOTE: groups added since (`add_param_group`) take the host kernel too
             saved = self._fused[id(optimizer)][1]
