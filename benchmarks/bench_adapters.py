@@ -3,9 +3,17 @@
 Part 1 (dry run, CUDA target): ``estimate_memory("llama-7b"/"llama-70b", 1, 2048, precision="bf16-true",
 checkpointing="all")`` (the shipped shapes; the dry run traces the real ``Trainer.fit`` on fake tensors and
 extrapolates over depth) with and without ``Adapters("lora", r=16, alpha=32, target_modules="all-linear")``, on one
-device and under ``lowmem_offload``. A 4-bit (nf4) base cannot be traced (bitsandbytes' ``Params4bit`` cannot wrap
-a fake tensor): its row is *derived* from the bf16 LoRA row by replacing the base linears' bf16 bytes by their
-packed size, measured by ``packed_bytes`` on a real quantized 4096 x 4096 layer (bitsandbytes' own layout).
+device and under ``lowmem_offload`` (frozen base weights have no fp32 host master: the host holds the adapters'
+masters, gradients and optimizer state). For LLaMA-70B also the low-memory QLoRA recipe: checkpointing, activation
+offload at the block boundaries, a chunked loss, and the base streamed (``lowmem_offload_params``) or resident.
+
+A 4-bit (nf4) base cannot be traced (bitsandbytes' ``Params4bit`` is built with ``Tensor._make_subclass``, which
+cannot wrap a fake tensor): its rows are *derived* from the matching bf16-base dry run, by replacing the base
+linears' bytes by their packed size, measured by ``packed_bytes`` on a real quantized 4096 x 4096 layer
+(bitsandbytes' own layout: 0.5 B/param packed + about 0.016 B/param quantization state). Streamed: the host holds
+the packed bytes instead of the bf16 copies and fp32 masters of the streamed base linears; the device figure is an
+upper bound: the bf16 streamed peak (bf16 blocks on the device are larger than packed blocks plus one linear's
+dequantized bf16 weight) plus the quantization state, which stays on the device.
 
 Part 2 (CPU): one small LLaMA, fp32, batch 2 x 128, the same data, LoRA and full fine-tuning alternated run by run
 (so the shared machine's load hits both alike); median step time of the last steps of each run.
@@ -13,6 +21,7 @@ Part 2 (CPU): one small LLaMA, fp32, batch 2 x 128, the same data, LoRA and full
     python benchmarks/run.py adapters            # both parts
     python benchmarks/run.py adapters --quick    # 7B only, fewer CPU steps
     python benchmarks/run.py adapters --step-time-only  # part 2 only
+    python benchmarks/run.py adapters --memory-only     # part 1 only
 """
 
 from __future__ import annotations
@@ -53,36 +62,69 @@ def _base_linear_params(shape: str) -> int:
     return n * (2 * h * h + 2 * h * kv + 3 * h * i)
 
 
+def _row(shape: str, label: str, strategy: str, callbacks: list[Any], **flags: Any) -> dict[str, Any]:
+    from lightning_lowmem import estimate_memory
+
+    t0 = time.perf_counter()
+    est = estimate_memory(shape, 1, 2048, precision="bf16-true", callbacks=callbacks, target="cuda",
+                          strategy=strategy, **flags)
+    opt = est.phases["optimizer"]
+    row = {
+        "model": shape, "run": label, "strategy": strategy if strategy != "auto" else "single device",
+        "figure": "dry run (CUDA target)", "peak_device": est.peak_device, "peak_host": est.peak_host,
+        "device_weights": opt.device["weights"], "device_gradients": opt.device["gradients"],
+        "device_optimizer_state": opt.device["optimizer_state"], "host_total": opt.host and sum(opt.host.values()),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "peak_device_h": fmt_bytes(est.peak_device), "peak_host_h": fmt_bytes(est.peak_host),
+    }
+    print(row, flush=True)
+    return row
+
+
+def _derived(row: dict[str, Any], label: str, figure: str, device: int, host: int) -> dict[str, Any]:
+    return {**row, "run": label, "figure": figure, "peak_device": device, "peak_host": host,
+            "peak_device_h": fmt_bytes(device), "peak_host_h": fmt_bytes(host), "wall_s": None}
+
+
 def memory_rows(shapes: list[str]) -> list[dict[str, Any]]:
-    from lightning_lowmem import ActivationCheckpointing, Adapters, estimate_memory
+    from lightning_lowmem import ActivationCheckpointing, ActivationOffload, Adapters, ChunkedLMLoss
 
     nf4 = _nf4_bytes_per_param()
     rows = []
     for shape in shapes:
+        base = _base_linear_params(shape)
         for label, offload, adapters in [("full fine-tune", False, False), ("full fine-tune", True, False),
                                          ("LoRA r=16 all-linear", False, True), ("LoRA r=16 all-linear", True, True)]:
-            t0 = time.perf_counter()
             callbacks = [ActivationCheckpointing("all"), *([Adapters("lora", **LORA)] if adapters else [])]
-            est = estimate_memory(shape, 1, 2048, precision="bf16-true", callbacks=callbacks, target="cuda",
-                                  strategy="lowmem_offload" if offload else "auto")
-            wall = time.perf_counter() - t0
-            opt = est.phases["optimizer"]
-            rows.append({
-                "model": shape, "run": label, "strategy": "lowmem_offload" if offload else "single device",
-                "figure": "dry run (CUDA target)", "peak_device": est.peak_device, "peak_host": est.peak_host,
-                "device_weights": opt.device["weights"], "device_gradients": opt.device["gradients"],
-                "device_optimizer_state": opt.device["optimizer_state"], "host_total": opt.host and sum(
-                    opt.host.values()), "wall_s": round(wall, 1),
-                "peak_device_h": fmt_bytes(est.peak_device), "peak_host_h": fmt_bytes(est.peak_host),
-            })
-            print(rows[-1], flush=True)
+            rows.append(_row(shape, label, "lowmem_offload" if offload else "auto", callbacks))
             if adapters and not offload:
-                saved = int(_base_linear_params(shape) * (2 - nf4))
-                rows.append({**rows[-1], "run": "QLoRA nf4 base r=16 (derived)",
-                             "figure": f"derived: bf16 LoRA dry run - base linears x (2 - {nf4:.4f}) B",
-                             "peak_device": rows[-1]["peak_device"] - saved,
-                             "device_weights": rows[-1]["device_weights"] - saved,
-                             "peak_device_h": fmt_bytes(rows[-1]["peak_device"] - saved), "wall_s": None})
+                saved = int(base * (2 - nf4))
+                rows.append({**_derived(rows[-1], "QLoRA nf4 base r=16 (derived)",
+                                        f"derived: bf16 LoRA dry run - base linears x (2 - {nf4:.4f}) B",
+                                        rows[-1]["peak_device"] - saved, rows[-1]["peak_host"]),
+                             "device_weights": rows[-1]["device_weights"] - saved})
+        if shape != "llama-70b":
+            continue
+        # the low-memory QLoRA recipe: checkpointing + boundary activation offload + chunked loss
+        for strategy, streamed in [("lowmem_offload_params", True), ("lowmem_offload", False)]:
+            callbacks = [ActivationCheckpointing("all"), ActivationOffload(), ChunkedLMLoss(chunk_tokens=128),
+                         Adapters("lora", **LORA)]
+            what = "streamed" if streamed else "resident"
+            bf16 = _row(shape, f"LoRA r=16, bf16 base {what}, ckpt + act. offload + chunked loss", strategy,
+                        callbacks)
+            rows.append(bf16)
+            if streamed:
+                # host: the packed bytes replace the streamed linears' bf16 copies and fp32 masters (6 B/param)
+                host = bf16["peak_host"] - int(base * 6) + int(base * 0.5)
+                device = bf16["peak_device"] + int(base * (nf4 - 0.5))  # + the quantization state, on the device
+                figure = (f"derived upper bound: bf16-base streamed dry run + quant. state on device ({nf4 - 0.5:.4f} "
+                          "B/param); host - base linears x 6 B + 0.5 B/param packed")
+            else:
+                host = bf16["peak_host"]
+                device = bf16["peak_device"] - int(base * (2 - nf4))
+                figure = f"derived: bf16-base resident dry run - base linears x (2 - {nf4:.4f}) B"
+            rows.append(_derived(bf16, f"QLoRA nf4 base r=16 {what}, ckpt + act. offload + chunked loss", figure,
+                                 device, host))
     return rows
 
 
@@ -131,11 +173,18 @@ def main(argv: list[str]) -> None:
     if "--step-time-only" in argv:
         return _write_step_time(quick)
     rows = memory_rows(["llama-7b"] if quick else ["llama-7b", "llama-70b"])
+    memory_only = "--memory-only" in argv
     write_results("adapters", rows, ["model", "run", "strategy", "figure", "peak_device_h", "peak_host_h", "wall_s"],
                   title="LoRA adapters vs full fine-tuning: batch 1 x 2048, bf16-true, activation checkpointing",
-                  notes=[("Dry run (CUDA target, uncalibrated corrections) except the QLoRA row, derived from the "
-                          "bf16 LoRA row (the dry run cannot trace bitsandbytes' quantized parameters).")])
-    _write_step_time(quick)
+                  notes=[("Dry run (CUDA target, uncalibrated corrections) except the QLoRA rows, derived from the "
+                          "matching bf16-base dry run (the dry run cannot trace bitsandbytes' quantized parameters: "
+                          "`Params4bit` cannot wrap a fake tensor); see the figure column for each derivation."),
+                         ("lowmem_offload: a frozen base weight has no fp32 host master (bf16-true: its bf16 compute "
+                          "weight is its value); streamed block weights keep theirs, packed 4-bit ones have none."),
+                         ("Reference figures (their authors', not measured here): Unsloth 41 GB, QLoRA 48 GB for "
+                          "LLaMA-70B QLoRA fine-tuning.")])
+    if not memory_only:
+        _write_step_time(quick)
 
 
 def _write_step_time(quick: bool) -> None:

@@ -39,7 +39,8 @@ def host_bytes_needed(
 ) -> dict[str, int]:
     """Host bytes ``strategy`` will allocate for ``module`` and ``optimizers``, by part (see the module docstring)."""
     precision = strategy.precision_plugin
-    frozen = frozen_without_master(module, precision, bool(getattr(strategy, "_loading", False)))
+    frozen = frozen_without_master(module, precision, bool(getattr(strategy, "_loading", False)),
+                                   strategy.offload_params is not False)
     mastered = [p for _, p in HostMasters.unique_params(module) if id(p) not in frozen]
     numel = sum(p.numel() for p in mastered)
     trainable = sum(p.numel() for p in mastered if p.requires_grad)
@@ -69,7 +70,8 @@ def streamed_host_bytes(offload_params: Any, module: torch.nn.Module, dtype: tor
         return 0
     _, per_block, _ = block_params(module)
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(p.numel() * size for ps in per_block for p in ps)
+    # NOTE: a packed 4-bit weight (bitsandbytes) keeps its uint8 bytes; floating-point weights are in the compute dtype
+    return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for ps in per_block for p in ps)
 
 
 def check_host_ram(strategy: OffloadStrategy, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:

@@ -35,7 +35,9 @@ class HostState:
         module = self.lightning_module
         assert module is not None
         self.adopt_device_writes()
-        return self._masters.state_dict(module)
+        # NOTE: streamed weights without a master (packed 4-bit ones) are saved from their host copies
+        with self._stream.host_view() if self._stream is not None else nullcontext():
+            return self._masters.state_dict(module)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -224,8 +224,7 @@ class HostStep:
     def _master_unfrozen(self, repoint: bool = True) -> None:
         """Masters for the frozen parameters kept without one that are trainable now (see [unfrozen later] in
         ``masters.py``); the optimizers' groups that hold them are re-pointed, the transfer knows them."""
-        stream = self._stream.host_of() if self._stream is not None else {}
-        new = self._masters.master_unfrozen(lambda p: stream.get(id(p), p))
+        new = self._masters.master_unfrozen(lambda p: p)  # NOTE: streamed weights keep their masters (`frozen_without_master`)
         if not new:
             return
         self._note_device(new)

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.strategies.offload import hf_weights
+from lightning_lowmem.strategies.offload.param_stream import block_params
 from lightning_lowmem.strategies.offload.precision import autocast_cast_params
 
 
@@ -48,7 +49,7 @@ def _unheld() -> tuple[int, int]:
 _UNHELD = _unheld()
 
 
-def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool) -> set[int]:
+def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, streaming: bool = False) -> set[int]:
     """Ids of the frozen (``requires_grad=False``) parameters of ``module`` that need no fp32 host master.
 
     A frozen weight never changes: it needs no master, no gradient buffer, no optimizer state, when its compute
@@ -57,12 +58,19 @@ def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool
     one stored in the compute dtype (:func:`~lightning_lowmem.strategies.offload.precision.autocast_cast_params`)
     does not: plain mixed precision keeps its fp32 value (checkpoints, and an unfreeze later steps from it), so it
     keeps its master. Loading weights into the masters (``load_weights``) keeps every master.
+
+    NOTE: with ``streaming`` (``offload_params``) the floating-point weights of the repeated blocks keep their masters:
+    a streamed weight's value is on the device only while its block runs, and the masters are what the hooks'
+    views, the checkpoint and the module given back read. bitsandbytes' packed 4-bit/8-bit weights are not floating
+    point: they never have a master, streamed or not.
     """
     if loading or precision is None:
         return set()
+    blocks = {id(p) for ps in block_params(module)[1] for p in ps} if streaming else set()
     half = ({id(p) for p in autocast_cast_params(module)}
             if precision.mixed and precision.compute_dtype != torch.float32 else set())
-    return {id(p) for _, p in HostMasters.unique_params(module) if not p.requires_grad and id(p) not in half}
+    return {id(p) for _, p in HostMasters.unique_params(module)
+            if not p.requires_grad and id(p) not in half and id(p) not in blocks}
 
 
 class HostMasters:

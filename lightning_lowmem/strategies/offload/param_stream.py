@@ -50,6 +50,7 @@ from lightning_lowmem.core.saved_versions import SavedVersion
 from lightning_lowmem.core.streams import CudaOps, StreamOps, cpu_ops
 from lightning_lowmem.core.tensors import tensors_in
 from lightning_lowmem.core.units import fmt_size
+from lightning_lowmem.strategies.offload.packed_weights import streamable
 from lightning_lowmem.strategies.offload.precision import _compiled_params
 from lightning_lowmem.strategies.offload.transfer import _bucket_sizes
 
@@ -68,7 +69,7 @@ _FREES_IN_FLIGHT = 1
 
 
 def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[list[nn.Parameter]], list[nn.Parameter]]:
-    """The repeated blocks, the floating-point parameters only each block holds, and every other parameter.
+    """The repeated blocks, the streamable parameters only each block holds (``packed_weights``), and all others.
 
     A parameter shared between two blocks or with a module outside the blocks (tied weights) is not a block's:
     it stays resident.
@@ -82,7 +83,7 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     # NOTE: a module outside the blocks that holds a block's parameter (tied weights) makes it resident
     outside = {id(p) for m in module.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
     per_block = [
-        [p for p in block.parameters() if p.is_floating_point() and owners[id(p)] == {b} and id(p) not in outside]
+        [p for p in block.parameters() if streamable(p) and owners[id(p)] == {b} and id(p) not in outside]
         for b, (_, block) in enumerate(blocks)
     ]
     streamed = {id(p) for ps in per_block for p in ps}

@@ -59,6 +59,7 @@ from lightning_lowmem.strategies.offload.host_step import HostStep, NonFiniteGra
 from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
 from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
 from lightning_lowmem.strategies.offload.masters_view import MastersView, wrap_finetuning, wrap_hooks
+from lightning_lowmem.strategies.offload.packed_weights import give_back_streamed
 from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.reused_grads import ReusedGrads
@@ -375,7 +376,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         masters = self._masters
         precision = self.precision_plugin
         masters.build(module, self._loading, precision, grad_buffers=with_grads and not self.optimizer_in_backward,
-                      frozen=frozen_without_master(module, precision, self._loading))
+                      frozen=frozen_without_master(module, precision, self._loading, self.offload_params is not False))
         if self._loading:
             self.load_report = masters.load(self.load_weights)  # type: ignore[arg-type]
         masters.mark_host()
@@ -471,6 +472,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             self._transfer.synchronize()
         if self._stream is not None:
             self._stream.remove()
+            give_back_streamed(self._stream, self._masters.device_index)  # NOTE: packed 4-bit weights have no master
         if self._reused is not None:
             self._reused.remove()
         for optimizer, flags in self._fused.values():
