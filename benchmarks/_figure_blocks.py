@@ -368,7 +368,8 @@ def adapters(r: Results) -> str:
                   [[v["model"], v["run"], f"{v['median_step_s'] * 1e3:.0f} ms", f"{v['vs_full']:.2f}",
                     v["steps_timed"]] for v in t["rows"]])
     return (f"Batch 1 x 2048, bf16-true, `ActivationCheckpointing(\"all\")`, AdamW; LoRA r=16, alpha 32, "
-            f"all-linear.\n\n{body}\n\n{source(d, '**dry run** (CUDA target)')}\n\n"
+            f"all-linear; the 70B recipe rows add `ActivationOffload()` and `ChunkedLMLoss(chunk_tokens=128)`.\n\n"
+            f"{body}\n\n{source(d, '**dry run** (CUDA target); the QLoRA rows derived from it (figure column)')}\n\n"
             f"CPU step time, side by side on the same small LLaMA (fp32, batch 2 x 128):\n\n{steps}\n\n"
             f"{source(t, where(t))}")
 

@@ -174,3 +174,14 @@ def test_unfrozen_later_gets_its_master_from_the_exact_bf16_weight(monkeypatch):
         assert torch.equal(master, compute.float()), name
     assert all(m is not None for m in seen.masters.values())
     assert not torch.equal(got["model.inp.weight"], seen.before["weight"].float())  # it trained after the unfreeze
+
+
+@RunIf(peft=True)
+def test_host_bytes_needed_counts_masters_of_the_trainable_parameters_only():
+    """The host check and the estimate count what the strategy allocates (failed before: 4 B for every parameter)."""
+    module = Lit()
+    Adapters("lora", r=4, alpha=8, dropout=0.0, target_modules=["inp", "block"]).apply(module)
+    need = OffloadStrategy().host_bytes_needed(module, [])
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in module.parameters())
+    assert need["masters"] == 4 * trainable and need["gradient_buffers"] == 4 * trainable
