@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_lowmem.core.accounting import host_storage_keys, storage_key
+from lightning_lowmem.core.roles import HostMastersStrategy
 from lightning_lowmem.predict.result import Correction, MemoryEstimate
 from lightning_lowmem.predict.run_spec import RunSpec
 from lightning_lowmem.strategies.offload.transfer import pinned_staging_bytes
@@ -60,11 +61,16 @@ def cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
 class CudaOptimizerDefaults(L.Callback):
     """``target="cuda"``: torch optimizers of the device role take CUDA's default, ``foreach`` (+4 B/param transient)."""
 
-    def __init__(self, counts: dict[str, int]) -> None:
+    def __init__(self, counts: dict[str, Any]) -> None:
         self.counts = counts
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if isinstance(trainer.strategy, HostMastersStrategy):
+            # NOTE: the pinned staging covers the parameters with a master, as the strategy built them (a frozen
+            # base has none): counted from the traced strategy, not from the parameters before the callbacks ran
+            self.counts["staged_numels"] = [m.numel() for m in getattr(trainer.strategy, "masters", {}).values()]
+            self.counts["traced_params"] = sum(p.numel() for p in pl_module.parameters())
         host = host_storage_keys()
         for opt in trainer.optimizers:
             for group in opt.param_groups:
@@ -76,7 +82,7 @@ class CudaOptimizerDefaults(L.Callback):
 
 
 
-def cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: RunSpec, numels: list[int],
+def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunSpec, numels: list[int],
                       extrapolated: bool) -> list[Correction]:
     scale = " (counted in the traced blocks)" if extrapolated else ""
     out = [
@@ -96,7 +102,10 @@ def cuda_corrections(counts: dict[str, int], estimate: MemoryEstimate, run: RunS
     staging = 0
     if offload:
         dtype = torch.float32 if run.precision == "32-true" else torch.bfloat16
-        staging = pinned_staging_bytes([(n, dtype) for n in numels])
+        staged = counts.get("staged_numels")
+        staging = pinned_staging_bytes([(n, dtype) for n in (numels if staged is None else staged)])
+        if staged is not None and extrapolated and counts.get("traced_params") and estimate.num_params:
+            staging = int(staging * estimate.num_params / counts["traced_params"])  # NOTE: traced at a lower depth
     for bd in estimate.phases.values():
         bd.add("device", "other", CUDA_CONTEXT_BYTES)
         bd.add("host", "other", staging)

@@ -216,7 +216,7 @@ def _trace(
     *,
     steps: int,
     target: str,
-    counts: dict[str, int],
+    counts: dict[str, Any],
     stand_ins: dict[str, int],
     found: list[Any],
     windows: bool = False,
@@ -345,7 +345,7 @@ def dry_run(
             return {"datamodule": _TokenBatches(*token_data)}
         return _fit_data(data, batch)
 
-    counts = {"dropout_mask_elements": 0, "sdpa_dropout_calls": 0, "foreach_groups": 0}
+    counts: dict[str, Any] = {"dropout_mask_elements": 0, "sdpa_dropout_calls": 0, "foreach_groups": 0}
     stand_ins: dict[str, int] = {}
     notes = list(run.notes)
     t0 = time.perf_counter()

@@ -185,3 +185,45 @@ def test_host_bytes_needed_counts_masters_of_the_trainable_parameters_only():
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     assert 0 < trainable < sum(p.numel() for p in module.parameters())
     assert need["masters"] == 4 * trainable and need["gradient_buffers"] == 4 * trainable
+
+
+class MastersAtStart(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.masters = {n: p.detach().clone() for n, p in trainer.strategy.masters.items()}
+
+
+def _unfreeze_run(tmp_path, max_epochs: int, ckpt_path=None, save: bool = False) -> MastersAtStart:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Unfreeze(Lit):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = self.model.inp
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    L.seed_everything(0, verbose=False)
+    seen = MastersAtStart()
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False), seen]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=OffloadStrategy(host_optimizer="as_is"), precision="bf16-true",
+        max_epochs=max_epochs, limit_train_batches=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=save, callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(Unfreeze(), ckpt_path=ckpt_path)
+    return seen
+
+
+def test_resumed_after_an_unfreeze_keeps_the_checkpoint_fp32_masters(tmp_path):
+    """bf16-true: a checkpoint saved after the backbone was unfrozen holds its fp32 masters; resumed, the backbone is
+    frozen again at setup and keeps its checkpoint value as a master, not the bf16 rounding of it (which would
+    make the resumed run differ from the uninterrupted one)."""
+    _unfreeze_run(tmp_path, 2, save=True)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]
+    assert saved["model.inp.weight"].dtype == torch.float32  # a master: trained after the unfreeze
+    seen = _unfreeze_run(tmp_path, 3, ckpt_path=tmp_path / "last.ckpt")
+    for name in ("model.inp.weight", "model.inp.bias"):
+        assert name in seen.masters and torch.equal(seen.masters[name], saved[name]), name

@@ -47,6 +47,8 @@ class HostState:
                 super().load_model_state_dict(checkpoint, strict=strict)
         else:
             super().load_model_state_dict(checkpoint, strict=strict)
+        # NOTE: [resumed after an unfreeze] in masters.py (a checkpoint loaded after setup)
+        self._new_masters(self._masters.master_from_checkpoint(checkpoint["state_dict"]))
         if self._masters.p_host:  # loaded after setup: the masters take the checkpoint's fp32 values too
             self._masters.load_state_dict(checkpoint["state_dict"])
             self._note_device()  # NOTE: the load wrote the compute weights: not a write to adopt

@@ -224,7 +224,10 @@ class HostStep:
     def _master_unfrozen(self, repoint: bool = True) -> None:
         """Masters for the frozen parameters kept without one that are trainable now (see [unfrozen later] in
         ``masters.py``); the optimizers' groups that hold them are re-pointed, the transfer knows them."""
-        new = self._masters.master_unfrozen(lambda p: p)  # NOTE: streamed weights keep their masters (`frozen_without_master`)
+        self._new_masters(self._masters.master_unfrozen(lambda p: p), repoint)  # NOTE: streamed ones have masters
+
+    def _new_masters(self, new: Sequence[int], repoint: bool = True) -> None:
+        """Masters ``new`` were added after setup: the transfer and the optimizers' groups learn of them."""
         if not new:
             return
         self._note_device(new)

@@ -49,7 +49,8 @@ def _unheld() -> tuple[int, int]:
 _UNHELD = _unheld()
 
 
-def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, streaming: bool = False) -> set[int]:
+def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, streaming: bool = False,
+                          resuming: bool = False) -> set[int]:
     """Ids of the frozen (``requires_grad=False``) parameters of ``module`` that need no fp32 host master.
 
     A frozen weight never changes: it needs no master, no gradient buffer, no optimizer state, when its compute
@@ -63,14 +64,25 @@ def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool
     a streamed weight's value is on the device only while its block runs, and the masters are what the hooks'
     views, the checkpoint and the module given back read. bitsandbytes' packed 4-bit/8-bit weights are not floating
     point: they never have a master, streamed or not.
+
+    NOTE: [resumed after an unfreeze] ``resuming`` (Lightning restored a checkpoint into the fp32 module before
+    setup): a frozen weight whose value its half compute weight cannot hold exactly came from a master (saved after
+    ``BackboneFinetuning`` unfroze it; a frozen weight is saved in its compute dtype): it keeps its master, so the run
+    continues as the uninterrupted one. One comparison per weight, on resume only.
     """
     if loading or precision is None:
         return set()
     blocks = {id(p) for ps in block_params(module)[1] for p in ps} if streaming else set()
     half = ({id(p) for p in autocast_cast_params(module)}
             if precision.mixed and precision.compute_dtype != torch.float32 else set())
-    return {id(p) for _, p in HostMasters.unique_params(module)
-            if not p.requires_grad and id(p) not in half and id(p) not in blocks}
+    out = {id(p) for _, p in HostMasters.unique_params(module)
+           if not p.requires_grad and id(p) not in half and id(p) not in blocks}
+    dtype = precision.compute_dtype
+    if resuming and dtype != torch.float32 and not precision.mixed:
+        with torch.no_grad():
+            out -= {id(p) for _, p in HostMasters.unique_params(module) if id(p) in out and p.dtype == torch.float32
+                    and not p.is_meta and not torch.equal(p, p.to(dtype).to(torch.float32))}
+    return out
 
 
 class HostMasters:
@@ -155,6 +167,24 @@ class HostMasters:
                 if not p.is_meta and storage_key(p) != storage_key(p_host):
                     p.detach().copy_(p_host)  # NOTE: an empty_init module whose storage the master could not reuse
         return report
+
+    def master_from_checkpoint(self, state: Mapping[str, Any]) -> list[int]:
+        """Give a master to every parameter kept without one whose checkpoint value its compute weight cannot hold
+        (an fp32 value for a half compute weight); return their indices.
+
+        NOTE: [resumed after an unfreeze] a checkpoint saved after ``BackboneFinetuning`` unfroze the backbone holds
+        its fp32 masters; resumed, the backbone is frozen again at setup and would keep only the rounding of them,
+        so the run would not continue as the uninterrupted one. Such a weight keeps its checkpoint value as a master.
+        """
+        new = []
+        for key, (name, p) in list(self.frozen.items()):
+            value = state.get(name)
+            if isinstance(value, Tensor) and value.dtype == torch.float32 and p.dtype != torch.float32:
+                del self.frozen[key]
+                p_host = Parameter(value.detach().to("cpu", torch.float32, copy=True), requires_grad=p.requires_grad)
+                mark_host(p_host)
+                new.append(self._add(name, p, p_host, None))
+        return new
 
     def mark_host(self) -> None:
         mark_host(*self.p_host, *(g for g in self.grad_host if g is not None))

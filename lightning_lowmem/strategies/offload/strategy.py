@@ -375,8 +375,11 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._reset()
         masters = self._masters
         precision = self.precision_plugin
+        trainer = lightning_internals.attached_trainer(self.lightning_module)
+        frozen = frozen_without_master(module, precision, self._loading, self.offload_params is not False,
+                                       resuming=trainer is not None and trainer.ckpt_path is not None)
         masters.build(module, self._loading, precision, grad_buffers=with_grads and not self.optimizer_in_backward,
-                      frozen=frozen_without_master(module, precision, self._loading, self.offload_params is not False))
+                      frozen=frozen)
         if self._loading:
             self.load_report = masters.load(self.load_weights)  # type: ignore[arg-type]
         masters.mark_host()
