@@ -227,3 +227,23 @@ def test_resumed_after_an_unfreeze_keeps_the_checkpoint_fp32_masters(tmp_path):
     seen = _unfreeze_run(tmp_path, 3, ckpt_path=tmp_path / "last.ckpt")
     for name in ("model.inp.weight", "model.inp.bias"):
         assert name in seen.masters and torch.equal(seen.masters[name], saved[name]), name
+
+
+@RunIf(peft=True)
+def test_dry_run_pinned_staging_counts_the_parameters_with_a_master():
+    """The dry run's CUDA staging correction is what the strategy stages: the adapters' masters, not the frozen base
+    (failed before: every parameter of the model was counted, 13.6 GiB for LLaMA-7B)."""
+    from lightning_lowmem import estimate_memory
+    from lightning_lowmem.demo.module import CausalLMModule
+    from lightning_lowmem.strategies.offload.transfer import pinned_staging_bytes
+
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 258}
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
+    est = estimate_memory({"model_type": "llama", **config}, 1, 16, precision="bf16-true", target="cuda",
+                          strategy="lowmem_offload", callbacks=[Adapters("lora", **lora)])
+    staging = next(c.bytes for c in est.corrections if c.name == "pinned_staging")
+    module = CausalLMModule(model_type="llama", config=config)
+    Adapters("lora", **lora).apply(module)
+    trainable = [p.numel() for p in module.parameters() if p.requires_grad]
+    assert staging == pinned_staging_bytes([(n, torch.bfloat16) for n in trainable])
