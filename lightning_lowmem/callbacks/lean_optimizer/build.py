@@ -42,7 +42,8 @@ _TORCH_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable",
 def import_package(kind: str, feature: str) -> Any:
     """The package module of ``kind``; ``ModuleNotFoundError`` naming the extra when it is not installed."""
     name, _ = PACKAGES[kind]
-    return require(name, feature)
+    require(name.split(".")[0], feature)  # NOTE: the top-level name is the one the extras table knows
+    return importlib.import_module(name)
 
 
 # --- which weights are projected ------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ class LeanOptimizer(Reproducible, Callback):
             shown = {"dim": self.dim, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
         if self.kind in TORCHAO:
             shown = {"block_size": self.block_size}
-        return f"{type(self).__name__}(kind={self.kind!r}" + "".join(f", {k}={v!r}" for k, v in shown.items()) + ")"
+        return f"{type(self).__name__}(kind={self.kind!r}" + "".join(f", {k}={v!r}" for k, v in shown.items() if v is not None) + ")"
 
     @property
     def call(self) -> str:
