@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.callbacks.lean_optimizer import build
-from lightning_lowmem.core.accounting import host_storage_keys, mark_host, storage_key
+from lightning_lowmem.core.accounting import host_storage_keys, mark_host, state_tensors, storage_key
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.roles import HostMastersStrategy, LowBitOptimizerSwap
@@ -255,9 +255,7 @@ class LeanOptimizer(Reproducible, Callback):
             return
         for p, state in optimizer.state.items():
             if isinstance(p, torch.Tensor) and storage_key(p) in host:
-                projector = state.get("projector")
-                extra = [getattr(projector, "ortho_matrix", None)] if projector is not None else []
-                mark_host(*(v for v in [*state.values(), *extra] if isinstance(v, torch.Tensor)))
+                mark_host(*state_tensors(state))
 
 
 def _module_param_lookup(pl_module: L.LightningModule) -> Any:
