@@ -86,11 +86,13 @@ def callback(kind: str) -> LeanOptimizer:
     return LeanOptimizer(kind=kind)
 
 
-def fit(module: L.LightningModule, steps: int = 4, **kwargs) -> L.Trainer:
-    batches = [random_batch(batch_size=2, seq_len=16, seed=i) for i in range(8)]
+def fit(module: L.LightningModule, steps: int = 4, n_batches: int = 8, ckpt_path: str | None = None,
+        **kwargs) -> L.Trainer:
+    batches = [random_batch(batch_size=2, seq_len=16, seed=i) for i in range(n_batches)]
+    kwargs.setdefault("enable_checkpointing", False)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, max_steps=steps, **kwargs)
-    trainer.fit(module, DataLoader(batches, batch_size=None))
+                        max_steps=steps, **kwargs)
+    trainer.fit(module, DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -193,3 +195,39 @@ def test_a_missing_package_names_its_extra(kind, monkeypatch):
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[LeanOptimizer(kind)])
     with pytest.raises(ModuleNotFoundError, match=rf"pip install 'lightning-lowmem\[{PACKAGES[kind][1]}\]'"):
         trainer.fit(NoMatrices(), DataLoader([torch.tensor([1, 2])], batch_size=None))
+
+
+RESUME_RUN = """
+import sys, torch, lightning as L
+from tests.callbacks.test_lean_optimizer import LM, callback, fit
+torch.manual_seed(1)  # a different init: everything must come from the checkpoint
+module = LM()
+fit(module, steps=6, n_batches=3, callbacks=[callback(sys.argv[1])], ckpt_path=sys.argv[2])
+torch.save(module.state_dict(), sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("kind", ["galore", "apollo_mini", "adam_mini"])
+def test_resume_in_a_new_process_is_identical(kind, tmp_path):
+    """3 steps, a checkpoint (loaded weights-only: the projectors are saved as plain tensors), 3 more steps in a new
+    process: the weights and buffers of 6 straight steps (the projections are re-computed at step 4 and 6)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if not _installed(kind):
+        pytest.skip(f"{PACKAGES[kind][0]} is not installed")
+    torch.manual_seed(0)
+    straight = LM()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_last=False)
+    fit(straight, steps=6, n_batches=3, callbacks=[callback(kind), ckpt], enable_checkpointing=True)
+    path = next(p for p in tmp_path.iterdir() if "step=3" in p.name)
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "resumed.pt"
+    subprocess.run([sys.executable, "-c", RESUME_RUN, kind, str(path), str(out)], cwd=root, check=True,
+                   capture_output=True, timeout=600)
+    resumed = torch.load(out, weights_only=True)
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed[name]), name

@@ -185,8 +185,32 @@ def expand_scheduler(scheduler: Any, sources: Sequence[int]) -> None:
             setattr(scheduler, attr, [values[i] for i in sources])
 
 
+def compact_projections(optimizer: Optimizer, args: Any = None, kwargs: Any = None) -> None:
+    """``step`` post-hook: a projection matrix that is a slice of a larger SVD factor gets its own storage.
+
+    NOTE: GaLore's projector (galore-torch 1.0, and APOLLO's SVD one) keeps ``Vh[:rank, :]`` / ``U[:, :rank]`` of
+    ``torch.linalg.svd`` of an fp32 gradient: a view, which keeps the whole factor alive (``min(m, n)`` rows or
+    columns instead of ``rank``: for a square weight as many values as the weight itself). The copy holds the same
+    values (the update is unchanged); only the storage shrinks to the rank's. Runs after a step that made a new
+    projection; a no-op otherwise.
+    """
+    for state in optimizer.state.values():
+        proj = state.get("projector")
+        matrix = getattr(proj, "ortho_matrix", None)
+        parts = matrix if isinstance(matrix, list) else [matrix]
+        if not any(isinstance(t, Tensor) and _oversized(t) for t in parts):
+            continue
+        compacted = [t.clone() if isinstance(t, Tensor) and _oversized(t) else t for t in parts]
+        proj.ortho_matrix = compacted if isinstance(matrix, list) else compacted[0]
+
+
+def _oversized(t: Tensor) -> bool:
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 # --- GaLore/APOLLO projectors in checkpoints ------------------------------------------------------------------------
 _PROJECTOR_KEY = "lean_projector"
+_STR = "utf8"
 _PROJECTORS = (("galore_torch.galore_projector", "GaLoreProjector"), ("apollo_torch.svd_projector", "GaLoreProjector"),
                ("apollo_torch.random_projector", "GradientProjector"))
 
@@ -212,6 +236,9 @@ def projectors_to_plain(optimizer: Optimizer, state_dict: dict[str, Any]) -> dic
         fields = dict(vars(proj))
         if isinstance(fields.get("ortho_matrix"), list):  # proj_type="full" keeps two matrices
             fields["ortho_matrix"] = tuple(fields["ortho_matrix"])
+        # NOTE: `Optimizer.load_state_dict` rebuilds every iterable value of the state with `type(v)(generator)`, which
+        # turns a str into "<generator object ...>"; strings travel as their UTF-8 codes
+        fields = {k: {_STR: tuple(v.encode())} if isinstance(v, str) else v for k, v in fields.items()}
         state_dict["state"][key] = {**state, "projector": {_PROJECTOR_KEY: index, **fields}}
     return state_dict
 
@@ -222,7 +249,8 @@ def projectors_from_plain(optimizer: Optimizer) -> None:
         plain = state.get("projector")
         if not isinstance(plain, dict) or _PROJECTOR_KEY not in plain:
             continue
-        fields = {k: v for k, v in plain.items() if k != _PROJECTOR_KEY}
+        fields = {k: bytes(v[_STR]).decode() if isinstance(v, dict) and _STR in v else v
+                  for k, v in plain.items() if k != _PROJECTOR_KEY}
         if isinstance(fields.get("ortho_matrix"), tuple):
             fields["ortho_matrix"] = list(fields["ortho_matrix"])
         cls = _projector_class(plain[_PROJECTOR_KEY])

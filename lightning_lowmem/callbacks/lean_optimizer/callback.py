@@ -193,7 +193,8 @@ class LeanOptimizer(Reproducible, Callback):
             options = {"rank": rank, "update_proj_gap": self.update_proj_gap, "scale": self.scale,
                        "proj_type": self.proj_type}
             new, sources = build.build_projected(self.kind, optimizer, projected, options, self.call)
-            self._hooks += [new.register_state_dict_post_hook(build.projectors_to_plain),
+            self._hooks += [new.register_step_post_hook(build.compact_projections),
+                            new.register_state_dict_post_hook(build.projectors_to_plain),
                             new.register_load_state_dict_post_hook(build.projectors_from_plain)]
         elif self.kind == "adam_mini":
             names = {id(p): n for n, p in pl_module.named_parameters()}
