@@ -169,6 +169,26 @@ def build_torchao(kind: str, optimizer: Optimizer, block_size: int | None, featu
     return cls(groups, **defaults, **extra), list(range(len(groups)))
 
 
+def eager_on_fake_tensors(optimizer: Optimizer) -> list[Any]:
+    """Step hooks that run torchao's compiled step eagerly when its params are fake tensors (the dry run).
+
+    NOTE: torchao's ``step`` calls ``torch.compile(single_param_adam, fullgraph=True)``, which finds no frame to compile
+    under the dry run's fake-tensor mode; ``torch.compiler.set_stance("force_eager")`` runs the same function
+    uncompiled: the same state tensors (their bytes are exact), the update's temporaries those of eager mode (not the
+    fused kernel's). Real tensors are stepped as torchao does.
+    """
+
+    def before(opt: Optimizer, args: Any, kwargs: Any) -> None:
+        if any(isinstance(p, torch_internals.FakeTensor) for g in opt.param_groups for p in g["params"]):
+            torch.compiler.set_stance("force_eager")
+
+    def after(opt: Optimizer, args: Any, kwargs: Any) -> None:
+        if any(isinstance(p, torch_internals.FakeTensor) for g in opt.param_groups for p in g["params"]):
+            torch.compiler.set_stance("default")
+
+    return [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+
 def expand_scheduler(scheduler: Any, sources: Sequence[int]) -> None:
     """Give ``scheduler`` (and every scheduler it chains) one entry per new group: that of the group's source.
 

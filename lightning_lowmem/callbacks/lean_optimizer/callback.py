@@ -204,6 +204,7 @@ class LeanOptimizer(Reproducible, Callback):
             )
         else:
             new, sources = build.build_torchao(self.kind, optimizer, self.block_size, self.call)
+            self._hooks += build.eager_on_fake_tensors(new)
         return new, sources
 
     def check_convertible(self, optimizer: torch.optim.Optimizer) -> None:
