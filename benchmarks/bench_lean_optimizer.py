@@ -95,10 +95,10 @@ def main() -> None:
               "predicted CUDA device peak (dry run)",
         notes=[
             "DRY RUN figures (fake tensors, target='cuda', CUDA context 512 MiB included); no GPU measurement yet.",
-            "torchao rows: analytic (the AdamW row's peak with its optimizer state replaced by torchao's layout: "
-            "codes 1 B / 0.5 B per value per moment + one fp32 scale per 256 / 128 values for tensors of >= 4096 "
-            "values whose size divides the block, bf16 moments otherwise); the dry run counts torchao's wrapper "
-            "tensors at their nominal size.",
+            ("torchao rows: analytic (the AdamW row's peak with its optimizer state replaced by torchao's layout: "
+             "codes 1 B / 0.5 B per value per moment + one fp32 scale per 256 / 128 values for tensors of >= 4096 "
+             "values whose size divides the block, bf16 moments otherwise); the dry run counts torchao's wrapper "
+             "tensors at their nominal size."),
             "24 GB = 24e9 bytes.",
         ],
     )
