@@ -27,7 +27,7 @@ from lightning_lowmem import ActivationCheckpointing, OptimizerInBackward, estim
 from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 
 MODEL, BATCH, SEQ, PRECISION = "llama-7b", 1, 512, "bf16-true"
-GB24 = 24 * 10**9
+GB24 = 24 * 2**30  # a "24 GB" card (RTX 3090/4090, A5000) has 24 GiB
 
 ROWS = [
     ("AdamW (torch, bf16 state)", []),
@@ -98,8 +98,9 @@ def main() -> None:
             ("torchao rows: analytic (the AdamW row's peak with its optimizer state replaced by torchao's layout: "
              "codes 1 B / 0.5 B per value per moment + one fp32 scale per 256 / 128 values for tensors of >= 4096 "
              "values whose size divides the block, bf16 moments otherwise); the dry run counts torchao's wrapper "
-             "tensors at their nominal size."),
-            "24 GB = 24e9 bytes.",
+             "tensors at their nominal size. An upper bound: the AdamW row's optimizer phase also holds the foreach "
+             "step's temporaries, which torchao's per-tensor step does not."),
+            "fits_24GB: peak <= 24 GiB (a '24 GB' card: RTX 3090/4090, A5000).",
         ],
     )
 

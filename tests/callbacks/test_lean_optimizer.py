@@ -110,7 +110,9 @@ SETUPS = {
 }
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
+# NOTE: the single setups are slow-marked: the combined one covers them in CI's time
+@pytest.mark.parametrize("setup", ["plain", pytest.param("offload", marks=pytest.mark.slow),
+                                   pytest.param("accumulate+clip", marks=pytest.mark.slow), "offload+accumulate+clip"])
 @pytest.mark.parametrize("kind", [*FAST, pytest.param("adamw8bit", marks=pytest.mark.slow),
                                   pytest.param("adamw4bit", marks=pytest.mark.slow)])
 def test_same_updates_as_the_package_by_hand(kind, setup):
