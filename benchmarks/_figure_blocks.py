@@ -221,6 +221,18 @@ def low_bit_optimizer(r: Results) -> str:
             + source(d, where(d)))
 
 
+@block("lean_optimizer")
+def lean_optimizer(r: Results) -> str:
+    d = r["lean_optimizer"]
+    body = table(["variant", "method", "device peak", "vs AdamW", "optimizer state", "gradients", "fits 24 GiB"],
+                 [[v["variant"], v["method"], v["peak"], f"{v['vs_adamw']:.2f}", v["state"], v["gradients"],
+                   "yes" if v["fits_24GB"] else "no"] for v in d["rows"]])
+    return ("LLaMA-7B full fine-tune, bf16 weights, batch 1 x 512, `ActivationCheckpointing(\"all\")`, no offload: "
+            "the predicted CUDA device peak (**dry run**: the real `Trainer.fit` and the packages' optimizers on fake "
+            "tensors, target CUDA; no GPU measurement yet). Layer-wise: `OptimizerInBackward` as well (no full set "
+            "of gradients).\n\n" + body + "\n\n" + source(d, dry_run(d)))
+
+
 @block("chunked_lm_loss")
 def chunked_lm_loss(r: Results) -> str:
     d = r["chunked_lm_loss"]

@@ -68,7 +68,7 @@ def main() -> None:
                               callbacks=[ActivationCheckpointing("all"), *callbacks])
         phase = est.binding_phase
         dev = est.phases[phase].device
-        rows.append({"variant": label, "method": "dry run", "peak_device": est.peak_device,
+        rows.append({"variant": label, "method": "dry_run", "peak_device": est.peak_device,
                      "peak": fmt_bytes(est.peak_device), "binding_phase": phase,
                      "optimizer_state": dev["optimizer_state"], "state": fmt_bytes(dev["optimizer_state"]),
                      "gradients": fmt_bytes(dev["gradients"]), "fits_24GB": est.peak_device <= GB24,
@@ -82,7 +82,7 @@ def main() -> None:
     for bits in (8, 4):
         state = torchao_state_bytes(shapes, bits)
         peak = base["peak_device"] - adamw_state + state
-        rows.append({"variant": f"torchao AdamW{bits}bit", "method": "analytic (AdamW's dry run, its state replaced)",
+        rows.append({"variant": f"torchao AdamW{bits}bit", "method": "dry_run (AdamW's), analytic state",
                      "peak_device": peak, "peak": fmt_bytes(peak), "binding_phase": base["binding_phase"],
                      "optimizer_state": state, "state": fmt_bytes(state), "gradients": base["gradients"],
                      "fits_24GB": peak <= GB24, "wall_s": 0.0})
