@@ -29,6 +29,7 @@ from lightning_lowmem.core.blocks import (
     checkpoint_info,
     checkpointed_modules,
     find_repeated_blocks,
+    outside_compiled,
     owner_of,
     select_modules,
 )
@@ -262,7 +263,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             found = find_repeated_blocks(root)
             if not found:
                 return []  # chosen by measurement on the first training batch (see `_choose_by_measurement`)
-            return found
+            return _outside_compiled(root, found)
         if not found:
             raise ValueError(
                 f"ActivationCheckpointing found none of {what} in `{type(root).__name__}`. Name the blocks to checkpoint: "
@@ -270,7 +271,7 @@ class ActivationCheckpointing(Reproducible, Callback):
                 "'encoder.*.block' or a class name such as 'MyBlock'), or pass them as the policy: "
                 "`ActivationCheckpointing(policy=['MyBlock'])`."
             )
-        return found
+        return _outside_compiled(root, found)
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         if self._root is not None:
@@ -334,6 +335,14 @@ class ActivationCheckpointing(Reproducible, Callback):
     def _wrap_segments(self, groups: list[list[tuple[str, nn.Module]]]) -> None:
         segments: list[Segment] = []
         for index, group in enumerate(groups):
+            if any(torch_internals.is_compiled_module(m) for _, m in group):
+                # NOTE: a segment's replay re-runs a compiled module's code outside the autograd graph its forward
+                # built (the compiled backward then gets another graph's saved tensors: a stride/size assertion);
+                # a group holding one is checkpointed block by block by `torch.utils.checkpoint` instead
+                for segment_index, (name, module) in enumerate(group):
+                    if _blocks.wrap_block(module, CheckpointInfo("block", segment_index, 0, is_boundary=True), None):
+                        self.wrapped.append(name)
+                continue
             segment, ok = wrap_segment([m for _, m in group], index)
             if ok:
                 segments.append(segment)
@@ -391,7 +400,7 @@ class ActivationCheckpointing(Reproducible, Callback):
                 "without checkpointing. Name modules with `blocks=` to checkpoint them anyway."
             )
             return
-        self._block_list = [(n, pl_module.get_submodule(n)) for n in names]
+        self._block_list = _outside_compiled(pl_module, [(n, pl_module.get_submodule(n)) for n in names])
         self._apply_policy()
 
     # --- budget ---------------------------------------------------------------------------------
@@ -419,6 +428,19 @@ class ActivationCheckpointing(Reproducible, Callback):
                 f"{max(blocks)} to recompute the largest block). Raise the budget or reduce the batch size."
             )
         self._wrap_blocks(chosen)
+
+
+def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``found``, with the modules inside a ``torch.compile``-d module replaced by it (``core.blocks.outside_compiled``)."""
+    found, moved = outside_compiled(root, found)
+    for outer, inner in moved.items():
+        rank_zero_warn(
+            f"ActivationCheckpointing: {', '.join(f'`{n}`' for n in inner)} run inside the torch.compile-d `{outer}`; "
+            f"checkpointing `{outer}` whole instead (recomputed by its own compiled code, so training stays "
+            "bit-identical; checkpointing inside a compiled region changes inductor's kernels and their rounding). To "
+            "recompute inside it, call `torch.utils.checkpoint` in its forward or compile the blocks one by one."
+        )
+    return found
 
 
 def _zero_stage(strategy: Any) -> int:
