@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 VERDICTS = ("exact", "close", "refused", "differs", "crash", "n/a")
-DRY_VERDICTS = ("ok", "off", "refused", "n/a", "crash")
+DRY_VERDICTS = ("ok", "bound", "off", "refused", "n/a", "crash")
 COMMAND = "python tests/conformance/run.py"
 
 
