@@ -124,29 +124,38 @@ def select_modules(root: nn.Module, targets: Sequence[str | type]) -> list[tuple
     return chosen
 
 
-def outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[list[tuple[str, nn.Module]], dict[str, list[str]]]:
-    """``found`` with every module that runs inside a ``torch.compile``-d module replaced by that compiled module
-    (the outermost), in order, without repeats; and ``{compiled module name: the names it replaced}``.
+def compiled_names(root: nn.Module) -> list[str]:
+    """Qualified names of the ``torch.compile``-d submodules of ``root`` (outermost first)."""
+    return [n for n, m in root.named_modules() if n and torch_internals.is_compiled_module(m)]
 
-    NOTE: checkpointing inside a compiled region puts the checkpoint in the traced graph, where inductor partitions
-    and fuses it otherwise than without it: different kernels, different rounding (measured: |diff|/|update| ~3e-6
-    after 3 fp32 steps with ``backend="inductor"``, bit-identical with ``"aot_eager"``), and a segment closed by a
-    forward hook inside the region fails in the compiled backward (a saved weight's strides). Checkpointing the
-    compiled module from outside recomputes it by running the same compiled code again: bit-identical.
+
+def in_compiled(name: str, compiled: list[str]) -> str | None:
+    """The compiled module (of ``compiled``) that is ``name``, holds it or is held by it, or None (a module
+    holding a compiled one runs its compiled code in its own forward: checkpointing it recomputes that code)."""
+    return next((c for c in compiled if name == c or name.startswith(c + ".") or not name
+                 or c.startswith(name + ".")), None)
+
+
+def outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> tuple[list[tuple[str, nn.Module]], dict[str, list[str]]]:
+    """``found`` without the ``torch.compile``-d modules, the modules inside them and those holding them; and
+    ``{compiled module name: the names dropped}``.
+
+    NOTE: no checkpointing composes with a compiled region bit for bit. Inside it, the checkpoint is traced into the
+    graph, which inductor partitions and fuses otherwise (|diff|/|update| ~3e-6 after 3 fp32 steps with
+    ``backend="inductor"``, bit-identical with ``"aot_eager"``), and a segment closed by a forward hook inside it fails
+    in the compiled backward (a saved weight's strides). Around it, the recompute of a compiled module saves other
+    tensors than its forward did at ``bf16-true`` (torch's ``CheckpointError``, plain Lightning alike).
     """
-    compiled = [(n, m) for n, m in root.named_modules() if n and torch_internals.is_compiled_module(m)]
-    if not compiled:
-        return found, {}
-    out: list[tuple[str, nn.Module]] = []
-    moved: dict[str, list[str]] = {}
+    compiled = compiled_names(root)
+    kept: list[tuple[str, nn.Module]] = []
+    dropped: dict[str, list[str]] = {}
     for name, module in found:
-        outer = next(((n, m) for n, m in compiled if name.startswith(n + ".")), None)
-        if outer is not None:
-            moved.setdefault(outer[0], []).append(name)
-            name, module = outer
-        if all(m is not module for _, m in out):
-            out.append((name, module))
-    return out, moved
+        outer = in_compiled(name, compiled)
+        if outer is None:
+            kept.append((name, module))
+        else:
+            dropped.setdefault(outer, []).append(name)
+    return kept, dropped
 
 
 def owner_of(root: nn.Module, name: str) -> nn.Module:

@@ -28,7 +28,9 @@ from lightning_lowmem.core.blocks import (
     CheckpointInfo,
     checkpoint_info,
     checkpointed_modules,
+    compiled_names,
     find_repeated_blocks,
+    in_compiled,
     outside_compiled,
     owner_of,
     select_modules,
@@ -335,14 +337,6 @@ class ActivationCheckpointing(Reproducible, Callback):
     def _wrap_segments(self, groups: list[list[tuple[str, nn.Module]]]) -> None:
         segments: list[Segment] = []
         for index, group in enumerate(groups):
-            if any(torch_internals.is_compiled_module(m) for _, m in group):
-                # NOTE: a segment's replay re-runs a compiled module's code outside the autograd graph its forward
-                # built (the compiled backward then gets another graph's saved tensors: a stride/size assertion);
-                # a group holding one is checkpointed block by block by `torch.utils.checkpoint` instead
-                for segment_index, (name, module) in enumerate(group):
-                    if _blocks.wrap_block(module, CheckpointInfo("block", segment_index, 0, is_boundary=True), None):
-                        self.wrapped.append(name)
-                continue
             segment, ok = wrap_segment([m for _, m in group], index)
             if ok:
                 segments.append(segment)
@@ -391,6 +385,8 @@ class ActivationCheckpointing(Reproducible, Callback):
         with trainer.precision_plugin.train_step_context():
             measured, total = measure_submodules(pl_module, batch, batch_idx)
         # NOTE: every rank must wrap the same modules: rank 0's measurement decides
+        compiled = compiled_names(pl_module)
+        measured = {n: a for n, a in measured.items() if in_compiled(n, compiled) is None}  # NOTE: see _outside_compiled
         names = trainer.strategy.broadcast(choose_submodules(pl_module, measured, total), src=0)
         self.chosen_by_measurement = {n: measured[n].saving for n in names if n in measured}
         if not names:
@@ -400,7 +396,7 @@ class ActivationCheckpointing(Reproducible, Callback):
                 "without checkpointing. Name modules with `blocks=` to checkpoint them anyway."
             )
             return
-        self._block_list = _outside_compiled(pl_module, [(n, pl_module.get_submodule(n)) for n in names])
+        self._block_list = [(n, pl_module.get_submodule(n)) for n in names]
         self._apply_policy()
 
     # --- budget ---------------------------------------------------------------------------------
@@ -430,17 +426,23 @@ class ActivationCheckpointing(Reproducible, Callback):
         self._wrap_blocks(chosen)
 
 
-def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """``found``, with the modules inside a ``torch.compile``-d module replaced by it (``core.blocks.outside_compiled``)."""
-    found, moved = outside_compiled(root, found)
-    for outer, inner in moved.items():
-        rank_zero_warn(
-            f"ActivationCheckpointing: {', '.join(f'`{n}`' for n in inner)} run inside the torch.compile-d `{outer}`; "
-            f"checkpointing `{outer}` whole instead (recomputed by its own compiled code, so training stays "
-            "bit-identical; checkpointing inside a compiled region changes inductor's kernels and their rounding). To "
-            "recompute inside it, call `torch.utils.checkpoint` in its forward or compile the blocks one by one."
-        )
-    return found
+def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]], chosen: bool = False) -> list[tuple[str, nn.Module]]:
+    """``found`` without the modules running ``torch.compile``-d code (``core.blocks.outside_compiled``): warned
+    about; refused when nothing is left of blocks found or named (``chosen``: picked by measurement, may be empty)."""
+    kept, dropped = outside_compiled(root, found)
+    if not dropped:
+        return kept
+    names = "; ".join(f"`{outer}` holds {', '.join(f'`{n}`' for n in inner)}" for outer, inner in dropped.items())
+    why = ("checkpointing inside a torch.compile-d module changes inductor's kernels and their rounding, and "
+           "around it torch's recompute of the compiled code can save other tensors (CheckpointError)")
+    fix = ("compile the blocks one by one after checkpointing them (`torch.compile` each block, not their "
+           "parent), or leave the compiled module's memory to torch.compile's own recomputation")
+    if not kept and not chosen:
+        raise ValueError(f"ActivationCheckpointing cannot checkpoint the blocks it found: {names} (torch.compile-d); "
+                         f"{why}. Fix: {fix}.")
+    rank_zero_warn(f"ActivationCheckpointing: not checkpointing inside torch.compile-d modules ({names}): {why}. "
+                   f"To checkpoint them: {fix}.")
+    return kept
 
 
 def _zero_stage(strategy: Any) -> int:
