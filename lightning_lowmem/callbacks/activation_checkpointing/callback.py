@@ -77,6 +77,10 @@ class ActivationCheckpointing(Reproducible, Callback):
           (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
         - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
 
+    ``torch.compile``-d modules, the modules inside them and those holding them are not checkpointed (a warning names
+    them; refused when they are all that was found or named): inside a compiled region the checkpoint changes
+    inductor's kernels (not bit-identical), and around one torch's recompute can save other tensors.
+
     Module buffers end as plain training leaves them: each recompute runs on a copy of the buffers its forward
     found (so ``BatchNorm`` running statistics and a module's own counters are updated once, and a forward that
     reads a buffer it updates recomputes the same thing), and the measuring forward puts every buffer back. Cost:
