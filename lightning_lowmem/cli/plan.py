@@ -41,9 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-memory", help="host budget, e.g. 64GB (default: not checked)")
     parser.add_argument("--hardware", help="a profile name, 'measure', or a YAML file (default: rtx3060-12gb rates)")
     parser.add_argument("--pure-half", action="store_true", help="also consider half weights without fp32 masters")
-    parser.add_argument("--adapters", default="none", metavar="KINDS", help="the trainings you allow, comma-separated: "
-                        "'none' (the full fine-tune, the default), 'lora', 'dora' (the Adapters callback on a frozen "
-                        "base); the plan never switches to adapters unless listed")
+    parser.add_argument("--adapters", default="none", metavar="KINDS", help="the trainings you allow, comma-separated, in "
+                        "order of preference: 'none' (the full fine-tune, the default), 'lora', 'dora' (the Adapters "
+                        "callback on a frozen base); the next is planned only when none of the one before fits; the "
+                        "plan never switches to adapters unless listed")
     parser.add_argument("--quantize-base", default="none", metavar="QUANTS", help="with --adapters: the frozen bases "
                         "allowed, comma-separated: 'none' (its dtype, the default), 'nf4', 'fp4', 'int8' (bitsandbytes)")
     parser.add_argument("--adapter-r", type=int, default=16, help="with --adapters: the adapters' rank (default 16)")

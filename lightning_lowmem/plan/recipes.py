@@ -224,7 +224,8 @@ QUANTIZED_BASES = ("none", "nf4", "fp4", "int8")
 
 def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_callbacks: Sequence[Any],
                      problems: list[str]) -> tuple[tuple[AdapterVariant, ...], bool]:
-    """The ``(kind, quantized base)`` pairs ``plan``'s ``adapters`` and ``quantize_base`` allow, and whether a wrong
+    """The ``(kind, quantized base)`` pairs ``plan``'s ``adapters`` and ``quantize_base`` allow, in the order given
+    (kinds first, then bases), and whether a wrong
     type was given; what is wrong with them (or with ``adapter_r``, or ``own_callbacks``: the run's own callbacks,
     which may hold an ``Adapters`` already) is added to ``problems``."""
     from lightning_lowmem.core.optional import package_available
@@ -258,8 +259,9 @@ def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_call
             extra = "bnb" if package == "bitsandbytes" else package
             problems.append(f"Passed {call}" + (f" with `quantize_base={quantize_base!r}`" if extra == "bnb" else "")
                             + f", which needs `{package}`: `pip install 'lightning-lowmem[{extra}]'`")
-    variants: list[AdapterVariant] = [FULL_FINE_TUNE] if "none" in kinds else []
-    variants += [(k, None if q == "none" else q) for k in trained for q in dict.fromkeys(quants)]
+    # NOTE: in the order listed: the planner takes the first training that has a recipe that fits
+    variants = [FULL_FINE_TUNE if k == "none" else (k, None if q == "none" else q)
+                for k in kinds for q in (quants if k != "none" else ["none"])]
     return tuple(dict.fromkeys(variants)) or (FULL_FINE_TUNE,), wrong_type
 
 

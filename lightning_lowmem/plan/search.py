@@ -90,9 +90,11 @@ def plan(
         adapters, quantize_base, adapter_r: the trainings you allow: ``adapters`` lists ``"none"`` (the full
             fine-tune), ``"lora"``, ``"dora"``; each adapter kind is considered on each base of ``quantize_base``
             (``"none"``: the base keeps its dtype; ``"nf4"``, ``"fp4"``, ``"int8"``: bitsandbytes) at rank
-            ``adapter_r`` (``Adapters``' defaults otherwise). Default: the full fine-tune alone: the plan never turns
-            a full fine-tune into an adapter run (another training) unless you list it. A run that has its own
-            ``Adapters`` callback (in ``fixed_callbacks`` or the YAML) keeps it.
+            ``adapter_r`` (``Adapters``' defaults otherwise). The order is your preference: a training is planned only
+            when no recipe of the ones listed before it fits (``("none", "lora")``: LoRA only where the full
+            fine-tune does not fit). Default: the full fine-tune alone: the plan never turns a full fine-tune into an
+            adapter run (another training) unless you list it. A run that has its own ``Adapters`` callback (in
+            ``fixed_callbacks`` or the YAML) keeps it.
 
     Raises:
         NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
@@ -112,14 +114,29 @@ def plan(
     loader = None if "micro_batch_size" in fixed else source.loader_batch
     judge = Judge(source, budgets, fixed_callbacks, fixed, loader, target, {} if cache is None else cache)
     rows_floors = floors(rows)
-    chosen = search(rows, rows_floors, judge)
+    # NOTE: the trainings the user listed, in the order given: another training is a preference, not a speed-up, so
+    # the next one is planned only when no recipe of the one before fits (a full fine-tune that fits is never
+    # traded for faster adapters)
+    trainings = list(dict.fromkeys((r.recipe.adapters, r.recipe.quantize_base) for r in rows))
+    trainings.sort(key=lambda v: budgets.adapters.index(v) if v in budgets.adapters else -1)
+    chosen, names = None, []
+    for training in trainings:
+        own = [r for r in rows if (r.recipe.adapters, r.recipe.quantize_base) == training]
+        names.append(own[0].recipe.adapter_name)
+        chosen = search(own, [f for f in rows_floors if any(f is r for r in own)], judge)
+        if chosen is not None:
+            break
     if chosen is None:
         raise NoRecipeFitsError(_no_fit_message(rows_floors, budgets.device, budgets.host, source))
     notes = [f"{judge.traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
-    variants = sorted({r.recipe.adapter_name for r in rows}, key=lambda n: n != "full fine-tune")
     kept = next((c for c in fixed_callbacks if technique_field(c) == "adapters"), None)
-    notes.append(f"training: the run's own `{kept!r}`" if kept is not None else
-                 f"trainings considered: {', '.join(variants)}; chosen: {chosen.recipe.adapter_name}")
+    if kept is not None:
+        notes.append(f"training: the run's own `{kept!r}`")
+    else:
+        unplanned = [r.recipe.adapter_name for r in rows if r.recipe.adapter_name not in names]
+        notes.append(f"trainings, in the order allowed: {', '.join(dict.fromkeys([*names, *unplanned]))}; chosen: "
+                     f"{chosen.recipe.adapter_name}" + (f" (no recipe of {', '.join(names[:-1])} fits)"
+                                                        if len(names) > 1 else ""))
     return Plan(rows, chosen, budgets.device, budgets.host, budgets.profile, b, budgets.half, judge.traces,
                 time.perf_counter() - t0, notes, source.yaml_parts, loader, source.scheduler)
 
