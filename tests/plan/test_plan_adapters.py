@@ -118,3 +118,35 @@ def test_cli_lists_the_trainings(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "Passed `adapters=['none', 'lorax']`" in err and "Passed `adapter_r=0`" in err
+
+
+YAML = """
+trainer:
+  accelerator: cpu
+  logger: false
+  callbacks:
+    - class_path: Adapters
+      init_args: {r: 4, target_modules: ["c_attn"]}
+model:
+  class_path: lightning_lowmem.demo.module.CausalLMModule
+  init_args:
+    config: {n_layer: 2, n_embd: 64, n_head: 2, n_positions: 64}
+data:
+  class_path: lightning_lowmem.demo.data.StdlibTextDataModule
+  init_args: {seq_len: 32, batch_size: 2, max_bytes: 20000}
+"""
+
+
+def test_a_yamls_adapters_are_planned_and_written_once(tmp_path):
+    """A YAML's ``Adapters`` is its training: every candidate is traced with it (before, the plan predicted the full
+    fine-tune and wrote the adapters beside it), and the written YAML has it once."""
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(YAML)
+    p = plan(str(path), device_memory="1GB", target="cpu", bases=["fp32"])
+    opt = p.chosen.estimate.phases["optimizer"].device
+    assert 0 < opt["gradients"] < opt["weights"] / 20  # the adapters' (c_attn, r=4), not the base's
+    assert p.notes[-1].startswith("training: the run's own `Adapters(kind='lora', r=4")
+    written = yaml.safe_load(p.write_yaml(tmp_path / "plan.yaml").read_text())
+    assert [c["class_path"] for c in written["trainer"]["callbacks"]].count("Adapters") == 1
