@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     adapters, quantize_base = args.adapters.split(","), args.quantize_base.split(",")
     from lightning_lowmem.plan.recipes import adapter_variants
 
-    adapter_variants(adapters, quantize_base, args.adapter_r, (), problems)  # NOTE: the flags' problems, up front
+    adapter_variants(adapters, quantize_base, args.adapter_r, (), problems, cli=True)  # NOTE: the flags', up front
     model = args.config
     module_class = _module_class(args.model) if args.model else None
     data, data_issues = data_problems(args, init_args, module_class)

@@ -223,33 +223,39 @@ QUANTIZED_BASES = ("none", "nf4", "fp4", "int8")
 
 
 def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_callbacks: Sequence[Any],
-                     problems: list[str]) -> tuple[tuple[AdapterVariant, ...], bool]:
+                     problems: list[str], cli: bool = False) -> tuple[tuple[AdapterVariant, ...], bool]:
     """The ``(kind, quantized base)`` pairs ``plan``'s ``adapters`` and ``quantize_base`` allow, in the order given
     (kinds first, then bases), and whether a wrong
     type was given; what is wrong with them (or with ``adapter_r``, or ``own_callbacks``: the run's own callbacks,
-    which may hold an ``Adapters`` already) is added to ``problems``."""
+    which may hold an ``Adapters`` already) is added to ``problems``, as ``plan``'s arguments are spelled (``cli``:
+    as ``lowmem plan``'s ``--adapters a,b`` are)."""
     from lightning_lowmem.core.optional import package_available
 
     wrong_type = not isinstance(adapters, (str, Sequence)) or not isinstance(quantize_base, (str, Sequence))
     kinds = [adapters] if isinstance(adapters, str) else list(adapters) if isinstance(adapters, Sequence) else None
     quants = ([quantize_base] if isinstance(quantize_base, str) else list(quantize_base)
               if isinstance(quantize_base, Sequence) else None)
-    call = f"`adapters={adapters!r}`"
+    def given(name: str, value: Any) -> str:
+        if cli:
+            return f"`--{name.replace('_', '-')} {','.join(value) if isinstance(value, list) else value}`"
+        return f"`{name}={value!r}`"
+
+    call = given("adapters", adapters)
     if not kinds or any(k not in ADAPTER_KINDS for k in kinds):
         problems.append(f"Passed {call}; expected some of {', '.join(repr(k) for k in ADAPTER_KINDS)} ('none': the "
                         "full fine-tune)")
         kinds = []
     if not quants or any(q not in QUANTIZED_BASES for q in quants):
-        problems.append(f"Passed `quantize_base={quantize_base!r}`; expected some of "
+        problems.append(f"Passed {given('quantize_base', quantize_base)}; expected some of "
                         f"{', '.join(repr(q) for q in QUANTIZED_BASES)} ('none': the base keeps its dtype)")
         quants = []
     trained = [k for k in kinds if k != "none"]
     if isinstance(adapter_r, bool) or not isinstance(adapter_r, int) or adapter_r < 1:
-        problems.append(f"Passed `adapter_r={adapter_r!r}`; expected an int >= 1 (the adapters' rank)")
+        problems.append(f"Passed {given('adapter_r', adapter_r)}; expected an int >= 1 (the adapters' rank)")
         wrong_type |= isinstance(adapter_r, bool) or not isinstance(adapter_r, int)
     if any(q != "none" for q in quants) and not trained:
-        problems.append(f"Passed `quantize_base={quantize_base!r}` with {call}: a quantized base is frozen, for "
-                        "adapters only; add 'lora' (or 'dora') to `adapters`")
+        problems.append(f"Passed {given('quantize_base', quantize_base)} with {call}: a quantized base is frozen, for "
+                        "adapters only; add 'lora' (or 'dora') to the trainings allowed")
     own = [c for c in own_callbacks if technique_field(c) == "adapters"]
     if trained and own:
         problems.append(f"Passed {call}, but the run has its own `{own[0]!r}`: its training stays; leave `adapters` "
@@ -257,7 +263,7 @@ def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_call
     for package, needed in (("peft", bool(trained)), ("bitsandbytes", any(q != "none" for q in quants) and trained)):
         if needed and not package_available(package):
             extra = "bnb" if package == "bitsandbytes" else package
-            problems.append(f"Passed {call}" + (f" with `quantize_base={quantize_base!r}`" if extra == "bnb" else "")
+            problems.append(f"Passed {call}" + (f" with {given('quantize_base', quantize_base)}" if extra == "bnb" else "")
                             + f", which needs `{package}`: `pip install 'lightning-lowmem[{extra}]'`")
     # NOTE: in the order listed: the planner takes the first training that has a recipe that fits
     variants = [FULL_FINE_TUNE if k == "none" else (k, None if q == "none" else q)

@@ -117,7 +117,8 @@ def test_cli_lists_the_trainings(capsys):
         main([*argv, "--adapters", "none,lorax", "--adapter-r", "0", "--quantize-base", "nf4"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "Passed `adapters=['none', 'lorax']`" in err and "Passed `adapter_r=0`" in err
+    assert "Passed `--adapters none,lorax`; expected some of 'none', 'lora', 'dora'" in err
+    assert "Passed `--adapter-r 0`; expected an int >= 1" in err
 
 
 YAML = """
