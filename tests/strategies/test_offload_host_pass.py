@@ -196,3 +196,19 @@ def test_host_work_is_not_on_the_autograd_thread(monkeypatch, counted):
 def test_bad_host_pass_is_refused():
     with pytest.raises(ValueError, match="host_pass='eager'"):
         OffloadStrategy(host_pass="eager")
+
+
+def test_a_window_whose_step_never_came_gives_the_masters_back():
+    masters = HostMasters()
+    masters.build(torch.nn.Linear(4, 4), loading=False, precision=None, grad_buffers=True)
+    before = [p.detach().clone() for p in masters.p_host]
+    opt = torch.optim.AdamW(masters.p_host)
+    hp = HostPass(masters, bucket_bytes=4)  # one bucket per parameter: both step before the end
+    hp.arm(opt, clip_norm=None, guard=True)
+    for i, p in enumerate(masters.p_host):
+        assert hp.submit(i, torch.ones_like(p))
+    hp.barrier()
+    assert not any(torch.equal(a, b) for a, b in zip(before, masters.p_host))  # it stepped speculatively
+    hp.disarm()  # NOTE: backward raised (an out-of-memory retry): no step took the result
+    assert all(torch.equal(a, b) for a, b in zip(before, masters.p_host)) and not opt.state
+    hp.close()

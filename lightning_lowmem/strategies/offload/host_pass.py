@@ -107,6 +107,7 @@ class HostPass:
         self.finished = False
         self.failed: str | None = None  # why the speculation does not stand (restored, or to restore)
         self.restored = False
+        self.taken = False  # the step used the pass's result (`stands` said so)
         self._submitted: set[int] = set()
         self._stepped: list[int] = []  # in step order
         self._norms: dict[int, Tensor] = {}
@@ -177,6 +178,7 @@ class HostPass:
         if self.failed or self.restored:
             self.restore(self.failed or "restored")
             return False
+        self.taken = True
         return True
 
     def restore(self, why: str) -> None:
@@ -207,8 +209,14 @@ class HostPass:
         self.restored = True
 
     def disarm(self) -> None:
-        if self.armed and not self.finished:
-            self.barrier()
+        """End the window. NOTE: a window whose step did not take the pass's result (backward raised, an
+        out-of-memory retry, a step that never came) gets its masters and state back: nothing stepped is left."""
+        if self.armed:
+            futures, self._futures = self._futures, []
+            for f in futures:
+                f.exception()  # NOTE: waits; an error of the worker was raised by `finish` or is moot now
+            if not self.taken:
+                self.restore("the step did not take the pass's result")
         self.armed = False
         self._clear()
 
