@@ -22,6 +22,7 @@ Run from the repository root: ``python benchmarks/run.py host_path`` (``--layers
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -112,6 +113,7 @@ def main() -> None:
     add_int_args(parser, layers=14, width=768, seq=32, batch=1, rounds=2, steps=6)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    load_before = os.getloadavg()
     got: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     kernels: list[float] = []
     shapes = None
@@ -121,6 +123,7 @@ def main() -> None:
             shapes = got[name][-1]["shapes"]
         kernels.append(kernel_s(shapes))
     kernel = statistics.median(kernels)
+    load = (load_before, os.getloadavg())
     params = got["serial"][0]["params"]
     plain = statistics.median(r["step_s"] for r in got["plain Lightning (auto)"])
     rows = []
@@ -145,7 +148,8 @@ def main() -> None:
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
         "(24 B) but moves everything except the upload and the last bucket before the end of backward."),
         ("The machine is shared (2 cores): the worker thread competes with backward for them; figures are ratios "
-        "measured side by side, interleaved round after round."),
+        "measured side by side, interleaved round after round. Load average (1, 5, 15 min) before / after: "
+        + " / ".join(", ".join(f"{x:.2f}" for x in la) for la in load) + "."),
     ]
     write_results("host_path", rows, ["variant", "step_ms", "x_plain", "host_after_backward_ms", "x_kernel",
                                       "bytes_touched/param", "bytes_after_backward/param"],
