@@ -22,6 +22,7 @@ Run from the repository root: ``python benchmarks/run.py host_path`` (``--layers
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -77,8 +78,11 @@ def fit(args, kwargs, clip) -> dict:
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
     trainer.fit(module, data)
     n = sum(p.numel() for p in module.parameters())
+    shapes = [tuple(p.shape) for p in module.parameters()]
+    del trainer, module, strategy, data
+    gc.collect()  # NOTE: a 100M-parameter fit holds GBs; the next fit must not start beside it
     return {"step_s": statistics.median(probe.times[2:]), "after_s": statistics.median(after[2:]) if after else None,
-            "params": n, "shapes": [tuple(p.shape) for p in module.parameters()]}
+            "params": n, "shapes": shapes}
 
 
 def kernel_s(shapes, repeat: int = 3) -> float:
