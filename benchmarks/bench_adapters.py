@@ -7,8 +7,9 @@ device and under ``lowmem_offload``. A 4-bit (nf4) base cannot be traced (bitsan
 a fake tensor): its row is *derived* from the bf16 LoRA row by replacing the base linears' bf16 bytes by their
 packed size, measured by ``packed_bytes`` on a real quantized 4096 x 4096 layer (bitsandbytes' own layout).
 
-Part 2 (CPU): one small LLaMA, fp32, batch 2 x 128, the same data, LoRA and full fine-tuning alternated run by run
-(so the shared machine's load hits both alike); median step time of the last steps of each run.
+Part 2 (CPU): one small LLaMA, fp32, batch 2 x 128, the same data; full fine-tuning, LoRA and QLoRA (nf4 base)
+alternated run by run in one process (so the shared machine's load hits all alike); median step time of the last
+steps of each run.
 
     python benchmarks/run.py adapters            # both parts
     python benchmarks/run.py adapters --quick    # 7B only, fewer CPU steps
@@ -108,13 +109,16 @@ def step_time_rows(runs: int, steps: int) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2, 128), generator=g)
     data = [{"input_ids": ids[0], "attention_mask": torch.ones_like(ids[0]), "labels": ids[0]}] * 64
-    times: dict[str, list[float]] = {"full fine-tune": [], "LoRA r=16 all-linear": []}
+    # NOTE: the three runs side by side in one process, alternated run by run (the shared machine's load hits all)
+    adapters = {"full fine-tune": None, "LoRA r=16 all-linear": {}, "QLoRA nf4 base, LoRA r=16 all-linear":
+                {"quantize_base": "nf4"}}
+    times: dict[str, list[float]] = {label: [] for label in adapters}
     for _ in range(runs):
-        for label in times:
+        for label, extra in adapters.items():
             torch.manual_seed(0)
             module = CausalLMModule(model_type="llama", config=config)
             timer = Timer()
-            cbs = [timer] + ([Adapters("lora", **LORA)] if "LoRA" in label else [])
+            cbs = [timer] + ([Adapters("lora", **LORA, **extra)] if extra is not None else [])
             trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=cbs, logger=False,
                                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
             trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
@@ -141,8 +145,12 @@ def main(argv: list[str]) -> None:
 def _write_step_time(quick: bool) -> None:
     cpu = step_time_rows(2 if quick else 3, 8 if quick else 12)
     write_results("adapters_step_time", cpu, ["model", "run", "figure", "median_step_s", "vs_full", "steps_timed"],
-                  title="CPU step time, LoRA r=16 all-linear vs full fine-tuning (fp32, batch 2 x 128)",
-                  notes=["CPU, 2 shared cores: runs alternated; median of each run's steps after the second."])
+                  title="CPU step time, QLoRA (nf4 base) vs LoRA r=16 all-linear vs full fine-tuning (fp32, batch 2 x 128)",
+                  notes=[("CPU, 2 shared cores: the three runs in one process, alternated run by run; median of each "
+                          "run's steps after the second."),
+                         ("QLoRA on the CPU: bitsandbytes 0.50 without its optional fused CPU kernel (the `kernels` "
+                          "package, not installed here) dequantizes each 4-bit base linear in every forward and "
+                          "backward; its CPU time is no guide to a GPU's.")])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ _LAZY = {
     "AccumulationScheduler": "lightning_lowmem.callbacks.accumulation.scheduler",
     "OOMRecovery": "lightning_lowmem.callbacks.oom_recovery",
     "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
+    "LeanOptimizer": "lightning_lowmem.callbacks.lean_optimizer.callback",
     "Adapters": "lightning_lowmem.callbacks.adapters",
     "OptimizerInBackward": "lightning_lowmem.callbacks.optimizer_in_backward",
     "ChunkedLMLoss": "lightning_lowmem.callbacks.chunked_lm_loss.callback",

@@ -31,6 +31,8 @@ def test_config_runs(path, tmp_path, monkeypatch):
     strategy = cfg.get("trainer", {}).get("strategy")
     if isinstance(strategy, str) and strategy.startswith("lowmem_zero"):
         pytest.importorskip("deepspeed", reason="needs `pip install 'lightning-lowmem[deepspeed]'`")
+    if "LeanOptimizer" in path.read_text():
+        pytest.importorskip("galore_torch", reason="needs `pip install 'lightning-lowmem[galore]'`")
     monkeypatch.chdir(tmp_path)  # anything a config writes (reports, logs) lands in tmp_path
     cli = LowMemCLI(args=["fit", "--config", str(path), *SHRINK])
     assert cli.trainer.global_step == 2

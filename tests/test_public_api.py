@@ -11,9 +11,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_lowmem
 from lightning_lowmem._registry import STRATEGIES
 
-#: ``lightning_lowmem.__all__`` before the move, and ``Adapters`` (added with the move, in the new room)
+#: ``lightning_lowmem.__all__`` before the move, and ``Adapters`` (added with the move, in the new room) and
+#: ``LeanOptimizer`` (added after it)
 ALL = ['AccumulationScheduler', 'ActivationCheckpointing', 'ActivationOffload', 'Adapters', 'AutoStrategy', 'ByteTokenizer',
-       'CausalLMModule', 'ChunkedLMLoss', 'DryRunUnsupportedError', 'LowBitOptimizer', 'MasterHalfPrecision',
+       'CausalLMModule', 'ChunkedLMLoss', 'DryRunUnsupportedError', 'LeanOptimizer', 'LowBitOptimizer', 'MasterHalfPrecision',
        'MemoryBreakdown', 'MemoryEstimate', 'MemoryReport', 'OOMRecovery', 'OffloadStrategy', 'OptimizerInBackward',
        'RunSpec', 'StdlibTextDataModule', 'StepMemoryRecorder', 'ZeroStrategy', 'chunked_causal_lm_loss', 'dry_run',
        'estimate_memory', 'plan', 'register_strategies', 'zero']

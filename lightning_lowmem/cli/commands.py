@@ -33,6 +33,8 @@ CALLBACKS = {
     "AccumulationScheduler": "an effective batch from micro-batches (exact loss normalisation; micro_batch_size: "
                              "auto searches the largest that fits)",
     "LowBitOptimizer": "8-bit AdamW state (bitsandbytes; the [bnb] extra)",
+    "LeanOptimizer": "GaLore, APOLLO(-Mini), Adam-mini or torchao 4-/8-bit AdamW for the module's AdamW (the "
+                     "[galore], [apollo], [adam-mini], [torchao] extras)",
     "OptimizerInBackward": "step each parameter as its gradient is ready (no full set of gradients)",
     "ChunkedLMLoss": "a causal-LM loss without the full logits tensor (chunks of tokens)",
     "OOMRecovery": "on an out-of-memory error, free the cache and retry the step with smaller pieces",

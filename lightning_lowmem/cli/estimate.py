@@ -3,6 +3,7 @@
     lowmem estimate --config configs/demo.yaml --budget 6GB          # exactly the run `lowmem fit` would do
     lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB   # the suite's combinations
     lowmem estimate --model llama --set num_hidden_layers=8 --set hidden_size=1024 --batch-size 2 --seq-len 256
+    lowmem estimate --model llama-7b --batch-size 1 --seq-len 2048 --adapters lora --adapter-r 16 --only bf16-true
     lowmem estimate --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 4
 """
 
@@ -159,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="the device predicted (default: with --config the YAML's trainer.accelerator, `auto` "
                         "meaning CUDA where this machine has it, else the CPU; with --model cuda)")
     parser.add_argument("--world-size", type=int, default=1, help="with --model: processes (ZeRO partitioning)")
+    parser.add_argument("--adapters", default=None, metavar="KIND", help="with --model: every combination trains "
+                        "LoRA ('lora') or DoRA ('dora') adapters on a frozen base (the Adapters callback; rows show "
+                        "weights, gradients, optimizer state and activations at the binding phase)")
+    parser.add_argument("--adapter-r", type=int, default=None, help="with --adapters: the adapters' rank (default 16)")
+    parser.add_argument("--quantize-base", default=None, metavar="QUANT", help="with --adapters: the frozen base in "
+                        "4-bit ('nf4', 'fp4') or 8-bit ('int8') bitsandbytes layers (QLoRA)")
     parser.add_argument("--only", action="append", default=None, help="with --model: combinations whose name has this")
     parser.add_argument("--analytic", action="store_true", help="closed form only (fast; 21%% low to 6%% high on the benchmarked HF models)")
     parser.add_argument("--full-trace", action="store_true", help="trace every block (no extrapolation)")
@@ -217,6 +224,9 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
                 problems.append(f"`--{flag.replace('_', '-')}` is for --model; with --config the YAML describes the run")
         if args.set:
             problems.append("`--set` is for --model; with --config edit the YAML")
+        if args.adapters or args.adapter_r is not None or args.quantize_base:
+            problems.append("`--adapters`/`--adapter-r`/`--quantize-base` are for --model; with --config add "
+                            "`class_path: Adapters` to the YAML's trainer.callbacks")
     else:
         for flag in ("batch_size", "seq_len"):
             value = getattr(args, flag)
@@ -229,6 +239,7 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
                             f"{args.batch_size}` (AccumulationScheduler steps on whole micro-batches)")
         if args.world_size < 1:
             problems.append(f"Passed `--world-size {args.world_size}`; expected a positive integer")
+        problems += adapter_problems(args)
         combos = [(n, kw) for n, kw in COMBINATIONS if not args.only or any(o.lower() in n.lower() for o in args.only)]
         if not combos:
             problems.append(f"Passed `--only {' '.join(args.only)}`, which matches no combination; the names are: "
@@ -244,6 +255,47 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
     if problems:
         raise ValueError("\n- ".join(["the arguments do not describe an estimate:", *problems]))
     return budget, combos, config, data
+
+
+def adapter_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with ``--adapters``, ``--adapter-r`` and ``--quantize-base`` (named as given), all at once."""
+    from lightning_lowmem.callbacks.adapters.callback import KINDS
+    from lightning_lowmem.callbacks.adapters.quantize_base import QUANT_TYPES
+    problems = []
+    if args.adapters is None:
+        given = [f"`--{f.replace('_', '-')} {getattr(args, f)}`" for f in ("adapter_r", "quantize_base")
+                 if getattr(args, f) is not None]
+        if given:
+            problems.append(f"Passed {' and '.join(given)} without `--adapters`; add `--adapters lora` (or dora) to "
+                            "estimate an adapter run, or leave them out for a full fine-tune")
+        return problems
+    call = f"`--adapters {args.adapters}`"
+    if args.adapters not in KINDS:
+        problems.append(f"Passed {call}; expected one of {', '.join(KINDS)}")
+    if args.adapter_r is not None and args.adapter_r < 1:
+        problems.append(f"Passed `--adapter-r {args.adapter_r}`; expected an integer >= 1 (the adapters' rank)")
+    if args.quantize_base is not None and args.quantize_base not in QUANT_TYPES:
+        problems.append(f"Passed `--quantize-base {args.quantize_base}`; expected one of {', '.join(QUANT_TYPES)} "
+                        "(or leave it out: the base keeps its dtype)")
+    if getattr(args, "analytic", False):
+        problems.append(f"Passed {call} with `--analytic`: the closed form does not model adapters; drop --analytic")
+    from lightning_lowmem.core.optional import require
+
+    for package, needed in (("peft", True), ("bitsandbytes", args.quantize_base is not None)):
+        try:
+            if needed:
+                require(package, f"`--adapters {args.adapters}`" + (
+                    f" `--quantize-base {args.quantize_base}`" if package == "bitsandbytes" else ""))
+        except ModuleNotFoundError as err:
+            problems.append(str(err))
+    return problems
+
+
+def adapter_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """``estimate_memory``'s adapter shorthands from the parsed ``--adapters``, ``--adapter-r``, ``--quantize-base``."""
+    if args.adapters is None:
+        return {}
+    return {"adapters": args.adapters, "adapter_r": args.adapter_r, "quantize_base": args.quantize_base}
 
 
 def _names_module(name: str) -> bool:
@@ -308,30 +360,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload.append({"config": args.config, **est.to_dict()})
     else:
         rows = []
+        # NOTE: with adapters the rows break the device peak down (weights: the frozen base at its stored size and
+        # the adapters; gradients and optimizer state: the adapters'), at the phase the peak binds in
+        cats = CATEGORIES if args.adapters else ()
+        blank = ("-",) * len(cats)
+        from lightning_lowmem.predict.fake import DryRunUnsupportedError
+
         for name, kw in combos:
             t0 = time.perf_counter()
             try:
                 est = estimate_memory(config, args.batch_size, args.seq_len, data=data,
                                       micro_batch_size=args.micro_batch_size,
                                       target=args.target, world_size=args.world_size, method=method,
-                                      extrapolate=extrapolate, **kw)
+                                      extrapolate=extrapolate, **kw, **adapter_flags(args))
             except ModuleNotFoundError as err:  # an optional extra (bitsandbytes) missing: say so, keep going
-                rows.append((name, "-", "-", "-", "-", f"skipped: {err}", "-"))
+                rows.append((name, "-", "-", "-", "-", *blank, f"skipped: {err}", "-"))
                 continue
             except ValueError as err:  # the real run refuses this combination for this model: its own reason
-                rows.append((name, "-", "-", "-", "-", "refused: " + " ".join(str(err).split()), "-"))
+                rows.append((name, "-", "-", "-", "-", *blank, "refused: " + " ".join(str(err).split()), "-"))
+                continue
+            except DryRunUnsupportedError as err:  # no trace and no closed form (an adapter run): say why
+                rows.append((name, "-", "-", "-", "-", *blank, "not predicted: " + " ".join(str(err).split()), "-"))
                 continue
             fits = "-" if budget is None else ("yes" if est.fits(budget) else "no")
+            binding = est.phases[est.binding_phase].device
             rows.append((name, fmt_size(est.peak_device), fmt_size(est.peak_host), est.binding_phase, fits,
+                         *(fmt_size(binding[c]) for c in cats),
                          est.method + (f" ({est.fallback_reason})" if est.fallback_reason else ""),
                          f"{time.perf_counter() - t0:.1f} s"))
             payload.append({"combination": name, **est.to_dict()})
         target = args.target or "cuda"
+        adapters = "" if not args.adapters else (
+            f", adapters {args.adapters} r={args.adapter_r or 16}"
+            + (f" on a {args.quantize_base} base" if args.quantize_base else "") + " (device bytes by category at the "
+            "binding phase)")
         print(f"{args.model}: target {target} (from {'--target' if args.target else 'the default for --model'}), "
-              f"batch {args.batch_size}, seq {args.seq_len}"
+              f"batch {args.batch_size}, seq {args.seq_len}{adapters}"
               + (f", budget {args.budget} = {budget:,} B" if budget else ""))
-        print("\n".join(_table(rows, ("combination", "device peak", "host peak", "binds", fits_header, "method",
-                                      "time"))))
+        print("\n".join(_table(rows, ("combination", "device peak", "host peak", "binds", fits_header, *cats,
+                                      "method", "time"))))
     if (est.target if args.config else args.target or "cuda") == "cuda":
         print("GPU corrections (uncalibrated, no GPU run yet): 1-byte dropout masks, flash SDPA, foreach AdamW "
               "traced; +512 MiB CUDA context; allocator fragmentation not modelled.")
@@ -340,4 +407,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["add_data_arguments", "build_data", "data_problems", "main", "split_data_args"]
+__all__ = ["adapter_flags", "adapter_problems", "add_data_arguments", "build_data", "data_problems", "main", "split_data_args"]

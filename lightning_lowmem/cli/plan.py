@@ -2,6 +2,7 @@
 
     lowmem plan --config run.yaml --device-memory 12GB --host-memory 64GB --write plan.yaml
     lowmem plan --model gpt2-xl --batch-size 4 --seq-len 1024 --hardware rtx3060-12gb
+    lowmem plan --model llama-7b --batch-size 1 --seq-len 2048 --hardware rtx4090-24gb --adapters none,lora
     lowmem plan --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 8 \
         --device-memory 12GB
     lowmem fit --config plan.yaml
@@ -40,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-memory", help="host budget, e.g. 64GB (default: not checked)")
     parser.add_argument("--hardware", help="a profile name, 'measure', or a YAML file (default: rtx3060-12gb rates)")
     parser.add_argument("--pure-half", action="store_true", help="also consider half weights without fp32 masters")
+    parser.add_argument("--adapters", default="none", metavar="KINDS", help="the trainings you allow, comma-separated, in "
+                        "order of preference: 'none' (the full fine-tune, the default), 'lora', 'dora' (the Adapters "
+                        "callback on a frozen base); the next is planned only when none of the one before fits; the "
+                        "plan never switches to adapters unless listed")
+    parser.add_argument("--quantize-base", default="none", metavar="QUANTS", help="with --adapters: the frozen bases "
+                        "allowed, comma-separated: 'none' (its dtype, the default), 'nf4', 'fp4', 'int8' (bitsandbytes)")
+    parser.add_argument("--adapter-r", type=int, default=16, help="with --adapters: the adapters' rank (default 16)")
     parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--write", help="write the chosen recipe as a YAML `lowmem fit --config` runs")
     parser.add_argument("--json", help="also write the plan as JSON")
@@ -87,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_lowmem.predict.estimate import module_class as _module_class
 
     problems = _check(args)
+    adapters, quantize_base = args.adapters.split(","), args.quantize_base.split(",")
+    from lightning_lowmem.plan.recipes import adapter_variants
+
+    adapter_variants(adapters, quantize_base, args.adapter_r, (), problems, cli=True)  # NOTE: the flags', up front
     model = args.config
     module_class = _module_class(args.model) if args.model else None
     data, data_issues = data_problems(args, init_args, module_class)
@@ -105,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = plan(model, args.batch_size, args.seq_len, device_memory=args.device_memory,
                       host_memory=args.host_memory, hardware=args.hardware, pure_half=args.pure_half,
-                      target=args.target, data=data)
+                      target=args.target, data=data, adapters=adapters, quantize_base=quantize_base,
+                      adapter_r=args.adapter_r)
     except NoRecipeFitsError as err:
         parser.exit(1, f"lowmem plan: {err}\n")
     except ValueError as err:

@@ -99,14 +99,23 @@ def module_grad_bytes(module: torch.nn.Module) -> int:
     return unique_storage_bytes(p.grad for p in module.parameters() if p.grad is not None)
 
 
+def state_tensors(state: dict) -> list[torch.Tensor]:
+    """The tensors of one parameter's optimizer state: its tensor values, and the tensor attributes of objects it
+    holds (GaLore's and APOLLO's projector keeps its projection matrix as ``projector.ortho_matrix``)."""
+    found = []
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            for attr in vars(value).values():
+                items = attr if isinstance(attr, (list, tuple)) else (attr,)
+                found += [t for t in items if isinstance(t, torch.Tensor)]
+    return found
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (moments, quantization state, step counters)."""
-    tensors = []
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-    return unique_storage_bytes(tensors)
+    """Bytes of every tensor in ``optimizer.state`` (moments, quantization state, step counters, projections)."""
+    return unique_storage_bytes(t for state in optimizer.state.values() for t in state_tensors(state))
 
 
 # --- host-role marking ---------------------------------------------------------------------------

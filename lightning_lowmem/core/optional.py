@@ -11,7 +11,8 @@ from types import ModuleType
 from typing_extensions import override
 
 # package import name -> extra of lightning-lowmem that installs it
-_EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb", "liger_kernel": "kernels", "cut_cross_entropy": "kernels"}
+_EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb", "liger_kernel": "kernels", "cut_cross_entropy": "kernels",
+           "galore_torch": "galore", "apollo_torch": "apollo", "adam_mini": "adam-mini", "torchao": "torchao"}
 
 
 def package_available(name: str) -> bool:

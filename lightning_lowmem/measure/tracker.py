@@ -299,9 +299,8 @@ class MemoryTracker(TrackerReadings, StorageLedger):
                     self._tag(p.grad, _G)
         for state in opt.state.values():
             if isinstance(state, dict):
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        self._tag(value, _O)
+                for value in _cat.state_tensors(state):
+                    self._tag(value, _O)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:

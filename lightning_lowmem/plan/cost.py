@@ -17,6 +17,13 @@ One step is priced from four quantities, each from the model's shape and the rec
   state), at the host's memory bandwidth; with the optimizer in backward it overlaps the backward pass.
 * **device optimizer**: the same bytes at the device's memory bandwidth when the optimizer state is on the device.
 
+* **adapters** (a recipe with ``Adapters``): the frozen base computes no weight gradients (``4 N T`` instead of
+  ``6 N T``); gradients, optimizer state and the weights sent back after the step are the adapters' alone,
+  ``r (in + out)`` per targeted linear, taken as ``18 r d`` per block (the attention projections and the MLP
+  of a GPT-2 or LLaMA block, all-linear) or 1 % of the parameters where the shape does not say; a quantized base
+  is dequantized (read packed, write 16-bit) in every forward, backward and recomputed forward, at the device's
+  memory bandwidth.
+
 Only ratios between recipes rank them; ``benchmarks/results/plan_cost.md`` compares the model with measured
 CPU step times.
 """
@@ -37,6 +44,23 @@ _SAVED_PER_TOKEN_HIDDEN = 34
 ADAMW_BYTES = 28
 #: with 8-bit state: 2 B of state read and written instead of 8
 ADAMW_8BIT_BYTES = 16
+#: ``sum(in + out)`` of a transformer block's linears per hidden unit: 4 attention projections (2 d each) and an MLP
+#: of 4 d (GPT-2: 2 x 5 d) or SwiGLU of about 2.7 d (LLaMA: 3 x 3.7 d): about 18 d either way
+_LINEAR_IN_OUT_PER_HIDDEN = 18
+#: a packed 4-bit (8-bit) base linear's bytes per parameter read, plus 2 B of 16-bit weight written, per dequantize
+_DEQUANT_BYTES = {"nf4": 0.5 + 2, "fp4": 0.5 + 2, "int8": 1 + 2}
+
+
+def trainable_params(recipe: Recipe, shape: ModelShape) -> int:
+    """Parameters the optimizer updates: all of them, or the adapters' (see the module's docstring)."""
+    if recipe.adapters is None:
+        return shape.num_params
+    if shape.num_blocks and shape.hidden:
+        per = recipe.adapter_r * _LINEAR_IN_OUT_PER_HIDDEN * shape.hidden
+        if recipe.adapters == "dora":
+            per += _LINEAR_IN_OUT_PER_HIDDEN * shape.hidden // 2  # a magnitude per output feature
+        return min(shape.num_blocks * per, shape.num_params)
+    return max(shape.num_params // 100, 1)
 
 
 @dataclass(frozen=True)
@@ -85,7 +109,9 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     head = (shape.vocab or 0) * d
     block_params = max(n - head, 0)
     attention = 4 * layers * s * tokens * d  # forward: QK^T and AV
-    flops = 6 * n * tokens + 3 * attention
+    trained = trainable_params(recipe, shape)
+    # NOTE: weight gradients only for what is trained (a frozen base still passes input gradients back)
+    flops = (4 * n + 2 * trained) * tokens + 3 * attention if recipe.adapters else 6 * n * tokens + 3 * attention
     recompute = {None: 0.0, "every_n": 0.5, "all": 1.0}[recipe.checkpointing]
     flops += recompute * (2 * block_params * tokens + attention)
     if recipe.chunked_loss:
@@ -93,20 +119,24 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     half = recipe.base != "fp32"
     rate = (profile.half_tflops if half else profile.fp32_tflops) * 1e12 * profile.efficiency
     compute = flops / rate + micro * max(layers, 1) * profile.launch_s_per_block
+    if recipe.quantize_base is not None:
+        # NOTE: each base linear is dequantized in forward, backward and every recomputed forward of every micro-batch
+        compute += micro * (2 + recompute) * block_params * _DEQUANT_BYTES[recipe.quantize_base] / (
+            profile.device_gbps * GB)
 
     weight_bytes = 2 if half else 4
     link, serial = 0.0, 0.0
     if recipe.base in ("offload", "offload_obw", "zero2_offload"):
-        serial = n * weight_bytes  # the updated weights, before the next forward
-        link += micro * n * weight_bytes  # gradients, per micro-batch
+        serial = trained * weight_bytes  # the updated weights, before the next forward
+        link += micro * trained * weight_bytes  # gradients, per micro-batch
     elif recipe.base == "offload_params":
         # the blocks' weights fetched in forward, in backward and for each recomputed forward, per micro-batch; the
         # rest (embeddings, head) after the step as under lowmem_offload; gradients out per micro-batch
-        serial = head * weight_bytes
-        link += micro * (block_params * weight_bytes * (2 + recompute) + n * weight_bytes)
+        serial = min(head, trained) * weight_bytes
+        link += micro * (block_params * weight_bytes * (2 + recompute) + trained * weight_bytes)
     elif recipe.base == "zero3_offload":
         # weights in forward and in backward, the blocks' weights again for each recomputed forward, gradients out
-        link += micro * (3 * n + recompute * block_params) * weight_bytes
+        link += micro * (2 * n + trained + recompute * block_params) * weight_bytes
     if recipe.activation_offload and layers and d:
         inputs_only = d * weight_bytes  # a checkpointed block keeps its input
         everything = _SAVED_PER_TOKEN_HIDDEN * d * weight_bytes / 2
@@ -118,9 +148,9 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     state = ADAMW_8BIT_BYTES if recipe.optimizer_8bit else ADAMW_BYTES
     host_opt = dev_opt = 0.0
     if recipe.base in ("offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"):
-        host_opt = n * state / (profile.host_gbps * GB)
+        host_opt = trained * state / (profile.host_gbps * GB)
     else:
-        dev_opt = n * state / ((profile.device_optimizer_gbps or profile.device_gbps) * GB)
+        dev_opt = trained * state / ((profile.device_optimizer_gbps or profile.device_gbps) * GB)
     # NOTE: on a GPU the copies run on copy engines beside the kernels; where one processor does both, they add up
     gpu = max(compute, link_s) if profile.overlap else compute + link_s
     if recipe.base == "offload_obw":
@@ -132,4 +162,4 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     return StepCost(compute, link_s, serial_s, host_opt, dev_opt, total, flops, link + serial)
 
 
-__all__ = ["ADAMW_8BIT_BYTES", "ADAMW_BYTES", "ModelShape", "StepCost", "step_cost"]
+__all__ = ["ADAMW_8BIT_BYTES", "ADAMW_BYTES", "ModelShape", "StepCost", "step_cost", "trainable_params"]

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.predict.run_spec import RunSpec
@@ -46,7 +47,11 @@ TECHNIQUE_FIELDS: tuple[tuple[type, str], ...] = (
     (ChunkedLMLoss, "chunked_loss"),
     (LowBitOptimizer, "optimizer_8bit"),
     (AccumulationScheduler, "micro_batch_size"),
+    (Adapters, "adapters"),
 )
+#: an adapter variant a plan may consider: (kind, quantized base), ``(None, None)`` the full fine-tune
+AdapterVariant = tuple[str | None, str | None]
+FULL_FINE_TUNE: AdapterVariant = (None, None)
 
 
 def technique_field(callback: Any) -> str | None:
@@ -64,9 +69,26 @@ class Recipe:
     activation_offload: bool = False
     chunked_loss: bool = False
     optimizer_8bit: bool = False
+    #: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)``: a different training (the base frozen),
+    #: considered only where the user allows it (``plan(adapters=...)``); None: the full fine-tune
+    adapters: str | None = None
+    adapter_r: int = 16
+    quantize_base: str | None = None
+
+    @property
+    def adapter_name(self) -> str:
+        """``"full fine-tune"``, ``"LoRA r=16"``, ``"QLoRA (nf4 base) r=16"``, ``"DoRA r=8"``, ..."""
+        if self.adapters is None:
+            return "full fine-tune"
+        kind = {"lora": "LoRA", "dora": "DoRA"}.get(self.adapters, self.adapters)
+        if self.quantize_base is not None:
+            kind = f"Q{kind} ({self.quantize_base} base)"
+        return f"{kind} r={self.adapter_r}"
 
     def name(self, half: str = "bf16") -> str:
         parts = [BASES[self.base][0].format(h=half)]
+        if self.adapters is not None:
+            parts.append(self.adapter_name)
         if self.checkpointing:
             parts.append("ckpt(every 2nd)" if self.checkpointing == "every_n" else "ckpt(all)")
         parts += [n for n, on in (("act. offload", self.activation_offload), ("chunked loss", self.chunked_loss),
@@ -94,6 +116,8 @@ class Recipe:
             flags["chunked_loss"] = CHUNK_TOKENS
         if self.optimizer_8bit:
             flags["optimizer"] = "adamw8bit"
+        if self.adapters is not None:
+            flags.update(adapters=self.adapters, adapter_r=self.adapter_r, quantize_base=self.quantize_base)
         if batch_size is not None and self.micro_batch_size != batch_size:
             flags["micro_batch_size"] = self.micro_batch_size
         return flags
@@ -123,10 +147,16 @@ class Recipe:
         NOTE: the planner's pruning rests on this order: a recipe that saves at least as much as one that does
         not fit is taken not to fit either (each technique lowers the device peak, or leaves it where it is).
         """
-        return (self.base == other.base and self.micro_batch_size <= other.micro_batch_size
+        # NOTE: only within one adapter variant: adapters change the training, they are not a saving to rank by
+        return (self.base == other.base and self.adapter_variant == other.adapter_variant
+                and self.micro_batch_size <= other.micro_batch_size
                 and _CKPT_RANK[self.checkpointing] >= _CKPT_RANK[other.checkpointing]
                 and self.activation_offload >= other.activation_offload and self.chunked_loss >= other.chunked_loss
                 and self.optimizer_8bit >= other.optimizer_8bit)
+
+    @property
+    def adapter_variant(self) -> tuple[str | None, int, str | None]:
+        return self.adapters, self.adapter_r, self.quantize_base
 
     def conflict(self, batch_size: int, half: str = "bf16") -> str | None:
         """Why the real run refuses this combination, for the pairs known not to compose (not traced)."""
@@ -138,6 +168,8 @@ class Recipe:
             return "the optimizer in backward runs its own per-parameter AdamW"
         if self.base == "zero3_offload" and self.chunked_loss:
             return "ZeRO-3 re-gathers a partitioned weight only for its own module's backward, not the loss's"
+        if self.quantize_base is not None and self.base in _DEEPSPEED:
+            return "bitsandbytes' packed base weights cannot be partitioned by DeepSpeed"
         return None
 
 
@@ -153,12 +185,16 @@ def micro_batches(batch_size: int) -> list[int]:
 
 def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = True, eight_bit: bool = True,
                chunked_loss: bool = True, micro: bool = True, checkpointing: bool = True,
-               activation_offload: bool = True, bases: Sequence[str] | None = None, half: str = "bf16") -> list[Recipe]:
+               activation_offload: bool = True, bases: Sequence[str] | None = None, half: str = "bf16",
+               adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16) -> list[Recipe]:
     """Every recipe considered, for an effective batch of ``batch_size`` on one device.
 
     DeepSpeed bases take the checkpointing callback (per-block policies compose with ZeRO's parameter fetching) but
     no activation offload or 8-bit optimizer (``ActivationOffload`` refuses DeepSpeed, and its engine runs its own
     optimizer), and pairs the real run refuses (:meth:`Recipe.conflict`) are left out; ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only the bases named.
+    ``adapters``: the adapter variants the user allows, ``(kind, quantized base)`` with ``(None, None)`` the full
+    fine-tune (the default, alone: a plan never turns a full fine-tune into an adapter run by itself); every
+    recipe is considered with each, at rank ``adapter_r``.
     """
     if bases is not None:
         unknown = [b for b in bases if b not in BASES]
@@ -168,16 +204,72 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
     out = []
     for base in bases:
         ds = base in _DEEPSPEED
-        for mb, ckpt, act, chunk, q in itertools.product(
+        for (kind, quant), mb, ckpt, act, chunk, q in itertools.product(
+            adapters,
             micro_batches(batch_size) if micro else [batch_size],
             [None, "every_n", "all"] if checkpointing else [None],
             [False] if ds or not activation_offload else [False, True], [False, True] if chunked_loss else [False],
             [False] if ds or not eight_bit else [False, True],
         ):
-            recipe = Recipe(base, mb, ckpt, act, chunk, q)  # type: ignore[arg-type]
+            recipe = Recipe(base, mb, ckpt, act, chunk, q, kind, adapter_r if kind else 16,  # type: ignore[arg-type]
+                            quant if kind else None)
             if recipe.conflict(batch_size, half) is None:
                 out.append(recipe)
     return out
 
 
-__all__ = ["BASES", "CHUNK_TOKENS", "TECHNIQUE_FIELDS", "Recipe", "candidates", "micro_batches", "technique_field"]
+ADAPTER_KINDS = ("none", "lora", "dora")
+QUANTIZED_BASES = ("none", "nf4", "fp4", "int8")
+
+
+def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_callbacks: Sequence[Any],
+                     problems: list[str], cli: bool = False) -> tuple[tuple[AdapterVariant, ...], bool]:
+    """The ``(kind, quantized base)`` pairs ``plan``'s ``adapters`` and ``quantize_base`` allow, in the order given
+    (kinds first, then bases), and whether a wrong
+    type was given; what is wrong with them (or with ``adapter_r``, or ``own_callbacks``: the run's own callbacks,
+    which may hold an ``Adapters`` already) is added to ``problems``, as ``plan``'s arguments are spelled (``cli``:
+    as ``lowmem plan``'s ``--adapters a,b`` are)."""
+    from lightning_lowmem.core.optional import package_available
+
+    wrong_type = not isinstance(adapters, (str, Sequence)) or not isinstance(quantize_base, (str, Sequence))
+    kinds = [adapters] if isinstance(adapters, str) else list(adapters) if isinstance(adapters, Sequence) else None
+    quants = ([quantize_base] if isinstance(quantize_base, str) else list(quantize_base)
+              if isinstance(quantize_base, Sequence) else None)
+    def given(name: str, value: Any) -> str:
+        if cli:
+            return f"`--{name.replace('_', '-')} {','.join(value) if isinstance(value, list) else value}`"
+        return f"`{name}={value!r}`"
+
+    call = given("adapters", adapters)
+    if not kinds or any(k not in ADAPTER_KINDS for k in kinds):
+        problems.append(f"Passed {call}; expected some of {', '.join(repr(k) for k in ADAPTER_KINDS)} ('none': the "
+                        "full fine-tune)")
+        kinds = []
+    if not quants or any(q not in QUANTIZED_BASES for q in quants):
+        problems.append(f"Passed {given('quantize_base', quantize_base)}; expected some of "
+                        f"{', '.join(repr(q) for q in QUANTIZED_BASES)} ('none': the base keeps its dtype)")
+        quants = []
+    trained = [k for k in kinds if k != "none"]
+    if isinstance(adapter_r, bool) or not isinstance(adapter_r, int) or adapter_r < 1:
+        problems.append(f"Passed {given('adapter_r', adapter_r)}; expected an int >= 1 (the adapters' rank)")
+        wrong_type |= isinstance(adapter_r, bool) or not isinstance(adapter_r, int)
+    if any(q != "none" for q in quants) and not trained:
+        problems.append(f"Passed {given('quantize_base', quantize_base)} with {call}: a quantized base is frozen, for "
+                        "adapters only; add 'lora' (or 'dora') to the trainings allowed")
+    own = [c for c in own_callbacks if technique_field(c) == "adapters"]
+    if trained and own:
+        problems.append(f"Passed {call}, but the run has its own `{own[0]!r}`: its training stays; leave `adapters` "
+                        "out (or remove the callback to let the plan choose among the trainings you list)")
+    for package, needed in (("peft", bool(trained)), ("bitsandbytes", any(q != "none" for q in quants) and trained)):
+        if needed and not package_available(package):
+            extra = "bnb" if package == "bitsandbytes" else package
+            problems.append(f"Passed {call}" + (f" with {given('quantize_base', quantize_base)}" if extra == "bnb" else "")
+                            + f", which needs `{package}`: `pip install 'lightning-lowmem[{extra}]'`")
+    # NOTE: in the order listed: the planner takes the first training that has a recipe that fits
+    variants = [FULL_FINE_TUNE if k == "none" else (k, None if q == "none" else q)
+                for k in kinds for q in (quants if k != "none" else ["none"])]
+    return tuple(dict.fromkeys(variants)) or (FULL_FINE_TUNE,), wrong_type
+
+
+__all__ = ["ADAPTER_KINDS", "BASES", "CHUNK_TOKENS", "FULL_FINE_TUNE", "QUANTIZED_BASES", "TECHNIQUE_FIELDS",
+           "AdapterVariant", "Recipe", "adapter_variants", "candidates", "micro_batches", "technique_field"]

@@ -37,9 +37,10 @@ from lightning_lowmem.core.reproducible import fresh
 from lightning_lowmem.core.units import fmt_size, parse_bytes
 from lightning_lowmem.plan.cost import step_cost
 from lightning_lowmem.plan.hardware import PROFILES, HardwareProfile, load_profile
-from lightning_lowmem.plan.recipes import candidates, technique_field
+from lightning_lowmem.plan.recipes import FULL_FINE_TUNE, AdapterVariant, adapter_variants, candidates, technique_field
 from lightning_lowmem.plan.result import Plan, Row
 from lightning_lowmem.plan.source import Source, effective_batch
+from lightning_lowmem.predict.fake import DryRunUnsupportedError
 from lightning_lowmem.predict.run_spec import RunSpec
 
 
@@ -61,6 +62,9 @@ def plan(
     bases: Sequence[str] | None = None,
     target: Literal["cpu", "cuda"] = "cuda",
     cache: dict[Any, Any] | None = None,
+    adapters: str | Sequence[str] = ("none",),
+    quantize_base: str | Sequence[str] = ("none",),
+    adapter_r: int = 16,
 ) -> Plan:
     """Choose the fastest recipe whose predicted device peak fits ``device_memory`` (and host peak ``host_memory``).
 
@@ -83,6 +87,14 @@ def plan(
             all but ``"half"``.
         cache: a dict reused across calls: dry runs keyed by model (a shape's config; a module and data object by
             identity), batch and recipe are not repeated.
+        adapters, quantize_base, adapter_r: the trainings you allow: ``adapters`` lists ``"none"`` (the full
+            fine-tune), ``"lora"``, ``"dora"``; each adapter kind is considered on each base of ``quantize_base``
+            (``"none"``: the base keeps its dtype; ``"nf4"``, ``"fp4"``, ``"int8"``: bitsandbytes) at rank
+            ``adapter_r`` (``Adapters``' defaults otherwise). The order is your preference: a training is planned only
+            when no recipe of the ones listed before it fits (``("none", "lora")``: LoRA only where the full
+            fine-tune does not fit). Default: the full fine-tune alone: the plan never turns a full fine-tune into an
+            adapter run (another training) unless you list it. A run that has its own ``Adapters`` callback (in
+            ``fixed_callbacks`` or the YAML) keeps it.
 
     Raises:
         NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
@@ -90,19 +102,41 @@ def plan(
         ValueError: bad arguments (all named at once, with what is accepted); TypeError when one is of a wrong type.
     """
     t0 = time.perf_counter()
-    budgets = Budgets.of(model, batch_size, seq_len, data, device_memory, host_memory, hardware, target)
+    budgets = Budgets.of(model, batch_size, seq_len, data, device_memory, host_memory, hardware, target,
+                         (adapters, quantize_base, adapter_r, fixed_callbacks))
     source, b = budgets.source, budgets.source.batch_size
+    keep_deepspeed = not fixed_callbacks
+    fixed_callbacks = [*fixed_callbacks, *source.fixed_callbacks]  # a YAML's own Adapters: its training stays
     fixed = frozenset(f for f in map(technique_field, fixed_callbacks) if f is not None)
     rows = candidate_rows(source, budgets.profile, budgets.half, fixed, pure_half=pure_half, bases=bases,
-                          keep_deepspeed=not fixed_callbacks)
+                          keep_deepspeed=keep_deepspeed, adapters=budgets.adapters, adapter_r=adapter_r)
     # NOTE: a user's own AccumulationScheduler sets the loader's batch itself
     loader = None if "micro_batch_size" in fixed else source.loader_batch
     judge = Judge(source, budgets, fixed_callbacks, fixed, loader, target, {} if cache is None else cache)
     rows_floors = floors(rows)
-    chosen = search(rows, rows_floors, judge)
+    # NOTE: the trainings the user listed, in the order given: another training is a preference, not a speed-up, so
+    # the next one is planned only when no recipe of the one before fits (a full fine-tune that fits is never
+    # traded for faster adapters)
+    trainings = list(dict.fromkeys((r.recipe.adapters, r.recipe.quantize_base) for r in rows))
+    trainings.sort(key=lambda v: budgets.adapters.index(v) if v in budgets.adapters else -1)
+    chosen, names = None, []
+    for training in trainings:
+        own = [r for r in rows if (r.recipe.adapters, r.recipe.quantize_base) == training]
+        names.append(own[0].recipe.adapter_name)
+        chosen = search(own, [f for f in rows_floors if any(f is r for r in own)], judge)
+        if chosen is not None:
+            break
     if chosen is None:
         raise NoRecipeFitsError(_no_fit_message(rows_floors, budgets.device, budgets.host, source))
     notes = [f"{judge.traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
+    kept = next((c for c in fixed_callbacks if technique_field(c) == "adapters"), None)
+    if kept is not None:
+        notes.append(f"training: the run's own `{kept!r}`")
+    else:
+        unplanned = [r.recipe.adapter_name for r in rows if r.recipe.adapter_name not in names]
+        notes.append(f"trainings, in the order allowed: {', '.join(dict.fromkeys([*names, *unplanned]))}; chosen: "
+                     f"{chosen.recipe.adapter_name}" + (f" (no recipe of {', '.join(names[:-1])} fits)"
+                                                        if len(names) > 1 else ""))
     return Plan(rows, chosen, budgets.device, budgets.host, budgets.profile, b, budgets.half, judge.traces,
                 time.perf_counter() - t0, notes, source.yaml_parts, loader, source.scheduler)
 
@@ -115,6 +149,8 @@ class Budgets:
     profile: HardwareProfile
     device: int
     host: int | None
+    #: the adapter variants the user allows (``(kind, quantized base)``, ``(None, None)``: the full fine-tune)
+    adapters: tuple[AdapterVariant, ...] = (FULL_FINE_TUNE,)
 
     @property
     def half(self) -> str:
@@ -123,7 +159,8 @@ class Budgets:
 
     @classmethod
     def of(cls, model: Any, batch_size: int | None, seq_len: int | None, data: Any, device_memory: int | str | None,
-           host_memory: int | str | None, hardware: Any, target: str) -> Budgets:
+           host_memory: int | str | None, hardware: Any, target: str, trainings: tuple[Any, ...] = (("none",), ("none",),
+                                                                                             16, ())) -> Budgets:
         """Check every argument, and raise one ``ValueError`` (``TypeError`` when one is of a wrong type) naming all
         the problems at once."""
         problems: list[str] = []
@@ -156,17 +193,22 @@ class Budgets:
         if target not in ("cpu", "cuda"):
             problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
         source = Source.of(model, batch_size, seq_len, data, problems)
+        own = [*trainings[3], *(source.fixed_callbacks if source is not None else [])]
+        variants, wrong_type = adapter_variants(*trainings[:3], own, problems)
+        type_error |= wrong_type
         if problems or source is None or device_budget is None:
             # NOTE: one exception for every problem at once; a TypeError when one of them is a wrong type
             raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:",
                                                                          *problems]))
         if profile is None:
             profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
-        return cls(source, profile, device_budget, host_budget)
+        return cls(source, profile, device_budget, host_budget, variants)
+
 
 
 def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: frozenset[str], *, pure_half: bool,
-                   bases: Sequence[str] | None, keep_deepspeed: bool = True) -> list[Row]:
+                   bases: Sequence[str] | None, keep_deepspeed: bool = True,
+                   adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16) -> list[Row]:
     """Every candidate recipe for ``source``, priced by the cost model, fastest first.
 
     ``fixed``: the recipe fields (:func:`~lightning_lowmem.plan.recipes.technique_field`) the user's own callbacks
@@ -180,7 +222,9 @@ def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: f
                                 micro=source.can_split and "micro_batch_size" not in fixed,
                                 checkpointing="checkpointing" not in fixed,
                                 activation_offload="activation_offload" not in fixed,
-                                eight_bit="optimizer_8bit" not in fixed, bases=bases, half=half)]
+                                eight_bit="optimizer_8bit" not in fixed, bases=bases, half=half,
+                                adapters=(FULL_FINE_TUNE,) if "adapters" in fixed else adapters,
+                                adapter_r=adapter_r)]
     if not keep_deepspeed:
         rows = [r for r in rows if r.recipe.base not in ("zero2_offload", "zero3_offload")] or rows
     rows.sort(key=lambda r: r.cost.total_s)
@@ -200,7 +244,7 @@ class Judge:
     cache: dict[Any, Any]
     #: how many dry runs this judge ran (cache hits not counted)
     traces: int = 0
-    #: (base, recipe field) -> why: a technique that refused this module under a base refuses it in every candidate of
+    #: (base, adapter variant, recipe field) -> why: a technique that refused this module under a base refuses it in every candidate of
     #: the base (LowBitOptimizer refuses a module's SGD whatever else is on), so those are not traced again
     refusals: dict[tuple[str, str], str] = field(default_factory=dict)
 
@@ -217,12 +261,15 @@ class Judge:
                 cache[key] = self.source.estimate(run, self.target)
             except (ValueError, TypeError, ModuleNotFoundError, NotImplementedError) as err:
                 cache[key] = (err, refusing_technique(err, run))
+            except DryRunUnsupportedError as err:  # NOTE: not a refusal of the run: it cannot be predicted
+                cache[key] = (err, None)
         result = cache[key]
         if isinstance(result, tuple):
             err, technique = result
-            row.status, row.why = "refused", " ".join(str(err).split())[:160]
+            cause = "not predicted: " if isinstance(err, DryRunUnsupportedError) else ""
+            row.status, row.why = "refused", cause + " ".join(str(err).split())[:160]
             if technique is not None:
-                self.refusals[(row.recipe.base, technique_field(technique))] = (
+                self.refusals[(row.recipe.base, row.recipe.adapter_variant, technique_field(technique))] = (
                     f"`{type(technique).__name__}` refused this module (traced in `{row.name}`)")
             return
         row.estimate = result
@@ -236,8 +283,9 @@ class Judge:
 
     def refused(self, row: Row) -> str | None:
         """Why a technique of ``row`` is known to refuse this module under ``row``'s base, or None."""
-        return next((why for (base, name), why in self.refusals.items()
-                     if base == row.recipe.base and getattr(row.recipe, name)), None)
+        return next((why for (base, variant, name), why in self.refusals.items()
+                     if base == row.recipe.base and variant == row.recipe.adapter_variant and getattr(row.recipe, name)),
+                    None)
 
 
 def floors(rows: list[Row]) -> list[Row]:
@@ -254,11 +302,12 @@ def search(rows: list[Row], rows_floors: list[Row], judge: Judge) -> Row | None:
     than the chosen recipe are never traced.
     """
     too_big: list[Row] = []
-    floored: set[str] = set()
+    floored: set[Any] = set()
     for row in rows:
-        if row.recipe.base not in floored:
-            floored.add(row.recipe.base)
-            for floor in (f for f in rows_floors if f.recipe.base == row.recipe.base):
+        group = (row.recipe.base, row.recipe.adapter_variant)  # NOTE: each training's floors are its own
+        if group not in floored:
+            floored.add(group)
+            for floor in (f for f in rows_floors if (f.recipe.base, f.recipe.adapter_variant) == group):
                 judge(floor)
                 if floor.status == "too big":
                     too_big.append(floor)

@@ -8,7 +8,9 @@ is known, and every assumption is recorded (:attr:`DataDependent.bounds`, listed
   it): the size is computed from their real values; exact, nothing to record. ``x[mask]`` with a fake ``x`` and a
   real ``mask`` takes ``mask``'s real ``nonzero`` and indexes with it.
 * Selections of fake values (``nonzero``, ``masked_select``, ``x[mask]``, ``x[mask] = v``): every element is taken
-  as selected: the largest output, an upper bound of the memory.
+  as selected: the largest output, an upper bound of the memory. ``nonzero``'s indices (of every element) are then
+  known values and are given as a real tensor, so code that indexes modules by them runs (a mixture of experts'
+  ``self.experts[f"expert_{i}"]`` over the hit experts: every expert is taken as hit).
 * ``unique`` of fake values (``_unique2``, ``unique_dim``, ``unique_consecutive``): one distinct value, the
   answer that passes value-range validations (torchmetrics checks ``len(torch.unique(preds)) <= num_classes``);
   the output's storage is counted at its upper bound (every element distinct), so the memory stays a bound.
@@ -35,6 +37,8 @@ from lightning_lowmem.predict.unsupported import DryRunUnsupportedError
 
 _aten = torch.ops.aten
 _MASK_DTYPES = (torch.bool, torch.uint8)
+#: index tensors up to this size are made real (their values are known): 16 MiB, as ``fake.REAL_OUTPUT_LIMIT``
+_REAL_INDEX_LIMIT = 16 * 2**20
 
 
 def _is_fake(t: Any) -> bool:
@@ -98,7 +102,11 @@ class DataDependent:
     # --- selections ------------------------------------------------------------------------------------------
     def _nonzero(self, func: Any, x: torch.Tensor) -> torch.Tensor:
         self.note(func, f"every element of the fake {tuple(x.shape)} input taken as nonzero (upper bound)")
-        return torch.empty((x.numel(), x.dim()), dtype=torch.long)
+        if x.numel() * max(x.dim(), 1) * 8 > _REAL_INDEX_LIMIT:
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long)
+        # NOTE: the indices of every element are known values: real, so that code indexing by them runs (Switch
+        # Transformers' experts: `for i in mask.nonzero(): self.experts[f"expert_{i[0]}"]`, every expert called)
+        return _real(lambda: torch.ones(x.shape, dtype=torch.bool).nonzero())
 
     def _mask_indices(self, func: Any, indices: list[Any]) -> list[Any]:
         """Boolean/byte masks among ``indices`` replaced by the long indices of their nonzero elements."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.predict.analytic import analytic_phases
 from lightning_lowmem.predict.configs import causal_lm_factory, max_positions, resolve_config
@@ -70,6 +71,9 @@ def estimate_memory(
     zero_stage: Literal[0, 2, 3] = 0,
     world_size: int = 1,
     chunked_loss: int | None = None,
+    adapters: Literal["lora", "dora"] | None = None,
+    adapter_r: int | None = None,
+    quantize_base: Literal["nf4", "fp4", "int8"] | None = None,
 ) -> MemoryEstimate:
     """Predict peak memory per phase, role and category of one run.
 
@@ -94,6 +98,9 @@ def estimate_memory(
         micro_batch_size, optimizer, optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands as well
             (``AccumulationScheduler``, ``LowBitOptimizer``, ``OptimizerInBackward``, the ``lowmem_zero*`` presets,
             the number of processes, ``ChunkedLMLoss(chunk_tokens=)``); not together with ``strategy``/``callbacks``.
+        adapters, adapter_r, quantize_base: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)`` (LoRA or
+            DoRA on a frozen, optionally 4-/8-bit base; the callback's own code runs in the dry run); not together
+            with ``strategy``/``callbacks``. The closed form does not model adapters: no analytic fallback.
 
     Raises:
         ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run
@@ -116,7 +123,8 @@ def estimate_memory(
         )
     flags = {"offload": offload, "offload_params": offload_params, "checkpointing": checkpointing,
              "activation_offload": activation_offload, "micro_batch_size": micro_batch_size, "optimizer": optimizer,
-             "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage, "chunked_loss": chunked_loss}
+             "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage, "chunked_loss": chunked_loss,
+             "adapters": adapters, "adapter_r": adapter_r, "quantize_base": quantize_base}
     used = [k for k in SHORTHANDS if flags[k] not in (None, False, 0, "adamw")]
     if used and (strategy != "auto" or callbacks):
         raise ValueError(
@@ -131,7 +139,8 @@ def estimate_memory(
                                  checkpointing_every_n=checkpointing_every_n, activation_offload=activation_offload,
                                  batch_size=batch_size, micro_batch_size=micro_batch_size, optimizer=optimizer,
                                  optimizer_in_backward=optimizer_in_backward, zero_stage=zero_stage,
-                                 world_size=world_size, chunked_loss=chunked_loss)
+                                 world_size=world_size, chunked_loss=chunked_loss, adapters=adapters,
+                                 adapter_r=adapter_r, quantize_base=quantize_base)
     else:
         run = RunSpec(strategy=strategy, precision=precision, callbacks=list(callbacks),
                       accumulate_grad_batches=accumulate_grad_batches, world_size=world_size)
@@ -157,7 +166,13 @@ def estimate_memory(
             raise ValueError(f"Passed `seq_len={seq_len}`, beyond the {positions} positions of the model; "
                              f"use at most {positions} or set `n_positions`/`max_position_embeddings`.")
     target = target or "cuda"
-    bound = _analytic_bound(config, batch_size, micro_batch_size, seq_len, run, target) if config is not None else None
+    adapted = next((c for c in run.callbacks if isinstance(c, Adapters)), None)
+    if adapted is not None and method == "analytic":
+        raise ValueError(f"Passed `method='analytic'` with `{adapted!r}`: the closed form does not model adapters "
+                         "(a frozen base, adapters' gradients and state only); use method='dry_run'.")
+    # NOTE: no closed-form fallback for an adapter run: it would be the full fine-tune's figure under the adapters' name
+    bound = None if config is None or adapted is not None else _analytic_bound(
+        config, batch_size, micro_batch_size, seq_len, run, target)
     fallback = None
     est = None
     if method == "dry_run":

@@ -23,6 +23,7 @@ from lightning_lowmem._registry import STRATEGIES, builds
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
+from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
@@ -32,7 +33,7 @@ from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
 #: technique flags of :func:`~lightning_lowmem.estimate_memory`, for messages
 SHORTHANDS = ("offload", "offload_params", "checkpointing", "activation_offload", "micro_batch_size", "optimizer",
-              "optimizer_in_backward", "zero_stage", "chunked_loss")
+              "optimizer_in_backward", "zero_stage", "chunked_loss", "adapters", "adapter_r", "quantize_base")
 
 
 @dataclass
@@ -190,10 +191,23 @@ class RunSpec:
         zero_stage: int = 0,
         world_size: int = 1,
         chunked_loss: int | None = None,
+        adapters: str | None = None,
+        adapter_r: int | None = None,
+        quantize_base: str | None = None,
     ) -> RunSpec:
         """The run that :func:`~lightning_lowmem.estimate_memory`'s keyword shorthands name."""
 
         callbacks: list[Any] = []
+        if adapters is not None:
+            # NOTE: first, as a user lists it: the other techniques see the model with its adapters (the Adapters
+            # callback's own code adds them; its defaults otherwise: alpha, dropout, all-linear targets)
+            callbacks.append(Adapters(adapters, **({} if adapter_r is None else {"r": adapter_r}),  # type: ignore[arg-type]
+                                      quantize_base=quantize_base))  # type: ignore[arg-type]
+        elif adapter_r is not None or quantize_base is not None:
+            given = ", ".join(f"`{k}={v!r}`" for k, v in (("adapter_r", adapter_r), ("quantize_base", quantize_base))
+                              if v is not None)
+            raise ValueError(f"Passed {given} without `adapters`; they describe the adapters' rank and base: add "
+                             "`adapters='lora'` (or 'dora'), or leave them out for a full fine-tune.")
         if checkpointing is not None:
             n = checkpointing_every_n if checkpointing == "every_n" else None
             callbacks.append(ActivationCheckpointing(policy=checkpointing, n=n))  # type: ignore[arg-type]

@@ -106,14 +106,27 @@ def _fused_optimizers(module: L.LightningModule) -> None:
     original = module.configure_optimizers
 
     def configure_optimizers() -> Any:
-        optimizer = original()
-        if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-            for group in optimizer.param_groups:
-                if all(p.dtype in (torch.float32, torch.float64) for p in group["params"]):
-                    group.update(fused=True, foreach=False)
-        return optimizer
+        returned = original()
+        # NOTE: every Adam/AdamW returned (alone, in lists and tuples, in `{"optimizer": ...}` dicts), as the
+        # registered name fuses each of them; other optimizers keep their kernel
+        for optimizer in _optimizers_in(returned):
+            if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+                for group in optimizer.param_groups:
+                    if all(p.dtype in (torch.float32, torch.float64) for p in group["params"]):
+                        group.update(fused=True, foreach=False)
+        return returned
 
     module.configure_optimizers = configure_optimizers
+
+
+def _optimizers_in(value: Any) -> list[torch.optim.Optimizer]:
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, dict):
+        return _optimizers_in(value.get("optimizer"))
+    if isinstance(value, (list, tuple)):
+        return [o for v in value for o in _optimizers_in(v)]
+    return []
 
 
 def initial_state(spec: ModuleSpec) -> compare.State:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 
-from tests.conformance import corpus_hf, corpus_lightning, corpus_nets
+from tests.conformance import corpus_hf, corpus_kinds, corpus_lightning, corpus_nets
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ _NETS = [
     _net("clipping_override", "clipping", corpus_lightning.ClippingOverride),
     _net("peft_lora_llama", "peft", corpus_lightning.PeftLoRA, "causal_lm", "hf", "peft"),
     _net("peft_dora_bert", "peft", corpus_lightning.PeftDoRA, "hf", "peft"),
+    _net("conv1d_audio", "conv1d", corpus_kinds.Conv1dAudio),
+    _net("embedding_bag_recsys", "embedding_bag", corpus_kinds.EmbeddingBagRecommender),
+    _net("tied_transformer_lm", "weight_tying", corpus_kinds.TiedTransformerLM),
+    _net("instance_norm_stats", "running_stats", corpus_kinds.InstanceNormStats),
+    _net("mlp_mixer", "mlp_mixer", corpus_kinds.MLPMixer),
+    _net("scatter_gnn", "gnn", corpus_kinds.ScatterGNN),
 ]
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in [*_NETS, *map(_hf, corpus_hf.FAMILIES)]}

@@ -29,11 +29,7 @@ class Known:
 # reproductions under known/ pass).
 BEING_FIXED: list[Known] = []
 _K = "tests/conformance/known/"
-REPRODUCED = [
-    Known("compiled_submodule", r"^recipe:(offload@bf16-mixed\+ckpt|demo )", "lowmem_offload + "
-          "ActivationCheckpointing crash on a torch.compile-d submodule (hidden until MemoryReport stopped forcing the "
-          "compiled region to run eagerly)", _K + "test_compiled_submodule.py", verdicts=("crash",)),
-]
+REPRODUCED: list[Known] = []  # every reproduction under known/ passes now
 
 
 def classify(row: dict) -> Known | None:

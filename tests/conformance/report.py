@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 VERDICTS = ("exact", "close", "refused", "differs", "crash", "n/a")
-DRY_VERDICTS = ("ok", "off", "refused", "n/a", "crash")
+DRY_VERDICTS = ("ok", "bound", "off", "refused", "n/a", "crash")
 COMMAND = "python tests/conformance/run.py"
 
 
@@ -148,6 +148,21 @@ def _code_counts(rows: list[dict[str, Any]]) -> str:
     return ", ".join(f"{fp} ({n})" for fp, n in Counter(r["fingerprint"] for r in rows).most_common())
 
 
+def _corpus_line(p: dict[str, Any]) -> str:
+    """What the corpus holds, counted honestly: transformers families (one architecture each, grouped by task head)
+    apart from the hand-written modules (grouped by what they exercise), and where the left-out families are listed."""
+    hf = [m for m in p["modules"] if "hf" in m["tags"] and m["name"].startswith("hf_")]
+    own = [m for m in p["modules"] if m not in hf]
+    hf_kinds, own_kinds = sorted({m["kind"] for m in hf}), sorted({m["kind"] for m in own})
+    screened = ("the transformers model types left out, each with its reason, are listed at the end (`screen.py`)"
+                if p["families"] else "no screen of the other transformers model types is in this report (run "
+                "`python tests/conformance/screen.py` to list which are left out and why)")
+    return (f"{len(p['modules'])} modules: {len(hf)} transformers model families (architectures; task heads: "
+            f"{', '.join(hf_kinds)}) and {len(own)} hand-written modules of {len(own_kinds)} kinds "
+            f"({', '.join(own_kinds)}): {len(hf) + len(own_kinds)} families and kinds in all, "
+            f"{len(hf_kinds) + len(own_kinds)} if each transformers task head counts once; {screened}.")
+
+
 def _markdown(p: dict[str, Any]) -> str:
     m = p["machine"]
     header = (f"Report of {p['date']}, cells run on {m['processor']}, {m['cpu_count']} cores, GPU: {m['gpu'] or 'none'}; torch "
@@ -158,7 +173,7 @@ def _markdown(p: dict[str, Any]) -> str:
     method = ("Each cell trains a fresh module for 3 optimizer steps (or the Lightning callback's schedule) with the "
               "flag and compares every parameter and buffer with plain Lightning at the same precision and optimizer "
               "(`tests/conformance/compare.py` says what `close` allows, per flag; `flags.py` gives each reason).")
-    out = [f"# {p['title']}", "", header, "", method, "",
+    out = [f"# {p['title']}", "", header, "", method, "", "## Corpus", "", _corpus_line(p), "",
            "## Verdicts", "", _table(list(VERDICTS), [[p["counts"][v] for v in VERDICTS]]), ""]
     bad = [r for r in p["cells"] if r["verdict"] in ("differs", "crash")]
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -28,7 +28,10 @@ from lightning_lowmem.core.blocks import (
     CheckpointInfo,
     checkpoint_info,
     checkpointed_modules,
+    compiled_names,
     find_repeated_blocks,
+    in_compiled,
+    outside_compiled,
     owner_of,
     select_modules,
 )
@@ -73,6 +76,10 @@ class ActivationCheckpointing(Reproducible, Callback):
           the activations under the budget, from activation sizes measured on the first training batch
           (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
         - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
+
+    ``torch.compile``-d modules, the modules inside them and those holding them are not checkpointed (a warning names
+    them; refused when they are all that was found or named): inside a compiled region the checkpoint changes
+    inductor's kernels (not bit-identical), and around one torch's recompute can save other tensors.
 
     Module buffers end as plain training leaves them: each recompute runs on a copy of the buffers its forward
     found (so ``BatchNorm`` running statistics and a module's own counters are updated once, and a forward that
@@ -262,7 +269,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             found = find_repeated_blocks(root)
             if not found:
                 return []  # chosen by measurement on the first training batch (see `_choose_by_measurement`)
-            return found
+            return _outside_compiled(root, found)
         if not found:
             raise ValueError(
                 f"ActivationCheckpointing found none of {what} in `{type(root).__name__}`. Name the blocks to checkpoint: "
@@ -270,7 +277,7 @@ class ActivationCheckpointing(Reproducible, Callback):
                 "'encoder.*.block' or a class name such as 'MyBlock'), or pass them as the policy: "
                 "`ActivationCheckpointing(policy=['MyBlock'])`."
             )
-        return found
+        return _outside_compiled(root, found)
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         if self._root is not None:
@@ -382,6 +389,8 @@ class ActivationCheckpointing(Reproducible, Callback):
         with trainer.precision_plugin.train_step_context():
             measured, total = measure_submodules(pl_module, batch, batch_idx)
         # NOTE: every rank must wrap the same modules: rank 0's measurement decides
+        compiled = compiled_names(pl_module)
+        measured = {n: a for n, a in measured.items() if in_compiled(n, compiled) is None}  # NOTE: see _outside_compiled
         names = trainer.strategy.broadcast(choose_submodules(pl_module, measured, total), src=0)
         self.chosen_by_measurement = {n: measured[n].saving for n in names if n in measured}
         if not names:
@@ -419,6 +428,25 @@ class ActivationCheckpointing(Reproducible, Callback):
                 f"{max(blocks)} to recompute the largest block). Raise the budget or reduce the batch size."
             )
         self._wrap_blocks(chosen)
+
+
+def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]], chosen: bool = False) -> list[tuple[str, nn.Module]]:
+    """``found`` without the modules running ``torch.compile``-d code (``core.blocks.outside_compiled``): warned
+    about; refused when nothing is left of blocks found or named (``chosen``: picked by measurement, may be empty)."""
+    kept, dropped = outside_compiled(root, found)
+    if not dropped:
+        return kept
+    names = "; ".join(f"`{outer}` holds {', '.join(f'`{n}`' for n in inner)}" for outer, inner in dropped.items())
+    why = ("checkpointing inside a torch.compile-d module changes inductor's kernels and their rounding, and "
+           "around it torch's recompute of the compiled code can save other tensors (CheckpointError)")
+    fix = ("compile the blocks one by one after checkpointing them (`torch.compile` each block, not their "
+           "parent), or leave the compiled module's memory to torch.compile's own recomputation")
+    if not kept and not chosen:
+        raise ValueError(f"ActivationCheckpointing cannot checkpoint the blocks it found: {names} (torch.compile-d); "
+                         f"{why}. Fix: {fix}.")
+    rank_zero_warn(f"ActivationCheckpointing: not checkpointing inside torch.compile-d modules ({names}): {why}. "
+                   f"To checkpoint them: {fix}.")
+    return kept
 
 
 def _zero_stage(strategy: Any) -> int:

@@ -58,17 +58,58 @@ class CompiledTrunk(Classifier):
         super().__init__(CompiledSubmodule(), data, lambda params: torch.optim.AdamW(params, lr=2e-3))
 
 
-@pytest.mark.xfail(strict=True, reason="lowmem_offload + ActivationCheckpointing crash on a compiled submodule")
-def test_offload_with_activation_checkpointing_of_a_compiled_submodule_runs():
+def test_offload_with_activation_checkpointing_of_a_compiled_submodule_matches_plain():
     """Found when the MemoryReport fix let the compiled trunk run compiled in the recipe cells: with
-    ``ActivationCheckpointing("sqrt")`` under ``lowmem_offload`` at ``bf16-mixed`` (no MemoryReport) the first step
-    fails inside the compiled code ("expected size 32==32, stride 1==32": a fake kernel's strides); the same at
-    ``bf16-true`` with ``ActivationCheckpointing("all")`` fails in the recomputation (``CheckpointError``: other
-    metadata). Plain Lightning with the same callback runs. Cause not looked for yet."""
+    ``ActivationCheckpointing("sqrt")`` at ``bf16-mixed`` the first step failed inside the compiled backward
+    ("expected size 32==32, stride 1==32": a saved weight's strides), under ``lowmem_offload`` and plain Lightning
+    alike. Cause: under autocast the trunk holds over half of the activations, so the measurement chose the Linear
+    layers inside the compiled trunk, and the sqrt segment (closed by a forward hook) ran inside the compiled region.
+    Fixed: the callback never checkpoints a compiled module or inside one (``core.blocks.outside_compiled``)."""
     from lightning_lowmem import ActivationCheckpointing
 
-    plain = train(CompiledTrunk, callbacks=[ActivationCheckpointing("sqrt")])
+    plain = train(CompiledTrunk, precision="bf16-mixed")
     torch.compiler.reset()
+    checkpointing = ActivationCheckpointing("sqrt")
     got = train(CompiledTrunk, precision="bf16-mixed", strategy=OffloadStrategy(host_optimizer="as_is"),
-                callbacks=[ActivationCheckpointing("sqrt")])
+                callbacks=[checkpointing])
+    assert not any(name.startswith("net.trunk") for name in checkpointing.wrapped), checkpointing.wrapped
+    assert not differing(got, plain)
+
+
+def test_checkpointing_all_at_bf16_true_leaves_a_compiled_submodule_alone():
+    """``ActivationCheckpointing("all")`` at ``bf16-true`` (the founding recipe, the dry-run row): checkpointing the
+    compiled trunk whole failed in the recompute (torch's ``CheckpointError``: "Recomputed values ... have different
+    metadata": the compiled code saved other tensors), under plain Lightning as under ``lowmem_offload``."""
+    from lightning_lowmem import ActivationCheckpointing
+
+    plain = train(CompiledTrunk, precision="bf16-true")
+    torch.compiler.reset()
+    assert not differing(train(CompiledTrunk, precision="bf16-true", callbacks=[ActivationCheckpointing("all")]), plain)
+    torch.compiler.reset()
+    # NOTE: lowmem_offload at bf16-true keeps fp32 masters (judged `close` by the sweep): here, that it runs
+    got = train(CompiledTrunk, precision="bf16-true", strategy=OffloadStrategy(host_optimizer="as_is"),
+                callbacks=[ActivationCheckpointing("all")])
     assert got.keys() == plain.keys()
+
+
+def test_checkpointing_classes_inside_a_compiled_submodule_is_bit_identical():
+    """``ActivationCheckpointing(["Linear"])`` checkpointed the Linear layers inside the compiled trunk: the
+    checkpoint was traced into the compiled graph, which inductor partitions and fuses otherwise (|diff|/|update|
+    2.9e-6 on 7 of 8 tensors after 3 fp32 steps; bit-identical with ``backend="aot_eager"``, so the kernels, not lost
+    terms). Fixed: the Linear layers inside the compiled trunk are left alone, with a warning naming it."""
+    from lightning_lowmem import ActivationCheckpointing
+
+    plain = train(CompiledTrunk)
+    torch.compiler.reset()
+    checkpointing = ActivationCheckpointing(["Linear"])
+    with pytest.warns(UserWarning, match="not checkpointing inside torch.compile-d modules \\(`net.trunk` holds"):
+        got = train(CompiledTrunk, callbacks=[checkpointing])
+    assert checkpointing.wrapped == ["net.head"]
+    assert not differing(got, plain)
+
+
+def test_naming_only_a_compiled_submodule_is_refused_before_the_first_step():
+    from lightning_lowmem import ActivationCheckpointing
+
+    with pytest.raises(ValueError, match="cannot checkpoint the blocks it found: `net.trunk` holds `net.trunk`"):
+        train(CompiledTrunk, callbacks=[ActivationCheckpointing(blocks=["net.trunk"])])

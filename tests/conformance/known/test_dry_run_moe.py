@@ -25,3 +25,14 @@ def test_dry_run_of_a_mixture_of_experts_predicts():
     estimate = dry_run(MODULES["hf_mixtral"].build(), precision="32-true")
     assert estimate.peak_device > 0
     assert any(note.startswith("aten._grouped_mm.default") for note in estimate.notes), estimate.notes
+
+
+def test_dry_run_of_switch_transformers_runs_every_expert_as_its_bound():
+    """Switch Transformers pick their experts by value (``for i in hit.nonzero(): self[f"expert_{i[0]}"]``): the dry
+    run failed with ``KeyError: 'expert_FakeTensor(...)'`` (a fake index formatted into the module's name), so
+    ``lowmem_auto`` crashed before the first step. Fixed: ``nonzero`` of fake values takes every element as selected
+    (its upper bound, as before) and gives those indices as real values: every expert runs on every token, stated."""
+    torch.manual_seed(0)
+    estimate = dry_run(MODULES["hf_switch_transformers"].build(), precision="32-true")
+    assert estimate.peak_device > 0
+    assert any(b["op"] == "aten.nonzero.default" and "upper bound" in b["assumption"] for b in estimate.bounds), estimate.bounds
