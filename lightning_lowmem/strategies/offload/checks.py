@@ -26,6 +26,7 @@ from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.strategies.offload import hf_weights
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload.host_optimizer import HOST_OPTIMIZERS
+from lightning_lowmem.strategies.offload.host_pass import HOST_PASSES
 from lightning_lowmem.strategies.offload.param_stream import OFFLOAD_PARAMS, block_params
 from lightning_lowmem.strategies.offload.precision import PRECISIONS, MasterHalfPrecision
 
@@ -208,6 +209,8 @@ def check_flags(**flags: Any) -> None:
             type_error = True
     if flags["host_optimizer"] not in HOST_OPTIMIZERS:
         problems.append(f"`host_optimizer={flags['host_optimizer']!r}`; expected one of {', '.join(map(repr, HOST_OPTIMIZERS))}")
+    if flags["host_pass"] not in HOST_PASSES:
+        problems.append(f"`host_pass={flags['host_pass']!r}`; expected one of {', '.join(map(repr, HOST_PASSES))}")
     if flags["nonfinite"] not in NONFINITE:
         problems.append(f"`nonfinite={flags['nonfinite']!r}`; expected one of {', '.join(map(repr, NONFINITE))}")
     if not any(flags["offload_params"] is v or (isinstance(v, str) and flags["offload_params"] == v) for v in OFFLOAD_PARAMS):

@@ -26,9 +26,10 @@ from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
+from lightning_lowmem.strategies.offload import host_pass as _host_pass
 from lightning_lowmem.strategies.offload.masters_view import copy_to_compute
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
-from lightning_lowmem.strategies.offload.transfer import transfer_for
+from lightning_lowmem.strategies.offload.transfer import StreamTransfer, transfer_for
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -65,7 +66,11 @@ class HostStep:
             elif out is not None:
                 self._consecutive_skips = 0
         else:
-            out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
+            self._arm_pass(optimizer, model)
+            try:
+                out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
+            finally:
+                self._disarm_pass()
         if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/offload/manual_grads.py)
             self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
         elif not precision.last_step_skipped:
@@ -130,7 +135,14 @@ class HostStep:
 
     def _host_step(self, optimizer: Optimizer) -> Any:
         """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
+        if self._pass is not None and self._pass.armed and self._masters.device_writes():
+            self._pass.restore("compute weights written by other code before the step")
         self.adopt_device_writes()
+        if self._pass is not None and self._pass.stands():  # stepped during backward (strategies/offload/host_pass.py)
+            if self._guarding():
+                self._consecutive_skips = 0
+            self._mark_state(optimizer)
+            return None
         if self._guarding():
             found = self._masters.nonfinite_grads(optimizer)
             if found is not None:
@@ -145,7 +157,8 @@ class HostStep:
 
     def _raw_step(self, optimizer: Optimizer) -> Any:
         """``optimizer.step()`` on the host (with the fused kernel where it applies)."""
-        if self.host_optimizer != "as_is" and id(optimizer) not in self._fused:
+        if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
+                and _host_optimizer.why_not_fused(optimizer) is None):
             # an optimizer swapped in after setup (e.g. by a callback in on_fit_start)
             reason = _host_optimizer.why_not_fused(optimizer)
             if reason is None:
@@ -210,7 +223,7 @@ class HostStep:
         ``BackboneFinetuning`` unfreezing the backbone), with a master that takes gradients and a host buffer for them."""
         self._master_unfrozen()
         masters = self._masters
-        sink = self._step_in_backward if self.optimizer_in_backward else masters.fold
+        sink = self._step_in_backward if self.optimizer_in_backward else self._fold
         for i, p in enumerate(masters.p_device):
             if not p.requires_grad or i in self._hooked:
                 continue
@@ -236,6 +249,36 @@ class HostStep:
             self._transfer = transfer_for(self.root_device, self._masters.p_device)
         for opt in self.optimizers if repoint else ():
             self._repoint(opt)
+
+    # --- the overlapped host pass (strategies/offload/host_pass.py) ------------------------------------------------
+    def _fold(self, i: int, grad: Tensor) -> None:
+        """The gradient sink: to the host pass's worker while it is armed, else folded here."""
+        if self._pass is None or not self._pass.submit(i, grad):
+            self._masters.fold(i, grad)
+
+    def _arm_pass(self, optimizer: Optimizer, model: pl.LightningModule) -> None:
+        """Arm the host pass for the backward of this closure (the last of the window), where it is exact."""
+        if self.host_pass != "overlap" or _host_pass.why_serial(self, optimizer, model) is not None:
+            return
+        if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
+                and _host_optimizer.why_not_fused(optimizer) is None):
+            return  # NOTE: an optimizer swapped in after setup: `_raw_step` decides its kernel first (serially)
+        if self._pass is None:
+            self._pass = _host_pass.HostPass(self._masters, _host_pass.BUCKET_BYTES)
+        trainer = model.trainer
+        clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else None
+        self._pass.arm(optimizer, clip_norm=clip, guard=self._guarding())
+        self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
+        if isinstance(self._transfer, StreamTransfer):
+            self._transfer.eager, self._transfer.barrier = True, self._pass.barrier
+
+    def _disarm_pass(self) -> None:
+        if self._pass is None or not self._pass.armed:
+            return
+        self._pass.disarm()
+        self.precision_plugin.clip_check = None  # type: ignore[attr-defined]
+        if isinstance(self._transfer, StreamTransfer):
+            self._transfer.eager = False
 
     def _weights_to_device(self, optimizer: Optimizer) -> None:
         self._to_compute(self._masters.pairs(optimizer))

@@ -235,6 +235,7 @@ class MasterHalfPrecision(Reproducible, Precision):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.last_step_skipped = False
         self._skip_clipping = False
+        self.clip_check: Callable[[float, Any], bool] | None = None  # the overlapped host pass (strategies/offload/host_pass.py)
         self._attached = False  # see `attach`: OffloadStrategy keeps the masters this plugin steps
         self._drain: Callable[[], None] | None = None
         self._view: MastersView | None = None
@@ -417,6 +418,8 @@ class MasterHalfPrecision(Reproducible, Precision):
     ) -> None:
         if self._skip_clipping:
             return
+        if self.clip_check is not None and clip_val > 0 and self.clip_check(clip_val, gradient_clip_algorithm):
+            return  # NOTE: the host pass stepped already and this clip would multiply by 1.0 (no bit changes)
         if self._view is not None:
             self._view.sync_grads()  # NOTE: a gradient a hook replaced through the module's parameter is clipped
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)

@@ -40,20 +40,13 @@ from lightning_lowmem.core.checkpoint_io import AtomicCheckpointIO
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.roles import HostMastersStrategy
 from lightning_lowmem.core.units import parse_bytes
-from lightning_lowmem.strategies.offload import (
-    checks as _offload_checks,
-)
-from lightning_lowmem.strategies.offload import (
-    hf_weights,
-)
-from lightning_lowmem.strategies.offload import (
-    host_bytes as _offload_host_bytes,
-)
-from lightning_lowmem.strategies.offload import (
-    host_optimizer as _host_optimizer,
-)
+from lightning_lowmem.strategies.offload import checks as _offload_checks
+from lightning_lowmem.strategies.offload import hf_weights
+from lightning_lowmem.strategies.offload import host_bytes as _offload_host_bytes
+from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload.checks import NONFINITE, NonFinite  # noqa: F401
 from lightning_lowmem.strategies.offload.host_optimizer import HostOptimizer
+from lightning_lowmem.strategies.offload.host_pass import HostPass, HostPassMode
 from lightning_lowmem.strategies.offload.host_state import HostState
 from lightning_lowmem.strategies.offload.host_step import HostStep, NonFiniteGradientError  # noqa: F401  (imported from here too)
 from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
@@ -99,6 +92,10 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             (same update rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host);
             ``"as_is"`` runs the user's optimizer bit for bit as configured; ``"torch_fused"`` is
             ``"auto"`` but refuses optimizers it cannot fuse.
+        host_pass: ``"overlap"`` steps the masters bucket by bucket on a host worker during the last backward of each
+            window, then checks the clip and the non-finite guard and redoes the step serially where they change it:
+            bit-identical to ``"serial"`` (the default), +4 B/param of host RAM plus a copy of the optimizer state
+            (see :mod:`~lightning_lowmem.strategies.offload.host_pass`, which names the cases that stay serial).
         check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers,
             the state of the optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD
             without momentum, ...) and pinned staging, instead of being killed mid-setup. The RAM counted
@@ -153,6 +150,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         *,
         optimizer_in_backward: bool = False,
         host_optimizer: HostOptimizer = "auto",
+        host_pass: HostPassMode = "serial",
         check_host_memory: bool = True,
         nonfinite: NonFinite = "skip",
         max_consecutive_skips: int = 10,
@@ -167,6 +165,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         _offload_checks.check_flags(
             optimizer_in_backward=optimizer_in_backward,
             host_optimizer=host_optimizer,
+            host_pass=host_pass,
             check_host_memory=check_host_memory,
             nonfinite=nonfinite,
             max_consecutive_skips=max_consecutive_skips,
@@ -178,6 +177,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
         self.host_optimizer = host_optimizer
+        self.host_pass = host_pass
         self.check_host_memory = check_host_memory
         self.nonfinite = nonfinite
         self.max_consecutive_skips = max_consecutive_skips
@@ -210,6 +210,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
         self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
         self._clip_value: float | None = None
+        self._pass: HostPass | None = None  # host_pass="overlap" (strategies/offload/host_pass.py), made at the first step
         self._skip_backward = False  # optimizer_in_backward: this backward's loss was not finite
         self._bad_in_backward: list[str] = []  # optimizer_in_backward: parameters whose gradient was not finite
         # NOTE: ids of the masters whose optimizer state is marked host; `mark_host` must not see a tensor twice
@@ -461,6 +462,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         """
         if self._transfer is not None:
             self._transfer.synchronize()
+        if self._pass is not None:
+            self._pass.finish()  # NOTE: the tail of the overlapped host pass; the step checks it
         if self._stream is not None:
             self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
 
@@ -471,6 +474,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._unwrap()
         for handle in self._hooks:
             handle.remove()
+        if self._pass is not None:
+            self._pass.close()
         if self._transfer is not None:
             self._transfer.synchronize()
         if self._stream is not None:

@@ -144,6 +144,11 @@ class StreamTransfer(HostTransfer):
         self._pending: deque[tuple[Any, int, Sink]] = deque()
         self._unread: set[int] = set()  # slots a queued copy writes that the host has not read yet
         self._h2d_done: Any = None
+        # NOTE: set by the overlapped host pass (strategies/offload/host_pass.py) while it is armed: `eager` hands the
+        # gradients whose copy has landed to the sink during backward; `barrier` waits until the sink's worker has
+        # read every slot handed to it (before a slot is rewritten)
+        self.eager = False
+        self.barrier: Callable[[], None] = lambda: None
 
     @override
     def staging(self) -> list[torch.Tensor]:
@@ -162,6 +167,7 @@ class StreamTransfer(HostTransfer):
             # blocks): the second copy would overwrite the slot before the host read the first (one contribution lost,
             # the other doubled). Fold everything queued up to the first one now (queue order is kept).
             self._drain(until=i)
+            self.barrier()
         ops.wait_stream(self.stream, ops.compute_stream())  # the gradient was written on the compute stream
         ops.copy(self._staging[i], grad, self.stream)
         event = ops.record_event(self.stream)
@@ -172,6 +178,10 @@ class StreamTransfer(HostTransfer):
         self._unread.add(i)
         # NOTE: [host work] no fold here: the hook runs on the autograd thread, and host work there stalls the
         # queueing of the next kernels (the GPU starves once its queue empties). `synchronize` folds.
+        if self.eager:  # the sink only queues work for the host pass's worker: hand it what has landed already
+            while self._pending and ops.query(self._pending[0][0]):
+                _, j, j_sink = self._pending.popleft()
+                j_sink(j, self._staging[j])  # NOTE: j stays in `_unread` until `synchronize`: the worker may read it
 
     def _drain(self, until: int | None = None) -> None:
         while self._pending:
@@ -185,12 +195,14 @@ class StreamTransfer(HostTransfer):
     @override
     def synchronize(self) -> None:
         self._drain()
+        self._unread.clear()  # NOTE: slots handed on by `eager` too (the sink's worker is waited for before reuse)
 
     @torch.no_grad()
     @override
     def weights_to_device(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ops = self.ops
         self.synchronize()
+        self.barrier()
         if self._h2d_done is not None:
             ops.synchronize(self._h2d_done)  # the staging buffers are about to be rewritten on the host
         ops.wait_stream(self.stream, ops.compute_stream())  # backward may still read the weights

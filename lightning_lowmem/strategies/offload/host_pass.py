@@ -1,0 +1,322 @@
+"""The overlapped host pass of ``lowmem_offload`` (``OffloadStrategy(host_pass="overlap")``).
+
+The serial step waits for backward to end, then reads every fp32 gradient for the non-finite guard and the clipping
+norm, then runs the optimizer over every master. Here, during the backward of the last micro-batch of an
+accumulation window, each gradient is handed to one host worker thread as it lands; the worker folds it into its
+fp32 buffer and, bucket by bucket, measures the per-tensor norms, keeps a copy of the masters and optimizer state
+it is about to change, and steps those masters (the user's optimizer over a subset of its parameters). What is
+left after backward is the last bucket, the parameters whose gradient came only from earlier micro-batches, and a
+check of the speculation:
+
+- no norm clipping and finite gradients: the update of every element depends only on that element's gradient,
+  state and hyperparameters, so stepping by buckets is the serial step bit for bit (exact by construction);
+- norm clipping: the global norm is reduced from the per-tensor norms as ``torch.nn.utils.clip_grad_norm_``
+  reduces them; when its clamped coefficient is 1 the serial clip multiplies by 1.0 (a no-op) and the step stands;
+- a clip that triggers, a non-finite gradient, a gradient that arrives twice (a weight used by two reentrant
+  checkpointed blocks), or compute weights written by other code before the step: the masters and state the pass
+  touched are restored from its copies and the serial step runs on the untouched gradient buffers (the same step,
+  warning and counters as ``host_pass="serial"``).
+
+Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW), kept
+between steps and reused; that many more bytes read and written per step, off the critical path. Where the pass
+cannot be exact the step stays serial (:func:`why_serial` names the cause): optimizers other than
+``torch.optim.Adam``/``AdamW``/``SGD`` (bitsandbytes 8-bit ones, subclasses: their step may couple parameters),
+fp16 loss scaling, value clipping, manual optimization, ``optimizer_in_backward`` and user code in
+``on_after_backward``/``on_before_optimizer_step``/``configure_gradient_clipping``/``backward`` (it may read or
+change the gradients before the step).
+
+Example:
+    >>> import torch
+    >>> from lightning_lowmem.strategies.offload.masters import HostMasters
+    >>> masters = HostMasters()
+    >>> masters.build(torch.nn.Linear(2, 2), loading=False, precision=None, grad_buffers=True)
+    >>> opt = torch.optim.AdamW(masters.p_host)
+    >>> hp = HostPass(masters)
+    >>> hp.arm(opt, clip_norm=None, guard=True)
+    >>> for i, p in enumerate(masters.p_host):
+    ...     _ = hp.submit(i, torch.ones_like(p))
+    >>> hp.finish(); hp.stands(), int(opt.state[masters.p_host[0]]["step"])
+    (True, 1)
+    >>> hp.disarm(); hp.close()
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.accounting import mark_host
+from lightning_lowmem.strategies.offload.masters import HostMasters
+
+HostPassMode = Literal["serial", "overlap"]
+HOST_PASSES: tuple[str, ...] = get_args(HostPassMode)
+BUCKET_BYTES = 32 * 2**20  # fp32 bytes of gradients per bucket (8M parameters)
+# NOTE: exact types only: a subclass may change the step (couple parameters, read a global statistic)
+_PER_ELEMENT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+_USER_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "backward")
+
+
+def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
+    """Why this step of ``strategy`` must stay serial, or None when the overlapped pass is exact for it."""
+    from lightning_lowmem.strategies.offload.precision import _overridden  # NOTE: a cycle at import time otherwise
+
+    if strategy.optimizer_in_backward:
+        return "optimizer_in_backward steps inside backward already"
+    if not model.automatic_optimization:
+        return "manual optimization (user code between backward and the step)"
+    if type(optimizer) not in _PER_ELEMENT:
+        return f"`{type(optimizer).__name__}` is not torch.optim.Adam/AdamW/SGD"
+    if any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups):
+        return "a param group is differentiable or capturable"
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        return "fp16 loss scaling (the gradients are unscaled in place)"
+    trainer = model.trainer
+    if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "norm":
+        return "value clipping (the gradients are clamped in place)"
+    if _overridden(model, _USER_HOOKS):
+        return f"user code in one of {', '.join(_USER_HOOKS)}"
+    return None
+
+
+class HostPass:
+    """One host worker that folds, checks and steps the masters bucket by bucket during backward.
+
+    Saves: the host step's time after backward (all but the last bucket runs while backward computes).
+    Costs: a copy of the touched masters and optimizer state (host RAM, reused), one worker thread.
+    """
+
+    def __init__(self, masters: HostMasters, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.masters = masters
+        self.bucket_bytes = bucket_bytes
+        self._executor: ThreadPoolExecutor | None = None
+        self._kept: dict[int, tuple[Tensor, dict[str, Any] | None]] = {}  # i -> (master copy, state copy)
+        self.worker_threads: set[int] = set()  # idents of the threads that ran pass work (tests)
+        self.armed = False
+        self._clear()
+
+    def _clear(self) -> None:
+        self.optimizer: Optimizer | None = None
+        self.clip_norm: float | None = None
+        self.guard = False
+        self.finished = False
+        self.failed: str | None = None  # why the speculation does not stand (restored, or to restore)
+        self.restored = False
+        self.taken = False  # the step used the pass's result (`stands` said so)
+        self._submitted: set[int] = set()
+        self._stepped: list[int] = []  # in step order
+        self._norms: dict[int, Tensor] = {}
+        self._bucket: list[int] = []
+        self._bucket_bytes = 0
+        self._futures: list[Future] = []
+
+    # --- main thread ---------------------------------------------------------------------------------------------
+    def arm(self, optimizer: Optimizer, *, clip_norm: float | None, guard: bool) -> None:
+        """The next backward is the last of the window: its gradients go to the worker (see :meth:`submit`)."""
+        self._clear()
+        self.optimizer, self.clip_norm, self.guard, self.armed = optimizer, clip_norm, guard, True
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lowmem-host-pass")
+
+    def submit(self, i: int, grad: Tensor) -> bool:
+        """Hand master ``i``'s gradient to the worker (it folds it); False when not armed (the caller folds)."""
+        if not self.armed or self.finished:
+            return False
+        assert self._executor is not None
+        if i in self._submitted:
+            self.failed = self.failed or "a gradient arrived twice in one backward"
+        self._submitted.add(i)
+        self._futures.append(self._executor.submit(self._take, i, grad))
+        return True
+
+    def finish(self) -> None:
+        """After backward: step what is left (on the worker) and wait for it; re-raise the worker's error."""
+        if not self.armed or self.finished:
+            return
+        assert self._executor is not None
+        self._futures.append(self._executor.submit(self._tail))
+        futures, self._futures = self._futures, []
+        self.finished = True
+        for f in futures:
+            f.result()
+
+    def barrier(self) -> None:
+        """Wait until the worker has read every gradient handed to it (a staging slot is about to be rewritten)."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    def clip_stands(self, clip_val: float, algorithm: Any) -> bool:
+        """Whether the norm clip of ``clip_val`` leaves the gradients unchanged (the speculative step stands).
+
+        NOTE: the total norm and coefficient are ``torch.nn.utils.clip_grad_norm_``'s, from the same per-tensor norms
+        in the same order; a coefficient clamped to 1 multiplies by 1.0, which changes no bit. Otherwise the pass is
+        undone here, before the real clip runs on the untouched gradients.
+        """
+        if (not self.finished or self.failed or algorithm != "norm" or self.clip_norm is None
+                or float(self.clip_norm) != float(clip_val)):
+            self.restore(self.failed or "clipping other than the one armed")
+            return False
+        norms = [self._norms[i] for i in self._order() if i in self._norms]
+        if norms:
+            total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+            coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+            if not bool(coef == 1.0):
+                self.restore("the gradient norm clip triggered")
+                return False
+        return True
+
+    def stands(self) -> bool:
+        """At the step: whether the pass stepped every master as the serial step would (else it is undone)."""
+        if not self.armed or not self.finished:
+            return False
+        if self.failed or self.restored:
+            self.restore(self.failed or "restored")
+            return False
+        self.taken = True
+        return True
+
+    def restore(self, why: str) -> None:
+        """Put back the masters and optimizer state the pass changed (from its copies); the serial step follows."""
+        self.failed = self.failed or why
+        if self.restored or self.optimizer is None:
+            return
+        self.barrier()
+        state = self.optimizer.state
+        with torch.no_grad():
+            for i in reversed(self._stepped):
+                p = self.masters.p_host[i]
+                kept, kept_state = self._kept[i]
+                p.copy_(kept)
+                if kept_state is None:
+                    state.pop(p, None)
+                    continue
+                now = state[p]
+                for k in list(now):
+                    if k not in kept_state:
+                        del now[k]
+                for k, v in kept_state.items():
+                    if isinstance(v, Tensor) and isinstance(now.get(k), Tensor):
+                        now[k].copy_(v)
+                    else:
+                        now[k] = v.clone() if isinstance(v, Tensor) else v
+        self._stepped = []
+        self.restored = True
+
+    def disarm(self) -> None:
+        """End the window. NOTE: a window whose step did not take the pass's result (backward raised, an
+        out-of-memory retry, a step that never came) gets its masters and state back: nothing stepped is left."""
+        if self.armed:
+            futures, self._futures = self._futures, []
+            for f in futures:
+                f.exception()  # NOTE: waits; an error of the worker was raised by `finish` or is moot now
+            if not self.taken:
+                self.restore("the step did not take the pass's result")
+        self.armed = False
+        self._clear()
+
+    def close(self) -> None:
+        self.disarm()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._kept.clear()
+
+    # --- the worker ------------------------------------------------------------------------------------------------
+    def _order(self) -> list[int]:
+        """Every master the optimizer holds, in its param order (the order of the serial clip's norms)."""
+        assert self.optimizer is not None
+        index = self.masters.host_index
+        return [index[id(p)] for g in self.optimizer.param_groups for p in g["params"] if id(p) in index]
+
+    def _take(self, i: int, grad: Tensor) -> None:
+        self.worker_threads.add(threading.get_ident())
+        self.masters.fold(i, grad)
+        if self.failed:
+            return
+        if i in self._norms:
+            self.failed = "a gradient arrived after its parameter stepped"
+            return
+        self._bucket.append(i)
+        self._bucket_bytes += grad.numel() * 4
+        if self._bucket_bytes >= self.bucket_bytes:
+            self._run_bucket()
+
+    def _tail(self) -> None:
+        self.worker_threads.add(threading.get_ident())
+        done = set(self._norms) | set(self._bucket)
+        p_host = self.masters.p_host
+        # NOTE: parameters whose gradient came only from earlier micro-batches of the window step too (serially they
+        # do: their `.grad` is set)
+        self._bucket += [i for i in self._order() if i not in done and p_host[i].grad is not None]
+        self._run_bucket()
+
+    @torch.no_grad()
+    def _run_bucket(self) -> None:
+        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        p_host = self.masters.p_host
+        bucket = [i for i in bucket if p_host[i].grad is not None]
+        if self.failed or not bucket:
+            return
+        if self.guard or self.clip_norm is not None:
+            norms = torch_internals.foreach_norm([p_host[i].grad for i in bucket])  # type: ignore[misc]
+            self._norms.update(zip(bucket, norms))
+            if not bool(torch.stack(norms).isfinite().all()):
+                self.failed = "a non-finite gradient"  # NOTE: serially the guard (or a nan clip) skips the step
+                return
+        self._keep(bucket)
+        self._step(bucket)
+
+    def _keep(self, bucket: list[int]) -> None:
+        assert self.optimizer is not None
+        state = self.optimizer.state
+        for i in bucket:
+            p = self.masters.p_host[i]
+            kept = self._kept.get(i)
+            if kept is None or kept[0].shape != p.shape:
+                kept = (torch.empty_like(p.detach()), None)
+                mark_host(kept[0])
+            kept[0].copy_(p.detach())
+            s = state.get(p)
+            if not s:
+                self._kept[i] = (kept[0], None)
+            else:
+                old = kept[1] or {}
+                new = {}
+                for k, v in s.items():
+                    if isinstance(v, Tensor):
+                        buf = old.get(k)
+                        if not isinstance(buf, Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
+                            buf = torch.empty_like(v)
+                            mark_host(buf)
+                        new[k] = buf.copy_(v)
+                    else:
+                        new[k] = v
+                self._kept[i] = (kept[0], new)
+            self._stepped.append(i)
+
+    def _step(self, bucket: list[int]) -> None:
+        """``optimizer.step()`` over the masters of ``bucket`` only (their groups' hyperparameters, their state)."""
+        optimizer = self.optimizer
+        assert optimizer is not None
+        want = {id(self.masters.p_host[i]) for i in bucket}
+        groups = optimizer.param_groups
+        subset = []
+        for g in groups:
+            params = [p for p in g["params"] if id(p) in want]
+            if params:
+                subset.append({**g, "params": params})
+        # NOTE: the main thread does not read the param groups while backward runs (it waits in `finish`)
+        optimizer.param_groups = subset
+        try:
+            optimizer.step()
+        finally:
+            optimizer.param_groups = groups
+
+
+__all__ = ["HOST_PASSES", "HostPass", "HostPassMode", "why_serial"]

@@ -1,0 +1,214 @@
+"""``OffloadStrategy(host_pass="overlap")``: the overlapped host pass is the serial step bit for bit.
+
+Each case trains the same module twice through ``Trainer.fit``, once with ``host_pass="serial"`` (today's step) and
+once with ``"overlap"``, and compares the weights and the optimizer state with ``torch.equal``. Each case also
+asserts how many steps the speculative pass kept (``stood``) and how many it undid (``restored``), so a case that
+silently fell back to the serial path cannot pass as "exact".
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
+from lightning_lowmem.strategies.offload import host_pass as host_pass_module
+from lightning_lowmem.strategies.offload.host_pass import HostPass
+from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
+
+DIM, N_BATCHES = 8, 8
+
+
+class Net(L.LightningModule):
+    """Three linear layers; ``bad`` lists batch indices whose input holds a NaN."""
+
+    def __init__(self, optimizer: str = "adamw", bad: tuple[int, ...] = (), manual: bool = False):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                       torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.optimizer, self.bad, self.step_threads = optimizer, bad, []
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx in self.bad:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        loss = torch.nn.functional.mse_loss(self.net(x).float(), y.float())
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return None
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=0.02)
+        opt.register_step_pre_hook(lambda *_: self.step_threads.append(threading.get_ident()))
+        return opt
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N_BATCHES * 4, DIM, generator=g), torch.randn(N_BATCHES * 4, 1, generator=g) * 3
+    return [(x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4]) for i in range(N_BATCHES)]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Small buckets (several per step) and counts of the steps the pass kept and undid."""
+    counts = {"stood": 0, "restored": 0}
+    monkeypatch.setattr(host_pass_module, "BUCKET_BYTES", 4 * 300)
+    stands, restore = HostPass.stands, HostPass.restore
+
+    def counting_stands(self):
+        out = stands(self)
+        counts["stood"] += out
+        return out
+
+    def counting_restore(self, why):
+        if not self.restored and self._stepped:
+            counts["restored"] += 1
+        return restore(self, why)
+
+    monkeypatch.setattr(HostPass, "stands", counting_stands)
+    monkeypatch.setattr(HostPass, "restore", counting_restore)
+    return counts
+
+
+def _fit(mode, *, module=None, precision="bf16-true", callbacks=(), seed=None, **kw):
+    torch.manual_seed(0)
+    module = Net(**(module or {}))
+    trainer_kw = {k: kw.pop(k) for k in ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
+                  if k in kw}
+    strategy = OffloadStrategy(host_pass=mode, **kw)
+    trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision=precision, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=list(callbacks), **trainer_kw)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=None)
+    ops = (lambda: DeferredOps("random", seed=seed)) if seed is not None else None
+    with warnings.catch_warnings(), cpu_stand_in(ops):
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    opt_state = trainer.optimizers[0].state  # NOTE: by parameter (the pass creates the state in gradient order)
+    state = [(k, v.clone()) for p in module.parameters() for k, v in sorted(opt_state.get(p, {}).items())
+             if isinstance(v, torch.Tensor)]
+    return module, [p.detach().clone() for p in module.parameters()], state, strategy.skipped_steps
+
+
+def _same(counted, want_stood, want_restored=0, **kw):
+    _, w_serial, s_serial, skips_serial = _fit("serial", **kw)
+    assert counted["stood"] == 0 and counted["restored"] == 0
+    _, w_overlap, s_overlap, skips_overlap = _fit("overlap", **kw)
+    for a, b in zip(w_serial, w_overlap):
+        assert torch.equal(a, b)
+    assert len(s_serial) == len(s_overlap) > 0
+    for (ka, a), (kb, b) in zip(s_serial, s_overlap):
+        assert ka == kb and torch.equal(a, b), ka
+    assert skips_serial == skips_overlap
+    assert (counted["stood"], counted["restored"]) == (want_stood, want_restored)
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+@pytest.mark.parametrize("host_optimizer", ["auto", "as_is"])
+def test_no_clipping_is_exact(counted, accumulate, host_optimizer):
+    _same(counted, N_BATCHES // accumulate, accumulate_grad_batches=accumulate, host_optimizer=host_optimizer)
+
+
+def test_fp32_and_sgd(counted):
+    _same(counted, N_BATCHES, precision="32-true", module={"optimizer": "sgd"})
+
+
+@pytest.mark.parametrize("clip, restored", [(1e3, 0), (1e-3, N_BATCHES)])
+def test_norm_clipping_that_does_not_and_that_does_trigger(counted, clip, restored):
+    _same(counted, N_BATCHES - restored, restored, gradient_clip_val=clip)
+
+
+def test_nan_in_one_batch_is_skipped_as_serially(counted):
+    # NOTE: the NaN reaches every gradient's bucket after the first layer's; the buckets before it stepped: undone
+    _same(counted, N_BATCHES - 1, 0, module={"bad": (3,)})
+    # with the gradients that reach the bad bucket first, nothing stepped yet: nothing to undo either way
+
+
+def test_nan_with_clipping_and_accumulation(counted):
+    _same(counted, 1, 0, module={"bad": (2,)}, gradient_clip_val=1e3, accumulate_grad_batches=4)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_completion_orders_of_the_stream_stand_in(counted, seed):
+    _same(counted, N_BATCHES - 1, 0, module={"bad": (5,)}, gradient_clip_val=1e3, seed=seed)
+    counted["stood"] = counted["restored"] = 0
+    _same(counted, 0, N_BATCHES, gradient_clip_val=1e-3, seed=seed, accumulate_grad_batches=1)
+
+
+@pytest.mark.parametrize("case", ["value_clip", "fp16", "manual"])
+def test_cases_that_stay_serial(counted, case):
+    kw = {"value_clip": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+          "fp16": {"precision": "16-true", "module": {"bad": (2,)}},
+          "manual": {"module": {"manual": True}}}[case]
+    _same(counted, 0, **kw)
+
+
+def test_lowmem_offload_params(counted):
+    from tests.helpers.models import random_batch, tiny_lm_module
+
+    batches = [random_batch(2, 16, seed=i) for i in range(3)]
+
+    def run(mode):
+        torch.manual_seed(0)
+        module = tiny_lm_module("gpt2", config={"n_layer": 2, "n_embd": 32})
+        trainer = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(host_pass=mode, offload_params=True),
+                            precision="bf16-true", max_steps=3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1e3)
+        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+        return [p.detach().clone() for p in module.parameters()]
+
+    for a, b in zip(run("serial"), run("overlap")):
+        assert torch.equal(a, b)
+    assert counted["stood"] == 3
+
+
+def test_host_work_is_not_on_the_autograd_thread(monkeypatch, counted):
+    fold_threads = []
+    fold = HostMasters.fold
+
+    def recording_fold(self, i, grad):
+        fold_threads.append(threading.get_ident())
+        return fold(self, i, grad)
+
+    monkeypatch.setattr(HostMasters, "fold", recording_fold)
+    module, *_ = _fit("overlap")
+    main = threading.get_ident()  # NOTE: CPU autograd runs backward on the thread that called it
+    assert fold_threads and module.step_threads
+    assert main not in fold_threads and main not in module.step_threads
+    assert counted["stood"] == N_BATCHES
+
+
+def test_bad_host_pass_is_refused():
+    with pytest.raises(ValueError, match="host_pass='eager'"):
+        OffloadStrategy(host_pass="eager")
+
+
+def test_a_window_whose_step_never_came_gives_the_masters_back():
+    masters = HostMasters()
+    masters.build(torch.nn.Linear(4, 4), loading=False, precision=None, grad_buffers=True)
+    before = [p.detach().clone() for p in masters.p_host]
+    opt = torch.optim.AdamW(masters.p_host)
+    hp = HostPass(masters, bucket_bytes=4)  # one bucket per parameter: both step before the end
+    hp.arm(opt, clip_norm=None, guard=True)
+    for i, p in enumerate(masters.p_host):
+        assert hp.submit(i, torch.ones_like(p))
+    hp.barrier()
+    assert not any(torch.equal(a, b) for a, b in zip(before, masters.p_host))  # it stepped speculatively
+    hp.disarm()  # NOTE: backward raised (an out-of-memory retry): no step took the result
+    assert all(torch.equal(a, b) for a, b in zip(before, masters.p_host)) and not opt.state
+    hp.close()
