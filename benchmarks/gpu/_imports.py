@@ -7,6 +7,9 @@ forgets it fails there, not on the GPU machine).
 
 from __future__ import annotations
 
+# NOTE: the bytes of a quantized (bitsandbytes) base layer as stored: stage 4 derives the nf4 rows of the dry run
+from lightning_lowmem.callbacks.adapters.quantize_base import packed_bytes
+
 # NOTE: the transfers' CPU stand-in: the CUDA stream logic of lowmem_offload / ActivationOffload / parameter
 # streaming, run on the CPU with deferred copies (the rehearsal's stand-in for the GPU)
 from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
@@ -17,4 +20,4 @@ from lightning_lowmem.strategies.offload.host_optimizer import enable_fused, why
 # NOTE: the size of lowmem_offload's pinned staging buckets (the bandwidth entry copies at that size)
 from lightning_lowmem.strategies.offload.transfer import BUCKET_BYTES
 
-__all__ = ["BUCKET_BYTES", "DeferredOps", "cpu_stand_in", "enable_fused", "why_not_fused"]
+__all__ = ["BUCKET_BYTES", "DeferredOps", "cpu_stand_in", "enable_fused", "packed_bytes", "why_not_fused"]

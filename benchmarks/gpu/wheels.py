@@ -39,6 +39,10 @@ WHEELS = (
     ("typeshed-client", "2.14.0", "jsonargparse[signatures]"),
     ("liger-kernel", "0.8.5", "ChunkedLMLoss(backend='liger') (stage 3)"),
     ("cut-cross-entropy", "25.1.1", "ChunkedLMLoss(backend='cce') (stage 3)"),
+    ("galore-torch", "1.0", "LeanOptimizer(kind='galore') (stage 4)"),
+    ("apollo-torch", "1.0.3", "LeanOptimizer(kind='apollo_mini') (stage 4)"),
+    ("adam-mini", "1.1.1", "LeanOptimizer(kind='adam_mini') (stage 4)"),
+    ("torchao", "0.18.0", "LeanOptimizer(kind='adamw8bit'|'adamw4bit') (stage 4); its optimizers need torch >= 2.11"),
 )
 #: extras of a carried distribution that the package uses (their requirements must be met too)
 EXTRAS = {"jsonargparse": ("signatures",)}
