@@ -23,8 +23,8 @@ from benchmarks.gpu.registry import Context, Entry, Skip
 
 #: packages carried as wheels (see benchmarks/gpu/wheels.py) or expected on the GPU machine's image
 PACKAGES = ("torch", "lightning", "pytorch_lightning", "transformers", "peft", "accelerate", "triton", "bitsandbytes",
-            "jsonargparse", "docstring_parser", "typeshed_client", "liger_kernel", "cut_cross_entropy", "deepspeed",
-            "pytest", "pytest_timeout", "psutil", "numpy")
+            "jsonargparse", "docstring_parser", "typeshed_client", "liger_kernel", "cut_cross_entropy", "galore_torch",
+            "apollo_torch", "adam_mini", "torchao", "deepspeed", "pytest", "pytest_timeout", "psutil", "numpy")
 
 
 def _run(cmd: list[str], timeout: float = 20) -> str | None:

@@ -73,18 +73,21 @@ def _recorder() -> Any:
     class Recorder(L.Callback):
         def __init__(self) -> None:
             self.losses: list[float] = []
+            self._losses: list[torch.Tensor] = []
             self.host: dict[str, int] = {}
             self.trainable: dict[str, torch.Tensor] = {}
 
         @override
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self.losses.append(float(loss.detach().float()))
+            # NOTE: kept as tensors, read after the fit: a float() here would synchronise with the device every step
+            self._losses.append(loss.detach().float().clone())
 
         @override
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             breakdown = getattr(trainer.strategy, "memory_breakdown", None)
             self.host = dict(breakdown().host) if breakdown is not None else {}
+            self.losses = [float(x) for x in self._losses]
 
     return Recorder()
 
@@ -94,6 +97,7 @@ def _qlora(run: str) -> Any:
 
     def entry(ctx: Context) -> dict[str, Any]:
         import sys
+        import time
 
         import torch
 
@@ -110,7 +114,9 @@ def _qlora(run: str) -> Any:
         lm = llama_module(s)
         strategy = OffloadStrategy(offload_params=streamed)
         adapters = Adapters("lora", **LORA, quantize_base=quantize)
+        t0 = time.perf_counter()
         c.fit(ctx, s, strategy, [clock, rec, adapters], precision="bf16-true", lm=lm)
+        fit_s = time.perf_counter() - t0
         step = clock.step_seconds(s.warmup)
         trainable = {n: p.detach().float().cpu() for n, p in lm.named_parameters() if p.requires_grad}
         bnb_nn = sys.modules.get("bitsandbytes.nn")  # NOTE: loaded by Adapters when it quantized the base
@@ -122,12 +128,13 @@ def _qlora(run: str) -> Any:
             **c.cuda_peaks(), "host_bytes": sum(rec.host.values()), "host_breakdown": rec.host,
             "pinned_allocator": c.pinned_stats() or None, "trainable_params": sum(t.numel() for t in trainable.values()),
             "quantized_linears": len(packed), "packed_base_bytes": sum(packed_bytes(m) for m in packed),
-            "final_loss": rec.losses[-1] if rec.losses else None,
+            "final_loss": rec.losses[-1] if rec.losses else None, "fit_s": _r(fit_s),
         }
         status, notes = "ok", [(f"{s.label}, batch {s.batch}x{s.seq}, bf16-true, Adapters('lora', r=16, alpha=32, "
                                 f"all-linear, quantize_base={quantize!r}) under {row['strategy']} on {ctx.device}, "
                                 f"{s.steps} steps (first {s.warmup} left out of the step time); peaks over the whole "
-                                "fit; host_bytes: the strategy's own host breakdown at the end of training.")]
+                                "fit; host_bytes: the strategy's own host breakdown at the end of training; fit_s: the whole "
+                                "Trainer.fit (the base's quantization on the host in setup included).")]
         if run == "qlora":
             torch.save({"trainable": trainable, "losses": rec.losses}, ctx.state_dir / "qlora_resident.pt")
         if run == "qlora_streamed":
@@ -283,14 +290,18 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-#: seconds per entry: torchao compiles its step (Triton) per parameter shape in the first step
-LEAN_BUDGET = {"adamw": 35, "galore": 40, "apollo_mini": 35, "adam_mini": 35, "adamw8bit": 55, "adamw4bit": 55}
+#: seconds per entry: GaLore's first step runs an SVD per projected weight (112 here); torchao compiles its step
+#: (Triton) per parameter shape in the first step
+LEAN_BUDGET = {"adamw": 30, "galore": 50, "apollo_mini": 30, "adam_mini": 30, "adamw8bit": 50, "adamw4bit": 50}
+#: seconds per entry: the nf4 runs quantize the base on the host in ``setup`` (the model is built there, as a user's
+#: is), about 0.8 B values through bitsandbytes' CPU kernel, before the first step
+QLORA_BUDGET = {"lora": 45, "qlora": 55, "qlora_streamed": 55, "dry_run": 35}
 
 ENTRIES = [
-    *(Entry(f"qlora_adapters[{run}]", 45, _qlora(run),
+    *(Entry(f"qlora_adapters[{run}]", QLORA_BUDGET[run], _qlora(run),
             f"LLaMA 0.94B LoRA r=16, {'nf4' if q else 'bf16'} base {'streamed' if st else 'resident'}: peaks, host, step",
             fresh=True) for run, (q, st) in QLORA_RUNS.items()),
-    Entry("qlora_adapters[dry_run]", 40, qlora_dry_run, "dry run (CUDA target) of the adapters runs vs their peaks"),
+    Entry("qlora_adapters[dry_run]", QLORA_BUDGET["dry_run"], qlora_dry_run, "dry run (CUDA target) of the adapters runs vs their peaks"),
     *(Entry(f"lean_optimizer[{kind}]", LEAN_BUDGET[kind], _lean(kind),
             f"LLaMA 0.94B bf16-mixed with {kind}: state B/param, peaks, step time", fresh=True) for kind in LEAN),
 ]
