@@ -191,3 +191,17 @@ def test_param_stream_bench_times_gpu_steps_on_every_usable_cpu(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert seen == [("cpu", 1), ("cuda", 3)]
+
+
+def test_stage4_entries_name_the_package_kinds_and_carry_their_packages():
+    """Each lean_optimizer entry is a LeanOptimizer kind, and each package an entry needs is carried or on the image
+    (an entry whose package is missing skips: a dropped wheel would turn its GPU figure into a skip silently)."""
+    from benchmarks.gpu import stage4
+    from lightning_lowmem.callbacks.lean_optimizer import KINDS
+
+    assert set(stage4.LEAN) - {"adamw"} <= set(KINDS)
+    available = {wheels.norm(n) for n, _, _ in wheels.WHEELS} | wheels.image_packages()
+    needed = {wheels.norm(stage4._WHEEL[m]) for m in stage4.LEAN.values() if m} | {"peft", "bitsandbytes"}
+    assert needed <= available, needed - available
+    assert [e.name for e in registry.entries(4) if e.name.startswith("lean_optimizer")] == [
+        f"lean_optimizer[{k}]" for k in stage4.LEAN]
