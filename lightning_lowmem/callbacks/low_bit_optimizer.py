@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
-from lightning_lowmem.core.accounting import host_storage_keys, mark_host, storage_key
+from lightning_lowmem.core.accounting import mark_host_state
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.optimizer_state import optimizer_family
 from lightning_lowmem.core.optional import require
@@ -157,7 +157,7 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         for optimizer in trainer.optimizers:
-            self._mark_host_state(optimizer)
+            mark_host_state(optimizer, self._n_state_marked)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -254,20 +254,6 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
                     if id(p) in embeddings or id(_module_param_of(pl_module, p)) in embeddings:
                         manager.override_config(p, key_value_dict={"optim_bits": 32})
                         self._override_ids.append(id(p))
-
-    # --- host role --------------------------------------------------------------------------------------
-    def _mark_host_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Mark the state of host-marked parameters (lowmem_offload masters) as host memory."""
-        n = len(optimizer.state)
-        if self._n_state_marked.get(id(optimizer)) == n:
-            return
-        self._n_state_marked[id(optimizer)] = n
-        host = host_storage_keys()
-        if not host:
-            return
-        for p, state in optimizer.state.items():
-            if isinstance(p, torch.Tensor) and storage_key(p) in host:
-                mark_host(*(v for v in state.values() if isinstance(v, torch.Tensor)))
 
 
 def _module_param_of(pl_module: L.LightningModule, p: torch.Tensor) -> torch.Tensor | None:

@@ -175,3 +175,19 @@ def host_storage_keys() -> set[tuple[str, int]]:
 
 def is_host(t: torch.Tensor) -> bool:
     return storage_key(t) in host_storage_keys()
+
+
+def mark_host_state(optimizer: torch.optim.Optimizer, marked: dict[int, int]) -> None:
+    """Mark as host memory the optimizer state of the host-marked parameters (``lowmem_offload``'s masters) of an
+    optimizer a callback swapped in. ``marked`` maps ``id(optimizer)`` to its state count at the last call: the scan
+    is skipped while no parameter gained state."""
+    n = len(optimizer.state)
+    if marked.get(id(optimizer)) == n:
+        return
+    marked[id(optimizer)] = n
+    host = host_storage_keys()
+    if not host:
+        return
+    for p, state in optimizer.state.items():
+        if isinstance(p, torch.Tensor) and storage_key(p) in host:
+            mark_host(*state_tensors(state))

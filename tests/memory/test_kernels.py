@@ -160,3 +160,19 @@ def test_grouped_mm_fake_output_is_the_cpu_kernels(a, b, dtype):
         assert _storages(fake) == _storages(real)
         notes = fx.notes()
     assert any(n.startswith("aten._grouped_mm.default") for n in notes), notes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("op", [_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default])
+def test_embedding_bag_fake_outputs_are_the_cpu_kernels(dtype, mode, weighted, op):
+    """bf16 sum bags: the meta function allocated an index-sized offset2bag the CPU kernel's fast path leaves empty."""
+    if weighted and mode != 0:
+        pytest.skip("per-sample weights need mode='sum'")
+    weight, indices, offsets = torch.randn(50, 8, dtype=dtype), torch.randint(0, 50, (24,)), torch.arange(0, 24, 3)
+    psw = torch.rand(24, dtype=dtype) if weighted else None
+    real = op(weight, indices, offsets, False, mode, False, psw, False, -1)
+    with fake_execution() as fx:
+        fake = op(fx.fake(weight), indices, offsets, False, mode, False, None if psw is None else fx.fake(psw), False, -1)
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]

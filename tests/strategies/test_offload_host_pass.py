@@ -212,3 +212,16 @@ def test_a_window_whose_step_never_came_gives_the_masters_back():
     hp.disarm()  # NOTE: backward raised (an out-of-memory retry): no step took the result
     assert all(torch.equal(a, b) for a, b in zip(before, masters.p_host)) and not opt.state
     hp.close()
+
+
+def test_overlap_asked_where_it_must_stay_serial_says_so_once():
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(host_pass="overlap"), precision="bf16-true",
+                        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(Net(manual=True), loader)
+    said = [w for w in seen if "runs the step serially" in str(w.message)]
+    assert len(said) == 1 and "manual optimization" in str(said[0].message)

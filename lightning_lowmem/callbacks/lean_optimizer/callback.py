@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.callbacks.lean_optimizer import build
-from lightning_lowmem.core.accounting import host_storage_keys, mark_host, state_tensors, storage_key
+from lightning_lowmem.core.accounting import mark_host_state
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.roles import HostMastersStrategy, LowBitOptimizerSwap
@@ -172,7 +172,7 @@ class LeanOptimizer(Reproducible, Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         for optimizer in trainer.optimizers:
-            self._mark_host_state(optimizer)
+            mark_host_state(optimizer, self._n_state_marked)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -244,20 +244,6 @@ class LeanOptimizer(Reproducible, Callback):
                 "config on the module. Pass them: LeanOptimizer(kind='adam_mini', dim=..., n_heads=...)."
             )
         return shape
-
-    # --- host role --------------------------------------------------------------------------------------
-    def _mark_host_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Mark the state of host-marked parameters (lowmem_offload masters) as host memory."""
-        n = len(optimizer.state)
-        if self._n_state_marked.get(id(optimizer)) == n:
-            return
-        self._n_state_marked[id(optimizer)] = n
-        host = host_storage_keys()
-        if not host:
-            return
-        for p, state in optimizer.state.items():
-            if isinstance(p, torch.Tensor) and storage_key(p) in host:
-                mark_host(*state_tensors(state))
 
 
 def _module_param_lookup(pl_module: L.LightningModule) -> Any:

@@ -258,7 +258,14 @@ class HostStep:
 
     def _arm_pass(self, optimizer: Optimizer, model: pl.LightningModule) -> None:
         """Arm the host pass for the backward of this closure (the last of the window), where it is exact."""
-        if self.host_pass != "overlap" or _host_pass.why_serial(self, optimizer, model) is not None:
+        if self.host_pass != "overlap":
+            return
+        reason = _host_pass.why_serial(self, optimizer, model)
+        if reason is not None:
+            if not self._warned_serial_pass:  # NOTE: asked for, not given: say so once (exact, only slower)
+                self._warned_serial_pass = True
+                warnings.warn(f"lowmem_offload: `host_pass='overlap'` runs the step serially (exact, not overlapped): "
+                              f"{reason}.", RuntimeWarning, stacklevel=2)
             return
         if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
                 and _host_optimizer.why_not_fused(optimizer) is None):

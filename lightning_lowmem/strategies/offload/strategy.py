@@ -45,7 +45,6 @@ from lightning_lowmem.strategies.offload import hf_weights
 from lightning_lowmem.strategies.offload import host_bytes as _offload_host_bytes
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload.checks import NONFINITE, NonFinite  # noqa: F401
-from lightning_lowmem.strategies.offload.host_optimizer import HostOptimizer
 from lightning_lowmem.strategies.offload.host_pass import HostPass, HostPassMode
 from lightning_lowmem.strategies.offload.host_state import HostState
 from lightning_lowmem.strategies.offload.host_step import HostStep, NonFiniteGradientError  # noqa: F401  (imported from here too)
@@ -149,7 +148,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self,
         *,
         optimizer_in_backward: bool = False,
-        host_optimizer: HostOptimizer = "auto",
+        host_optimizer: _host_optimizer.HostOptimizer = "auto",
         host_pass: HostPassMode = "serial",
         check_host_memory: bool = True,
         nonfinite: NonFinite = "skip",
@@ -192,6 +191,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._consecutive_skips = 0
         self._warned_nonfinite = False
         self._warned_rounded_write = False  # [writes outside the hooks] into a half compute weight: warned once
+        self._warned_serial_pass = False  # host_pass="overlap" asked for where the step must stay serial
         # NOTE: Lightning fills `parallel_devices` (the accelerator's device) only on strategies that have the
         # attribute; without it a strategy picked by name stays on "cpu" even with accelerator="cuda".
         self.parallel_devices: list[torch.device] | None = None
@@ -302,11 +302,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         if fitting and not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
             self._manual.attach(self._view, self.lightning_module)  # type: ignore[arg-type]
         if fitting:
-            self._clip_value = (
-                float(trainer.gradient_clip_val)
-                if self.optimizer_in_backward and trainer.gradient_clip_val
-                else None
-            )
+            clip = trainer.gradient_clip_val
+            self._clip_value = float(clip) if self.optimizer_in_backward and clip else None
             self._follow_trainable()
         self._note_device()
         precision.attach(drain=self.drain_transfers, view=self._view)  # NOTE: the gradient hooks see the masters
