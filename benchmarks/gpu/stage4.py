@@ -208,8 +208,10 @@ def qlora_dry_run(ctx: Context) -> dict[str, Any]:
                      "binding_phase": est.binding_phase, "dry_run_s": round(est.wall_s, 1)})
     return {"rows": rows, "notes": [(
         "predicted_tensors_bytes = the dry run's device peak less its fixed CUDA-context correction; measured = "
-        "allocated_bytes.all.peak of the same run (shape, strategy, callbacks, precision). measured_host_bytes: the "
-        "strategy's host breakdown of the measured run (none on the CPU rehearsal's device figures).")]}
+        "allocated_bytes.all.peak of the same run (shape, strategy, callbacks, precision). predicted_host_bytes: the "
+        "bf16-base dry run's host peak as it is (for the nf4 rows not adjusted for the packed base); "
+        "measured_host_bytes: the strategy's host breakdown of the measured run. The CPU rehearsal has no device "
+        "figures.")]}
 
 
 def _state_bytes(optimizer: Any) -> int:
