@@ -190,7 +190,7 @@ def headline(r: Results) -> str:
     ]
     gpu = r.gpu_stages()
     gpu_line = ("**GPU**: no GPU figure exists yet; every figure above is a CPU measurement or a dry run. "
-                "`make gpu-check STAGE=1|2|3` produces them (see the GPU checks page)." if not gpu else
+                "`make gpu-check STAGE=1|2|3|4` produces them (see the GPU checks page)." if not gpu else
                 "**GPU**: " + "; ".join(f"stage {g['stage']} on {g['machine'].get('device')} ({g['date'][:10]})"
                                         for g in gpu) + " (see the GPU checks page).")
     return (table(["figure", "value", "label", "from `benchmarks/results/`"],
