@@ -35,9 +35,16 @@ class HostState:
         module = self.lightning_module
         assert module is not None
         self.adopt_device_writes()
-        # NOTE: streamed weights without a master (packed 4-bit ones) are saved from their host copies
-        with self._stream.host_view() if self._stream is not None else nullcontext():
-            return self._masters.state_dict(module)
+        state = self._masters.state_dict(module)
+        if self._stream is not None:
+            # NOTE: streamed weights without a master (packed 4-bit ones, frozen) are saved from their host copies.
+            # Not through the stream's host view: leaving it releases every block, and a checkpoint or a weight
+            # average taken in a hook mid-fit would leave the blocks fetched for the next forward released (NaN).
+            host = self._stream.host_of()
+            for key, value in module.state_dict(keep_vars=True).items():
+                if id(value) in host and id(value) not in self._masters.device_index:
+                    state[key] = host[id(value)].detach()
+        return state
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
