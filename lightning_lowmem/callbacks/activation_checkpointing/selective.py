@@ -83,8 +83,8 @@ class SelectivePolicy:
         if self._kept and torch_internals.op_is_mutable(op):
             for t in _written(op, args, kwargs):
                 producer = self._kept.get(storage_key(t))
-                if producer is not None:
-                    raise RuntimeError(
+                if producer is not None:  # NOTE: a refusal of the module as written, in its first forward (no step yet)
+                    raise ValueError(
                         f"ActivationCheckpointing(policy='selective'): `{op}` modifies in place the output of "
                         f"`{producer}`, which the selective policy keeps for backward; backward would read the "
                         "modified value. Make that op out of place (e.g. `nn.ReLU(inplace=False)`, `x = x + y` "
