@@ -407,8 +407,12 @@ def dry_run(
             for cat, nbytes in non_negative([values[(phase, role, c)] for c in CATEGORIES]).items():
                 bd.add(role, cat, nbytes)  # type: ignore[arg-type]
         phases[phase] = bd
+    # NOTE: LayerDrop's draws size the step as a data-dependent op does: the prediction is their upper bound, stated
+    # (a skipped layer's parameters get no gradient, and AdamW no state for them until they do: HuBERT 6 % lower)
+    bounds = found[1] + ([{"op": "LayerDrop", "where": ", ".join(sorted(dropped)), "calls": 1,
+                           "assumption": "no layer skipped (the largest step)"}] if dropped else [])
     estimate = MemoryEstimate(phases=phases, method="dry_run", target=target, notes=notes, num_params=num_params,
-                              run=run.describe(), steps=traced_steps, bounds=found[1])
+                              run=run.describe(), steps=traced_steps, bounds=bounds)
     zero = run.zero()
     if zero is not None:
         zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module, is_factory))

@@ -81,6 +81,10 @@ def test_dry_run_predicts_the_step_that_skips_no_layer():
     none_skipped = dry_run(_LayerDropNet(0.0), precision="32-true")
     assert predicted.peak_device == none_skipped.peak_device
     assert any(n.startswith("LayerDrop turned off (layerdrop=0.99)") for n in predicted.notes), predicted.notes
+    # an upper bound, stated as the data-dependent ops' are: real steps that skip a layer hold less
+    assert predicted.bounds == [{"op": "LayerDrop", "where": "layerdrop=0.99", "calls": 1,
+                                 "assumption": "no layer skipped (the largest step)"}]
+    assert none_skipped.bounds == []
 
 
 def test_keep_every_layer_changes_only_the_copy_it_is_given():

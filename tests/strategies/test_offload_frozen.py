@@ -247,3 +247,33 @@ def test_dry_run_pinned_staging_counts_the_parameters_with_a_master():
     Adapters("lora", **lora).apply(module)
     trainable = [p.numel() for p in module.parameters() if p.requires_grad]
     assert staging == pinned_staging_bytes([(n, torch.bfloat16) for n in trainable])
+
+
+class FrozenInput(Lit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.inp.requires_grad_(False)  # NOTE: still in configure_optimizers' group (self.parameters())
+
+
+def test_a_frozen_weight_in_the_group_keeps_the_fused_host_kernel_in_the_run_and_its_dry_run(tmp_path):
+    """A frozen weight kept without a master stays in its optimizer's group in the compute dtype (bf16 here). It never
+    has a gradient, so no kernel steps it: the host step is torch's fused kernel all the same, in the run and in its
+    dry run. Before, the choice depended on when the module was cast: fused in the run (the weight still fp32 when the
+    groups were re-pointed), the for-loop in the dry run (already bf16), whose temporaries put the predicted step
+    peak above the measured one (Whisper's frozen sinusoidal positions: +10 %)."""
+    from lightning_lowmem import MemoryReport
+    from tests.memory.test_dry_run import _assert_predicted_equals_measured
+
+    class Fused(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            self.fused = len(trainer.strategy._fused)
+
+    L.seed_everything(0, verbose=False)
+    report, fused = MemoryReport(every_n_steps=1, plot=False, save_dir=tmp_path), Fused()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy="lowmem_offload", precision="bf16-true", max_steps=3, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[report, fused],
+    )  # fmt: skip
+    trainer.fit(FrozenInput())
+    assert fused.fused == 1
+    _assert_predicted_equals_measured(report)

@@ -34,6 +34,11 @@ def why_not_fused(optimizer: Optimizer) -> str | None:
         if group.get("capturable"):
             return f"param group {i} has `capturable=True`"
         for p in group["params"]:
+            # NOTE: a frozen parameter kept without a master (`masters.frozen_without_master`) stays in its group in
+            # the compute dtype; it never has a gradient, so no kernel steps it. Counting it made the choice depend
+            # on when the module was cast (fused in the run, for-loop in its dry run: +10% predicted at the step).
+            if not p.requires_grad:
+                continue
             if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64):
                 return f"param group {i} holds a {p.dtype} tensor on {p.device}"
     return None
