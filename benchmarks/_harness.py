@@ -190,16 +190,19 @@ def write_results(
 
 
 def step_probe(at: int | None = 1) -> Any:
-    """A Lightning callback that tracks training step ``at`` with ``MemoryTracker`` and times every step.
+    """A Lightning callback that times every step and, unless ``at`` is None, tracks training step ``at`` with
+    ``MemoryTracker``.
 
     Phases follow Lightning's hooks (forward until ``on_before_backward``, backward until
     ``on_after_backward``, then the optimizer). After fit: ``probe.tracker`` and ``probe.times``.
+    NOTE: with ``at=None`` the probe has only the batch start/end hooks: a callback with a hook between backward and
+    the step (``on_after_backward``) makes ``lowmem_offload(host_pass="overlap")`` run serially (``why_serial``).
     """
     import lightning as L
 
     from lightning_lowmem.measure.tracker import MemoryTracker
 
-    class StepProbe(L.Callback):
+    class StepTimes(L.Callback):
         def __init__(self) -> None:
             self.at, self.tracker, self.times, self._t0 = at, None, [], 0.0
 
@@ -213,6 +216,14 @@ def step_probe(at: int | None = 1) -> Any:
             self._t0 = time.perf_counter()
 
         @override
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.times.append(time.perf_counter() - self._t0)
+            if self.tracker is not None and self.tracker.active:
+                self.tracker.set_phase(None)
+                self.tracker.__exit__(None, None, None)
+
+    class StepProbe(StepTimes):
+        @override
         def on_before_backward(self, trainer, pl_module, loss):
             if self.tracker is not None and self.tracker.active:
                 self.tracker.set_phase("backward")
@@ -222,14 +233,7 @@ def step_probe(at: int | None = 1) -> Any:
             if self.tracker is not None and self.tracker.active:
                 self.tracker.set_phase("optimizer")
 
-        @override
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.times.append(time.perf_counter() - self._t0)
-            if self.tracker is not None and self.tracker.active:
-                self.tracker.set_phase(None)
-                self.tracker.__exit__(None, None, None)
-
-    return StepProbe()
+    return StepTimes() if at is None else StepProbe()
 
 
 def add_gpt2_args(parser: Any, *, rounds: int) -> None:

@@ -32,34 +32,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
-from benchmarks._harness import add_int_args, bench_trainer, lm_batches, write_results
+from benchmarks._harness import add_int_args, bench_trainer, lm_batches, step_probe, write_results
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 PRECISION = "32-true"
-
-
-class StepTimes(L.Callback):
-    """Step times, from ``on_train_batch_start`` to ``on_train_batch_end``.
-
-    NOTE: only those two hooks. A callback with a hook between backward and the step (``on_after_backward``, as the
-    harness's ``step_probe`` has) makes ``host_pass="overlap"`` run serially (``host_pass.why_serial``): the earlier
-    runs of this benchmark timed the serial step twice.
-    """
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._t0 = 0.0
-
-    def on_train_batch_start(self, *args) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._t0)
 VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val)
     "plain Lightning (auto)": (None, None),
     "serial": ({"host_pass": "serial"}, None),
@@ -98,7 +78,7 @@ def fit(args, kwargs, clip) -> dict:
             return out
 
         strategy.drain_transfers, strategy.optimizer_step = timed_drain, timed_step  # NOTE: before setup binds them
-    probe = StepTimes()
+    probe = step_probe(None)  # NOTE: timing hooks only: a hook after backward would make the overlap serial
     trainer = bench_trainer(strategy=strategy, precision=PRECISION, max_steps=args.steps, limit_val_batches=0,
                             callbacks=[probe], gradient_clip_val=clip)
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
