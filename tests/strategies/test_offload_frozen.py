@@ -124,15 +124,18 @@ def test_bf16_mixed_keeps_the_masters_of_frozen_weights_stored_in_bf16():
     assert not any(".norm." in n for n in seen.masters)
 
 
+class Unfreeze(Lit):
+    """The input layer as ``BackboneFinetuning``'s backbone; the optimizer holds the trainable parameters only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = self.model.inp
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
 def _backbone(precision: str, strategy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    class Unfreeze(Lit):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = self.model.inp
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
-
     class AtUnfreeze(Callback):
         def on_train_epoch_start(self, trainer, pl_module):
             self.before = {n: p.detach().clone() for n, p in pl_module.backbone.named_parameters()}
@@ -194,14 +197,6 @@ class MastersAtStart(Callback):
 
 def _unfreeze_run(tmp_path, max_epochs: int, ckpt_path=None, save: bool = False) -> MastersAtStart:
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    class Unfreeze(Lit):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = self.model.inp
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
     L.seed_everything(0, verbose=False)
     seen = MastersAtStart()
