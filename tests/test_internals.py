@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_lowmem._internals import bitsandbytes as bitsandbytes_internals
 from lightning_lowmem._internals import deepspeed as deepspeed_internals
 from lightning_lowmem._internals import frames as frames_internals
 from lightning_lowmem._internals import lightning as lightning_internals
@@ -43,6 +44,12 @@ def _class(dotted: str) -> type:
 @pytest.mark.parametrize("dotted", [*torch_internals.PRIVATE_SYMBOLS, *lightning_internals.PRIVATE_SYMBOLS,
                                     *frames_internals.PRIVATE_SYMBOLS])
 def test_private_symbol_exists(dotted):
+    _resolve(dotted)
+
+
+@pytest.mark.parametrize("dotted", bitsandbytes_internals.PRIVATE_SYMBOLS)
+def test_bitsandbytes_private_symbol_exists(dotted):
+    pytest.importorskip("bitsandbytes")
     _resolve(dotted)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_lowmem._internals import torch as torch_internals
 
@@ -90,9 +91,25 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+def quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of a quantized weight's quantization state (bitsandbytes' ``Params4bit.quant_state``: the
+    absmax per block, the code book, and the nested state of double quantization): part of the weight's bytes.
+
+    NOTE: they are attributes of an object the parameter holds, not parameters or buffers: a scan of the module's
+    tensors misses them, and a tracker that meets them first in the forward counts them as activations.
+    """
+    found: list[torch.Tensor] = []
+    state = getattr(p, "quant_state", None)
+    while state is not None and hasattr(state, "__dict__") and not isinstance(state, (type, torch.nn.Module)):
+        found += [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
+        state = getattr(state, "state2", None)
+    return found
+
+
 def module_weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers of ``module``."""
-    return unique_storage_bytes([*module.parameters(), *module.buffers()])
+    """Bytes of the parameters and buffers of ``module`` (a quantized weight's quantization state included)."""
+    params = list(module.parameters())
+    return unique_storage_bytes([*params, *module.buffers(), *(t for p in params for t in quant_state_tensors(p))])
 
 
 def module_grad_bytes(module: torch.nn.Module) -> int:
@@ -151,6 +168,32 @@ def mark_host(*tensors: torch.Tensor) -> None:
             _HOST_TENSORS.add(t)
             for listener in _HOST_LISTENERS:
                 listener(t)
+
+
+_HOST_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # host copy -> weakref of the parameter it copies
+
+
+def mark_host_weights(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Mark ``(parameter, host copy)`` pairs: host copies of a module's weights (parameter streaming's), in the host
+    role, counted as ``weights`` by a tracker of that module entered after they were made.
+
+    NOTE: a tracker counts what it sees made, plus what the module and the optimizers hold when it starts; a host copy
+    made before (at setup) that only the technique holds would be missed.
+    """
+    for p, host in pairs:
+        mark_host(host)
+        _HOST_WEIGHTS[host] = weakref.ref(p)
+
+
+def host_weight_copies(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The live host copies marked with :func:`mark_host_weights` of any of ``params``."""
+    ids = {id(p) for p in params}
+    out = []
+    for host, ref in list(_HOST_WEIGHTS.items()):
+        p = ref()
+        if p is not None and id(p) in ids:
+            out.append(host)
+    return out
 
 
 def host_tensors() -> list[torch.Tensor]:

@@ -96,6 +96,22 @@ def find_repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return chosen
 
 
+def called_blocks(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its children.
+
+    NOTE: a container has no ``forward``: the model walks its layers itself (Funnel's ``encoder.blocks.0``,
+    PoolFormer's ``encoder.block.0``), so the hooks of a streamed container never run and its weights would be read
+    released (NaN). Its children are called: they are the streamed blocks.
+    """
+    out: list[tuple[str, nn.Module]] = []
+    for name, block in blocks:
+        if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+            out += called_blocks([(f"{name}.{child}", m) for child, m in block.named_children()])
+        else:
+            out.append((name, block))
+    return out
+
+
 def select_modules(root: nn.Module, targets: Sequence[str | type]) -> list[tuple[str, nn.Module]]:
     """Modules named by ``targets``: classes, class names, or ``fnmatch`` patterns on qualified names.
 

@@ -242,6 +242,7 @@ class MemoryTracker(TrackerReadings, StorageLedger):
         self._host_refs: list[weakref.ref] = []
         self._handles: list[Any] = []
         self._params: list[torch.Tensor] = []
+        self._side: list[torch.Tensor] = []  # tensors of the parameters' quantization states (bitsandbytes)
         self._extra_params: list[torch.Tensor] = []  # optimizer parameters the module does not hold (masters)
         self._cuda_window: CudaPeakWindow | None = None
         self._cuda: dict[str, list[int]] = {}
@@ -270,7 +271,8 @@ class MemoryTracker(TrackerReadings, StorageLedger):
         self._params = list(self.module.parameters()) if self.module is not None else []
         if self.module is not None:
             keys = set()
-            for t in [*self._params, *self.module.buffers()]:
+            self._side = [t for p in self._params for t in _cat.quant_state_tensors(p)]
+            for t in [*self._params, *self.module.buffers(), *self._side]:
                 self._tag(t, _W)
                 st = _storage(t)
                 if st is not None:
@@ -349,6 +351,8 @@ class MemoryTracker(TrackerReadings, StorageLedger):
         _cat.add_host_listener(self._on_mark_host)
         self._phase_order.append("<start>")
         self._scan()
+        for t in _cat.host_weight_copies([*self._params, *self._side]):
+            self._tag(t, _W)  # NOTE: host copies of the module's weights made before tracking (`mark_host_weights`)
         if self.timeline_enabled:
             # NOTE: what existed before tracking is the baseline, not a ramp of "allocations".
             d = self._live[_DEV]

@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.callbacks.adapters.quantize_base import move_quant_state
 from lightning_lowmem.core.hooks import swapped
 from lightning_lowmem.core.side_step import quiet_warnings, silenced_log
 from lightning_lowmem.predict.data_dependent import DataDependent
@@ -256,6 +257,7 @@ def _apply_on_fake(original: Any) -> Any:
                     # NOTE: `.data` keeps the Parameter object that optimizers and hooks hold (as `.to()` does on
                     # real tensors); swap_tensors, which `.to()` picks for fake ones, refuses weakly referenced ones.
                     p.data = new
+                    move_quant_state(p)
                 if p.grad is not None:
                     grad = fn(p.grad)
                     if grad is not p.grad:
@@ -290,6 +292,11 @@ def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
         raise unsupported(err) from err
 
 
+def _param_subclass(t: torch.Tensor) -> bool:
+    """``t``'s class derives from ``nn.Parameter`` (a fake parameter is a FakeTensor that only passes ``isinstance``)."""
+    return type(t) is not torch.nn.Parameter and issubclass(type(t), torch.nn.Parameter)
+
+
 def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bool = False) -> torch.nn.Module:
     """A copy of ``module`` whose parameters and buffers are fake (same sizes, strides, tying); nothing allocated.
 
@@ -305,6 +312,11 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
         f = execution.fake(t if shape is None else torch.empty(shape, device="meta"), dtype)
         if isinstance(t, torch.nn.Parameter):
             f = torch.nn.Parameter(f, requires_grad=t.requires_grad)
+            if _param_subclass(t):
+                # NOTE: a parameter subclass (bitsandbytes' `Params4bit`) cannot wrap a fake tensor: its copy is a
+                # parameter carrying its attributes (the quantization state, with fake tensors)
+                memo[id(t)] = f
+                f.__dict__.update(copy.deepcopy(t.__dict__, memo))
         return f
 
     def deepcopy_tensor(self: torch.Tensor, memo_: dict[int, Any]) -> torch.Tensor:
@@ -312,8 +324,12 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
             memo_[id(self)] = fake_of(self)
         return memo_[id(self)]
 
-    # NOTE: every tensor reachable from the module (parameters, buffers, plain tensor attributes) becomes fake
+    # NOTE: every tensor reachable from the module (parameters, buffers, plain tensor attributes) becomes fake; a
+    # parameter subclass with its own `__deepcopy__` is copied first, so the module's copy finds it in the memo
     with swapped(torch.Tensor, __deepcopy__=deepcopy_tensor), swapped(torch.nn.Parameter, __deepcopy__=deepcopy_tensor):
+        for p in module.parameters():
+            if _param_subclass(p) and id(p) not in memo:
+                deepcopy_tensor(p, memo)
         return copy.deepcopy(module, memo)
 
 

@@ -95,10 +95,30 @@ def test_a_model_without_linear_layers_is_refused():
         quantize_linears(tiny_gpt2(), "nf4")
 
 
-def test_dry_run_of_a_quantized_base_says_it_is_not_supported():
-    with pytest.raises(DryRunUnsupportedError, match=r"cannot wrap a fake tensor.*quantize_base=None"):
-        dry_run(lambda: LitLM(None), batch_size=2, seq_len=16, callbacks=[Adapters("lora", **QLORA)],
-                extrapolate=False)
+def test_dry_run_of_a_4bit_base_counts_the_packed_weights_and_leaves_bitsandbytes_real():
+    """The dry run runs bitsandbytes' layer and quantize op on fake weights: the base linears weigh their packed
+    size; bitsandbytes' module cache (its 8-bit code book, filled at first use) is left holding a real tensor."""
+    import bitsandbytes as bnb
+
+    bnb.functional.name2qmap.pop("dynamic", None)  # NOTE: first use inside the dry run
+    est = dry_run(lambda: LitLM(None), batch_size=2, seq_len=16, callbacks=[Adapters("lora", **QLORA)],
+                  extrapolate=False)
+    assert not isinstance(bnb.functional.name2qmap["dynamic"], torch._subclasses.fake_tensor.FakeTensor)
+    full = dry_run(lambda: LitLM(None), batch_size=2, seq_len=16, callbacks=[Adapters("lora", **LORA)],
+                   extrapolate=False)
+    quantized, reference = LitLM(None), LitLM(None)
+    quantize_linears(quantized.model, "nf4")
+    names = [n for n, m in quantized.model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    dense = sum(reference.model.get_submodule(n).weight.nbytes for n in names)
+    packed = sum(packed_bytes(quantized.model.get_submodule(n)) for n in names)
+    saved = full.phases["optimizer"].device["weights"] - est.phases["optimizer"].device["weights"]
+    # NOTE: the quantization maps are one tensor per layer in the dry run, shared in bitsandbytes' real layers
+    assert saved == pytest.approx(dense - packed, rel=0.02)
+    assert bnb.functional.dequantize_4bit(quantized.model.get_submodule(names[0]).weight.data,
+                                          quantized.model.get_submodule(names[0]).weight.quant_state).isfinite().all()
+    with pytest.raises(DryRunUnsupportedError, match=r"Int8Params.*cannot wrap a fake tensor"):
+        dry_run(lambda: LitLM(None), batch_size=2, seq_len=16,
+                callbacks=[Adapters("lora", **{**LORA, "quantize_base": "int8"})], extrapolate=False)
 
 
 def test_export_merged_of_a_quantized_base_is_refused(tmp_path):

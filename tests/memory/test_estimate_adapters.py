@@ -27,6 +27,12 @@ RUNS = {
     "dora fp32": lambda: RunSpec.from_flags(adapters="dora", adapter_r=4),
     "lora offload + ckpt": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, precision="bf16-true",
                                                       offload=True, checkpointing="all"),
+    "qlora nf4 fp32": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, quantize_base="nf4"),
+    "qlora nf4 offload + ckpt": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, quantize_base="nf4",
+                                                           precision="bf16-true", offload=True, checkpointing="all"),
+    "qlora nf4 streamed + ckpt": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, quantize_base="nf4",
+                                                            precision="bf16-true", offload=True, offload_params=True,
+                                                            checkpointing="all"),
 }
 
 
@@ -82,13 +88,20 @@ def test_cli_rows_break_the_device_peak_down_by_category(capsys):
 
 
 @RunIf(bitsandbytes=True)
-def test_cli_quantized_base_row_says_why_it_is_not_predicted(capsys):
-    """A 4-bit base cannot be traced on fake tensors yet (bitsandbytes' parameter classes cannot wrap one): the row
-    says so; no closed-form figure of the full fine-tune is printed in its place."""
-    assert main([*TINY, "--batch-size", "2", "--seq-len", "32", "--target", "cpu", "--only", "baseline",
-                 "--adapters", "lora", "--quantize-base", "nf4"]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fp32 AdamW (baseline)"))
-    assert "not predicted:" in row and "Params4bit" in row
+def test_cli_quantized_base_row_is_a_dry_run_with_the_packed_base(tmp_path):
+    """A 4-bit base is traced like any other (bitsandbytes' own layers on fake tensors): its row is a dry run whose
+    weights are smaller than the same LoRA run's on the unquantized base."""
+    import json
+
+    def weights(*quant: str) -> int:
+        out = tmp_path / "rows.json"
+        assert main([*TINY, "--batch-size", "2", "--seq-len", "32", "--target", "cpu", "--only", "baseline",
+                     "--adapters", "lora", *quant, "--json", str(out)]) == 0
+        (row,) = json.loads(out.read_text())
+        assert row["method"] == "dry_run", row
+        return row["phases"]["optimizer"]["device"]["weights"]
+
+    assert weights("--quantize-base", "nf4") < weights()
 
 
 def _error(argv, capsys) -> str:  # type: ignore[no-untyped-def]

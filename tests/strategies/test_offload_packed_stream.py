@@ -1,8 +1,8 @@
 """A QLoRA base (bitsandbytes ``Params4bit``, packed 4-bit) streamed block by block by ``lowmem_offload_params``.
 
 Before, the packed weights were not streamed (parameter streaming moved floating-point weights only): the whole
-4-bit base stayed on the device. Now each block's packed bytes live on the host and visit the device with their
-block; the quantization state stays with the layer. On the CPU (bitsandbytes 0.50's CPU kernels) a streamed run is
+4-bit base stayed on the device. Now each block's packed bytes and their absmax per 64 values live on the host and
+visit the device with their block. On the CPU (bitsandbytes 0.50's CPU kernels) a streamed run is
 bit-identical to the resident one: adapters, the packed base, every buffer, and the checkpoint's state.
 """
 
@@ -32,6 +32,8 @@ class Watch(Callback):
             self.fetches = stream.fetches
             packed = [p for ps in stream.params for p in ps if is_streamable_packed(p)]
             self.placeholders = bool(packed) and all(p.data.stride() == (0,) * p.dim() for p in packed)
+            absmax = [p.quant_state.absmax for p in packed]  # NOTE: the per-block quantization state streams too
+            self.absmax_released = all(a.stride() == (0,) * a.dim() for a in absmax)
 
     def on_train_end(self, trainer, pl_module):
         self.checkpoint = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
@@ -47,6 +49,7 @@ def test_packed_4bit_base_is_streamed_and_trains_as_the_resident_run(quant):
     # NOTE: failed before: the packed weights were not streamed (the stream held floating-point weights only)
     assert got_watch.packed == 14  # 2 layers x 7 linears
     assert got_watch.fetches > 0 and got_watch.placeholders  # between steps the packed weights are released
+    assert got_watch.absmax_released  # and their absmax per 64 values
     want, got = state(resident), state(streamed)
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []  # the packed base came back too
@@ -63,3 +66,43 @@ def test_int8_base_stays_resident():
     fit(module, [Adapters("lora", **{**LORA, "quantize_base": "int8"}), watch],
         OffloadStrategy(host_optimizer="as_is", offload_params=True))
     assert watch.packed == 0 and watch.fetches > 0
+
+
+class FetchedAtBackward(Callback):
+    """At the first backward and after it: the storages of packed weight copies made in the step that are still
+    alive and are not the parameters' current data (copies another object holds)."""
+
+    @staticmethod
+    def _storages(stream) -> set[int]:
+        import gc
+
+        sizes = {p.numel() * p.element_size() for ps in stream.params for p in ps if is_streamable_packed(p)}
+        return {t.untyped_storage().data_ptr() for t in gc.get_objects()
+                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.untyped_storage().nbytes() in sizes}
+
+    def on_train_batch_start(self, trainer, *args):
+        self.before = self._storages(trainer.strategy._stream)  # the host copies, and whatever earlier tests left
+
+    def _held(self, stream) -> set[int]:
+        current = {p.untyped_storage().data_ptr() for ps in stream.params for p in ps}
+        return self._storages(stream) - self.before - current
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.held = self._held(trainer.strategy._stream)
+
+    def on_before_optimizer_step(self, trainer, *args):
+        self.held_after = self._held(trainer.strategy._stream)
+        trainer.should_stop = True
+
+
+def test_the_step_keeps_no_fetched_packed_block_alive():
+    """bitsandbytes' ``MatMul4Bit`` keeps its packed weight as an attribute of its autograd context, out of reach of
+    the stream's saved-tensor hooks: every block's fetched copy stayed alive until backward (the whole base on the
+    device). While streaming, the weight is kept through ``save_for_backward``: the stream re-fetches it."""
+    watch = FetchedAtBackward()
+    module = TrainableOnly(None, layers=4)
+    fit(module, [Adapters("lora", **{**LORA, "quantize_base": "nf4"}), watch],
+        OffloadStrategy(host_optimizer="as_is", offload_params=True, prefetch=0), steps=1)
+    # NOTE: failed before: 4 layers x 7 linears' fetched copies were held by the graph (28 storages)
+    assert watch.held == set()
+    assert watch.held_after == set()  # the backward's copies are not kept by the graph's contexts either

@@ -8,6 +8,7 @@ outlier threshold), whose weight is quantized at once from the layer's current v
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -38,15 +39,16 @@ def _quantized(linear: nn.Linear, quant_type: str, bnb: Any) -> nn.Module:
             "bitsandbytes quantizes real values. Load the weights before `setup` (in `__init__` or `configure_model`)."
         )
     if _fake(weight):
-        # NOTE: `Params4bit`/`Int8Params` are tensor subclasses built with `Tensor._make_subclass`, which cannot
-        # wrap a FakeTensor; bitsandbytes' quantize op itself has a fake kernel, its parameter classes do not.
-        raise DryRunUnsupportedError(
-            f"bitsandbytes {'Int8Params' if quant_type == 'int8' else 'Params4bit'}",
-            f"`Adapters(quantize_base={quant_type!r})` builds bitsandbytes' quantized parameters, which cannot wrap "
-            "a fake tensor; dry-run with `quantize_base=None` and count the base linears at their packed size "
-            "(see `packed_bytes`)",
-            None,
-        )
+        if quant_type == "int8":
+            # NOTE: `Int8Params` is a tensor subclass built with `Tensor._make_subclass`, which cannot wrap a
+            # FakeTensor, and `Linear8bitLt` keeps its own references to the int8 matrix (`state.CB`)
+            raise DryRunUnsupportedError(
+                "bitsandbytes Int8Params",
+                "`Adapters(quantize_base='int8')` builds bitsandbytes' int8 parameters, which cannot wrap a fake "
+                "tensor; dry-run a 4-bit base (`quantize_base='nf4'`) or `quantize_base=None`",
+                None,
+            )
+        return _fake_4bit(linear, quant_type, bnb)
     has_bias = linear.bias is not None
     if quant_type == "int8":
         q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False,
@@ -63,6 +65,46 @@ def _quantized(linear: nn.Linear, quant_type: str, bnb: Any) -> nn.Module:
     if quant_type != "int8":
         q.register_load_state_dict_pre_hook(_load_quant_state)
     return q
+
+
+def _fake_4bit(linear: nn.Linear, quant_type: str, bnb: Any) -> nn.Module:
+    """The dry run's ``Linear4bit``: bitsandbytes' layer and quantize op on a fake weight; only the parameter's class
+    differs (a frozen ``uint8`` parameter carrying its ``quant_state``, as ``Params4bit`` does).
+
+    NOTE: ``Params4bit`` is built with ``Tensor._make_subclass``, which cannot wrap a FakeTensor. The layer's
+    forward (``matmul_4bit``: dequantize, then multiply) reads only the packed data and ``weight.quant_state``, and
+    bitsandbytes' ops have fake kernels: the dry run runs the same ops on the same sizes as the real layer.
+    """
+    with torch_internals.unset_fake_temporarily():
+        # NOTE: built outside the fake mode, on the meta device (the layer's `Params4bit` could not wrap a fake)
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              quant_type=quant_type, device="meta")
+        # NOTE: bitsandbytes caches its 8-bit code book (for the double quantization of the absmax) in a module
+        # dictionary at first use: filled here with the real CPU map it would build, or a fake one would stay there
+        # and poison every later real quantization
+        bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
+    like = q.weight  # a meta `Params4bit`: the layer's own blocksize, statistics compression and storage dtype
+    packed, state = bnb.functional.quantize_4bit(linear.weight.detach(), blocksize=like.blocksize,
+                                                 compress_statistics=like.compress_statistics,
+                                                 quant_type=quant_type, quant_storage=like.quant_storage)
+    weight = nn.Parameter(packed, requires_grad=False)
+    for name in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):
+        setattr(weight, name, getattr(like, name))  # NOTE: PEFT's 4-bit LoRA layer reads them from the weight
+    weight.quant_state, weight.bnb_quantized, weight.module = state, True, q
+    q.weight = weight
+    q.quant_state = state
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    return q
+
+
+def move_quant_state(p: torch.Tensor) -> None:
+    """Move a packed 4-bit weight's quantization state to the weight's device, as ``Params4bit.to`` does (for the dry
+    run's stand-in of :func:`_fake_4bit`, moved through ``.data``). Any other tensor is left alone."""
+    functional = sys.modules.get("bitsandbytes.functional")
+    state = getattr(p, "quant_state", None)
+    if functional is not None and isinstance(state, functional.QuantState) and state.absmax.device != p.device:
+        state.to(p.device)
 
 
 def _fake(t: torch.Tensor) -> bool:

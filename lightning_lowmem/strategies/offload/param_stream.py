@@ -15,21 +15,22 @@ releases it (the last ``prefetch + 1`` streamed blocks stay: backward starts wit
 block's output gradient (it fires before the block's backward, and before a checkpointed block recomputes)
 releases the blocks after it, waits for it and queues the ``prefetch`` blocks before it.
 
-NOTE: [saved weights] autograd keeps views of the weights for backward (``linear`` saves ``weight.t()``): such a
-view holds the fetched storage alive, so swapping ``.data`` alone would free nothing. While a streamed block runs
-forward, a ``saved_tensors_hooks`` pair replaces every saved tensor on a fetched weight's storage by
-``(parameter, size, stride, offset)`` and rebuilds the view on the weight's *current* data when backward unpacks
-it (fetching the block first if it is not on the device: correct even when a hook did not run). Saved tensors
-that are not weights go to the hooks that were active outside the block (``ActivationOffload``), or are kept.
-Chosen over an autograd Function at block boundaries because it leaves the module's forward, the checkpoint
-wrappers and the hooks of other techniques as they are. A checkpointed block saves nothing of its weights in
-forward (the checkpoint's own hooks are innermost) and recomputes after the output-gradient hook fetched it.
+NOTE: [saved weights] autograd keeps views of the weights for backward (``linear`` saves ``weight.t()``): such a view
+holds the fetched storage alive, so swapping ``.data`` alone would free nothing. While a streamed block runs forward, a
+``saved_tensors_hooks`` pair replaces every saved tensor on a fetched weight's storage by ``(parameter, size, stride,
+offset)`` and rebuilds the view on the weight's *current* data when backward unpacks it (fetching the block first if it
+is not on the device: correct even when a hook did not run). Saved tensors that are not weights go to the hooks that
+were active outside the block (``ActivationOffload``), or are kept. Chosen over an autograd Function at block
+boundaries because it leaves the module's forward, the checkpoint wrappers and the hooks of other techniques as they
+are. A checkpointed block saves nothing of its weights in forward (the checkpoint's own hooks are innermost) and
+recomputes after the output-gradient hook fetched it. bitsandbytes' 4-bit matmul keeps its weight out of the hooks'
+reach: see ``packed_weights``.
 
-NOTE: [in-place changes] The hooks turn off autograd's check that a saved tensor was not changed in place; the
-unpack makes it (``core.saved_versions``). A block's forward that changes one of its streamed weights in place
-(a clamp, a renormalisation) is refused when it returns: the fetched copy it changed is dropped at release,
-so the change would be lost. A change through ``.data`` bumps no version counter: neither plain PyTorch nor
-this check sees it, and under streaming it is lost.
+NOTE: [in-place changes] The hooks turn off autograd's check that a saved tensor was not changed in place; the unpack
+makes it (``core.saved_versions``). A block's forward that changes one of its streamed weights in place (a clamp, a
+renormalisation) is refused when it returns: the fetched copy it changed is dropped at release, so the change would be
+lost. A change through ``.data`` bumps no version counter: neither plain PyTorch nor this check sees it, and under
+streaming it is lost.
 """
 
 from __future__ import annotations
@@ -44,13 +45,18 @@ import torch
 from torch import nn
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import mark_host, storage_key
-from lightning_lowmem.core.blocks import find_repeated_blocks
+from lightning_lowmem.core.accounting import mark_host, mark_host_weights, storage_key
+from lightning_lowmem.core.blocks import called_blocks, find_repeated_blocks
 from lightning_lowmem.core.saved_versions import SavedVersion
 from lightning_lowmem.core.streams import CudaOps, StreamOps, cpu_ops
 from lightning_lowmem.core.tensors import tensors_in
 from lightning_lowmem.core.units import fmt_size
-from lightning_lowmem.strategies.offload.packed_weights import streamable
+from lightning_lowmem.strategies.offload.packed_weights import (
+    QuantStatePointers,
+    kept_by_hooks,
+    quant_state_param,
+    streamable,
+)
 from lightning_lowmem.strategies.offload.precision import _compiled_params
 from lightning_lowmem.strategies.offload.transfer import _bucket_sizes
 
@@ -74,7 +80,7 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     A parameter shared between two blocks or with a module outside the blocks (tied weights) is not a block's:
     it stays resident.
     """
-    blocks = _called(find_repeated_blocks(module))
+    blocks = called_blocks(find_repeated_blocks(module))
     owners: dict[int, set[int]] = {}
     for b, (_, block) in enumerate(blocks):
         for p in block.parameters():
@@ -83,28 +89,13 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     # NOTE: a module outside the blocks that holds a block's parameter (tied weights) makes it resident
     outside = {id(p) for m in module.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
     per_block = [
-        [p for p in block.parameters() if streamable(p) and owners[id(p)] == {b} and id(p) not in outside]
+        [q for p in block.parameters() if streamable(p) and owners[id(p)] == {b} and id(p) not in outside
+         for q in (p, *quant_state_param(p))]  # NOTE: a packed weight's absmax follows it (see packed_weights)
         for b, (_, block) in enumerate(blocks)
     ]
     streamed = {id(p) for ps in per_block for p in ps}
     rest = [p for p in module.parameters() if id(p) not in streamed]
     return blocks, per_block, rest
-
-
-def _called(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its children.
-
-    NOTE: a container has no ``forward``: the model walks its layers itself (Funnel's ``encoder.blocks.0``,
-    PoolFormer's ``encoder.block.0``), so the hooks of a streamed container never run and its weights would be read
-    released (NaN). Its children are called: they are the streamed blocks.
-    """
-    out: list[tuple[str, nn.Module]] = []
-    for name, block in blocks:
-        if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
-            out += _called([(f"{name}.{child}", m) for child, m in block.named_children()])
-        else:
-            out.append((name, block))
-    return out
 
 
 def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, prefetch: int, released: int = 0) -> int:
@@ -208,6 +199,8 @@ class ParamStream:
         self._buckets: list[torch.Tensor] = []
         self.fetches = 0  # blocks copied to the device (a count for tests and benchmarks)
         self._checked: set[str] = set()  # the steps (training, validation) whose first call was checked
+        self._matmul = kept_by_hooks(self.params)  # NOTE: entered in `attach`: see packed_weights' [weight kept ...]
+        self._quant_states = QuantStatePointers(self.params)
         # NOTE: a dispatch mode makes a compiled region run another path (another rounding): no check there
         self._compiled = bool(_compiled_params(module))
 
@@ -236,13 +229,16 @@ class ParamStream:
             self.host[b] = [next(it) for _ in ps]  # type: ignore[misc]
             for p in ps:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        mark_host(*self._buckets, *(h for hs in self.host for h in hs))
+        mark_host(*self._buckets)
+        mark_host_weights((p, h) for ps, hs in zip(self.params, self.host) for p, h in zip(ps, hs))
 
     def attach(self) -> None:
         """After the module moved to the device: placeholders there, and the hooks."""
         for ps in self.params:
             for p in ps:
                 p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+        self._quant_states.repoint()
+        self._matmul.__enter__()
         self.hook_blocks()
 
     def hook_blocks(self) -> None:
@@ -271,6 +267,7 @@ class ParamStream:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._matmul.__exit__(None, None, None)
         self.release_all()
         if self._last_event is not None and self.ops is not None:
             self.ops.synchronize(self._last_event)

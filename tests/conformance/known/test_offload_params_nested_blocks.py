@@ -8,7 +8,7 @@ which have no ``forward``: the model walks their layers itself, so no forward pr
 block ever runs.
 Cause (found): a container has no ``forward``, so its hooks never fetch: its layers read the released placeholders
 (NaN), every step is skipped as non-finite, the update is lost. Fixed: the streamed blocks are the called children of
-such containers (``param_stream._called``), and the first training/validation step refuses any op that reads a
+such containers (``core.blocks.called_blocks``), and the first training/validation step refuses any op that reads a
 released streamed weight (``strategies/_stream_check.py``; unit cases in ``tests/strategies/test_param_stream_structure.py``).
 """
 

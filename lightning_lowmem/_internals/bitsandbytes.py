@@ -1,0 +1,39 @@
+"""bitsandbytes internals: the only module of the package that touches bitsandbytes' private modules.
+
+:data:`PRIVATE_SYMBOLS` lists them; ``tests/test_internals.py`` asserts they exist in the installed bitsandbytes.
+bitsandbytes is optional: it is imported inside each function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+#: bitsandbytes names used here (dotted), checked by tests/test_internals.py
+PRIVATE_SYMBOLS = ("bitsandbytes.autograd._functions.MatMul4Bit",)
+
+
+def matmul_4bit_function() -> type:
+    """bitsandbytes' ``MatMul4Bit``: the autograd function of ``matmul_4bit`` (``Linear4bit``'s forward)."""
+    from bitsandbytes.autograd import _functions
+
+    return _functions.MatMul4Bit
+
+
+@contextlib.contextmanager
+def applied_matmul_4bit(function: Any) -> Iterator[None]:
+    """Within the block, ``bitsandbytes.matmul_4bit`` (``Linear4bit``'s forward) applies ``function``, a subclass of
+    bitsandbytes' ``MatMul4Bit``.
+
+    NOTE: ``matmul_4bit`` looks the autograd function up in its private module at each call; bitsandbytes offers no
+    public way to choose it. The previous one is restored on exit, even on an error.
+    """
+    from bitsandbytes.autograd import _functions
+
+    previous = _functions.MatMul4Bit
+    _functions.MatMul4Bit = function
+    try:
+        yield
+    finally:
+        _functions.MatMul4Bit = previous
