@@ -45,6 +45,7 @@ PRIVATE_SYMBOLS = (
     "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
     "torch.utils._python_dispatch._push_mode",
     "torch.utils._python_dispatch._pop_mode",
+    "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
     "torch.utils._pytree.tree_flatten",
     "torch.utils._pytree.tree_unflatten",
     "torch.utils._pytree.tree_map",
@@ -101,6 +102,24 @@ tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_map = _pytree.tree_map
 tree_leaves = _pytree.tree_leaves
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a wrapper tensor subclass holds (torchao's quantized optimizer state: codes and scales), or None
+    for a tensor that has its own storage.
+
+    NOTE: a wrapper subclass (``_make_wrapper_subclass``) reports a storage of its nominal size (a 4-bit moment of
+    an fp32 parameter reads 4 B/value) that holds no data; its bytes are those of the tensors it wraps, which
+    ``__tensor_flatten__`` names (the protocol torch.compile relies on). No public API tells the two kinds apart.
+    """
+    if not _python_dispatch.is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    out: list[torch.Tensor] = []
+    for name in names:
+        inner = getattr(t, name)
+        out += inner_tensors(inner) or [inner]
+    return out
 
 
 def dispatch_mode_stack() -> list[Any]:

@@ -4,6 +4,7 @@
     lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB   # the suite's combinations
     lowmem estimate --model llama --set num_hidden_layers=8 --set hidden_size=1024 --batch-size 2 --seq-len 256
     lowmem estimate --model llama-7b --batch-size 1 --seq-len 2048 --adapters lora --adapter-r 16 --only bf16-true
+    lowmem estimate --model llama-7b --batch-size 1 --seq-len 512 --optimizer galore --only bf16-true
     lowmem estimate --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 4
 """
 
@@ -166,6 +167,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapter-r", type=int, default=None, help="with --adapters: the adapters' rank (default 16)")
     parser.add_argument("--quantize-base", default=None, metavar="QUANT", help="with --adapters: the frozen base in "
                         "4-bit ('nf4', 'fp4') or 8-bit ('int8') bitsandbytes layers (QLoRA)")
+    parser.add_argument("--optimizer", default=None, metavar="KIND", help="with --model: every combination steps "
+                        "this optimizer instead of the module's AdamW: 'adamw8bit' (LowBitOptimizer, bitsandbytes), "
+                        "or a LeanOptimizer at its defaults: 'galore', 'apollo', 'apollo_mini', 'adam_mini', "
+                        "'adamw4bit', 'torchao_adamw8bit' (its own code runs in the dry run); the combinations with an "
+                        "optimizer of their own are left out")
     parser.add_argument("--only", action="append", default=None, help="with --model: combinations whose name has this")
     parser.add_argument("--analytic", action="store_true", help="closed form only (fast; 21%% low to 6%% high on the benchmarked HF models)")
     parser.add_argument("--full-trace", action="store_true", help="trace every block (no extrapolation)")
@@ -227,6 +233,9 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
         if args.adapters or args.adapter_r is not None or args.quantize_base:
             problems.append("`--adapters`/`--adapter-r`/`--quantize-base` are for --model; with --config add "
                             "`class_path: Adapters` to the YAML's trainer.callbacks")
+        if args.optimizer:
+            problems.append("`--optimizer` is for --model; with --config add `class_path: LeanOptimizer` (or "
+                            "LowBitOptimizer) to the YAML's trainer.callbacks")
     else:
         for flag in ("batch_size", "seq_len"):
             value = getattr(args, flag)
@@ -240,7 +249,10 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
         if args.world_size < 1:
             problems.append(f"Passed `--world-size {args.world_size}`; expected a positive integer")
         problems += adapter_problems(args)
+        problems += optimizer_problems(args)
         combos = [(n, kw) for n, kw in COMBINATIONS if not args.only or any(o.lower() in n.lower() for o in args.only)]
+        if args.optimizer:  # NOTE: one optimizer for every row: the rows that choose their own are another question
+            combos = [(n, kw) for n, kw in combos if "optimizer" not in kw]
         if not combos:
             problems.append(f"Passed `--only {' '.join(args.only)}`, which matches no combination; the names are: "
                             + "; ".join(n for n, _ in COMBINATIONS))
@@ -289,6 +301,23 @@ def adapter_problems(args: argparse.Namespace) -> list[str]:
         except ModuleNotFoundError as err:
             problems.append(str(err))
     return problems
+
+
+def optimizer_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with ``--optimizer`` (named as given): an unknown kind, ``--analytic``, a missing extra."""
+    from lightning_lowmem.predict.estimate import OPTIMIZERS, lean_extra_problem
+
+    if args.optimizer is None:
+        return []
+    call = f"`--optimizer {args.optimizer}`"
+    if args.optimizer not in OPTIMIZERS:
+        return [f"Passed {call}; expected one of {', '.join(OPTIMIZERS)}"]
+    problems = []
+    if getattr(args, "analytic", False) and args.optimizer != "adamw" and args.optimizer != "adamw8bit":
+        problems.append(f"Passed {call} with `--analytic`: the closed form does not model lean optimizers; drop "
+                        "--analytic")
+    missing = lean_extra_problem(args.optimizer, call)
+    return [*problems, missing] if missing else problems
 
 
 def adapter_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -372,7 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 est = estimate_memory(config, args.batch_size, args.seq_len, data=data,
                                       micro_batch_size=args.micro_batch_size,
                                       target=args.target, world_size=args.world_size, method=method,
-                                      extrapolate=extrapolate, **kw, **adapter_flags(args))
+                                      extrapolate=extrapolate, **kw, **adapter_flags(args),
+                                      **({"optimizer": args.optimizer} if args.optimizer else {}))
             except ModuleNotFoundError as err:  # an optional extra (bitsandbytes) missing: say so, keep going
                 rows.append((name, "-", "-", "-", "-", *blank, f"skipped: {err}", "-"))
                 continue
@@ -394,8 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f", adapters {args.adapters} r={args.adapter_r or 16}"
             + (f" on a {args.quantize_base} base" if args.quantize_base else "") + " (device bytes by category at the "
             "binding phase)")
+        optimizer = f", optimizer {args.optimizer}" if args.optimizer else ""
         print(f"{args.model}: target {target} (from {'--target' if args.target else 'the default for --model'}), "
-              f"batch {args.batch_size}, seq {args.seq_len}{adapters}"
+              f"batch {args.batch_size}, seq {args.seq_len}{adapters}{optimizer}"
               + (f", budget {args.budget} = {budget:,} B" if budget else ""))
         print("\n".join(_table(rows, ("combination", "device peak", "host peak", "binds", fits_header, *cats,
                                       "method", "time"))))
@@ -407,4 +438,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["adapter_flags", "adapter_problems", "add_data_arguments", "build_data", "data_problems", "main", "split_data_args"]
+__all__ = ["adapter_flags", "adapter_problems", "add_data_arguments", "build_data", "data_problems", "main",
+           "optimizer_problems", "split_data_args"]

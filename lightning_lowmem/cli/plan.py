@@ -3,6 +3,7 @@
     lowmem plan --config run.yaml --device-memory 12GB --host-memory 64GB --write plan.yaml
     lowmem plan --model gpt2-xl --batch-size 4 --seq-len 1024 --hardware rtx3060-12gb
     lowmem plan --model llama-7b --batch-size 1 --seq-len 2048 --hardware rtx4090-24gb --adapters none,lora
+    lowmem plan --model llama-7b --batch-size 1 --seq-len 512 --hardware rtx4090-24gb --optimizers adamw,galore
     lowmem plan --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 8 \
         --device-memory 12GB
     lowmem fit --config plan.yaml
@@ -48,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize-base", default="none", metavar="QUANTS", help="with --adapters: the frozen bases "
                         "allowed, comma-separated: 'none' (its dtype, the default), 'nf4', 'fp4', 'int8' (bitsandbytes)")
     parser.add_argument("--adapter-r", type=int, default=16, help="with --adapters: the adapters' rank (default 16)")
+    parser.add_argument("--optimizers", default="adamw", metavar="KINDS", help="the optimizers you allow, "
+                        "comma-separated, in order of preference: 'adamw' (the module's own, the default; the plan may "
+                        "make it 8-bit), LeanOptimizer kinds 'galore', 'apollo', 'apollo_mini', 'adam_mini', "
+                        "'adamw4bit', 'torchao_adamw8bit'; the next is planned only when none of the one before fits")
     parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--write", help="write the chosen recipe as a YAML `lowmem fit --config` runs")
     parser.add_argument("--json", help="also write the plan as JSON")
@@ -96,9 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     problems = _check(args)
     adapters, quantize_base = args.adapters.split(","), args.quantize_base.split(",")
-    from lightning_lowmem.plan.recipes import adapter_variants
+    from lightning_lowmem.plan.recipes import adapter_variants, optimizer_choices
 
     adapter_variants(adapters, quantize_base, args.adapter_r, (), problems, cli=True)  # NOTE: the flags', up front
+    optimizers = args.optimizers.split(",")
+    optimizer_choices(optimizers, (), problems, cli=True)
     model = args.config
     module_class = _module_class(args.model) if args.model else None
     data, data_issues = data_problems(args, init_args, module_class)
@@ -118,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = plan(model, args.batch_size, args.seq_len, device_memory=args.device_memory,
                       host_memory=args.host_memory, hardware=args.hardware, pure_half=args.pure_half,
                       target=args.target, data=data, adapters=adapters, quantize_base=quantize_base,
-                      adapter_r=args.adapter_r)
+                      adapter_r=args.adapter_r, optimizers=optimizers)
     except NoRecipeFitsError as err:
         parser.exit(1, f"lowmem plan: {err}\n")
     except ValueError as err:

@@ -127,7 +127,8 @@ def state_tensors(state: dict) -> list[torch.Tensor]:
             for attr in vars(value).values():
                 items = attr if isinstance(attr, (list, tuple)) else (attr,)
                 found += [t for t in items if isinstance(t, torch.Tensor)]
-    return found
+    # NOTE: torchao's 4-/8-bit moments are wrapper subclasses: their codes and scales hold the bytes
+    return [inner for t in found for inner in (torch_internals.inner_tensors(t) or [t])]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

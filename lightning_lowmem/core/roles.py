@@ -37,4 +37,18 @@ class LowBitOptimizerSwap:
     stable_embedding: bool
 
 
-__all__ = ["HostMastersStrategy", "LowBitOptimizerSwap"]
+class LeanOptimizerSwap:
+    """A callback that replaces the configured optimizer at fit start by one whose state it sizes itself
+    (``LeanOptimizer``: GaLore, APOLLO, Adam-mini, torchao's 4-/8-bit AdamW).
+
+    A strategy that counts the host RAM of the optimizer state before the swap asks it (:meth:`expected_state_bytes`)
+    instead of sizing the configured optimizer's.
+    """
+
+    def expected_state_bytes(self, optimizer: object, module: object) -> int:
+        """Bytes of the state the optimizer replacing ``optimizer`` (over ``module``'s parameters) will keep for
+        fp32 masters."""
+        raise NotImplementedError
+
+
+__all__ = ["HostMastersStrategy", "LeanOptimizerSwap", "LowBitOptimizerSwap"]

@@ -50,6 +50,8 @@ class _Rec:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if torch_internals.inner_tensors(t) is not None:  # NOTE: a wrapper's storage holds nothing; its inner tensors count
+        return None
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some wrapper subclasses

@@ -18,8 +18,9 @@ from lightning_lowmem.callbacks.activation_checkpointing.callback import Activat
 from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
+from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
-from lightning_lowmem.predict.run_spec import RunSpec
+from lightning_lowmem.predict.run_spec import LEAN_OPTIMIZERS, RunSpec
 
 Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"]
 Checkpointing = Literal["every_n", "all"]
@@ -48,10 +49,16 @@ TECHNIQUE_FIELDS: tuple[tuple[type, str], ...] = (
     (LowBitOptimizer, "optimizer_8bit"),
     (AccumulationScheduler, "micro_batch_size"),
     (Adapters, "adapters"),
+    (LeanOptimizer, "optimizer"),
 )
 #: an adapter variant a plan may consider: (kind, quantized base), ``(None, None)`` the full fine-tune
 AdapterVariant = tuple[str | None, str | None]
 FULL_FINE_TUNE: AdapterVariant = (None, None)
+#: ``plan(optimizers=...)``: "adamw" (the module's own optimizer; the plan may add 8-bit AdamW) or a ``LeanOptimizer``
+#: shorthand of ``estimate_memory`` -> how recipe names show it
+OPTIMIZER_LABELS: dict[str, str] = {"galore": "GaLore", "apollo": "APOLLO", "apollo_mini": "APOLLO-Mini",
+                                    "adam_mini": "Adam-mini", "adamw4bit": "4-bit AdamW (torchao)",
+                                    "torchao_adamw8bit": "8-bit AdamW (torchao)"}
 
 
 def technique_field(callback: Any) -> str | None:
@@ -74,6 +81,14 @@ class Recipe:
     adapters: str | None = None
     adapter_r: int = 16
     quantize_base: str | None = None
+    #: ``LeanOptimizer`` by its ``estimate_memory`` shorthand (``"galore"``, ...): another optimizer (other maths),
+    #: considered only where the user allows it (``plan(optimizers=...)``); None: the module's own
+    optimizer: str | None = None
+
+    @property
+    def training_name(self) -> str:
+        """What is trained and how: ``"full fine-tune"``, ``"LoRA r=16"``, ``"full fine-tune with GaLore"``, ..."""
+        return self.adapter_name + (f" with {OPTIMIZER_LABELS[self.optimizer]}" if self.optimizer else "")
 
     @property
     def adapter_name(self) -> str:
@@ -89,6 +104,8 @@ class Recipe:
         parts = [BASES[self.base][0].format(h=half)]
         if self.adapters is not None:
             parts.append(self.adapter_name)
+        if self.optimizer is not None:
+            parts.append(OPTIMIZER_LABELS[self.optimizer])
         if self.checkpointing:
             parts.append("ckpt(every 2nd)" if self.checkpointing == "every_n" else "ckpt(all)")
         parts += [n for n, on in (("act. offload", self.activation_offload), ("chunked loss", self.chunked_loss),
@@ -116,6 +133,8 @@ class Recipe:
             flags["chunked_loss"] = CHUNK_TOKENS
         if self.optimizer_8bit:
             flags["optimizer"] = "adamw8bit"
+        if self.optimizer is not None:
+            flags["optimizer"] = self.optimizer
         if self.adapters is not None:
             flags.update(adapters=self.adapters, adapter_r=self.adapter_r, quantize_base=self.quantize_base)
         if batch_size is not None and self.micro_batch_size != batch_size:
@@ -147,8 +166,9 @@ class Recipe:
         NOTE: the planner's pruning rests on this order: a recipe that saves at least as much as one that does
         not fit is taken not to fit either (each technique lowers the device peak, or leaves it where it is).
         """
-        # NOTE: only within one adapter variant: adapters change the training, they are not a saving to rank by
-        return (self.base == other.base and self.adapter_variant == other.adapter_variant
+        # NOTE: only within one training (adapter variant and optimizer): adapters and a lean optimizer change the
+        # maths, they are not a saving to rank by
+        return (self.base == other.base and self.training == other.training
                 and self.micro_batch_size <= other.micro_batch_size
                 and _CKPT_RANK[self.checkpointing] >= _CKPT_RANK[other.checkpointing]
                 and self.activation_offload >= other.activation_offload and self.chunked_loss >= other.chunked_loss
@@ -157,6 +177,11 @@ class Recipe:
     @property
     def adapter_variant(self) -> tuple[str | None, int, str | None]:
         return self.adapters, self.adapter_r, self.quantize_base
+
+    @property
+    def training(self) -> tuple[str | None, int, str | None, str | None]:
+        """The adapter variant and the optimizer: recipes compare (and are planned in order) only within one."""
+        return (*self.adapter_variant, self.optimizer)
 
     def conflict(self, batch_size: int, half: str = "bf16") -> str | None:
         """Why the real run refuses this combination, for the pairs known not to compose (not traced)."""
@@ -170,6 +195,10 @@ class Recipe:
             return "ZeRO-3 re-gathers a partitioned weight only for its own module's backward, not the loss's"
         if self.quantize_base is not None and self.base in _DEEPSPEED:
             return "bitsandbytes' packed base weights cannot be partitioned by DeepSpeed"
+        if self.optimizer is not None and self.base in _DEEPSPEED:
+            return "DeepSpeed's engine builds its own optimizer: LeanOptimizer cannot replace it"
+        if self.optimizer is not None and self.optimizer_8bit:
+            return "LeanOptimizer and LowBitOptimizer both replace the optimizer"
         return None
 
 
@@ -186,7 +215,8 @@ def micro_batches(batch_size: int) -> list[int]:
 def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = True, eight_bit: bool = True,
                chunked_loss: bool = True, micro: bool = True, checkpointing: bool = True,
                activation_offload: bool = True, bases: Sequence[str] | None = None, half: str = "bf16",
-               adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16) -> list[Recipe]:
+               adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16,
+               optimizers: Sequence[str | None] = (None,)) -> list[Recipe]:
     """Every recipe considered, for an effective batch of ``batch_size`` on one device.
 
     DeepSpeed bases take the checkpointing callback (per-block policies compose with ZeRO's parameter fetching) but
@@ -194,7 +224,8 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
     optimizer), and pairs the real run refuses (:meth:`Recipe.conflict`) are left out; ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only the bases named.
     ``adapters``: the adapter variants the user allows, ``(kind, quantized base)`` with ``(None, None)`` the full
     fine-tune (the default, alone: a plan never turns a full fine-tune into an adapter run by itself); every
-    recipe is considered with each, at rank ``adapter_r``.
+    recipe is considered with each, at rank ``adapter_r``. ``optimizers``: the same for ``LeanOptimizer`` shorthands
+    (None: the module's own optimizer, with and without 8-bit AdamW; a lean one never with it).
     """
     if bases is not None:
         unknown = [b for b in bases if b not in BASES]
@@ -204,21 +235,45 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
     out = []
     for base in bases:
         ds = base in _DEEPSPEED
-        for (kind, quant), mb, ckpt, act, chunk, q in itertools.product(
-            adapters,
+        for (kind, quant), lean, mb, ckpt, act, chunk, q in itertools.product(
+            adapters, optimizers,
             micro_batches(batch_size) if micro else [batch_size],
             [None, "every_n", "all"] if checkpointing else [None],
             [False] if ds or not activation_offload else [False, True], [False, True] if chunked_loss else [False],
             [False] if ds or not eight_bit else [False, True],
         ):
             recipe = Recipe(base, mb, ckpt, act, chunk, q, kind, adapter_r if kind else 16,  # type: ignore[arg-type]
-                            quant if kind else None)
+                            quant if kind else None, lean)
             if recipe.conflict(batch_size, half) is None:
                 out.append(recipe)
     return out
 
 
 ADAPTER_KINDS = ("none", "lora", "dora")
+OPTIMIZERS = ("adamw", *LEAN_OPTIMIZERS)
+
+
+def optimizer_choices(optimizers: Any, own_callbacks: Sequence[Any], problems: list[str],
+                      cli: bool = False) -> tuple[tuple[str | None, ...], bool]:
+    """The optimizers ``plan``'s ``optimizers`` allows, in the order given (None: the module's own, ``"adamw"``), and
+    whether a wrong type was given; what is wrong (an unknown name, a missing package, the run's own optimizer
+    swap in ``own_callbacks``) is added to ``problems``, as ``plan`` spells it (``cli``: ``--optimizers a,b``)."""
+    from lightning_lowmem.predict.estimate import lean_extra_problem
+
+    names = [optimizers] if isinstance(optimizers, str) else list(optimizers) if isinstance(optimizers, Sequence) else None
+    call = (f"`--optimizers {','.join(names or [])}`" if cli else f"`optimizers={optimizers!r}`")
+    if not names or any(n not in OPTIMIZERS for n in names):
+        problems.append(f"Passed {call}; expected some of {', '.join(repr(n) for n in OPTIMIZERS)} ('adamw': the "
+                        "module's own optimizer, which the plan may make 8-bit)")
+        return (None,), names is None
+    lean = [n for n in names if n != "adamw"]
+    own = [c for c in own_callbacks if technique_field(c) in ("optimizer", "optimizer_8bit")]
+    if lean and own:
+        problems.append(f"Passed {call}, but the run has its own `{own[0]!r}`: its optimizer stays; leave "
+                        "`optimizers` out (or remove the callback to let the plan choose among the ones you list)")
+    problems += [p for p in (lean_extra_problem(n, call) for n in dict.fromkeys(lean)) if p]
+    # NOTE: in the order listed: the planner takes the first optimizer that has a recipe that fits
+    return tuple(dict.fromkeys(None if n == "adamw" else n for n in names)), False
 QUANTIZED_BASES = ("none", "nf4", "fp4", "int8")
 
 
@@ -271,5 +326,6 @@ def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_call
     return tuple(dict.fromkeys(variants)) or (FULL_FINE_TUNE,), wrong_type
 
 
-__all__ = ["ADAPTER_KINDS", "BASES", "CHUNK_TOKENS", "FULL_FINE_TUNE", "QUANTIZED_BASES", "TECHNIQUE_FIELDS",
-           "AdapterVariant", "Recipe", "adapter_variants", "candidates", "micro_batches", "technique_field"]
+__all__ = ["ADAPTER_KINDS", "BASES", "CHUNK_TOKENS", "FULL_FINE_TUNE", "OPTIMIZERS", "OPTIMIZER_LABELS",
+           "QUANTIZED_BASES", "TECHNIQUE_FIELDS", "AdapterVariant", "Recipe", "adapter_variants", "candidates",
+           "micro_batches", "optimizer_choices", "technique_field"]

@@ -37,7 +37,14 @@ from lightning_lowmem.core.reproducible import fresh
 from lightning_lowmem.core.units import fmt_size, parse_bytes
 from lightning_lowmem.plan.cost import step_cost
 from lightning_lowmem.plan.hardware import PROFILES, HardwareProfile, load_profile
-from lightning_lowmem.plan.recipes import FULL_FINE_TUNE, AdapterVariant, adapter_variants, candidates, technique_field
+from lightning_lowmem.plan.recipes import (
+    FULL_FINE_TUNE,
+    AdapterVariant,
+    adapter_variants,
+    candidates,
+    optimizer_choices,
+    technique_field,
+)
 from lightning_lowmem.plan.result import Plan, Row
 from lightning_lowmem.plan.source import Source, effective_batch
 from lightning_lowmem.predict.fake import DryRunUnsupportedError
@@ -65,6 +72,7 @@ def plan(
     adapters: str | Sequence[str] = ("none",),
     quantize_base: str | Sequence[str] = ("none",),
     adapter_r: int = 16,
+    optimizers: str | Sequence[str] = ("adamw",),
 ) -> Plan:
     """Choose the fastest recipe whose predicted device peak fits ``device_memory`` (and host peak ``host_memory``).
 
@@ -95,6 +103,12 @@ def plan(
             fine-tune does not fit). Default: the full fine-tune alone: the plan never turns a full fine-tune into an
             adapter run (another training) unless you list it. A run that has its own ``Adapters`` callback (in
             ``fixed_callbacks`` or the YAML) keeps it.
+        optimizers: the optimizers you allow, in order of preference, as ``adapters`` are: ``"adamw"`` (the module's
+            own; the plan may add 8-bit AdamW) and ``LeanOptimizer`` kinds by ``estimate_memory``'s shorthands
+            (``"galore"``, ``"apollo"``, ``"apollo_mini"``, ``"adam_mini"``, ``"adamw4bit"``,
+            ``"torchao_adamw8bit"``, at the callback's defaults): ``("adamw", "galore")`` plans GaLore only where no
+            recipe with AdamW fits. Default: the module's own alone (a lean optimizer changes the maths). A kind whose
+            package is missing is refused up front, naming the extra.
 
     Raises:
         NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
@@ -103,13 +117,14 @@ def plan(
     """
     t0 = time.perf_counter()
     budgets = Budgets.of(model, batch_size, seq_len, data, device_memory, host_memory, hardware, target,
-                         (adapters, quantize_base, adapter_r, fixed_callbacks))
+                         (adapters, quantize_base, adapter_r, fixed_callbacks, optimizers))
     source, b = budgets.source, budgets.source.batch_size
     keep_deepspeed = not fixed_callbacks
     fixed_callbacks = [*fixed_callbacks, *source.fixed_callbacks]  # a YAML's own Adapters: its training stays
     fixed = frozenset(f for f in map(technique_field, fixed_callbacks) if f is not None)
     rows = candidate_rows(source, budgets.profile, budgets.half, fixed, pure_half=pure_half, bases=bases,
-                          keep_deepspeed=keep_deepspeed, adapters=budgets.adapters, adapter_r=adapter_r)
+                          keep_deepspeed=keep_deepspeed, adapters=budgets.adapters, adapter_r=adapter_r,
+                          optimizers=budgets.optimizers)
     # NOTE: a user's own AccumulationScheduler sets the loader's batch itself
     loader = None if "micro_batch_size" in fixed else source.loader_batch
     judge = Judge(source, budgets, fixed_callbacks, fixed, loader, target, {} if cache is None else cache)
@@ -117,12 +132,14 @@ def plan(
     # NOTE: the trainings the user listed, in the order given: another training is a preference, not a speed-up, so
     # the next one is planned only when no recipe of the one before fits (a full fine-tune that fits is never
     # traded for faster adapters)
-    trainings = list(dict.fromkeys((r.recipe.adapters, r.recipe.quantize_base) for r in rows))
-    trainings.sort(key=lambda v: budgets.adapters.index(v) if v in budgets.adapters else -1)
+    # (a lean optimizer likewise: the optimizers listed vary within each adapter variant)
+    trainings = list(dict.fromkeys((r.recipe.adapters, r.recipe.quantize_base, r.recipe.optimizer) for r in rows))
+    trainings.sort(key=lambda v: (budgets.adapters.index(v[:2]) if v[:2] in budgets.adapters else -1,
+                                  budgets.optimizers.index(v[2]) if v[2] in budgets.optimizers else -1))
     chosen, names = None, []
     for training in trainings:
-        own = [r for r in rows if (r.recipe.adapters, r.recipe.quantize_base) == training]
-        names.append(own[0].recipe.adapter_name)
+        own = [r for r in rows if (r.recipe.adapters, r.recipe.quantize_base, r.recipe.optimizer) == training]
+        names.append(own[0].recipe.training_name)
         chosen = search(own, [f for f in rows_floors if any(f is r for r in own)], judge)
         if chosen is not None:
             break
@@ -133,9 +150,9 @@ def plan(
     if kept is not None:
         notes.append(f"training: the run's own `{kept!r}`")
     else:
-        unplanned = [r.recipe.adapter_name for r in rows if r.recipe.adapter_name not in names]
+        unplanned = [r.recipe.training_name for r in rows if r.recipe.training_name not in names]
         notes.append(f"trainings, in the order allowed: {', '.join(dict.fromkeys([*names, *unplanned]))}; chosen: "
-                     f"{chosen.recipe.adapter_name}" + (f" (no recipe of {', '.join(names[:-1])} fits)"
+                     f"{chosen.recipe.training_name}" + (f" (no recipe of {', '.join(names[:-1])} fits)"
                                                         if len(names) > 1 else ""))
     return Plan(rows, chosen, budgets.device, budgets.host, budgets.profile, b, budgets.half, judge.traces,
                 time.perf_counter() - t0, notes, source.yaml_parts, loader, source.scheduler)
@@ -151,6 +168,8 @@ class Budgets:
     host: int | None
     #: the adapter variants the user allows (``(kind, quantized base)``, ``(None, None)``: the full fine-tune)
     adapters: tuple[AdapterVariant, ...] = (FULL_FINE_TUNE,)
+    #: the optimizers the user allows, in order (None: the module's own; else a ``LeanOptimizer`` shorthand)
+    optimizers: tuple[str | None, ...] = (None,)
 
     @property
     def half(self) -> str:
@@ -160,7 +179,8 @@ class Budgets:
     @classmethod
     def of(cls, model: Any, batch_size: int | None, seq_len: int | None, data: Any, device_memory: int | str | None,
            host_memory: int | str | None, hardware: Any, target: str, trainings: tuple[Any, ...] = (("none",), ("none",),
-                                                                                             16, ())) -> Budgets:
+                                                                                             16, (), ("adamw",))
+           ) -> Budgets:
         """Check every argument, and raise one ``ValueError`` (``TypeError`` when one is of a wrong type) naming all
         the problems at once."""
         problems: list[str] = []
@@ -196,19 +216,22 @@ class Budgets:
         own = [*trainings[3], *(source.fixed_callbacks if source is not None else [])]
         variants, wrong_type = adapter_variants(*trainings[:3], own, problems)
         type_error |= wrong_type
+        optimizers, wrong_type = optimizer_choices(trainings[4] if len(trainings) > 4 else ("adamw",), own, problems)
+        type_error |= wrong_type
         if problems or source is None or device_budget is None:
             # NOTE: one exception for every problem at once; a TypeError when one of them is a wrong type
             raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:",
                                                                          *problems]))
         if profile is None:
             profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
-        return cls(source, profile, device_budget, host_budget, variants)
+        return cls(source, profile, device_budget, host_budget, variants, optimizers)
 
 
 
 def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: frozenset[str], *, pure_half: bool,
                    bases: Sequence[str] | None, keep_deepspeed: bool = True,
-                   adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16) -> list[Row]:
+                   adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16,
+                   optimizers: Sequence[str | None] = (None,)) -> list[Row]:
     """Every candidate recipe for ``source``, priced by the cost model, fastest first.
 
     ``fixed``: the recipe fields (:func:`~lightning_lowmem.plan.recipes.technique_field`) the user's own callbacks
@@ -222,9 +245,11 @@ def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: f
                                 micro=source.can_split and "micro_batch_size" not in fixed,
                                 checkpointing="checkpointing" not in fixed,
                                 activation_offload="activation_offload" not in fixed,
-                                eight_bit="optimizer_8bit" not in fixed, bases=bases, half=half,
+                                eight_bit=not fixed & {"optimizer_8bit", "optimizer"}, bases=bases, half=half,
                                 adapters=(FULL_FINE_TUNE,) if "adapters" in fixed else adapters,
-                                adapter_r=adapter_r)]
+                                adapter_r=adapter_r,
+                                # NOTE: the run's own optimizer swap (LeanOptimizer, LowBitOptimizer) stays
+                                optimizers=(None,) if fixed & {"optimizer", "optimizer_8bit"} else optimizers)]
     if not keep_deepspeed:
         rows = [r for r in rows if r.recipe.base not in ("zero2_offload", "zero3_offload")] or rows
     rows.sort(key=lambda r: r.cost.total_s)
@@ -244,7 +269,7 @@ class Judge:
     cache: dict[Any, Any]
     #: how many dry runs this judge ran (cache hits not counted)
     traces: int = 0
-    #: (base, adapter variant, recipe field) -> why: a technique that refused this module under a base refuses it in every candidate of
+    #: (base, training, recipe field) -> why: a technique that refused this module under a base refuses it in every candidate of
     #: the base (LowBitOptimizer refuses a module's SGD whatever else is on), so those are not traced again
     refusals: dict[tuple[str, str], str] = field(default_factory=dict)
 
@@ -269,7 +294,7 @@ class Judge:
             cause = "not predicted: " if isinstance(err, DryRunUnsupportedError) else ""
             row.status, row.why = "refused", cause + " ".join(str(err).split())[:160]
             if technique is not None:
-                self.refusals[(row.recipe.base, row.recipe.adapter_variant, technique_field(technique))] = (
+                self.refusals[(row.recipe.base, row.recipe.training, technique_field(technique))] = (
                     f"`{type(technique).__name__}` refused this module (traced in `{row.name}`)")
             return
         row.estimate = result
@@ -284,7 +309,7 @@ class Judge:
     def refused(self, row: Row) -> str | None:
         """Why a technique of ``row`` is known to refuse this module under ``row``'s base, or None."""
         return next((why for (base, variant, name), why in self.refusals.items()
-                     if base == row.recipe.base and variant == row.recipe.adapter_variant and getattr(row.recipe, name)),
+                     if base == row.recipe.base and variant == row.recipe.training and getattr(row.recipe, name)),
                     None)
 
 
@@ -304,10 +329,10 @@ def search(rows: list[Row], rows_floors: list[Row], judge: Judge) -> Row | None:
     too_big: list[Row] = []
     floored: set[Any] = set()
     for row in rows:
-        group = (row.recipe.base, row.recipe.adapter_variant)  # NOTE: each training's floors are its own
+        group = (row.recipe.base, row.recipe.training)  # NOTE: each training's floors are its own
         if group not in floored:
             floored.add(group)
-            for floor in (f for f in rows_floors if (f.recipe.base, f.recipe.adapter_variant) == group):
+            for floor in (f for f in rows_floors if (f.recipe.base, f.recipe.training) == group):
                 judge(floor)
                 if floor.status == "too big":
                     too_big.append(floor)

@@ -13,6 +13,7 @@ import torch
 
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.adapters.callback import Adapters
+from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.core.reproducible import init_arguments
 from lightning_lowmem.plan.cost import ModelShape
 from lightning_lowmem.predict.configs import causal_lm_factory, resolve_config
@@ -62,7 +63,7 @@ class Source:
     yaml_parts: dict[str, Any] = field(default_factory=dict)
     loader_batch: int | None = None
     scheduler: dict[str, Any] = field(default_factory=dict)
-    #: a YAML's own callbacks that fix what the run trains (its ``Adapters``): every candidate keeps them
+    #: a YAML's own callbacks that fix what the run trains (its ``Adapters``, ``LeanOptimizer``): every candidate keeps them
     fixed_callbacks: list[Any] = field(default_factory=list)
 
     def estimate(self, run: RunSpec, target: str) -> MemoryEstimate:
@@ -88,7 +89,8 @@ class Source:
                                     problems=problems)
             if source is not None:
                 source.yaml_parts = {"base_yaml": model}
-                source.fixed_callbacks = [c for c in run.callbacks if isinstance(c, Adapters)]
+                # NOTE: what the run trains and with which optimizer (its maths) stays; the plan's techniques go around it
+                source.fixed_callbacks = [c for c in run.callbacks if isinstance(c, (Adapters, LeanOptimizer))]
                 if scheduler is not None:  # its maths (loss normalisation) stays; the plan sets the batch sizes
                     source.scheduler = {k: v for k, v in init_arguments(scheduler).items()
                                         if k not in ("effective_batch_size", "micro_batch_size", "memory_budget")}

@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_lowmem.callbacks.adapters.callback import Adapters
+from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
+from lightning_lowmem.callbacks.lean_optimizer.build import import_package
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.predict.analytic import analytic_phases
 from lightning_lowmem.predict.configs import causal_lm_factory, max_positions, resolve_config
@@ -34,12 +36,24 @@ from lightning_lowmem.predict.dry_run import dry_run
 from lightning_lowmem.predict.fake import DryRunUnsupportedError
 from lightning_lowmem.predict.result import MemoryEstimate
 from lightning_lowmem.predict.run_config import load_run_config
-from lightning_lowmem.predict.run_spec import SHORTHANDS, RunSpec
+from lightning_lowmem.predict.run_spec import LEAN_OPTIMIZERS, SHORTHANDS, RunSpec
 
 PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 CHECKPOINTING = ("all", "every_n", "sqrt", "selective", None)
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", *LEAN_OPTIMIZERS)
 ZERO_STAGES = (0, 2, 3)
+
+
+def lean_extra_problem(optimizer: str, call: str) -> str | None:
+    """Why the ``LeanOptimizer`` shorthand ``optimizer`` cannot run here (its package is missing: names the extra),
+    or None (also for a shorthand that is no lean optimizer)."""
+    if optimizer not in LEAN_OPTIMIZERS:
+        return None
+    try:
+        import_package(LEAN_OPTIMIZERS[optimizer], call)
+    except ModuleNotFoundError as err:
+        return str(err)
+    return None
 
 
 def validate_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -66,7 +80,8 @@ def estimate_memory(
     checkpointing_every_n: int = 2,
     activation_offload: bool = False,
     micro_batch_size: int | None = None,
-    optimizer: Literal["adamw", "adamw8bit"] | None = None,
+    optimizer: Literal["adamw", "adamw8bit", "galore", "apollo", "apollo_mini", "adam_mini", "adamw4bit",
+                       "torchao_adamw8bit"] | None = None,
     optimizer_in_backward: bool = False,
     zero_stage: Literal[0, 2, 3] = 0,
     world_size: int = 1,
@@ -98,6 +113,10 @@ def estimate_memory(
         micro_batch_size, optimizer, optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands as well
             (``AccumulationScheduler``, ``LowBitOptimizer``, ``OptimizerInBackward``, the ``lowmem_zero*`` presets,
             the number of processes, ``ChunkedLMLoss(chunk_tokens=)``); not together with ``strategy``/``callbacks``.
+            ``optimizer``: ``"adamw8bit"`` is ``LowBitOptimizer`` (bitsandbytes); ``"galore"``, ``"apollo"``,
+            ``"apollo_mini"``, ``"adam_mini"``, ``"adamw4bit"``, ``"torchao_adamw8bit"`` are ``LeanOptimizer(kind)``
+            at its defaults (its own code runs in the dry run; the closed form does not model it: no analytic
+            fallback).
         adapters, adapter_r, quantize_base: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)`` (LoRA or
             DoRA on a frozen, optionally 4-/8-bit base; the callback's own code runs in the dry run); not together
             with ``strategy``/``callbacks``. The closed form does not model adapters: no analytic fallback.
@@ -105,10 +124,13 @@ def estimate_memory(
     Raises:
         ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run
             refuses (with the real run's message).
+        ModuleNotFoundError: a lean ``optimizer`` whose package is not installed (names the extra to install).
     """
     validate_choice("precision", precision, PRECISIONS)
     validate_choice("checkpointing", checkpointing, CHECKPOINTING)
     validate_choice("optimizer", optimizer, (*OPTIMIZERS, None))
+    if optimizer in LEAN_OPTIMIZERS:  # NOTE: a missing package said before anything is traced, naming the extra
+        import_package(LEAN_OPTIMIZERS[optimizer], f"`optimizer={optimizer!r}`")
     validate_choice("zero_stage", zero_stage, ZERO_STAGES)
     validate_choice("target", target, ("cpu", "cuda", None))
     validate_choice("method", method, ("dry_run", "analytic"))
@@ -170,8 +192,13 @@ def estimate_memory(
     if adapted is not None and method == "analytic":
         raise ValueError(f"Passed `method='analytic'` with `{adapted!r}`: the closed form does not model adapters "
                          "(a frozen base, adapters' gradients and state only); use method='dry_run'.")
-    # NOTE: no closed-form fallback for an adapter run: it would be the full fine-tune's figure under the adapters' name
-    bound = None if config is None or adapted is not None else _analytic_bound(
+    lean = next((c for c in run.callbacks if isinstance(c, LeanOptimizer)), None)
+    if lean is not None and method == "analytic":
+        raise ValueError(f"Passed `method='analytic'` with `{lean!r}`: the closed form does not model lean optimizers "
+                         "(AdamW's state only); use method='dry_run'.")
+    # NOTE: no closed-form fallback for an adapter run or a lean optimizer: it would be the full fine-tune's AdamW
+    # figure under their name
+    bound = None if config is None or adapted is not None or lean is not None else _analytic_bound(
         config, batch_size, micro_batch_size, seq_len, run, target)
     fallback = None
     est = None
@@ -289,4 +316,5 @@ COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-__all__ = ["COMBINATIONS", "MemoryEstimate", "estimate_memory", "is_module", "module_class", "validate_choice"]
+__all__ = ["COMBINATIONS", "MemoryEstimate", "estimate_memory", "is_module", "lean_extra_problem", "module_class",
+           "validate_choice"]

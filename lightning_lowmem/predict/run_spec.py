@@ -25,6 +25,7 @@ from lightning_lowmem.callbacks.activation_checkpointing.callback import Activat
 from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
+from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_lowmem.core.reproducible import Reproducible, fresh
@@ -34,6 +35,11 @@ from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 #: technique flags of :func:`~lightning_lowmem.estimate_memory`, for messages
 SHORTHANDS = ("offload", "offload_params", "checkpointing", "activation_offload", "micro_batch_size", "optimizer",
               "optimizer_in_backward", "zero_stage", "chunked_loss", "adapters", "adapter_r", "quantize_base")
+#: ``optimizer=`` shorthands that are ``LeanOptimizer(kind)`` (its defaults otherwise): its own kind names, except
+#: torchao's 8-bit AdamW: "adamw8bit" is bitsandbytes' (``LowBitOptimizer``)
+LEAN_OPTIMIZERS: dict[str, str] = {"galore": "galore", "apollo": "apollo", "apollo_mini": "apollo_mini",
+                                   "adam_mini": "adam_mini", "adamw4bit": "adamw4bit",
+                                   "torchao_adamw8bit": "adamw8bit"}
 
 
 @dataclass
@@ -220,6 +226,8 @@ class RunSpec:
             callbacks.append(ChunkedLMLoss(chunk_tokens=chunked_loss))
         if optimizer == "adamw8bit":
             callbacks.append(LowBitOptimizer("adamw8bit"))
+        elif optimizer in LEAN_OPTIMIZERS:
+            callbacks.append(LeanOptimizer(LEAN_OPTIMIZERS[optimizer]))  # type: ignore[arg-type]
         strategy: Any = "auto"
         if zero_stage:
             strategy = {(2, False): "lowmem_zero2", (2, True): "lowmem_zero2_offload", (3, False): "lowmem_zero3",
@@ -234,4 +242,4 @@ class RunSpec:
         return cls(strategy=strategy, precision=precision, callbacks=callbacks, world_size=world_size)
 
 
-__all__ = ["SHORTHANDS", "RunSpec", "ZeroPlan"]
+__all__ = ["LEAN_OPTIMIZERS", "SHORTHANDS", "RunSpec", "ZeroPlan"]

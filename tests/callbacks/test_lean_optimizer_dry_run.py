@@ -45,3 +45,34 @@ def test_dry_run_counts_galore_state_at_its_projected_size():
     plain = dry_run(module, batch_size=2, seq_len=16, extrapolate=False).steps[-1]["live_at_end"]["device"]
     assert predicted == expected  # the projections included, at their rank's size (not the SVD factor they slice)
     assert predicted < 0.5 * plain["optimizer_state"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@pytest.mark.parametrize("kind", ["adamw8bit", "adamw4bit"])
+def test_dry_run_counts_torchao_state_at_its_quantized_size(kind):
+    """torchao keeps each moment as a wrapper tensor subclass whose own storage reads the fp32 size; the bytes are its
+    codes, scales and quantization map. Reference: torchao's real optimizer stepped once on the real module."""
+    import torchao.optim
+
+    from lightning_lowmem import dry_run
+
+    est = dry_run(module, batch_size=2, seq_len=16, callbacks=[LeanOptimizer(kind)], extrapolate=False)
+    predicted = est.steps[-1]["live_at_end"]["device"]["optimizer_state"]
+    model = module()
+    params = list({id(p): p for p in model.parameters()}.values())
+    real = (torchao.optim.AdamW8bit if kind == "adamw8bit" else torchao.optim.AdamW4bit)(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch.compiler.set_stance("force_eager")
+    try:
+        real.step()
+    finally:
+        torch.compiler.set_stance("default")
+    expected = 0
+    for state in real.state.values():
+        for value in state.values():
+            parts = [value.codes, value.scale, value.qmap] if hasattr(value, "codes") else [value]
+            expected += sum(t.numel() * t.element_size() for t in parts)
+    plain = dry_run(module, batch_size=2, seq_len=16, extrapolate=False).steps[-1]["live_at_end"]["device"]
+    assert predicted == expected
+    assert predicted < (0.6 if kind == "adamw8bit" else 0.3) * plain["optimizer_state"]

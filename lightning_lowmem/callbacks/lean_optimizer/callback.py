@@ -15,7 +15,7 @@ from lightning_lowmem.callbacks.lean_optimizer import build
 from lightning_lowmem.core.accounting import mark_host_state
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
-from lightning_lowmem.core.roles import HostMastersStrategy, LowBitOptimizerSwap
+from lightning_lowmem.core.roles import HostMastersStrategy, LeanOptimizerSwap, LowBitOptimizerSwap
 from lightning_lowmem.core.schedulers import repoint_scheduler
 
 Kind = Literal["galore", "apollo", "apollo_mini", "adam_mini", "adamw4bit", "adamw8bit"]
@@ -32,7 +32,7 @@ def _is_int(x: Any, low: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
-class LeanOptimizer(Reproducible, Callback):
+class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
     """Replace the ``torch.optim.AdamW``/``Adam`` your LightningModule configured by a memory-lean optimizer.
 
     What it saves (optimizer state per parameter, AdamW: 8 B): ``"galore"`` (``galore-torch``) and ``"apollo"``
@@ -181,6 +181,15 @@ class LeanOptimizer(Reproducible, Callback):
         self._hooks.clear()
 
     # --- the swap ---------------------------------------------------------------------------------------
+    @override
+    def expected_state_bytes(self, optimizer: object, module: object) -> int:
+        """Bytes of the state this kind will keep for ``optimizer``'s trainable parameters as fp32 masters (the
+        host-RAM check of ``lowmem_offload``, before the swap; see :mod:`.state_bytes`)."""
+        from lightning_lowmem.callbacks.lean_optimizer.state_bytes import lean_state_bytes
+
+        assert isinstance(optimizer, torch.optim.Optimizer) and isinstance(module, torch.nn.Module)
+        return lean_state_bytes(self, optimizer, module)
+
     def convert(self, optimizer: torch.optim.Optimizer,
                 pl_module: L.LightningModule) -> tuple[torch.optim.Optimizer, list[int]]:
         """Build the lean optimizer over ``optimizer``'s param groups (the module's, or lowmem_offload's masters);

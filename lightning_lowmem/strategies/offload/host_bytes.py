@@ -3,8 +3,10 @@
 :func:`host_bytes_needed` adds up, by part, what :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy`
 will hold on the host: fp32 masters (4 B/param; none for most frozen parameters, see ``frozen_without_master``), fp32 gradient buffers (4 B/trainable param, none with
 ``optimizer_in_backward``), the state of the optimizer that will step (the table of
-:mod:`lightning_lowmem.core.optimizer_state`, shared with the analytic bound), the pinned staging buckets on
-CUDA (the compute weights themselves on the CPU) and the host copies of streamed blocks. :func:`check_host_ram`
+:mod:`lightning_lowmem.core.optimizer_state`, shared with the analytic bound; the callback's own figure when a
+``LeanOptimizer`` replaces the optimizer), the copies of the masters and that state kept by ``host_pass="overlap"``,
+the pinned staging buckets on CUDA (the compute weights themselves on the CPU) and the host copies of streamed
+blocks. :func:`check_host_ram`
 compares the total with what this process may allocate (:func:`lightning_lowmem.core.host_memory.check_host_memory`)
 and refuses to start, naming the parts and the fixes, instead of being killed mid-setup.
 """
@@ -14,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
 
 from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core import host_memory as _host_memory
 from lightning_lowmem.core.optimizer_state import expected_state_bytes
-from lightning_lowmem.core.roles import LowBitOptimizerSwap
+from lightning_lowmem.core.roles import LeanOptimizerSwap, LowBitOptimizerSwap
+from lightning_lowmem.strategies.offload import host_pass as _host_pass
 from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
 from lightning_lowmem.strategies.offload.param_stream import block_params
 from lightning_lowmem.strategies.offload.precision import autocast_cast_params
@@ -46,15 +50,35 @@ def host_bytes_needed(
     trainable = sum(p.numel() for p in mastered if p.requires_grad)
     dtype = precision.compute_dtype  # type: ignore[attr-defined]
     low_bit = next((cb for cb in callbacks if isinstance(cb, LowBitOptimizerSwap)), None)
+    lean = next((cb for cb in callbacks if isinstance(cb, LeanOptimizerSwap)), None)
     embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
     half = {id(p) for p in autocast_cast_params(module)} if precision.mixed else None  # type: ignore[attr-defined]
     # NOTE: on CUDA the staging covers the mastered parameters only; on the CPU every compute weight is host RAM
     staged = mastered if strategy.root_device.type == "cuda" else [p for _, p in HostMasters.unique_params(module)]
     specs = [(p.numel(), dtype if half is None or id(p) in half else torch.float32) for p in staged]
+    if lean is not None:
+        state = sum(lean.expected_state_bytes(opt, module) for opt in optimizers)
+    else:
+        state = sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers)
+    # NOTE: the overlapped pass keeps, between steps, a copy of every master it stepped (all trainable ones) and of
+    # its optimizer state (`HostPass._kept`, reused, never trimmed): only for a step it runs (torch's Adam/AdamW/SGD,
+    # see `host_pass.why_serial`; never a LowBitOptimizer or LeanOptimizer swap, whose step stays serial)
+    copies = 0
+    if strategy.host_pass == "overlap" and low_bit is None and lean is None:
+        attached = isinstance(module, pl.LightningModule) and lightning_internals.attached_trainer(module) is not None
+        for opt in optimizers:
+            # NOTE: in a Trainer every reason the step stays serial is known; without one, the optimizer's
+            if attached and _host_pass.why_serial(strategy, opt, module) is not None:
+                continue
+            if not _host_pass.overlaps(opt) or strategy.optimizer_in_backward:
+                continue
+            stepped = {id(p): p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in frozen}
+            copies += 4 * sum(p.numel() for p in stepped.values()) + expected_state_bytes(opt, None, embeddings)
     parts = {
         "masters": 4 * numel,
         "gradient_buffers": 4 * trainable if with_grads and not strategy.optimizer_in_backward else 0,
-        "optimizer_state": sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers),
+        "optimizer_state": state,
+        "host_pass_copies": copies,
         # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
         # (see [staging buckets]); on CPU: the compute weights share host RAM
         "staging_or_compute_weights": planned_staging_bytes(strategy.root_device, specs),
@@ -79,10 +103,13 @@ def check_host_ram(strategy: OffloadStrategy, module: torch.nn.Module, optimizer
     trainer = lightning_internals.attached_trainer(strategy.lightning_module)
     need = strategy.host_bytes_needed(module, optimizers, with_grads, trainer.callbacks if trainer else ())
     need.pop("total")
-    low_bit = any(isinstance(cb, LowBitOptimizerSwap) for cb in (trainer.callbacks if trainer else ()))
+    swapped = any(isinstance(cb, (LowBitOptimizerSwap, LeanOptimizerSwap)) for cb in (trainer.callbacks if trainer else ()))
     fixes = []
-    if need["optimizer_state"] and not low_bit:
-        fixes.append("8-bit optimizer state (`callbacks=[LowBitOptimizer()]`, ~2 B/param for Adam instead of 8)")
+    if need["optimizer_state"] and not swapped:
+        fixes.append("8-bit optimizer state (`callbacks=[LowBitOptimizer()]`, ~2 B/param for Adam instead of 8) or a "
+                     "lean optimizer (`callbacks=[LeanOptimizer(kind='galore')]`, 'apollo_mini', 'adamw4bit', ...)")
+    if need["host_pass_copies"]:
+        fixes.append("`OffloadStrategy(host_pass='serial')` (no copies of the masters and optimizer state)")
     if need["gradient_buffers"]:
         fixes.append("`OffloadStrategy(optimizer_in_backward=True)` (no gradient buffers)")
     fixes += [

@@ -17,8 +17,8 @@ check of the speculation:
   touched are restored from its copies and the serial step runs on the untouched gradient buffers (the same step,
   warning and counters as ``host_pass="serial"``).
 
-Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW), kept
-between steps and reused; that many more bytes read and written per step, off the critical path. Where the pass
+Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW) of every
+master it steps, all trainable ones, kept between steps and reused (counted by ``lowmem_offload``'s host-RAM check); that many more bytes read and written per step, off the critical path. Where the pass
 cannot be exact the step stays serial (:func:`why_serial` names the cause): optimizers other than
 ``torch.optim.Adam``/``AdamW``/``SGD`` (bitsandbytes 8-bit ones, subclasses: their step may couple parameters),
 fp16 loss scaling, value clipping, manual optimization, ``optimizer_in_backward`` and user code in
@@ -62,6 +62,13 @@ _PER_ELEMENT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _USER_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "backward")
 
 
+def overlaps(optimizer: Optimizer) -> bool:
+    """Whether the overlapped pass can step ``optimizer`` by buckets (exactly torch's Adam/AdamW/SGD, neither
+    differentiable nor capturable); the Trainer may still keep the step serial (:func:`why_serial`)."""
+    return type(optimizer) in _PER_ELEMENT and not any(g.get("differentiable") or g.get("capturable")
+                                                       for g in optimizer.param_groups)
+
+
 def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
     """Why this step of ``strategy`` must stay serial, or None when the overlapped pass is exact for it."""
     from lightning_lowmem.strategies.offload.precision import _overridden  # NOTE: a cycle at import time otherwise
@@ -70,10 +77,9 @@ def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
         return "optimizer_in_backward steps inside backward already"
     if not model.automatic_optimization:
         return "manual optimization (user code between backward and the step)"
-    if type(optimizer) not in _PER_ELEMENT:
-        return f"`{type(optimizer).__name__}` is not torch.optim.Adam/AdamW/SGD"
-    if any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups):
-        return "a param group is differentiable or capturable"
+    if not overlaps(optimizer):
+        return (f"`{type(optimizer).__name__}` is not torch.optim.Adam/AdamW/SGD" if type(optimizer) not in _PER_ELEMENT
+                else "a param group is differentiable or capturable")
     if getattr(strategy.precision_plugin, "scaler", None) is not None:
         return "fp16 loss scaling (the gradients are unscaled in place)"
     trainer = model.trainer

@@ -362,8 +362,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     ) -> dict[str, int]:
         """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part.
 
-        The optimizer state is that of the optimizer that will step: ``optimizers`` as configured, or the
-        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`lightning_lowmem.core.optimizer_state.expected_state_bytes`).
+        The optimizer state is that of the optimizer that will step: ``optimizers`` as configured, the
+        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`lightning_lowmem.core.optimizer_state.expected_state_bytes`),
+        or a ``LeanOptimizer``'s own figure; ``host_pass_copies``: what ``host_pass="overlap"`` keeps.
         """
         return _offload_host_bytes.host_bytes_needed(self, module, optimizers, with_grads, callbacks)
 

@@ -1,0 +1,90 @@
+"""Bytes of the state a ``LeanOptimizer`` kind will keep, before it exists (the host-RAM check of ``lowmem_offload``).
+
+Per parameter tensor of ``n`` values (fp32 masters: ``param_bytes=4``), as each package lays its state out (read from
+their code, checked against their real state after a step in ``tests/callbacks/test_lean_optimizer_state.py``):
+
+* GaLore / APOLLO / APOLLO-Mini, a projected ``m x n`` weight at rank ``r``: Adam's two moments of the projected
+  gradient (``r`` times the side the projection keeps) and the projection matrix (``r`` times the other side);
+  APOLLO also keeps a scalar ``scaled_grad``. ``proj_type="std"`` keeps the longer side (right projection when
+  ``m >= n``), ``"reverse_std"`` the shorter, ``"right"`` ``m``, ``"left"`` ``n``. Other parameters: Adam's
+  two moments.
+* Adam-mini: the first moment (``n`` values) and at most one second moment per row of a 2-D weight (per token,
+  head or neuron; one per tensor where its names match none of its rules); a 1-D tensor keeps a full second
+  moment (biases) or one value (norms): counted as full, an upper bound.
+* torchao AdamW8bit/AdamW4bit: a tensor of at least 4096 values whose size divides the block (256 / 128) keeps each
+  moment as codes (1 B / 0.5 B per value), one scale per block and its quantization map (256 / 16 values), in the
+  parameter's dtype; other tensors keep both moments in the parameter's dtype; every tensor a 0-d fp32 step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_lowmem.callbacks.lean_optimizer import build
+
+#: torchao's quantization: kind -> (bits per value, default block, values in the quantization map)
+_TORCHAO = {"adamw8bit": (8, 256, 256), "adamw4bit": (4, 128, 16)}
+#: torchao quantizes only tensors of at least this many values (bitsandbytes' rule, which torchao follows)
+_TORCHAO_MIN = 4096
+
+
+def projected_bytes(shape: tuple[int, ...], rank: int, proj_type: str, kind: str, param_bytes: int = 4) -> int:
+    """GaLore's/APOLLO's state of one projected 2-D weight of ``shape`` (see the module docstring)."""
+    m, n = shape
+    right = {"std": m >= n, "reverse_std": m < n, "right": True, "left": False}[proj_type]
+    kept, other = (m, n) if right else (n, m)
+    scalar = 4 if kind != "galore" else 0  # NOTE: APOLLO's `scaled_grad`, a 0-d fp32 tensor
+    return param_bytes * (2 * rank * kept + rank * other) + scalar
+
+
+def torchao_bytes(numel: int, kind: str, block_size: int | None, param_bytes: int = 4) -> int:
+    """torchao's AdamW8bit/AdamW4bit state of one tensor of ``numel`` values (see the module docstring)."""
+    bits, default_block, qmap = _TORCHAO[kind]
+    block = block_size or default_block
+    step = 4
+    if numel >= _TORCHAO_MIN and numel % block == 0:
+        return 2 * (numel * bits // 8 + param_bytes * (numel // block + qmap)) + step
+    return 2 * param_bytes * numel + step
+
+
+def adam_mini_bytes(shape: tuple[int, ...], param_bytes: int = 4) -> int:
+    """Adam-mini's state of one tensor, at most (see the module docstring)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    second = shape[0] if len(shape) >= 2 else numel
+    return param_bytes * (numel + second)
+
+
+def lean_state_bytes(callback: Any, optimizer: Optimizer, module: torch.nn.Module,
+                     module_param: Callable[[Tensor], Tensor] = lambda p: p, param_bytes: int = 4) -> int:
+    """Bytes of the state ``callback`` (a ``LeanOptimizer``)'s optimizer will keep for ``optimizer``'s trainable
+    parameters, stepped as fp32 masters (``param_bytes``); ``module_param`` as in :func:`build.projection_plan`."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    kind = callback.kind
+    projected: set[int] = set()
+    if kind in ("galore", "apollo", "apollo_mini"):
+        try:
+            projected = build.projection_plan(optimizer, module_param, module, int(callback.rank), callback.call)
+        except ValueError:
+            # NOTE: nothing to project; the callback refuses this model at fit start, with that message
+            projected = set()
+    total = 0
+    for p in params:
+        if id(p) in projected:
+            total += projected_bytes(tuple(p.shape), int(callback.rank), callback.proj_type, kind, param_bytes)
+        elif kind in _TORCHAO:
+            total += torchao_bytes(p.numel(), kind, callback.block_size, param_bytes)
+        elif kind == "adam_mini":
+            total += adam_mini_bytes(tuple(p.shape), param_bytes)
+        else:
+            total += 2 * param_bytes * p.numel()
+    return total
+
+
+__all__ = ["adam_mini_bytes", "lean_state_bytes", "projected_bytes", "torchao_bytes"]
