@@ -7,15 +7,9 @@ device and under ``lowmem_offload`` (frozen base weights have no fp32 host maste
 masters, gradients and optimizer state). For LLaMA-70B also the low-memory QLoRA recipe: checkpointing, activation
 offload at the block boundaries, a chunked loss, and the base streamed (``lowmem_offload_params``) or resident.
 
-A 4-bit (nf4) base cannot be traced (bitsandbytes' ``Params4bit`` is built with ``Tensor._make_subclass``, which
-cannot wrap a fake tensor): its rows are *derived* from the matching bf16-base dry run, by replacing the base
-linears' bytes by their packed size, measured by ``packed_bytes`` on a real quantized 4096 x 4096 layer
-(bitsandbytes' own layout: 0.5 B/param packed + about 0.016 B/param quantization state). Streamed: the host holds
-the packed bytes instead of the bf16 copies of the streamed base linears (packed weights have no master); the
-bf16-base streamed row's host figure lacks the fp32 masters its streamed frozen weights keep (the dry run does not
-count host tensors that no optimizer holds); the device figure is an
-upper bound: the bf16 streamed peak (bf16 blocks on the device are larger than packed blocks plus one linear's
-dequantized bf16 weight) plus the quantization state, which stays on the device.
+The 4-bit (nf4) base is traced like the bf16 one: bitsandbytes' own ``Linear4bit`` and quantize op run on fake
+weights (the dry run's stand-in for ``Params4bit``, which cannot wrap a fake tensor, is a plain parameter carrying the
+same ``quant_state``); the packed bytes and their quantization state count as weights.
 
 Part 2 (CPU): one small LLaMA, fp32, batch 2 x 128, the same data; full fine-tuning, LoRA and QLoRA (nf4 base)
 alternated run by run in one process (so the shared machine's load hits all alike); median step time of the last
@@ -46,26 +40,6 @@ GiB = 2**30
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
 
 
-def _nf4_bytes_per_param() -> float:
-    from lightning_lowmem.callbacks.adapters.quantize_base import packed_bytes, quantize_linears
-
-    layer = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False))
-    quantize_linears(layer, "nf4")
-    return packed_bytes(layer[0]) / 4096**2
-
-
-def _base_linear_params(shape: str) -> int:
-    import json
-
-    from lightning_lowmem.predict import shapes
-
-    cfg = json.loads((Path(shapes.__path__[0]) / f"{shape}.json").read_text())
-    cfg = cfg.get("config", cfg)
-    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    kv = h // cfg["num_attention_heads"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    return n * (2 * h * h + 2 * h * kv + 3 * h * i)
-
-
 def _row(shape: str, label: str, strategy: str, callbacks: list[Any], **flags: Any) -> dict[str, Any]:
     from lightning_lowmem import estimate_memory
 
@@ -85,11 +59,6 @@ def _row(shape: str, label: str, strategy: str, callbacks: list[Any], **flags: A
     return row
 
 
-def _derived(row: dict[str, Any], label: str, figure: str, device: int, host: int) -> dict[str, Any]:
-    return {**row, "run": label, "figure": figure, "peak_device": device, "peak_host": host,
-            "peak_device_h": fmt_bytes(device), "peak_host_h": fmt_bytes(host), "wall_s": None}
-
-
 def _previous_single_device() -> dict[tuple[str, str], dict[str, Any]]:
     """``--reuse-single-device``: the single-device rows of the results file, labelled with their date."""
     import json
@@ -102,49 +71,26 @@ def _previous_single_device() -> dict[tuple[str, str], dict[str, Any]]:
 def memory_rows(shapes: list[str], reuse_single_device: bool = False) -> list[dict[str, Any]]:
     from lightning_lowmem import ActivationCheckpointing, ActivationOffload, Adapters, ChunkedLMLoss
 
-    nf4 = _nf4_bytes_per_param()
     previous = _previous_single_device() if reuse_single_device else {}
     rows = []
     for shape in shapes:
-        base = _base_linear_params(shape)
-        for label, offload, adapters in [("full fine-tune", False, False), ("full fine-tune", True, False),
-                                         ("LoRA r=16 all-linear", False, True), ("LoRA r=16 all-linear", True, True)]:
-            callbacks = [ActivationCheckpointing("all"), *([Adapters("lora", **LORA)] if adapters else [])]
+        for label, offload, adapters in [("full fine-tune", False, None), ("full fine-tune", True, None),
+                                         ("LoRA r=16 all-linear", False, {}), ("LoRA r=16 all-linear", True, {}),
+                                         ("QLoRA nf4 base r=16", False, {"quantize_base": "nf4"})]:
+            callbacks = [ActivationCheckpointing("all"), *([Adapters("lora", **LORA, **adapters)]
+                                                            if adapters is not None else [])]
             # NOTE: a single-device run does not touch lowmem_offload's code: its previous figure may be re-used
             kept = previous.get((shape, label)) if not offload else None
             rows.append(kept or _row(shape, label, "lowmem_offload" if offload else "auto", callbacks))
-            if adapters and not offload:
-                saved = int(base * (2 - nf4))
-                rows.append({**_derived(rows[-1], "QLoRA nf4 base r=16 (derived)",
-                                        f"derived: bf16 LoRA dry run - base linears x (2 - {nf4:.4f}) B",
-                                        rows[-1]["peak_device"] - saved, rows[-1]["peak_host"]),
-                             "device_weights": rows[-1]["device_weights"] - saved})
         if shape != "llama-70b":
             continue
         # the low-memory QLoRA recipe: checkpointing + boundary activation offload + chunked loss
-        for strategy, streamed in [("lowmem_offload_params", True), ("lowmem_offload", False)]:
-            callbacks = [ActivationCheckpointing("all"), ActivationOffload(), ChunkedLMLoss(chunk_tokens=128),
-                         Adapters("lora", **LORA)]
-            what = "streamed" if streamed else "resident"
-            bf16 = _row(shape, f"LoRA r=16, bf16 base {what}, ckpt + act. offload + chunked loss", strategy,
-                        callbacks)
-            if streamed:
-                # NOTE: the dry run does not see host tensors no optimizer holds: the fp32 masters the streamed frozen
-                # bf16 weights keep (4 B/param) are missing from this row's host figure; packed weights have none
-                bf16["figure"] += "; host without the streamed frozen weights' fp32 masters (not traced)"
-            rows.append(bf16)
-            if streamed:
-                # host: the packed bytes (0.5 B/param) replace the streamed linears' bf16 copies (2 B/param)
-                host = bf16["peak_host"] - int(base * (2 - 0.5))
-                device = bf16["peak_device"] + int(base * (nf4 - 0.5))  # + the quantization state, on the device
-                figure = (f"derived upper bound: bf16-base streamed dry run + quant. state on device ({nf4 - 0.5:.4f} "
-                          "B/param); host - base linears x (2 - 0.5) B")
-            else:
-                host = bf16["peak_host"]
-                device = bf16["peak_device"] - int(base * (2 - nf4))
-                figure = f"derived: bf16-base resident dry run - base linears x (2 - {nf4:.4f}) B"
-            rows.append(_derived(bf16, f"QLoRA nf4 base r=16 {what}, ckpt + act. offload + chunked loss", figure,
-                                 device, host))
+        for strategy, what in [("lowmem_offload_params", "streamed"), ("lowmem_offload", "resident")]:
+            for quant in [None, "nf4"]:
+                callbacks = [ActivationCheckpointing("all"), ActivationOffload(), ChunkedLMLoss(chunk_tokens=128),
+                             Adapters("lora", **LORA, quantize_base=quant)]
+                name = "LoRA r=16, bf16 base" if quant is None else "QLoRA r=16, nf4 base"
+                rows.append(_row(shape, f"{name} {what}, ckpt + act. offload + chunked loss", strategy, callbacks))
     return rows
 
 
@@ -199,9 +145,8 @@ def main(argv: list[str]) -> None:
     memory_only = "--memory-only" in argv
     write_results("adapters", rows, ["model", "run", "strategy", "figure", "peak_device_h", "peak_host_h", "wall_s"],
                   title="LoRA adapters vs full fine-tuning: batch 1 x 2048, bf16-true, activation checkpointing",
-                  notes=[("Dry run (CUDA target, uncalibrated corrections) except the QLoRA rows, derived from the "
-                          "matching bf16-base dry run (the dry run cannot trace bitsandbytes' quantized parameters: "
-                          "`Params4bit` cannot wrap a fake tensor); see the figure column for each derivation."),
+                  notes=[("Dry run (CUDA target, uncalibrated corrections), every row: the nf4 rows run bitsandbytes' "
+                          "own 4-bit layers on fake weights (packed bytes and quantization state count as weights)."),
                          ("lowmem_offload: a frozen base weight has no fp32 host master (bf16-true: its bf16 compute "
                           "weight is its value); streamed block weights keep theirs, packed 4-bit ones have none."),
                          ("Reference figures (their authors', not measured here): Unsloth 41 GB, QLoRA 48 GB for "

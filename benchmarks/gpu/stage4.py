@@ -10,9 +10,8 @@ nf4 base under ``lowmem_offload_params`` (the packed base streamed block by bloc
 bytes (and the pinned allocator's), step time, the loss of every step; the streamed run against the resident one
 (the CPU rehearsal requires them bit-identical, as ``tests/strategies/test_offload_packed_stream.py`` does; on the GPU
 the max |diff| of the adapter weights and of the losses is recorded). ``qlora_adapters[dry_run]``: the dry run's
-CUDA-target prediction of each of these runs beside its measured allocated peak (an nf4 base cannot be traced: its
-rows are derived from the bf16-base dry run with the packed bytes the measured run held, as
-``benchmarks/bench_adapters.py`` derives them).
+CUDA-target prediction of each of these runs beside its measured allocated peak (the nf4 base traced through
+bitsandbytes' own layers on fake weights).
 
 ``lean_optimizer[adamw|galore|apollo_mini|adam_mini|adamw8bit|adamw4bit]``: the LLaMA trained with
 ``strategy="auto"``, bf16-mixed, batch 2 x 1024, with torch's AdamW and with ``LeanOptimizer(kind=...)``: optimizer
@@ -165,40 +164,23 @@ def _qlora(run: str) -> Any:
 
 
 def qlora_dry_run(ctx: Context) -> dict[str, Any]:
-    """The dry run (target="cuda") of each adapters run measured above beside its measured allocated peak.
-
-    nf4 rows are derived: bitsandbytes' ``Params4bit`` cannot wrap a fake tensor, so the bf16-base dry run is taken and
-    the base linears' bytes replaced by the packed bytes the measured run held (resident: bf16 prediction - (2 B x
-    base params - packed bytes); streamed: an upper bound, the bf16 streamed prediction + the quantization state,
-    which stays on the device).
-    """
+    """The dry run (target="cuda") of each adapters run measured above beside its measured allocated peak; an nf4 base
+    is traced through bitsandbytes' own layers on fake weights."""
     from lightning_lowmem import Adapters, OffloadStrategy, dry_run
 
     _need("peft", "Adapters wraps the model with PEFT")
     s = llama(ctx, batch=4)
-    predicted: dict[bool, Any] = {}
     rows = []
     for run, (quantize, streamed) in QLORA_RUNS.items():
         measured = ctx.prior(f"qlora_adapters[{run}]")
         if measured is None or measured.get("status") not in ("ok", "failed"):
             rows.append({"run": run, "note": "not measured in this stage (see its entry)"})
             continue
-        if streamed not in predicted:
-            predicted[streamed] = dry_run(lambda: llama_module(s), batch_size=s.batch, seq_len=s.seq,
-                                          strategy=OffloadStrategy(offload_params=streamed), precision="bf16-true",
-                                          callbacks=[Adapters("lora", **LORA)], target="cuda")
-        est = predicted[streamed]
+        est = dry_run(lambda: llama_module(s), batch_size=s.batch, seq_len=s.seq,
+                      strategy=OffloadStrategy(offload_params=streamed), precision="bf16-true",
+                      callbacks=[Adapters("lora", **LORA, quantize_base=quantize)], target="cuda")
         context = sum(x.bytes for x in est.corrections if x.name == "cuda_context")
-        tensors = est.peak_device - context
-        info, figure = measured["run"], "dry run (CUDA target)"
-        if quantize is not None:
-            packed, base = info["packed_base_bytes"], info["base_params"]
-            if streamed:
-                tensors += packed - base // 2
-                figure = "derived upper bound: bf16-base streamed dry run + the nf4 quantization state (on the device)"
-            else:
-                tensors -= 2 * base - packed
-                figure = "derived: bf16-base dry run - base linears x 2 B + their packed bytes (measured)"
+        tensors, figure = est.peak_device - context, "dry run (CUDA target)"
         got = measured["rows"][0].get("allocated_peak_bytes")
         rows.append({"run": run, "figure": figure, "predicted_device_bytes": tensors + context,
                      "cuda_context_bytes": context, "predicted_tensors_bytes": tensors,
@@ -209,8 +191,7 @@ def qlora_dry_run(ctx: Context) -> dict[str, Any]:
     return {"rows": rows, "notes": [(
         "predicted_tensors_bytes = the dry run's device peak less its fixed CUDA-context correction; measured = "
         "allocated_bytes.all.peak of the same run (shape, strategy, callbacks, precision). predicted_host_bytes: the "
-        "bf16-base dry run's host peak as it is (for the nf4 rows not adjusted for the packed base); "
-        "measured_host_bytes: the strategy's host breakdown of the measured run. The CPU rehearsal has no device "
+        "dry run's host peak; measured_host_bytes: the strategy's host breakdown of the measured run. The CPU rehearsal has no device "
         "figures.")]}
 
 
