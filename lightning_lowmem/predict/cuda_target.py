@@ -71,6 +71,9 @@ class CudaOptimizerDefaults(L.Callback):
             # base has none): counted from the traced strategy, not from the parameters before the callbacks ran
             self.counts["staged_numels"] = [m.numel() for m in getattr(trainer.strategy, "masters", {}).values()]
             self.counts["traced_params"] = sum(p.numel() for p in pl_module.parameters())
+            # NOTE: the streamed blocks' host copies (offload_params) are made before tracking starts and are held by
+            # no parameter or optimizer: the tracker does not see them; counted here as the strategy built them
+            self.counts["streamed_blocks"] = [b for b in getattr(trainer.strategy, "streamed_weights", list)() if b]
         host = host_storage_keys()
         for opt in trainer.optimizers:
             for group in opt.param_groups:
@@ -113,6 +116,14 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
         out.append(Correction("pinned_staging", staging, False,
                               "OffloadStrategy's pinned host staging buckets in the compute dtype (CUDA only, as "
                               "the pinned allocator rounds them), added to every phase's host `other`"))
+    copies = streamed_copies_bytes(counts, extrapolated) if offload else 0
+    if copies:
+        for bd in estimate.phases.values():
+            bd.add("host", "weights", copies)
+        out.append(Correction("streamed_host_copies", copies, False,
+                              "offload_params: the streamed blocks' weights in the compute dtype, in pinned host "
+                              "buckets (their only copy where a frozen weight has no fp32 master), added to every "
+                              "phase's host `weights`"))
     out.append(Correction("allocator_rounding", 0, False,
                           "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
                           "fragmentation is not modelled (size: to be calibrated on a GPU)"))
@@ -124,4 +135,20 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
     return out
 
 
-__all__ = ["CUDA_CONTEXT_BYTES", "CudaOptimizerDefaults", "cuda_corrections", "cuda_kernels"]
+def streamed_copies_bytes(counts: dict[str, Any], extrapolated: bool) -> int:
+    """Pinned host bytes of the streamed blocks' host copies (``offload_params``), as the stream buckets them.
+
+    Extrapolated (traced at a lower depth, ``counts["depths"]``: traced and full): the blocks beyond the traced ones
+    are streamed as the last traced block is; if the stream's blocks are not the depth's, the bytes scale with depth.
+    """
+    blocks = counts.get("streamed_blocks") or []
+    if not blocks:
+        return 0
+    traced, full = counts.get("depths", (len(blocks), len(blocks))) if extrapolated else (len(blocks), len(blocks))
+    if len(blocks) == traced:
+        blocks = blocks + [blocks[-1]] * (full - traced)
+    copies = pinned_staging_bytes([spec for block in blocks for spec in block])
+    return copies if len(blocks) >= full else int(copies * full / traced)
+
+
+__all__ = ["CUDA_CONTEXT_BYTES", "CudaOptimizerDefaults", "cuda_corrections", "cuda_kernels", "streamed_copies_bytes"]

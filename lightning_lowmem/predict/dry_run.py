@@ -374,6 +374,7 @@ def dry_run(
     if extrapolate:
         # NOTE: from 3 blocks: with 2, a prefetch of 2 restores (activation offload) spans the whole model
         depths = (3 * unit, 4 * unit, 5 * unit)  # type: ignore[operator]
+        counts["depths"] = (depths[2], num_blocks)  # NOTE: the counts kept are the last trace's (cuda_target.py)
         traces = [_trace(build(d), run, data_kwargs, windows=True, **kw) for d in depths]
         va, vb, vc = (values_of(t, windows=True) for t in traces)
         by_event, miss = event_values(*(events(t) for t in traces), depths, num_blocks)  # type: ignore[arg-type]

@@ -207,3 +207,32 @@ def test_backbone_unfrozen_under_bf16_true_gets_its_master_from_the_exact_host_c
     for (name, master), (_, want) in zip(made, from_resident):
         assert torch.equal(master, want) and torch.equal(master, initial[name].bfloat16().float()), name
     assert _differ(state(streamed), state(resident)) == [] and _differ(_buffers(streamed), _buffers(resident)) == []
+
+
+def test_dry_run_counts_the_streamed_host_copies_and_no_staging_for_the_frozen_base():
+    """CUDA target: the pinned staging covers the adapters' masters only, and the streamed blocks' host copies are
+    counted as the stream buckets them (before: staging for every streamed frozen weight's master, the copies
+    themselves and the masters untraced); at depth 12 the extrapolated figure equals the one traced at full depth."""
+    from lightning_lowmem import ActivationCheckpointing, estimate_memory
+    from lightning_lowmem.demo.module import CausalLMModule
+    from lightning_lowmem.strategies.offload.transfer import pinned_staging_bytes
+
+    config = {"num_hidden_layers": 12, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "vocab_size": 258}
+    module = CausalLMModule(model_type="llama", config=config)
+    Adapters("lora", **LORA).apply(module)
+    # the blocks' weights in the order the stream buckets them (block by block), adapters included, all in bf16
+    streamed = [(p.numel(), torch.bfloat16) for n, p in module.named_parameters() if ".layers." in n]
+    trainable = [(p.numel(), torch.bfloat16) for p in module.parameters() if p.requires_grad]
+    figures = {}
+    for extrapolate in (True, False):
+        est = estimate_memory({"model_type": "llama", **config}, 1, 16, precision="bf16-true", target="cuda",
+                              strategy="lowmem_offload_params", extrapolate=extrapolate,
+                              callbacks=[Adapters("lora", **LORA), ActivationCheckpointing("all")])
+        figures[extrapolate] = corrections = {c.name: c.bytes for c in est.corrections}
+        assert corrections["streamed_host_copies"] == pinned_staging_bytes(streamed)
+        assert est.phases["optimizer"].host["weights"] == corrections["streamed_host_copies"]
+    # NOTE: failed before: the staging counted a master for every streamed frozen weight (not the extrapolated run's:
+    # its staging is scaled from the traced depth by the parameter count)
+    assert figures[False]["pinned_staging"] == pinned_staging_bytes(trainable)
+    assert figures[True]["streamed_host_copies"] == figures[False]["streamed_host_copies"]

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 from lightning_lowmem.core import resume_checks as _resume_checks
@@ -92,6 +93,14 @@ class HostState:
         if self._stream is not None:
             out.add("host", "weights", self._stream.host_bytes())  # the streamed blocks' compute copies
         return out
+
+    def streamed_weights(self) -> list[list[tuple[int, torch.dtype]]]:
+        """``(numel, compute dtype)`` of each block's streamed weights (``offload_params``; a resident block: none):
+        the host copies the stream keeps, whether or not they have a master."""
+        stream = self._stream
+        if stream is None:
+            return []
+        return [[(stream.shapes[id(p)].numel(), p.dtype) for p in ps] for ps in stream.params]
 
     def host_bytes_per_param(self) -> dict[str, float]:
         """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included).
