@@ -12,9 +12,9 @@ cannot wrap a fake tensor): its rows are *derived* from the matching bf16-base d
 linears' bytes by their packed size, measured by ``packed_bytes`` on a real quantized 4096 x 4096 layer
 (bitsandbytes' own layout: 0.5 B/param packed + about 0.016 B/param quantization state). Streamed: the host holds
 the packed bytes instead of the bf16 copies of the streamed base linears (packed weights have no master); the
-bf16-base streamed row's host figure lacks the fp32 masters its streamed frozen weights keep (the dry run does not
-count host tensors that no optimizer holds); the device figure is an
-upper bound: the bf16 streamed peak (bf16 blocks on the device are larger than packed blocks plus one linear's
+bf16-base streamed row's host figure holds those bf16 copies (the CUDA target's ``streamed_host_copies``
+correction) and no fp32 master for the streamed frozen weights (they have none: the copy is their value); the
+device figure is an upper bound: the bf16 streamed peak (bf16 blocks on the device are larger than packed blocks plus one linear's
 dequantized bf16 weight) plus the quantization state, which stays on the device.
 
 Part 2 (CPU): one small LLaMA, fp32, batch 2 x 128, the same data; full fine-tuning, LoRA and QLoRA (nf4 base)
@@ -95,7 +95,9 @@ def _previous_single_device() -> dict[tuple[str, str], dict[str, Any]]:
     import json
 
     previous = json.loads((Path(__file__).parent / "results" / "adapters.json").read_text())
-    return {(r["model"], r["run"]): {**r, "figure": f"{r['figure']}, from the run of {previous['date'][:16]}"}
+    # NOTE: a row already re-used keeps the date of the run that measured it
+    return {(r["model"], r["run"]): {**r, "figure": r["figure"] if "from the run of" in r["figure"]
+                                     else f"{r['figure']}, from the run of {previous['date'][:16]}"}
             for r in previous["rows"] if r["strategy"] == "single device" and r["wall_s"] is not None}
 
 
@@ -129,9 +131,9 @@ def memory_rows(shapes: list[str], reuse_single_device: bool = False) -> list[di
             bf16 = _row(shape, f"LoRA r=16, bf16 base {what}, ckpt + act. offload + chunked loss", strategy,
                         callbacks)
             if streamed:
-                # NOTE: the dry run does not see host tensors no optimizer holds: the fp32 masters the streamed frozen
-                # bf16 weights keep (4 B/param) are missing from this row's host figure; packed weights have none
-                bf16["figure"] += "; host without the streamed frozen weights' fp32 masters (not traced)"
+                # NOTE: the streamed frozen bf16 weights have no fp32 master (their host copy is their value): the host
+                # figure is the blocks' bf16 host copies (a CUDA correction: made before tracking) and the rest traced
+                bf16["figure"] += "; host: the streamed blocks' bf16 copies, no fp32 masters for the frozen base"
             rows.append(bf16)
             if streamed:
                 # host: the packed bytes (0.5 B/param) replace the streamed linears' bf16 copies (2 B/param)
@@ -203,7 +205,7 @@ def main(argv: list[str]) -> None:
                           "matching bf16-base dry run (the dry run cannot trace bitsandbytes' quantized parameters: "
                           "`Params4bit` cannot wrap a fake tensor); see the figure column for each derivation."),
                          ("lowmem_offload: a frozen base weight has no fp32 host master (bf16-true: its bf16 compute "
-                          "weight is its value); streamed block weights keep theirs, packed 4-bit ones have none."),
+                          "weight is its value; streamed, its bf16 host copy is), nor do packed 4-bit ones."),
                          ("Reference figures (their authors', not measured here): Unsloth 41 GB, QLoRA 48 GB for "
                           "LLaMA-70B QLoRA fine-tuning.")])
     if not memory_only:
