@@ -64,7 +64,9 @@ def _previous_single_device() -> dict[tuple[str, str], dict[str, Any]]:
     import json
 
     previous = json.loads((Path(__file__).parent / "results" / "adapters.json").read_text())
-    return {(r["model"], r["run"]): {**r, "figure": f"{r['figure']}, from the run of {previous['date'][:16]}"}
+    # NOTE: a row already re-used keeps the date of the run that measured it
+    return {(r["model"], r["run"]): {**r, "figure": r["figure"] if "from the run of" in r["figure"]
+                                     else f"{r['figure']}, from the run of {previous['date'][:16]}"}
             for r in previous["rows"] if r["strategy"] == "single device" and r["wall_s"] is not None}
 
 
@@ -148,7 +150,7 @@ def main(argv: list[str]) -> None:
                   notes=[("Dry run (CUDA target, uncalibrated corrections), every row: the nf4 rows run bitsandbytes' "
                           "own 4-bit layers on fake weights (packed bytes and quantization state count as weights)."),
                          ("lowmem_offload: a frozen base weight has no fp32 host master (bf16-true: its bf16 compute "
-                          "weight is its value); streamed block weights keep theirs, packed 4-bit ones have none."),
+                          "weight is its value; streamed, its bf16 host copy is), nor do packed 4-bit ones."),
                          ("Reference figures (their authors', not measured here): Unsloth 41 GB, QLoRA 48 GB for "
                           "LLaMA-70B QLoRA fine-tuning.")])
     if not memory_only:

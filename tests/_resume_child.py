@@ -13,6 +13,8 @@
   an accumulation window is a mid-window checkpoint (a time-based ``ModelCheckpoint``, a validation that does
   not fall on a window edge, a SLURM requeue);
 - ``resume``: a checkpoint path for ``fit(ckpt_path=...)``, or ``null``;
+- ``model``: ``"gpt2"`` (the default) or ``"llama"`` (a tiny LLaMA from a config); ``adapters``: ``null``, or the
+  arguments of ``Adapters("lora", ...)`` (a LoRA fine-tune of the frozen model);
 - ``out``: where to write the final state: every parameter's fp32 value (the host master for ``lowmem_offload``,
   DeepSpeed's fp32 partition gathered for ZeRO, taken at ``on_train_end`` while the strategy is set up), the
   module's parameters (after ``fit``; gathered at ``on_train_end`` for ZeRO) and its buffers.
@@ -25,6 +27,7 @@ warns), which is Lightning's behaviour for every strategy, not what these tests 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -43,6 +46,8 @@ from lightning_lowmem.demo.module import CausalLMModule
 
 CONFIG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
           "attn_pdrop": 0.0}
+LLAMA = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "max_position_embeddings": 32}
 SEQ = 16
 SAMPLES = 64  # one epoch is longer than every run: a resume is always mid-epoch
 
@@ -58,9 +63,9 @@ class KeyedData(torch.utils.data.Dataset):
 class Module(CausalLMModule):
     """The demo LM with a step-wise LR warm-up, a batch size the scheduler can set, and data keyed by batch."""
 
-    def __init__(self, batch_size: int = 2, loss_reduction: str = "mean") -> None:
-        super().__init__(model_type="gpt2", config=CONFIG, learning_rate=1e-2, warmup_steps=3,
-                         loss_reduction=loss_reduction)
+    def __init__(self, batch_size: int = 2, loss_reduction: str = "mean", model: str = "gpt2") -> None:
+        super().__init__(model_type=model, config=CONFIG if model == "gpt2" else LLAMA, learning_rate=1e-2,
+                         warmup_steps=3, loss_reduction=loss_reduction)
         self.batch_size = batch_size
 
     def train_dataloader(self):
@@ -94,19 +99,22 @@ class Capture(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
-        masters = getattr(strategy, "masters", None) or {}
         zero = type(strategy).__name__ == "ZeroStrategy"
         if zero:
             import deepspeed
             from deepspeed.utils import safe_get_full_fp32_param
-        for name, p in pl_module.named_parameters():
-            if zero:
-                self.state[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
-                # NOTE: ZeRO-3 partitions the module's own weights after fit: gathered here
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                    self.state[f"module/{name}"] = p.detach().clone()
-            else:
-                self.state[f"fp32/{name}"] = masters.get(name, p).detach().float().clone()
+        # NOTE: lowmem_offload's view shows the masters, and a frozen weight without one as its value (a streamed
+        # block's is its host copy: the parameter itself holds a placeholder between uses)
+        view = getattr(strategy, "masters_view", None)
+        with view() if view is not None else contextlib.nullcontext():
+            for name, p in pl_module.named_parameters():
+                if zero:
+                    self.state[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
+                    # NOTE: ZeRO-3 partitions the module's own weights after fit: gathered here
+                    with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                        self.state[f"module/{name}"] = p.detach().clone()
+                else:
+                    self.state[f"fp32/{name}"] = p.detach().float().clone()
         for i, group in enumerate(trainer.optimizers[0].param_groups):
             self.state[f"lr/{i}"] = torch.tensor(group["lr"], dtype=torch.float64)
 
@@ -125,9 +133,11 @@ def main() -> None:
         kwargs["accumulate_grad_batches"] = accumulation["trainer"]
     if spec.get("save_at"):
         callbacks.append(SaveAt(spec["ckpt_dir"], spec["save_at"]))
+    if spec.get("adapters"):
+        callbacks.insert(0, lightning_lowmem.Adapters("lora", **spec["adapters"]))
     # NOTE: a different initialisation when resuming: everything must come from the checkpoint
     L.seed_everything(1 if spec.get("resume") else 0, verbose=False)
-    module = Module(loss_reduction="sum" if tokens else "mean")
+    module = Module(loss_reduction="sum" if tokens else "mean", model=spec.get("model", "gpt2"))
     strategy = spec["strategy"]
     if spec.get("strategy_args"):
         from lightning_lowmem._registry import STRATEGIES

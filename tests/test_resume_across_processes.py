@@ -44,9 +44,11 @@ def differences(reference: dict[str, torch.Tensor], resumed: dict[str, torch.Ten
 
 
 def assert_resumes_identical(tmp_path: Path, strategy: str, precision: str, steps: int, save_at: list[int],
-                             accumulation: dict | None = None, strategy_args: dict | None = None) -> None:
+                             accumulation: dict | None = None, strategy_args: dict | None = None,
+                             **spec: object) -> None:
+    """``spec``: more keys of the child's spec (``model``, ``adapters``: see ``tests/_resume_child.py``)."""
     base = {"strategy": strategy, "strategy_args": strategy_args, "precision": precision, "steps": steps,
-            "accumulation": accumulation, "ckpt_dir": str(tmp_path)}
+            "accumulation": accumulation, "ckpt_dir": str(tmp_path), **spec}
     run_child(dict(base, save_at=save_at, out=str(tmp_path / "straight.pt")))
     reference = torch.load(tmp_path / "straight.pt")
     assert int(reference["global_step"]) == steps

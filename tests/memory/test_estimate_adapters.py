@@ -27,6 +27,9 @@ RUNS = {
     "dora fp32": lambda: RunSpec.from_flags(adapters="dora", adapter_r=4),
     "lora offload + ckpt": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, precision="bf16-true",
                                                       offload=True, checkpointing="all"),
+    # NOTE: the frozen base streamed without masters: the views of the masters show its host copies
+    "lora offload_params + ckpt": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, precision="bf16-true",
+                                                             offload=True, offload_params=True, checkpointing="all"),
     "qlora nf4 fp32": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, quantize_base="nf4"),
     "qlora nf4 offload + ckpt": lambda: RunSpec.from_flags(adapters="lora", adapter_r=4, quantize_base="nf4",
                                                            precision="bf16-true", offload=True, checkpointing="all"),

@@ -43,8 +43,7 @@ def host_bytes_needed(
 ) -> dict[str, int]:
     """Host bytes ``strategy`` will allocate for ``module`` and ``optimizers``, by part (see the module docstring)."""
     precision = strategy.precision_plugin
-    frozen = frozen_without_master(module, precision, bool(getattr(strategy, "_loading", False)),
-                                   strategy.offload_params is not False)
+    frozen = frozen_without_master(module, precision, bool(getattr(strategy, "_loading", False)))
     mastered = [p for _, p in HostMasters.unique_params(module) if id(p) not in frozen]
     numel = sum(p.numel() for p in mastered)
     trainable = sum(p.numel() for p in mastered if p.requires_grad)

@@ -27,8 +27,8 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
-from lightning_lowmem.strategies.offload.masters_view import copy_to_compute
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.stream_values import copy_to_compute, value_of
 from lightning_lowmem.strategies.offload.transfer import StreamTransfer, transfer_for
 
 
@@ -237,7 +237,8 @@ class HostStep:
     def _master_unfrozen(self, repoint: bool = True) -> None:
         """Masters for the frozen parameters kept without one that are trainable now (see [unfrozen later] in
         ``masters.py``); the optimizers' groups that hold them are re-pointed, the transfer knows them."""
-        self._new_masters(self._masters.master_unfrozen(lambda p: p), repoint)  # NOTE: streamed ones have masters
+        # NOTE: a streamed weight's value is its host copy: its parameter holds a placeholder while its block is released
+        self._new_masters(self._masters.master_unfrozen(value_of(self._stream)), repoint)
 
     def _new_masters(self, new: Sequence[int], repoint: bool = True) -> None:
         """Masters ``new`` were added after setup: the transfer and the optimizers' groups learn of them."""

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.strategies.offload.masters_view import MastersView
+from lightning_lowmem.strategies.offload.stream_values import unmastered
 
 
 class ManualGrads:
@@ -77,7 +78,8 @@ class ManualGrads:
     def attach(self, view: MastersView, module: nn.Module) -> None:
         """Manual optimization of ``module``: show the gradients after each backward, close on every trigger."""
         self._view = view
-        owned = {id(p) for p in view.masters.p_device}
+        # NOTE: and the streamed weights without a master, which a view shows as their host copies (stream_values.py)
+        owned = {id(p) for p in view.masters.p_device} | {id(p) for _, p, _ in unmastered(view.stream, view.masters)}
         for sub in module.modules():
             if any(id(p) in owned for p in sub.parameters()):
                 # NOTE: prepend: ahead of the hooks registered so far (and of the parameter stream's, registered at

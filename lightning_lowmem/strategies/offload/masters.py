@@ -25,7 +25,6 @@ from torch.optim import Optimizer
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.strategies.offload import hf_weights
-from lightning_lowmem.strategies.offload.param_stream import block_params
 from lightning_lowmem.strategies.offload.precision import autocast_cast_params
 
 
@@ -49,8 +48,7 @@ def _unheld() -> tuple[int, int]:
 _UNHELD = _unheld()
 
 
-def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, streaming: bool = False,
-                          resuming: bool = False) -> set[int]:
+def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, resuming: bool = False) -> set[int]:
     """Ids of the frozen (``requires_grad=False``) parameters of ``module`` that need no fp32 host master.
 
     A frozen weight never changes: it needs no master, no gradient buffer, no optimizer state, when its compute
@@ -60,10 +58,11 @@ def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool
     does not: plain mixed precision keeps its fp32 value (checkpoints, and an unfreeze later steps from it), so it
     keeps its master. Loading weights into the masters (``load_weights``) keeps every master.
 
-    NOTE: with ``streaming`` (``offload_params``) the floating-point weights of the repeated blocks keep their masters:
-    a streamed weight's value is on the device only while its block runs, and the masters are what the hooks'
-    views, the checkpoint and the module given back read. bitsandbytes' packed 4-bit/8-bit weights are not floating
-    point: they never have a master, streamed or not.
+    NOTE: [streamed without a master] under ``offload_params`` a streamed block's frozen weight follows the same rule:
+    its host copy in the stream (the compute dtype) is its value, and the hooks' views, the checkpoint, weight
+    averaging, an unfreeze and the module given back read that copy, never the parameter (a placeholder while its
+    block is released): see :mod:`~lightning_lowmem.strategies.offload.stream_values`. bitsandbytes' packed
+    4-bit/8-bit weights are not floating point: they never have a master, streamed or not.
 
     NOTE: [resumed after an unfreeze] ``resuming`` (Lightning restored a checkpoint into the fp32 module before
     setup): a frozen weight whose value its half compute weight cannot hold exactly came from a master (saved after
@@ -72,11 +71,9 @@ def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool
     """
     if loading or precision is None:
         return set()
-    blocks = {id(p) for ps in block_params(module)[1] for p in ps} if streaming else set()
     half = ({id(p) for p in autocast_cast_params(module)}
             if precision.mixed and precision.compute_dtype != torch.float32 else set())
-    out = {id(p) for _, p in HostMasters.unique_params(module)
-           if not p.requires_grad and id(p) not in half and id(p) not in blocks}
+    out = {id(p) for _, p in HostMasters.unique_params(module) if not p.requires_grad and id(p) not in half}
     dtype = precision.compute_dtype
     if resuming and dtype != torch.float32 and not precision.mixed:
         with torch.no_grad():

@@ -26,7 +26,8 @@ Design: a view swaps each parameter's ``.data`` for its master (and ``.grad`` fo
 because references user code keeps (a list of parameters made in ``__init__``, tensor hooks, a callback's dict keyed
 by parameter) stay valid, tied weights need no table of owners, and ``.grad`` may be assigned (a parameter accepts a
 gradient of its own dtype and device only: inside the view that is the master's). The cost is a few attribute
-assignments per parameter and view; no tensor is copied on entry.
+assignments per parameter and view; no tensor is copied on entry. A frozen weight without a master shows its value:
+its compute weight, or a streamed block's host copy (:mod:`~lightning_lowmem.strategies.offload.stream_values`).
 
 NOTE: [views are not tracked] writes through ``.data`` bypass autograd's version counters, so a view cannot see
 whether its code wrote the weights: a view made with ``write_back=True`` copies every master into its compute weight on
@@ -49,22 +50,11 @@ from torch.optim import Optimizer
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import storage_key
+from lightning_lowmem.strategies.offload import stream_values
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.param_stream import ParamStream
-from lightning_lowmem.strategies.offload.transfer import HostTransfer
 
 Pairs = Sequence[tuple[int, nn.Parameter, nn.Parameter]]
-
-
-def copy_to_compute(transfer: HostTransfer, stream: ParamStream | None, pairs: Pairs) -> None:
-    """Round each ``(i, master, module parameter)`` master into its compute weight (a streamed one: its host copy)."""
-    if stream is not None:
-        # NOTE: a streamed weight's compute copy is its host copy: the step rounds the master into it (the
-        # same fp32 -> compute dtype rounding as the device path); the next fetch carries it to the device.
-        host = stream.host_of()
-        stream.update_host([(p_host, host[id(p)]) for _, p_host, p in pairs if id(p) in host])
-        pairs = [pair for pair in pairs if id(pair[2]) not in host]
-    transfer.weights_to_device(pairs)
 
 
 class MastersView:
@@ -99,6 +89,7 @@ class MastersView:
         self._write_back = False
         self._follow = False
         self._compute: list[Tensor] = []  # the compute weights, while a view shows the masters
+        self._copies: stream_values.Shown = []  # the streamed weights without a master, shown as their host copies
         self._shown: list[Tensor | None] | None = None  # the gradients a view with `grads` put on the parameters
         # NOTE: [writes outside the hooks] the strategy's: before the masters are shown, a compute weight other code wrote
         # is copied into its master; after they are put back, every compute weight matches its master again
@@ -121,7 +112,7 @@ class MastersView:
         parameters (in place, or ``p.data`` replaced; see :meth:`_written`). A view inside a view shows what the outer
         one shows and passes its ``write_back`` and ``follow_writes`` to it.
         """
-        if not self.masters.p_host:
+        if not self.masters.p_host and not stream_values.unmastered(self.stream, self.masters):
             yield
             return
         if self._depth:
@@ -146,6 +137,8 @@ class MastersView:
         # (in its compute dtype; no op runs while only some parameters are put back on exit)
         data = [stream.released(p) if id(p) in streamed else p.data for p in masters.p_device]  # type: ignore[union-attr]
         self._compute = data
+        # NOTE: [streamed without a master] (masters.py) a frozen streamed weight's value is its host copy: shown here
+        self._copies = stream_values.show(stream, masters)
         shown = self._show_buffers() if buffers else {}
         with torch.no_grad():
             for p, p_host in zip(masters.p_device, masters.p_host):
@@ -166,7 +159,8 @@ class MastersView:
                 if grads:
                     p.grad = None  # NOTE: before `.data` goes back: the compute weight's dtype may differ
                 p.data = d
-            self._shown, self._compute = None, []
+            stream_values.restore(stream, self._copies)
+            self._shown, self._compute, self._copies = None, [], []
             self._restore_buffers(shown, write)
             if write or written:
                 self.to_compute([(i, masters.p_host[i], masters.p_device[i])
@@ -205,6 +199,7 @@ class MastersView:
             for p, d in zip(params, self._compute):
                 p.grad = None
                 p.data = d
+            stream_values.hide(self.stream, self._copies)
         try:
             yield
         finally:
@@ -212,6 +207,7 @@ class MastersView:
                 for p, (d, g) in zip(params, kept):
                     p.data = d
                     p.grad = g
+                stream_values.unhide(self._copies)
 
     def sync_grads(self) -> None:
         """Inside a view with ``grads``: after code replaced (or dropped) a parameter's ``.grad`` or its master's, make
@@ -493,6 +489,6 @@ def wrap_hooks(callbacks: Sequence[Callback], module: nn.Module, view: MastersVi
             u()
         # NOTE: a copy of the module made during the fit (`copy.deepcopy`) keeps its wrapped methods: the view they
         # open shows nothing from now on, instead of the masters of a finished fit on the original's parameters
-        view.masters = HostMasters()
+        view.masters, view.stream = HostMasters(), None
 
     return unwrap

@@ -375,7 +375,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         masters = self._masters
         precision = self.precision_plugin
         trainer = lightning_internals.attached_trainer(self.lightning_module)
-        frozen = frozen_without_master(module, precision, self._loading, self.offload_params is not False,
+        frozen = frozen_without_master(module, precision, self._loading,
                                        resuming=trainer is not None and trainer.ckpt_path is not None)
         masters.build(module, self._loading, precision, grad_buffers=with_grads and not self.optimizer_in_backward,
                       frozen=frozen)
@@ -409,7 +409,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
 
     def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
         """Inside, the module's own parameters are the fp32 masters (``grads``: with their gradients as ``.grad``), for
-        code written for the fp32 module (your own weight averaging callback); ``write_back`` if it writes them."""
+        code written for the fp32 module (your own weight averaging callback); ``write_back`` if it writes them. A
+        frozen weight without a master shows its value: its compute weight, or a streamed block's host copy."""
         return self._view.view(grads=grads, buffers=True, write_back=write_back) if self._view else nullcontext()
 
     # --- gradients ---------------------------------------------------------------------------------------
@@ -478,7 +479,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             self._transfer.synchronize()
         if self._stream is not None:
             self._stream.remove()
-            give_back_streamed(self._stream, self._masters.device_index)  # NOTE: packed 4-bit weights have no master
+            give_back_streamed(self._stream, self._masters.device_index)  # NOTE: packed 4-bit and frozen: no master
         if self._reused is not None:
             self._reused.remove()
         for optimizer, flags in self._fused.values():
