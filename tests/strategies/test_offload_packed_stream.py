@@ -50,6 +50,8 @@ def test_packed_4bit_base_is_streamed_and_trains_as_the_resident_run(quant):
     assert got_watch.packed == 14  # 2 layers x 7 linears
     assert got_watch.fetches > 0 and got_watch.placeholders  # between steps the packed weights are released
     assert got_watch.absmax_released  # and their absmax per 64 values
+    assert all(type(m.weight.quant_state.absmax) is torch.Tensor for m in streamed.modules()
+               if hasattr(getattr(m, "weight", None), "quant_state"))  # given back a plain tensor after the fit
     want, got = state(resident), state(streamed)
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []  # the packed base came back too

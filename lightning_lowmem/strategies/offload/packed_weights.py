@@ -82,8 +82,9 @@ def streamable(p: nn.Parameter) -> bool:
 
 
 def give_back_streamed(stream: Any, mastered: Mapping[int, int]) -> None:
-    """After training: every streamed parameter without a master (the packed 4-bit weights) gets its host copy back
-    as its ``.data`` (the others get their masters' values from ``HostMasters.give_back_fp32``).
+    """After training: every streamed parameter without a master (packed 4-bit weights and their absmax, frozen
+    weights whose compute dtype holds their value) gets its host copy back as its ``.data`` (the others get their
+    masters' values from ``HostMasters.give_back_fp32``); a quantization state holds a plain absmax tensor again.
 
     NOTE: on CUDA the host copy is a view of a pinned staging bucket: it is copied out, so no pinned memory is left
     to the user's module after the fit.
@@ -96,6 +97,10 @@ def give_back_streamed(stream: Any, mastered: Mapping[int, int]) -> None:
             for p in ps:
                 if id(p) == p_id:
                     p.data = h.clone() if pinned else h
+    for ps in stream.params:
+        for p in ps:
+            if is_streamable_packed(p) and isinstance(p.quant_state.absmax, nn.Parameter):
+                p.quant_state.absmax = p.quant_state.absmax.data
 
 
 @functools.cache
