@@ -22,11 +22,11 @@ pytestmark = [RunIf(peft=True, bitsandbytes=True)]
 QLORA = {**LORA, "quantize_base": "nf4"}
 
 
-def dequantized_reference() -> LitLM:
+def dequantized_reference(dtype: torch.dtype | None = None) -> LitLM:
     import bitsandbytes as bnb
 
     quantized, reference = LitLM(None), LitLM(None)
-    for name in quantize_linears(quantized.model, "nf4"):
+    for name in quantize_linears(quantized.model, "nf4", dtype):
         layer = quantized.model.get_submodule(name)
         dense = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
         reference.model.get_submodule(name).weight.data.copy_(dense)
@@ -55,6 +55,21 @@ def test_nf4_base_trains_as_plain_lora_on_its_dequantized_weights(strategy):
     assert isinstance(layer, LoraLinear4bit) and isinstance(layer.base_layer, bnb.nn.Linear4bit)
     assert layer.base_layer.weight.dtype == torch.uint8
     assert not isinstance(ours.model.get_base_model().lm_head, bnb.nn.Linear4bit)  # the head keeps its dtype
+    want = {k: v for k, v in state(reference).items() if "lora_" in k}
+    got = {k: v for k, v in state(ours).items() if "lora_" in k}
+    assert_equal_states(got, want)
+
+
+def test_bf16_true_quantizes_the_bf16_weights_and_trains_as_plain_lora_on_their_dequantized_values():
+    """Under bf16-true the base is quantized from its bf16 weights (as `from_pretrained(torch_dtype=bf16)` loads
+    them): each layer dequantizes to bf16 (2 B per value of the layer at once, not fp32 then a cast: 6 B), and the
+    run equals plain PEFT LoRA at bf16-true on those dequantized values, bit for bit."""
+    reference = dequantized_reference(torch.bfloat16)
+    fit(reference, [], precision="bf16-true")
+    ours = LitLM(None)
+    fit(ours, [Adapters("lora", **QLORA)], precision="bf16-true")
+    layer = ours.model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").base_layer
+    assert layer.weight.quant_state.dtype == torch.bfloat16  # NOTE: failed before: quantized from fp32
     want = {k: v for k, v in state(reference).items() if "lora_" in k}
     got = {k: v for k, v in state(ours).items() if "lora_" in k}
     assert_equal_states(got, want)

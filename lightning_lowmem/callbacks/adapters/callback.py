@@ -23,6 +23,9 @@ KINDS: tuple[str, ...] = get_args(Kind)
 _MARK = "_lowmem_adapters"  # set on the PeftModel this callback made: a later fit/validate finds it applied
 
 
+#: ``*-true`` half precisions and their compute dtype
+_HALF_TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
 def _validate(kind: Any, r: Any, alpha: Any, dropout: Any, target_modules: Any, quantize_base: Any, attribute: Any,
               seed: Any) -> tuple[list[str], bool]:
     problems, wrong_type = [], False
@@ -158,6 +161,7 @@ class Adapters(Reproducible, Callback):
         self.target_modules = target_modules if isinstance(target_modules, str) else list(target_modules)
         self.quantize_base, self.attribute, self.seed = quantize_base, attribute, seed
         self.quantized: list[str] = []  # names of the base linears quantized by the last apply
+        self._dtype: torch.dtype | None = None  # the compute dtype the base is quantized from (set at setup)
         self._patched = False
 
     def __repr__(self) -> str:
@@ -187,6 +191,9 @@ class Adapters(Reproducible, Callback):
                 )
         # NOTE: every stage, not only fit: `trainer.validate(ckpt_path=...)` restores a state_dict with the adapters'
         # names. A model built in `configure_model` exists only after it (Lightning calls it after this hook).
+        # NOTE: a `*-true` half precision computes with half weights: the base is quantized from them (see
+        # `quantize_linears`); the precision plugin converts the module after this hook
+        self._dtype = _HALF_TRUE.get(str(trainer.precision))
         builds_later = type(pl_module).configure_model is not L.LightningModule.configure_model
         if isinstance(getattr(pl_module, self.attribute, None), nn.Module) or not builds_later:
             self.apply(pl_module)  # NOTE: raises here when there is no model and no `configure_model` to build it
@@ -223,7 +230,7 @@ class Adapters(Reproducible, Callback):
         from peft import get_peft_model
 
         if self.quantize_base is not None:
-            self.quantized = quantize_linears(model, self.quantize_base)
+            self.quantized = quantize_linears(model, self.quantize_base, self._dtype)
             # NOTE: PEFT dispatches its bitsandbytes LoRA layers (which merge, and DoRA, need) on the flags
             # `from_pretrained(quantization_config=...)` sets on a quantized Hugging Face model
             flag = "is_loaded_in_8bit" if self.quantize_base == "int8" else "is_loaded_in_4bit"
