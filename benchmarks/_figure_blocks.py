@@ -382,7 +382,7 @@ def adapters(r: Results) -> str:
                     v["steps_timed"]] for v in t["rows"]])
     return (f"Batch 1 x 2048, bf16-true, `ActivationCheckpointing(\"all\")`, AdamW; LoRA r=16, alpha 32, "
             f"all-linear; the 70B recipe rows add `ActivationOffload()` and `ChunkedLMLoss(chunk_tokens=128)`.\n\n"
-            f"{body}\n\n{source(d, '**dry run** (CUDA target); the QLoRA rows derived from it (figure column)')}\n\n"
+            f"{body}\n\n{source(d, '**dry run** (CUDA target), the 4-bit base included')}\n\n"
             f"CPU step time, side by side on the same small LLaMA (fp32, batch 2 x 128):\n\n{steps}\n\n"
             f"{source(t, where(t))}")
 
