@@ -66,7 +66,8 @@ def host_bytes_needed(
     if strategy.host_pass == "overlap" and low_bit is None and lean is None:
         attached = isinstance(module, pl.LightningModule) and lightning_internals.attached_trainer(module) is not None
         for opt in optimizers:
-            # NOTE: in a Trainer every reason the step stays serial is known; without one, the optimizer's
+            # NOTE: in a Trainer every reason the step stays serial is known; without one (a bare strategy), only the
+            # optimizer's kind and optimizer-in-backward decide
             if attached and _host_pass.why_serial(strategy, opt, module) is not None:
                 continue
             if not _host_pass.overlaps(opt) or strategy.optimizer_in_backward:
