@@ -79,8 +79,19 @@ class FetchedAtBackward(Callback):
         import gc
 
         sizes = {p.numel() * p.element_size() for ps in stream.params for p in ps if is_streamable_packed(p)}
-        return {t.untyped_storage().data_ptr() for t in gc.get_objects()
-                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.untyped_storage().nbytes() in sizes}
+        found = set()
+        for t in gc.get_objects():
+            # NOTE: `type()`, not `isinstance()`: the latter asks a dead weak proxy (another test's) for its class;
+            # and a tensor without storage (another test's fake or sparse one) is skipped
+            if not issubclass(type(t), torch.Tensor) or t.dtype != torch.uint8:
+                continue
+            try:
+                storage = t.untyped_storage()
+                if storage.nbytes() in sizes:
+                    found.add(storage.data_ptr())
+            except (RuntimeError, NotImplementedError):
+                continue
+        return found
 
     def on_train_batch_start(self, trainer, *args):
         self.before = self._storages(trainer.strategy._stream)  # the host copies, and whatever earlier tests left
