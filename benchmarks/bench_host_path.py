@@ -4,8 +4,9 @@ A GPT-2-architecture ``CausalLMModule`` of about ``--layers`` x 7.1M parameters 
 tiny batch through ``Trainer.fit``, fits interleaved round after round:
 
 - plain Lightning at the same precision (``strategy="auto"``), the reference step time;
-- ``lowmem_offload`` with ``host_pass="serial"`` and ``"overlap"``, without clipping and with a norm clip that does
-  not trigger (``gradient_clip_val=1e9``: the clip and the non-finite guard still read every gradient).
+- ``lowmem_offload`` with ``host_pass="serial"`` and ``"overlap"``, without clipping, with a norm clip that does
+  not trigger (``gradient_clip_val=1e9``: the clip and the non-finite guard still read every gradient) and with a
+  value clip of 1e9 (the clamp reads and writes every gradient; a smaller value costs the same).
 
 Per step: **host work after backward** (from the end of autograd's backward, when the strategy's drain starts, to
 the return of the strategy's ``optimizer_step``, the upload of the new weights included) and the step time. The
@@ -13,7 +14,8 @@ the return of the strategy's ``optimizer_step``, the upload of the new weights i
 built) is timed in the same rounds: the host work is reported as a fraction of it. **Bytes touched per parameter**
 are counted from the passes the code makes (fp32 unless said): fold = read the staged gradient + write the buffer
 (or add: read both), guard/clip norms = read the gradient, AdamW = read p, g, m, v + write p, m, v, the pass's copy
-= read + write p, m, v, upload = read the master + write the compute weight.
+= read + write p, m, v, upload = read the master + write the compute weight, value clip = torch's two in-place
+clamps (serial: read + write twice) or the pass's clamped copy (read + write once).
 
 Run from the repository root: ``python benchmarks/run.py host_path`` (``--layers 14 --width 768 --seq 32 --batch 1
 --rounds 2 --steps 6``).
@@ -40,12 +42,14 @@ from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 PRECISION = "32-true"
-VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val)
-    "plain Lightning (auto)": (None, None),
-    "serial": ({"host_pass": "serial"}, None),
-    "overlap": ({"host_pass": "overlap"}, None),
-    "serial, clip 1e9": ({"host_pass": "serial"}, 1e9),
-    "overlap, clip 1e9": ({"host_pass": "overlap"}, 1e9),
+VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val, gradient_clip_algorithm)
+    "plain Lightning (auto)": (None, None, None),
+    "serial": ({"host_pass": "serial"}, None, None),
+    "overlap": ({"host_pass": "overlap"}, None, None),
+    "serial, clip 1e9": ({"host_pass": "serial"}, 1e9, "norm"),
+    "overlap, clip 1e9": ({"host_pass": "overlap"}, 1e9, "norm"),
+    "serial, value clip 1e9": ({"host_pass": "serial"}, 1e9, "value"),
+    "overlap, value clip 1e9": ({"host_pass": "overlap"}, 1e9, "value"),
 }
 
 
@@ -56,7 +60,7 @@ def _module(args) -> CausalLMModule:
     return CausalLMModule(model_type="gpt2", config=config, learning_rate=1e-4)
 
 
-def fit(args, kwargs, clip) -> dict:
+def fit(args, kwargs, clip, algorithm) -> dict:
     module = _module(args)
     strategy = OffloadStrategy(**kwargs) if kwargs is not None else "auto"
     after: list[float] = []
@@ -80,7 +84,7 @@ def fit(args, kwargs, clip) -> dict:
         strategy.drain_transfers, strategy.optimizer_step = timed_drain, timed_step  # NOTE: before setup binds them
     probe = step_probe(None)  # NOTE: timing hooks only: a hook after backward would make the overlap serial
     trainer = bench_trainer(strategy=strategy, precision=PRECISION, max_steps=args.steps, limit_val_batches=0,
-                            callbacks=[probe], gradient_clip_val=clip)
+                            callbacks=[probe], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
     with counting_stood() as stood:
         trainer.fit(module, data)
@@ -132,14 +136,15 @@ def kernel_s(shapes, repeat: int = 3) -> float:
 def bytes_per_param(variant: str) -> tuple[int, int]:
     """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute)."""
     fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
-    clip = "clip" in variant
+    value, clip = "value clip" in variant, "clip" in variant
     if variant.startswith("serial"):
-        # NOTE: the guard reads every gradient; with a clip, the norm read and the multiply by 1.0 (read + write)
-        total = fold + norms + (norms + 8 if clip else 0) + adamw + upload
+        # NOTE: the guard reads every gradient; a norm clip adds the norm read and the multiply by 1.0 (read + write),
+        # a value clip torch's clamp_min_ and clamp_max_ (read + write each)
+        total = fold + norms + (16 if value else norms + 8 if clip else 0) + adamw + upload
         return total, total - fold
-    total = fold + norms + keep + adamw + upload
+    total = fold + (8 if value else 0) + norms + keep + adamw + upload
     return total, upload  # NOTE: plus the last bucket's share of the rest
-    
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,8 +157,8 @@ def main() -> None:
     kernels: list[float] = []
     shapes = None
     for _ in range(args.rounds):
-        for name, (kwargs, clip) in VARIANTS.items():
-            got[name].append(fit(args, kwargs, clip))
+        for name, (kwargs, clip, algorithm) in VARIANTS.items():
+            got[name].append(fit(args, kwargs, clip, algorithm))
             shapes = got[name][-1]["shapes"]
         kernels.append(kernel_s(shapes))
     kernel = statistics.median(kernels)
@@ -179,6 +184,8 @@ def main() -> None:
         "(fold left, guard, clip, step, upload); x_kernel: its fraction of the fused kernel alone."),
         (f"overlap / serial, no clip: host after backward {by['overlap']['x_kernel']:.2f}x vs {by['serial']['x_kernel']:.2f}x "
         f"the kernel; step time {by['overlap']['x_plain']:.2f}x vs {by['serial']['x_plain']:.2f}x plain."),
+        (f"overlap / serial, value clip: host after backward {by['overlap, value clip 1e9']['x_kernel']:.2f}x vs "
+         f"{by['serial, value clip 1e9']['x_kernel']:.2f}x the kernel."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
         "(24 B) but moves everything except the upload and the last bucket before the end of backward."),
         ("The machine is shared (2 cores): the worker thread competes with backward for them; figures are ratios "

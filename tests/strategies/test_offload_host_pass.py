@@ -150,10 +150,88 @@ def test_random_completion_orders_of_the_stream_stand_in(counted, seed):
     _same(counted, 0, N_BATCHES, gradient_clip_val=1e-3, seed=seed, accumulate_grad_batches=1)
 
 
-@pytest.mark.parametrize("case", ["value_clip", "fp16", "manual"])
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_value_clipping_is_exact(counted, accumulate):
+    # NOTE: 0.01 clamps a good share of this model's gradients (checked below), so the clamp does act
+    _same(counted, N_BATCHES // accumulate, gradient_clip_val=0.01, gradient_clip_algorithm="value",
+          accumulate_grad_batches=accumulate)
+    counted["stood"] = 0
+    _, w_clipped, *_ = _fit("overlap", gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    _, w_free, *_ = _fit("overlap")
+    assert not any(torch.equal(a, b) for a, b in zip(w_clipped, w_free))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_value_clipping_with_a_nan_under_random_completion_orders(counted, seed):
+    # NOTE: a clamp keeps a NaN, so the guard skips that step, serially as in the pass
+    _same(counted, N_BATCHES - 1, 0, module={"bad": (4,)}, gradient_clip_val=0.01, gradient_clip_algorithm="value",
+          seed=seed)
+
+
+def _reference_step(p_ref, grads, clip_value):
+    """The serial step: Lightning's value clip on the masters' gradients, then the optimizer."""
+    opt = torch.optim.AdamW(p_ref)
+    for p, g in zip(p_ref, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_value_(p_ref, clip_value)
+    opt.step()
+    return opt
+
+
+def _pass_over(grads_per_param, clip_value, *, again=None):
+    masters = HostMasters()
+    masters.build(torch.nn.Linear(4, 4), loading=False, precision=None, grad_buffers=True)
+    p_ref = [torch.nn.Parameter(p.detach().clone()) for p in masters.p_host]
+    opt = torch.optim.AdamW(masters.p_host)
+    hp = HostPass(masters, bucket_bytes=4)  # one bucket per parameter: each steps as soon as its gradient lands
+    hp.arm(opt, clip_norm=None, guard=True, clip_value=clip_value)
+    for i, g in enumerate(grads_per_param):
+        assert hp.submit(i, g)
+    hp.barrier()
+    if again is not None:
+        assert hp.submit(0, again)  # NOTE: master 0 stepped already: a second gradient undoes the speculation
+    hp.finish()
+    return masters, opt, p_ref, hp
+
+
+def test_value_clipping_turns_an_inf_into_the_clip_as_serially():
+    grads = [torch.full((4, 4), 3.0), torch.tensor([float("inf"), -float("inf"), 0.1, -0.2])]
+    masters, opt, p_ref, hp = _pass_over(grads, 0.5)
+    assert hp.clip_stands(0.5, "value") and hp.stands()  # NOTE: clamped to +-0.5 the inf is finite: no skip
+    ref = _reference_step(p_ref, grads, 0.5)
+    for a, b in zip(masters.p_host, p_ref):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg"], ref.state[b]["exp_avg"])
+    assert torch.equal(masters.p_host[1].grad, grads[1])  # the landed gradient, its infs unclamped
+    hp.disarm(), hp.close()
+
+
+def test_a_restore_after_value_clipping_finds_the_gradients_unclamped():
+    grads = [torch.full((4, 4), 3.0), torch.full((4,), -2.0)]
+    again = torch.full((4, 4), -2.8)
+    masters, opt, p_ref, hp = _pass_over(grads, 0.5, again=again)
+    assert not hp.clip_stands(0.5, "value") and hp.failed == "a gradient arrived twice in one backward"
+    # the serial step that follows: clamp(3.0 - 2.8) = 0.2, where a gradient clamped in place would give 0.5 - 2.8
+    assert torch.allclose(masters.p_host[0].grad, torch.full((4, 4), 0.2))
+    torch.nn.utils.clip_grad_value_(masters.p_host, 0.5)
+    opt.step()
+    _reference_step(p_ref, [grads[0] + again, grads[1]], 0.5)
+    for a, b in zip(masters.p_host, p_ref):
+        assert torch.equal(a, b)
+    hp.disarm(), hp.close()
+
+
+def test_a_clip_other_than_the_one_armed_undoes_the_pass():
+    masters, _, _, hp = _pass_over([torch.ones(4, 4), torch.ones(4)], 0.5)
+    assert not hp.clip_stands(0.25, "value") and hp.restored
+    with pytest.raises(ValueError, match=r"HostPass.arm\(clip_norm=1.0, clip_value=0.5\)"):
+        hp.arm(torch.optim.SGD(masters.p_host), clip_norm=1.0, guard=True, clip_value=0.5)
+    hp.disarm(), hp.close()
+
+
+@pytest.mark.parametrize("case", ["fp16", "manual"])
 def test_cases_that_stay_serial(counted, case):
-    kw = {"value_clip": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
-          "fp16": {"precision": "16-true", "module": {"bad": (2,)}},
+    kw = {"fp16": {"precision": "16-true", "module": {"bad": (2,)}},
           "manual": {"module": {"manual": True}}}[case]
     _same(counted, 0, **kw)
 

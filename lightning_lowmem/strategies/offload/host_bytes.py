@@ -62,7 +62,7 @@ def host_bytes_needed(
     # NOTE: the overlapped pass keeps, between steps, a copy of every master it stepped (all trainable ones) and of
     # its optimizer state (`HostPass._kept`, reused, never trimmed): only for a step it runs (torch's Adam/AdamW/SGD,
     # see `host_pass.why_serial`; never a LowBitOptimizer or LeanOptimizer swap, whose step stays serial)
-    copies = 0
+    copies = largest = 0
     if strategy.host_pass == "overlap" and low_bit is None and lean is None:
         attached = isinstance(module, pl.LightningModule) and lightning_internals.attached_trainer(module) is not None
         for opt in optimizers:
@@ -74,6 +74,10 @@ def host_bytes_needed(
                 continue
             stepped = {id(p): p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in frozen}
             copies += 4 * sum(p.numel() for p in stepped.values()) + expected_state_bytes(opt, None, embeddings)
+            largest = max([largest, *(p.numel() for p in stepped.values())])
+        trainer = module.trainer if attached else None
+        if largest and trainer is not None and trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+            copies += _host_pass.BUCKET_BYTES + 4 * largest  # NOTE: the reused buffer of one bucket's clamped gradients
     parts = {
         "masters": 4 * numel,
         "gradient_buffers": 4 * trainable if with_grads and not strategy.optimizer_in_backward else 0,

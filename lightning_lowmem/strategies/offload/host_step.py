@@ -275,7 +275,9 @@ class HostStep:
             self._pass = _host_pass.HostPass(self._masters, _host_pass.BUCKET_BYTES)
         trainer = model.trainer
         clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else None
-        self._pass.arm(optimizer, clip_norm=clip, guard=self._guarding())
+        by_value = clip is not None and (trainer.gradient_clip_algorithm or "norm") == "value"
+        self._pass.arm(optimizer, clip_norm=None if by_value else clip, clip_value=clip if by_value else None,
+                       guard=self._guarding())
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
         if isinstance(self._transfer, StreamTransfer):
             self._transfer.eager, self._transfer.barrier = True, self._pass.barrier
