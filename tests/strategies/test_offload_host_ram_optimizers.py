@@ -177,3 +177,17 @@ def test_value_clipping_counts_the_pass_buffer_of_clamped_gradients(monkeypatch)
     bound = 4 * 300 + 4 * max(numels)  # a bucket closes past BUCKET_BYTES: at most one gradient more
     assert got.need["host_pass_copies"] == 12 * sum(numels) + bound
     assert 0 < got.real <= bound
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao (pip install lightning-lowmem[torchao])")
+@pytest.mark.parametrize("kind", ["adamw8bit", "adamw4bit"])
+def test_torchao_scales_and_map_are_fp32_for_a_bf16_parameter(kind):
+    from torchao.optim import AdamW4bit, AdamW8bit
+
+    from lightning_lowmem.callbacks.lean_optimizer.state_bytes import torchao_bytes
+
+    p = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16))
+    opt = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[kind]([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert real_state_bytes(opt) == torchao_bytes(p.numel(), kind, None, param_bytes=2)

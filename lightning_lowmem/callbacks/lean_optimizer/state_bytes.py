@@ -12,8 +12,9 @@ their code, checked against their real state after a step in ``tests/callbacks/t
   head or neuron; one per tensor where its names match none of its rules); a 1-D tensor keeps a full second
   moment (biases) or one value (norms): counted as full, an upper bound.
 * torchao AdamW8bit/AdamW4bit: a tensor of at least 4096 values whose size divides the block (256 / 128) keeps each
-  moment as codes (1 B / 0.5 B per value), one scale per block and its quantization map (256 / 16 values), in the
-  parameter's dtype; other tensors keep both moments in the parameter's dtype; every tensor a 0-d fp32 step.
+  moment as codes (1 B / 0.5 B per value), one scale per block and its quantization map (256 / 16 values), both fp32
+  whatever the parameter's dtype (``OptimState8bit.zeros``); other tensors keep both moments in the parameter's
+  dtype; every tensor a 0-d fp32 step.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def torchao_bytes(numel: int, kind: str, block_size: int | None, param_bytes: in
     block = block_size or default_block
     step = 4
     if numel >= _TORCHAO_MIN and numel % block == 0:
-        return 2 * (numel * bits // 8 + param_bytes * (numel // block + qmap)) + step
+        return 2 * (numel * bits // 8 + 4 * (numel // block + qmap)) + step
     return 2 * param_bytes * numel + step
 
 
