@@ -15,7 +15,7 @@ check of the speculation:
 - value clipping: each element is clamped alone, so each bucket steps with clamped copies of its gradients (the
   clamp of ``torch.nn.utils.clip_grad_value_``; the non-finite check reads the clamped values, as the serial guard
   does after the clip) and the step stands; the gradient buffers themselves stay unclamped, so a serial step after
-  a restore clamps them as today;
+  a restore clamps them as today (and the step stays serial where a user hook reads them after the step);
 - a clip that triggers, a non-finite gradient, a gradient that arrives twice (a weight used by two reentrant
   checkpointed blocks), or compute weights written by other code before the step: the masters and state the pass
   touched are restored from its copies and the serial step runs on the untouched gradient buffers (the same step,
@@ -33,6 +33,7 @@ change the gradients before the step).
 Example:
     >>> import torch
     >>> from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
     >>> masters = HostMasters()
     >>> masters.build(torch.nn.Linear(2, 2), loading=False, precision=None, grad_buffers=True)
     >>> opt = torch.optim.AdamW(masters.p_host)
@@ -58,6 +59,7 @@ from torch.optim import Optimizer
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 
 HostPassMode = Literal["serial", "overlap"]
 HOST_PASSES: tuple[str, ...] = get_args(HostPassMode)
@@ -89,6 +91,12 @@ def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
         return "fp16 loss scaling (the gradients are unscaled in place)"
     if _overridden(model, _USER_HOOKS):
         return f"user code in one of {', '.join(_USER_HOOKS)}"
+    trainer = model.trainer
+    readers = reads_grads_after_step(trainer.callbacks, model)
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value" and readers:
+        # NOTE: the pass steps with clamped copies and leaves the gradients as they landed: these hooks would read
+        # unclamped gradients where plain Lightning shows them clamped
+        return f"value clipping with {', '.join(readers)} reading the clamped gradients after the step"
     return None
 
 

@@ -441,6 +441,11 @@ def _user_hook(obj: Any, hook: str) -> bool:
     return False
 
 
+def reads_grads_after_step(callbacks: Sequence[Callback], module: nn.Module) -> list[str]:
+    """The user hooks of ``module`` and ``callbacks`` that see the last step's gradients (see :func:`wrap_grad_readers`)."""
+    return [f"{type(obj).__name__}.{hook}" for obj in [*callbacks, module] for hook in _GRAD_READERS if _user_hook(obj, hook)]
+
+
 def wrap_grad_readers(callbacks: Sequence[Callback], module: nn.Module, view: MastersView) -> Callable[[], None]:
     """Run the user's ``on_train_batch_start``, ``on_train_batch_end``, ``on_train_epoch_end`` and
     ``on_before_zero_grad`` (of ``module`` and of ``callbacks``) inside ``view`` with the masters' gradients; return
