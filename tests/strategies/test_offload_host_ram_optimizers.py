@@ -159,19 +159,20 @@ def test_an_overlapped_run_is_refused_where_only_the_serial_one_fits(monkeypatch
         assert predicted(OffloadStrategy(host_pass="overlap"), [LeanOptimizer("galore", rank=8)])["host_pass_copies"] == 0
 
 
-def test_value_clipping_counts_the_pass_buffer_of_clamped_gradients(monkeypatch):
+@pytest.mark.parametrize("precision, clip", [("bf16-true", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+                                             ("16-true", {})])
+def test_value_clipping_and_fp16_count_the_pass_buffer_of_working_gradients(monkeypatch, precision, clip):
     monkeypatch.setattr(host_pass_module, "BUCKET_BYTES", 4 * 300)  # several buckets per step
 
     class Clamped(L.Callback):
         def on_train_end(self, trainer, pl_module):
-            self.real = sum(t.numel() * t.element_size() for t in trainer.strategy._pass._clamped.values())
+            self.real = sum(t.numel() * t.element_size() for t in trainer.strategy._pass._working.values())
             self.need = trainer.strategy.host_bytes_needed(pl_module, trainer.optimizers, callbacks=trainer.callbacks)
 
     got = Clamped()
-    trainer = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(host_pass="overlap"), precision="bf16-true",
+    trainer = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(host_pass="overlap"), precision=precision,
                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[got], gradient_clip_val=0.01,
-                        gradient_clip_algorithm="value")
+                        enable_model_summary=False, callbacks=[got], **clip)
     trainer.fit(Model())
     numels = [p.numel() for p in Model().parameters()]
     bound = 4 * 300 + 4 * max(numels)  # a bucket closes past BUCKET_BYTES: at most one gradient more

@@ -76,8 +76,9 @@ def host_bytes_needed(
             copies += 4 * sum(p.numel() for p in stepped.values()) + expected_state_bytes(opt, None, embeddings)
             largest = max([largest, *(p.numel() for p in stepped.values())])
         trainer = module.trainer if attached else None
-        if largest and trainer is not None and trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            copies += _host_pass.BUCKET_BYTES + 4 * largest  # NOTE: the reused buffer of one bucket's clamped gradients
+        value_clip = trainer is not None and trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
+        if largest and (value_clip or getattr(strategy.precision_plugin, "scaler", None) is not None):
+            copies += _host_pass.BUCKET_BYTES + 4 * largest  # NOTE: the reused buffer of one bucket's working gradients
     parts = {
         "masters": 4 * numel,
         "gradient_buffers": 4 * trainable if with_grads and not strategy.optimizer_in_backward else 0,

@@ -12,10 +12,12 @@ check of the speculation:
   state and hyperparameters, so stepping by buckets is the serial step bit for bit (exact by construction);
 - norm clipping: the global norm is reduced from the per-tensor norms as ``torch.nn.utils.clip_grad_norm_``
   reduces them; when its clamped coefficient is 1 the serial clip multiplies by 1.0 (a no-op) and the step stands;
-- value clipping: each element is clamped alone, so each bucket steps with clamped copies of its gradients (the
-  clamp of ``torch.nn.utils.clip_grad_value_``; the non-finite check reads the clamped values, as the serial guard
-  does after the clip) and the step stands; the gradient buffers themselves stay unclamped, so a serial step after
-  a restore clamps them as today (and the step stays serial where a user hook reads them after the step);
+- value clipping and fp16 loss scaling: each element is unscaled and clamped alone, so each bucket steps with
+  working copies of its gradients, unscaled by the loss scaler's own kernel (an overflow in any bucket undoes the
+  pass: the serial step skips, as today) and clamped as ``torch.nn.utils.clip_grad_value_`` clamps (the non-finite
+  guard reads the clamped values, as it does after the serial clip). The gradient buffers stay as they landed; a
+  restore unscales and clamps them then, so the serial step that follows finds them as it always does. Where a user
+  hook reads them after the step (``on_train_batch_end`` & co., see ``masters_view``) the step stays serial;
 - a clip that triggers, a non-finite gradient, a gradient that arrives twice (a weight used by two reentrant
   checkpointed blocks), or compute weights written by other code before the step: the masters and state the pass
   touched are restored from its copies and the serial step runs on the untouched gradient buffers (the same step,
@@ -23,10 +25,10 @@ check of the speculation:
 
 Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW) of every
 master it steps, all trainable ones, kept between steps and reused (counted by ``lowmem_offload``'s host-RAM check); that many more bytes read and written per step, off the critical path; under value clipping
-also a buffer for one bucket of clamped gradients, reused (at most ``BUCKET_BYTES`` plus the largest gradient). Where the pass
+or fp16 also a buffer for one bucket of working gradients, reused (at most ``BUCKET_BYTES`` plus the largest gradient). Where the pass
 cannot be exact the step stays serial (:func:`why_serial` names the cause): optimizers other than
 ``torch.optim.Adam``/``AdamW``/``SGD`` (bitsandbytes 8-bit ones, subclasses: their step may couple parameters),
-fp16 loss scaling, manual optimization, ``optimizer_in_backward`` and user code in
+manual optimization, ``optimizer_in_backward`` and user code in
 ``on_after_backward``/``on_before_optimizer_step``/``configure_gradient_clipping``/``backward`` (it may read or
 change the gradients before the step).
 
@@ -87,16 +89,16 @@ def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
     if not overlaps(optimizer):
         return (f"`{type(optimizer).__name__}` is not torch.optim.Adam/AdamW/SGD" if type(optimizer) not in _PER_ELEMENT
                 else "a param group is differentiable or capturable")
-    if getattr(strategy.precision_plugin, "scaler", None) is not None:
-        return "fp16 loss scaling (the gradients are unscaled in place)"
     if _overridden(model, _USER_HOOKS):
         return f"user code in one of {', '.join(_USER_HOOKS)}"
     trainer = model.trainer
     readers = reads_grads_after_step(trainer.callbacks, model)
-    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value" and readers:
-        # NOTE: the pass steps with clamped copies and leaves the gradients as they landed: these hooks would read
-        # unclamped gradients where plain Lightning shows them clamped
-        return f"value clipping with {', '.join(readers)} reading the clamped gradients after the step"
+    value_clip = trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
+    if readers and (value_clip or getattr(strategy.precision_plugin, "scaler", None) is not None):
+        # NOTE: the pass steps with working copies and leaves the gradients as they landed: these hooks would read
+        # them scaled or unclamped where plain Lightning shows them unscaled and clamped
+        what = "value clipping" if value_clip else "fp16 loss scaling"
+        return f"{what} with {', '.join(readers)} reading the step's gradients after the step"
     return None
 
 
@@ -112,7 +114,7 @@ class HostPass:
         self.bucket_bytes = bucket_bytes
         self._executor: ThreadPoolExecutor | None = None
         self._kept: dict[int, tuple[Tensor, dict[str, Any] | None]] = {}  # i -> (master copy, state copy)
-        self._clamped: dict[torch.dtype, Tensor] = {}  # value clipping: one bucket's clamped gradients, reused
+        self._working: dict[torch.dtype, Tensor] = {}  # value clipping, fp16: one bucket's working gradients, reused
         self.worker_threads: set[int] = set()  # idents of the threads that ran pass work (tests)
         self.armed = False
         self._clear()
@@ -121,7 +123,9 @@ class HostPass:
         self.optimizer: Optimizer | None = None
         self.clip_norm: float | None = None
         self.clip_value: float | None = None
+        self.scaler: Any = None
         self.guard = False
+        self._skipped: list[str] = []  # what the real gradients did not get because the pass stood in for it
         self.finished = False
         self.failed: str | None = None  # why the speculation does not stand (restored, or to restore)
         self.restored = False
@@ -129,21 +133,25 @@ class HostPass:
         self._submitted: set[int] = set()
         self._stepped: list[int] = []  # in step order
         self._norms: dict[int, Tensor] = {}
+        self._run: set[int] = set()  # masters a bucket has run for (stepped, or found the speculation failed)
         self._bucket: list[int] = []
         self._bucket_bytes = 0
         self._futures: list[Future] = []
 
     # --- main thread ---------------------------------------------------------------------------------------------
-    def arm(self, optimizer: Optimizer, *, clip_norm: float | None, guard: bool, clip_value: float | None = None) -> None:
+    def arm(self, optimizer: Optimizer, *, clip_norm: float | None, guard: bool, clip_value: float | None = None,
+            scaler: Any = None) -> None:
         """The next backward is the last of the window: its gradients go to the worker (see :meth:`submit`).
 
-        ``clip_norm``/``clip_value``: the Trainer's ``gradient_clip_val`` under the ``"norm"``/``"value"`` algorithm.
+        ``clip_norm``/``clip_value``: the Trainer's ``gradient_clip_val`` under the ``"norm"``/``"value"`` algorithm;
+        ``scaler``: the fp16 loss scaler (its ``unscale_`` and ``scale``), whose scale holds until the step.
         """
         if clip_norm is not None and clip_value is not None:
             raise ValueError(f"HostPass.arm(clip_norm={clip_norm!r}, clip_value={clip_value!r}): give at most one.")
         self._clear()
         self.optimizer, self.clip_norm, self.guard, self.armed = optimizer, clip_norm, guard, True
         self.clip_value = None if clip_value is None else float(clip_value)
+        self.scaler = scaler
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="lowmem-host-pass")
 
@@ -190,6 +198,7 @@ class HostPass:
             self.restore(self.failed or "clipping other than the one armed")
             return False
         if algorithm == "value":
+            self._skipped.append("clip")
             return True
         norms = [self._norms[i] for i in self._order() if i in self._norms]
         if norms:
@@ -198,6 +207,15 @@ class HostPass:
             if not bool(coef == 1.0):
                 self.restore("the gradient norm clip triggered")
                 return False
+        return True
+
+    def unscale_stands(self) -> bool:
+        """Whether the pass's step already is the step after the fp16 unscale and found no overflow (the real
+        gradients stay scaled until a restore unscales them), else it is undone here, before the real unscale."""
+        if not self.finished or self.failed or self.scaler is None:
+            self.restore(self.failed or "not armed for the loss scaler")
+            return False
+        self._skipped.append("unscale")
         return True
 
     def stands(self) -> bool:
@@ -236,6 +254,19 @@ class HostPass:
                         now[k] = v.clone() if isinstance(v, Tensor) else v
         self._stepped = []
         self.restored = True
+        self._redo_skipped()
+
+    @torch.no_grad()
+    def _redo_skipped(self) -> None:
+        """Give the real gradients what the pass stood in for (the serial step follows): the fp16 unscale, then the
+        value clip, as ``MasterHalfPrecision.optimizer_step`` runs them, over the optimizer's parameters."""
+        assert self.optimizer is not None
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if "unscale" in self._skipped:
+            self.scaler.unscale_([p.grad for p in params if p.grad is not None])  # NOTE: the pass found no overflow
+        if "clip" in self._skipped:
+            torch.nn.utils.clip_grad_value_(params, self.clip_value)  # type: ignore[arg-type]
+        self._skipped = []
 
     def disarm(self) -> None:
         """End the window. NOTE: a window whose step did not take the pass's result (backward raised, an
@@ -255,7 +286,7 @@ class HostPass:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._kept.clear()
-        self._clamped.clear()
+        self._working.clear()
 
     # --- the worker ------------------------------------------------------------------------------------------------
     def _order(self) -> list[int]:
@@ -269,7 +300,7 @@ class HostPass:
         self.masters.fold(i, grad)
         if self.failed:
             return
-        if i in self._norms:
+        if i in self._run:
             self.failed = "a gradient arrived after its parameter stepped"
             return
         self._add(i)
@@ -282,7 +313,7 @@ class HostPass:
 
     def _tail(self) -> None:
         self.worker_threads.add(threading.get_ident())
-        done = set(self._norms) | set(self._bucket)
+        done = self._run | set(self._bucket)
         p_host = self.masters.p_host
         # NOTE: parameters whose gradient came only from earlier micro-batches of the window step too (serially they
         # do: their `.grad` is set), in buckets of the same size (what a bucket holds at once stays bounded)
@@ -296,11 +327,21 @@ class HostPass:
         bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
         p_host = self.masters.p_host
         bucket = [i for i in bucket if p_host[i].grad is not None]
+        self._run.update(bucket)
         if self.failed or not bucket:
             return
         grads: list[Tensor] = [p_host[i].grad for i in bucket]  # type: ignore[misc]
-        if self.clip_value is not None:
-            grads = self._clamp(grads, self.clip_value)
+        working = self.clip_value is not None or self.scaler is not None
+        if working:
+            # NOTE: the order of `MasterHalfPrecision.optimizer_step`: unscale (the scaler's own kernel), then the clip
+            grads = self._views(grads, self.clip_value if self.scaler is None else None)
+            if self.scaler is not None:
+                if self.scaler.unscale_(grads):
+                    self.failed = "an fp16 gradient overflow"  # NOTE: serially the scaler skips the step
+                    return
+                if self.clip_value is not None:
+                    for g in grads:
+                        g.clamp_(min=-self.clip_value, max=self.clip_value)
         if self.guard or self.clip_norm is not None:
             norms = torch_internals.foreach_norm(grads)
             self._norms.update(zip(bucket, norms))
@@ -308,31 +349,31 @@ class HostPass:
                 self.failed = "a non-finite gradient"  # NOTE: serially the guard (or a nan clip) skips the step
                 return
         self._keep(bucket)
-        self._step(bucket, grads if self.clip_value is not None else None)
+        self._step(bucket, grads if working else None)
 
-    def _clamp(self, grads: list[Tensor], clip_value: float) -> list[Tensor]:
-        """``grads`` clamped to ``[-clip_value, clip_value]`` (``torch.nn.utils.clip_grad_value_``'s maths), in views
-        of a buffer kept between steps.
+    def _views(self, grads: list[Tensor], clip_value: float | None) -> list[Tensor]:
+        """Copies of ``grads`` (clamped to ``clip_value`` as ``torch.nn.utils.clip_grad_value_`` clamps, when given) in
+        views of a buffer kept between steps: the working gradients.
 
         NOTE: copies, not in place: after a restore the serial step must find the gradients as they landed (a gradient
-        folded again after its bucket stepped would otherwise add to a clamped one). The buffer is reused: a fresh
-        allocation of a bucket's size each time costs page faults that take 5x the clamp itself (38.6M fp32 values on
-        this machine's CPU: 37.6 ms against 6.5 ms).
+        folded again after its bucket stepped would otherwise add to a clamped or unscaled one). The buffer is reused:
+        a fresh allocation of a bucket's size each time costs page faults that take 5x the clamp itself (38.6M fp32
+        values on this machine's CPU: 37.6 ms against 6.5 ms).
         """
         need: dict[torch.dtype, int] = {}
         for g in grads:
             need[g.dtype] = need.get(g.dtype, 0) + g.numel()
         for dtype, n in need.items():
-            flat = self._clamped.get(dtype)
+            flat = self._working.get(dtype)
             if flat is None or flat.numel() < n:
-                self._clamped[dtype] = flat = torch.empty(n, dtype=dtype)
+                self._working[dtype] = flat = torch.empty(n, dtype=dtype)
                 mark_host(flat)
         out, used = [], dict.fromkeys(need, 0)
         for g in grads:
             at = used[g.dtype]
             used[g.dtype] = at + g.numel()
-            view = self._clamped[g.dtype][at : at + g.numel()].view(g.shape)
-            out.append(torch.clamp(g, min=-clip_value, max=clip_value, out=view))
+            view = self._working[g.dtype][at : at + g.numel()].view(g.shape)
+            out.append(view.copy_(g) if clip_value is None else torch.clamp(g, min=-clip_value, max=clip_value, out=view))
         return out
 
     def _keep(self, bucket: list[int]) -> None:

@@ -276,9 +276,11 @@ class HostStep:
         trainer = model.trainer
         clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else None
         by_value = clip is not None and (trainer.gradient_clip_algorithm or "norm") == "value"
+        scaler = getattr(self.precision_plugin, "scaler", None)
         self._pass.arm(optimizer, clip_norm=None if by_value else clip, clip_value=clip if by_value else None,
-                       guard=self._guarding())
+                       guard=self._guarding(), scaler=scaler)
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
+        self.precision_plugin.unscale_check = self._pass.unscale_stands if scaler is not None else None  # type: ignore[attr-defined]
         if isinstance(self._transfer, StreamTransfer):
             self._transfer.eager, self._transfer.barrier = True, self._pass.barrier
 
@@ -286,7 +288,7 @@ class HostStep:
         if self._pass is None or not self._pass.armed:
             return
         self._pass.disarm()
-        self.precision_plugin.clip_check = None  # type: ignore[attr-defined]
+        self.precision_plugin.clip_check = self.precision_plugin.unscale_check = None  # type: ignore[attr-defined]
         if isinstance(self._transfer, StreamTransfer):
             self._transfer.eager = False
 

@@ -235,7 +235,9 @@ class MasterHalfPrecision(Reproducible, Precision):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.last_step_skipped = False
         self._skip_clipping = False
-        self.clip_check: Callable[[float, Any], bool] | None = None  # the overlapped host pass (strategies/offload/host_pass.py)
+        # the overlapped host pass (strategies/offload/host_pass.py): whether it stood in for the clip / the unscale
+        self.clip_check: Callable[[float, Any], bool] | None = None
+        self.unscale_check: Callable[[], bool] | None = None
         self._attached = False  # see `attach`: OffloadStrategy keeps the masters this plugin steps
         self._drain: Callable[[], None] | None = None
         self._view: MastersView | None = None
@@ -357,6 +359,8 @@ class MasterHalfPrecision(Reproducible, Precision):
         """Unscale the gradients of ``optimizer``'s parameters (fp16); return whether one overflowed."""
         if self.scaler is None:
             return False
+        if self.unscale_check is not None and self.unscale_check():
+            return False  # NOTE: the host pass unscaled copies and found no overflow; a restore unscales these then
         return self.scaler.unscale_([p.grad for p in self.main_params(optimizer) if p.grad is not None])
 
     @override
