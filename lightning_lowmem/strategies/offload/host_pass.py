@@ -35,7 +35,6 @@ change the gradients before the step).
 Example:
     >>> import torch
     >>> from lightning_lowmem.strategies.offload.masters import HostMasters
-from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
     >>> masters = HostMasters()
     >>> masters.build(torch.nn.Linear(2, 2), loading=False, precision=None, grad_buffers=True)
     >>> opt = torch.optim.AdamW(masters.p_host)
