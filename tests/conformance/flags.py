@@ -161,6 +161,8 @@ FLAGS: list[Flag] = [
     Flag("lowmem_offload(fused)@bf16-true", registered("lowmem_offload"), "bf16-true", ref=Ref("bf16-true", fused=True),
          compare="precision", reason=R_MASTERS.format(p="bf16-true") + "; " + R_FUSED, slice=False),
     Flag("lowmem_offload(host_pass=overlap)@32-true", offload(host_pass="overlap"), "32-true", slice=False),
+    Flag("lowmem_offload(host_pass=overlap)@16-mixed", offload(host_pass="overlap"), "16-mixed", ref=Ref("16-mixed"),
+         slice=False),
     Flag("lowmem_offload(optimizer_in_backward)@32-true", offload(optimizer_in_backward=True), "32-true"),
     Flag("lowmem_offload_params@32-true", offload(offload_params=True), "32-true"),
     Flag("lowmem_offload_params@bf16-mixed", offload(offload_params=True), "bf16-mixed", ref=Ref("bf16-mixed")),
