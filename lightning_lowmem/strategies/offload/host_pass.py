@@ -17,7 +17,8 @@ check of the speculation:
   pass: the serial step skips, as today) and clamped as ``torch.nn.utils.clip_grad_value_`` clamps (the non-finite
   guard reads the clamped values, as it does after the serial clip). The gradient buffers stay as they landed; a
   restore unscales and clamps them then, so the serial step that follows finds them as it always does. Where a user
-  hook reads them after the step (``on_train_batch_end`` & co., see ``masters_view``) the step stays serial;
+  hook reads them after the step (``on_train_batch_end`` & co., see ``masters_view``) the step unscales and clamps
+  them too (``settle=True``: one pass over the gradients at the step, on the critical path);
 - a clip that triggers, a non-finite gradient, a gradient that arrives twice (a weight used by two reentrant
   checkpointed blocks), or compute weights written by other code before the step: the masters and state the pass
   touched are restored from its copies and the serial step runs on the untouched gradient buffers (the same step,
@@ -60,7 +61,6 @@ from torch.optim import Optimizer
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload.masters import HostMasters
-from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 
 HostPassMode = Literal["serial", "overlap"]
 HOST_PASSES: tuple[str, ...] = get_args(HostPassMode)
@@ -90,14 +90,6 @@ def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
                 else "a param group is differentiable or capturable")
     if _overridden(model, _USER_HOOKS):
         return f"user code in one of {', '.join(_USER_HOOKS)}"
-    trainer = model.trainer
-    readers = reads_grads_after_step(trainer.callbacks, model)
-    value_clip = trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
-    if readers and (value_clip or getattr(strategy.precision_plugin, "scaler", None) is not None):
-        # NOTE: the pass steps with working copies and leaves the gradients as they landed: these hooks would read
-        # them scaled or unclamped where plain Lightning shows them unscaled and clamped
-        what = "value clipping" if value_clip else "fp16 loss scaling"
-        return f"{what} with {', '.join(readers)} reading the step's gradients after the step"
     return None
 
 
@@ -123,6 +115,7 @@ class HostPass:
         self.clip_norm: float | None = None
         self.clip_value: float | None = None
         self.scaler: Any = None
+        self.settle = False
         self.guard = False
         self._skipped: list[str] = []  # what the real gradients did not get because the pass stood in for it
         self.finished = False
@@ -139,18 +132,19 @@ class HostPass:
 
     # --- main thread ---------------------------------------------------------------------------------------------
     def arm(self, optimizer: Optimizer, *, clip_norm: float | None, guard: bool, clip_value: float | None = None,
-            scaler: Any = None) -> None:
+            scaler: Any = None, settle: bool = False) -> None:
         """The next backward is the last of the window: its gradients go to the worker (see :meth:`submit`).
 
         ``clip_norm``/``clip_value``: the Trainer's ``gradient_clip_val`` under the ``"norm"``/``"value"`` algorithm;
-        ``scaler``: the fp16 loss scaler (its ``unscale_`` and ``scale``), whose scale holds until the step.
+        ``scaler``: the fp16 loss scaler (its ``unscale_`` and ``scale``), whose scale holds until the step;
+        ``settle``: code reads the gradients after the step, so a step that stands unscales and clamps them then.
         """
         if clip_norm is not None and clip_value is not None:
             raise ValueError(f"HostPass.arm(clip_norm={clip_norm!r}, clip_value={clip_value!r}): give at most one.")
         self._clear()
         self.optimizer, self.clip_norm, self.guard, self.armed = optimizer, clip_norm, guard, True
         self.clip_value = None if clip_value is None else float(clip_value)
-        self.scaler = scaler
+        self.scaler, self.settle = scaler, settle
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="lowmem-host-pass")
 
@@ -225,6 +219,8 @@ class HostPass:
             self.restore(self.failed or "restored")
             return False
         self.taken = True
+        if self.settle:
+            self._redo_skipped()  # NOTE: plain Lightning's hooks after the step see unscaled, clamped gradients
         return True
 
     def restore(self, why: str) -> None:
@@ -257,8 +253,9 @@ class HostPass:
 
     @torch.no_grad()
     def _redo_skipped(self) -> None:
-        """Give the real gradients what the pass stood in for (the serial step follows): the fp16 unscale, then the
-        value clip, as ``MasterHalfPrecision.optimizer_step`` runs them, over the optimizer's parameters."""
+        """Give the real gradients what the pass stood in for (before the serial step, or for code that reads them
+        after the step): the fp16 unscale, then the value clip, as ``MasterHalfPrecision.optimizer_step`` runs them,
+        over the optimizer's parameters."""
         assert self.optimizer is not None
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if "unscale" in self._skipped:

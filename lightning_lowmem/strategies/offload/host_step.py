@@ -27,6 +27,7 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
+from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.stream_values import copy_to_compute, value_of
 from lightning_lowmem.strategies.offload.transfer import StreamTransfer, transfer_for
@@ -278,7 +279,8 @@ class HostStep:
         by_value = clip is not None and (trainer.gradient_clip_algorithm or "norm") == "value"
         scaler = getattr(self.precision_plugin, "scaler", None)
         self._pass.arm(optimizer, clip_norm=None if by_value else clip, clip_value=clip if by_value else None,
-                       guard=self._guarding(), scaler=scaler)
+                       guard=self._guarding(), scaler=scaler,
+                       settle=bool(reads_grads_after_step(trainer.callbacks, model)))
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
         self.precision_plugin.unscale_check = self._pass.unscale_stands if scaler is not None else None  # type: ignore[attr-defined]
         if isinstance(self._transfer, StreamTransfer):
