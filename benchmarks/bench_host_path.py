@@ -6,7 +6,9 @@ tiny batch through ``Trainer.fit``, fits interleaved round after round:
 - plain Lightning at the same precision (``strategy="auto"``), the reference step time;
 - ``lowmem_offload`` with ``host_pass="serial"`` and ``"overlap"``, without clipping, with a norm clip that does
   not trigger (``gradient_clip_val=1e9``: the clip and the non-finite guard still read every gradient) and with a
-  value clip of 1e9 (the clamp reads and writes every gradient; a smaller value costs the same).
+  value clip of 1e9 (the clamp reads and writes every gradient; a smaller value costs the same);
+- both again at ``16-mixed`` (fp16 loss scaling: the unscale reads and writes every gradient); the steps the scaler
+  skips for an overflow at its first scales are counted, not timed as the pass's.
 
 Per step: **host work after backward** (from the end of autograd's backward, when the strategy's drain starts, to
 the return of the strategy's ``optimizer_step``, the upload of the new weights included) and the step time. The
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import statistics
 import sys
@@ -37,19 +40,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
-from benchmarks._harness import add_int_args, bench_trainer, lm_batches, step_probe, write_results
+from benchmarks._harness import add_int_args, bench_trainer, lm_batches, write_results
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 PRECISION = "32-true"
-VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val, gradient_clip_algorithm)
-    "plain Lightning (auto)": (None, None, None),
-    "serial": ({"host_pass": "serial"}, None, None),
-    "overlap": ({"host_pass": "overlap"}, None, None),
-    "serial, clip 1e9": ({"host_pass": "serial"}, 1e9, "norm"),
-    "overlap, clip 1e9": ({"host_pass": "overlap"}, 1e9, "norm"),
-    "serial, value clip 1e9": ({"host_pass": "serial"}, 1e9, "value"),
-    "overlap, value clip 1e9": ({"host_pass": "overlap"}, 1e9, "value"),
+FP16 = "16-mixed"
+VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val, gradient_clip_algorithm, precision)
+    "plain Lightning (auto)": (None, None, None, PRECISION),
+    "serial": ({"host_pass": "serial"}, None, None, PRECISION),
+    "overlap": ({"host_pass": "overlap"}, None, None, PRECISION),
+    "serial, clip 1e9": ({"host_pass": "serial"}, 1e9, "norm", PRECISION),
+    "overlap, clip 1e9": ({"host_pass": "overlap"}, 1e9, "norm", PRECISION),
+    "serial, value clip 1e9": ({"host_pass": "serial"}, 1e9, "value", PRECISION),
+    "overlap, value clip 1e9": ({"host_pass": "overlap"}, 1e9, "value", PRECISION),
+    "serial, fp16": ({"host_pass": "serial"}, None, None, FP16),
+    "overlap, fp16": ({"host_pass": "overlap"}, None, None, FP16),
 }
 
 
@@ -60,7 +66,7 @@ def _module(args) -> CausalLMModule:
     return CausalLMModule(model_type="gpt2", config=config, learning_rate=1e-4)
 
 
-def fit(args, kwargs, clip, algorithm) -> dict:
+def fit(args, kwargs, clip, algorithm, precision) -> dict:
     module = _module(args)
     strategy = OffloadStrategy(**kwargs) if kwargs is not None else "auto"
     after: list[float] = []
@@ -82,21 +88,37 @@ def fit(args, kwargs, clip, algorithm) -> dict:
             return out
 
         strategy.drain_transfers, strategy.optimizer_step = timed_drain, timed_step  # NOTE: before setup binds them
-    probe = step_probe(None)  # NOTE: timing hooks only: a hook after backward would make the overlap serial
-    trainer = bench_trainer(strategy=strategy, precision=PRECISION, max_steps=args.steps, limit_val_batches=0,
-                            callbacks=[probe], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    # NOTE: no callback times the steps: a hook after backward would make the overlap serial, and one that may read
+    # the gradients after the step (on_train_batch_end) makes it unscale and clamp them at the step (`settle`). The
+    # step period is timed from one `training_step` call to the next instead.
+    trainer = bench_trainer(strategy=strategy, precision=precision, max_steps=args.steps, limit_val_batches=0,
+                            callbacks=[], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    starts: list[float] = []
+    training_step = trainer.strategy.training_step
+
+    def timed_training_step(*a, **kw):
+        starts.append(time.perf_counter())
+        return training_step(*a, **kw)
+
+    trainer.strategy.training_step = timed_training_step
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
     with counting_stood() as stood:
         trainer.fit(module, data)
-    if kwargs is not None and kwargs["host_pass"] == "overlap" and stood[0] < args.steps:
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    overflows = scaler.overflows if scaler is not None else 0  # NOTE: skipped serially and by the pass alike
+    if kwargs is not None and kwargs["host_pass"] == "overlap" and stood[0] < args.steps - overflows:
         raise RuntimeError("host_pass='overlap' did not take the pass's step at every step: the variant would time "
                            "the serial step")
+    if overflows > 2:
+        raise RuntimeError(f"{overflows} fp16 overflows in {args.steps} steps: the timed steps (from the third) would "
+                           "include skipped ones; raise --steps")
     n = sum(p.numel() for p in module.parameters())
     shapes = [tuple(p.shape) for p in module.parameters()]
     del trainer, module, strategy, data
     gc.collect()  # NOTE: a 100M-parameter fit holds GBs; the next fit must not start beside it
-    return {"step_s": statistics.median(probe.times[2:]), "after_s": statistics.median(after[2:]) if after else None,
-            "params": n, "shapes": shapes}
+    periods = [b - a for a, b in itertools.pairwise(starts)]
+    return {"step_s": statistics.median(periods[1:]), "after_s": statistics.median(after[2:]) if after else None,
+            "params": n, "shapes": shapes, "overflows": overflows}
 
 
 @contextmanager
@@ -136,13 +158,15 @@ def kernel_s(shapes, repeat: int = 3) -> float:
 def bytes_per_param(variant: str) -> tuple[int, int]:
     """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute)."""
     fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
-    value, clip = "value clip" in variant, "clip" in variant
+    value, clip, fp16 = "value clip" in variant, "clip" in variant, "fp16" in variant
     if variant.startswith("serial"):
         # NOTE: the guard reads every gradient; a norm clip adds the norm read and the multiply by 1.0 (read + write),
         # a value clip torch's clamp_min_ and clamp_max_ (read + write each)
-        total = fold + norms + (16 if value else norms + 8 if clip else 0) + adamw + upload
+        # NOTE: under fp16 the unscale (read + write) replaces the guard's read
+        total = fold + (8 if fp16 else norms) + (16 if value else norms + 8 if clip else 0) + adamw + upload
         return total, total - fold
-    total = fold + (8 if value else 0) + norms + keep + adamw + upload
+    # NOTE: the pass's working copy (read + write), then under fp16 the unscale of the copy in place (read + write)
+    total = fold + (16 if fp16 else 8 + norms if value else norms) + keep + adamw + upload
     return total, upload  # NOTE: plus the last bucket's share of the rest
 
 
@@ -157,8 +181,8 @@ def main() -> None:
     kernels: list[float] = []
     shapes = None
     for _ in range(args.rounds):
-        for name, (kwargs, clip, algorithm) in VARIANTS.items():
-            got[name].append(fit(args, kwargs, clip, algorithm))
+        for name, (kwargs, clip, algorithm, precision) in VARIANTS.items():
+            got[name].append(fit(args, kwargs, clip, algorithm, precision))
             shapes = got[name][-1]["shapes"]
         kernels.append(kernel_s(shapes))
     kernel = statistics.median(kernels)
@@ -186,6 +210,9 @@ def main() -> None:
         f"the kernel; step time {by['overlap']['x_plain']:.2f}x vs {by['serial']['x_plain']:.2f}x plain."),
         (f"overlap / serial, value clip: host after backward {by['overlap, value clip 1e9']['x_kernel']:.2f}x vs "
          f"{by['serial, value clip 1e9']['x_kernel']:.2f}x the kernel."),
+        (f"overlap / serial, fp16 ({FP16}, x_plain against plain {PRECISION}): host after backward "
+         f"{by['overlap, fp16']['x_kernel']:.2f}x vs {by['serial, fp16']['x_kernel']:.2f}x the kernel; fp16 overflows "
+         f"skipped: {', '.join(str(r['overflows']) for r in got['overlap, fp16'])} (overlap, per round)."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
         "(24 B) but moves everything except the upload and the last bucket before the end of backward."),
         ("The machine is shared (2 cores): the worker thread competes with backward for them; figures are ratios "
