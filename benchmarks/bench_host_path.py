@@ -70,6 +70,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     module = _module(args)
     strategy = OffloadStrategy(**kwargs) if kwargs is not None else "auto"
     after: list[float] = []
+    phases: dict[str, list[float]] = {"tail_start": [], "tail_end": [], "final_s": [], "backlog_s": [], "check_s": []}
     if kwargs is not None:
         drain, step = strategy.drain_transfers, strategy.optimizer_step
         mark: list[float | None] = [None]
@@ -84,6 +85,10 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
         def timed_step(*a, **kw):
             out = step(*a, **kw)
             after.append(time.perf_counter() - mark[0])
+            if phases["tail_start"]:  # NOTE: the pass's work left when backward returned, then its final buckets' check
+                start, end = phases["tail_start"].pop(), phases["tail_end"].pop()
+                phases["backlog_s"].append(start - mark[0])
+                phases["check_s"].append(end - start)
             mark[0] = None
             return out
 
@@ -102,7 +107,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
 
     trainer.strategy.training_step = timed_training_step
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
-    with counting_stood() as stood:
+    with counting_stood(phases) as (stood, last):
         trainer.fit(module, data)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     overflows = scaler.overflows if scaler is not None else 0  # NOTE: skipped serially and by the pass alike
@@ -118,26 +123,40 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     gc.collect()  # NOTE: a 100M-parameter fit holds GBs; the next fit must not start beside it
     periods = [b - a for a, b in itertools.pairwise(starts)]
     return {"step_s": statistics.median(periods[1:]), "after_s": statistics.median(after[2:]) if after else None,
-            "params": n, "shapes": shapes, "overflows": overflows}
+            "params": n, "shapes": shapes, "overflows": overflows, "last_bucket": last[-1] if last else 0,
+            **{k: statistics.median(phases[k][2:]) if phases[k][2:] else None for k in ("backlog_s", "check_s", "final_s")}}
 
 
 @contextmanager
-def counting_stood() -> Iterator[list[int]]:
-    """``[n]``: the steps that took the overlapped pass's result (``HostPass.stands`` said so) inside the block."""
+def counting_stood(phases: dict[str, list[float]]) -> Iterator[tuple[list[int], list[int]]]:
+    """``([n], sizes)``: the steps that took the overlapped pass's result (``HostPass.stands`` said so) inside the
+    block, and the parameters in the final buckets of each (checked before they step: no copy kept); ``phases`` gets
+    when each tail (the check of the final buckets) starts and ends, and how long their step takes."""
     from lightning_lowmem.strategies.offload.host_pass import HostPass
 
-    count, stands = [0], HostPass.stands
+    count, last, stands, tail, step_final = [0], [], HostPass.stands, HostPass._tail, HostPass._step_final
+
+    def timed_tail(self):
+        phases["tail_start"].append(time.perf_counter())
+        tail(self)
+        phases["tail_end"].append(time.perf_counter())
+
+    def timed_step_final(self):
+        t0 = time.perf_counter()
+        step_final(self)
+        phases["final_s"].append(time.perf_counter() - t0)
 
     def counted(self):
+        last.append(sum(self.masters.p_host[i].numel() for bucket in self._final for i in bucket))
         out = stands(self)
         count[0] += bool(out)
         return out
 
-    HostPass.stands = counted  # type: ignore[method-assign]
+    HostPass.stands, HostPass._tail, HostPass._step_final = counted, timed_tail, timed_step_final  # type: ignore[method-assign]
     try:
-        yield count
+        yield count, last
     finally:
-        HostPass.stands = stands  # type: ignore[method-assign]
+        HostPass.stands, HostPass._tail, HostPass._step_final = stands, tail, step_final  # type: ignore[method-assign]
 
 
 def kernel_s(shapes, repeat: int = 3) -> float:
@@ -155,8 +174,9 @@ def kernel_s(shapes, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def bytes_per_param(variant: str) -> tuple[int, int]:
-    """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute)."""
+def bytes_per_param(variant: str, last: float) -> tuple[float, float]:
+    """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute);
+    ``last``: the fraction of the parameters in the overlapped pass's final buckets (after backward, no copy)."""
     fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
     value, clip, fp16 = "value clip" in variant, "clip" in variant, "fp16" in variant
     if variant.startswith("serial"):
@@ -166,8 +186,8 @@ def bytes_per_param(variant: str) -> tuple[int, int]:
         total = fold + (8 if fp16 else norms) + (16 if value else norms + 8 if clip else 0) + adamw + upload
         return total, total - fold
     # NOTE: the pass's working copy (read + write), then under fp16 the unscale of the copy in place (read + write)
-    total = fold + (16 if fp16 else 8 + norms if value else norms) + keep + adamw + upload
-    return total, upload  # NOTE: plus the last bucket's share of the rest
+    work = fold + (16 if fp16 else 8 + norms if value else norms) + adamw
+    return work + (1 - last) * keep + upload, last * work + upload
 
 
 def main() -> None:
@@ -196,16 +216,24 @@ def main() -> None:
         row = {"variant": name, "step_ms": 1e3 * step, "x_plain": step / plain}
         if after:
             a = statistics.median(after)
-            total, tail = bytes_per_param(name)
-            row.update({"host_after_backward_ms": 1e3 * a, "x_kernel": a / kernel,
+            last = statistics.median(r["last_bucket"] for r in got[name]) / params
+            total, tail = bytes_per_param(name, last)
+            row.update({"host_after_backward_ms": 1e3 * a, "x_kernel": a / kernel, "last_bucket": last,
                         "bytes_touched/param": total, "bytes_after_backward/param": tail})
+            for k in ("backlog_s", "check_s", "final_s"):
+                got_k = [r[k] for r in got[name] if r.get(k) is not None]
+                if got_k:
+                    row[k.replace("_s", "_ms")] = 1e3 * statistics.median(got_k)
         rows.append(row)
     by = {r["variant"]: r for r in rows}
     notes = [
         (f"CPU, {params / 1e6:.1f}M parameters, precision {PRECISION}, batch {args.batch} x {args.seq}; fused AdamW kernel "
         f"alone over the same shapes: {1e3 * kernel:.1f} ms (median of {args.rounds} rounds)."),
         ("host_after_backward: from the return of autograd's backward to the return of the strategy's optimizer_step "
-        "(fold left, guard, clip, step, upload); x_kernel: its fraction of the fused kernel alone."),
+        "(fold left, guard, clip, step, upload); x_kernel: its fraction of the fused kernel alone. Of it, for the "
+        "overlap: backlog (the worker's speculative buckets still queued when backward returned: it shares the 2 "
+        "cores with backward here, where on a GPU backward leaves them free), check (the final buckets' fold, norms "
+        "and working copies) and final (their step, at the step); the rest is the upload and Lightning's own work."),
         (f"overlap / serial, no clip: host after backward {by['overlap']['x_kernel']:.2f}x vs {by['serial']['x_kernel']:.2f}x "
         f"the kernel; step time {by['overlap']['x_plain']:.2f}x vs {by['serial']['x_plain']:.2f}x plain."),
         (f"overlap / serial, value clip: host after backward {by['overlap, value clip 1e9']['x_kernel']:.2f}x vs "
@@ -214,13 +242,17 @@ def main() -> None:
          f"{by['overlap, fp16']['x_kernel']:.2f}x vs {by['serial, fp16']['x_kernel']:.2f}x the kernel; fp16 overflows "
          f"skipped: {', '.join(str(r['overflows']) for r in got['overlap, fp16'])} (overlap, per round)."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
-        "(24 B) but moves everything except the upload and the last bucket before the end of backward."),
+        "(24 B) but moves everything except the upload and the last bucket before the end of backward. last_bucket: "
+        "the fraction of the parameters in the pass's final buckets, checked before they step (no copy), after "
+        "backward (here the first block's parameters and the embeddings, whose gradients land last; this model's byte-level "
+        "vocabulary is 258, its tied embedding 0.2M values, where a real GPT-2's 38.6M would fill a final bucket alone)."),
         ("The machine is shared (2 cores): the worker thread competes with backward for them; figures are ratios "
         "measured side by side, interleaved round after round. Load average (1, 5, 15 min) before / after: "
         + " / ".join(", ".join(f"{x:.2f}" for x in la) for la in load) + "."),
     ]
     write_results("host_path", rows, ["variant", "step_ms", "x_plain", "host_after_backward_ms", "x_kernel",
-                                      "bytes_touched/param", "bytes_after_backward/param"],
+                                      "backlog_ms", "check_ms", "final_ms", "last_bucket", "bytes_touched/param",
+                                      "bytes_after_backward/param"],
                   title="lowmem_offload host path: serial vs overlapped host pass (CPU)", notes=notes,
                   extra={"args": vars(args), "kernel_s": kernel, "kernel_rounds_s": kernels,
                          "raw": {k: [{kk: vv for kk, vv in r.items() if kk != "shapes"} for r in v] for k, v in got.items()}})

@@ -59,7 +59,7 @@ def host_bytes_needed(
         state = sum(lean.expected_state_bytes(opt, module) for opt in optimizers)
     else:
         state = sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers)
-    # NOTE: the overlapped pass keeps, between steps, a copy of every master it stepped (all trainable ones) and of
+    # NOTE: the overlapped pass keeps, between steps, a copy of every master it stepped (all trainable ones at most) and of
     # its optimizer state (`HostPass._kept`, reused, never trimmed): only for a step it runs (torch's Adam/AdamW/SGD,
     # see `host_pass.why_serial`; never a LowBitOptimizer or LeanOptimizer swap, whose step stays serial)
     copies = largest = 0
@@ -75,9 +75,8 @@ def host_bytes_needed(
             stepped = {id(p): p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in frozen}
             copies += 4 * sum(p.numel() for p in stepped.values()) + expected_state_bytes(opt, None, embeddings)
             largest = max([largest, *(p.numel() for p in stepped.values())])
-        trainer = module.trainer if attached else None
-        value_clip = trainer is not None and trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
-        if largest and (value_clip or getattr(strategy.precision_plugin, "scaler", None) is not None):
+        value_clip = _host_pass.trainer_clip(module.trainer if attached else None)[1]
+        if largest and (value_clip is not None or getattr(strategy.precision_plugin, "scaler", None) is not None):
             copies += _host_pass.BUCKET_BYTES + 4 * largest  # NOTE: the reused buffer of one bucket's working gradients
     parts = {
         "masters": 4 * numel,

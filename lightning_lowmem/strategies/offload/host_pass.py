@@ -6,7 +6,9 @@ accumulation window, each gradient is handed to one host worker thread as it lan
 fp32 buffer and, bucket by bucket, measures the per-tensor norms, keeps a copy of the masters and optimizer state
 it is about to change, and steps those masters (the user's optimizer over a subset of its parameters). What is
 left after backward is the last bucket, the parameters whose gradient came only from earlier micro-batches, and a
-check of the speculation:
+check of the speculation. The final buckets (the last one, and a full one held back when what the previous window's
+backward still handed over after it fits in one more: see [final buckets]) are checked at the end of backward, when
+every other bucket's norms are known, and stepped at the step once it stands: no copy, never undone. The checks:
 
 - no norm clipping and finite gradients: the update of every element depends only on that element's gradient,
   state and hyperparameters, so stepping by buckets is the serial step bit for bit (exact by construction);
@@ -25,8 +27,9 @@ check of the speculation:
   warning and counters as ``host_pass="serial"``).
 
 Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW) of every
-master it steps, all trainable ones, kept between steps and reused (counted by ``lowmem_offload``'s host-RAM check); that many more bytes read and written per step, off the critical path; under value clipping
-or fp16 also a buffer for one bucket of working gradients, reused (at most ``BUCKET_BYTES`` plus the largest gradient). Where the pass
+master it steps speculatively, kept between steps and reused (``lowmem_offload``'s host-RAM check counts every
+trainable one); that many more bytes read and written per step, off the critical path; under value clipping or fp16
+also a buffer for one bucket of working gradients, reused (at most ``BUCKET_BYTES`` plus the largest gradient). Where the pass
 cannot be exact the step stays serial (:func:`why_serial` names the cause): optimizers other than
 ``torch.optim.Adam``/``AdamW``/``SGD`` (bitsandbytes 8-bit ones, subclasses: their step may couple parameters),
 manual optimization, ``optimizer_in_backward`` and user code in
@@ -93,6 +96,15 @@ def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
     return None
 
 
+def trainer_clip(trainer: Any) -> tuple[float | None, float | None]:
+    """``(clip_norm, clip_value)``: the clip ``trainer``'s ``gradient_clip_val``/``gradient_clip_algorithm`` ask for
+    (at most one is set; none without a Trainer)."""
+    clip = float(trainer.gradient_clip_val) if trainer is not None and trainer.gradient_clip_val else None
+    if clip is not None and (trainer.gradient_clip_algorithm or "norm") == "value":
+        return None, clip
+    return clip, None
+
+
 class HostPass:
     """One host worker that folds, checks and steps the masters bucket by bucket during backward.
 
@@ -107,6 +119,7 @@ class HostPass:
         self._kept: dict[int, tuple[Tensor, dict[str, Any] | None]] = {}  # i -> (master copy, state copy)
         self._working: dict[torch.dtype, Tensor] = {}  # value clipping, fp16: one bucket's working gradients, reused
         self.worker_threads: set[int] = set()  # idents of the threads that ran pass work (tests)
+        self._expect: dict[int, int] = {}  # master -> fp32 bytes: the gradients the last armed backward handed over
         self.armed = False
         self._clear()
 
@@ -126,6 +139,10 @@ class HostPass:
         self._stepped: list[int] = []  # in step order
         self._norms: dict[int, Tensor] = {}
         self._run: set[int] = set()  # masters a bucket has run for (stepped, or found the speculation failed)
+        self._taken: dict[int, int] = {}  # master -> fp32 bytes: the gradients the worker folded in this backward
+        self._left = sum(self._expect.values())  # bytes of those gradients the last backward handed over, still to come
+        self._final: list[list[int]] = []  # buckets held for the end of backward, then checked: stepped at the step
+        self._final_views: list[Tensor] | None = None  # the working gradients of the last bucket checked
         self._bucket: list[int] = []
         self._bucket_bytes = 0
         self._futures: list[Future] = []
@@ -218,6 +235,9 @@ class HostPass:
         if self.failed or self.restored:
             self.restore(self.failed or "restored")
             return False
+        if self._final:
+            assert self._executor is not None
+            self._executor.submit(self._step_final).result()
         self.taken = True
         if self.settle:
             self._redo_skipped()  # NOTE: plain Lightning's hooks after the step see unscaled, clamped gradients
@@ -228,6 +248,9 @@ class HostPass:
         self.failed = self.failed or why
         if self.restored or self.optimizer is None:
             return
+        if self.taken:
+            raise RuntimeError(f"HostPass.restore({why!r}) after the step took the pass's result (`stands`): the final "
+                               "buckets stepped then, without a copy to restore them from.")
         self.barrier()
         state = self.optimizer.state
         with torch.no_grad():
@@ -247,7 +270,7 @@ class HostPass:
                         now[k].copy_(v)
                     else:
                         now[k] = v.clone() if isinstance(v, Tensor) else v
-        self._stepped = []
+        self._stepped, self._final = [], []  # NOTE: the final buckets never stepped (see `_tail`)
         self.restored = True
         self._redo_skipped()
 
@@ -294,6 +317,8 @@ class HostPass:
     def _take(self, i: int, grad: Tensor) -> None:
         self.worker_threads.add(threading.get_ident())
         self.masters.fold(i, grad)
+        self._taken[i] = self.masters.p_host[i].numel() * 4
+        self._left -= self._expect.get(i, 0)
         if self.failed:
             return
         if i in self._run:
@@ -304,29 +329,75 @@ class HostPass:
     def _add(self, i: int) -> None:
         self._bucket.append(i)
         self._bucket_bytes += self.masters.p_host[i].numel() * 4
-        if self._bucket_bytes >= self.bucket_bytes:
+        if self._bucket_bytes < self.bucket_bytes:
+            return
+        if not self._expect or self._left >= self.bucket_bytes:
             self._run_bucket()
+            return
+        # NOTE: [final buckets] what the last backward still handed over after this bucket fits in one more bucket:
+        # this one is held for the end of backward, as one of the probable final two (see `_tail`): GPT-2's tied
+        # embedding (38.6M values), whose gradient lands last and fills a bucket alone, is one. At most one full bucket
+        # is held: an earlier one (more gradients came than the last backward had) runs now, speculatively as usual.
+        if self._final:
+            self._run_bucket(self._final.pop())
+        self._final.append(self._bucket)
+        self._bucket, self._bucket_bytes = [], 0
 
     def _tail(self) -> None:
+        """After backward: check the final buckets (the one held, if any, and the last); `stands` steps them, with no
+        copy of their masters and state (24 B/param for AdamW: a whole step's bytes, after backward)."""
         self.worker_threads.add(threading.get_ident())
-        done = self._run | set(self._bucket)
+        self._expect = dict(self._taken)
+        done = self._run.union(self._bucket, *self._final)
         p_host = self.masters.p_host
         # NOTE: parameters whose gradient came only from earlier micro-batches of the window step too (serially they
         # do: their `.grad` is set), in buckets of the same size (what a bucket holds at once stays bounded)
         for i in self._order():
             if i not in done and p_host[i].grad is not None:
                 self._add(i)
-        self._run_bucket()
+        final, self._final = [*self._final, self._bucket], []
+        self._bucket, self._bucket_bytes = [], 0
+        for bucket in final:
+            bucket = [i for i in bucket if p_host[i].grad is not None]
+            self._run.update(bucket)
+            if bucket and not self.failed:
+                self._final_views = self._check(bucket)
+                self._final.append(bucket)
+
+    def _step_final(self) -> None:
+        """Step the final buckets (at the step, once the speculation stands): no copy is kept, nothing can undo them."""
+        self.worker_threads.add(threading.get_ident())
+        final, self._final = self._final, []
+        views, self._final_views = self._final_views, None
+        working = self.clip_value is not None or self.scaler is not None
+        for k, bucket in enumerate(reversed(final)):
+            # NOTE: the buffer of working gradients holds the last bucket checked, which steps first (each element's
+            # update is its own); an earlier one makes its copies again, over it (the same kernels on the same
+            # gradients: the same values; no overflow, `_check` found none)
+            grads = (views if k == 0 else self._check(bucket)) if working else None
+            self._step(bucket, grads)
 
     @torch.no_grad()
-    def _run_bucket(self) -> None:
-        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+    def _run_bucket(self, bucket: list[int] | None = None) -> None:
+        """Check and step ``bucket`` (the one being filled) speculatively, keeping a copy of what it changes."""
+        if bucket is None:
+            bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
         p_host = self.masters.p_host
         bucket = [i for i in bucket if p_host[i].grad is not None]
         self._run.update(bucket)
         if self.failed or not bucket:
             return
-        grads: list[Tensor] = [p_host[i].grad for i in bucket]  # type: ignore[misc]
+        grads = self._check(bucket)
+        if self.failed:
+            return
+        self._keep(bucket)
+        self._step(bucket, grads)
+
+    @torch.no_grad()
+    def _check(self, bucket: list[int]) -> list[Tensor] | None:
+        """The working gradients of ``bucket`` (None: it steps on the landed ones); its norms; ``failed`` where an fp16
+        overflow or a non-finite gradient means the step cannot stand."""
+        grads: list[Tensor] = [self.masters.p_host[i].grad for i in bucket]  # type: ignore[misc]
         working = self.clip_value is not None or self.scaler is not None
         if working:
             # NOTE: the order of `MasterHalfPrecision.optimizer_step`: unscale (the scaler's own kernel), then the clip
@@ -334,7 +405,7 @@ class HostPass:
             if self.scaler is not None:
                 if self.scaler.unscale_(grads):
                     self.failed = "an fp16 gradient overflow"  # NOTE: serially the scaler skips the step
-                    return
+                    return None
                 if self.clip_value is not None:
                     for g in grads:
                         g.clamp_(min=-self.clip_value, max=self.clip_value)
@@ -343,9 +414,7 @@ class HostPass:
             self._norms.update(zip(bucket, norms))
             if not bool(torch.stack(norms).isfinite().all()):
                 self.failed = "a non-finite gradient"  # NOTE: serially the guard (or a nan clip) skips the step
-                return
-        self._keep(bucket)
-        self._step(bucket, grads if working else None)
+        return grads if working else None
 
     def _views(self, grads: list[Tensor], clip_value: float | None) -> list[Tensor]:
         """Copies of ``grads`` (clamped to ``clip_value`` as ``torch.nn.utils.clip_grad_value_`` clamps, when given) in
@@ -427,4 +496,4 @@ class HostPass:
                 p.grad = g
 
 
-__all__ = ["HOST_PASSES", "HostPass", "HostPassMode", "why_serial"]
+__all__ = ["HOST_PASSES", "HostPass", "HostPassMode", "trainer_clip", "why_serial"]

@@ -275,12 +275,12 @@ class HostStep:
         if self._pass is None:
             self._pass = _host_pass.HostPass(self._masters, _host_pass.BUCKET_BYTES)
         trainer = model.trainer
-        clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else None
-        by_value = clip is not None and (trainer.gradient_clip_algorithm or "norm") == "value"
+        clip_norm, clip_value = _host_pass.trainer_clip(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self._pass.arm(optimizer, clip_norm=None if by_value else clip, clip_value=clip if by_value else None,
-                       guard=self._guarding(), scaler=scaler,
-                       settle=bool(reads_grads_after_step(trainer.callbacks, model)))
+        # NOTE: only the unscale and the value clip are left off the real gradients by a pass that stands
+        settle = (scaler is not None or clip_value is not None) and bool(reads_grads_after_step(trainer.callbacks, model))
+        self._pass.arm(optimizer, clip_norm=clip_norm, clip_value=clip_value, guard=self._guarding(), scaler=scaler,
+                       settle=settle)
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
         self.precision_plugin.unscale_check = self._pass.unscale_stands if scaler is not None else None  # type: ignore[attr-defined]
         if isinstance(self._transfer, StreamTransfer):
