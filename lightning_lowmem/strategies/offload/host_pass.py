@@ -344,10 +344,8 @@ class HostPass:
         self._bucket, self._bucket_bytes = [], 0
 
     def _tail(self) -> None:
-        """After backward: check the final buckets (the one held, if any, and the last); `stands` steps them, with no
-        copy of their masters and state (24 B/param for AdamW: a whole step's bytes, after backward)."""
+        """After backward: check the final buckets (the held one, the last); `stands` steps them, copying nothing."""
         self.worker_threads.add(threading.get_ident())
-        self._expect = dict(self._taken)
         done = self._run.union(self._bucket, *self._final)
         p_host = self.masters.p_host
         # NOTE: parameters whose gradient came only from earlier micro-batches of the window step too (serially they
@@ -363,19 +361,17 @@ class HostPass:
             if bucket and not self.failed:
                 self._final_views = self._check(bucket)
                 self._final.append(bucket)
+        self._expect = dict(self._taken)  # NOTE: after the leftovers above: their buckets still went by the old one
 
     def _step_final(self) -> None:
         """Step the final buckets (at the step, once the speculation stands): no copy is kept, nothing can undo them."""
         self.worker_threads.add(threading.get_ident())
         final, self._final = self._final, []
         views, self._final_views = self._final_views, None
-        working = self.clip_value is not None or self.scaler is not None
         for k, bucket in enumerate(reversed(final)):
-            # NOTE: the buffer of working gradients holds the last bucket checked, which steps first (each element's
-            # update is its own); an earlier one makes its copies again, over it (the same kernels on the same
-            # gradients: the same values; no overflow, `_check` found none)
-            grads = (views if k == 0 else self._check(bucket)) if working else None
-            self._step(bucket, grads)
+            # NOTE: the working buffer holds the last bucket checked, which steps first (each element's update is its
+            # own); an earlier one makes its copies again (the same kernels, the same values; `_check` found no overflow)
+            self._step(bucket, views if k == 0 else self._working_grads(bucket))
 
     @torch.no_grad()
     def _run_bucket(self, bucket: list[int] | None = None) -> None:
@@ -395,26 +391,31 @@ class HostPass:
 
     @torch.no_grad()
     def _check(self, bucket: list[int]) -> list[Tensor] | None:
-        """The working gradients of ``bucket`` (None: it steps on the landed ones); its norms; ``failed`` where an fp16
-        overflow or a non-finite gradient means the step cannot stand."""
-        grads: list[Tensor] = [self.masters.p_host[i].grad for i in bucket]  # type: ignore[misc]
-        working = self.clip_value is not None or self.scaler is not None
-        if working:
-            # NOTE: the order of `MasterHalfPrecision.optimizer_step`: unscale (the scaler's own kernel), then the clip
-            grads = self._views(grads, self.clip_value if self.scaler is None else None)
-            if self.scaler is not None:
-                if self.scaler.unscale_(grads):
-                    self.failed = "an fp16 gradient overflow"  # NOTE: serially the scaler skips the step
-                    return None
-                if self.clip_value is not None:
-                    for g in grads:
-                        g.clamp_(min=-self.clip_value, max=self.clip_value)
+        """``_working_grads``, then the norms; ``failed`` where a non-finite gradient means the step cannot stand."""
+        grads = self._working_grads(bucket)
+        if self.failed:
+            return None
         if self.guard or self.clip_norm is not None:
-            norms = torch_internals.foreach_norm(grads)
+            read = [self.masters.p_host[i].grad for i in bucket] if grads is None else grads
+            norms = torch_internals.foreach_norm(read)  # type: ignore[arg-type]
             self._norms.update(zip(bucket, norms))
             if not bool(torch.stack(norms).isfinite().all()):
                 self.failed = "a non-finite gradient"  # NOTE: serially the guard (or a nan clip) skips the step
-        return grads if working else None
+        return grads
+
+    def _working_grads(self, bucket: list[int]) -> list[Tensor] | None:
+        """fp16, value clipping: ``bucket``'s gradients unscaled, then clamped (``MasterHalfPrecision``'s order), in copies."""
+        if self.clip_value is None and self.scaler is None:
+            return None
+        grads = self._views([self.masters.p_host[i].grad for i in bucket], self.clip_value if self.scaler is None else None)  # type: ignore[misc]
+        if self.scaler is not None:
+            if self.scaler.unscale_(grads):  # NOTE: the scaler's own kernel
+                self.failed = "an fp16 gradient overflow"  # NOTE: serially the scaler skips the step
+                return None
+            if self.clip_value is not None:
+                for g in grads:
+                    g.clamp_(min=-self.clip_value, max=self.clip_value)
+        return grads
 
     def _views(self, grads: list[Tensor], clip_value: float | None) -> list[Tensor]:
         """Copies of ``grads`` (clamped to ``clip_value`` as ``torch.nn.utils.clip_grad_value_`` clamps, when given) in
