@@ -8,7 +8,10 @@ tiny batch through ``Trainer.fit``, fits interleaved round after round:
   not trigger (``gradient_clip_val=1e9``: the clip and the non-finite guard still read every gradient) and with a
   value clip of 1e9 (the clamp reads and writes every gradient; a smaller value costs the same);
 - both again at ``16-mixed`` (fp16 loss scaling: the unscale reads and writes every gradient); the steps the scaler
-  skips for an overflow at its first scales are counted, not timed as the pass's.
+  skips for an overflow at its first scales are counted, not timed as the pass's;
+- both again at ``bf16-true`` on the CUDA transfer logic, run on the CPU by the deferred stand-in (``DeferredOps``,
+  copies done as they are queued): gradients come through staging slots, and the upload rounds each master into its
+  slot, then copies the slot into the compute weight; the overlap rounds each bucket into the slots as it steps.
 
 Per step: **host work after backward** (from the end of autograd's backward, when the strategy's drain starts, to
 the return of the strategy's ``optimizer_step``, the upload of the new weights included) and the step time. The
@@ -34,18 +37,20 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
 from benchmarks._harness import add_int_args, bench_trainer, lm_batches, write_results
+from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 PRECISION = "32-true"
 FP16 = "16-mixed"
+STAND_IN = "bf16-true"  # NOTE: only the stand-in variants: the compute dtype of the staging slots, as on a GPU
 VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val, gradient_clip_algorithm, precision)
     "plain Lightning (auto)": (None, None, None, PRECISION),
     "serial": ({"host_pass": "serial"}, None, None, PRECISION),
@@ -56,6 +61,8 @@ VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_cli
     "overlap, value clip 1e9": ({"host_pass": "overlap"}, 1e9, "value", PRECISION),
     "serial, fp16": ({"host_pass": "serial"}, None, None, FP16),
     "overlap, fp16": ({"host_pass": "overlap"}, None, None, FP16),
+    "serial, CUDA logic (stand-in)": ({"host_pass": "serial"}, None, None, STAND_IN),
+    "overlap, CUDA logic (stand-in)": ({"host_pass": "overlap"}, None, None, STAND_IN),
 }
 
 
@@ -70,9 +77,10 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     module = _module(args)
     strategy = OffloadStrategy(**kwargs) if kwargs is not None else "auto"
     after: list[float] = []
-    phases: dict[str, list[float]] = {"tail_start": [], "tail_end": [], "final_s": [], "backlog_s": [], "check_s": []}
+    phases: dict[str, list[float]] = {"tail_start": [], "tail_end": [], "final_s": [], "backlog_s": [], "check_s": [],
+                                      "upload_s": []}
     if kwargs is not None:
-        drain, step = strategy.drain_transfers, strategy.optimizer_step
+        drain, step, upload = strategy.drain_transfers, strategy.optimizer_step, strategy._weights_to_device
         mark: list[float | None] = [None]
 
         def timed_drain():
@@ -92,7 +100,13 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
             mark[0] = None
             return out
 
-        strategy.drain_transfers, strategy.optimizer_step = timed_drain, timed_step  # NOTE: before setup binds them
+        def timed_upload(*a, **kw):
+            t0 = time.perf_counter()
+            upload(*a, **kw)
+            phases["upload_s"].append(time.perf_counter() - t0)
+
+        # NOTE: before setup binds them
+        strategy.drain_transfers, strategy.optimizer_step, strategy._weights_to_device = timed_drain, timed_step, timed_upload
     # NOTE: no callback times the steps: a hook after backward would make the overlap serial, and one that may read
     # the gradients after the step (on_train_batch_end) makes it unscale and clamp them at the step (`settle`). The
     # step period is timed from one `training_step` call to the next instead.
@@ -107,7 +121,8 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
 
     trainer.strategy.training_step = timed_training_step
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
-    with counting_stood(phases) as (stood, last):
+    stand_in = cpu_stand_in(lambda: DeferredOps("eager")) if precision == STAND_IN else nullcontext()
+    with counting_stood(phases) as (stood, last), stand_in:
         trainer.fit(module, data)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     overflows = scaler.overflows if scaler is not None else 0  # NOTE: skipped serially and by the pass alike
@@ -124,7 +139,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     periods = [b - a for a, b in itertools.pairwise(starts)]
     return {"step_s": statistics.median(periods[1:]), "after_s": statistics.median(after[2:]) if after else None,
             "params": n, "shapes": shapes, "overflows": overflows, "last_bucket": last[-1] if last else 0,
-            **{k: statistics.median(phases[k][2:]) if phases[k][2:] else None for k in ("backlog_s", "check_s", "final_s")}}
+            **{k: statistics.median(phases[k][2:]) if phases[k][2:] else None for k in ("backlog_s", "check_s", "final_s", "upload_s")}}
 
 
 @contextmanager
@@ -174,9 +189,11 @@ def kernel_s(shapes, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def bytes_per_param(variant: str, last: float) -> tuple[float, float]:
-    """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute);
-    ``last``: the fraction of the parameters in the overlapped pass's final buckets (after backward, no copy)."""
+def bytes_per_param(variant: str, last: float) -> tuple[float, float] | None:
+    """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute;
+    None for the stand-in's bf16); ``last``: the fraction of the parameters in the overlapped pass's final buckets."""
+    if "stand-in" in variant:
+        return None
     fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
     value, clip, fp16 = "value clip" in variant, "clip" in variant, "fp16" in variant
     if variant.startswith("serial"):
@@ -217,10 +234,11 @@ def main() -> None:
         if after:
             a = statistics.median(after)
             last = statistics.median(r["last_bucket"] for r in got[name]) / params
-            total, tail = bytes_per_param(name, last)
-            row.update({"host_after_backward_ms": 1e3 * a, "x_kernel": a / kernel, "last_bucket": last,
-                        "bytes_touched/param": total, "bytes_after_backward/param": tail})
-            for k in ("backlog_s", "check_s", "final_s"):
+            row.update({"host_after_backward_ms": 1e3 * a, "x_kernel": a / kernel, "last_bucket": last})
+            touched = bytes_per_param(name, last)
+            if touched is not None:
+                row.update({"bytes_touched/param": touched[0], "bytes_after_backward/param": touched[1]})
+            for k in ("backlog_s", "check_s", "final_s", "upload_s"):
                 got_k = [r[k] for r in got[name] if r.get(k) is not None]
                 if got_k:
                     row[k.replace("_s", "_ms")] = 1e3 * statistics.median(got_k)
@@ -233,7 +251,8 @@ def main() -> None:
         "(fold left, guard, clip, step, upload); x_kernel: its fraction of the fused kernel alone. Of it, for the "
         "overlap: backlog (the worker's speculative buckets still queued when backward returned: it shares the 2 "
         "cores with backward here, where on a GPU backward leaves them free), check (the final buckets' fold, norms "
-        "and working copies) and final (their step, at the step); the rest is the upload and Lightning's own work."),
+        "and working copies) and final (their step, at the step); upload: the new weights into the compute weights (every variant); the rest is "
+        "Lightning's own work."),
         (f"overlap / serial, no clip: host after backward {by['overlap']['x_kernel']:.2f}x vs {by['serial']['x_kernel']:.2f}x "
         f"the kernel; step time {by['overlap']['x_plain']:.2f}x vs {by['serial']['x_plain']:.2f}x plain."),
         (f"overlap / serial, value clip: host after backward {by['overlap, value clip 1e9']['x_kernel']:.2f}x vs "
@@ -241,6 +260,13 @@ def main() -> None:
         (f"overlap / serial, fp16 ({FP16}, x_plain against plain {PRECISION}): host after backward "
          f"{by['overlap, fp16']['x_kernel']:.2f}x vs {by['serial, fp16']['x_kernel']:.2f}x the kernel; fp16 overflows "
          f"skipped: {', '.join(str(r['overflows']) for r in got['overlap, fp16'])} (overlap, per round)."),
+        (f"CUDA transfer logic on the CPU (deferred stand-in, {STAND_IN}, x_plain against plain {PRECISION}): host after "
+         f"backward overlap {by['overlap, CUDA logic (stand-in)']['x_kernel']:.2f}x vs serial "
+         f"{by['serial, CUDA logic (stand-in)']['x_kernel']:.2f}x the kernel; upload "
+         f"{by['overlap, CUDA logic (stand-in)']['upload_ms']:.1f} vs {by['serial, CUDA logic (stand-in)']['upload_ms']:.1f} "
+         "ms: the overlap's upload only copies the slots its buckets rounded into during backward (on a GPU those copies "
+         "are DMA on a side stream, not host work). The backlog is large here as under fp16: a half-precision backward "
+         "is fast and shares the 2 cores with the worker."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
         "(24 B) but moves everything except the upload and the last bucket before the end of backward. last_bucket: "
         "the fraction of the parameters in the pass's final buckets, checked before they step (no copy), after "
@@ -251,7 +277,7 @@ def main() -> None:
         + " / ".join(", ".join(f"{x:.2f}" for x in la) for la in load) + "."),
     ]
     write_results("host_path", rows, ["variant", "step_ms", "x_plain", "host_after_backward_ms", "x_kernel",
-                                      "backlog_ms", "check_ms", "final_ms", "last_bucket", "bytes_touched/param",
+                                      "backlog_ms", "check_ms", "final_ms", "upload_ms", "last_bucket", "bytes_touched/param",
                                       "bytes_after_backward/param"],
                   title="lowmem_offload host path: serial vs overlapped host pass (CPU)", notes=notes,
                   extra={"args": vars(args), "kernel_s": kernel, "kernel_rounds_s": kernels,

@@ -112,6 +112,35 @@ def test_optimizer_in_backward_conflicts_reported_together():
     assert "cannot use fp16" in message
 
 
+class KeepsGrad(torch.optim.SGD):
+    """Keeps each parameter's gradient itself (not a copy) in its state; ``seen`` has copies of them as they were."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.seen = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["last_grad"] = p.grad
+                    self.seen[id(p)] = (self.state[p], p.grad.clone())
+        return out
+
+
+def test_optimizer_in_backward_keeps_no_gradient_an_optimizer_kept_in_a_reused_buffer():
+    # NOTE: a half gradient steps from one reused fp32 buffer: an optimizer that kept the gradient itself would see the
+    # next parameter's gradient there (both of BoringModel's parameters are widened into it, one after the other)
+    model = Opt(KeepsGrad)
+    trainer = fit(model, strategy=OffloadStrategy(optimizer_in_backward=True), max_steps=1)
+    opt = trainer.optimizers[0]
+    assert len(opt.seen) == 2
+    for state, grad in opt.seen.values():
+        assert torch.equal(state["last_grad"], grad)
+
+
 def test_manual_optimization_with_16_true_is_refused_with_what_works():
     """Plain Lightning's '16-true' has no loss scale; here its gradients would be read scaled ('16-mixed' works: plain
     Lightning's GradScaler leaves them scaled until the step too, see test_offload_manual.py)."""

@@ -126,7 +126,7 @@ class Kept(L.Callback):
     """At the end of training (before teardown closes the pass): the copies the overlapped pass holds."""
 
     def on_train_end(self, trainer, pl_module):
-        kept = trainer.strategy._pass._kept
+        kept = trainer.strategy._pass._kept._kept  # NOTE: {master index: (master copy, state copy)}
         self.count = len(kept)
         # NOTE: 0-d step counters aside: the state table counts AdamW's moments only
         self.bytes = sum(t.numel() * t.element_size() for master, state in kept.values()
@@ -169,7 +169,7 @@ def test_value_clipping_and_fp16_count_the_pass_buffer_of_working_gradients(monk
 
     class Clamped(L.Callback):
         def on_train_end(self, trainer, pl_module):
-            self.real = sum(t.numel() * t.element_size() for t in trainer.strategy._pass._working.values())
+            self.real = sum(t.numel() * t.element_size() for t in trainer.strategy._pass._working._flat.values())
             self.need = trainer.strategy.host_bytes_needed(pl_module, trainer.optimizers, callbacks=trainer.callbacks)
 
     got = Clamped()

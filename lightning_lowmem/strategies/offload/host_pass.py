@@ -26,6 +26,11 @@ every other bucket's norms are known, and stepped at the step once it stands: no
   touched are restored from its copies and the serial step runs on the untouched gradient buffers (the same step,
   warning and counters as ``host_pass="serial"``).
 
+On CUDA (and the CPU stand-in of the tests) each bucket's stepped masters are also rounded into the transfer's staging
+slots as the bucket ends (``stager``): the upload after the step only queues their copies to the device, the fp32 ->
+compute-dtype cast of every weight is off the critical path with the step. The plain CPU path has no staging: there
+the compute weights are in host RAM and the cast into them is the upload.
+
 Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW) of every
 master it steps speculatively, kept between steps and reused (``lowmem_offload``'s host-RAM check counts every
 trainable one); that many more bytes read and written per step, off the critical path; under value clipping or fp16
@@ -62,8 +67,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import mark_host
+from lightning_lowmem.strategies.offload.host_pass_copies import KeptCopies, WorkingGrads
 from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.transfer import StreamTransfer
 
 HostPassMode = Literal["serial", "overlap"]
 HOST_PASSES: tuple[str, ...] = get_args(HostPassMode)
@@ -116,8 +122,8 @@ class HostPass:
         self.masters = masters
         self.bucket_bytes = bucket_bytes
         self._executor: ThreadPoolExecutor | None = None
-        self._kept: dict[int, tuple[Tensor, dict[str, Any] | None]] = {}  # i -> (master copy, state copy)
-        self._working: dict[torch.dtype, Tensor] = {}  # value clipping, fp16: one bucket's working gradients, reused
+        self._kept = KeptCopies()
+        self._working = WorkingGrads()  # value clipping, fp16: one bucket's working gradients
         self.worker_threads: set[int] = set()  # idents of the threads that ran pass work (tests)
         self._expect: dict[int, int] = {}  # master -> fp32 bytes: the gradients the last armed backward handed over
         self.armed = False
@@ -130,6 +136,7 @@ class HostPass:
         self.scaler: Any = None
         self.settle = False
         self.guard = False
+        self.stager: StreamTransfer | None = None
         self._skipped: list[str] = []  # what the real gradients did not get because the pass stood in for it
         self.finished = False
         self.failed: str | None = None  # why the speculation does not stand (restored, or to restore)
@@ -149,19 +156,21 @@ class HostPass:
 
     # --- main thread ---------------------------------------------------------------------------------------------
     def arm(self, optimizer: Optimizer, *, clip_norm: float | None, guard: bool, clip_value: float | None = None,
-            scaler: Any = None, settle: bool = False) -> None:
+            scaler: Any = None, settle: bool = False, stager: StreamTransfer | None = None) -> None:
         """The next backward is the last of the window: its gradients go to the worker (see :meth:`submit`).
 
         ``clip_norm``/``clip_value``: the Trainer's ``gradient_clip_val`` under the ``"norm"``/``"value"`` algorithm;
         ``scaler``: the fp16 loss scaler (its ``unscale_`` and ``scale``), whose scale holds until the step;
-        ``settle``: code reads the gradients after the step, so a step that stands unscales and clamps them then.
+        ``settle``: code reads the gradients after the step, so a step that stands unscales and clamps them then;
+        ``stager``: the CUDA transfer, whose staging slots each stepped bucket's rounded weights are written into
+        (:meth:`~lightning_lowmem.strategies.offload.transfer.StreamTransfer.stage_weights`).
         """
         if clip_norm is not None and clip_value is not None:
             raise ValueError(f"HostPass.arm(clip_norm={clip_norm!r}, clip_value={clip_value!r}): give at most one.")
         self._clear()
         self.optimizer, self.clip_norm, self.guard, self.armed = optimizer, clip_norm, guard, True
         self.clip_value = None if clip_value is None else float(clip_value)
-        self.scaler, self.settle = scaler, settle
+        self.scaler, self.settle, self.stager = scaler, settle, stager
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="lowmem-host-pass")
 
@@ -252,24 +261,10 @@ class HostPass:
             raise RuntimeError(f"HostPass.restore({why!r}) after the step took the pass's result (`stands`): the final "
                                "buckets stepped then, without a copy to restore them from.")
         self.barrier()
-        state = self.optimizer.state
-        with torch.no_grad():
-            for i in reversed(self._stepped):
-                p = self.masters.p_host[i]
-                kept, kept_state = self._kept[i]
-                p.copy_(kept)
-                if kept_state is None:
-                    state.pop(p, None)
-                    continue
-                now = state[p]
-                for k in list(now):
-                    if k not in kept_state:
-                        del now[k]
-                for k, v in kept_state.items():
-                    if isinstance(v, Tensor) and isinstance(now.get(k), Tensor):
-                        now[k].copy_(v)
-                    else:
-                        now[k] = v.clone() if isinstance(v, Tensor) else v
+        for i in reversed(self._stepped):
+            self._kept.put_back(i, self.masters.p_host[i], self.optimizer.state)
+        if self.stager is not None:
+            self.stager.unstage()  # NOTE: the staging slots hold the speculative weights: the upload rounds them again
         self._stepped, self._final = [], []  # NOTE: the final buckets never stepped (see `_tail`)
         self.restored = True
         self._redo_skipped()
@@ -372,6 +367,7 @@ class HostPass:
             # NOTE: the working buffer holds the last bucket checked, which steps first (each element's update is its
             # own); an earlier one makes its copies again (the same kernels, the same values; `_check` found no overflow)
             self._step(bucket, views if k == 0 else self._working_grads(bucket))
+            self._stage(bucket)
 
     @torch.no_grad()
     def _run_bucket(self, bucket: list[int] | None = None) -> None:
@@ -388,6 +384,12 @@ class HostPass:
             return
         self._keep(bucket)
         self._step(bucket, grads)
+        self._stage(bucket)
+
+    def _stage(self, bucket: list[int]) -> None:
+        """Round ``bucket``'s stepped masters into the transfer's staging slots: the upload only copies them then."""
+        if self.stager is not None:
+            self.stager.stage_weights([(i, self.masters.p_host[i]) for i in bucket])
 
     @torch.no_grad()
     def _check(self, bucket: list[int]) -> list[Tensor] | None:
@@ -407,7 +409,8 @@ class HostPass:
         """fp16, value clipping: ``bucket``'s gradients unscaled, then clamped (``MasterHalfPrecision``'s order), in copies."""
         if self.clip_value is None and self.scaler is None:
             return None
-        grads = self._views([self.masters.p_host[i].grad for i in bucket], self.clip_value if self.scaler is None else None)  # type: ignore[misc]
+        grads = self._working.views([self.masters.p_host[i].grad for i in bucket],  # type: ignore[misc]
+                                    self.clip_value if self.scaler is None else None)
         if self.scaler is not None:
             if self.scaler.unscale_(grads):  # NOTE: the scaler's own kernel
                 self.failed = "an fp16 gradient overflow"  # NOTE: serially the scaler skips the step
@@ -417,57 +420,10 @@ class HostPass:
                     g.clamp_(min=-self.clip_value, max=self.clip_value)
         return grads
 
-    def _views(self, grads: list[Tensor], clip_value: float | None) -> list[Tensor]:
-        """Copies of ``grads`` (clamped to ``clip_value`` as ``torch.nn.utils.clip_grad_value_`` clamps, when given) in
-        views of a buffer kept between steps: the working gradients.
-
-        NOTE: copies, not in place: after a restore the serial step must find the gradients as they landed (a gradient
-        folded again after its bucket stepped would otherwise add to a clamped or unscaled one). The buffer is reused:
-        a fresh allocation of a bucket's size each time costs page faults that take 5x the clamp itself (38.6M fp32
-        values on this machine's CPU: 37.6 ms against 6.5 ms).
-        """
-        need: dict[torch.dtype, int] = {}
-        for g in grads:
-            need[g.dtype] = need.get(g.dtype, 0) + g.numel()
-        for dtype, n in need.items():
-            flat = self._working.get(dtype)
-            if flat is None or flat.numel() < n:
-                self._working[dtype] = flat = torch.empty(n, dtype=dtype)
-                mark_host(flat)
-        out, used = [], dict.fromkeys(need, 0)
-        for g in grads:
-            at = used[g.dtype]
-            used[g.dtype] = at + g.numel()
-            view = self._working[g.dtype][at : at + g.numel()].view(g.shape)
-            out.append(view.copy_(g) if clip_value is None else torch.clamp(g, min=-clip_value, max=clip_value, out=view))
-        return out
-
     def _keep(self, bucket: list[int]) -> None:
         assert self.optimizer is not None
-        state = self.optimizer.state
         for i in bucket:
-            p = self.masters.p_host[i]
-            kept = self._kept.get(i)
-            if kept is None or kept[0].shape != p.shape:
-                kept = (torch.empty_like(p.detach()), None)
-                mark_host(kept[0])
-            kept[0].copy_(p.detach())
-            s = state.get(p)
-            if not s:
-                self._kept[i] = (kept[0], None)
-            else:
-                old = kept[1] or {}
-                new = {}
-                for k, v in s.items():
-                    if isinstance(v, Tensor):
-                        buf = old.get(k)
-                        if not isinstance(buf, Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
-                            buf = torch.empty_like(v)
-                            mark_host(buf)
-                        new[k] = buf.copy_(v)
-                    else:
-                        new[k] = v
-                self._kept[i] = (kept[0], new)
+            self._kept.keep(i, self.masters.p_host[i], self.optimizer.state)
             self._stepped.append(i)
 
     def _step(self, bucket: list[int], grads: list[Tensor] | None) -> None:

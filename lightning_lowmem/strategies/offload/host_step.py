@@ -205,7 +205,7 @@ class HostStep:
         if self._guarding() and not bool(torch_internals.foreach_norm([grad])[0].isfinite()):
             self._bad_in_backward.append(self._masters.names[i])
             return
-        p_host.grad = grad.to(torch.float32)  # NOTE: a copy for half gradients; aliases an fp32 one (freed below)
+        p_host.grad = grad if grad.dtype == torch.float32 else self._fp32_grad(grad)  # NOTE: an fp32 one is aliased
         if self._clip_value is not None:
             p_host.grad.clamp_(-self._clip_value, self._clip_value)  # what clip_grad_value_ does, per parameter
         optimizer, group = self._owner(p_host)
@@ -218,6 +218,29 @@ class HostStep:
         finally:
             group["params"] = params
             p_host.grad = None
+        if self._grad_fp32 is not None and grad.dtype != torch.float32:
+            self._keep_no_alias(optimizer.state.get(p_host, {}))
+
+    def _fp32_grad(self, grad: Tensor) -> Tensor:
+        """``grad`` widened to fp32 in a view of one host buffer, reused by every parameter and step (optimizer_in_backward).
+
+        NOTE: a fresh fp32 tensor per parameter and step costs page faults that take longer than the widening itself.
+        """
+        flat = self._grad_fp32
+        if flat is None or flat.numel() < grad.numel():
+            self._grad_fp32 = flat = torch.empty(max(p.numel() for p in self._masters.p_host), dtype=torch.float32)
+            mark_host(flat)
+        return flat[: grad.numel()].view(grad.shape).copy_(grad)
+
+    def _keep_no_alias(self, state: dict[str, Any]) -> None:
+        """An optimizer that kept the gradient itself in its state (not a copy) gets a copy of its own: the buffer of
+        `_fp32_grad` holds the next parameter's gradient next."""
+        assert self._grad_fp32 is not None
+        buffer = self._grad_fp32.untyped_storage().data_ptr()
+        for k, v in state.items():
+            if isinstance(v, Tensor) and v.untyped_storage().data_ptr() == buffer:
+                state[k] = v.clone()
+                mark_host(state[k])
 
     def _follow_trainable(self) -> None:
         """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup: Lightning's
@@ -279,12 +302,14 @@ class HostStep:
         scaler = getattr(self.precision_plugin, "scaler", None)
         # NOTE: only the unscale and the value clip are left off the real gradients by a pass that stands
         settle = (scaler is not None or clip_value is not None) and bool(reads_grads_after_step(trainer.callbacks, model))
+        staged = isinstance(self._transfer, StreamTransfer)
+        # NOTE: a streamed weight's step rounds its master into its host copy, not a staging slot (`copy_to_compute`)
         self._pass.arm(optimizer, clip_norm=clip_norm, clip_value=clip_value, guard=self._guarding(), scaler=scaler,
-                       settle=settle)
+                       settle=settle, stager=self._transfer if staged and self._stream is None else None)  # type: ignore[arg-type]
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
         self.precision_plugin.unscale_check = self._pass.unscale_stands if scaler is not None else None  # type: ignore[attr-defined]
-        if isinstance(self._transfer, StreamTransfer):
-            self._transfer.eager, self._transfer.barrier = True, self._pass.barrier
+        if staged:
+            self._transfer.eager, self._transfer.barrier = True, self._pass.barrier  # type: ignore[union-attr]
 
     def _disarm_pass(self) -> None:
         if self._pass is None or not self._pass.armed:

@@ -213,6 +213,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._pass: HostPass | None = None  # host_pass="overlap" (strategies/offload/host_pass.py), made at the first step
         self._skip_backward = False  # optimizer_in_backward: this backward's loss was not finite
         self._bad_in_backward: list[str] = []  # optimizer_in_backward: parameters whose gradient was not finite
+        self._grad_fp32: Tensor | None = None  # optimizer_in_backward: one fp32 gradient buffer, reused (`_fp32_grad`)
         # NOTE: ids of the masters whose optimizer state is marked host; `mark_host` must not see a tensor twice
         self._state_marked: dict[int, set[int]] = {}
 
@@ -490,8 +491,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             self._masters.give_back_fp32(module, self.optimizers)
         self._reset()
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            # NOTE: setup refused a meta-device module before materializing it: Strategy.teardown's `.cpu()` would fail
-            # on it and hide the ValueError that says why
+            # NOTE: a meta-device module refused by setup: Strategy.teardown's `.cpu()` would fail and hide why
             self.precision_plugin.teardown()
             assert self.accelerator is not None
             self.accelerator.teardown()

@@ -144,6 +144,7 @@ class StreamTransfer(HostTransfer):
         self._pending: deque[tuple[Any, int, Sink]] = deque()
         self._unread: set[int] = set()  # slots a queued copy writes that the host has not read yet
         self._h2d_done: Any = None
+        self._staged: set[int] = set()  # slots that hold their master rounded already (see `stage_weights`)
         # NOTE: set by the overlapped host pass (strategies/offload/host_pass.py) while it is armed: `eager` hands the
         # gradients whose copy has landed to the sink during backward; `barrier` waits until the sink's worker has
         # read every slot handed to it (before a slot is rewritten)
@@ -168,6 +169,7 @@ class StreamTransfer(HostTransfer):
             # the other doubled). Fold everything queued up to the first one now (queue order is kept).
             self._drain(until=i)
             self.barrier()
+        self._staged.discard(i)
         ops.wait_stream(self.stream, ops.compute_stream())  # the gradient was written on the compute stream
         ops.copy(self._staging[i], grad, self.stream)
         event = ops.record_event(self.stream)
@@ -198,6 +200,23 @@ class StreamTransfer(HostTransfer):
         self._unread.clear()  # NOTE: slots handed on by `eager` too (the sink's worker is waited for before reuse)
 
     @torch.no_grad()
+    def stage_weights(self, pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Round each ``(i, p_host)`` master into its staging slot now: :meth:`weights_to_device` then only queues its copy.
+
+        Called by the overlapped host pass's worker as each bucket steps, during backward. NOTE: [staged weights] no wait
+        for the last upload from these slots: the worker stages a slot only after it read a gradient copied into a slot
+        on the same side stream in this window, queued after that upload (done, in stream order). A gradient copied into
+        a staged slot later (a hook that fires twice) takes it back; so does :meth:`unstage` (the step was undone).
+        """
+        for i, p_host in pairs:
+            self._staging[i].copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
+            self._staged.add(i)
+
+    def unstage(self) -> None:
+        """The staged masters changed again (the speculative step was undone): the upload rounds every slot itself."""
+        self._staged.clear()
+
+    @torch.no_grad()
     @override
     def weights_to_device(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ops = self.ops
@@ -208,8 +227,10 @@ class StreamTransfer(HostTransfer):
         ops.wait_stream(self.stream, ops.compute_stream())  # backward may still read the weights
         for i, p_host, p_device in pairs:
             staging = self._staging[i]
-            staging.copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
+            if i not in self._staged:
+                staging.copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
             ops.copy(p_device, staging, self.stream)  # overlaps the host cast of the next one
+        self._staged.clear()
         self._h2d_done = ops.record_event(self.stream)
         ops.wait_stream(ops.compute_stream(), self.stream)
 
