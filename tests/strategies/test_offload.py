@@ -132,9 +132,10 @@ class KeepsGrad(torch.optim.SGD):
 
 def test_optimizer_in_backward_keeps_no_gradient_an_optimizer_kept_in_a_reused_buffer():
     # NOTE: a half gradient steps from one reused fp32 buffer: an optimizer that kept the gradient itself would see the
-    # next parameter's gradient there (both of BoringModel's parameters are widened into it, one after the other)
+    # next parameter's gradient there (both of BoringModel's parameters are widened into it, one after the other; the
+    # buffer grows to the largest in the first step, so the second shows it whatever order they come in)
     model = Opt(KeepsGrad)
-    trainer = fit(model, strategy=OffloadStrategy(optimizer_in_backward=True), max_steps=1)
+    trainer = fit(model, strategy=OffloadStrategy(optimizer_in_backward=True), max_steps=2)
     opt = trainer.optimizers[0]
     assert len(opt.seen) == 2
     for state, grad in opt.seen.values():

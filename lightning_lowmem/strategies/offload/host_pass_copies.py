@@ -98,27 +98,33 @@ class WorkingGrads:
     def __init__(self) -> None:
         self._flat: dict[torch.dtype, Tensor] = {}
 
-    def views(self, grads: list[Tensor], clip_value: float | None) -> list[Tensor]:
-        """Copies of ``grads`` (clamped to ``clip_value`` as ``torch.nn.utils.clip_grad_value_`` clamps, when given).
+    def views(self, grads: list[Tensor], clip_value: float | None, dtype: torch.dtype | None = None) -> list[Tensor]:
+        """Copies of ``grads`` (clamped to ``clip_value`` as ``torch.nn.utils.clip_grad_value_`` clamps, when given), in
+        ``dtype`` (default: each gradient's own).
 
         NOTE: copies, not in place: after a restore the serial step must find the gradients as they landed (a gradient
         folded again after its bucket stepped would otherwise add to a clamped or unscaled one).
         """
+        keys = [dtype or g.dtype for g in grads]
         need: dict[torch.dtype, int] = {}
-        for g in grads:
-            need[g.dtype] = need.get(g.dtype, 0) + g.numel()
-        for dtype, n in need.items():
-            flat = self._flat.get(dtype)
+        for g, key in zip(grads, keys):
+            need[key] = need.get(key, 0) + g.numel()
+        for key, n in need.items():
+            flat = self._flat.get(key)
             if flat is None or flat.numel() < n:
-                self._flat[dtype] = flat = torch.empty(n, dtype=dtype)
+                self._flat[key] = flat = torch.empty(n, dtype=key)
                 mark_host(flat)
         out, used = [], dict.fromkeys(need, 0)
-        for g in grads:
-            at = used[g.dtype]
-            used[g.dtype] = at + g.numel()
-            view = self._flat[g.dtype][at : at + g.numel()].view(g.shape)
+        for g, key in zip(grads, keys):
+            at = used[key]
+            used[key] = at + g.numel()
+            view = self._flat[key][at : at + g.numel()].view(g.shape)
             out.append(view.copy_(g) if clip_value is None else torch.clamp(g, min=-clip_value, max=clip_value, out=view))
         return out
+
+    def holds(self, t: Tensor) -> bool:
+        """Whether ``t`` is (a view of) one of the buffers: a copy :meth:`views` made, which the next call rewrites."""
+        return any(t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in self._flat.values())
 
     def clear(self) -> None:
         self._flat.clear()

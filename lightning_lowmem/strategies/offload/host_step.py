@@ -205,7 +205,9 @@ class HostStep:
         if self._guarding() and not bool(torch_internals.foreach_norm([grad])[0].isfinite()):
             self._bad_in_backward.append(self._masters.names[i])
             return
-        p_host.grad = grad if grad.dtype == torch.float32 else self._fp32_grad(grad)  # NOTE: an fp32 one is aliased
+        # NOTE: a half gradient is widened into a reused buffer (a fresh fp32 tensor per parameter and step costs page
+        # faults that take longer than the widening itself); an fp32 one is aliased
+        p_host.grad = grad if grad.dtype == torch.float32 else self._grad_fp32.views([grad], None, torch.float32)[0]
         if self._clip_value is not None:
             p_host.grad.clamp_(-self._clip_value, self._clip_value)  # what clip_grad_value_ does, per parameter
         optimizer, group = self._owner(p_host)
@@ -218,27 +220,14 @@ class HostStep:
         finally:
             group["params"] = params
             p_host.grad = None
-        if self._grad_fp32 is not None and grad.dtype != torch.float32:
+        if grad.dtype != torch.float32:
             self._keep_no_alias(optimizer.state.get(p_host, {}))
 
-    def _fp32_grad(self, grad: Tensor) -> Tensor:
-        """``grad`` widened to fp32 in a view of one host buffer, reused by every parameter and step (optimizer_in_backward).
-
-        NOTE: a fresh fp32 tensor per parameter and step costs page faults that take longer than the widening itself.
-        """
-        flat = self._grad_fp32
-        if flat is None or flat.numel() < grad.numel():
-            self._grad_fp32 = flat = torch.empty(max(p.numel() for p in self._masters.p_host), dtype=torch.float32)
-            mark_host(flat)
-        return flat[: grad.numel()].view(grad.shape).copy_(grad)
-
     def _keep_no_alias(self, state: dict[str, Any]) -> None:
-        """An optimizer that kept the gradient itself in its state (not a copy) gets a copy of its own: the buffer of
-        `_fp32_grad` holds the next parameter's gradient next."""
-        assert self._grad_fp32 is not None
-        buffer = self._grad_fp32.untyped_storage().data_ptr()
+        """An optimizer that kept the gradient itself in its state (not a copy) gets a copy of its own: the reused
+        buffer holds the next parameter's gradient next."""
         for k, v in state.items():
-            if isinstance(v, Tensor) and v.untyped_storage().data_ptr() == buffer:
+            if isinstance(v, Tensor) and self._grad_fp32.holds(v):
                 state[k] = v.clone()
                 mark_host(state[k])
 

@@ -46,6 +46,7 @@ from lightning_lowmem.strategies.offload import host_bytes as _offload_host_byte
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload.checks import NONFINITE, NonFinite  # noqa: F401
 from lightning_lowmem.strategies.offload.host_pass import HostPass, HostPassMode
+from lightning_lowmem.strategies.offload.host_pass_copies import WorkingGrads
 from lightning_lowmem.strategies.offload.host_state import HostState
 from lightning_lowmem.strategies.offload.host_step import HostStep, NonFiniteGradientError  # noqa: F401  (imported from here too)
 from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
@@ -213,9 +214,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._pass: HostPass | None = None  # host_pass="overlap" (strategies/offload/host_pass.py), made at the first step
         self._skip_backward = False  # optimizer_in_backward: this backward's loss was not finite
         self._bad_in_backward: list[str] = []  # optimizer_in_backward: parameters whose gradient was not finite
-        self._grad_fp32: Tensor | None = None  # optimizer_in_backward: one fp32 gradient buffer, reused (`_fp32_grad`)
-        # NOTE: ids of the masters whose optimizer state is marked host; `mark_host` must not see a tensor twice
-        self._state_marked: dict[int, set[int]] = {}
+        self._grad_fp32 = WorkingGrads()  # optimizer_in_backward: half gradients widened into a reused fp32 buffer
+        self._state_marked: dict[int, set[int]] = {}  # NOTE: masters whose state is marked host (`mark_host` once each)
 
     # --- where things run ------------------------------------------------------------------------------
     @property
