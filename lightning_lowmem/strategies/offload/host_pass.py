@@ -6,9 +6,10 @@ accumulation window, each gradient is handed to one host worker thread as it lan
 fp32 buffer and, bucket by bucket, measures the per-tensor norms, keeps a copy of the masters and optimizer state
 it is about to change, and steps those masters (the user's optimizer over a subset of its parameters). What is
 left after backward is the last bucket, the parameters whose gradient came only from earlier micro-batches, and a
-check of the speculation. The final buckets (the last one, and a full one held back when what the previous window's
-backward still handed over after it fits in one more: see [final buckets]) are checked at the end of backward, when
-every other bucket's norms are known, and stepped at the step once it stands: no copy, never undone. The checks:
+check of the speculation. Buckets shrink as the end of backward nears (by what the previous window's backward handed
+over: see [shrinking buckets]), and the final buckets (the last one, and the one held back when less than it was
+still to come: see [final buckets]) are checked at the end of backward, when every other bucket's norms are known,
+and stepped at the step once it stands: no copy, never undone. The checks:
 
 - no norm clipping and finite gradients: the update of every element depends only on that element's gradient,
   state and hyperparameters, so stepping by buckets is the serial step bit for bit (exact by construction);
@@ -149,6 +150,7 @@ class HostPass:
         self._taken: dict[int, int] = {}  # master -> fp32 bytes: the gradients the worker folded in this backward
         self._left = sum(self._expect.values())  # bytes of those gradients the last backward handed over, still to come
         self._final: list[list[int]] = []  # buckets held for the end of backward, then checked: stepped at the step
+        self._joined = 0  # bytes of the buckets that joined the held one (see [final buckets])
         self._final_views: list[Tensor] | None = None  # the working gradients of the last bucket checked
         self._bucket: list[int] = []
         self._bucket_bytes = 0
@@ -321,21 +323,42 @@ class HostPass:
             return
         self._add(i)
 
+    def _capacity(self) -> int:
+        """Bytes at which the bucket being filled closes: ``bucket_bytes``, then half of what the last backward still
+        handed over after this point, down to a sixteenth of ``bucket_bytes``.
+
+        NOTE: [shrinking buckets] what is left after backward is the final buckets' step, so they should be small; but
+        each bucket costs a fixed ~0.4 ms of worker time (its step call, its norms), which adds up where the host step
+        is the bottleneck (a GPU's backward outruns it). Halving near the end makes the final buckets small for a few
+        buckets more (log2(16) at most).
+        """
+        if not self._expect:
+            return self.bucket_bytes
+        return max(min(self.bucket_bytes, self._left // 2), self.bucket_bytes // 16, 1)
+
     def _add(self, i: int) -> None:
         self._bucket.append(i)
         self._bucket_bytes += self.masters.p_host[i].numel() * 4
-        if self._bucket_bytes < self.bucket_bytes:
+        capacity = self._capacity()
+        if self._bucket_bytes < capacity:
             return
-        if not self._expect or self._left >= self.bucket_bytes:
+        if not self._expect or self._left >= max(capacity, self._bucket_bytes):
             self._run_bucket()
             return
-        # NOTE: [final buckets] what the last backward still handed over after this bucket fits in one more bucket:
-        # this one is held for the end of backward, as one of the probable final two (see `_tail`): GPT-2's tied
-        # embedding (38.6M values), whose gradient lands last and fills a bucket alone, is one. At most one full bucket
-        # is held: an earlier one (more gradients came than the last backward had) runs now, speculatively as usual.
-        if self._final:
-            self._run_bucket(self._final.pop())
-        self._final.append(self._bucket)
+        # NOTE: [final buckets] less than this bucket (or than the next one) is still to come by what the last backward
+        # handed over: backward is about to end, and a speculative step would end after it, its copies included. The
+        # bucket is held for the end of backward (see `_tail`): GPT-2's tied embedding (38.6M values), whose gradient
+        # lands last but for the position embedding's, is one. The buckets that close after it join it up to
+        # ``bucket_bytes`` in all; past that (more gradients came than the last backward had) the held one runs now,
+        # speculatively as usual, and the new one is held instead.
+        if self._final and self._joined + self._bucket_bytes <= self.bucket_bytes:
+            self._final[-1] += self._bucket
+            self._joined += self._bucket_bytes
+        else:
+            if self._final:
+                self._run_bucket(self._final.pop())
+            self._final.append(self._bucket)
+            self._joined = 0
         self._bucket, self._bucket_bytes = [], 0
 
     def _tail(self) -> None:
