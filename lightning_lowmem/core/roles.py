@@ -31,6 +31,8 @@ class LowBitOptimizerSwap:
     :attr:`stable_embedding`).
     """
 
+    #: the bitsandbytes optimizer swapped in (``"adamw8bit"``, ``"paged_adamw8bit"``, ...)
+    kind: str
     #: tensors with fewer values keep 32-bit state
     min_8bit_size: int
     #: embeddings keep 32-bit state

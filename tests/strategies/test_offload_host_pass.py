@@ -18,6 +18,7 @@ import torch
 from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 from lightning_lowmem.strategies.offload import host_pass as host_pass_module
 from lightning_lowmem.strategies.offload.host_pass import HostPass
+from lightning_lowmem.strategies.offload.host_pass_checks import why_not_bitsandbytes
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from lightning_lowmem.strategies.offload.transfer import StreamTransfer
@@ -52,6 +53,15 @@ class Net(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        elif self.optimizer in ("adamw8bit", "lion8bit", "paged_adamw8bit"):
+            bnb = pytest.importorskip("bitsandbytes")
+            kind = {"adamw8bit": bnb.optim.AdamW8bit, "lion8bit": bnb.optim.Lion8bit,
+                    "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[self.optimizer]
+            opt = kind(self.parameters(), lr=0.02, min_8bit_size=16)  # NOTE: 8-bit state for every weight here
+        elif self.optimizer == "groups":  # a bucket spans both: each parameter must step with its own group's values
+            biases = [p for n, p in self.named_parameters() if n.endswith("bias")]
+            weights = [p for n, p in self.named_parameters() if n.endswith("weight")]
+            opt = torch.optim.AdamW([{"params": biases, "weight_decay": 0.0, "lr": 0.05}, {"params": weights}], lr=0.02)
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=0.02)
         opt.register_step_pre_hook(lambda *_: self.step_threads.append(threading.get_ident()))
@@ -138,6 +148,31 @@ def test_without_the_guard_nothing_steps_twice(counted):
 
 def test_fp32_and_sgd(counted):
     _same(counted, N_BATCHES, precision="32-true", module={"optimizer": "sgd"})
+
+
+def test_param_groups(counted):
+    _same(counted, N_BATCHES, module={"optimizer": "groups"})
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "lion8bit"])
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_bitsandbytes_8bit_optimizers(counted, optimizer, clip):
+    # NOTE: 8-bit state quantized in blocks within each tensor: a bucket's step is the full step's for its parameters
+    restored = N_BATCHES if clip else 0
+    _same(counted, N_BATCHES - restored, restored, module={"optimizer": optimizer}, gradient_clip_val=clip)
+
+
+def test_bitsandbytes_paged_or_with_overrides_stays_serial(counted):
+    bnb = pytest.importorskip("bitsandbytes")
+    _same(counted, 0, module={"optimizer": "paged_adamw8bit"})
+    p = torch.nn.Parameter(torch.zeros(4))
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    assert why_not_bitsandbytes(bnb.optim.AdamW8bit([p])) is None
+    manager.override_config(p, key_value_dict={"optim_bits": 32})  # e.g. StableEmbedding's
+    try:
+        assert "per-parameter overrides" in why_not_bitsandbytes(bnb.optim.AdamW8bit([p]))
+    finally:
+        manager.pid2config.pop(id(p), None)
 
 
 @pytest.mark.parametrize("clip, restored", [(1e3, 0), (1e-3, N_BATCHES)])

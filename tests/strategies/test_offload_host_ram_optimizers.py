@@ -195,3 +195,20 @@ def test_torchao_scales_and_map_are_fp32_for_a_bf16_parameter(kind):
     p.grad = torch.randn_like(p)
     opt.step()
     assert real_state_bytes(opt) == torchao_bytes(p.numel(), kind, None, param_bytes=2)
+
+
+def test_a_low_bit_swap_steps_in_the_pass_and_its_copies_are_counted(monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
+
+    monkeypatch.setattr(host_pass_module, "BUCKET_BYTES", 4 * 300)
+    overlap = OffloadStrategy(host_pass="overlap")
+    counted = predicted(overlap, [LowBitOptimizer(min_8bit_size=16)])["host_pass_copies"]
+    kept = Kept()
+    fit(OffloadStrategy(host_pass="overlap"), [kept, LowBitOptimizer(min_8bit_size=16)], steps=3)
+    n = sum(p.numel() for p in Model().parameters())
+    assert kept.count == len(list(Model().parameters()))  # the pass ran: it kept a copy of every master
+    assert 4 * n < counted and 4 * n < kept.bytes <= counted  # the masters' copies, and some 8-bit state
+    # NOTE: the paged optimizer and the stable embedding's per-parameter overrides keep the step serial: no copies
+    for callback in (LowBitOptimizer("paged_adamw8bit"), LowBitOptimizer(stable_embedding=True)):
+        assert predicted(OffloadStrategy(host_pass="overlap"), [callback])["host_pass_copies"] == 0

@@ -25,6 +25,7 @@ from lightning_lowmem.core import host_memory as _host_memory
 from lightning_lowmem.core.optimizer_state import expected_state_bytes
 from lightning_lowmem.core.roles import LeanOptimizerSwap, LowBitOptimizerSwap
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
+from lightning_lowmem.strategies.offload import host_pass_checks
 from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
 from lightning_lowmem.strategies.offload.param_stream import block_params
 from lightning_lowmem.strategies.offload.precision import autocast_cast_params
@@ -60,22 +61,24 @@ def host_bytes_needed(
     else:
         state = sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers)
     # NOTE: the overlapped pass keeps, between steps, a copy of every master it stepped (all trainable ones at most) and of
-    # its optimizer state (`HostPass._kept`, reused, never trimmed): only for a step it runs (torch's Adam/AdamW/SGD,
-    # see `host_pass.why_serial`; never a LowBitOptimizer or LeanOptimizer swap, whose step stays serial)
+    # its optimizer state (`HostPass._kept`, reused, never trimmed): only for a step it runs (torch's Adam/AdamW/SGD and
+    # bitsandbytes' 8-bit ones, see `host_pass_checks.why_serial`; a LowBitOptimizer swap unless paged or with the
+    # stable embedding's per-parameter overrides; never a LeanOptimizer swap, whose step stays serial)
+    swapped_in = low_bit is None or (low_bit.kind != "paged_adamw8bit" and not (low_bit.stable_embedding and embeddings))
     copies = largest = 0
-    if strategy.host_pass == "overlap" and low_bit is None and lean is None:
+    if strategy.host_pass == "overlap" and swapped_in and lean is None:
         attached = isinstance(module, pl.LightningModule) and lightning_internals.attached_trainer(module) is not None
         for opt in optimizers:
             # NOTE: in a Trainer every reason the step stays serial is known; without one (a bare strategy), only the
             # optimizer's kind and optimizer-in-backward decide
-            if attached and _host_pass.why_serial(strategy, opt, module) is not None:
+            if attached and host_pass_checks.why_serial(strategy, opt, module) is not None:
                 continue
-            if not _host_pass.overlaps(opt) or strategy.optimizer_in_backward:
+            if not host_pass_checks.overlaps(opt) or strategy.optimizer_in_backward:
                 continue
             stepped = {id(p): p for g in opt.param_groups for p in g["params"] if p.requires_grad and id(p) not in frozen}
-            copies += 4 * sum(p.numel() for p in stepped.values()) + expected_state_bytes(opt, None, embeddings)
+            copies += 4 * sum(p.numel() for p in stepped.values()) + expected_state_bytes(opt, low_bit, embeddings)
             largest = max([largest, *(p.numel() for p in stepped.values())])
-        value_clip = _host_pass.trainer_clip(module.trainer if attached else None)[1]
+        value_clip = host_pass_checks.trainer_clip(module.trainer if attached else None)[1]
         if largest and (value_clip is not None or getattr(strategy.precision_plugin, "scaler", None) is not None):
             copies += _host_pass.BUCKET_BYTES + 4 * largest  # NOTE: the reused buffer of one bucket's working gradients
     parts = {

@@ -34,10 +34,11 @@ the compute weights are in host RAM and the cast into them is the upload.
 
 Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW) of every
 master it steps speculatively, kept between steps and reused (``lowmem_offload``'s host-RAM check counts every
-trainable one); that many more bytes read and written per step, off the critical path; under value clipping or fp16
-also a buffer for one bucket of working gradients, reused (at most ``BUCKET_BYTES`` plus the largest gradient). Where the pass
-cannot be exact the step stays serial (:func:`why_serial` names the cause): optimizers other than
-``torch.optim.Adam``/``AdamW``/``SGD`` (bitsandbytes 8-bit ones, subclasses: their step may couple parameters),
+trainable one; about 2 B/param for an 8-bit state); that many more bytes read and written per step, off the critical
+path; under value clipping or fp16 also a buffer for one bucket of working gradients, reused (at most ``BUCKET_BYTES``
+plus the largest gradient). Where the pass cannot be exact the step stays serial (:func:`~lightning_lowmem.strategies.offload.host_pass_checks.why_serial` names the cause):
+optimizers other than ``torch.optim.Adam``/``AdamW``/``SGD`` and bitsandbytes' ``AdamW8bit``/``Adam8bit``/``Lion8bit``
+(subclasses, paged ones, bitsandbytes' per-parameter overrides: see ``host_pass_checks``),
 manual optimization, ``optimizer_in_backward`` and user code in
 ``on_after_backward``/``on_before_optimizer_step``/``configure_gradient_clipping``/``backward`` (it may read or
 change the gradients before the step).
@@ -75,43 +76,6 @@ from lightning_lowmem.strategies.offload.transfer import StreamTransfer
 HostPassMode = Literal["serial", "overlap"]
 HOST_PASSES: tuple[str, ...] = get_args(HostPassMode)
 BUCKET_BYTES = 32 * 2**20  # fp32 bytes of gradients per bucket (8M parameters)
-# NOTE: exact types only: a subclass may change the step (couple parameters, read a global statistic)
-_PER_ELEMENT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-_USER_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "backward")
-
-
-def overlaps(optimizer: Optimizer) -> bool:
-    """Whether the overlapped pass can step ``optimizer`` by buckets (exactly torch's Adam/AdamW/SGD, neither
-    differentiable nor capturable); the Trainer may still keep the step serial (:func:`why_serial`)."""
-    return type(optimizer) in _PER_ELEMENT and not any(g.get("differentiable") or g.get("capturable")
-                                                       for g in optimizer.param_groups)
-
-
-def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
-    """Why this step of ``strategy`` must stay serial, or None when the overlapped pass is exact for it."""
-    from lightning_lowmem.strategies.offload.precision import _overridden  # NOTE: a cycle at import time otherwise
-
-    if strategy.optimizer_in_backward:
-        return "optimizer_in_backward steps inside backward already"
-    if not model.automatic_optimization:
-        return "manual optimization (user code between backward and the step)"
-    if not overlaps(optimizer):
-        return (f"`{type(optimizer).__name__}` is not torch.optim.Adam/AdamW/SGD" if type(optimizer) not in _PER_ELEMENT
-                else "a param group is differentiable or capturable")
-    if _overridden(model, _USER_HOOKS):
-        return f"user code in one of {', '.join(_USER_HOOKS)}"
-    return None
-
-
-def trainer_clip(trainer: Any) -> tuple[float | None, float | None]:
-    """``(clip_norm, clip_value)``: the clip ``trainer``'s ``gradient_clip_val``/``gradient_clip_algorithm`` ask for
-    (at most one is set; none without a Trainer)."""
-    clip = float(trainer.gradient_clip_val) if trainer is not None and trainer.gradient_clip_val else None
-    if clip is not None and (trainer.gradient_clip_algorithm or "norm") == "value":
-        return None, clip
-    return clip, None
-
-
 class HostPass:
     """One host worker that folds, checks and steps the masters bucket by bucket during backward.
 
@@ -155,6 +119,7 @@ class HostPass:
         self._bucket: list[int] = []
         self._bucket_bytes = 0
         self._futures: list[Future] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(master) -> (param group, position in it)
 
     # --- main thread ---------------------------------------------------------------------------------------------
     def arm(self, optimizer: Optimizer, *, clip_norm: float | None, guard: bool, clip_value: float | None = None,
@@ -173,6 +138,9 @@ class HostPass:
         self.optimizer, self.clip_norm, self.guard, self.armed = optimizer, clip_norm, guard, True
         self.clip_value = None if clip_value is None else float(clip_value)
         self.scaler, self.settle, self.stager = scaler, settle, stager
+        # NOTE: where each parameter sits in the groups, once per window: a bucket's subset of the groups is built from
+        # it (a scan of every group per bucket cost ~4 % of the worker's time for 2400 parameters in 120 buckets)
+        self._where = {id(p): (g, k) for g, group in enumerate(optimizer.param_groups) for k, p in enumerate(group["params"])}
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="lowmem-host-pass")
 
@@ -459,13 +427,11 @@ class HostPass:
         if grads is not None:
             for p, g in zip(p_host, grads):
                 p.grad = g
-        want = {id(p) for p in p_host}
         groups = optimizer.param_groups
-        subset = []
-        for g in groups:
-            params = [p for p in g["params"] if id(p) in want]
-            if params:
-                subset.append({**g, "params": params})
+        chosen: dict[int, list[Tensor]] = {}
+        for g, k in sorted(self._where[id(p)] for p in p_host if id(p) in self._where):  # in the groups' order
+            chosen.setdefault(g, []).append(groups[g]["params"][k])
+        subset = [{**groups[g], "params": params} for g, params in chosen.items()]
         # NOTE: the main thread does not read the param groups while backward runs (it waits in `finish`)
         optimizer.param_groups = subset
         try:
@@ -476,4 +442,4 @@ class HostPass:
                 p.grad = g
 
 
-__all__ = ["HOST_PASSES", "HostPass", "HostPassMode", "trainer_clip", "why_serial"]
+__all__ = ["HOST_PASSES", "HostPass", "HostPassMode"]

@@ -27,6 +27,7 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
+from lightning_lowmem.strategies.offload.host_pass_checks import trainer_clip, why_serial
 from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.stream_values import copy_to_compute, value_of
@@ -274,7 +275,7 @@ class HostStep:
         """Arm the host pass for the backward of this closure (the last of the window), where it is exact."""
         if self.host_pass != "overlap":
             return
-        reason = _host_pass.why_serial(self, optimizer, model)
+        reason = why_serial(self, optimizer, model)
         if reason is not None:
             if not self._warned_serial_pass:  # NOTE: asked for, not given: say so once (exact, only slower)
                 self._warned_serial_pass = True
@@ -287,7 +288,7 @@ class HostStep:
         if self._pass is None:
             self._pass = _host_pass.HostPass(self._masters, _host_pass.BUCKET_BYTES)
         trainer = model.trainer
-        clip_norm, clip_value = _host_pass.trainer_clip(trainer)
+        clip_norm, clip_value = trainer_clip(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         # NOTE: only the unscale and the value clip are left off the real gradients by a pass that stands
         settle = (scaler is not None or clip_value is not None) and bool(reads_grads_after_step(trainer.callbacks, model))
