@@ -154,12 +154,13 @@ def test_param_groups(counted):
     _same(counted, N_BATCHES, module={"optimizer": "groups"})
 
 
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "lion8bit"])
-@pytest.mark.parametrize("clip", [None, 1e-3])
-def test_bitsandbytes_8bit_optimizers(counted, optimizer, clip):
-    # NOTE: 8-bit state quantized in blocks within each tensor: a bucket's step is the full step's for its parameters
+@pytest.mark.parametrize("optimizer, clip, seed", [("adamw8bit", None, None), ("adamw8bit", 1e-3, None),
+                                                  ("lion8bit", None, None), ("adamw8bit", None, 1), ("adamw8bit", 1e-3, 2)])
+def test_bitsandbytes_8bit_optimizers(counted, optimizer, clip, seed):
+    # NOTE: 8-bit state quantized in blocks within each tensor: a bucket's step is the full step's for its parameters;
+    # `seed`: random completion orders of the stream stand-in
     restored = N_BATCHES if clip else 0
-    _same(counted, N_BATCHES - restored, restored, module={"optimizer": optimizer}, gradient_clip_val=clip)
+    _same(counted, N_BATCHES - restored, restored, module={"optimizer": optimizer}, gradient_clip_val=clip, seed=seed)
 
 
 def test_bitsandbytes_paged_or_with_overrides_stays_serial(counted):
