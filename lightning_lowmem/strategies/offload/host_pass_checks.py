@@ -16,12 +16,19 @@ _USER_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradi
 
 
 def overlaps(optimizer: Optimizer) -> bool:
-    """Whether the overlapped pass can step ``optimizer`` by buckets (exactly torch's Adam/AdamW/SGD, neither
-    differentiable nor capturable, or a bitsandbytes 8-bit one: see :func:`why_not_bitsandbytes`); the Trainer may
+    """Whether the overlapped pass can step ``optimizer`` by buckets (see :func:`why_not_by_buckets`); the Trainer may
     still keep the step serial (:func:`why_serial`)."""
+    return why_not_by_buckets(optimizer) is None
+
+
+def why_not_by_buckets(optimizer: Optimizer) -> str | None:
+    """Why the overlapped pass cannot step ``optimizer`` by buckets, or None: it can when it is exactly torch's
+    Adam/AdamW/SGD, neither differentiable nor capturable, or a bitsandbytes 8-bit one (:func:`why_not_bitsandbytes`)."""
     if type(optimizer) not in _PER_ELEMENT:
-        return why_not_bitsandbytes(optimizer) is None
-    return not any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups)
+        return why_not_bitsandbytes(optimizer)
+    if any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups):
+        return "a param group is differentiable or capturable"
+    return None
 
 
 def why_not_bitsandbytes(optimizer: Optimizer) -> str | None:
@@ -52,9 +59,9 @@ def why_serial(strategy: Any, optimizer: Optimizer, model: Any) -> str | None:
         return "optimizer_in_backward steps inside backward already"
     if not model.automatic_optimization:
         return "manual optimization (user code between backward and the step)"
-    if not overlaps(optimizer):
-        return why_not_bitsandbytes(optimizer) if type(optimizer) not in _PER_ELEMENT else (
-            "a param group is differentiable or capturable")
+    reason = why_not_by_buckets(optimizer)
+    if reason is not None:
+        return reason
     if _overridden(model, _USER_HOOKS):
         return f"user code in one of {', '.join(_USER_HOOKS)}"
     return None
@@ -69,4 +76,4 @@ def trainer_clip(trainer: Any) -> tuple[float | None, float | None]:
     return clip, None
 
 
-__all__ = ["overlaps", "trainer_clip", "why_not_bitsandbytes", "why_serial"]
+__all__ = ["overlaps", "trainer_clip", "why_not_bitsandbytes", "why_not_by_buckets", "why_serial"]
