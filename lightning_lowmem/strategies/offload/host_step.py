@@ -28,10 +28,13 @@ from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
 from lightning_lowmem.strategies.offload.host_pass_checks import trainer_clip, why_serial
+from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.stream_values import copy_to_compute, value_of
-from lightning_lowmem.strategies.offload.transfer import StreamTransfer, transfer_for
+from lightning_lowmem.strategies.offload.transfer import HostTransfer, StreamTransfer, transfer_for
+
+IN_BACKWARD_BYTES = 32 * 2**20  # optimizer_in_backward: gradient bytes the host worker's queue may keep alive
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -57,7 +60,10 @@ class HostStep:
         assert isinstance(precision, MasterHalfPrecision)
         if self.optimizer_in_backward:
             self._bad_in_backward = []
-            out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
+            try:
+                out = closure()  # each parameter steps inside backward (see `_step_in_backward`)
+            finally:
+                self._in_backward.wait()  # NOTE: a no-op after the drain; where backward raised, nothing steps later
             # NOTE: value clipping happened per parameter; norm clipping is refused; the masters hold no gradient
             precision.step_hooks(model, optimizer, clip=False)
             precision.last_step_skipped = out is None or self._skip_backward
@@ -197,9 +203,23 @@ class HostStep:
             )
         return found
 
+    @functools.cached_property
+    def _in_backward(self) -> HostWorker:
+        """optimizer_in_backward's host worker (see ``strategies/offload/host_worker.py``)."""
+        return HostWorker("in-backward", IN_BACKWARD_BYTES)
+
+    def _queue_step_in_backward(self, i: int, grad: Tensor) -> None:
+        """The gradient sink of optimizer_in_backward: master ``i`` steps on the host worker (:meth:`_step_in_backward`),
+        not on the autograd thread; the drain after backward waits for it."""
+        staging = self._transfer.staging() if self._transfer is not None else []
+        # NOTE: a staging slot exists anyway; a gradient of its own stays alive in the queue until its step ran
+        held = 0 if i < len(staging) and staging[i] is grad else grad.numel() * grad.element_size()
+        self._in_backward.submit(self._step_in_backward, i, grad, nbytes=held)
+
     @torch.no_grad()
     def _step_in_backward(self, i: int, grad: Tensor) -> None:
-        """Step master ``i`` alone, now, with the user's optimizer; then free its gradient."""
+        """Step master ``i`` alone, now, with the user's optimizer; then free its gradient (and, on the CUDA path, round
+        the stepped master into its staging slot: the upload after backward only queues its copy)."""
         p_host = self._masters.p_host[i]
         if self._skip_backward:
             return  # NOTE: the loss was not finite (see `pre_backward`): no parameter steps in this backward
@@ -223,6 +243,9 @@ class HostStep:
             p_host.grad = None
         if grad.dtype != torch.float32:
             self._keep_no_alias(optimizer.state.get(p_host, {}))
+        if isinstance(self._transfer, StreamTransfer) and self._stream is None:
+            # NOTE: [staged weights] the slot's gradient copy, read above, was queued after the last upload from it
+            self._transfer.stage_weights([(i, p_host)])
 
     def _keep_no_alias(self, state: dict[str, Any]) -> None:
         """An optimizer that kept the gradient itself in its state (not a copy) gets a copy of its own: the reused
@@ -237,7 +260,7 @@ class HostStep:
         ``BackboneFinetuning`` unfreezing the backbone), with a master that takes gradients and a host buffer for them."""
         self._master_unfrozen()
         masters = self._masters
-        sink = self._step_in_backward if self.optimizer_in_backward else self._fold
+        sink = self._queue_step_in_backward if self.optimizer_in_backward else self._fold
         for i, p in enumerate(masters.p_device):
             if not p.requires_grad or i in self._hooked:
                 continue
@@ -261,9 +284,23 @@ class HostStep:
         self._note_device(new)
         if self._transfer is not None:
             self._transfer.synchronize()
-            self._transfer = transfer_for(self.root_device, self._masters.p_device)
+            self._transfer = self._new_transfer()
         for opt in self.optimizers if repoint else ():
             self._repoint(opt)
+
+    def _new_transfer(self) -> HostTransfer:
+        transfer = transfer_for(self.root_device, self._masters.p_device)
+        if self.optimizer_in_backward and isinstance(transfer, StreamTransfer):
+            # NOTE: the sink only queues the step on the host worker: each gradient goes to it as its copy lands, and a
+            # staging slot is rewritten only once the worker has read it
+            transfer.eager, transfer.barrier = True, self._in_backward.wait
+        return transfer
+
+    def _close_workers(self) -> None:
+        """The host pass's and optimizer_in_backward's worker threads end (teardown)."""
+        if self._pass is not None:
+            self._pass.close()
+        self._in_backward.close()
 
     # --- the overlapped host pass (strategies/offload/host_pass.py) ------------------------------------------------
     def _fold(self, i: int, grad: Tensor) -> None:
@@ -331,6 +368,8 @@ class HostStep:
             return  # NOTE: the parameters show the masters: code writes them directly
         changed = self._masters.adopt_writes()
         if changed:
+            if isinstance(self._transfer, StreamTransfer):
+                self._transfer.unstage(changed)  # NOTE: a staged slot holds the master as it was before the write
             self._note_device(changed)
             if not self._warned_rounded_write:
                 self._warned_rounded_write = self._masters.warn_rounded(changed)

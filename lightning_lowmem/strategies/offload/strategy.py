@@ -56,7 +56,7 @@ from lightning_lowmem.strategies.offload.packed_weights import give_back_streame
 from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.reused_grads import ReusedGrads
-from lightning_lowmem.strategies.offload.transfer import HostTransfer, transfer_for
+from lightning_lowmem.strategies.offload.transfer import HostTransfer
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,10 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
 
     Args:
-        optimizer_in_backward: step each master on the host as soon as its gradient is ready and
-            free that gradient (no host gradient buffers: -4 B/param of host memory). Needs
-            ``accumulate_grad_batches=1``, no norm clipping (value clipping works), bf16 or fp32, and
-            automatic optimization.
+        optimizer_in_backward: step each master on the host as soon as its gradient is ready, on a host worker
+            while backward goes on (``strategies/offload/host_worker.py``), and free that gradient (no host gradient
+            buffers: -4 B/param of host memory). Needs ``accumulate_grad_batches=1``, no norm clipping (value
+            clipping works), bf16 or fp32, and automatic optimization.
         host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel
             (same update rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host);
             ``"as_is"`` runs the user's optimizer bit for bit as configured; ``"torch_fused"`` is
@@ -289,7 +289,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         if self._stream is not None:
             self._stream.attach()
         self.model = lightning_internals.setup_model(self, self.model)
-        self._transfer = transfer_for(self.root_device, self._masters.p_device)
+        self._transfer = self._new_transfer()
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
         self._view.before_show, self._view.after_restore = self.adopt_device_writes, self._note_device
         undo = (wrap_hooks(trainer.callbacks, self.lightning_module, self._view),  # type: ignore[arg-type]
@@ -462,6 +462,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         """
         if self._transfer is not None:
             self._transfer.synchronize()
+        self._in_backward.wait()  # NOTE: optimizer_in_backward's steps, queued on the host worker
         if self._pass is not None:
             self._pass.finish()  # NOTE: the tail of the overlapped host pass; the step checks it
         if self._stream is not None:
@@ -474,10 +475,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._unwrap()
         for handle in self._hooks:
             handle.remove()
-        if self._pass is not None:
-            self._pass.close()
         if self._transfer is not None:
             self._transfer.synchronize()
+        self._close_workers()
         if self._stream is not None:
             self._stream.remove()
             give_back_streamed(self._stream, self._masters.device_index)  # NOTE: packed 4-bit and frozen: no master

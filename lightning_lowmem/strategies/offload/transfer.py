@@ -212,9 +212,13 @@ class StreamTransfer(HostTransfer):
             self._staging[i].copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
             self._staged.add(i)
 
-    def unstage(self) -> None:
-        """The staged masters changed again (the speculative step was undone): the upload rounds every slot itself."""
-        self._staged.clear()
+    def unstage(self, indices: Sequence[int] | None = None) -> None:
+        """The staged masters ``indices`` (all) changed again (a speculative step undone, a write adopted): the upload
+        rounds those slots itself."""
+        if indices is None:
+            self._staged.clear()
+        else:
+            self._staged.difference_update(indices)
 
     @torch.no_grad()
     @override
