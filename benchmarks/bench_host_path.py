@@ -46,10 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a f
 from benchmarks._harness import add_int_args, bench_trainer, lm_batches, write_results
 from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
+from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 PRECISION = "32-true"
 FP16 = "16-mixed"
+INLINE = "inline"  # NOTE: not a strategy argument: the bench runs optimizer_in_backward's step on the autograd thread
 STAND_IN = "bf16-true"  # NOTE: only the stand-in variants: the compute dtype of the staging slots, as on a GPU
 VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val, gradient_clip_algorithm, precision)
     "plain Lightning (auto)": (None, None, None, PRECISION),
@@ -63,6 +65,13 @@ VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_cli
     "overlap, fp16": ({"host_pass": "overlap"}, None, None, FP16),
     "serial, CUDA logic (stand-in)": ({"host_pass": "serial"}, None, None, STAND_IN),
     "overlap, CUDA logic (stand-in)": ({"host_pass": "overlap"}, None, None, STAND_IN),
+    # NOTE: optimizer_in_backward steps each master on a host worker; "autograd thread" runs the same step in the
+    # gradient hook, as before the worker (HostWorker.submit made inline for that variant alone)
+    "in backward, autograd thread": ({"optimizer_in_backward": True, INLINE: True}, None, None, PRECISION),
+    "in backward, host worker": ({"optimizer_in_backward": True}, None, None, PRECISION),
+    "in backward, autograd thread, CUDA logic (stand-in)": ({"optimizer_in_backward": True, INLINE: True}, None, None,
+                                                            STAND_IN),
+    "in backward, host worker, CUDA logic (stand-in)": ({"optimizer_in_backward": True}, None, None, STAND_IN),
 }
 
 
@@ -75,7 +84,11 @@ def _module(args) -> CausalLMModule:
 
 def fit(args, kwargs, clip, algorithm, precision) -> dict:
     module = _module(args)
+    kwargs = dict(kwargs) if kwargs is not None else None
+    inline = kwargs is not None and kwargs.pop(INLINE, False)
     strategy = OffloadStrategy(**kwargs) if kwargs is not None else "auto"
+    if inline:
+        strategy._in_backward = InlineWorker("inline", 0)
     after: list[float] = []
     phases: dict[str, list[float]] = {"tail_start": [], "tail_end": [], "final_s": [], "backlog_s": [], "check_s": [],
                                       "upload_s": []}
@@ -126,7 +139,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
         trainer.fit(module, data)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     overflows = scaler.overflows if scaler is not None else 0  # NOTE: skipped serially and by the pass alike
-    if kwargs is not None and kwargs["host_pass"] == "overlap" and stood[0] < args.steps - overflows:
+    if kwargs is not None and kwargs.get("host_pass") == "overlap" and stood[0] < args.steps - overflows:
         raise RuntimeError("host_pass='overlap' did not take the pass's step at every step: the variant would time "
                            "the serial step")
     if overflows > 2:
@@ -140,6 +153,13 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     return {"step_s": statistics.median(periods[1:]), "after_s": statistics.median(after[2:]) if after else None,
             "params": n, "shapes": shapes, "overflows": overflows, "last_bucket": last[-1] if last else 0,
             **{k: statistics.median(phases[k][2:]) if phases[k][2:] else None for k in ("backlog_s", "check_s", "final_s", "upload_s")}}
+
+
+class InlineWorker(HostWorker):
+    """optimizer_in_backward's step where it ran before the host worker: in the gradient hook, on the autograd thread."""
+
+    def submit(self, fn, *args, nbytes=0):
+        fn(*args)
 
 
 @contextmanager
@@ -192,7 +212,7 @@ def kernel_s(shapes, repeat: int = 3) -> float:
 def bytes_per_param(variant: str, last: float) -> tuple[float, float] | None:
     """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute;
     None for the stand-in's bf16); ``last``: the fraction of the parameters in the overlapped pass's final buckets."""
-    if "stand-in" in variant:
+    if "stand-in" in variant or variant.startswith("in backward"):
         return None
     fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
     value, clip, fp16 = "value clip" in variant, "clip" in variant, "fp16" in variant
@@ -272,6 +292,17 @@ def main() -> None:
          "ms: the overlap's upload only copies the slots its buckets rounded into during backward (on a GPU those copies "
          "are DMA on a side stream, not host work). The backlog is large here as under fp16: a half-precision backward "
          "is fast and shares the 2 cores with the worker."),
+        ("optimizer_in_backward (each master steps alone as its gradient lands, no gradient buffers): step time on "
+         "the autograd thread vs on the host worker "
+         + "; ".join(f"{where}: {by[f'in backward, autograd thread{sfx}']['step_ms']:.1f} vs "
+                     f"{by[f'in backward, host worker{sfx}']['step_ms']:.1f} ms, host after backward "
+                     f"{by[f'in backward, autograd thread{sfx}']['host_after_backward_ms']:.1f} vs "
+                     f"{by[f'in backward, host worker{sfx}']['host_after_backward_ms']:.1f} ms"
+                     for where, sfx in ((PRECISION, ""), (f"{STAND_IN}, CUDA logic (stand-in)", ", CUDA logic (stand-in)")))
+         + ". On the autograd thread the steps lengthen backward itself; on the worker they overlap it and what is "
+         "left after backward is the worker's backlog and the upload (on the stand-in the worker also rounds each "
+         "stepped master into its staging slot, so the upload only copies). On a GPU the autograd thread only queues "
+         "kernels: a step there delays the queueing of the next ones, where the worker leaves it free."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
         "(24 B) but moves everything except the upload and the last bucket before the end of backward. last_bucket: "
         "the fraction of the parameters in the pass's final buckets, checked before they step (no copy), after "
