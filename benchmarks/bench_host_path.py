@@ -1,4 +1,5 @@
-"""``lowmem_offload`` host path: the serial host step against ``host_pass="overlap"``, side by side (CPU).
+"""``lowmem_offload`` host path: the serial host step against ``host_pass="overlap"`` and ``"delayed"`` and the step in
+backward on the autograd thread against the host worker, side by side (CPU).
 
 A GPT-2-architecture ``CausalLMModule`` of about ``--layers`` x 7.1M parameters (14 x 768 wide: ~100M) trains on a
 tiny batch through ``Trainer.fit``, fits interleaved round after round:
@@ -11,7 +12,11 @@ tiny batch through ``Trainer.fit``, fits interleaved round after round:
   skips for an overflow at its first scales are counted, not timed as the pass's;
 - both again at ``bf16-true`` on the CUDA transfer logic, run on the CPU by the deferred stand-in (``DeferredOps``,
   copies done as they are queued): gradients come through staging slots, and the upload rounds each master into its
-  slot, then copies the slot into the compute weight; the overlap rounds each bucket into the slots as it steps.
+  slot, then copies the slot into the compute weight; the overlap rounds each bucket into the slots as it steps;
+- ``optimizer_in_backward`` on the stand-in with the step in the gradient hook (the autograd thread) and on the host
+  worker, and on the plain CPU path (in the hook);
+- ``host_pass="delayed"`` (the step on a worker during the next window's forward and backward: one step stale, so
+  timed, not compared), at ``32-true`` and on the stand-in.
 
 Per step: **host work after backward** (from the end of autograd's backward, when the strategy's drain starts, to
 the return of the strategy's ``optimizer_step``, the upload of the new weights included) and the step time. The
@@ -65,13 +70,15 @@ VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_cli
     "overlap, fp16": ({"host_pass": "overlap"}, None, None, FP16),
     "serial, CUDA logic (stand-in)": ({"host_pass": "serial"}, None, None, STAND_IN),
     "overlap, CUDA logic (stand-in)": ({"host_pass": "overlap"}, None, None, STAND_IN),
-    # NOTE: optimizer_in_backward steps each master on a host worker; "autograd thread" runs the same step in the
-    # gradient hook, as before the worker (HostWorker.submit made inline for that variant alone)
-    "in backward, autograd thread": ({"optimizer_in_backward": True, INLINE: True}, None, None, PRECISION),
-    "in backward, host worker": ({"optimizer_in_backward": True}, None, None, PRECISION),
+    # NOTE: optimizer_in_backward steps each master on a host worker on the CUDA path (in the hook on the plain CPU
+    # path); "autograd thread" runs it in the hook there too (HostWorker.submit made inline for that variant alone)
+    "in backward (CPU path: in the hook)": ({"optimizer_in_backward": True}, None, None, PRECISION),
     "in backward, autograd thread, CUDA logic (stand-in)": ({"optimizer_in_backward": True, INLINE: True}, None, None,
                                                             STAND_IN),
     "in backward, host worker, CUDA logic (stand-in)": ({"optimizer_in_backward": True}, None, None, STAND_IN),
+    # NOTE: the delayed update changes what is trained (one step stale): timed, not compared
+    "delayed": ({"host_pass": "delayed"}, None, None, PRECISION),
+    "delayed, CUDA logic (stand-in)": ({"host_pass": "delayed"}, None, None, STAND_IN),
 }
 
 
@@ -212,7 +219,7 @@ def kernel_s(shapes, repeat: int = 3) -> float:
 def bytes_per_param(variant: str, last: float) -> tuple[float, float] | None:
     """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute;
     None for the stand-in's bf16); ``last``: the fraction of the parameters in the overlapped pass's final buckets."""
-    if "stand-in" in variant or variant.startswith("in backward"):
+    if "stand-in" in variant or variant.startswith(("in backward", "delayed")):
         return None
     fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
     value, clip, fp16 = "value clip" in variant, "clip" in variant, "fp16" in variant
@@ -292,17 +299,24 @@ def main() -> None:
          "ms: the overlap's upload only copies the slots its buckets rounded into during backward (on a GPU those copies "
          "are DMA on a side stream, not host work). The backlog is large here as under fp16: a half-precision backward "
          "is fast and shares the 2 cores with the worker."),
-        ("optimizer_in_backward (each master steps alone as its gradient lands, no gradient buffers): step time on "
-         "the autograd thread vs on the host worker "
-         + "; ".join(f"{where}: {by[f'in backward, autograd thread{sfx}']['step_ms']:.1f} vs "
-                     f"{by[f'in backward, host worker{sfx}']['step_ms']:.1f} ms, host after backward "
-                     f"{by[f'in backward, autograd thread{sfx}']['host_after_backward_ms']:.1f} vs "
-                     f"{by[f'in backward, host worker{sfx}']['host_after_backward_ms']:.1f} ms"
-                     for where, sfx in ((PRECISION, ""), (f"{STAND_IN}, CUDA logic (stand-in)", ", CUDA logic (stand-in)")))
-         + ". On the autograd thread the steps lengthen backward itself; on the worker they overlap it and what is "
-         "left after backward is the worker's backlog and the upload (on the stand-in the worker also rounds each "
-         "stepped master into its staging slot, so the upload only copies). On a GPU the autograd thread only queues "
-         "kernels: a step there delays the queueing of the next ones, where the worker leaves it free."),
+        ("optimizer_in_backward (each master steps alone as its gradient lands, no gradient buffers), CUDA transfer "
+         f"logic on the stand-in ({STAND_IN}): step time on the autograd thread vs on the host worker "
+         f"{by['in backward, autograd thread, CUDA logic (stand-in)']['step_ms']:.1f} vs "
+         f"{by['in backward, host worker, CUDA logic (stand-in)']['step_ms']:.1f} ms, host after backward "
+         f"{by['in backward, autograd thread, CUDA logic (stand-in)']['host_after_backward_ms']:.1f} vs "
+         f"{by['in backward, host worker, CUDA logic (stand-in)']['host_after_backward_ms']:.1f} ms. On the autograd "
+         "thread the steps lengthen backward itself; on the worker they overlap it and what is left after backward is "
+         "the worker's backlog and the upload (the worker also rounds each stepped master into its staging slot, so "
+         "the upload only copies). Here backward and the worker share the 2 cores; on a GPU the autograd thread only "
+         "queues kernels, and a step there delays the queueing of the next ones. On the plain CPU path the step stays "
+         f"in the hook: {by['in backward (CPU path: in the hook)']['step_ms']:.1f} ms ({PRECISION})."),
+        (f"delayed (host_pass='delayed', one step stale: changes what is trained): step time "
+         f"{by['delayed']['step_ms']:.1f} ms = {by['delayed']['x_plain']:.2f}x plain vs serial "
+         f"{by['serial']['x_plain']:.2f}x; host after backward {by['delayed']['x_kernel']:.2f}x the kernel (the fold, "
+         "the guard, the wait for the last window's step if the worker is behind, and the upload; the optimizer "
+         "kernel runs on the worker during the next window's forward and backward). CUDA logic (stand-in): "
+         f"{by['delayed, CUDA logic (stand-in)']['step_ms']:.1f} ms, host after backward "
+         f"{by['delayed, CUDA logic (stand-in)']['x_kernel']:.2f}x the kernel."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
         "(24 B) but moves everything except the upload and the last bucket before the end of backward. last_bucket: "
         "the fraction of the parameters in the pass's final buckets, checked before they step (no copy), after "

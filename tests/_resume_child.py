@@ -12,6 +12,8 @@
   writes ``ckpt_dir/batch=N.ckpt``, from ``on_train_batch_end`` as ``ModelCheckpoint`` does; an index inside
   an accumulation window is a mid-window checkpoint (a time-based ``ModelCheckpoint``, a validation that does
   not fall on a window edge, a SLURM requeue);
+- ``save_every``: Lightning's ``ModelCheckpoint(every_n_train_steps=...)`` writes ``ckpt_dir/step=N.ckpt`` (N: the
+  global step), in the straight run and in the resumed one alike, as a resumed run configured the same does;
 - ``resume``: a checkpoint path for ``fit(ckpt_path=...)``, or ``null``;
 - ``model``: ``"gpt2"`` (the default) or ``"llama"`` (a tiny LLaMA from a config); ``adapters``: ``null``, or the
   arguments of ``Adapters("lora", ...)`` (a LoRA fine-tune of the frozen model);
@@ -40,6 +42,7 @@ sys.path.insert(0, ROOT)
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_lowmem  # NOTE: registers the strategy names
 from lightning_lowmem.demo.module import CausalLMModule
@@ -133,6 +136,9 @@ def main() -> None:
         kwargs["accumulate_grad_batches"] = accumulation["trainer"]
     if spec.get("save_at"):
         callbacks.append(SaveAt(spec["ckpt_dir"], spec["save_at"]))
+    if spec.get("save_every"):  # NOTE: Lightning's own callback (no user hook that sees the masters): `step=N.ckpt`
+        callbacks.append(ModelCheckpoint(spec["ckpt_dir"], filename="step={step}", every_n_train_steps=spec["save_every"],
+                                         save_top_k=-1, auto_insert_metric_name=False))
     if spec.get("adapters"):
         callbacks.insert(0, lightning_lowmem.Adapters("lora", **spec["adapters"]))
     # NOTE: a different initialisation when resuming: everything must come from the checkpoint
@@ -146,7 +152,7 @@ def main() -> None:
         strategy = getattr(importlib.import_module(where), name)(**preset, **spec["strategy_args"])
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, precision=spec["precision"], max_steps=spec["steps"],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=bool(spec.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **kwargs,
     )
     trainer.fit(module, ckpt_path=spec.get("resume"))

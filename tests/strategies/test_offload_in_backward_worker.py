@@ -18,7 +18,6 @@ import torch
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
-from lightning_lowmem.strategies.offload import host_step
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from lightning_lowmem.strategies.offload.transfer import StreamTransfer
@@ -110,11 +109,18 @@ def handed(monkeypatch):
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
 def test_steps_run_on_the_host_worker_not_the_autograd_thread(handed, optimizer, precision):
-    module, strategy = _same(precision=precision, net={"optimizer": optimizer})
+    module, strategy = _same(precision=precision, net={"optimizer": optimizer}, progress="eager")
     main = threading.get_ident()  # NOTE: CPU autograd runs backward on the thread that called it
-    assert main not in module.step_threads and set(module.step_threads) <= strategy._in_backward.threads
+    assert module.step_threads and main not in module.step_threads
+    assert set(module.step_threads) <= strategy._in_backward.threads
     n_params = len(list(module.parameters()))
-    assert handed["in_backward"] == N_BATCHES * n_params and handed["after"] == 0  # NOTE: the plain CPU path
+    assert handed["in_backward"] == N_BATCHES * n_params and handed["after"] == 0  # NOTE: "eager": copies land at once
+
+
+def test_on_the_plain_cpu_path_each_step_runs_in_the_hook():
+    """Backward and the step share the CPU's cores there: a worker would only add the hand-over."""
+    module, strategy = _same()
+    assert set(module.step_threads) == {threading.get_ident()} and not strategy._in_backward.threads
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -126,12 +132,32 @@ def test_random_completion_orders_of_the_stream_stand_in(handed, seed):
     assert handed["staged"] == N_BATCHES * n_params  # NOTE: every stepped master rounded by the worker, none by the upload
 
 
-@pytest.mark.parametrize("bound", [0, 600])
-def test_the_queue_keeps_at_most_its_bound_of_gradients_alive(monkeypatch, bound):
-    monkeypatch.setattr(host_step, "IN_BACKWARD_BYTES", bound)
-    module, strategy = _same(precision="32-true")
-    largest = max(p.numel() * 4 for p in module.parameters())
-    assert 0 < strategy._in_backward.most_bytes <= max(bound, largest)
+@pytest.mark.parametrize(("bound", "most"), [(0, 400), (1000, 800), (10**6, 4000)])
+def test_the_queue_keeps_at_most_its_bound_alive(bound, most):
+    release, done = threading.Event(), []
+    worker = HostWorker("test", max_bytes=bound)
+    worker.submit(release.wait)  # NOTE: the worker is busy until the bound makes the queue wait for it
+    for k in range(10):
+        if 400 * (k + 1) > bound:
+            release.set()  # NOTE: this submit waits for the oldest items: they must be able to finish
+        worker.submit(done.append, k, nbytes=400)
+    release.set()
+    worker.wait()
+    assert done == list(range(10)) and worker.most_bytes == most
+    worker.close()
+
+
+def test_a_gradient_of_its_own_counts_toward_the_bound_a_staging_slot_does_not(monkeypatch):
+    seen = []
+    submit = HostWorker.submit
+
+    def recording_submit(self, fn, *args, nbytes=0):
+        seen.append(nbytes)
+        return submit(self, fn, *args, nbytes=nbytes)
+
+    monkeypatch.setattr(HostWorker, "submit", recording_submit)
+    _fit(True, progress="eager")
+    assert seen and set(seen) == {0}  # NOTE: every gradient came through its staging slot
 
 
 def test_an_error_in_a_step_on_the_worker_is_raised_by_fit():

@@ -83,7 +83,9 @@ def host_bytes_needed(
             copies += _host_pass.BUCKET_BYTES + 4 * largest  # NOTE: the reused buffer of one bucket's working gradients
     parts = {
         "masters": 4 * numel,
-        "gradient_buffers": 4 * trainable if with_grads and not strategy.optimizer_in_backward else 0,
+        # NOTE: host_pass="delayed" folds the next window into a second set while the worker steps with the first
+        "gradient_buffers": (8 if strategy.host_pass == "delayed" else 4) * trainable
+        if with_grads and not strategy.optimizer_in_backward else 0,
         "optimizer_state": state,
         "host_pass_copies": copies,
         # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
@@ -117,6 +119,8 @@ def check_host_ram(strategy: OffloadStrategy, module: torch.nn.Module, optimizer
                      "lean optimizer (`callbacks=[LeanOptimizer(kind='galore')]`, 'apollo_mini', 'adamw4bit', ...)")
     if need["host_pass_copies"]:
         fixes.append("`OffloadStrategy(host_pass='serial')` (no copies of the masters and optimizer state)")
+    if strategy.host_pass == "delayed" and need["gradient_buffers"]:
+        fixes.append("`OffloadStrategy(host_pass='serial')` (one set of gradient buffers, not two)")
     if need["gradient_buffers"]:
         fixes.append("`OffloadStrategy(optimizer_in_backward=True)` (no gradient buffers)")
     fixes += [

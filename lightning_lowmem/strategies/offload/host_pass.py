@@ -73,7 +73,7 @@ from lightning_lowmem.strategies.offload.host_pass_copies import KeptCopies, Wor
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.transfer import StreamTransfer
 
-HostPassMode = Literal["serial", "overlap"]
+HostPassMode = Literal["serial", "overlap", "delayed"]  # NOTE: "delayed": strategies/offload/delayed_step.py
 HOST_PASSES: tuple[str, ...] = get_args(HostPassMode)
 BUCKET_BYTES = 32 * 2**20  # fp32 bytes of gradients per bucket (8M parameters)
 class HostPass:

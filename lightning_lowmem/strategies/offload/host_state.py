@@ -35,6 +35,7 @@ class HostState:
         module = self.lightning_module
         assert module is not None
         self.adopt_device_writes()
+        self._land_delayed()  # NOTE: host_pass="delayed": a run resumed from here starts on the landed weights, as this one
         state = self._masters.state_dict(module)
         if self._stream is not None:
             # NOTE: streamed weights without a master (packed 4-bit ones, frozen) are saved from their host copies.

@@ -27,6 +27,7 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
+from lightning_lowmem.strategies.offload.delayed_step import DelayedLanding, DelayedStep, why_not_delayed
 from lightning_lowmem.strategies.offload.host_pass_checks import trainer_clip, why_serial
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
@@ -81,6 +82,9 @@ class HostStep:
                 self._disarm_pass()
         if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/offload/manual_grads.py)
             self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
+        elif self.host_pass == "delayed":
+            if precision.last_step_skipped:
+                self._land_delayed()  # NOTE: the next window computes on the last step's weights, as after any step
         elif not precision.last_step_skipped:
             self._weights_to_device(optimizer)
         if (self._guarding() and lightning_internals.attached_trainer(model) is not None
@@ -103,6 +107,23 @@ class HostStep:
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._stream.first_use_check("validate") if self._stream is not None else nullcontext():
             return super().validation_step(*args, **kwargs)
+
+    def drain_transfers(self) -> None:
+        """Fold every gradient queued by the backwards so far into the masters (a sync point on CUDA).
+
+        NOTE: [drain before user code] Lightning calls ``on_after_backward`` from the precision plugin's
+        ``post_backward``, *before* the strategy's: ``MasterHalfPrecision.post_backward`` calls this first, so
+        every gradient of the backward is on the masters before user code (``on_after_backward``, manual
+        ``clip_gradients``, the step) reads them. Code that runs ``backward()`` outside Lightning's loop (the
+        micro-batch search's trial steps) must call it too, or its queued copies reach the next real step.
+        """
+        if self._transfer is not None:
+            self._transfer.synchronize()
+        self._in_backward.wait()  # NOTE: optimizer_in_backward's steps, queued on the host worker
+        if self._pass is not None:
+            self._pass.finish()  # NOTE: the tail of the overlapped host pass; the step checks it
+        if self._stream is not None:
+            self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
 
     # --- the non-finite guard (bf16 / fp32) ---------------------------------------------------------------------
     def _guarding(self) -> bool:
@@ -146,6 +167,7 @@ class HostStep:
         if self._pass is not None and self._pass.armed and self._masters.device_writes():
             self._pass.restore("compute weights written by other code before the step")
         self.adopt_device_writes()
+        self._land_delayed()  # NOTE: host_pass="delayed": the last window's step, before this one is handed over
         if self._pass is not None and self._pass.stands():  # stepped during backward (strategies/offload/host_pass.py)
             if self._guarding():
                 self._consecutive_skips = 0
@@ -161,10 +183,20 @@ class HostStep:
                 self._nonfinite_step(*found, self.lightning_module)  # type: ignore[arg-type]
                 return None
             self._consecutive_skips = 0
+        if self.host_pass == "delayed":
+            self._delay(optimizer)
+            return None
         return self._raw_step(optimizer)
 
     def _raw_step(self, optimizer: Optimizer) -> Any:
         """``optimizer.step()`` on the host (with the fused kernel where it applies)."""
+        self._pick_kernel(optimizer)
+        out = optimizer.step()
+        self._mark_state(optimizer)
+        return out
+
+    def _pick_kernel(self, optimizer: Optimizer) -> None:
+        """The fused host kernel for an optimizer swapped in after setup (e.g. by a callback in on_fit_start)."""
         if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
                 and _host_optimizer.why_not_fused(optimizer) is None):
             # an optimizer swapped in after setup (e.g. by a callback in on_fit_start)
@@ -173,9 +205,6 @@ class HostStep:
                 self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
             elif self.host_optimizer == "torch_fused":
                 raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer: {reason}. Use 'auto'.")
-        out = optimizer.step()
-        self._mark_state(optimizer)
-        return out
 
     def _mark_state(self, optimizer: Optimizer, reset: bool = False) -> None:
         """Count optimizer state created since the last call as host memory (each tensor marked once)."""
@@ -210,8 +239,15 @@ class HostStep:
 
     def _queue_step_in_backward(self, i: int, grad: Tensor) -> None:
         """The gradient sink of optimizer_in_backward: master ``i`` steps on the host worker (:meth:`_step_in_backward`),
-        not on the autograd thread; the drain after backward waits for it."""
-        staging = self._transfer.staging() if self._transfer is not None else []
+        not on the autograd thread; the drain after backward waits for it. On the plain CPU path it steps here.
+
+        NOTE: on the CPU backward and the step share the same cores: the hand-over only costs (bench host_path at
+        9d7e915, 99.5M: step 526.6 ms on the worker vs 368.0 ms in the hook); on CUDA the host is idle meanwhile.
+        """
+        if not isinstance(self._transfer, StreamTransfer):
+            self._step_in_backward(i, grad)
+            return
+        staging = self._transfer.staging()
         # NOTE: a staging slot exists anyway; a gradient of its own stays alive in the queue until its step ran
         held = 0 if i < len(staging) and staging[i] is grad else grad.numel() * grad.element_size()
         self._in_backward.submit(self._step_in_backward, i, grad, nbytes=held)
@@ -297,10 +333,44 @@ class HostStep:
         return transfer
 
     def _close_workers(self) -> None:
-        """The host pass's and optimizer_in_backward's worker threads end (teardown)."""
+        """The host workers' threads end (teardown)."""
         if self._pass is not None:
             self._pass.close()
         self._in_backward.close()
+        self._delayed.close()
+
+    # --- the delayed update (strategies/offload/delayed_step.py) ----------------------------------------------------
+    @functools.cached_property
+    def _delayed(self) -> DelayedStep:
+        return DelayedStep()
+
+    def _delay(self, optimizer: Optimizer) -> None:
+        """host_pass="delayed": hand this window's step to the worker (the last one landed in `_host_step`)."""
+        reason = why_not_delayed(optimizer)
+        if reason is not None:
+            raise ValueError(f"`OffloadStrategy(host_pass='delayed')` cannot step `{type(optimizer).__name__}`: {reason}. "
+                             "Use `host_pass='serial'` (or 'overlap').")
+        self._pick_kernel(optimizer)
+        self._delayed.submit(optimizer, self._masters)
+
+    def _land_delayed(self) -> None:
+        """The delayed step lands: wait for it, then upload the weights it stepped (nothing when none is due).
+
+        NOTE: only between a backward and the next forward (the step, the hooks of `DelayedLanding`, a checkpoint): the
+        upload writes the compute weights in place, which a forward's saved tensors still waiting for backward read."""
+        optimizer = self._delayed.take_due()
+        if optimizer is not None:
+            self._mark_state(optimizer)
+            self._weights_to_device(optimizer)
+
+    def _land_early(self, trainer: pl.Trainer) -> Callable[[], None]:
+        """host_pass="delayed": a callback first in ``trainer.callbacks`` lands the step before the others' epoch-end,
+        validation and train-end hooks; return its removal."""
+        if self.host_pass != "delayed":
+            return lambda: None
+        landing = DelayedLanding(self._land_delayed)
+        trainer.callbacks.insert(0, landing)
+        return lambda: trainer.callbacks.remove(landing) if landing in trainer.callbacks else None
 
     # --- the overlapped host pass (strategies/offload/host_pass.py) ------------------------------------------------
     def _fold(self, i: int, grad: Tensor) -> None:
@@ -361,11 +431,26 @@ class HostStep:
         skip = frozenset(i for i, p in enumerate(self._masters.p_device) if id(p) in streamed)
         self._masters.note_device(indices, skip)
 
-    def adopt_device_writes(self) -> None:
+    def adopt_device_writes(self, land: bool = True) -> None:
         """Copy into their masters the compute weights that code wrote outside the hooks that show the masters (a
-        callback clamping or re-initialising weights): see [writes outside the hooks] in ``masters.py``."""
+        callback clamping or re-initialising weights): see [writes outside the hooks] in ``masters.py``. Before: the
+        delayed step lands (``land``; the masters are about to be read), and compute weights written while it was on
+        the worker are refused."""
         if self._view is not None and self._view._depth:
             return  # NOTE: the parameters show the masters: code writes them directly
+        if self._delayed.pending is not None or self._delayed.due is not None:
+            written = self._masters.device_writes()
+            if written:
+                names = ", ".join(f"`{self._masters.names[i]}`" for i in written[:3])
+                raise RuntimeError(
+                    f"lowmem_offload(host_pass='delayed'): the weights {names}{' and more' if len(written) > 3 else ''} "
+                    "were written (in place, outside the hooks that show the masters) while the last step was delayed "
+                    "(on the host worker, or not yet in the compute weights): the write and that step cannot both be "
+                    "kept. Write weights in "
+                    "`on_train_batch_end` or under `with trainer.strategy.masters_view(write_back=True):`, or use "
+                    "`OffloadStrategy(host_pass='serial')`.")
+            if land:
+                self._delayed.land()  # NOTE: no upload (see `_land_delayed`): the next window computes on the same weights
         changed = self._masters.adopt_writes()
         if changed:
             if isinstance(self._transfer, StreamTransfer):

@@ -45,6 +45,7 @@ from lightning_lowmem.strategies.offload import hf_weights
 from lightning_lowmem.strategies.offload import host_bytes as _offload_host_bytes
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload.checks import NONFINITE, NonFinite  # noqa: F401
+from lightning_lowmem.strategies.offload.delayed_step import delayed_problems
 from lightning_lowmem.strategies.offload.host_pass import HostPass, HostPassMode
 from lightning_lowmem.strategies.offload.host_pass_copies import WorkingGrads
 from lightning_lowmem.strategies.offload.host_state import HostState
@@ -96,6 +97,10 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             window, then checks the clip and the non-finite guard and redoes the step serially where they change it:
             bit-identical to ``"serial"`` (the default), +4 B/param of host RAM plus a copy of the optimizer state
             (see :mod:`~lightning_lowmem.strategies.offload.host_pass`, which names the cases that stay serial).
+            ``"delayed"`` (opt in; DeepSpeed's delayed parameter update) steps each window on a host worker during the
+            next window's forward and backward, which therefore compute on the weights before that step (one step
+            stale: this changes what is trained), +4 B/param of host RAM (see
+            :mod:`~lightning_lowmem.strategies.offload.delayed_step`, which says when the step lands early).
         check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers,
             the state of the optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD
             without momentum, ...) and pinned staging, instead of being killed mid-setup. The RAM counted
@@ -293,7 +298,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
         self._view.before_show, self._view.after_restore = self.adopt_device_writes, self._note_device
         undo = (wrap_hooks(trainer.callbacks, self.lightning_module, self._view),  # type: ignore[arg-type]
-                wrap_finetuning(trainer.callbacks, self._masters, lambda: self.optimizers, self._repoint))
+                wrap_finetuning(trainer.callbacks, self._masters, lambda: self.optimizers, self._repoint),
+                self._land_early(trainer))
 
         def unwrap() -> None:
             for u in undo:
@@ -343,7 +349,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         module = self.lightning_module
         assert module is not None
         problems = _offload_checks.trainer_problems(self, module, trainer)
-        problems += _offload_checks.streaming_problems(self, module)
+        problems += _offload_checks.streaming_problems(self, module) + delayed_problems(self, module)
         problems += _preflight.checkpoint_dir_problems(trainer)  # NOTE: a save that would fail after the first step
         self._loading, loading = _offload_checks.loading_problems(self.load_weights, module, trainer)
         problems += loading
@@ -401,6 +407,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     @property
     def masters(self) -> dict[str, Parameter]:
         """``{parameter name: fp32 host master}`` (empty outside ``fit``/``validate``/``test``)."""
+        self._delayed.land()  # NOTE: host_pass="delayed": the step on the worker writes them
         return self._masters.as_dict()
 
     @override
@@ -439,7 +446,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         self._manual.before_backward()  # NOTE: backward needs the compute weights (the gradients accumulate on the masters)
-        self.adopt_device_writes()  # NOTE: optimizer_in_backward steps the masters inside this backward
+        self.adopt_device_writes(land=False)  # NOTE: optimizer_in_backward steps the masters inside this backward
         # NOTE: with optimizer_in_backward each parameter steps inside backward: a non-finite loss must be caught
         # before the first one does (one scalar; a device sync on CUDA).
         self._skip_backward = bool(
@@ -450,23 +457,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     def post_backward(self, closure_loss: Tensor) -> None:
         self.drain_transfers()  # NOTE: a no-op here in `Trainer.fit`: the precision plugin drained (see below)
         self._manual.after_backward()  # manual optimization: `p.grad` is the master's until the step
-
-    def drain_transfers(self) -> None:
-        """Fold every gradient queued by the backwards so far into the masters (a sync point on CUDA).
-
-        NOTE: [drain before user code] Lightning calls ``on_after_backward`` from the precision plugin's
-        ``post_backward``, *before* the strategy's: ``MasterHalfPrecision.post_backward`` calls this first, so
-        every gradient of the backward is on the masters before user code (``on_after_backward``, manual
-        ``clip_gradients``, the step) reads them. Code that runs ``backward()`` outside Lightning's loop (the
-        micro-batch search's trial steps) must call it too, or its queued copies reach the next real step.
-        """
-        if self._transfer is not None:
-            self._transfer.synchronize()
-        self._in_backward.wait()  # NOTE: optimizer_in_backward's steps, queued on the host worker
-        if self._pass is not None:
-            self._pass.finish()  # NOTE: the tail of the overlapped host pass; the step checks it
-        if self._stream is not None:
-            self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
 
     # --- teardown ----------------------------------------------------------------------------------------------
     @override

@@ -1,0 +1,205 @@
+"""The delayed parameter update of ``lowmem_offload``: ``OffloadStrategy(host_pass="delayed")``, opt in.
+
+DeepSpeed's DPU (ZeRO-Offload's delayed parameter update): the optimizer step of window ``t`` runs on a host worker
+while window ``t+1``'s forward and backward run on the weights from before it; at window ``t+1``'s step the worker's
+result lands (it is waited for and its weights are uploaded into the compute weights), then window ``t+1``'s own step
+is handed to the worker. So window ``t+1``'s gradients are taken at the weights before step ``t``:
+
+    w[t+1] = step(w[t], g(w[t-1]))      (one step stale; plain training has g(w[t]))
+
+This changes what is trained: it is not the serial step bit for bit, and is off by default. Each delayed step is the
+serial step's maths for the gradients it is given: clipped, unscaled (fp16) and checked for non-finite values as
+serially (on the main thread, before it is handed over), with the hyperparameters (learning rate, ...) the param
+groups had then, so an LR scheduler stepping meanwhile changes the next step, as serially. Tested bit for bit against
+a plain-PyTorch loop written this way (``tests/strategies/test_offload_delayed_step.py``).
+
+What it buys: the optimizer kernel (AdamW: ~28 B/param read and written on the host) leaves the critical path
+whole; the fold, the non-finite guard, the clip and the upload stay on it.
+
+Before anything else reads the masters or the optimizer state (a view of the masters for the user hooks and Lightning
+callbacks that see them, ``trainer.strategy.masters``), the step is waited for: they read it stepped, and the next
+window still computes on the weights before it (those hooks do not change what is trained). The step lands early
+(waited for, and its weights uploaded) at a checkpoint (so a run resumed from it continues exactly as the uninterrupted
+run did after saving it: both start the next window on landed weights), before validation, at the end of each training
+epoch and of training, and after a window whose step was skipped (fp16 overflow, non-finite gradient). So checkpoints,
+validation and epochs change what is trained after them: their step lands one window early. Code that writes the
+compute weights while a step is on the worker (outside those views) is refused when it is found, before the next
+backward: the write and the pending step cannot both be kept.
+
+Costs: a second set of fp32 gradient buffers (4 B/param of host RAM: window ``t+1`` folds into one while step ``t``
+reads the other), one worker thread.
+
+Refused before the first step: optimizers other than torch's ``Adam``, ``AdamW`` and ``SGD`` (the step runs on stand-in
+tensors that share the masters' storage and optimizer state, which other optimizers may key otherwise: bitsandbytes'
+8-bit ones, ``LowBitOptimizer``), differentiable or capturable param groups, manual optimization,
+``optimizer_in_backward`` and a LightningModule overriding ``optimizer_zero_grad`` (it may zero the gradients in place
+while the worker reads them).
+
+Example:
+    >>> import torch
+    >>> from lightning_lowmem.strategies.offload.masters import HostMasters
+    >>> masters = HostMasters()
+    >>> masters.build(torch.nn.Linear(2, 2), loading=False, precision=None, grad_buffers=True)
+    >>> opt = torch.optim.SGD(masters.p_host, lr=0.5)
+    >>> for p in masters.p_host:
+    ...     masters.fold(masters.host_index[id(p)], torch.ones_like(p))
+    >>> before = masters.p_host[1].detach().clone()
+    >>> delayed = DelayedStep()
+    >>> delayed.submit(opt, masters)
+    >>> delayed.take_due() is opt, torch.equal(masters.p_host[1], before - 0.5)
+    (True, True)
+    >>> delayed.close()
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lowmem.core.accounting import mark_host
+from lightning_lowmem.strategies.offload.host_worker import HostWorker
+from lightning_lowmem.strategies.offload.masters import HostMasters
+
+# NOTE: exact types only: their state is keyed by the parameter and their options live in the param groups
+_DELAYABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class DelayedStep:
+    """One optimizer step at a time on a host worker, over stand-ins of the masters, landed on demand.
+
+    Saves: the optimizer kernel's time on the critical path. Costs: a second set of fp32 gradient buffers, one thread.
+    """
+
+    def __init__(self) -> None:
+        self._worker = HostWorker("delayed-step", max_bytes=0)
+        self.pending: Optimizer | None = None  # the optimizer whose step is on the worker
+        self.due: Optimizer | None = None  # the optimizer whose stepped masters are not uploaded yet
+        self.submitted = 0  # steps handed to the worker (tests)
+        self._taken: dict[int, Tensor] = {}  # master -> the gradient buffer the pending step reads
+        self._spare: dict[int, Tensor] = {}  # master -> a buffer the next window may fold into
+
+    def submit(self, optimizer: Optimizer, masters: HostMasters) -> None:
+        """Hand ``optimizer.step()`` over the masters' gradients as they are now to the worker (after :meth:`land`).
+
+        The stand-ins share each master's storage (the step writes the masters) and its state dict (created here, on
+        this thread, and filled by the step); the param groups are copies (a scheduler may change the real ones while
+        the step runs). The next window folds into other buffers: ``masters.grad_host`` is swapped for the spare set.
+        """
+        if self.pending is not None:
+            raise RuntimeError("DelayedStep.submit: a step is still pending; land it first.")
+        state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        groups = []
+        for group in optimizer.param_groups:
+            stand_ins = []
+            for p_host in group["params"]:
+                if p_host.grad is None:
+                    continue
+                q = p_host.detach()
+                q.grad = p_host.grad
+                state[q] = optimizer.state[p_host]
+                stand_ins.append(q)
+                i = masters.host_index[id(p_host)]
+                # NOTE: p_host.grad is the master's buffer unless code kept it (see [kept gradient] in masters.py)
+                self._taken[i] = p_host.grad
+                spare = self._spare.pop(i, None)
+                if spare is None or spare.shape != p_host.shape:
+                    spare = torch.empty_like(p_host)
+                    mark_host(spare)
+                masters.grad_host[i] = spare
+            groups.append({**group, "params": stand_ins})
+        shadow = object.__new__(type(optimizer))
+        shadow.__dict__.update(vars(optimizer))  # NOTE: the step hooks, defaults, flags: the optimizer's own
+        shadow.param_groups, shadow.state = groups, state
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # NOTE: what torch's schedulers check, as a real step sets it
+        self.pending = optimizer
+        self.submitted += 1
+        # NOTE: the class's step, not the instance attribute (an LR scheduler's wrapper bound to the real optimizer)
+        self._worker.submit(type(optimizer).step, shadow)
+
+    def land(self) -> None:
+        """Wait for the pending step (re-raising its error): the masters and the optimizer state may be read now; its
+        optimizer is :attr:`due` for the upload of the stepped masters (:meth:`take_due`)."""
+        optimizer, self.pending = self.pending, None
+        if optimizer is None:
+            return
+        self.due = optimizer
+        try:
+            self._worker.wait()
+        finally:
+            self._spare.update(self._taken)
+            self._taken = {}
+
+    def take_due(self) -> Optimizer | None:
+        """Land, then the optimizer whose stepped masters the caller uploads now (None: nothing to upload)."""
+        self.land()
+        optimizer, self.due = self.due, None
+        return optimizer
+
+    def close(self) -> None:
+        self.land()
+        self.due = None
+        self._worker.close()
+        self._spare = {}
+
+    @property
+    def threads(self) -> set[int]:
+        """Idents of the threads the steps ran on (tests)."""
+        return self._worker.threads
+
+
+def why_not_delayed(optimizer: Optimizer) -> str | None:
+    """Why ``host_pass="delayed"`` cannot step ``optimizer``, or None."""
+    if type(optimizer) not in _DELAYABLE:
+        return (f"it steps torch's `Adam`, `AdamW` and `SGD` only (their state keyed by parameter, their options in the "
+                f"param groups), got `{type(optimizer).__module__}.{type(optimizer).__qualname__}`")
+    if any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups):
+        return "a param group is differentiable or capturable"
+    return None
+
+
+def delayed_problems(strategy: Any, module: pl.LightningModule) -> list[str]:
+    """What ``host_pass="delayed"`` cannot run with this module and strategy (checked at setup)."""
+    if strategy.host_pass != "delayed":
+        return []
+    problems = []
+    if not module.automatic_optimization:
+        problems.append("`host_pass='delayed'` needs automatic optimization (manual optimization steps in your own "
+                        "code); use `host_pass='serial'`")
+    if strategy.optimizer_in_backward:
+        problems.append("`host_pass='delayed'` and `optimizer_in_backward=True` both move the step: choose one")
+    if is_overridden("optimizer_zero_grad", module, pl.LightningModule):
+        problems.append(f"`{type(module).__name__}.optimizer_zero_grad` is overridden: it may zero the gradients in "
+                        "place while `host_pass='delayed'` steps with them on a worker; remove the override or use "
+                        "`host_pass='serial'`")
+    return problems
+
+
+class DelayedLanding(Callback):
+    """Lands the delayed step before the other callbacks' epoch-end, validation and train-end hooks read the weights
+    (the strategy puts it first in ``trainer.callbacks`` for the fit)."""
+
+    def __init__(self, land: Any) -> None:
+        self.land = land
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.land()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.land()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.land()
+
+
+__all__ = ["DelayedLanding", "DelayedStep", "delayed_problems", "why_not_delayed"]
