@@ -129,3 +129,19 @@ def test_a_parameter_larger_than_what_is_left_waits_for_the_end_and_the_rest_joi
     assert finals == [[1], [*range(9)], [*range(9)]]
     _same(masters, opt, p_ref, ref)
     hp.close()
+
+
+def test_gradients_waiting_for_the_worker_are_bounded_by_a_bucket():
+    """A gradient handed over stays alive until the worker folds it: past a bucket of them the autograd thread waits
+    (a staging slot, which exists anyway, counts nothing: ``nbytes=0``)."""
+    torch.manual_seed(0)
+    masters, opt, _, _, hp = _pass_on(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)]), 2048)
+    g = [torch.randn_like(p) for p in masters.p_host]
+    hp.arm(opt, clip_norm=None, guard=True)
+    for i in reversed(range(len(g))):
+        assert hp.submit(i, g[i], nbytes=g[i].numel() * 4)
+    hp.finish()
+    assert 1024 <= hp._worker.most_bytes <= 2048  # NOTE: 1 KiB weights: at least one waited, never more than 2 KiB
+    assert hp.stands()
+    hp.disarm()
+    hp.close()

@@ -36,7 +36,8 @@ Cost: host RAM for the copies (4 B/param for the master plus the optimizer state
 master it steps speculatively, kept between steps and reused (``lowmem_offload``'s host-RAM check counts every
 trainable one; about 2 B/param for an 8-bit state); that many more bytes read and written per step, off the critical
 path; under value clipping or fp16 also a buffer for one bucket of working gradients, reused (at most ``BUCKET_BYTES``
-plus the largest gradient). Where the pass cannot be exact the step stays serial (:func:`~lightning_lowmem.strategies.offload.host_pass_checks.why_serial` names the cause):
+plus the largest gradient). On the plain CPU path the gradients handed to the worker live until it folds them: at most a
+bucket of them (:class:`~lightning_lowmem.strategies.offload.host_worker.HostWorker`), past that backward waits. Where the pass cannot be exact the step stays serial (:func:`~lightning_lowmem.strategies.offload.host_pass_checks.why_serial` names the cause):
 optimizers other than ``torch.optim.Adam``/``AdamW``/``SGD`` and bitsandbytes' ``AdamW8bit``/``Adam8bit``/``Lion8bit``
 (subclasses, paged ones, bitsandbytes' per-parameter overrides: see ``host_pass_checks``),
 manual optimization, ``optimizer_in_backward`` and user code in
@@ -60,8 +61,7 @@ Example:
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import contextlib
 from typing import Any, Literal, get_args
 
 import torch
@@ -70,6 +70,7 @@ from torch.optim import Optimizer
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.strategies.offload.host_pass_copies import KeptCopies, WorkingGrads
+from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.transfer import StreamTransfer
 
@@ -86,10 +87,11 @@ class HostPass:
     def __init__(self, masters: HostMasters, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.masters = masters
         self.bucket_bytes = bucket_bytes
-        self._executor: ThreadPoolExecutor | None = None
+        # NOTE: a gradient handed over stays alive until the worker folds it: at most `bucket_bytes` of them wait (a
+        # staging slot, which exists anyway, counts nothing), past that the autograd thread waits for the worker
+        self._worker = HostWorker("host-pass", bucket_bytes)
         self._kept = KeptCopies()
         self._working = WorkingGrads()  # value clipping, fp16: one bucket's working gradients
-        self.worker_threads: set[int] = set()  # idents of the threads that ran pass work (tests)
         self._expect: dict[int, int] = {}  # master -> fp32 bytes: the gradients the last armed backward handed over
         self.armed = False
         self._clear()
@@ -118,7 +120,6 @@ class HostPass:
         self._final_views: list[Tensor] | None = None  # the working gradients of the last bucket checked
         self._bucket: list[int] = []
         self._bucket_bytes = 0
-        self._futures: list[Future] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(master) -> (param group, position in it)
 
     # --- main thread ---------------------------------------------------------------------------------------------
@@ -141,36 +142,34 @@ class HostPass:
         # NOTE: where each parameter sits in the groups, once per window: a bucket's subset of the groups is built from
         # it (a scan of every group per bucket cost ~4 % of the worker's time for 2400 parameters in 120 buckets)
         self._where = {id(p): (g, k) for g, group in enumerate(optimizer.param_groups) for k, p in enumerate(group["params"])}
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lowmem-host-pass")
 
-    def submit(self, i: int, grad: Tensor) -> bool:
-        """Hand master ``i``'s gradient to the worker (it folds it); False when not armed (the caller folds)."""
+    def submit(self, i: int, grad: Tensor, nbytes: int = 0) -> bool:
+        """Hand master ``i``'s gradient to the worker (it folds it); False when not armed (the caller folds).
+        ``nbytes``: what handing it over keeps alive (a staging slot: nothing)."""
         if not self.armed or self.finished:
             return False
-        assert self._executor is not None
         if i in self._submitted:
             self.failed = self.failed or "a gradient arrived twice in one backward"
         self._submitted.add(i)
-        self._futures.append(self._executor.submit(self._take, i, grad))
+        self._worker.submit(self._take, i, grad, nbytes=nbytes)
         return True
+
+    @property
+    def worker_threads(self) -> set[int]:
+        """Idents of the threads that ran pass work (tests)."""
+        return self._worker.threads
 
     def finish(self) -> None:
         """After backward: step what is left (on the worker) and wait for it; re-raise the worker's error."""
         if not self.armed or self.finished:
             return
-        assert self._executor is not None
-        self._futures.append(self._executor.submit(self._tail))
-        futures, self._futures = self._futures, []
+        self._worker.submit(self._tail)
         self.finished = True
-        for f in futures:
-            f.result()
+        self._worker.wait()
 
     def barrier(self) -> None:
         """Wait until the worker has read every gradient handed to it (a staging slot is about to be rewritten)."""
-        futures, self._futures = self._futures, []
-        for f in futures:
-            f.result()
+        self._worker.wait()
 
     def clip_stands(self, clip_val: float, algorithm: Any) -> bool:
         """Whether the pass's step already is the step after this clip (the speculative step stands).
@@ -215,8 +214,8 @@ class HostPass:
             self.restore(self.failed or "restored")
             return False
         if self._final:
-            assert self._executor is not None
-            self._executor.submit(self._step_final).result()
+            self._worker.submit(self._step_final)
+            self._worker.wait()
         self.taken = True
         if self.settle:
             self._redo_skipped()  # NOTE: plain Lightning's hooks after the step see unscaled, clamped gradients
@@ -256,9 +255,8 @@ class HostPass:
         """End the window. NOTE: a window whose step did not take the pass's result (backward raised, an
         out-of-memory retry, a step that never came) gets its masters and state back: nothing stepped is left."""
         if self.armed:
-            futures, self._futures = self._futures, []
-            for f in futures:
-                f.exception()  # NOTE: waits; an error of the worker was raised by `finish` or is moot now
+            with contextlib.suppress(Exception):
+                self._worker.wait()  # NOTE: an error of the worker was raised by `finish` or is moot now
             if not self.taken:
                 self.restore("the step did not take the pass's result")
         self.armed = False
@@ -266,9 +264,7 @@ class HostPass:
 
     def close(self) -> None:
         self.disarm()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._worker.close()
         self._kept.clear()
         self._working.clear()
 
@@ -280,7 +276,6 @@ class HostPass:
         return [index[id(p)] for g in self.optimizer.param_groups for p in g["params"] if id(p) in index]
 
     def _take(self, i: int, grad: Tensor) -> None:
-        self.worker_threads.add(threading.get_ident())
         self.masters.fold(i, grad)
         self._taken[i] = self.masters.p_host[i].numel() * 4
         self._left -= self._expect.get(i, 0)
@@ -331,7 +326,6 @@ class HostPass:
 
     def _tail(self) -> None:
         """After backward: check the final buckets (the held one, the last); `stands` steps them, copying nothing."""
-        self.worker_threads.add(threading.get_ident())
         done = self._run.union(self._bucket, *self._final)
         p_host = self.masters.p_host
         # NOTE: parameters whose gradient came only from earlier micro-batches of the window step too (serially they
@@ -351,7 +345,6 @@ class HostPass:
 
     def _step_final(self) -> None:
         """Step the final buckets (at the step, once the speculation stands): no copy is kept, nothing can undo them."""
-        self.worker_threads.add(threading.get_ident())
         final, self._final = self._final, []
         views, self._final_views = self._final_views, None
         for k, bucket in enumerate(reversed(final)):

@@ -247,10 +247,13 @@ class HostStep:
         if not isinstance(self._transfer, StreamTransfer):
             self._step_in_backward(i, grad)
             return
-        staging = self._transfer.staging()
-        # NOTE: a staging slot exists anyway; a gradient of its own stays alive in the queue until its step ran
-        held = 0 if i < len(staging) and staging[i] is grad else grad.numel() * grad.element_size()
-        self._in_backward.submit(self._step_in_backward, i, grad, nbytes=held)
+        self._in_backward.submit(self._step_in_backward, i, grad, nbytes=self._held(i, grad))
+
+    def _held(self, i: int, grad: Tensor) -> int:
+        """Bytes a host worker's queue keeps alive by holding ``grad`` (master ``i``'s): none for its staging slot,
+        which exists anyway; a gradient of its own stays alive until the worker ran."""
+        staging = self._transfer.staging() if self._transfer is not None else []
+        return 0 if i < len(staging) and staging[i] is grad else grad.numel() * grad.element_size()
 
     @torch.no_grad()
     def _step_in_backward(self, i: int, grad: Tensor) -> None:
@@ -375,7 +378,7 @@ class HostStep:
     # --- the overlapped host pass (strategies/offload/host_pass.py) ------------------------------------------------
     def _fold(self, i: int, grad: Tensor) -> None:
         """The gradient sink: to the host pass's worker while it is armed, else folded here."""
-        if self._pass is None or not self._pass.submit(i, grad):
+        if self._pass is None or not self._pass.submit(i, grad, self._held(i, grad)):
             self._masters.fold(i, grad)
 
     def _arm_pass(self, optimizer: Optimizer, model: pl.LightningModule) -> None:
