@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -94,6 +95,18 @@ def test_optimizer_the_host_cannot_run(make, match):
 def test_torch_fused_refuses_what_it_cannot_fuse():
     with pytest.raises(ValueError, match=r"host_optimizer='torch_fused'.*`SGD` is not"):
         fit(Opt(lambda ps: torch.optim.SGD(ps, lr=0.1)), strategy=OffloadStrategy(host_optimizer="torch_fused"))
+
+
+def test_torch_fused_refuses_what_it_cannot_fuse_when_swapped_in_after_setup():
+    class SwapToSGD(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trainer.strategy.optimizers = [torch.optim.SGD(trainer.strategy.optimizers[0].param_groups, lr=0.1)]
+
+    model = BoringModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"cannot run the optimizer `SGD`.*torch_fused.*cannot fuse it"):
+        fit(model, strategy=OffloadStrategy(host_optimizer="torch_fused"), callbacks=[SwapToSGD()])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # NOTE: refused before the first step
 
 
 def test_optimizer_over_foreign_tensors():

@@ -10,6 +10,7 @@ is applied at once. Weights, buffers (BatchNorm's running statistics) and the op
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -312,3 +313,29 @@ def test_resumes_in_a_new_process_identically(tmp_path):
     straight, resumed = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
     assert int(straight["global_step"]) == int(resumed["global_step"]) == 7
     assert not differences(straight, resumed)
+
+
+@pytest.mark.parametrize("variant", ["offload_params", "cuda_transfer_logic"])
+def test_parameter_streaming_and_the_cuda_transfer_logic_change_nothing(variant):
+    """The delayed update on a GPT-2 whose blocks stream from the host, and on the CUDA transfer logic (the deferred
+    stand-in, copies landing in random order), equals it on the plain CPU path (bf16 compute weights)."""
+    from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
+    from tests.helpers.models import random_batch, tiny_lm_module
+
+    batches = [random_batch(2, 16, seed=i) for i in range(5)]
+
+    def run(offload_params=False, stand_in=False):
+        torch.manual_seed(0)
+        module = tiny_lm_module("gpt2", config={"n_layer": 2, "n_embd": 32})
+        strategy = OffloadStrategy(host_pass="delayed", offload_params=offload_params)
+        trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-true", max_steps=5, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            gradient_clip_val=1.0)
+        with cpu_stand_in(lambda: DeferredOps("random", seed=0)) if stand_in else contextlib.nullcontext():
+            trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+        assert strategy._delayed.submitted == 5
+        return [p.detach().clone() for p in module.parameters()]
+
+    plain = run()
+    other = run(offload_params=True) if variant == "offload_params" else run(stand_in=True)
+    _equal(other, plain)

@@ -196,15 +196,16 @@ class HostStep:
         return out
 
     def _pick_kernel(self, optimizer: Optimizer) -> None:
-        """The fused host kernel for an optimizer swapped in after setup (e.g. by a callback in on_fit_start)."""
-        if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
-                and _host_optimizer.why_not_fused(optimizer) is None):
-            # an optimizer swapped in after setup (e.g. by a callback in on_fit_start)
-            reason = _host_optimizer.why_not_fused(optimizer)
-            if reason is None:
-                self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
-            elif self.host_optimizer == "torch_fused":
-                raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer: {reason}. Use 'auto'.")
+        """The fused host kernel for an optimizer swapped in after setup (e.g. by a callback in on_fit_start); under
+        ``host_optimizer="torch_fused"`` one it cannot fuse is refused, as at setup."""
+        if self.host_optimizer == "as_is" or id(optimizer) in self._fused:
+            return
+        reason = _host_optimizer.why_not_fused(optimizer)
+        if reason is None:
+            self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
+        elif self.host_optimizer == "torch_fused":
+            raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer `{type(optimizer).__name__}` "
+                             f"swapped in after setup: {reason}. Use 'auto' or 'as_is'.")
 
     def _mark_state(self, optimizer: Optimizer, reset: bool = False) -> None:
         """Count optimizer state created since the last call as host memory (each tensor marked once)."""

@@ -85,9 +85,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
 
     Args:
-        optimizer_in_backward: step each master on the host as soon as its gradient is ready, on a host worker
-            while backward goes on (``strategies/offload/host_worker.py``), and free that gradient (no host gradient
-            buffers: -4 B/param of host memory). Needs ``accumulate_grad_batches=1``, no norm clipping (value
+        optimizer_in_backward: step each master on the host as soon as its gradient is ready (on CUDA on a host
+            worker while backward goes on, ``strategies/offload/host_worker.py``; on the CPU in the gradient hook) and
+            free that gradient (no host gradient buffers: -4 B/param of host memory). Needs ``accumulate_grad_batches=1``, no norm clipping (value
             clipping works), bf16 or fp32, and automatic optimization.
         host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel
             (same update rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host);
