@@ -332,6 +332,16 @@ def chained_schedulers(scheduler: Any) -> tuple[Any, ...]:
     return tuple(getattr(scheduler, "_schedulers", ()))
 
 
+def mark_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Set the flag torch's LR schedulers read at their first ``step()`` (set by the wrapper of
+    :func:`track_step_called`), for a step of ``optimizer`` that runs later, elsewhere (``host_pass="delayed"``).
+
+    NOTE: ``_opt_called`` is private: without it each scheduler warns "``lr_scheduler.step()`` before
+    ``optimizer.step()``" once (tests/test_internals.py fails when torch stops reading it).
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 def track_step_called(optimizer: torch.optim.Optimizer) -> None:
     """Wrap ``optimizer.step`` the way ``LRScheduler.__init__`` does (torch's own wrapper is a local function).
 

@@ -64,6 +64,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters import HostMasters
@@ -118,7 +119,7 @@ class DelayedStep:
         shadow = object.__new__(type(optimizer))
         shadow.__dict__.update(vars(optimizer))  # NOTE: the step hooks, defaults, flags: the optimizer's own
         shadow.param_groups, shadow.state = groups, state
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # NOTE: what torch's schedulers check, as a real step sets it
+        torch_internals.mark_step_called(optimizer)  # NOTE: as a real step does (torch's schedulers check it)
         self.pending = optimizer
         self.submitted += 1
         # NOTE: the class's step, not the instance attribute (an LR scheduler's wrapper bound to the real optimizer)
