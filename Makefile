@@ -57,7 +57,7 @@ bench: install
 conformance: install
 	$(PY) tests/conformance/run.py
 
-# GPU checks (docs/gpu-checks.md): four stages of at most 9 minutes each, offline, on the GPU machine's own
+# GPU checks (docs/gpu-checks.md): five stages of at most 9 minutes each, offline, on the GPU machine's own
 # python3 (no venv, nothing from a registry). `PY=...` on the command line picks the interpreter.
 GPU_PY := $(if $(filter command line,$(origin PY)),$(PY),python3)
 
@@ -65,13 +65,13 @@ GPU_PY := $(if $(filter command line,$(origin PY)),$(PY),python3)
 gpu-wheels:
 	$(GPU_PY) benchmarks/gpu/wheels.py download .whl
 
-# there, from the repository root: make gpu-check STAGE=1 (then 2, 3, 4); results in benchmarks/results/gpu/
+# there, from the repository root: make gpu-check STAGE=1 (then 2, 3, 4, 5); results in benchmarks/results/gpu/
 # and in $$LOWMEM_GPU_OUT when set
 gpu-check:
-	@case "$(STAGE)" in 1|2|3|4) ;; *) echo "Passed STAGE='$(STAGE)'; expected 1, 2, 3 or 4: make gpu-check STAGE=1" >&2; exit 2;; esac
+	@case "$(STAGE)" in 1|2|3|4|5) ;; *) echo "Passed STAGE='$(STAGE)'; expected 1, 2, 3, 4 or 5: make gpu-check STAGE=1" >&2; exit 2;; esac
 	$(GPU_PY) benchmarks/gpu/run_stage.py --stage $(STAGE) --wheels .whl
 
-# here, without a GPU: the four stages on the CPU (tiny sizes), the network cut, the GPU image mimicked; the
+# here, without a GPU: the five stages on the CPU (tiny sizes), the network cut, the GPU image mimicked; the
 # project's venv stands in for the image's python3 (`PY=...` picks another)
 REHEARSAL_PY := $(if $(filter command line,$(origin PY)),$(PY),$(VENV)/bin/python)
 gpu-rehearsal: install

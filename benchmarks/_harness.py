@@ -19,7 +19,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -251,6 +251,24 @@ def build_gpt2(args: Any) -> tuple[torch.nn.Module, torch.Tensor]:
     model.train()
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     return model, ids
+
+
+@contextlib.contextmanager
+def upload_at_step(host_pass: type, on: bool = True) -> Iterator[None]:
+    """``host_pass="overlap"`` as before its upload in backward (when ``on``): ``host_pass`` (the ``HostPass`` class) is
+    armed without its uploader, so every weight goes at the step (the host_path benchmark and GPU stage 5 compare both
+    in one run)."""
+    arm = host_pass.arm
+
+    def arm_without_uploader(self: Any, *args: Any, **kwargs: Any) -> None:
+        arm(self, *args, **{**kwargs, "uploader": None})
+
+    if on:
+        host_pass.arm = arm_without_uploader  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        host_pass.arm = arm  # type: ignore[attr-defined]
 
 
 def bench_trainer(**kwargs: Any) -> Any:

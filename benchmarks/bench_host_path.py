@@ -5,7 +5,8 @@ A GPT-2-architecture ``CausalLMModule`` of about ``--layers`` x 7.1M parameters 
 tiny batch through ``Trainer.fit``, fits interleaved round after round:
 
 - plain Lightning at the same precision (``strategy="auto"``), the reference step time;
-- ``lowmem_offload`` with ``host_pass="serial"`` and ``"overlap"``, without clipping, with a norm clip that does
+- ``lowmem_offload`` with ``host_pass="serial"`` and ``"overlap"`` (each bucket uploaded into its compute weights as
+  it steps during backward; and, for comparison, with that upload left to the step as before), without clipping, with a norm clip that does
   not trigger (``gradient_clip_val=1e9``: the clip and the non-finite guard still read every gradient) and with a
   value clip of 1e9 (the clamp reads and writes every gradient; a smaller value costs the same);
 - both again at ``16-mixed`` (fp16 loss scaling: the unscale reads and writes every gradient); the steps the scaler
@@ -48,20 +49,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # NOTE: run as a file, only benchmarks/ is on the path
-from benchmarks._harness import add_int_args, bench_trainer, lm_batches, write_results
+from benchmarks._harness import add_int_args, bench_trainer, lm_batches, upload_at_step, write_results
 from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
+from lightning_lowmem.strategies.offload.host_pass import HostPass
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 PRECISION = "32-true"
 FP16 = "16-mixed"
 INLINE = "inline"  # NOTE: not a strategy argument: the bench runs optimizer_in_backward's step on the autograd thread
+AT_STEP = "upload_at_step"  # NOTE: not a strategy argument: the overlap's buckets upload at the step (no uploader)
 STAND_IN = "bf16-true"  # NOTE: only the stand-in variants: the compute dtype of the staging slots, as on a GPU
 VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val, gradient_clip_algorithm, precision)
     "plain Lightning (auto)": (None, None, None, PRECISION),
     "serial": ({"host_pass": "serial"}, None, None, PRECISION),
     "overlap": ({"host_pass": "overlap"}, None, None, PRECISION),
+    "overlap, upload at the step": ({"host_pass": "overlap", AT_STEP: True}, None, None, PRECISION),
     "serial, clip 1e9": ({"host_pass": "serial"}, 1e9, "norm", PRECISION),
     "overlap, clip 1e9": ({"host_pass": "overlap"}, 1e9, "norm", PRECISION),
     "serial, value clip 1e9": ({"host_pass": "serial"}, 1e9, "value", PRECISION),
@@ -70,6 +74,8 @@ VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_cli
     "overlap, fp16": ({"host_pass": "overlap"}, None, None, FP16),
     "serial, CUDA logic (stand-in)": ({"host_pass": "serial"}, None, None, STAND_IN),
     "overlap, CUDA logic (stand-in)": ({"host_pass": "overlap"}, None, None, STAND_IN),
+    "overlap, upload at the step, CUDA logic (stand-in)": ({"host_pass": "overlap", AT_STEP: True}, None, None,
+                                                           STAND_IN),
     # NOTE: optimizer_in_backward steps each master on a host worker on the CUDA path (in the hook on the plain CPU
     # path); "autograd thread" runs it in the hook there too (HostWorker.submit made inline for that variant alone)
     "in backward (CPU path: in the hook)": ({"optimizer_in_backward": True}, None, None, PRECISION),
@@ -93,6 +99,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     module = _module(args)
     kwargs = dict(kwargs) if kwargs is not None else None
     inline = kwargs is not None and kwargs.pop(INLINE, False)
+    at_step = kwargs is not None and kwargs.pop(AT_STEP, False)
     strategy = OffloadStrategy(**kwargs) if kwargs is not None else "auto"
     if inline:
         strategy._in_backward = InlineWorker("inline", 0)
@@ -142,7 +149,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     trainer.strategy.training_step = timed_training_step
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
     stand_in = cpu_stand_in(lambda: DeferredOps("eager")) if precision == STAND_IN else nullcontext()
-    with counting_stood(phases) as (stood, last), stand_in:
+    with counting_stood(phases) as (stood, last), stand_in, upload_at_step(HostPass, at_step):
         trainer.fit(module, data)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     overflows = scaler.overflows if scaler is not None else 0  # NOTE: skipped serially and by the pass alike
@@ -229,9 +236,11 @@ def bytes_per_param(variant: str, last: float) -> tuple[float, float] | None:
         # NOTE: under fp16 the unscale (read + write) replaces the guard's read
         total = fold + (8 if fp16 else norms) + (16 if value else norms + 8 if clip else 0) + adamw + upload
         return total, total - fold
-    # NOTE: the pass's working copy (read + write), then under fp16 the unscale of the copy in place (read + write)
+    # NOTE: the pass's working copy (read + write), then under fp16 the unscale of the copy in place (read + write);
+    # each bucket but the final ones uploads during backward (unless "upload at the step")
     work = fold + (16 if fp16 else 8 + norms if value else norms) + adamw
-    return work + (1 - last) * keep + upload, last * work + upload
+    after = last * work + upload if "upload at the step" in variant else last * (work + upload)
+    return work + (1 - last) * keep + upload, after
 
 
 def main() -> None:
@@ -278,12 +287,22 @@ def main() -> None:
         "(fold left, guard, clip, step, upload); x_kernel: its fraction of the fused kernel alone. Of it, for the "
         "overlap: backlog (the worker's speculative buckets still queued when backward returned: it shares the 2 "
         "cores with backward here, where on a GPU backward leaves them free), check (the final buckets' fold, norms "
-        "and working copies) and final (their step, at the step); upload: the new weights into the compute weights (every variant); the rest is "
-        "Lightning's own work."),
+        "and working copies) and final (their step, at the step); upload: the new weights into the compute weights at "
+        "the step (the overlap: its final buckets only, the others went as each stepped during backward; 'upload at "
+        "the step': all of them); the rest is Lightning's own work."),
+        (f"upload during backward vs at the step (the overlap, same run): host after backward "
+         f"{by['overlap']['x_kernel']:.2f}x vs {by['overlap, upload at the step']['x_kernel']:.2f}x the kernel "
+         f"({by['overlap']['host_after_backward_ms']:.1f} vs {by['overlap, upload at the step']['host_after_backward_ms']:.1f} ms), "
+         f"step time {by['overlap']['x_plain']:.2f}x vs {by['overlap, upload at the step']['x_plain']:.2f}x plain; "
+         f"CUDA logic (stand-in): {by['overlap, CUDA logic (stand-in)']['x_kernel']:.2f}x vs "
+         f"{by['overlap, upload at the step, CUDA logic (stand-in)']['x_kernel']:.2f}x the kernel, step "
+         f"{by['overlap, CUDA logic (stand-in)']['step_ms']:.1f} vs "
+         f"{by['overlap, upload at the step, CUDA logic (stand-in)']['step_ms']:.1f} ms. Here the upload is a cast "
+         "in the same RAM on the worker, sharing the 2 cores with backward; on a GPU it is DMA on the side stream."),
         (f"overlap / serial, no clip: host after backward {by['overlap']['x_kernel']:.2f}x vs {by['serial']['x_kernel']:.2f}x "
         f"the kernel; step time {by['overlap']['x_plain']:.2f}x vs {by['serial']['x_plain']:.2f}x plain. Without the "
-        "upload (on this CPU path the cast of every master into its compute weight, in the same RAM; on a GPU the "
-        "worker rounds each bucket into the staging slots during backward and the upload is DMA on a side stream): "
+        "upload at the step (on this CPU path the cast into the compute weights, in the same RAM; on a GPU a DMA "
+        "copy on a side stream): "
         + ", ".join(f"{name} {(by[name]['host_after_backward_ms'] - by[name]['upload_ms']):.1f} ms = "
                     f"{(by[name]['host_after_backward_ms'] - by[name]['upload_ms']) / (1e3 * kernel):.2f}x the kernel"
                     for name in ("overlap", "serial")) + "."),
@@ -318,7 +337,7 @@ def main() -> None:
          f"{by['delayed, CUDA logic (stand-in)']['step_ms']:.1f} ms, host after backward "
          f"{by['delayed, CUDA logic (stand-in)']['x_kernel']:.2f}x the kernel."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
-        "(24 B) but moves everything except the upload and the last bucket before the end of backward. last_bucket: "
+        "(24 B) but moves everything except its final buckets (their upload included) before the end of backward. last_bucket: "
         "the fraction of the parameters in the pass's final buckets, checked before they step (no copy), after "
         "backward (buckets of 32 MiB shrink to half of what the last backward still handed over, down to 2 MiB, as backward "
         "ends: here part of the first block and the embeddings, whose gradients land last; this model's byte-level "

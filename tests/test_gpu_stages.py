@@ -25,11 +25,13 @@ EXPECTED = {
     1: ["environment", "pinned_bandwidth", "host_adamw", "cuda_tests", "synccheck", "offload_phases"],
     2: ["param_stream[resident]", "param_stream[prefetch=0]", "param_stream[prefetch=1]", "param_stream[prefetch=2]",
         "activation_offload", "dry_run_vs_measured"],
-    3: ["low_bit[adamw]", "low_bit[adamw8bit]", "low_bit[paged_adamw8bit]", "chunked_loss", "overlapped_host_step",
-        "micro_batch_search", "deepspeed_zero"],
+    3: ["low_bit[adamw]", "low_bit[adamw8bit]", "low_bit[paged_adamw8bit]", "chunked_loss", "micro_batch_search",
+        "deepspeed_zero"],
     4: ["qlora_adapters[lora]", "qlora_adapters[qlora]", "qlora_adapters[qlora_streamed]", "qlora_adapters[dry_run]",
         "lean_optimizer[adamw]", "lean_optimizer[galore]", "lean_optimizer[apollo_mini]", "lean_optimizer[adam_mini]",
         "lean_optimizer[adamw8bit]", "lean_optimizer[adamw4bit]"],
+    5: ["host_step[serial]", "host_step[overlap]", "host_step[overlap_upload_at_step]", "host_step[delayed]",
+        "host_step[in_backward]"],
 }
 
 
@@ -47,8 +49,8 @@ def test_stage_registry_lists_every_entry_within_the_budget(stage):
 
 
 def test_unknown_stage_is_refused():
-    with pytest.raises(ValueError, match="Passed stage 5; expected one of 1, 2, 3, 4"):
-        registry.entries(5)
+    with pytest.raises(ValueError, match="Passed stage 6; expected one of 1, 2, 3, 4, 5"):
+        registry.entries(6)
 
 
 def test_stage_scripts_import_only_public_names_outside_the_one_seam():

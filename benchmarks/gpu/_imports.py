@@ -17,7 +17,10 @@ from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 # NOTE: the fused host AdamW that lowmem_offload(host_optimizer="auto") switches the user's AdamW to
 from lightning_lowmem.strategies.offload.host_optimizer import enable_fused, why_not_fused
 
+# NOTE: the overlapped host pass: stage 5 arms it without its uploader too (every upload at the step), to compare
+from lightning_lowmem.strategies.offload.host_pass import HostPass
+
 # NOTE: the size of lowmem_offload's pinned staging buckets (the bandwidth entry copies at that size)
 from lightning_lowmem.strategies.offload.transfer import BUCKET_BYTES
 
-__all__ = ["BUCKET_BYTES", "DeferredOps", "cpu_stand_in", "enable_fused", "packed_bytes", "why_not_fused"]
+__all__ = ["BUCKET_BYTES", "DeferredOps", "HostPass", "cpu_stand_in", "enable_fused", "packed_bytes", "why_not_fused"]

@@ -27,7 +27,7 @@ STAGE_BUDGET_S = 540
 SETUP_RESERVE_S = 20
 #: one worker process start (python, torch, lightning, transformers imported), counted per process
 PROCESS_START_S = 10
-STAGES = (1, 2, 3, 4)
+STAGES = (1, 2, 3, 4, 5)
 
 
 class Skip(Exception):

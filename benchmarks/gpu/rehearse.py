@@ -1,7 +1,7 @@
 """The GPU stages rehearsed on the CPU, offline, under the GPU machine's conditions as far as a CPU can mimic them.
 
 ``make gpu-rehearsal`` (the network cut with ``unshare -n`` where it can): runs ``run_stage.py --rehearsal`` for
-stages 1 to 4 (tiny sizes; the CUDA transfer logic on the deferred stand-in) and fails on what would fail on
+stages 1 to 5 (tiny sizes; the CUDA transfer logic on the deferred stand-in) and fails on what would fail on
 the GPU machine: a wheel missing or unmet (``wheels.py check``), a registry or hub call (no network), a
 package taken from this interpreter's environment that the GPU image does not have (they are hidden: see
 :func:`image_mimic`), an entry that errors or runs out of time, a stage over its budget, results that could not come

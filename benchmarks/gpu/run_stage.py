@@ -1,4 +1,4 @@
-"""Run one GPU stage: ``python benchmarks/gpu/run_stage.py --stage 1|2|3|4`` (``make gpu-check STAGE=N``).
+"""Run one GPU stage: ``python benchmarks/gpu/run_stage.py --stage 1|2|3|4|5`` (``make gpu-check STAGE=N``).
 
 Offline by construction: the packages the image lacks come as wheels from ``--wheels`` (``.whl/``, filled here by
 ``make gpu-wheels``), installed with ``pip --no-index --no-deps --target`` into a temporary folder put on
@@ -31,12 +31,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu import report
-from benchmarks.gpu.registry import PROCESS_START_S, STAGE_BUDGET_S, Entry, entries, safe_name
+from benchmarks.gpu.registry import PROCESS_START_S, STAGE_BUDGET_S, STAGES, Entry, entries, safe_name
 
 TITLES = {1: "environment, links, CUDA tests, lowmem_offload step phases",
           2: "parameter streaming, activation offload, dry run vs measured",
-          3: "8-bit optimizers, chunked loss backends, overlapped host step; planned slots",
-          4: "LoRA/QLoRA adapters (nf4 base resident and streamed) with the dry run, lean optimizers"}
+          3: "8-bit optimizers, chunked loss backends; planned slots",
+          4: "LoRA/QLoRA adapters (nf4 base resident and streamed) with the dry run, lean optimizers",
+          5: "the host path: serial, overlapped (upload in backward or at the step), delayed, in backward"}
 POLL_S = 0.5
 #: a worker that has not started its first entry by then is taken as hung at start
 START_LIMIT_S = 6 * PROCESS_START_S
@@ -172,7 +173,7 @@ def _tail(path: Path, n: int = 20) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", type=int, required=True, choices=(1, 2, 3, 4))
+    parser.add_argument("--stage", type=int, required=True, choices=STAGES)
     parser.add_argument("--wheels", type=Path, default=REPO / ".whl")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "gpu")
     parser.add_argument("--out", type=Path, default=os.environ.get("LOWMEM_GPU_OUT") or None,

@@ -5,10 +5,9 @@ Entries: ``low_bit[adamw|adamw8bit|paged_adamw8bit]``: GPT-2-XL trained on the G
 bytes per parameter, device peaks, step time. ``chunked_loss``: the LM loss alone at GPT-2-XL's head shapes, the
 model's own loss against ``chunked_causal_lm_loss`` with each backend (ours, Liger Kernel, Cut Cross-Entropy):
 forward + backward time, the loss's own device peak, and the error of loss and gradients against an fp32 reference.
-``overlapped_host_step``: GPT-2-XL b4 x 1024 under ``lowmem_offload`` bf16-true, ``host_pass="serial"`` against
-``"overlap"``: step time and the per-phase breakdown (forward, backward, after backward = drain + host step + upload).
 Planned slots (listed in the results, not run yet): the micro-batch search under a real out-of-memory, DeepSpeed
-ZeRO. The QLoRA adapters (and the lean optimizers) are stage 4's: this stage's budget is spent.
+ZeRO. The QLoRA adapters (and the lean optimizers) are stage 4's, the host path (serial, overlapped, delayed, in
+backward) stage 5's.
 """
 
 from __future__ import annotations
@@ -160,56 +159,11 @@ def _time_and_check(fn: Any, hidden: Any, weight: Any, ref: Any, ref_grads: Any,
             "grad_weight_rel_err": rel(weight.grad, ref_grads[1])}
 
 
-def overlapped_host_step(ctx: Context) -> dict[str, Any]:
-    import lightning as L
-
-    from benchmarks.gpu import _common as c
-
-    class Clock(c.PhaseClock):
-        # NOTE: a callback implementing on_before_optimizer_step keeps the step serial (user code may read the
-        # masters or change the gradients there); this clock marks that boundary from the drain instead
-        on_before_optimizer_step = L.Callback.on_before_optimizer_step
-
-    class Strategy(c.DrainTimedOffload):
-        def drain_transfers(self) -> None:
-            super().drain_transfers()
-            self.clock.mark("before_step")
-
-    s = c.shape(ctx, batch=4, steps=6, warmup=2)
-    rows = []
-    for mode in ("serial", "overlap"):
-        c.fresh_cuda()
-        clock = Clock()
-        c.fit(ctx, s, Strategy(clock, host_pass=mode), [clock])
-        step = clock.step_seconds(s.warmup)
-        for phase, (a, b) in {"forward": ("start", "forward_end"), "backward": ("forward_end", "drain_start"),
-                              "drain + tail of the host pass": ("drain_start", "drain_end"),
-                              "after backward (drain, step, upload)": ("drain_start", "end"),
-                              "step (start to end)": ("start", "end")}.items():
-            steps = [m for m in clock.steps[s.warmup:] if a in m and b in m]
-            host = c.median([1e3 * (m[b][0] - m[a][0]) for m in steps])
-            gpu = c.median([m[a][1].elapsed_time(m[b][1]) for m in steps if m[a][1] is not None])
-            rows.append({"host_pass": mode, "phase": phase, "gpu_ms": _r(gpu), "host_ms": _r(host)})
-        rows.append({"host_pass": mode, "phase": "median step (start to next start)",
-                     "gpu_ms": _r(1e3 * step["gpu_s"] if step["gpu_s"] else None),
-                     "host_ms": _r(1e3 * step["host_s"] if step["host_s"] else None), **c.cuda_peaks()})
-    return {"rows": rows, "notes": [(
-        f"{s.label}, batch {s.batch}x{s.seq}, lowmem_offload bf16-true, torch AdamW fused on the host, {s.steps} "
-        f"steps, first {s.warmup} left out; on {ctx.device}. host_pass='overlap' folds, checks and steps the masters "
-        "bucket by bucket on a host worker while backward runs; 'after backward' is what is left of the host step.")]}
-
-
-def _r(x: float | None) -> float | None:
-    return None if x is None else round(x, 2)
-
-
 ENTRIES = [
     *(Entry(f"low_bit[{name}]", 70, _low_bit(kind), f"GPT-2-XL on the GPU with {name}: state B/param, peaks, step",
             fresh=True) for name, kind in LOW_BIT.items()),
     Entry("chunked_loss", 120, chunked_loss, "LM loss at GPT-2-XL's head: ours vs Liger vs CCE (time, peak, error)",
           fresh=True),
-    Entry("overlapped_host_step", 140, overlapped_host_step,
-          "GPT-2-XL lowmem_offload step: host_pass='serial' vs 'overlap' (step time, per phase)", fresh=True),
     Entry("micro_batch_search", 0, None, "AccumulationScheduler(micro_batch_size='auto') against a real CUDA OOM",
           planned="the search's CUDA path (allocator peaks, out-of-memory recovery) has no GPU figure yet"),
     Entry("deepspeed_zero", 0, None, "lowmem_zero* presets on the GPU",

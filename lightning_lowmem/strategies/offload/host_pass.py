@@ -32,6 +32,18 @@ slots as the bucket ends (``stager``): the upload after the step only queues the
 compute-dtype cast of every weight is off the critical path with the step. The plain CPU path has no staging: there
 the compute weights are in host RAM and the cast into them is the upload.
 
+[upload in backward] From the second window on (``uploader``), each bucket that steps during backward also goes into
+its compute weights at once (CUDA: a copy queued on the side stream, DMA while backward computes; the plain CPU path:
+the cast itself, on the worker), so what is left to upload at the step is the final buckets. Exact because a weight's
+gradient hook fires after every node of the backward that reads it has run: nothing in this backward reads it again.
+Except where a gradient arrives twice in one backward (a weight shared by two reentrant-checkpointed blocks: the
+second block's recompute reads the weight after its first gradient landed): the first window, which never uploads,
+finds that, and then the run never uploads during backward; found later (the graph changed), after the weight was
+uploaded, the step cannot be exact and ``arrived`` raises (loud, never silent). A restore puts the uploaded weights
+back from the masters it put back; a compute weight written by other code is never uploaded over. The hazard left: a
+weight read in backward without autograd knowing (saved through ``.data``, read by a module's backward hook) sees the
+new value; one saved through ``detach()`` shares the version counter the upload bumps, and autograd raises.
+
 Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW) of every
 master it steps speculatively, kept between steps and reused (``lowmem_offload``'s host-RAM check counts every
 trainable one; about 2 B/param for an 8-bit state); that many more bytes read and written per step, off the critical
@@ -62,6 +74,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import torch
@@ -77,6 +90,10 @@ from lightning_lowmem.strategies.offload.transfer import StreamTransfer
 HostPassMode = Literal["serial", "overlap", "delayed"]  # NOTE: "delayed": strategies/offload/delayed_step.py
 HOST_PASSES: tuple[str, ...] = get_args(HostPassMode)
 BUCKET_BYTES = 32 * 2**20  # fp32 bytes of gradients per bucket (8M parameters)
+#: ``uploader(indices, worker)``: round masters ``indices`` into their compute weights now (``worker``: from the pass's
+#: worker during backward; else on the main thread, after a restore)
+Uploader = Callable[[list[int], bool], None]
+
 class HostPass:
     """One host worker that folds, checks and steps the masters bucket by bucket during backward.
 
@@ -93,6 +110,7 @@ class HostPass:
         self._kept = KeptCopies()
         self._working = WorkingGrads()  # value clipping, fp16: one bucket's working gradients
         self._expect: dict[int, int] = {}  # master -> fp32 bytes: the gradients the last armed backward handed over
+        self._rereads = False  # a gradient arrived twice in one backward: no upload during backward (see [upload in backward])
         self.armed = False
         self._clear()
 
@@ -104,6 +122,9 @@ class HostPass:
         self.settle = False
         self.guard = False
         self.stager: StreamTransfer | None = None
+        self.uploader: Uploader | None = None
+        self.uploaded: set[int] = set()  # masters whose compute weights the worker wrote in this backward
+        self._arrived: set[int] = set()
         self._skipped: list[str] = []  # what the real gradients did not get because the pass stood in for it
         self.finished = False
         self.failed: str | None = None  # why the speculation does not stand (restored, or to restore)
@@ -124,14 +145,16 @@ class HostPass:
 
     # --- main thread ---------------------------------------------------------------------------------------------
     def arm(self, optimizer: Optimizer, *, clip_norm: float | None, guard: bool, clip_value: float | None = None,
-            scaler: Any = None, settle: bool = False, stager: StreamTransfer | None = None) -> None:
+            scaler: Any = None, settle: bool = False, stager: StreamTransfer | None = None,
+            uploader: Uploader | None = None) -> None:
         """The next backward is the last of the window: its gradients go to the worker (see :meth:`submit`).
 
         ``clip_norm``/``clip_value``: the Trainer's ``gradient_clip_val`` under the ``"norm"``/``"value"`` algorithm;
         ``scaler``: the fp16 loss scaler (its ``unscale_`` and ``scale``), whose scale holds until the step;
         ``settle``: code reads the gradients after the step, so a step that stands unscales and clamps them then;
         ``stager``: the CUDA transfer, whose staging slots each stepped bucket's rounded weights are written into
-        (:meth:`~lightning_lowmem.strategies.offload.transfer.StreamTransfer.stage_weights`).
+        (:meth:`~lightning_lowmem.strategies.offload.transfer.StreamTransfer.stage_weights`);
+        ``uploader``: uploads each bucket as it steps, from the second window on (see [upload in backward]).
         """
         if clip_norm is not None and clip_value is not None:
             raise ValueError(f"HostPass.arm(clip_norm={clip_norm!r}, clip_value={clip_value!r}): give at most one.")
@@ -139,9 +162,41 @@ class HostPass:
         self.optimizer, self.clip_norm, self.guard, self.armed = optimizer, clip_norm, guard, True
         self.clip_value = None if clip_value is None else float(clip_value)
         self.scaler, self.settle, self.stager = scaler, settle, stager
+        self.uploader = uploader if self._expect and not self._rereads else None
         # NOTE: where each parameter sits in the groups, once per window: a bucket's subset of the groups is built from
         # it (a scan of every group per bucket cost ~4 % of the worker's time for 2400 parameters in 120 buckets)
         self._where = {id(p): (g, k) for g, group in enumerate(optimizer.param_groups) for k, p in enumerate(group["params"])}
+
+    def arrived(self, i: int) -> None:
+        """Master ``i``'s gradient hook fired (on the autograd thread, as it fires: the gradient may reach
+        :meth:`submit` later). A second time in one backward after the worker uploaded the weight raises: the backward
+        in between may have read the new weight (see [upload in backward])."""
+        if not self.armed or self.finished:
+            return
+        if i in self._arrived:
+            self._rereads = True
+            if i in self.uploaded:
+                raise RuntimeError(
+                    f"lowmem_offload(host_pass='overlap'): the gradient of `{self.masters.names[i]}` arrived twice in "
+                    "one backward, after its new value was uploaded: the backward in between (a weight shared by two "
+                    "reentrant-checkpointed blocks recomputes it) may have read the new weight, so this step cannot "
+                    "match plain Lightning's. The first steps showed no such weight (the graph changed). Checkpoint "
+                    "without reentrancy (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; Hugging Face: "
+                    "`gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`) or pass "
+                    "`OffloadStrategy(host_pass='serial')`.")
+        self._arrived.add(i)
+
+    def written(self, indices: list[int]) -> None:
+        """Other code wrote compute weights ``indices`` in this window (found at the step): the pass is undone. One the
+        worker had uploaded already may have been written from its new value: raise (see [upload in backward])."""
+        late = sorted(self.uploaded.intersection(indices))
+        if late:
+            raise RuntimeError(
+                f"lowmem_offload(host_pass='overlap'): `{self.masters.names[late[0]]}` was written in place during "
+                "backward (by a hook?) after the pass had uploaded its new value: the write may have read that value, "
+                "so this step cannot match plain Lightning's. Write weights in `on_train_batch_end` (or under `with "
+                "trainer.strategy.masters_view(write_back=True):`), or pass `OffloadStrategy(host_pass='serial')`.")
+        self.restore("compute weights written by other code before the step")
 
     def submit(self, i: int, grad: Tensor, nbytes: int = 0) -> bool:
         """Hand master ``i``'s gradient to the worker (it folds it); False when not armed (the caller folds).
@@ -236,6 +291,11 @@ class HostPass:
             self.stager.unstage()  # NOTE: the staging slots hold the speculative weights: the upload rounds them again
         self._stepped, self._final = [], []  # NOTE: the final buckets never stepped (see `_tail`)
         self.restored = True
+        if self.uploaded and self.uploader is not None:
+            # NOTE: those compute weights hold the speculative step: back to the masters put back (the step that follows
+            # may be skipped, or never come)
+            self.uploader(sorted(self.uploaded), False)
+        self.uploaded = set()
         self._redo_skipped()
 
     @torch.no_grad()
@@ -369,6 +429,9 @@ class HostPass:
         self._keep(bucket)
         self._step(bucket, grads)
         self._stage(bucket)
+        if self.uploader is not None and not self.failed:
+            self.uploaded.update(bucket)  # NOTE: before the copies are queued (`arrived` reads it on another thread)
+            self.uploader(bucket, True)
 
     def _stage(self, bucket: list[int]) -> None:
         """Round ``bucket``'s stepped masters into the transfer's staging slots: the upload only copies them then."""

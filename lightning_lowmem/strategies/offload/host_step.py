@@ -59,6 +59,7 @@ class HostStep:
         assert isinstance(model, pl.LightningModule)
         precision = self.precision_plugin
         assert isinstance(precision, MasterHalfPrecision)
+        uploaded: frozenset[int] = frozenset()  # NOTE: by the host pass, during backward
         if self.optimizer_in_backward:
             self._bad_in_backward = []
             try:
@@ -79,14 +80,14 @@ class HostStep:
             try:
                 out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
             finally:
-                self._disarm_pass()
+                uploaded = self._disarm_pass()
         if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/offload/manual_grads.py)
             self._manual.after_step(functools.partial(self._weights_to_device, optimizer))
         elif self.host_pass == "delayed":
             if precision.last_step_skipped:
                 self._land_delayed()  # NOTE: the next window computes on the last step's weights, as after any step
         elif not precision.last_step_skipped:
-            self._weights_to_device(optimizer)
+            self._weights_to_device(optimizer, uploaded)
         if (self._guarding() and lightning_internals.attached_trainer(model) is not None
                 and lightning_internals.current_hook(model) is not None):
             # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
@@ -164,8 +165,9 @@ class HostStep:
 
     def _host_step(self, optimizer: Optimizer) -> Any:
         """The step function of ``MasterHalfPrecision``: the non-finite guard, then :meth:`_raw_step`."""
-        if self._pass is not None and self._pass.armed and self._masters.device_writes():
-            self._pass.restore("compute weights written by other code before the step")
+        written = self._masters.device_writes() if self._pass is not None and self._pass.armed else []
+        if written:
+            self._pass.written(written)  # type: ignore[union-attr]
         self.adopt_device_writes()
         self._land_delayed()  # NOTE: host_pass="delayed": the last window's step, before this one is handed over
         if self._pass is not None and self._pass.stands():  # stepped during backward (strategies/offload/host_pass.py)
@@ -405,23 +407,46 @@ class HostStep:
         settle = (scaler is not None or clip_value is not None) and bool(reads_grads_after_step(trainer.callbacks, model))
         staged = isinstance(self._transfer, StreamTransfer)
         # NOTE: a streamed weight's step rounds its master into its host copy, not a staging slot (`copy_to_compute`)
+        resident = self._stream is None  # NOTE: a streamed weight's upload is its host copy, read by the next fetch
         self._pass.arm(optimizer, clip_norm=clip_norm, clip_value=clip_value, guard=self._guarding(), scaler=scaler,
-                       settle=settle, stager=self._transfer if staged and self._stream is None else None)  # type: ignore[arg-type]
+                       settle=settle, stager=self._transfer if staged and resident else None,  # type: ignore[arg-type]
+                       uploader=self._upload_now if resident else None)
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
         self.precision_plugin.unscale_check = self._pass.unscale_stands if scaler is not None else None  # type: ignore[attr-defined]
+        # NOTE: the stream backward runs on, as this thread sees it (the worker's current stream may be another)
+        self._compute_stream = self._transfer.ops.compute_stream() if staged else None  # type: ignore[union-attr]
         if staged:
             self._transfer.eager, self._transfer.barrier = True, self._pass.barrier  # type: ignore[union-attr]
 
-    def _disarm_pass(self) -> None:
+    def _disarm_pass(self) -> frozenset[int]:
+        """End the host pass's window; return the masters it uploaded when the step took its result (the upload after
+        the step leaves them out)."""
         if self._pass is None or not self._pass.armed:
-            return
+            return frozenset()
+        uploaded = frozenset(self._pass.uploaded if self._pass.taken else ())
         self._pass.disarm()
         self.precision_plugin.clip_check = self.precision_plugin.unscale_check = None  # type: ignore[attr-defined]
         if isinstance(self._transfer, StreamTransfer):
             self._transfer.eager = False
+        return uploaded
 
-    def _weights_to_device(self, optimizer: Optimizer) -> None:
-        self._to_compute(self._masters.pairs(optimizer))
+    def _upload_now(self, indices: list[int], worker: bool) -> None:
+        """The host pass's uploader: masters ``indices`` into their compute weights now (``worker``: a bucket stepped
+        during backward; else weights put back by a restore). A compute weight written by other code since it was noted
+        keeps the write (the step finds and adopts it)."""
+        assert self._transfer is not None
+        masters = self._masters
+        written = set(masters.device_writes(indices))
+        pairs = [(i, masters.p_host[i], masters.p_device[i]) for i in indices if i not in written]
+        if worker:
+            self._transfer.upload(pairs, self._compute_stream)
+        else:
+            self._transfer.weights_to_device(pairs)
+        masters.note_device([i for i, _, _ in pairs])
+
+    def _weights_to_device(self, optimizer: Optimizer, uploaded: frozenset[int] = frozenset()) -> None:
+        """Upload the masters ``optimizer`` steps, but those the host pass ``uploaded`` during backward."""
+        self._to_compute([pair for pair in self._masters.pairs(optimizer) if pair[0] not in uploaded])
 
     def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
         assert self._transfer is not None

@@ -238,11 +238,13 @@ class HostMasters:
             p = self.p_device[i]
             self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
 
-    def device_writes(self) -> list[int]:
-        """The compute weights written (in place through the parameter, or ``p.data`` replaced) since they were noted."""
-        seen = self.seen
-        return [i for i, p in enumerate(self.p_device)
-                if i in seen and (seen[i][0] != torch_internals.tensor_version(p) or seen[i][1] != storage_key(p))]
+    def device_writes(self, indices: Iterable[int] | None = None) -> list[int]:
+        """The compute weights ``indices`` (all) written (in place through the parameter, or ``p.data`` replaced) since
+        they were noted."""
+        seen, p_device = self.seen, self.p_device
+        return [i for i in (range(len(p_device)) if indices is None else indices)
+                if i in seen and (seen[i][0] != torch_internals.tensor_version(p_device[i])
+                                  or seen[i][1] != storage_key(p_device[i]))]
 
     def adopt_writes(self) -> list[int]:
         """Copy every compute weight written by other code into its master (:meth:`adopt`); return their indices.

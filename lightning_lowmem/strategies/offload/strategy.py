@@ -426,6 +426,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         grad = p_device.grad
         if grad is None:
             return
+        if self._pass is not None:
+            self._pass.arrived(i)  # NOTE: as the hook fires (the gradient may reach the pass later: see `HostPass.arrived`)
         self._manual.grad_ready()
         if not self._masters.p_host[i].requires_grad:
             # NOTE: `LightningModule.toggle_optimizer` (manual optimization, e.g. a GAN) turns off `requires_grad`

@@ -48,6 +48,11 @@ class HostTransfer:
         for _, p_host, p_device in pairs:
             p_device.copy_(p_host)
 
+    def upload(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], compute: Any = None) -> None:
+        """:meth:`weights_to_device` from the host pass's worker during backward (see [upload in backward] in
+        ``host_pass.py``); ``compute``: the stream backward runs on (the copies wait for its work so far)."""
+        self.weights_to_device(pairs)
+
 
 # NOTE: [staging buckets] one flat pinned buffer per bucket, allocated once: torch's pinned caching allocator rounds
 # every request up to a power of two, so per-parameter buffers could take up to 2x their bytes; buckets of a
@@ -219,6 +224,24 @@ class StreamTransfer(HostTransfer):
             self._staged.clear()
         else:
             self._staged.difference_update(indices)
+
+    @torch.no_grad()
+    @override
+    def upload(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], compute: Any = None) -> None:
+        """Round each ``(i, p_host, p_device)`` into its slot (unless staged) and queue its copy now, on the side stream
+        after ``compute``'s work so far: backward has queued every kernel that reads these weights (their gradients
+        landed). Called from the host pass's worker: no wait for it (``barrier``), nor for the gradient copies.
+
+        NOTE: [staged weights] holds for these slots too: each read a gradient queued after the last upload from it.
+        """
+        ops = self.ops
+        for i, p_host, _ in pairs:
+            if i not in self._staged:
+                self._staging[i].copy_(p_host)
+                self._staged.add(i)
+        ops.wait_stream(self.stream, compute if compute is not None else ops.compute_stream())
+        for i, _, p_device in pairs:
+            ops.copy(p_device, self._staging[i], self.stream)
 
     @torch.no_grad()
     @override
