@@ -480,6 +480,7 @@ class HostStep:
                     "`OffloadStrategy(host_pass='serial')`.")
             if land:
                 self._delayed.land()  # NOTE: no upload (see `_land_delayed`): the next window computes on the same weights
+            return  # NOTE: no compute weight was written (found above): nothing to adopt
         changed = self._masters.adopt_writes()
         if changed:
             if isinstance(self._transfer, StreamTransfer):
