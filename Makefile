@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # build environment would download a multi-GB CUDA torch of its own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint docs figures bench conformance resume-matrix gpu-wheels gpu-check gpu-rehearsal clean
+.PHONY: install demo test test-sweep lint docs figures bench conformance resume-matrix gpu-wheels gpu-check gpu-rehearsal clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -27,6 +27,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --doctest-modules lightning_lowmem tests
+
+# The extra cases of the slow tests that `make test` runs one case per cause of (RunIf(sweep=True), tests/helpers/runif.py):
+# more random kills during saves, the other adapter resumes in new processes, a real DeepSpeed op build (~5 min on 2 cores)
+test-sweep: install
+	LOWMEM_SWEEP=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/strategies/test_zero_reliability.py tests/strategies/test_offload_reliability.py tests/callbacks/test_adapters_io.py tests/strategies/test_zero_start.py
 
 # Stop and resume in a new process, every strategy and precision, the accumulation windows (long: ~30 min on 2 cores;
 # `make test` runs one case per cause)

@@ -29,7 +29,8 @@ def run_child(**spec) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow  # three child processes per case (about 40 s each on 2 busy cores)
 @pytest.mark.parametrize(("strategy", "precision", "kind"),
-                         [("auto", "32-true", "lora"), ("offload", "bf16-mixed", "lora"), ("auto", "32-true", "dora")])
+                         [pytest.param("auto", "32-true", "lora", marks=RunIf(sweep=True)), ("offload", "bf16-mixed", "lora"),
+                          pytest.param("auto", "32-true", "dora", marks=RunIf(sweep=True))])
 def test_three_plus_three_steps_in_new_processes_equal_six_straight(tmp_path, strategy, precision, kind):
     common = {"strategy": strategy, "precision": precision, "kind": kind}
     straight = run_child(**common, steps=6, save=None, resume=None, out=str(tmp_path / "straight.pt"))

@@ -9,6 +9,9 @@ import torch
 
 from lightning_lowmem.core.optional import package_available
 
+#: the full sweep (`make test-sweep`): the extra cases of the slow tests that `make test` runs one case per cause of
+SWEEP = os.environ.get("LOWMEM_SWEEP") == "1"
+
 
 def RunIf(
     *,
@@ -18,6 +21,7 @@ def RunIf(
     bitsandbytes: bool = False,
     peft: bool = False,
     min_processes_cpus: int = 0,
+    sweep: bool = False,
 ) -> pytest.MarkDecorator:
     """Return a ``skipif`` mark naming every unmet requirement.
 
@@ -39,6 +43,8 @@ def RunIf(
         reasons.append("needs `pip install 'lightning-lowmem[peft]'`")
     if min_processes_cpus and (os.cpu_count() or 1) < min_processes_cpus:
         reasons.append(f"needs {min_processes_cpus} CPU cores")
+    if sweep and not SWEEP:
+        reasons.append("a case of the full sweep: `make test-sweep` (LOWMEM_SWEEP=1); `make test` runs one case per cause")
     # NOTE: `needs_cuda` lets tests/conftest.py add the `cuda` marker, so `pytest -m cuda` (make gpu-check STAGE=1) selects them
     return pytest.mark.skipif(
         bool(reasons), reason="; ".join(reasons) or "requirements met", needs_cuda=bool(min_cuda_gpus or bf16_cuda)

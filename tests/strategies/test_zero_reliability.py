@@ -20,7 +20,7 @@ from lightning_lowmem.core import atomic as _atomic
 from lightning_lowmem.core import host_memory as _host_memory
 from lightning_lowmem.strategies.zero.checkpoint import zero_checkpoint_problem
 from lightning_lowmem.strategies.zero.host_bytes import zero_offload_host_bytes
-from tests.helpers.runif import RunIf
+from tests.helpers.runif import SWEEP, RunIf
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -226,7 +226,7 @@ def test_damaged_checkpoint_is_named_at_resume_and_consolidate(zero_checkpoint, 
 
 # --- the kill test ---------------------------------------------------------------------------------------------
 PHASES = ["write_model", "write_optim", "before_latest", "before_swap", "mid_swap_fallback", "after_swap"]
-RANDOM_KILLS = 4
+RANDOM_KILLS = 4 if SWEEP else 1  # NOTE: `make test-sweep` kills at 4 random moments
 
 
 def _run(directory: Path, max_steps: int, kill: str, resume: bool, offload: bool = False) -> tuple[int, str]:

@@ -94,8 +94,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             ``"as_is"`` runs the user's optimizer bit for bit as configured; ``"torch_fused"`` is
             ``"auto"`` but refuses optimizers it cannot fuse.
         host_pass: ``"overlap"`` steps the masters bucket by bucket on a host worker during the last backward of each
-            window, then checks the clip and the non-finite guard and redoes the step serially where they change it:
-            bit-identical to ``"serial"`` (the default), +4 B/param of host RAM plus a copy of the optimizer state
+            window (uploading each into its compute weights, from the second window on), then checks the clip and the
+            non-finite guard and redoes the step serially where they change it: bit-identical to ``"serial"`` (the default), +4 B/param of host RAM plus a copy of the optimizer state
             (see :mod:`~lightning_lowmem.strategies.offload.host_pass`, which names the cases that stay serial).
             ``"delayed"`` (opt in; DeepSpeed's delayed parameter update) steps each window on a host worker during the
             next window's forward and backward, which therefore compute on the weights before that step (one step
