@@ -94,6 +94,7 @@ BUCKET_BYTES = 32 * 2**20  # fp32 bytes of gradients per bucket (8M parameters)
 #: worker during backward; else on the main thread, after a restore)
 Uploader = Callable[[list[int], bool], None]
 
+
 class HostPass:
     """One host worker that folds, checks and steps the masters bucket by bucket during backward.
 
