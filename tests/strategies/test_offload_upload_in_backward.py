@@ -53,8 +53,10 @@ class Uses(L.LightningModule):
             h.register_hook(self._halve_head)
         x = torch.tanh(self.norm(h))
         if self.share_from is not None and batch_idx >= self.share_from:
-            for _ in range(2):
+            for k in range(2):
                 x = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=True)
+                if k == 0 and self.trainer.strategy._pass is not None:  # NOTE: between the two blocks' backwards the
+                    x.register_hook(lambda g: self.trainer.strategy._pass.barrier())  # worker catches up (uploads)
         elif self.mode == "reentrant":
             for block in (self.a, self.b):
                 x = torch.utils.checkpoint.checkpoint(lambda t, m=block: torch.tanh(m(t)), x, use_reentrant=True)
@@ -215,3 +217,25 @@ def test_a_window_whose_step_never_came_puts_the_uploaded_weights_back():
     assert all(torch.equal(a, b) for a, b in zip(before, device))
     assert {w for _, w in threads} == {True, False} and (threading.get_ident(), False) in threads
     hp.close()
+
+
+class DetachedRead(Uses):
+    """``a.weight`` read early in the forward through ``detach()`` (saved for backward), then used as a layer later: its
+    gradient lands before the early read's node runs, and a hook waits there for the pass's worker (which uploaded it)."""
+
+    def training_step(self, batch, batch_idx):
+        x = torch.tanh(self.inp(batch[0]))
+        y = torch.nn.functional.linear(x, self.a.weight.detach())
+        if self.trainer.strategy._pass is not None:
+            y.register_hook(lambda g: self.trainer.strategy._pass.barrier())
+        x = torch.tanh(self.a(torch.tanh(self.b(x + y))))
+        return torch.nn.functional.mse_loss(self.head(x).float(), batch[1].float())
+
+
+@pytest.mark.parametrize("progress", [None, "eager"])
+def test_a_weight_saved_through_detach_and_read_after_its_upload_gets_our_error(uploads, progress):
+    _fit("serial", DetachedRead, progress=progress)  # plain maths: trains
+    with pytest.raises(RuntimeError, match=r"autograd found a tensor it saved for backward changed in place.*"
+                                           r"`detach\(\)`.*host_pass='serial'") as raised:
+        _fit("overlap", DetachedRead, progress=progress)
+    assert "modified by an inplace operation" in str(raised.value.__cause__)

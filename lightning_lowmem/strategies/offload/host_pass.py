@@ -32,17 +32,8 @@ slots as the bucket ends (``stager``): the upload after the step only queues the
 compute-dtype cast of every weight is off the critical path with the step. The plain CPU path has no staging: there
 the compute weights are in host RAM and the cast into them is the upload.
 
-[upload in backward] From the second window on (``uploader``), each bucket that steps during backward also goes into
-its compute weights at once (CUDA: a copy queued on the side stream, DMA while backward computes; the plain CPU path:
-the cast itself, on the worker), so what is left to upload at the step is the final buckets. Exact because a weight's
-gradient hook fires after every node of the backward that reads it has run: nothing in this backward reads it again.
-Except where a gradient arrives twice in one backward (a weight shared by two reentrant-checkpointed blocks: the
-second block's recompute reads the weight after its first gradient landed): the first window, which never uploads,
-finds that, and then the run never uploads during backward; found later (the graph changed), after the weight was
-uploaded, the step cannot be exact and ``arrived`` raises (loud, never silent). A restore puts the uploaded weights
-back from the masters it put back; a compute weight written by other code is never uploaded over. The hazard left: a
-weight read in backward without autograd knowing (saved through ``.data``, read by a module's backward hook) sees the
-new value; one saved through ``detach()`` shares the version counter the upload bumps, and autograd raises.
+From the second window on each bucket that steps during backward is also uploaded into its compute weights at once
+(``uploader``): see [upload in backward] in :mod:`~lightning_lowmem.strategies.offload.host_pass_uploads`.
 
 Cost: host RAM for the copies (4 B/param for the master plus the optimizer state, 8 B/param for AdamW) of every
 master it steps speculatively, kept between steps and reused (``lowmem_offload``'s host-RAM check counts every
@@ -83,6 +74,7 @@ from torch.optim import Optimizer
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.strategies.offload.host_pass_copies import KeptCopies, WorkingGrads
+from lightning_lowmem.strategies.offload.host_pass_uploads import BackwardUploads
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.transfer import StreamTransfer
@@ -111,7 +103,7 @@ class HostPass:
         self._kept = KeptCopies()
         self._working = WorkingGrads()  # value clipping, fp16: one bucket's working gradients
         self._expect: dict[int, int] = {}  # master -> fp32 bytes: the gradients the last armed backward handed over
-        self._rereads = False  # a gradient arrived twice in one backward: no upload during backward (see [upload in backward])
+        self._uploads = BackwardUploads(lambda i: masters.names[i])
         self.armed = False
         self._clear()
 
@@ -124,8 +116,7 @@ class HostPass:
         self.guard = False
         self.stager: StreamTransfer | None = None
         self.uploader: Uploader | None = None
-        self.uploaded: set[int] = set()  # masters whose compute weights the worker wrote in this backward
-        self._arrived: set[int] = set()
+        self._uploads.clear()
         self._skipped: list[str] = []  # what the real gradients did not get because the pass stood in for it
         self.finished = False
         self.failed: str | None = None  # why the speculation does not stand (restored, or to restore)
@@ -163,41 +154,29 @@ class HostPass:
         self.optimizer, self.clip_norm, self.guard, self.armed = optimizer, clip_norm, guard, True
         self.clip_value = None if clip_value is None else float(clip_value)
         self.scaler, self.settle, self.stager = scaler, settle, stager
-        self.uploader = uploader if self._expect and not self._rereads else None
+        self.uploader = uploader if self._expect and not self._uploads.rereads else None
         # NOTE: where each parameter sits in the groups, once per window: a bucket's subset of the groups is built from
         # it (a scan of every group per bucket cost ~4 % of the worker's time for 2400 parameters in 120 buckets)
         self._where = {id(p): (g, k) for g, group in enumerate(optimizer.param_groups) for k, p in enumerate(group["params"])}
 
+    @property
+    def uploaded(self) -> set[int]:
+        """Masters whose compute weights the worker uploaded in this backward (see [upload in backward])."""
+        return self._uploads.uploaded
+
     def arrived(self, i: int) -> None:
-        """Master ``i``'s gradient hook fired (on the autograd thread, as it fires: the gradient may reach
-        :meth:`submit` later). A second time in one backward after the worker uploaded the weight raises: the backward
-        in between may have read the new weight (see [upload in backward])."""
-        if not self.armed or self.finished:
-            return
-        if i in self._arrived:
-            self._rereads = True
-            if i in self.uploaded:
-                raise RuntimeError(
-                    f"lowmem_offload(host_pass='overlap'): the gradient of `{self.masters.names[i]}` arrived twice in "
-                    "one backward, after its new value was uploaded: the backward in between (a weight shared by two "
-                    "reentrant-checkpointed blocks recomputes it) may have read the new weight, so this step cannot "
-                    "match plain Lightning's. The first steps showed no such weight (the graph changed). Checkpoint "
-                    "without reentrancy (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; Hugging Face: "
-                    "`gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`) or pass "
-                    "`OffloadStrategy(host_pass='serial')`.")
-        self._arrived.add(i)
+        """Master ``i``'s gradient hook fired (autograd thread; the gradient may reach :meth:`submit` later)."""
+        if self.armed and not self.finished:
+            self._uploads.arrive(i)
 
     def written(self, indices: list[int]) -> None:
-        """Other code wrote compute weights ``indices`` in this window (found at the step): the pass is undone. One the
-        worker had uploaded already may have been written from its new value: raise (see [upload in backward])."""
-        late = sorted(self.uploaded.intersection(indices))
-        if late:
-            raise RuntimeError(
-                f"lowmem_offload(host_pass='overlap'): `{self.masters.names[late[0]]}` was written in place during "
-                "backward (by a hook?) after the pass had uploaded its new value: the write may have read that value, "
-                "so this step cannot match plain Lightning's. Write weights in `on_train_batch_end` (or under `with "
-                "trainer.strategy.masters_view(write_back=True):`), or pass `OffloadStrategy(host_pass='serial')`.")
+        """Other code wrote compute weights ``indices`` in this window (found at the step): the pass is undone."""
+        self._uploads.check_written(indices)
         self.restore("compute weights written by other code before the step")
+
+    def explain(self, err: RuntimeError) -> RuntimeError | None:
+        """Ours for autograd's in-place error in a backward in which the worker uploaded weights (else None)."""
+        return self._uploads.explain(err) if self.armed else None
 
     def submit(self, i: int, grad: Tensor, nbytes: int = 0) -> bool:
         """Hand master ``i``'s gradient to the worker (it folds it); False when not armed (the caller folds).
@@ -296,7 +275,7 @@ class HostPass:
             # NOTE: those compute weights hold the speculative step: back to the masters put back (the step that follows
             # may be skipped, or never come)
             self.uploader(sorted(self.uploaded), False)
-        self.uploaded = set()
+        self.uploaded.clear()
         self._redo_skipped()
 
     @torch.no_grad()

@@ -95,6 +95,16 @@ class HostStep:
         return out
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        except RuntimeError as err:
+            ours = self._pass.explain(err) if self._pass is not None else None  # NOTE: the host pass's upload
+            if ours is None:
+                raise
+            raise ours from err
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._reused is not None:
             self._reused.new_step()
@@ -419,8 +429,7 @@ class HostStep:
             self._transfer.eager, self._transfer.barrier = True, self._pass.barrier  # type: ignore[union-attr]
 
     def _disarm_pass(self) -> frozenset[int]:
-        """End the host pass's window; return the masters it uploaded when the step took its result (the upload after
-        the step leaves them out)."""
+        """End the host pass's window; return the masters it uploaded when the step took its result (none left)."""
         if self._pass is None or not self._pass.armed:
             return frozenset()
         uploaded = frozenset(self._pass.uploaded if self._pass.taken else ())
@@ -431,9 +440,8 @@ class HostStep:
         return uploaded
 
     def _upload_now(self, indices: list[int], worker: bool) -> None:
-        """The host pass's uploader: masters ``indices`` into their compute weights now (``worker``: a bucket stepped
-        during backward; else weights put back by a restore). A compute weight written by other code since it was noted
-        keeps the write (the step finds and adopts it)."""
+        """The host pass's uploader: masters ``indices`` into their compute weights now (``worker``: stepped during
+        backward; else put back by a restore). A compute weight written by other code keeps the write (the step adopts it)."""
         assert self._transfer is not None
         masters = self._masters
         written = set(masters.device_writes(indices))
@@ -445,7 +453,6 @@ class HostStep:
         masters.note_device([i for i, _, _ in pairs])
 
     def _weights_to_device(self, optimizer: Optimizer, uploaded: frozenset[int] = frozenset()) -> None:
-        """Upload the masters ``optimizer`` steps, but those the host pass ``uploaded`` during backward."""
         self._to_compute([pair for pair in self._masters.pairs(optimizer) if pair[0] not in uploaded])
 
     def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
