@@ -59,20 +59,16 @@ def _host_step(name: str) -> Any:
             steps = [m for m in clock.steps[s.warmup:] if a in m and b in m]
             host = c.median([1e3 * (m[b][0] - m[a][0]) for m in steps])
             gpu = c.median([m[a][1].elapsed_time(m[b][1]) for m in steps if m[a][1] is not None])
-            rows.append({"mode": name, "phase": phase, "gpu_ms": _r(gpu), "host_ms": _r(host)})
+            rows.append({"mode": name, "phase": phase, "gpu_ms": c._round(gpu), "host_ms": c._round(host)})
         rows.append({"mode": name, "phase": "median step (start to next start)",
-                     "gpu_ms": _r(1e3 * step["gpu_s"] if step["gpu_s"] else None),
-                     "host_ms": _r(1e3 * step["host_s"] if step["host_s"] else None), **c.cuda_peaks()})
+                     "gpu_ms": c._round(1e3 * step["gpu_s"] if step["gpu_s"] else None),
+                     "host_ms": c._round(1e3 * step["host_s"] if step["host_s"] else None), **c.cuda_peaks()})
         return {"rows": rows, "notes": [(
             f"{s.label}, batch {s.batch}x{s.seq}, lowmem_offload bf16-true {kwargs}"
             f"{', upload at the step' if at_step else ''}, torch AdamW fused on the host, {s.steps} steps, first "
             f"{s.warmup} left out; on {ctx.device}. 'after backward' is what is left of the host step.")]}
 
     return entry
-
-
-def _r(x: float | None) -> float | None:
-    return None if x is None else round(x, 2)
 
 
 ENTRIES = [Entry(f"host_step[{name}]", 90, _host_step(name),

@@ -50,7 +50,7 @@ class HostTransfer:
 
     def upload(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], compute: Any = None) -> None:
         """:meth:`weights_to_device` from the host pass's worker during backward (see [upload in backward] in
-        ``host_pass.py``); ``compute``: the stream backward runs on (the copies wait for its work so far)."""
+        ``host_pass_uploads.py``); ``compute``: the stream backward runs on (the copies wait for its work so far)."""
         self.weights_to_device(pairs)
 
 
@@ -235,10 +235,7 @@ class StreamTransfer(HostTransfer):
         NOTE: [staged weights] holds for these slots too: each read a gradient queued after the last upload from it.
         """
         ops = self.ops
-        for i, p_host, _ in pairs:
-            if i not in self._staged:
-                self._staging[i].copy_(p_host)
-                self._staged.add(i)
+        self.stage_weights([(i, p_host) for i, p_host, _ in pairs if i not in self._staged])
         ops.wait_stream(self.stream, compute if compute is not None else ops.compute_stream())
         for i, _, p_device in pairs:
             ops.copy(p_device, self._staging[i], self.stream)
