@@ -76,6 +76,12 @@ VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_cli
     "overlap, CUDA logic (stand-in)": ({"host_pass": "overlap"}, None, None, STAND_IN),
     "overlap, upload at the step, CUDA logic (stand-in)": ({"host_pass": "overlap", AT_STEP: True}, None, None,
                                                            STAND_IN),
+    # NOTE: offload_params (every block streamed from its host copy): the upload of a streamed weight is the rounding
+    # of its master into its host copy (here fp32 into fp32), which the next forward's fetch reads
+    "serial, offload_params": ({"host_pass": "serial", "offload_params": True}, None, None, PRECISION),
+    "overlap, offload_params": ({"host_pass": "overlap", "offload_params": True}, None, None, PRECISION),
+    "overlap, offload_params, upload at the step": ({"host_pass": "overlap", "offload_params": True, AT_STEP: True},
+                                                    None, None, PRECISION),
     # NOTE: optimizer_in_backward steps each master on a host worker on the CUDA path (in the hook on the plain CPU
     # path); "autograd thread" runs it in the hook there too (HostWorker.submit made inline for that variant alone)
     "in backward (CPU path: in the hook)": ({"optimizer_in_backward": True}, None, None, PRECISION),
@@ -226,7 +232,7 @@ def kernel_s(shapes, repeat: int = 3) -> float:
 def bytes_per_param(variant: str, last: float) -> tuple[float, float] | None:
     """(bytes touched per parameter per step, of which after backward) by the passes the code makes (fp32 compute;
     None for the stand-in's bf16); ``last``: the fraction of the parameters in the overlapped pass's final buckets."""
-    if "stand-in" in variant or variant.startswith(("in backward", "delayed")):
+    if "stand-in" in variant or "offload_params" in variant or variant.startswith(("in backward", "delayed")):
         return None
     fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
     value, clip, fp16 = "value clip" in variant, "clip" in variant, "fp16" in variant
@@ -329,6 +335,14 @@ def main() -> None:
          "the upload only copies). Here backward and the worker share the 2 cores; on a GPU the autograd thread only "
          "queues kernels, and a step there delays the queueing of the next ones. On the plain CPU path the step stays "
          f"in the hook: {by['in backward (CPU path: in the hook)']['step_ms']:.1f} ms ({PRECISION})."),
+        (f"offload_params (every block streamed from its host copy, {PRECISION}): host after backward overlap "
+         f"{by['overlap, offload_params']['x_kernel']:.2f}x vs {by['overlap, offload_params, upload at the step']['x_kernel']:.2f}x "
+         f"with the upload at the step vs serial {by['serial, offload_params']['x_kernel']:.2f}x the kernel; step time "
+         f"{by['overlap, offload_params']['x_plain']:.2f}x vs {by['overlap, offload_params, upload at the step']['x_plain']:.2f}x "
+         f"vs {by['serial, offload_params']['x_plain']:.2f}x plain (resident). A streamed weight's upload rounds its "
+         "master into its host copy, which the next forward's fetch reads: during backward the worker does it for each "
+         "bucket as it steps; at the step it waits for the stream's fetches first (no bytes_touched: the fetches add "
+         "their crossings)."),
         (f"delayed (host_pass='delayed', one step stale: changes what is trained): step time "
          f"{by['delayed']['step_ms']:.1f} ms = {by['delayed']['x_plain']:.2f}x plain vs serial "
          f"{by['serial']['x_plain']:.2f}x; host after backward {by['delayed']['x_kernel']:.2f}x the kernel (the fold, "

@@ -165,6 +165,8 @@ FLAGS: list[Flag] = [
          slice=False),
     Flag("lowmem_offload(optimizer_in_backward)@32-true", offload(optimizer_in_backward=True), "32-true"),
     Flag("lowmem_offload_params@32-true", offload(offload_params=True), "32-true"),
+    Flag("lowmem_offload_params(host_pass=overlap)@32-true", offload(offload_params=True, host_pass="overlap"),
+         "32-true", slice=False),
     Flag("lowmem_offload_params@bf16-mixed", offload(offload_params=True), "bf16-mixed", ref=Ref("bf16-mixed")),
     Flag("lowmem_offload_params@bf16-true", offload(offload_params=True), "bf16-true", ref=B16, compare="precision",
          reason=R_MASTERS.format(p="bf16-true")),

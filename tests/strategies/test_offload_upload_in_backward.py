@@ -92,13 +92,15 @@ class Uses(L.LightningModule):
 def uploads(monkeypatch):
     """Small buckets; the masters the worker uploaded during backward and its threads, and the pairs the step uploaded."""
     monkeypatch.setattr(host_pass_module, "BUCKET_BYTES", 4 * 300)
-    seen = {"worker": 0, "threads": set(), "restored": 0, "at_step": []}
+    seen = {"worker": 0, "streamed": 0, "threads": set(), "restored": 0, "at_step": []}
     upload_now, to_device = HostStep._upload_now, HostStep._weights_to_device
 
     def counting_upload(self, indices, worker):
         if worker:
             seen["worker"] += len(indices)
             seen["threads"].add(threading.get_ident())
+            streamed = self._stream.shapes if self._stream is not None else {}
+            seen["streamed"] += sum(id(self._masters.p_device[i]) in streamed for i in indices)
         else:
             seen["restored"] += len(indices)
         return upload_now(self, indices, worker)
@@ -239,3 +241,47 @@ def test_a_weight_saved_through_detach_and_read_after_its_upload_gets_our_error(
                                            r"`detach\(\)`.*host_pass='serial'") as raised:
         _fit("overlap", DetachedRead, progress=progress)
     assert "modified by an inplace operation" in str(raised.value.__cause__)
+
+
+def _fit_streamed(mode, kind, checkpointing, progress, **trainer_kw):
+    """``lowmem_offload_params`` (every block streamed from its host copy) on a tiny GPT-2 (tied embeddings) or LLaMA."""
+    from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+    from tests.helpers.models import random_batch, tiny_lm_module
+
+    torch.manual_seed(0)
+    config = {"n_layer": 3, "n_embd": 32} if kind == "gpt2" else {"num_hidden_layers": 3, "hidden_size": 32}
+    module = tiny_lm_module(kind, config=config, learning_rate=1e-2)
+    trainer = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(host_pass=mode, offload_params=True),
+                        precision="bf16-true", max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ActivationCheckpointing("all")] if checkpointing else [], **trainer_kw)
+    batches = [random_batch(2, 16, seed=i) for i in range(4)]
+    ops = (lambda: DeferredOps(progress, seed=1)) if progress is not None else None
+    with warnings.catch_warnings(), cpu_stand_in(ops):
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    state = trainer.optimizers[0].state
+    return [t.detach().clone() for p in module.parameters() for t in (p, *state[p].values())]
+
+
+@pytest.mark.parametrize("kind, checkpointing, progress", [("gpt2", False, None), ("gpt2", True, "random"),
+                                                           ("llama", True, "eager"), ("llama", False, "random")])
+def test_streamed_blocks_round_into_their_host_copies_during_backward_exactly(uploads, kind, checkpointing, progress):
+    """``offload_params``: a streamed weight's upload is its host copy, which the next forward's fetch reads; its
+    block's fetches in this backward were done before its gradient landed, so the worker rounds it there at once."""
+    serial = _fit_streamed("serial", kind, checkpointing, progress)
+    assert uploads["worker"] == 0
+    overlap = _fit_streamed("overlap", kind, checkpointing, progress)
+    assert len(serial) == len(overlap)
+    for a, b in zip(serial, overlap):
+        assert torch.equal(a, b)
+    assert uploads["streamed"] > 0 and threading.get_ident() not in uploads["threads"]
+    assert uploads["restored"] == 0
+
+
+def test_streamed_blocks_uploaded_during_backward_are_put_back_by_a_restore(uploads):
+    serial = _fit_streamed("serial", "gpt2", True, "random", gradient_clip_val=1e-3)
+    overlap = _fit_streamed("overlap", "gpt2", True, "random", gradient_clip_val=1e-3)
+    for a, b in zip(serial, overlap):
+        assert torch.equal(a, b)
+    assert uploads["streamed"] > 0 and uploads["restored"] > 0

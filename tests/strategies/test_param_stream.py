@@ -21,8 +21,9 @@ from lightning_lowmem.callbacks.activation_checkpointing.callback import Activat
 from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.measure.tracker import MemoryTracker
-from lightning_lowmem.strategies.offload.param_stream import ParamStream, plan_resident
+from lightning_lowmem.strategies.offload.param_stream import ParamStream
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
+from lightning_lowmem.strategies.offload.stream_plan import plan_resident
 from tests.helpers.models import random_batch
 from tests.helpers.runif import RunIf
 

@@ -53,7 +53,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -203,4 +205,44 @@ class DelayedLanding(Callback):
         self.land()
 
 
-__all__ = ["DelayedLanding", "DelayedStep", "delayed_problems", "why_not_delayed"]
+class DelayedUpdate:
+    """The delayed update's part of ``OffloadStrategy``'s step (a mixin of ``HostStep``): hand a window's step to
+    :class:`DelayedStep`, land it (wait, then upload what it stepped), and land it early for the callbacks."""
+
+    host_pass: str
+    _masters: HostMasters
+
+    @functools.cached_property
+    def _delayed(self) -> DelayedStep:
+        return DelayedStep()
+
+    def _delay(self, optimizer: Optimizer) -> None:
+        """host_pass="delayed": hand this window's step to the worker (the last one landed in `_host_step`)."""
+        reason = why_not_delayed(optimizer)
+        if reason is not None:
+            raise ValueError(f"`OffloadStrategy(host_pass='delayed')` cannot step `{type(optimizer).__name__}`: {reason}. "
+                             "Use `host_pass='serial'` (or 'overlap').")
+        self._pick_kernel(optimizer)  # type: ignore[attr-defined]
+        self._delayed.submit(optimizer, self._masters)
+
+    def _land_delayed(self) -> None:
+        """The delayed step lands: wait for it, then upload the weights it stepped (nothing when none is due).
+
+        NOTE: only between a backward and the next forward (the step, the hooks of `DelayedLanding`, a checkpoint): the
+        upload writes the compute weights in place, which a forward's saved tensors still waiting for backward read."""
+        optimizer = self._delayed.take_due()
+        if optimizer is not None:
+            self._mark_state(optimizer)  # type: ignore[attr-defined]
+            self._weights_to_device(optimizer)  # type: ignore[attr-defined]
+
+    def _land_early(self, trainer: pl.Trainer) -> Callable[[], None]:
+        """host_pass="delayed": a callback first in ``trainer.callbacks`` lands the step before the others' epoch-end,
+        validation and train-end hooks; return its removal."""
+        if self.host_pass != "delayed":
+            return lambda: None
+        landing = DelayedLanding(self._land_delayed)
+        trainer.callbacks.insert(0, landing)
+        return lambda: trainer.callbacks.remove(landing) if landing in trainer.callbacks else None
+
+
+__all__ = ["DelayedLanding", "DelayedStep", "DelayedUpdate", "delayed_problems", "why_not_delayed"]

@@ -15,7 +15,9 @@ found, none assumed away (:class:`BackwardUploads` keeps the books):
 - a weight saved for backward through ``detach()`` and read after its gradient landed: it shares the version counter
   the upload bumps, so autograd raises; :meth:`BackwardUploads.explain` names our upload as the cause.
 
-A restore puts the uploaded weights back from the masters it put back. The hazard left: code that reads a weight in
+Under ``offload_params`` a streamed weight's upload rounds its master into its host copy, read by the next forward's
+fetch (see ``upload_in_backward`` in :mod:`~lightning_lowmem.strategies.offload.stream_values`). A restore puts the
+uploaded weights back from the masters it put back. The hazard left: code that reads a weight in
 backward without autograd knowing (a module's backward hook, a tensor saved through ``.data``) sees the new value.
 """
 

@@ -27,12 +27,12 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
-from lightning_lowmem.strategies.offload.delayed_step import DelayedLanding, DelayedStep, why_not_delayed
+from lightning_lowmem.strategies.offload.delayed_step import DelayedUpdate
 from lightning_lowmem.strategies.offload.host_pass_checks import trainer_clip, why_serial
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
-from lightning_lowmem.strategies.offload.stream_values import copy_to_compute, value_of
+from lightning_lowmem.strategies.offload.stream_values import copy_to_compute, upload_in_backward, value_of
 from lightning_lowmem.strategies.offload.transfer import HostTransfer, StreamTransfer, transfer_for
 
 IN_BACKWARD_BYTES = 32 * 2**20  # optimizer_in_backward: gradient bytes the host worker's queue may keep alive
@@ -42,7 +42,7 @@ class NonFiniteGradientError(FloatingPointError):
     """``lowmem_offload`` refused to step on non-finite (inf/nan) gradients (``nonfinite="raise"``, or too many skips)."""
 
 
-class HostStep:
+class HostStep(DelayedUpdate):
     """The step of ``OffloadStrategy`` (see the module docstring)."""
 
     # --- the step --------------------------------------------------------------------------------------------
@@ -355,39 +355,6 @@ class HostStep:
         self._in_backward.close()
         self._delayed.close()
 
-    # --- the delayed update (strategies/offload/delayed_step.py) ----------------------------------------------------
-    @functools.cached_property
-    def _delayed(self) -> DelayedStep:
-        return DelayedStep()
-
-    def _delay(self, optimizer: Optimizer) -> None:
-        """host_pass="delayed": hand this window's step to the worker (the last one landed in `_host_step`)."""
-        reason = why_not_delayed(optimizer)
-        if reason is not None:
-            raise ValueError(f"`OffloadStrategy(host_pass='delayed')` cannot step `{type(optimizer).__name__}`: {reason}. "
-                             "Use `host_pass='serial'` (or 'overlap').")
-        self._pick_kernel(optimizer)
-        self._delayed.submit(optimizer, self._masters)
-
-    def _land_delayed(self) -> None:
-        """The delayed step lands: wait for it, then upload the weights it stepped (nothing when none is due).
-
-        NOTE: only between a backward and the next forward (the step, the hooks of `DelayedLanding`, a checkpoint): the
-        upload writes the compute weights in place, which a forward's saved tensors still waiting for backward read."""
-        optimizer = self._delayed.take_due()
-        if optimizer is not None:
-            self._mark_state(optimizer)
-            self._weights_to_device(optimizer)
-
-    def _land_early(self, trainer: pl.Trainer) -> Callable[[], None]:
-        """host_pass="delayed": a callback first in ``trainer.callbacks`` lands the step before the others' epoch-end,
-        validation and train-end hooks; return its removal."""
-        if self.host_pass != "delayed":
-            return lambda: None
-        landing = DelayedLanding(self._land_delayed)
-        trainer.callbacks.insert(0, landing)
-        return lambda: trainer.callbacks.remove(landing) if landing in trainer.callbacks else None
-
     # --- the overlapped host pass (strategies/offload/host_pass.py) ------------------------------------------------
     def _fold(self, i: int, grad: Tensor) -> None:
         """The gradient sink: to the host pass's worker while it is armed, else folded here."""
@@ -416,11 +383,11 @@ class HostStep:
         # NOTE: only the unscale and the value clip are left off the real gradients by a pass that stands
         settle = (scaler is not None or clip_value is not None) and bool(reads_grads_after_step(trainer.callbacks, model))
         staged = isinstance(self._transfer, StreamTransfer)
-        # NOTE: a streamed weight's step rounds its master into its host copy, not a staging slot (`copy_to_compute`)
-        resident = self._stream is None  # NOTE: a streamed weight's upload is its host copy, read by the next fetch
+        # NOTE: a streamed weight's upload rounds its master into its host copy, not a staging slot (`copy_to_compute`)
+        resident = self._stream is None
         self._pass.arm(optimizer, clip_norm=clip_norm, clip_value=clip_value, guard=self._guarding(), scaler=scaler,
                        settle=settle, stager=self._transfer if staged and resident else None,  # type: ignore[arg-type]
-                       uploader=self._upload_now if resident else None)
+                       uploader=self._upload_now)
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
         self.precision_plugin.unscale_check = self._pass.unscale_stands if scaler is not None else None  # type: ignore[attr-defined]
         # NOTE: the stream backward runs on, as this thread sees it (the worker's current stream may be another)
@@ -447,10 +414,10 @@ class HostStep:
         written = set(masters.device_writes(indices))
         pairs = [(i, masters.p_host[i], masters.p_device[i]) for i in indices if i not in written]
         if worker:
-            self._transfer.upload(pairs, self._compute_stream)
+            upload_in_backward(self._transfer, self._stream, pairs, self._compute_stream)
         else:
-            self._transfer.weights_to_device(pairs)
-        masters.note_device([i for i, _, _ in pairs])
+            copy_to_compute(self._transfer, self._stream, pairs)
+        self._note_device([i for i, _, _ in pairs])
 
     def _weights_to_device(self, optimizer: Optimizer, uploaded: frozenset[int] = frozenset()) -> None:
         self._to_compute([pair for pair in self._masters.pairs(optimizer) if pair[0] not in uploaded])

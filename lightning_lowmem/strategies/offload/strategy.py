@@ -54,9 +54,10 @@ from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
 from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
 from lightning_lowmem.strategies.offload.masters_view import MastersView, wrap_finetuning, wrap_hooks
 from lightning_lowmem.strategies.offload.packed_weights import give_back_streamed
-from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream, default_budget, plan_stream
+from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.reused_grads import ReusedGrads
+from lightning_lowmem.strategies.offload.stream_plan import default_budget, plan_stream
 from lightning_lowmem.strategies.offload.transfer import HostTransfer
 
 log = logging.getLogger(__name__)
