@@ -346,8 +346,8 @@ def main() -> None:
         (f"delayed (host_pass='delayed', one step stale: changes what is trained): step time "
          f"{by['delayed']['step_ms']:.1f} ms = {by['delayed']['x_plain']:.2f}x plain vs serial "
          f"{by['serial']['x_plain']:.2f}x; host after backward {by['delayed']['x_kernel']:.2f}x the kernel (the fold, "
-         "the guard, the wait for the last window's step if the worker is behind, and the upload; the optimizer "
-         "kernel runs on the worker during the next window's forward and backward). CUDA logic (stand-in): "
+         "the wait for the last window's step if the worker is behind, and the upload; the guard, the clip and the "
+         "optimizer kernel run on the worker during the next window's forward and backward). CUDA logic (stand-in): "
          f"{by['delayed, CUDA logic (stand-in)']['step_ms']:.1f} ms, host after backward "
          f"{by['delayed, CUDA logic (stand-in)']['x_kernel']:.2f}x the kernel."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "

@@ -67,10 +67,10 @@ def _batches():
     return [(torch.randn(4, DIM, generator=g), torch.randn(4, 1, generator=g)) for _ in range(N_BATCHES)]
 
 
-def fit(*, epochs=2, accumulate=1, clip=None, host_pass="delayed", callbacks=(), **net_kw):
+def fit(*, epochs=2, accumulate=1, clip=None, host_pass="delayed", callbacks=(), net=Net, strategy_kw=None, **net_kw):
     torch.manual_seed(0)
-    module = Net(**net_kw)
-    strategy = OffloadStrategy(host_pass=host_pass, host_optimizer="as_is")
+    module = net(**net_kw)
+    strategy = OffloadStrategy(host_pass=host_pass, host_optimizer="as_is", **(strategy_kw or {}))
     trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="32-true", max_epochs=epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=list(callbacks))
@@ -161,6 +161,63 @@ def test_a_skipped_step_lands_the_pending_one():
     _equal(weights, want_weights)
     _equal(state, want_state)
     assert strategy.skipped_steps == 1
+
+
+def test_the_clip_and_the_guard_run_on_the_worker(monkeypatch):
+    """Off the critical path: the main thread neither clips nor reads the gradients for the guard."""
+    from lightning_lowmem.strategies.offload.masters import HostMasters
+
+    want_weights, want_state = reference(clip=0.05, nan_at=3)
+    clip_threads, guard_threads = [], []
+    clip, guard = torch.nn.utils.clip_grad_norm_, HostMasters.nonfinite_grads
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **k: clip_threads.append(threading.get_ident()) or clip(*a, **k))
+    monkeypatch.setattr(HostMasters, "nonfinite_grads",
+                        lambda *a, **k: guard_threads.append(threading.get_ident()) or guard(*a, **k))
+    _, weights, state, _ = fit(clip=0.05, nan_at=3)
+    _equal(weights, want_weights)
+    _equal(state, want_state)
+    assert len(clip_threads) == 2 * N_BATCHES and threading.get_ident() not in clip_threads
+    assert not guard_threads  # NOTE: the worker checks the stand-ins' gradients itself
+
+
+class ClipsItself(Net):
+    """Overrides ``configure_gradient_clipping`` and reads the gradients after its clip (so it clips on the main
+    thread, before the step is handed over): the norms it saw."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen: list[float] = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.seen.append(float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+
+
+def test_an_overridden_configure_gradient_clipping_clips_before_the_step_is_handed_over():
+    module, weights, state, _ = fit(clip=0.05, net=ClipsItself)
+    want_weights, want_state = reference(clip=0.05)
+    _equal(weights, want_weights)
+    _equal(state, want_state)
+    assert len(module.seen) == 2 * N_BATCHES and max(module.seen) <= 0.05 * (1 + 1e-5)
+
+
+def test_nonfinite_raise_comes_when_the_step_lands_naming_its_global_step():
+    from lightning_lowmem.strategies.offload.host_step import NonFiniteGradientError
+
+    with pytest.raises(NonFiniteGradientError, match=r"at global step 3 in `net\.0\.weight`"):
+        fit(nan_at=3, strategy_kw={"nonfinite": "raise"})
+
+
+def test_consecutive_skips_are_counted_as_the_steps_land():
+    from lightning_lowmem.strategies.offload.host_step import NonFiniteGradientError
+
+    class AlwaysNan(Net):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * float("nan")
+
+    with pytest.raises(NonFiniteGradientError, match=r"2 optimizer steps in a row .*the last at global step 1,"):
+        fit(net=AlwaysNan, strategy_kw={"max_consecutive_skips": 2})
 
 
 class ReadsWeights(L.Callback):

@@ -8,20 +8,25 @@ is handed to the worker. So window ``t+1``'s gradients are taken at the weights 
     w[t+1] = step(w[t], g(w[t-1]))      (one step stale; plain training has g(w[t]))
 
 This changes what is trained: it is not the serial step bit for bit, and is off by default. Each delayed step is the
-serial step's maths for the gradients it is given: clipped, unscaled (fp16) and checked for non-finite values as
-serially (on the main thread, before it is handed over), with the hyperparameters (learning rate, ...) the param
-groups had then, so an LR scheduler stepping meanwhile changes the next step, as serially. Tested bit for bit against
-a plain-PyTorch loop written this way (``tests/strategies/test_offload_delayed_step.py``).
+serial step's maths for the gradients it is given: unscaled (fp16: on the main thread, the next window's loss scale
+depends on it), then clipped and checked for non-finite values on the worker, before the step, by the functions the
+serial step runs over the same gradients in the same order (a ``configure_gradient_clipping`` override clips on the
+main thread, before the hand-over: code there may read the clipped gradients), with the hyperparameters (learning
+rate, ...) the param groups had then, so an LR scheduler stepping meanwhile changes the next step, as serially. A step
+the guard skips is counted, warned or raised for (``nonfinite``, ``max_consecutive_skips``) when it lands, naming the
+global step it was taken at. Tested bit for bit against a plain-PyTorch loop written this way
+(``tests/strategies/test_offload_delayed_step.py``).
 
-What it buys: the optimizer kernel (AdamW: ~28 B/param read and written on the host) leaves the critical path
-whole; the fold, the non-finite guard, the clip and the upload stay on it.
+What it buys: the optimizer kernel (AdamW: ~28 B/param read and written on the host), the clip and the non-finite
+guard leave the critical path; the fold and the upload stay on it.
 
 Before anything else reads the masters or the optimizer state (a view of the masters for the user hooks and Lightning
 callbacks that see them, ``trainer.strategy.masters``), the step is waited for: they read it stepped, and the next
 window still computes on the weights before it (those hooks do not change what is trained). The step lands early
 (waited for, and its weights uploaded) at a checkpoint (so a run resumed from it continues exactly as the uninterrupted
 run did after saving it: both start the next window on landed weights), before validation, at the end of each training
-epoch and of training, and after a window whose step was skipped (fp16 overflow, non-finite gradient). So checkpoints,
+epoch and of training, and after a window that handed no step over (an fp16 overflow, a ``training_step`` that returned
+None: the last step lands before the next window as after any step). So checkpoints,
 validation and epochs change what is trained after them: their step lands one window early. Code that writes the
 compute weights while a step is on the worker (outside those views) is refused when it is found, before the next
 backward: the write and the pending step cannot both be kept.
@@ -53,19 +58,22 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
@@ -88,18 +96,23 @@ class DelayedStep:
         self.submitted = 0  # steps handed to the worker (tests)
         self._taken: dict[int, Tensor] = {}  # master -> the gradient buffer the pending step reads
         self._spare: dict[int, Tensor] = {}  # master -> a buffer the next window may fold into
+        #: (names of the first bad masters, how many, global step): the landed step found a non-finite gradient
+        self.skipped: tuple[list[str], int, Any] | None = None
 
-    def submit(self, optimizer: Optimizer, masters: HostMasters) -> None:
+    def submit(self, optimizer: Optimizer, masters: HostMasters, *, clip: tuple[float, Any] | None = None,
+               guard: bool = False, step: Any = "?") -> None:
         """Hand ``optimizer.step()`` over the masters' gradients as they are now to the worker (after :meth:`land`).
 
         The stand-ins share each master's storage (the step writes the masters) and its state dict (created here, on
         this thread, and filled by the step); the param groups are copies (a scheduler may change the real ones while
         the step runs). The next window folds into other buffers: ``masters.grad_host`` is swapped for the spare set.
+        On the worker, before the step: ``clip`` (``(clip_val, algorithm)``, Lightning's clip of the main parameters),
+        then with ``guard`` the non-finite check, which skips the step (:attr:`skipped` names it, for global ``step``).
         """
         if self.pending is not None:
             raise RuntimeError("DelayedStep.submit: a step is still pending; land it first.")
         state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
-        groups = []
+        groups, names = [], []
         for group in optimizer.param_groups:
             stand_ins = []
             for p_host in group["params"]:
@@ -110,6 +123,7 @@ class DelayedStep:
                 state[q] = optimizer.state[p_host]
                 stand_ins.append(q)
                 i = masters.host_index[id(p_host)]
+                names.append(masters.names[i])
                 # NOTE: p_host.grad is the master's buffer unless code kept it (see [kept gradient] in masters.py)
                 self._taken[i] = p_host.grad
                 spare = self._spare.pop(i, None)
@@ -125,7 +139,24 @@ class DelayedStep:
         self.pending = optimizer
         self.submitted += 1
         # NOTE: the class's step, not the instance attribute (an LR scheduler's wrapper bound to the real optimizer)
-        self._worker.submit(type(optimizer).step, shadow)
+        self._worker.submit(self._step, type(optimizer).step, shadow, clip, guard, names, step)
+
+    @torch.no_grad()
+    def _step(self, step_fn: Any, shadow: Optimizer, clip: tuple[float, Any] | None, guard: bool, names: list[str],
+              step: Any) -> None:
+        """The worker: the clip and the non-finite guard as serially (``MasterHalfPrecision.clip_gradients``, then
+        ``HostMasters.nonfinite_grads``: the same functions over the same gradients in the same order), then the step."""
+        params = [q for group in shadow.param_groups for q in group["params"]]
+        if clip is not None:
+            if clip[1] == GradClipAlgorithmType.VALUE:
+                torch.nn.utils.clip_grad_value_(params, clip_value=clip[0])
+            else:
+                torch.nn.utils.clip_grad_norm_(params, clip[0])
+        if guard and params and not bool(torch.stack(torch_internals.foreach_norm([q.grad for q in params])).isfinite().all()):
+            bad = [n for n, q in zip(names, params) if not bool(torch.isfinite(q.grad).all())]  # type: ignore[arg-type]
+            self.skipped = (bad[:3], len(bad) or 1, step)
+            return
+        step_fn(shadow)
 
     def land(self) -> None:
         """Wait for the pending step (re-raising its error): the masters and the optimizer state may be read now; its
@@ -211,27 +242,57 @@ class DelayedUpdate:
 
     host_pass: str
     _masters: HostMasters
+    _deferred_clip: tuple[float, Any] | None = None  # the Trainer's clip of this window, for the worker
 
     @functools.cached_property
     def _delayed(self) -> DelayedStep:
         return DelayedStep()
 
+    @contextlib.contextmanager
+    def _deferring_clip(self, model: pl.LightningModule) -> Iterator[None]:
+        """host_pass="delayed": inside, Lightning's gradient clip is recorded for the worker instead of run (unless
+        ``configure_gradient_clipping`` is overridden: code there may read the gradients after its clip)."""
+        precision = self.precision_plugin  # type: ignore[attr-defined]
+        if self.host_pass != "delayed" or is_overridden("configure_gradient_clipping", model, pl.LightningModule):
+            yield
+            return
+        self._deferred_clip = None
+        precision.clip_check = self._defer_clip
+        try:
+            yield
+        finally:
+            precision.clip_check = None
+
+    def _defer_clip(self, clip_val: float, algorithm: Any) -> bool:
+        self._deferred_clip = (float(clip_val), algorithm)
+        return True  # NOTE: `MasterHalfPrecision.clip_gradients` returns: the worker clips before the step
+
     def _delay(self, optimizer: Optimizer) -> None:
-        """host_pass="delayed": hand this window's step to the worker (the last one landed in `_host_step`)."""
+        """host_pass="delayed": hand this window's step (its clip and non-finite guard too) to the worker (the last one
+        landed in `_host_step`)."""
         reason = why_not_delayed(optimizer)
         if reason is not None:
             raise ValueError(f"`OffloadStrategy(host_pass='delayed')` cannot step `{type(optimizer).__name__}`: {reason}. "
                              "Use `host_pass='serial'` (or 'overlap').")
         self._pick_kernel(optimizer)  # type: ignore[attr-defined]
-        self._delayed.submit(optimizer, self._masters)
+        model = self.lightning_module  # type: ignore[attr-defined]
+        step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
+        clip, self._deferred_clip = self._deferred_clip, None
+        self._delayed.submit(optimizer, self._masters, clip=clip, guard=self._guarding(), step=step)  # type: ignore[attr-defined]
 
     def _land_delayed(self) -> None:
-        """The delayed step lands: wait for it, then upload the weights it stepped (nothing when none is due).
+        """The delayed step lands: wait for it, then upload the weights it stepped (nothing when none is due, or when
+        its guard skipped it: counted, warned or raised for here, as the serial step does at once).
 
         NOTE: only between a backward and the next forward (the step, the hooks of `DelayedLanding`, a checkpoint): the
         upload writes the compute weights in place, which a forward's saved tensors still waiting for backward read."""
         optimizer = self._delayed.take_due()
-        if optimizer is not None:
+        skipped, self._delayed.skipped = self._delayed.skipped, None
+        if skipped is not None:
+            names, count, step = skipped
+            self._nonfinite_step(names, count, self.lightning_module, step=step)  # type: ignore[attr-defined]
+        elif optimizer is not None:
+            self._consecutive_skips = 0
             self._mark_state(optimizer)  # type: ignore[attr-defined]
             self._weights_to_device(optimizer)  # type: ignore[attr-defined]
 

@@ -78,7 +78,9 @@ class HostStep(DelayedUpdate):
         else:
             self._arm_pass(optimizer, model)
             try:
-                out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step, **kwargs)
+                with self._deferring_clip(model):
+                    out = precision.optimizer_step(optimizer, model=model, closure=closure, step_fn=self._host_step,
+                                                   **kwargs)
             finally:
                 uploaded = self._disarm_pass()
         if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (strategies/offload/manual_grads.py)
@@ -141,11 +143,14 @@ class HostStep(DelayedUpdate):
         """Whether the guard runs: ``nonfinite != "ignore"`` and no fp16 loss scaler (which skips overflows itself)."""
         return self.nonfinite != "ignore" and getattr(self.precision_plugin, "scaler", None) is None
 
-    def _nonfinite_step(self, names: list[str], count: int, model: pl.LightningModule, whole: bool = True) -> None:
-        """Count a step skipped for non-finite gradients; warn once; raise per ``nonfinite``/``max_consecutive_skips``."""
+    def _nonfinite_step(self, names: list[str], count: int, model: pl.LightningModule, whole: bool = True,
+                        step: Any = None) -> None:
+        """Count a step skipped for non-finite gradients (at global ``step``: now); warn once; raise per
+        ``nonfinite``/``max_consecutive_skips``."""
         self.skipped_steps += 1
         self._consecutive_skips += 1
-        step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
+        if step is None:
+            step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
         what = ", ".join(f"`{n}`" if not n.startswith(("the ", "tensor ")) else n for n in names)
         more = f" and {count - len(names)} more" if count > len(names) else ""
         if self.nonfinite == "raise":
@@ -185,6 +190,9 @@ class HostStep(DelayedUpdate):
                 self._consecutive_skips = 0
             self._mark_state(optimizer)
             return None
+        if self.host_pass == "delayed":
+            self._delay(optimizer)  # NOTE: the guard runs on the worker (and the clip: see `_deferring_clip`)
+            return None
         if self._guarding():
             found = self._masters.nonfinite_grads(optimizer)
             if found is not None:
@@ -195,9 +203,6 @@ class HostStep(DelayedUpdate):
                 self._nonfinite_step(*found, self.lightning_module)  # type: ignore[arg-type]
                 return None
             self._consecutive_skips = 0
-        if self.host_pass == "delayed":
-            self._delay(optimizer)
-            return None
         return self._raw_step(optimizer)
 
     def _raw_step(self, optimizer: Optimizer) -> Any:
