@@ -104,6 +104,8 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
         dtype = torch.float32 if run.precision == "32-true" else torch.bfloat16
         staged = counts.get("staged_numels")
         staging = pinned_staging_bytes([(n, dtype) for n in (numels if staged is None else staged)])
+        if getattr(run.strategy, "host_pass", None) == "delayed" and getattr(run.strategy, "offload_params", None) is False:
+            staging *= 2  # NOTE: the landing slots (`StreamTransfer.landing_slots`)
         if staged is not None and extrapolated and counts.get("traced_params") and estimate.num_params:
             staging = int(staging * estimate.num_params / counts["traced_params"])  # NOTE: traced at a lower depth
     for bd in estimate.phases.values():

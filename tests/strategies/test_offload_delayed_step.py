@@ -333,6 +333,21 @@ def test_the_host_ram_check_counts_a_second_set_of_gradient_buffers():
         assert need["gradient_buffers"] == per_param * n
 
 
+def test_the_dry_run_counts_the_landing_slots_on_cuda():
+    """CUDA: the pinned landing slots the worker rounds into are a second set of staging buckets (planned by the
+    host-RAM check in ``test_deferred_pinned_staging_counted_exactly``); the dry run's CUDA correction counts them."""
+    from lightning_lowmem import estimate_memory
+
+    def staging(**kw):
+        est = estimate_memory({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}, 1, 16,
+                              precision="bf16-true", target="cuda", strategy=OffloadStrategy(**kw))
+        return next(c.bytes for c in est.corrections if c.name == "pinned_staging")
+
+    serial = staging(host_pass="serial")
+    assert serial > 0 and staging(host_pass="delayed") == 2 * serial
+    assert staging(host_pass="delayed", offload_params=True) == staging(offload_params=True)  # NOTE: landed by the host
+
+
 def test_the_worker_steps_over_stand_ins_and_gives_the_buffers_back():
     from lightning_lowmem.strategies.offload.masters import HostMasters
 
@@ -373,11 +388,18 @@ def test_resumes_in_a_new_process_identically(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["offload_params", "cuda_transfer_logic"])
-def test_parameter_streaming_and_the_cuda_transfer_logic_change_nothing(variant):
+def test_parameter_streaming_and_the_cuda_transfer_logic_change_nothing(variant, monkeypatch):
     """The delayed update on a GPT-2 whose blocks stream from the host, and on the CUDA transfer logic (the deferred
-    stand-in, copies landing in random order), equals it on the plain CPU path (bf16 compute weights)."""
+    stand-in, copies landing in random order), equals it on the plain CPU path (bf16 compute weights). On the CUDA
+    logic the worker rounds each stepped master into its landing slot, and the landing only queues their copies."""
     from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
+    from lightning_lowmem.strategies.offload.transfer import StreamTransfer
     from tests.helpers.models import random_batch, tiny_lm_module
+
+    staged_by, landed, stage_landing, land = [], [], StreamTransfer.stage_landing, StreamTransfer.land
+    monkeypatch.setattr(StreamTransfer, "stage_landing",
+                        lambda self, pairs: staged_by.append(threading.get_ident()) or stage_landing(self, pairs))
+    monkeypatch.setattr(StreamTransfer, "land", lambda self, pairs: landed.append((len(pairs), land(self, pairs))) or landed[-1][1])
 
     batches = [random_batch(2, 16, seed=i) for i in range(5)]
 
@@ -396,3 +418,9 @@ def test_parameter_streaming_and_the_cuda_transfer_logic_change_nothing(variant)
     plain = run()
     other = run(offload_params=True) if variant == "offload_params" else run(stand_in=True)
     _equal(other, plain)
+    if variant == "cuda_transfer_logic":
+        # NOTE: 4 steps land at the later steps, the 5th at the end of training; each lands every master
+        assert len(staged_by) == 5 and threading.get_ident() not in staged_by
+        assert len(landed) == 5 and all(n == len(got) > 0 for n, got in landed)
+    else:
+        assert not staged_by and not landed  # NOTE: the host copies the next window's fetches read: at the landing

@@ -18,7 +18,11 @@ global step it was taken at. Tested bit for bit against a plain-PyTorch loop wri
 (``tests/strategies/test_offload_delayed_step.py``).
 
 What it buys: the optimizer kernel (AdamW: ~28 B/param read and written on the host), the clip and the non-finite
-guard leave the critical path; the fold and the upload stay on it.
+guard leave the critical path; the fold and the upload stay on it. On CUDA the worker also rounds each stepped master
+into a landing slot of its own (``StreamTransfer.landing_slots``: the staging slots receive the next window's
+gradients meanwhile), so the landing only queues the copies; not under ``offload_params``, whose upload writes the
+host copies the next window's fetches read, nor on the plain CPU path, whose upload writes the compute weights the
+next window computes on.
 
 Before anything else reads the masters or the optimizer state (a view of the masters for the user hooks and Lightning
 callbacks that see them, ``trainer.strategy.masters``), the step is waited for: they read it stepped, and the next
@@ -32,7 +36,7 @@ compute weights while a step is on the worker (outside those views) is refused w
 backward: the write and the pending step cannot both be kept.
 
 Costs: a second set of fp32 gradient buffers (4 B/param of host RAM: window ``t+1`` folds into one while step ``t``
-reads the other), one worker thread.
+reads the other), on CUDA a second set of pinned staging buckets (2 B/param in bf16), one worker thread.
 
 Refused before the first step: optimizers other than torch's ``Adam``, ``AdamW`` and ``SGD`` (the step runs on stand-in
 tensors that share the masters' storage and optimizer state, which other optimizers may key otherwise: bitsandbytes'
@@ -43,6 +47,7 @@ while the worker reads them).
 Example:
     >>> import torch
     >>> from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.transfer import StreamTransfer
     >>> masters = HostMasters()
     >>> masters.build(torch.nn.Linear(2, 2), loading=False, precision=None, grad_buffers=True)
     >>> opt = torch.optim.SGD(masters.p_host, lr=0.5)
@@ -78,7 +83,10 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters import HostMasters
+from lightning_lowmem.strategies.offload.transfer import StreamTransfer
 
+#: ``stage(pairs)``: round the stepped masters ``(i, master)`` for their upload (the worker, after the step)
+Stage = Callable[[list[tuple[int, Tensor]]], None]
 # NOTE: exact types only: their state is keyed by the parameter and their options live in the param groups
 _DELAYABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -100,14 +108,15 @@ class DelayedStep:
         self.skipped: tuple[list[str], int, Any] | None = None
 
     def submit(self, optimizer: Optimizer, masters: HostMasters, *, clip: tuple[float, Any] | None = None,
-               guard: bool = False, step: Any = "?") -> None:
+               guard: bool = False, step: Any = "?", stage: Stage | None = None) -> None:
         """Hand ``optimizer.step()`` over the masters' gradients as they are now to the worker (after :meth:`land`).
 
         The stand-ins share each master's storage (the step writes the masters) and its state dict (created here, on
         this thread, and filled by the step); the param groups are copies (a scheduler may change the real ones while
         the step runs). The next window folds into other buffers: ``masters.grad_host`` is swapped for the spare set.
         On the worker, before the step: ``clip`` (``(clip_val, algorithm)``, Lightning's clip of the main parameters),
-        then with ``guard`` the non-finite check, which skips the step (:attr:`skipped` names it, for global ``step``).
+        then with ``guard`` the non-finite check, which skips the step (:attr:`skipped` names it, for global ``step``);
+        after it, ``stage`` rounds the stepped masters ``(i, master)`` for their upload (CUDA: the landing slots).
         """
         if self.pending is not None:
             raise RuntimeError("DelayedStep.submit: a step is still pending; land it first.")
@@ -139,11 +148,13 @@ class DelayedStep:
         self.pending = optimizer
         self.submitted += 1
         # NOTE: the class's step, not the instance attribute (an LR scheduler's wrapper bound to the real optimizer)
-        self._worker.submit(self._step, type(optimizer).step, shadow, clip, guard, names, step)
+        stepped = [(i, masters.p_host[i]) for i in self._taken] if stage is not None else []
+        self._worker.submit(self._step, type(optimizer).step, shadow, clip, guard, names, step,
+                            functools.partial(stage, stepped) if stage is not None else None)
 
     @torch.no_grad()
     def _step(self, step_fn: Any, shadow: Optimizer, clip: tuple[float, Any] | None, guard: bool, names: list[str],
-              step: Any) -> None:
+              step: Any, stage: Callable[[], None] | None) -> None:
         """The worker: the clip and the non-finite guard as serially (``MasterHalfPrecision.clip_gradients``, then
         ``HostMasters.nonfinite_grads``: the same functions over the same gradients in the same order), then the step."""
         params = [q for group in shadow.param_groups for q in group["params"]]
@@ -157,6 +168,8 @@ class DelayedStep:
             self.skipped = (bad[:3], len(bad) or 1, step)
             return
         step_fn(shadow)
+        if stage is not None:
+            stage()
 
     def land(self) -> None:
         """Wait for the pending step (re-raising its error): the masters and the optimizer state may be read now; its
@@ -278,7 +291,18 @@ class DelayedUpdate:
         model = self.lightning_module  # type: ignore[attr-defined]
         step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
         clip, self._deferred_clip = self._deferred_clip, None
-        self._delayed.submit(optimizer, self._masters, clip=clip, guard=self._guarding(), step=step)  # type: ignore[attr-defined]
+        self._delayed.submit(optimizer, self._masters, clip=clip, guard=self._guarding(), step=step,  # type: ignore[attr-defined]
+                             stage=self._landing_transfer().stage_landing if self._landing_transfer() else None)
+
+    def _landing_transfer(self) -> StreamTransfer | None:
+        """The CUDA transfer with its landing slots (see ``StreamTransfer.landing_slots``); None on the plain CPU path,
+        where the upload writes the compute weights the next window computes on, and under ``offload_params``, where it
+        writes the host copies the next window's fetches read: both at the landing."""
+        transfer = self._transfer  # type: ignore[attr-defined]
+        if not isinstance(transfer, StreamTransfer) or self._stream is not None:  # type: ignore[attr-defined]
+            return None
+        transfer.landing_slots()
+        return transfer
 
     def _land_delayed(self) -> None:
         """The delayed step lands: wait for it, then upload the weights it stepped (nothing when none is due, or when
@@ -294,7 +318,10 @@ class DelayedUpdate:
         elif optimizer is not None:
             self._consecutive_skips = 0
             self._mark_state(optimizer)  # type: ignore[attr-defined]
-            self._weights_to_device(optimizer)  # type: ignore[attr-defined]
+            transfer = self._landing_transfer()
+            landed = transfer.land(self._masters.pairs(optimizer)) if transfer is not None else frozenset()
+            self._note_device(sorted(landed))  # type: ignore[attr-defined]
+            self._weights_to_device(optimizer, landed)  # type: ignore[attr-defined]  # NOTE: the masters not rounded
 
     def _land_early(self, trainer: pl.Trainer) -> Callable[[], None]:
         """host_pass="delayed": a callback first in ``trainer.callbacks`` lands the step before the others' epoch-end,

@@ -89,8 +89,10 @@ def host_bytes_needed(
         "optimizer_state": state,
         "host_pass_copies": copies,
         # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
-        # (see [staging buckets]); on CPU: the compute weights share host RAM
-        "staging_or_compute_weights": planned_staging_bytes(strategy.root_device, specs),
+        # (see [staging buckets]), twice under host_pass="delayed" without streaming (its landing slots); on CPU: the
+        # compute weights share host RAM
+        "staging_or_compute_weights": planned_staging_bytes(
+            strategy.root_device, specs, landing=strategy.host_pass == "delayed" and strategy.offload_params is False),
         "streamed_weights": streamed_host_bytes(strategy.offload_params, module, dtype),
     }
     parts["total"] = sum(parts.values())

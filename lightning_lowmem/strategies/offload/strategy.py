@@ -100,7 +100,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             (see :mod:`~lightning_lowmem.strategies.offload.host_pass`, which names the cases that stay serial).
             ``"delayed"`` (opt in; DeepSpeed's delayed parameter update) steps each window on a host worker during the
             next window's forward and backward, which therefore compute on the weights before that step (one step
-            stale: this changes what is trained), +4 B/param of host RAM (see
+            stale: this changes what is trained), +4 B/param of host RAM (on CUDA +2 B/param more, pinned, in bf16; see
             :mod:`~lightning_lowmem.strategies.offload.delayed_step`, which says when the step lands early).
         check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers,
             the state of the optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD

@@ -101,16 +101,17 @@ def _bucket_sizes(specs: Sequence[tuple[int, torch.dtype]]) -> list[tuple[list[i
     return out
 
 
-def planned_staging_bytes(device: torch.device, specs: Sequence[tuple[int, torch.dtype]]) -> int:
+def planned_staging_bytes(device: torch.device, specs: Sequence[tuple[int, torch.dtype]], landing: bool = False) -> int:
     """Host bytes the transfer for ``device`` allocates for parameters ``(numel, compute dtype)``.
 
-    :class:`StreamTransfer`: its staging buckets, as the (pinned) allocator reserves them; :class:`HostTransfer`:
-    none of its own, the compute weights themselves are in host RAM (counted here).
+    :class:`StreamTransfer`: its staging buckets, as the (pinned) allocator reserves them, twice with ``landing`` (its
+    landing slots: ``host_pass="delayed"``); :class:`HostTransfer`: none of its own, the compute weights themselves are
+    in host RAM (counted here).
     """
     ops = CudaOps(device) if device.type == "cuda" else cpu_ops()
     if ops is None:
         return sum(n * torch.empty((), dtype=d).element_size() for n, d in specs)
-    return sum(ops.host_bytes(n) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
+    return (2 if landing else 1) * sum(ops.host_bytes(n) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
 
 
 def pinned_staging_bytes(specs: Sequence[tuple[int, torch.dtype]]) -> int:
@@ -136,16 +137,9 @@ class StreamTransfer(HostTransfer):
         self.stream = ops.side_stream()
         # NOTE: only these staging buffers are pinned (2 B/param in bf16): pinned memory is a scarce,
         # unswappable resource, and the fp32 masters / gradient buffers never cross PCIe. See [staging buckets].
-        staging: list[torch.Tensor | None] = [None] * len(params)
+        self._params = params
         self._buckets: list[torch.Tensor] = []
-        for sizes, slots, idx in _bucket_sizes([(p.numel(), p.dtype) for p in params]):
-            buckets = [ops.empty_host(n, torch.uint8) for n in sizes]
-            for i, (b, offset) in zip(idx, slots):
-                p = params[i]
-                staging[i] = buckets[b][offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            self._buckets += buckets
-        self._staging: list[torch.Tensor] = staging  # type: ignore[assignment]
-        mark_host(*self._buckets)
+        self._staging = self._slots()
         self._pending: deque[tuple[Any, int, Sink]] = deque()
         self._unread: set[int] = set()  # slots a queued copy writes that the host has not read yet
         self._h2d_done: Any = None
@@ -155,10 +149,60 @@ class StreamTransfer(HostTransfer):
         # read every slot handed to it (before a slot is rewritten)
         self.eager = False
         self.barrier: Callable[[], None] = lambda: None
+        self._landing: list[torch.Tensor] | None = None  # host_pass="delayed": see `landing_slots`
+        self._landing_staged: set[int] = set()
+        self._landed: Any = None  # an event after the last copies from the landing slots
+
+    def _slots(self) -> list[torch.Tensor]:
+        """One slot per parameter in new pinned buckets (see [staging buckets])."""
+        params = self._params
+        staging: list[torch.Tensor | None] = [None] * len(params)
+        for sizes, slots, idx in _bucket_sizes([(p.numel(), p.dtype) for p in params]):
+            buckets = [self.ops.empty_host(n, torch.uint8) for n in sizes]
+            for i, (b, offset) in zip(idx, slots):
+                p = params[i]
+                staging[i] = buckets[b][offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            self._buckets += buckets
+            mark_host(*buckets)
+        return staging  # type: ignore[return-value]
 
     @override
     def staging(self) -> list[torch.Tensor]:
         return self._staging
+
+    def landing_slots(self) -> None:
+        """``host_pass="delayed"``: a second set of slots (the staging's pinned bytes again) that the host worker rounds
+        each stepped master into (:meth:`stage_landing`) while the next window's gradients are copied into the first;
+        the landing then only queues their copies (:meth:`land`)."""
+        if self._landing is None:
+            self._landing = self._slots()
+
+    @torch.no_grad()
+    def stage_landing(self, pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Round each ``(i, p_host)`` master into its landing slot (the host worker, after its step).
+
+        NOTE: first waits for the last landing's copies from these slots (they may still be in flight on the side
+        stream: the worker steps during the next window)."""
+        assert self._landing is not None
+        if self._landed is not None:
+            self.ops.synchronize(self._landed)
+        for i, p_host in pairs:
+            self._landing[i].copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
+            self._landing_staged.add(i)
+
+    @torch.no_grad()
+    def land(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> frozenset[int]:
+        """Queue the copy of each landing slot :meth:`stage_landing` filled into its compute weight (after the compute
+        stream's work so far: backward may still read the weights); return the indices of those copied."""
+        staged, self._landing_staged = self._landing_staged, set()
+        ops = self.ops
+        ops.wait_stream(self.stream, ops.compute_stream())
+        for i, _, p_device in pairs:
+            if i in staged:
+                ops.copy(p_device, self._landing[i], self.stream)  # type: ignore[index]
+        self._landed = ops.record_event(self.stream)
+        ops.wait_stream(ops.compute_stream(), self.stream)
+        return frozenset(i for i, _, _ in pairs if i in staged)
 
     @override
     def staging_bytes(self) -> int:
