@@ -75,6 +75,7 @@ _NETS = [
     _net("instance_norm_stats", "running_stats", corpus_kinds.InstanceNormStats),
     _net("mlp_mixer", "mlp_mixer", corpus_kinds.MLPMixer),
     _net("scatter_gnn", "gnn", corpus_kinds.ScatterGNN),
+    _net("shared_reentrant", "weight_sharing", corpus_kinds.SharedReentrantBlock),
 ]
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in [*_NETS, *map(_hf, corpus_hf.FAMILIES)]}

@@ -1,7 +1,7 @@
 """Hand-written modules of kinds the other corpus files do not have: a 1-D convolution over waveforms, an
 ``nn.EmbeddingBag`` recommender, a transformer whose output layer is tied to its embedding, ``InstanceNorm2d`` with
-running statistics, an MLP-Mixer without norm layers, and a graph network that aggregates messages with
-``index_add_``/``scatter_add``. Each is tiny (a few thousand parameters) and trains on generated data.
+running statistics, an MLP-Mixer without norm layers, a graph network that aggregates messages with
+``index_add_``/``scatter_add``, and one block applied several times under reentrant checkpointing (ALBERT's sharing). Each is tiny (a few thousand parameters) and trains on generated data.
 """
 
 from __future__ import annotations
@@ -159,3 +159,24 @@ class ScatterGNN(Base):
             summed = torch.zeros_like(h).index_add_(1, self.dst, messages)
             h = h + F.gelu(summed / degree[:, None])
         return self.head(h.mean(1))
+
+
+class SharedReentrantBlock(Base):
+    """One block applied three times (ALBERT-style sharing), each application under reentrant
+    ``torch.utils.checkpoint`` (the default of older Hugging Face checkpointing): the block's gradient hooks fire once
+    per segment, in each segment's inner backward, AdamW."""
+
+    def _make_data(self, g: torch.Generator) -> list[Any]:
+        return list(zip(torch.randn(SAMPLES, 12, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU())
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for _ in range(3):
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True) if torch.is_grad_enabled() else self.block(h)
+        return self.head(h)

@@ -59,9 +59,26 @@ def _data():
     return [(x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4]) for i in range(N_BATCHES)]
 
 
-def _fit(in_backward: bool, *, precision="bf16-true", progress=None, seed=0, net=None, **trainer_kw):
+class Checkpointed(Net):
+    """Two blocks under ``torch.utils.checkpoint``: ``shared`` applies the same block twice (its weights' gradient
+    hooks fire once in each reentrant segment's inner backward), else two blocks of their own."""
+
+    def __init__(self, reentrant: bool = True, shared: bool = True, **kw):
+        super().__init__(**kw)
+        self.reentrant, self.shared = reentrant, shared
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(1 if shared else 2))
+
+    def training_step(self, batch, batch_idx):
+        x = torch.tanh(self.net[1](self.net[0](batch[0])))
+        for k in range(2):
+            block = self.blocks[0 if self.shared else k]
+            x = torch.utils.checkpoint.checkpoint(lambda t, m=block: torch.tanh(m(t)), x, use_reentrant=self.reentrant)
+        return torch.nn.functional.mse_loss(self.net[5](x).float(), batch[1].float())
+
+
+def _fit(in_backward: bool, *, precision="bf16-true", progress=None, seed=0, net=None, module=Net, **trainer_kw):
     torch.manual_seed(0)
-    module = Net(**(net or {}))
+    module = module(**(net or {}))
     strategy = OffloadStrategy(optimizer_in_backward=in_backward)
     trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision=precision, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kw)
@@ -73,6 +90,20 @@ def _fit(in_backward: bool, *, precision="bf16-true", progress=None, seed=0, net
     state = [(k, v.clone()) for p in module.parameters() for k, v in sorted(opt_state.get(p, {}).items())
              if isinstance(v, torch.Tensor)]
     return module, [t.detach().clone() for t in (*module.parameters(), *module.buffers())], state, strategy
+
+
+@pytest.mark.parametrize("progress", [None, "random"])
+def test_a_weight_whose_gradient_arrives_twice_in_one_backward_is_refused(progress):
+    """A block shared by two reentrant-checkpointed segments: each inner backward hands over part of its gradient, and
+    stepping at the first part cannot be plain Lightning's step with their sum (before: trained silently otherwise)."""
+    with pytest.raises(ValueError, match=r"`blocks\.0\.(weight|bias)` arrived twice in one backward.*"
+                                           r"use_reentrant=False.*optimizer_in_backward=False"):
+        _fit(True, module=Checkpointed, progress=progress)
+
+
+@pytest.mark.parametrize("reentrant, shared", [(True, False), (False, True)])
+def test_checkpointed_blocks_whose_gradients_arrive_once_step_exactly(reentrant, shared):
+    _same(module=Checkpointed, net={"reentrant": reentrant, "shared": shared}, progress="random")
 
 
 def _same(**kw):

@@ -29,6 +29,7 @@ from lightning_lowmem.strategies.offload import host_optimizer as _host_optimize
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
 from lightning_lowmem.strategies.offload.delayed_step import DelayedUpdate
 from lightning_lowmem.strategies.offload.host_pass_checks import trainer_clip, why_serial
+from lightning_lowmem.strategies.offload.host_pass_uploads import reentrant_fix
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
@@ -133,6 +134,7 @@ class HostStep(DelayedUpdate):
         if self._transfer is not None:
             self._transfer.synchronize()
         self._in_backward.wait()  # NOTE: optimizer_in_backward's steps, queued on the host worker
+        self._stepped_in_backward.clear()
         if self._pass is not None:
             self._pass.finish()  # NOTE: the tail of the overlapped host pass; the step checks it
         if self._stream is not None:
@@ -262,6 +264,13 @@ class HostStep(DelayedUpdate):
         NOTE: on the CPU backward and the step share the same cores: the hand-over only costs (bench host_path at
         9d7e915, 99.5M: step 526.6 ms on the worker vs 368.0 ms in the hook); on CUDA the host is idle meanwhile.
         """
+        if i in self._stepped_in_backward:
+            raise ValueError(
+                f"lowmem_offload(optimizer_in_backward=True): the gradient of `{self._masters.names[i]}` arrived twice "
+                "in one backward (a weight shared by two reentrant-checkpointed blocks: each block's inner backward "
+                "hands over its part), after its first part had stepped it: this step cannot match plain Lightning's, "
+                "which steps once with their sum. " + reentrant_fix("optimizer_in_backward=False"))
+        self._stepped_in_backward.add(i)
         if not isinstance(self._transfer, StreamTransfer):
             self._step_in_backward(i, grad)
             return
