@@ -75,6 +75,7 @@ class OptimizerInBackward(Reproducible, Callback):
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._hooked: set[int] = set()  # ids of the parameters that have the hook
+        self._stepped: set[int] = set()  # ids of the parameters stepped in this backward
         self._trainer: L.Trainer | None = None
         self._clip_value: float | None = None
         self._saved_clip_val: float | int | None = None
@@ -139,6 +140,10 @@ class OptimizerInBackward(Reproducible, Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_accumulation(trainer)
 
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._stepped.clear()
+
     @staticmethod
     def _check_accumulation(trainer: L.Trainer) -> None:
         # NOTE: GradientAccumulationScheduler and AccumulationScheduler change this between epochs.
@@ -167,6 +172,16 @@ class OptimizerInBackward(Reproducible, Callback):
         trainer = self._trainer
         if trainer is None or p.grad is None:
             return
+        if id(p) in self._stepped:
+            name = next((n for n, q in trainer.lightning_module.named_parameters() if q is p), "a parameter")
+            raise ValueError(
+                f"OptimizerInBackward: the gradient of `{name}` arrived twice in one backward (a weight shared by two "
+                "reentrant-checkpointed blocks: each block's inner backward hands over its part, and the second "
+                "block's recompute already read the weight stepped at the first part), so this step cannot match "
+                "plain Lightning's. Checkpoint without reentrancy (`torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False)`; Hugging Face: `gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False})`) or remove the callback.")
+        self._stepped.add(id(p))
         if self._clip_value is not None:
             p.grad.clamp_(-self._clip_value, self._clip_value)
         # NOTE: the whole optimizer is stepped, and it updates only `p`: every other parameter's gradient
@@ -175,7 +190,8 @@ class OptimizerInBackward(Reproducible, Callback):
         # object (not one optimizer per parameter) keeps its param-group hyper-parameters, the LR the
         # scheduler set, and its state_dict for checkpoints exactly as in the normal step.
         # NOTE: updating `p` in place here is safe: autograd calls this hook after the last use of `p` in
-        # the graph has produced its gradient, and those nodes have released what they saved.
+        # the graph has produced its gradient, and those nodes have released what they saved. Not under reentrant
+        # checkpointing of a block used twice: each segment's inner backward calls it (refused above).
         trainer.optimizers[0].step()
         p.grad = None
 

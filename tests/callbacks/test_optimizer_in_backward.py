@@ -37,9 +37,11 @@ def make_optimizer(module: torch.nn.Module, kind: str) -> tuple[torch.optim.Opti
 
 
 class LM(CausalLMModule):
-    def __init__(self, kind: str = "adamw") -> None:
+    def __init__(self, kind: str = "adamw", reentrant: bool = False) -> None:
         super().__init__(model_type="gpt2", config={**GPT2_TINY, **NO_DROPOUT})
         self.kind = kind
+        if reentrant:  # NOTE: each block under reentrant checkpointing: its own inner backward calls the hooks
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
     def configure_optimizers(self):
         opt, sched = make_optimizer(self, self.kind)
@@ -76,9 +78,9 @@ class Watch(Callback):
         self.weights.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
 
 
-def fit(kind: str, callbacks: list, **kwargs) -> tuple[LM, L.Trainer]:
+def fit(kind: str, callbacks: list, reentrant: bool = False, **kwargs) -> tuple[LM, L.Trainer]:
     torch.manual_seed(0)
-    module = LM(kind)
+    module = LM(kind, reentrant)
     trainer = L.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, max_steps=STEPS, callbacks=callbacks, **kwargs,
@@ -87,10 +89,10 @@ def fit(kind: str, callbacks: list, **kwargs) -> tuple[LM, L.Trainer]:
     return module, trainer
 
 
-def reference(kind: str, clip_value: float | None = None):
+def reference(kind: str, clip_value: float | None = None, reentrant: bool = False):
     """The plain PyTorch loop: forward, backward, (clip), step, zero_grad; gradients and weights per step."""
     torch.manual_seed(0)
-    module = copy.deepcopy(LM(kind))
+    module = copy.deepcopy(LM(kind, reentrant))
     opt, sched = make_optimizer(module, kind)
     grads, weights = [], []
     for batch in batches():
@@ -107,16 +109,17 @@ def reference(kind: str, clip_value: float | None = None):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("kind", "clip_value"), [("sgd", None), ("adamw", None), ("adamw", 0.01)])
-def test_bit_identical_to_the_normal_step(kind, clip_value):
+@pytest.mark.parametrize(("kind", "clip_value", "reentrant"), [("sgd", None, False), ("adamw", None, False),
+                                                              ("adamw", 0.01, False), ("adamw", None, True)])
+def test_bit_identical_to_the_normal_step(kind, clip_value, reentrant):
     """Step by step against plain PyTorch: every gradient the optimizer sees and every weight, with torch.equal.
 
     clip_value=0.01 clips a good share of this model's gradients, so value clipping in the hook is exercised.
     """
     watch = Watch()
     kwargs = {"gradient_clip_val": clip_value, "gradient_clip_algorithm": "value"} if clip_value else {}
-    _, trainer = fit(kind, [OptimizerInBackward(), watch], **kwargs)
-    ref_grads, ref_weights = reference(kind, clip_value)
+    _, trainer = fit(kind, [OptimizerInBackward(), watch], reentrant, **kwargs)
+    ref_grads, ref_weights = reference(kind, clip_value, reentrant)
 
     assert trainer.global_step == STEPS
     assert trainer.gradient_clip_val == clip_value  # lifted during fit (clipping moved into the hook), put back
@@ -129,6 +132,20 @@ def test_bit_identical_to_the_normal_step(kind, clip_value):
             assert torch.equal(watch.weights[step][name], w), (step, name)
     if clip_value:
         assert any(g.abs().max() == clip_value for g in ref_grads[0].values())
+
+
+def test_a_weight_whose_gradient_arrives_twice_in_one_backward_is_refused():
+    """One block applied three times under reentrant checkpointing: each segment's inner backward hands over part of
+    its gradient, and the next segment's recompute would read the weight stepped at the first part (before: trained
+    silently otherwise, |diff|/|update| 1.07 in the conformance sweep)."""
+    from tests.conformance.corpus_kinds import SharedReentrantBlock
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, max_steps=2, limit_val_batches=0, callbacks=[OptimizerInBackward()])
+    with pytest.raises(ValueError, match=r"`block\.[01]\.(weight|bias)` arrived twice in one backward.*"
+                                         r"use_reentrant=False.*remove the callback"):
+        trainer.fit(SharedReentrantBlock())
 
 
 @pytest.mark.integration
