@@ -53,6 +53,7 @@ from benchmarks._harness import add_int_args, bench_trainer, lm_batches, upload_
 from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
 from lightning_lowmem.strategies.offload.host_pass import HostPass
+from lightning_lowmem.strategies.offload.host_pass_copies import KeptCopies
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
@@ -60,12 +61,17 @@ PRECISION = "32-true"
 FP16 = "16-mixed"
 INLINE = "inline"  # NOTE: not a strategy argument: the bench runs optimizer_in_backward's step on the autograd thread
 AT_STEP = "upload_at_step"  # NOTE: not a strategy argument: the overlap's buckets upload at the step (no uploader)
+NO_COPIES = "no_copies"  # NOTE: not a strategy argument: the overlap keeps no copies to restore from (not exact)
 STAND_IN = "bf16-true"  # NOTE: only the stand-in variants: the compute dtype of the staging slots, as on a GPU
 VARIANTS = {  # name: (strategy kwargs or None for plain Lightning, gradient_clip_val, gradient_clip_algorithm, precision)
     "plain Lightning (auto)": (None, None, None, PRECISION),
     "serial": ({"host_pass": "serial"}, None, None, PRECISION),
     "overlap": ({"host_pass": "overlap"}, None, None, PRECISION),
     "overlap, upload at the step": ({"host_pass": "overlap", AT_STEP: True}, None, None, PRECISION),
+    # NOTE: a diagnostic, not a mode: what exactness costs here (the copies of p, m, v a restore needs; no restore
+    # happens without a clip or a NaN, and one would raise)
+    "overlap without its copies (diagnostic, not exact)": ({"host_pass": "overlap", NO_COPIES: True}, None, None,
+                                                           PRECISION),
     "serial, clip 1e9": ({"host_pass": "serial"}, 1e9, "norm", PRECISION),
     "overlap, clip 1e9": ({"host_pass": "overlap"}, 1e9, "norm", PRECISION),
     "serial, value clip 1e9": ({"host_pass": "serial"}, 1e9, "value", PRECISION),
@@ -106,6 +112,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     kwargs = dict(kwargs) if kwargs is not None else None
     inline = kwargs is not None and kwargs.pop(INLINE, False)
     at_step = kwargs is not None and kwargs.pop(AT_STEP, False)
+    no_copies = kwargs is not None and kwargs.pop(NO_COPIES, False)
     strategy = OffloadStrategy(**kwargs) if kwargs is not None else "auto"
     if inline:
         strategy._in_backward = InlineWorker("inline", 0)
@@ -155,7 +162,7 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     trainer.strategy.training_step = timed_training_step
     data = torch.utils.data.DataLoader(lm_batches(args.steps, (args.batch, args.seq)), batch_size=None)
     stand_in = cpu_stand_in(lambda: DeferredOps("eager")) if precision == STAND_IN else nullcontext()
-    with counting_stood(phases) as (stood, last), stand_in, upload_at_step(HostPass, at_step):
+    with counting_stood(phases) as (stood, last), stand_in, upload_at_step(HostPass, at_step), without_copies(no_copies):
         trainer.fit(module, data)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     overflows = scaler.overflows if scaler is not None else 0  # NOTE: skipped serially and by the pass alike
@@ -173,6 +180,22 @@ def fit(args, kwargs, clip, algorithm, precision) -> dict:
     return {"step_s": statistics.median(periods[1:]), "after_s": statistics.median(after[2:]) if after else None,
             "params": n, "shapes": shapes, "overflows": overflows, "last_bucket": last[-1] if last else 0,
             **{k: statistics.median(phases[k][2:]) if phases[k][2:] else None for k in ("backlog_s", "check_s", "final_s", "upload_s")}}
+
+
+@contextmanager
+def without_copies(on: bool) -> Iterator[None]:
+    """The overlapped pass without the copies it restores from (a diagnostic of their cost: a restore raises)."""
+    keep, put_back = KeptCopies.keep, KeptCopies.put_back
+
+    def no_restore(*args):
+        raise RuntimeError("the diagnostic variant without copies restored: its figure would not be the overlap's")
+
+    if on:
+        KeptCopies.keep, KeptCopies.put_back = lambda *args: None, no_restore
+    try:
+        yield
+    finally:
+        KeptCopies.keep, KeptCopies.put_back = keep, put_back
 
 
 class InlineWorker(HostWorker):
@@ -234,7 +257,8 @@ def bytes_per_param(variant: str, last: float) -> tuple[float, float] | None:
     None for the stand-in's bf16); ``last``: the fraction of the parameters in the overlapped pass's final buckets."""
     if "stand-in" in variant or "offload_params" in variant or variant.startswith(("in backward", "delayed")):
         return None
-    fold, norms, adamw, keep, upload = 8, 4, 28, 24, 8
+    fold, norms, adamw, upload = 8, 4, 28, 8
+    keep = 0 if "without its copies" in variant else 24
     value, clip, fp16 = "value clip" in variant, "clip" in variant, "fp16" in variant
     if variant.startswith("serial"):
         # NOTE: the guard reads every gradient; a norm clip adds the norm read and the multiply by 1.0 (read + write),
@@ -350,6 +374,12 @@ def main() -> None:
          "optimizer kernel run on the worker during the next window's forward and backward). CUDA logic (stand-in): "
          f"{by['delayed, CUDA logic (stand-in)']['step_ms']:.1f} ms, host after backward "
          f"{by['delayed, CUDA logic (stand-in)']['x_kernel']:.2f}x the kernel."),
+        (f"what exactness costs here: the overlap keeps a copy of p, m, v before each speculative bucket (24 B/param, "
+         f"to restore from when a clip triggers or a gradient is not finite); without them (a diagnostic, not exact) "
+         f"its step time is {by['overlap without its copies (diagnostic, not exact)']['x_plain']:.2f}x plain against "
+         f"{by['overlap']['x_plain']:.2f}x with them and {by['serial']['x_plain']:.2f}x serial: on these 2 cores, which "
+         "backward already keeps busy, every byte the worker moves lengthens the step; on a GPU machine the host is "
+         "idle during backward."),
         ("bytes_touched: counted from the passes the code makes; the overlap adds the copy of p, m, v it restores from "
         "(24 B) but moves everything except its final buckets (their upload included) before the end of backward. last_bucket: "
         "the fraction of the parameters in the pass's final buckets, checked before they step (no copy), after "

@@ -205,6 +205,18 @@ def test_offload_refuses_sgd_with_what_to_use():
         _trainer("lowmem_zero2_offload", max_steps=1).fit(module, _loader(2))
 
 
+@pytest.mark.parametrize("preset", ["lowmem_zero2", "lowmem_zero3"])
+def test_a_gradient_arriving_twice_in_one_backward_is_refused_with_the_cause(preset):
+    """One block applied three times under reentrant checkpointing: DeepSpeed reduces each gradient once per backward
+    and asserts (ZeRO-3 with no message); ours names the cause and the fix, DeepSpeed's assertion chained."""
+    from tests.conformance.corpus_kinds import SharedReentrantBlock
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"arrived twice in one backward.*use_reentrant=False.*lowmem_offload") as err:
+        _trainer(preset, max_steps=1, limit_val_batches=0).fit(SharedReentrantBlock())
+    assert isinstance(err.value.__cause__, AssertionError)
+
+
 def _chained_schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     """A ChainedScheduler around a SequentialLR: every scheduler in it holds the optimizer it was built on."""
     from torch.optim import lr_scheduler as S

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import traceback
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -389,7 +390,19 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         # NOTE: Lightning's loop already divides the loss by `accumulate_grad_batches`; DeepSpeed's
         # `engine.backward` would divide it again (gradients 1/k^2 of the right value).
         kwargs.setdefault("scale_wrt_gas", False)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except AssertionError as err:
+            if not _reduced_twice(err):
+                raise
+            raise ValueError(
+                f"lowmem_zero (DeepSpeed ZeRO-{self.config['zero_optimization']['stage']}): a parameter's gradient arrived twice in one backward "
+                "(a block shared by two reentrant-checkpointed segments: each inner backward hands over its part), "
+                "and DeepSpeed reduces each gradient once per backward (it asserted: "
+                f"{' '.join(str(err).split()) or traceback.extract_tb(err.__traceback__)[-1].line}). Checkpoint "
+                "without reentrancy (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; Hugging Face: "
+                "`gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`) or use "
+                "`strategy='lowmem_offload'`, which sums the parts.") from err
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -397,6 +410,13 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._skips.after_step(self, before, model or self.lightning_module)  # `lowmem/skipped_steps`, a warning
         return out
+
+
+def _reduced_twice(err: AssertionError) -> bool:
+    """Whether DeepSpeed's assertion is its refusal of a gradient reduced twice in one backward: ZeRO-1/2's message, or
+    ZeRO-3's bare ``assert`` that a reduce bucket holds each parameter once."""
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return "already been reduced" in str(err) or ("deepspeed" in frame.filename and "ds_id" in (frame.line or ""))
 
 
 _MISSING = object()
