@@ -73,7 +73,8 @@ PRIVATE_SYMBOLS = (
 INSTANCE_ATTRIBUTES = {
     "torch.Tensor": ("_version",),
     "torch.UntypedStorage": ("_cdata",),
-    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called"),
+    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called", "_backward_hooks",
+                        "_backward_pre_hooks"),
     "torch.optim.lr_scheduler.SequentialLR": ("_schedulers",),
     "torch.optim.lr_scheduler.ChainedScheduler": ("_schedulers",),
     "torch._ops.OpOverload": ("_schema",),
@@ -298,6 +299,12 @@ def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
 def forward_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
     """``module``'s forward hooks by handle id (the live dict)."""
     return module._forward_hooks  # type: ignore[return-value]
+
+
+def has_backward_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself has backward hooks (``register_full_backward_hook``/``_pre_hook``, or the old
+    ``register_backward_hook``); the process-wide ones of ``nn.modules.module`` are not looked at."""
+    return bool(module._backward_hooks or module._backward_pre_hooks)
 
 
 def remove_forward_hook(module: nn.Module, key: int) -> None:

@@ -285,3 +285,18 @@ def test_streamed_blocks_uploaded_during_backward_are_put_back_by_a_restore(uplo
     for a, b in zip(serial, overlap):
         assert torch.equal(a, b)
     assert uploads["streamed"] > 0 and uploads["restored"] > 0
+
+
+def test_a_module_with_a_backward_hook_keeps_every_upload_at_the_step(uploads):
+    """A module's backward hook may read a weight whose gradient has landed (the upload would have rewritten it): the
+    pass still steps during backward, and the upload waits for the step."""
+    class Hooked(Uses):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+            self.b.register_full_backward_hook(lambda m, gi, go: self.seen.append(m.weight.detach().clone()))
+
+    _same_as_serial(uploads, Hooked, progress="eager")
+    assert uploads["worker"] == 0
+    n_params = len(list(Uses().parameters()))
+    assert uploads["at_step"] == [n_params] * STEPS

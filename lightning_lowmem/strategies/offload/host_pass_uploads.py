@@ -17,8 +17,9 @@ found, none assumed away (:class:`BackwardUploads` keeps the books):
 
 Under ``offload_params`` a streamed weight's upload rounds its master into its host copy, read by the next forward's
 fetch (see ``upload_in_backward`` in :mod:`~lightning_lowmem.strategies.offload.stream_values`). A restore puts the
-uploaded weights back from the masters it put back. The hazard left: code that reads a weight in
-backward without autograd knowing (a module's backward hook, a tensor saved through ``.data``) sees the new value.
+uploaded weights back from the masters it put back. A module with a backward hook keeps every upload at the step (the
+strategy does not pass the uploader). The hazard left: code that reads a weight in backward without autograd knowing (a
+tensor hook, a process-wide module backward hook, a tensor saved through ``.data``) sees the new value.
 """
 
 from __future__ import annotations

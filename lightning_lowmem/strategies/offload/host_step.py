@@ -399,9 +399,11 @@ class HostStep(DelayedUpdate):
         staged = isinstance(self._transfer, StreamTransfer)
         # NOTE: a streamed weight's upload rounds its master into its host copy, not a staging slot (`copy_to_compute`)
         resident = self._stream is None
+        # NOTE: a module's backward hook may read a weight whose gradient landed (uploaded over): the upload at the step
+        hooked = any(torch_internals.has_backward_hooks(m) for m in model.modules())
         self._pass.arm(optimizer, clip_norm=clip_norm, clip_value=clip_value, guard=self._guarding(), scaler=scaler,
                        settle=settle, stager=self._transfer if staged and resident else None,  # type: ignore[arg-type]
-                       uploader=self._upload_now)
+                       uploader=None if hooked else self._upload_now)
         self.precision_plugin.clip_check = self._pass.clip_stands  # type: ignore[attr-defined]
         self.precision_plugin.unscale_check = self._pass.unscale_stands if scaler is not None else None  # type: ignore[attr-defined]
         # NOTE: the stream backward runs on, as this thread sees it (the worker's current stream may be another)
