@@ -238,6 +238,10 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
                     "added to the gradient; bitsandbytes decays the weights decoupled (AdamW). Use "
                     "`torch.optim.AdamW` (a different regulariser) or weight_decay=0"
                 )
+            wide = sum(p.dtype == torch.float64 for p in group["params"])
+            if wide:
+                problems.append(f"param group {i} holds {wide} float64 parameter(s), which bitsandbytes' kernels do not "
+                                "step (float32, bfloat16 and float16 only): cast them to float32, or remove the callback")
         if problems:
             what = f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}"
             raise ValueError(f"{what}: " + "; ".join(problems) + ".")

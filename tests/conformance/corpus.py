@@ -76,6 +76,8 @@ _NETS = [
     _net("mlp_mixer", "mlp_mixer", corpus_kinds.MLPMixer),
     _net("scatter_gnn", "gnn", corpus_kinds.ScatterGNN),
     _net("shared_reentrant", "weight_sharing", corpus_kinds.SharedReentrantBlock),
+    _net("parametrized_blocks", "parametrized", corpus_kinds.ParametrizedBlocks),
+    _net("float64_head", "float64", corpus_kinds.Float64Head),
 ]
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in [*_NETS, *map(_hf, corpus_hf.FAMILIES)]}

@@ -1,7 +1,9 @@
 """Hand-written modules of kinds the other corpus files do not have: a 1-D convolution over waveforms, an
 ``nn.EmbeddingBag`` recommender, a transformer whose output layer is tied to its embedding, ``InstanceNorm2d`` with
 running statistics, an MLP-Mixer without norm layers, a graph network that aggregates messages with
-``index_add_``/``scatter_add``, and one block applied several times under reentrant checkpointing (ALBERT's sharing). Each is tiny (a few thousand parameters) and trains on generated data.
+``index_add_``/``scatter_add``, one block applied several times under reentrant checkpointing (ALBERT's sharing), and
+blocks whose weights are parametrized (spectral norm's power iteration updates buffers in every training forward,
+weight norm splits a weight into two parameters), and a float64 calibration head beside float32 layers. Each is tiny (a few thousand parameters) and trains on generated data.
 """
 
 from __future__ import annotations
@@ -180,3 +182,57 @@ class SharedReentrantBlock(Base):
         for _ in range(3):
             h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True) if torch.is_grad_enabled() else self.block(h)
         return self.head(h)
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spectral = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16))
+        self.weighted = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.weighted(F.leaky_relu(self.spectral(x), 0.2))
+
+
+class ParametrizedBlocks(Base):
+    """Repeated blocks of parametrized layers (a GAN discriminator's ``spectral_norm``, whose power iteration updates
+    its ``_u``/``_v`` buffers in every training forward, and ``weight_norm``'s ``original0``/``original1``), Adam."""
+
+    OPTIMIZER = "adam"
+
+    def _make_data(self, g: torch.Generator) -> list[Any]:
+        return list(zip(torch.randn(SAMPLES, 12, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList(_NormedBlock() for _ in range(2))
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class Float64Head(Base):
+    """float32 layers under a float64 calibration head (a per-class scale and bias in double precision, with a float64
+    running mean of the logits as a buffer), as scientific code keeps a few sensitive parameters, AdamW."""
+
+    def _make_data(self, g: torch.Generator) -> list[Any]:
+        return list(zip(torch.randn(SAMPLES, 12, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+        self.scale = nn.Parameter(torch.ones(CLASSES, dtype=torch.float64))
+        self.shift = nn.Parameter(torch.zeros(CLASSES, dtype=torch.float64))
+        self.register_buffer("mean_logits", torch.zeros(CLASSES, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.body(x).double() * self.scale + self.shift
+        if self.training:
+            with torch.no_grad():
+                self.mean_logits.mul_(0.9).add_(logits.mean(0), alpha=0.1)
+        return logits

@@ -79,6 +79,26 @@ def test_model_without_parameters():
         fit(Empty())
 
 
+@pytest.mark.parametrize(("precision", "refused"), [("32-true", True), ("bf16-mixed", True), ("bf16-true", False)])
+def test_float64_parameters_are_refused_where_plain_lightning_keeps_them(precision, refused):
+    """Their masters would be fp32: plain Lightning's '32-true' and '*-mixed' train them in float64 (found by the
+    conformance corpus's float64_head: trained silently through fp32 before, and given back as fp32); its '*-true'
+    half precisions cast them like every other parameter."""
+    class Float64(BoringModel):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+
+        def forward(self, x):
+            return (self.layer(x).double() * self.scale).float()
+
+    if refused:
+        with pytest.raises(ValueError, match=r"float64 parameters \(`scale`\).*cast them to float32"):
+            fit(Float64(), precision=precision)
+    else:
+        fit(Float64(), precision=precision)
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [

@@ -55,6 +55,16 @@ def trainer_problems(strategy: OffloadStrategy, module: pl.LightningModule, trai
             f"`{type(module).__name__}` has no floating-point parameters, so there are no weights to keep "
             "masters of; create the layers in `__init__` or `configure_model`"
         )
+    wide = [n for n, p in module.named_parameters() if p.dtype == torch.float64]
+    if wide and (strategy.precision_plugin.mixed or strategy.precision_plugin.precision == "32-true"):  # type: ignore[union-attr]
+        # NOTE: its masters are fp32: the update would be rounded to fp32 where plain Lightning keeps float64 (under
+        # "*-true" half precision plain Lightning casts the parameter itself, and the fp32 master holds more)
+        names = ", ".join(f"`{n}`" for n in wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")
+        problems.append(
+            f"float64 parameters ({names}) would be trained through fp32 masters and given back as fp32, where "
+            f"plain Lightning's precision='{strategy.precision_plugin.precision}' keeps them float64; cast them to "  # type: ignore[union-attr]
+            "float32 in your module, or train it without `lowmem_offload`"
+        )
     fp16 = strategy.precision_plugin.precision.startswith("16-")  # type: ignore[union-attr]
     fp16_true = fp16 and not strategy.precision_plugin.mixed  # type: ignore[union-attr]
     if fp16_true and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
