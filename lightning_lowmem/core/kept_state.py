@@ -16,7 +16,9 @@ changes in the module would reach the run. :func:`kept_state` puts back, on exit
 NOTE: [what is not put back] A tensor attribute that is not a buffer, changed in place (``self.ema.mul_(...)``),
 a container changed in place (``self.history.append(...)``), an attribute set for the first time, state outside
 the module (a DataModule's, a global's), and the parameters: a trial's optimizer step runs at learning rate 0,
-which leaves them bit-identical for every optimizer whose update scales with it. Lightning's own tuners
+which leaves them bit-identical for every optimizer whose update scales with it. A parameter that ``training_step``
+itself writes in place (an EMA teacher moved toward its student under ``torch.no_grad``) is put back by
+:func:`param_writes_undone` around the step's call. Lightning's own tuners
 (``BatchSizeFinder``, ``LearningRateFinder``) restore a checkpoint instead, which covers the parameters, the
 optimizer and the persistent buffers but none of the above (metric states and non-persistent buffers are not in
 the ``state_dict``) and costs a full copy of the model on disk.
@@ -33,6 +35,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.core.accounting import storage_key
 from lightning_lowmem.core.buffers import submodules
 
 _MISSING = object()
@@ -139,4 +143,65 @@ def kept_state(module: nn.Module) -> Iterator[None]:
         state.restore()
 
 
-__all__ = ["ModuleState", "kept_state"]
+class _ParamWrites(torch_internals.TorchDispatchMode):
+    """Before the first write into a parameter's storage (an in-place op, ``out=``, also through ``.data`` or a view),
+    keeps a host copy of that parameter; :meth:`undo` copies them back."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.params = {storage_key(p): p for p in module.parameters() if p.device.type != "meta"}
+        self.kept: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch_internals.op_is_mutable(func):
+            named = dict(zip((a.name for a in torch_internals.op_arguments(func)), args)) | kwargs
+            for arg in torch_internals.op_arguments(func):
+                value = named.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                    key = _key(value)
+                    if key in self.params and key not in self.kept:
+                        self.kept[key] = self.params[key].detach().to("cpu", copy=True)
+        return func(*args, **kwargs)
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            for key, before in self.kept.items():
+                self.params[key].data.copy_(before)  # NOTE: `.data`: no version bump (as before the side step)
+
+
+def _key(t: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        return storage_key(t)
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage (nested, sparse)
+        return None
+
+
+@contextlib.contextmanager
+def param_writes_undone(module: nn.Module) -> Iterator[None]:
+    """Inside, the parameters of ``module`` that ops write in place are copied first (to the host), and put back on exit
+    (after an error too). Cost: a dispatch mode over the ops inside, and a host copy of each parameter written.
+
+    NOTE: not around a model holding ``torch.compile``-d modules (under a dispatch mode a compiled region runs another
+    path, another rounding): their writes stay (see [what is not put back]).
+
+    Example:
+        >>> teacher = nn.Linear(2, 2)
+        >>> before = teacher.weight.detach().clone()
+        >>> with param_writes_undone(teacher), torch.no_grad():
+        ...     _ = teacher.weight.mul_(0.5)
+        >>> torch.equal(teacher.weight, before)
+        True
+    """
+    if any(torch_internals.is_compiled_module(m) for m in module.modules()):
+        yield
+        return
+    mode = _ParamWrites(module)
+    try:
+        with mode:
+            yield
+    finally:
+        mode.undo()
+
+
+__all__ = ["ModuleState", "kept_state", "param_writes_undone"]

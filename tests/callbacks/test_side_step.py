@@ -246,6 +246,47 @@ def test_micro_batch_trials_leave_the_weights_as_the_chosen_micro_batch_from_the
     _assert_equal(weights, reference)
 
 
+def _fit_ema_teacher(callbacks: list[Any]) -> dict[str, torch.Tensor]:
+    from tests.conformance.corpus_kinds import EMATeacher
+
+    torch.manual_seed(0)
+    module = EMATeacher()
+    trainer = L.Trainer(max_steps=3, callbacks=callbacks, limit_val_batches=0, **fit_kwargs())
+    trainer.fit(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("policy", ["all", "budget"])
+def test_a_probe_puts_back_a_teacher_that_training_step_moves_in_place(policy):
+    """A self-distillation step moves its frozen EMA teacher toward the student in place (``torch.no_grad``): the
+    probe's extra ``training_step`` must not move it too (before: the teacher took one more EMA step, 1 ulp at the
+    first step where teacher == student; any later probe would move it by a whole step)."""
+    reference = _fit_ema_teacher([])
+    probe = ActivationCheckpointing(policy="budget", budget=10**12) if policy == "budget" else ActivationCheckpointing()
+    _assert_equal(_fit_ema_teacher([probe]), reference)
+
+
+def test_micro_batch_trials_put_back_a_teacher_that_training_step_moves_in_place():
+    auto = AccumulationScheduler(4, "auto", memory_budget=10**12)
+    weights = _fit_ema_teacher([auto])
+    assert len(auto.choice.peaks) >= 2  # trials ran (each moved the teacher, then put it back)
+    _assert_equal(weights, _fit_ema_teacher([AccumulationScheduler(4, auto.choice.micro_batch_size)]))
+
+
+def test_param_writes_undone_puts_back_writes_through_data_views_and_out_and_leaves_reads():
+    from lightning_lowmem.core.kept_state import param_writes_undone
+
+    net = torch.nn.Linear(4, 4)
+    before = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    with param_writes_undone(net), torch.no_grad():
+        net.weight.data.mul_(2.0)  # NOTE: through `.data`: no version bump, still seen (by storage)
+        net.weight[0].zero_()  # a view
+        torch.add(net.bias, 1.0, out=net.bias)
+        seen = net.weight.detach().clone()
+    _assert_equal({k: v.detach() for k, v in net.state_dict().items()}, before)
+    assert not seen[0].any() and torch.equal(seen[1:], 2 * before["weight"][1:])  # NOTE: inside, the writes were seen
+
+
 def test_the_fits_above_train():
     """Guards the two tests above: two steps move the weights (runs that trained nothing would pass them)."""
     torch.manual_seed(0)

@@ -78,6 +78,7 @@ _NETS = [
     _net("shared_reentrant", "weight_sharing", corpus_kinds.SharedReentrantBlock),
     _net("parametrized_blocks", "parametrized", corpus_kinds.ParametrizedBlocks),
     _net("float64_head", "float64", corpus_kinds.Float64Head),
+    _net("ema_teacher", "self_distillation", corpus_kinds.EMATeacher),
 ]
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in [*_NETS, *map(_hf, corpus_hf.FAMILIES)]}

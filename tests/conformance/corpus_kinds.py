@@ -3,7 +3,8 @@
 running statistics, an MLP-Mixer without norm layers, a graph network that aggregates messages with
 ``index_add_``/``scatter_add``, one block applied several times under reentrant checkpointing (ALBERT's sharing), and
 blocks whose weights are parametrized (spectral norm's power iteration updates buffers in every training forward,
-weight norm splits a weight into two parameters), and a float64 calibration head beside float32 layers. Each is tiny (a few thousand parameters) and trains on generated data.
+weight norm splits a weight into two parameters), a float64 calibration head beside float32 layers, and a
+self-distillation student whose frozen EMA teacher is updated in place in ``training_step``. Each is tiny (a few thousand parameters) and trains on generated data.
 """
 
 from __future__ import annotations
@@ -236,3 +237,36 @@ class Float64Head(Base):
             with torch.no_grad():
                 self.mean_logits.mul_(0.9).add_(logits.mean(0), alpha=0.1)
         return logits
+
+
+class EMATeacher(Base):
+    """Self-distillation (BYOL/DINO-style): a student and a frozen teacher of the same shape; ``training_step`` first
+    moves the teacher toward the student in place (``torch.no_grad``, momentum 0.9), then trains the student to match
+    the teacher's softened outputs plus the labels, AdamW."""
+
+    def _make_data(self, g: torch.Generator) -> list[Any]:
+        return list(zip(torch.randn(SAMPLES, 12, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, CLASSES))
+        self.teacher = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, CLASSES))
+        self.teacher.load_state_dict(self.student.state_dict())
+        self.teacher.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.student(x)
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return list(self.student.parameters())
+
+    def _loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        if self.training:
+            with torch.no_grad():
+                for t, s in zip(self.teacher.parameters(), self.student.parameters()):
+                    t.mul_(0.9).add_(s, alpha=0.1)
+        with torch.no_grad():
+            target = F.softmax(self.teacher(x) / 2.0, dim=-1)
+        logits = self(x)
+        return F.cross_entropy(logits, y) + F.kl_div(F.log_softmax(logits / 2.0, dim=-1), target, reduction="batchmean")

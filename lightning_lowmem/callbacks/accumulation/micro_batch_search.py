@@ -28,6 +28,7 @@ from typing_extensions import Self
 
 from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.core.hooks import training_step_args
+from lightning_lowmem.core.kept_state import param_writes_undone
 from lightning_lowmem.core.side_step import side_step
 from lightning_lowmem.core.units import fmt_bytes
 from lightning_lowmem.measure.tracker import CudaPeakWindow, MemoryTracker
@@ -116,7 +117,9 @@ def _trial(
     try:
         # NOTE: no gradient all_reduce in trials: a process running out of memory cannot hang the others
         with getattr(strategy, "block_backward_sync", contextlib.nullcontext)(), meter:
-            with meter.phase("forward"), _offloading(trainer, pl_module, batch):
+            # NOTE: a parameter the step writes in place (an EMA teacher) is put back after it (the optimizer's step at
+            # lr 0 leaves the others bit-identical)
+            with meter.phase("forward"), _offloading(trainer, pl_module, batch), param_writes_undone(pl_module):
                 out = strategy.training_step(*training_step_args(pl_module.training_step, batch, 0))
                 loss = out["loss"] if isinstance(out, Mapping) else out
             with meter.phase("backward"):

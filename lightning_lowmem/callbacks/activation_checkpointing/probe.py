@@ -12,6 +12,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_lowmem.core.accounting import storage_key
 from lightning_lowmem.core.hooks import training_step_args
+from lightning_lowmem.core.kept_state import param_writes_undone
 from lightning_lowmem.core.side_step import side_step
 from lightning_lowmem.core.tensors import tensors_in
 
@@ -119,9 +120,9 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
         handles.append(block.register_forward_hook(post, always_call=True))
     try:
         # NOTE: a side step: RNG forked, `self.log` off, a training_step wrapper (AccumulationScheduler's window)
-        # stands aside, and every buffer (BatchNorm statistics, counters) and metric state is put back, so the
-        # probe leaves the run as it was
-        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+        # stands aside, and every buffer (BatchNorm statistics, counters), metric state and parameter the step
+        # writes in place (an EMA teacher) is put back, so the probe leaves the run as it was
+        with side_step(pl_module), param_writes_undone(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
@@ -199,9 +200,9 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
         handles.append(module.register_forward_hook(post, always_call=True))
     try:
         # NOTE: a side step: RNG forked, `self.log` off, a training_step wrapper (AccumulationScheduler's window)
-        # stands aside, and every buffer (BatchNorm statistics, counters) and metric state is put back, so the
-        # probe leaves the run as it was
-        with side_step(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+        # stands aside, and every buffer (BatchNorm statistics, counters), metric state and parameter the step
+        # writes in place (an EMA teacher) is put back, so the probe leaves the run as it was
+        with side_step(pl_module), param_writes_undone(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
             out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
             del out
     finally:
