@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import mark_host
+from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
 from lightning_lowmem.strategies.offload.delayed_step import DelayedUpdate
@@ -32,6 +32,7 @@ from lightning_lowmem.strategies.offload.host_pass_checks import trainer_clip, w
 from lightning_lowmem.strategies.offload.host_pass_uploads import reentrant_fix
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
+from lightning_lowmem.strategies.offload.mixed_check import CastWeightUseCheck
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.stream_values import copy_to_compute, upload_in_backward, value_of
 from lightning_lowmem.strategies.offload.transfer import HostTransfer, StreamTransfer, transfer_for
@@ -112,10 +113,22 @@ class HostStep(DelayedUpdate):
         if self._reused is not None:
             self._reused.new_step()
         try:
-            with self._stream.first_use_check("train") if self._stream is not None else nullcontext():
+            with self._stream.first_use_check("train") if self._stream is not None else nullcontext(), self._cast_use_check():
                 return super().training_step(*args, **kwargs)
         finally:
             self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
+
+    def _cast_use_check(self) -> AbstractContextManager:
+        """Under ``*-mixed``, on the first training step: the weights stored in the compute dtype are used by their
+        layers' ops only (see ``strategies/offload/mixed_check.py``)."""
+        cast, module = self.precision_plugin.cast_params, self.lightning_module  # type: ignore[attr-defined]
+        if self._cast_use_checked or not cast or any(torch_internals.is_compiled_module(m) for m in module.modules()):
+            return nullcontext()
+        self._cast_use_checked = True
+        streamed = self._stream.shapes if self._stream is not None else {}  # NOTE: placeholders between their uses
+        names = {id(p): n for n, p in module.named_parameters()}
+        keys = {storage_key(p): names.get(id(p), "?") for p in cast if id(p) not in streamed and p.numel()}
+        return CastWeightUseCheck(keys, self.precision_plugin.precision)  # type: ignore[union-attr]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

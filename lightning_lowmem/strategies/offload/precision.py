@@ -134,7 +134,8 @@ def autocast_cast_params(module: Module) -> list[Parameter]:
     their own dtype (:func:`_dtype_pinning_params`).
 
     NOTE: other code that reads a qualifying ``linear.weight`` directly (its ``dtype``, or its values outside
-    ``linear(x)``) sees the compute dtype here and fp32 under plain mixed precision; that is the one difference.
+    ``linear(x)``) sees the compute dtype here and fp32 under plain mixed precision; a use of its values in the first
+    training step is refused (:mod:`~lightning_lowmem.strategies.offload.mixed_check`), its ``dtype`` is the difference.
     """
     yes: dict[int, Parameter] = {}
     no: set[int] = _read_by_adapter_layers(module) | _compiled_params(module) | _dtype_pinning_params(module)
@@ -241,6 +242,7 @@ class MasterHalfPrecision(Reproducible, Precision):
         self._attached = False  # see `attach`: OffloadStrategy keeps the masters this plugin steps
         self._drain: Callable[[], None] | None = None
         self._view: MastersView | None = None
+        self.cast_params: list[Parameter] = []  # under *-mixed: the weights stored in the compute dtype
 
     def attach(self, *, drain: Callable[[], None], view: MastersView) -> None:
         """Called by ``OffloadStrategy.setup``, which keeps the fp32 masters this plugin steps.
@@ -286,8 +288,9 @@ class MasterHalfPrecision(Reproducible, Precision):
         if not self.mixed:
             module.to(dtype=self.compute_dtype)
             return module
+        self.cast_params = autocast_cast_params(module)  # NOTE: their uses are checked on the first step (mixed_check.py)
         with torch.no_grad():
-            for p in autocast_cast_params(module):
+            for p in self.cast_params:
                 p.data = p.data.to(self.compute_dtype)
         return module
 

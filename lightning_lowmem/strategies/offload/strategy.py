@@ -221,6 +221,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self._skip_backward = False  # optimizer_in_backward: this backward's loss was not finite
         self._bad_in_backward: list[str] = []  # optimizer_in_backward: parameters whose gradient was not finite
         self._stepped_in_backward: set[int] = set()  # optimizer_in_backward: masters stepped in this backward
+        self._cast_use_checked = False  # *-mixed: the first training step checked (strategies/offload/mixed_check.py)
         self._grad_fp32 = WorkingGrads()  # optimizer_in_backward: half gradients widened into a reused fp32 buffer
         self._state_marked: dict[int, set[int]] = {}  # NOTE: masters whose state is marked host (`mark_host` once each)
 
