@@ -47,7 +47,6 @@ while the worker reads them).
 Example:
     >>> import torch
     >>> from lightning_lowmem.strategies.offload.masters import HostMasters
-from lightning_lowmem.strategies.offload.transfer import StreamTransfer
     >>> masters = HostMasters()
     >>> masters.build(torch.nn.Linear(2, 2), loading=False, precision=None, grad_buffers=True)
     >>> opt = torch.optim.SGD(masters.p_host, lr=0.5)
