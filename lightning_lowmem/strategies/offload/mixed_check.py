@@ -11,12 +11,16 @@ follows every call that takes such a weight (or a view of it, by storage) and re
 and metadata, naming the weight and the call.
 
 NOTE: torch functions, not aten ops: a linear layer's bias reaches an aten ``add`` in ``F.linear``'s own
-decomposition, which no aten-level check could tell from user code. Not run on a model holding ``torch.compile``-d
-modules (their weights are not cast: see ``precision._compiled_params``).
+decomposition, which no aten-level check could tell from user code. A call this package makes itself inside the step
+(manual optimization's upload after ``opt.step()``, the gradient hooks of a layer called several times) is told by
+its caller's file. Not run on a model holding ``torch.compile``-d modules (their weights are not cast: see
+``precision._compiled_params``).
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 from typing import Any
 
 import torch
@@ -33,7 +37,10 @@ _LAYER_OPS = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv
 _VIEWS_AND_METADATA = {"t", "view", "view_as", "chunk", "split", "transpose", "reshape", "unflatten", "narrow",
                        "detach", "__getitem__", "unsqueeze", "squeeze", "expand", "permute", "size", "dim", "numel",
                        "stride", "is_floating_point", "data_ptr", "untyped_storage", "storage_offset", "element_size",
-                       "is_contiguous", "__hash__", "__len__", "type", "get_device", "nelement", "ndimension"}
+                       "is_contiguous", "__hash__", "__len__", "type", "get_device", "nelement", "ndimension",
+                       "register_hook", "register_post_accumulate_grad_hook"}
+_OURS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the lightning_lowmem package
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 class CastWeightUseCheck(TorchFunctionMode):
@@ -52,7 +59,7 @@ class CastWeightUseCheck(TorchFunctionMode):
             return func(*args, **kwargs)
         for t in torch_internals.tree_leaves((args, kwargs)):
             key = _key(t) if isinstance(t, torch.Tensor) else None
-            if key in self.names:
+            if key in self.names and not _called_by_us():
                 raise ValueError(
                     f"lowmem_offload(precision='{self.precision}') stores `{self.names[key]}` in the compute dtype, as "
                     "autocast rounds it for its layer's op, and this training step calls "
@@ -62,6 +69,17 @@ class CastWeightUseCheck(TorchFunctionMode):
                     f"'{self.precision.replace('mixed', 'true')}' with `lowmem_offload` (the same maths as plain "
                     "Lightning's), or plain mixed precision without it.")
         return func(*args, **kwargs)
+
+
+def _called_by_us() -> bool:
+    """Whether the first frame outside torch and this module is this package's own code."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != __file__ and not path.startswith(_TORCH):
+            return path.startswith(_OURS + os.sep)
+        frame = frame.f_back
+    return False
 
 
 def _key(t: torch.Tensor) -> tuple[str, int] | None:
