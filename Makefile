@@ -29,7 +29,8 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --doctest-modules lightning_lowmem tests
 
 # The extra cases of the slow tests that `make test` runs one case per cause of (RunIf(sweep=True), tests/helpers/runif.py):
-# more random kills during saves, the other adapter resumes in new processes, a real DeepSpeed op build (~5 min on 2 cores)
+# more random kills during saves and the control (DeepSpeed's own save killed), the two-rank ZeRO save, the other
+# adapter resumes in new processes, a real DeepSpeed op build (~6 min on 2 cores)
 test-sweep: install
 	LOWMEM_SWEEP=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/strategies/test_zero_reliability.py tests/strategies/test_offload_reliability.py tests/callbacks/test_adapters_io.py tests/strategies/test_zero_start.py
 

@@ -289,23 +289,28 @@ def test_kills_during_zero_saves_lose_no_checkpoint(tmp_path):
     assert code == 0 and f"START step={step}" in out and f"DONE step={step + 2}" in out, out[-3000:]
     assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt"]  # every orphan removed at a later save
     assert _saved_step(ckpt) == step + 2
+    print(
+        f"\nkill test: {kills} kills during ZeRO saves ({len(PHASES)} aimed at each phase, {RANDOM_KILLS} at random "
+        f"moments, {random_inside} of those inside the write), {lost} checkpoints lost"
+    )
 
-    # the control: DeepSpeed's in-place save, killed while writing mp_rank_00_model_states.pt
+
+@pytest.mark.slow
+@pytest.mark.integration
+@RunIf(sweep=True)
+def test_the_control_deepspeeds_own_save_killed_loses_its_checkpoint(tmp_path):
+    """What the kills above would do to DeepSpeed's in-place save, killed while writing mp_rank_00_model_states.pt."""
     control = tmp_path / "control"
     assert _run(control, 2, "none", resume=False)[0] == 0
     code, out = _run(control, 5, "plain@2", resume=True)
     assert code == -signal.SIGKILL and "SAVE_START 2" in out
     assert "is truncated" in (zero_checkpoint_problem(control / "last.ckpt") or "")
-    print(
-        f"\nkill test: {kills} kills during ZeRO saves ({len(PHASES)} aimed at each phase, {RANDOM_KILLS} at random "
-        f"moments, {random_inside} of those inside the write), {lost} checkpoints lost; control (in-place save): "
-        "1 kill, 1 lost"
-    )
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.integration
+@RunIf(sweep=True)
 def test_two_process_save_is_swapped_in_once_and_resumes(tmp_path):
     """Two ranks (gloo, torchrun): one temp directory named by rank 0, both shards in it, one swap, resume."""
     import socket
