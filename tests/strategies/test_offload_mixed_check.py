@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
-from torch.nn import functional as F  # noqa: N812
+from torch.nn import functional as F
 
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.conformance.corpus_kinds import EMATeacher
