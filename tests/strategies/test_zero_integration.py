@@ -217,6 +217,17 @@ def test_a_gradient_arriving_twice_in_one_backward_is_refused_with_the_cause(pre
     assert isinstance(err.value.__cause__, AssertionError)
 
 
+def test_bf16_mixed_on_a_parametrization_with_fp32_buffers_is_refused_with_the_cause():
+    """Spectral norm's power iteration multiplies the weight (cast to bf16 by DeepSpeed) with its fp32 `_u` buffer:
+    DeepSpeed failed at the first forward (`addmv` on mixed dtypes); refused at setup as for running statistics."""
+    from tests.conformance.corpus_kinds import ParametrizedBlocks
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"parametrization buffers \(`blocks\.0\.spectral\.parametrizations\.weight`.*"
+                                         r"buffer_dtype"):
+        _trainer("lowmem_zero2", max_steps=1, precision="bf16-mixed", limit_val_batches=0).fit(ParametrizedBlocks())
+
+
 def _chained_schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     """A ChainedScheduler around a SequentialLR: every scheduler in it holds the optimizer it was built on."""
     from torch.optim import lr_scheduler as S

@@ -14,6 +14,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder, WeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.optional import require
@@ -110,11 +111,18 @@ def _names(found: list[str]) -> str:
 def _running_statistics(module: nn.Module, precision: str) -> list[str]:
     found = [name or type(module).__name__ for name, m in module.named_modules()
              if isinstance(m, _RUNNING_STATS) and getattr(m, "running_mean", None) is not None]
+    # NOTE: a parametrization that computes with buffers of its own (spectral norm's power iteration: `torch.mv` of
+    # the weight and its fp32 `_u`) meets the cast parameter in one kernel too
+    found += [f"{name}.parametrizations.{tensor}" if name else f"parametrizations.{tensor}"
+              for name, m in module.named_modules() if parametrize.is_parametrized(m)
+              for tensor, chain in m.parametrizations.items()
+              if any(b.is_floating_point() for p in chain for b in p.buffers())]
     if not found:
         return []
     half = "bf16" if precision.startswith("bf16") else "fp16"
     return [(
-        f"`Trainer(precision={precision!r})` on a module with running statistics ({_names(found)}): DeepSpeed's "
+        f"`Trainer(precision={precision!r})` on a module with running statistics or parametrization buffers "
+        f"({_names(found)}): DeepSpeed's "
         f"{half} casts the parameters to {half} but keeps the buffers fp32, and the normalization fails on the mixed "
         f"dtypes at the first forward. Use `precision='32-true'`, or `strategy='lowmem_offload'` (whose "
         f"{precision} keeps the statistics fp32), or keep the statistics in {half} as `{half}-true` would with "
