@@ -76,6 +76,14 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), torch_internals.storage_key(t.untyped_storage()))
 
 
+def storage_key_or_none(t: torch.Tensor) -> tuple[str, int] | None:
+    """:func:`storage_key`, or None for a tensor without a storage (nested, sparse)."""
+    try:
+        return storage_key(t)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
     seen: set[tuple[str, int]] = set()

@@ -36,7 +36,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import storage_key
+from lightning_lowmem.core.accounting import storage_key, storage_key_or_none
 from lightning_lowmem.core.buffers import submodules
 
 _MISSING = object()
@@ -155,11 +155,12 @@ class _ParamWrites(torch_internals.TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if torch_internals.op_is_mutable(func):
-            named = dict(zip((a.name for a in torch_internals.op_arguments(func)), args)) | kwargs
-            for arg in torch_internals.op_arguments(func):
+            declared = torch_internals.op_arguments(func)
+            named = dict(zip((a.name for a in declared), args)) | kwargs
+            for arg in declared:
                 value = named.get(arg.name)
                 if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-                    key = _key(value)
+                    key = storage_key_or_none(value)
                     if key in self.params and key not in self.kept:
                         self.kept[key] = self.params[key].detach().to("cpu", copy=True)
         return func(*args, **kwargs)
@@ -168,13 +169,6 @@ class _ParamWrites(torch_internals.TorchDispatchMode):
         with torch.no_grad():
             for key, before in self.kept.items():
                 self.params[key].data.copy_(before)  # NOTE: `.data`: no version bump (as before the side step)
-
-
-def _key(t: torch.Tensor) -> tuple[str, int] | None:
-    try:
-        return storage_key(t)
-    except (RuntimeError, NotImplementedError):  # a tensor without a storage (nested, sparse)
-        return None
 
 
 @contextlib.contextmanager

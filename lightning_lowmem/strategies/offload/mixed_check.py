@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import storage_key
+from lightning_lowmem.core.accounting import storage_key_or_none
 
 #: what autocast rounds a weight for, as the layers whose weights are cast call it
 _LAYER_OPS = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
@@ -58,7 +58,7 @@ class CastWeightUseCheck(TorchFunctionMode):
         if func in _LAYER_OPS or name in _VIEWS_AND_METADATA or name in ("__get__", "__set__"):
             return func(*args, **kwargs)
         for t in torch_internals.tree_leaves((args, kwargs)):
-            key = _key(t) if isinstance(t, torch.Tensor) else None
+            key = storage_key_or_none(t) if isinstance(t, torch.Tensor) else None
             if key in self.names and not _called_by_us():
                 raise ValueError(
                     f"lowmem_offload(precision='{self.precision}') stores `{self.names[key]}` in the compute dtype, as "
@@ -80,13 +80,6 @@ def _called_by_us() -> bool:
             return path.startswith(_OURS + os.sep)
         frame = frame.f_back
     return False
-
-
-def _key(t: torch.Tensor) -> tuple[str, int] | None:
-    try:
-        return storage_key(t)
-    except (RuntimeError, NotImplementedError):  # a tensor without a storage (nested, sparse)
-        return None
 
 
 __all__ = ["CastWeightUseCheck"]

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import mark_host, mark_host_weights, storage_key
+from lightning_lowmem.core.accounting import mark_host, mark_host_weights, storage_key, storage_key_or_none
 from lightning_lowmem.core.blocks import called_blocks, find_repeated_blocks
 from lightning_lowmem.core.saved_versions import SavedVersion
 from lightning_lowmem.core.streams import CudaOps, StreamOps, cpu_ops
@@ -352,10 +352,7 @@ class ParamStream:
         self._pushed.append(hooks)
 
     def _pack(self, t: torch.Tensor, outer: Any) -> Any:
-        try:
-            found = self._by_storage.get(storage_key(t))
-        except (RuntimeError, NotImplementedError):  # a tensor without a storage (nested, sparse)
-            found = None
+        found = self._by_storage.get(storage_key_or_none(t))  # type: ignore[arg-type]
         if found is not None:
             b, j = found
             base = self._fetched[b][0][j]

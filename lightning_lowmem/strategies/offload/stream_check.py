@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import storage_key
+from lightning_lowmem.core.accounting import storage_key_or_none
 
 # NOTE: ops that read metadata only (a `.data` assignment dispatches `_has_compatible_shallow_copy_type`)
 _METADATA = {"_has_compatible_shallow_copy_type", "is_same_size", "sym_size", "sym_stride", "sym_numel",
@@ -44,7 +44,8 @@ class ReleasedReadCheck(torch_internals.TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        released = [t for t in torch_internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and _key(t) in self.keys]
+        released = [t for t in torch_internals.tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and storage_key_or_none(t) in self.keys]
         if not released or func.__name__.split(".")[0] in _METADATA:
             return out
         if func.is_view:
@@ -64,8 +65,3 @@ class ReleasedReadCheck(torch_internals.TorchDispatchMode):
         )
 
 
-def _key(t: torch.Tensor) -> tuple[str, int] | None:
-    try:
-        return storage_key(t)
-    except (RuntimeError, NotImplementedError):  # a tensor without a storage (nested, sparse)
-        return None
