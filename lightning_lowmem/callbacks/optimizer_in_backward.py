@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.lightning_callbacks import lightning_callback_problems
+from lightning_lowmem.core.reentrant import reentrant_fix
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.roles import HostMastersStrategy
 
@@ -178,9 +179,7 @@ class OptimizerInBackward(Reproducible, Callback):
                 f"OptimizerInBackward: the gradient of `{name}` arrived twice in one backward (a weight shared by two "
                 "reentrant-checkpointed blocks: each block's inner backward hands over its part, and the second "
                 "block's recompute already read the weight stepped at the first part), so this step cannot match "
-                "plain Lightning's. Checkpoint without reentrancy (`torch.utils.checkpoint.checkpoint(..., "
-                "use_reentrant=False)`; Hugging Face: `gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                "{'use_reentrant': False})`) or remove the callback.")
+                "plain Lightning's. " + reentrant_fix("remove the callback"))
         self._stepped.add(id(p))
         if self._clip_value is not None:
             p.grad.clamp_(-self._clip_value, self._clip_value)

@@ -211,6 +211,13 @@ def why_not_delayed(optimizer: Optimizer) -> str | None:
     return None
 
 
+def uses_landing_slots(strategy: Any) -> bool:
+    """Whether ``strategy`` (an ``OffloadStrategy``, or anything else) lands its delayed steps from landing slots on a
+    CUDA transfer (``StreamTransfer.landing_slots``): ``host_pass="delayed"`` without parameter streaming. The landing,
+    the host-RAM check and the dry run's CUDA correction all ask this."""
+    return getattr(strategy, "host_pass", None) == "delayed" and getattr(strategy, "offload_params", None) is False
+
+
 def delayed_problems(strategy: Any, module: pl.LightningModule) -> list[str]:
     """What ``host_pass="delayed"`` cannot run with this module and strategy (checked at setup)."""
     if strategy.host_pass != "delayed":
@@ -290,15 +297,16 @@ class DelayedUpdate:
         model = self.lightning_module  # type: ignore[attr-defined]
         step = model.trainer.global_step if lightning_internals.attached_trainer(model) is not None else "?"
         clip, self._deferred_clip = self._deferred_clip, None
+        transfer = self._landing_transfer()
         self._delayed.submit(optimizer, self._masters, clip=clip, guard=self._guarding(), step=step,  # type: ignore[attr-defined]
-                             stage=self._landing_transfer().stage_landing if self._landing_transfer() else None)
+                             stage=transfer.stage_landing if transfer is not None else None)
 
     def _landing_transfer(self) -> StreamTransfer | None:
         """The CUDA transfer with its landing slots (see ``StreamTransfer.landing_slots``); None on the plain CPU path,
         where the upload writes the compute weights the next window computes on, and under ``offload_params``, where it
         writes the host copies the next window's fetches read: both at the landing."""
         transfer = self._transfer  # type: ignore[attr-defined]
-        if not isinstance(transfer, StreamTransfer) or self._stream is not None:  # type: ignore[attr-defined]
+        if not isinstance(transfer, StreamTransfer) or not uses_landing_slots(self):
             return None
         transfer.landing_slots()
         return transfer
@@ -332,4 +340,4 @@ class DelayedUpdate:
         return lambda: trainer.callbacks.remove(landing) if landing in trainer.callbacks else None
 
 
-__all__ = ["DelayedLanding", "DelayedStep", "DelayedUpdate", "delayed_problems", "why_not_delayed"]
+__all__ = ["DelayedLanding", "DelayedStep", "DelayedUpdate", "delayed_problems", "uses_landing_slots", "why_not_delayed"]

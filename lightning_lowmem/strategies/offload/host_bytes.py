@@ -26,6 +26,7 @@ from lightning_lowmem.core.optimizer_state import expected_state_bytes
 from lightning_lowmem.core.roles import LeanOptimizerSwap, LowBitOptimizerSwap
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
 from lightning_lowmem.strategies.offload import host_pass_checks
+from lightning_lowmem.strategies.offload.delayed_step import uses_landing_slots
 from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
 from lightning_lowmem.strategies.offload.param_stream import block_params
 from lightning_lowmem.strategies.offload.precision import autocast_cast_params
@@ -91,8 +92,7 @@ def host_bytes_needed(
         # on CUDA: pinned staging in the compute dtype, flat buckets as torch's pinned allocator reserves them
         # (see [staging buckets]), twice under host_pass="delayed" without streaming (its landing slots); on CPU: the
         # compute weights share host RAM
-        "staging_or_compute_weights": planned_staging_bytes(
-            strategy.root_device, specs, landing=strategy.host_pass == "delayed" and strategy.offload_params is False),
+        "staging_or_compute_weights": planned_staging_bytes(strategy.root_device, specs, landing=uses_landing_slots(strategy)),
         "streamed_weights": streamed_host_bytes(strategy.offload_params, module, dtype),
     }
     parts["total"] = sum(parts.values())

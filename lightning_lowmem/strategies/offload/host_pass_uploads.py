@@ -26,12 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-
-def reentrant_fix(instead: str = "host_pass='serial'") -> str:
-    """The fix for a gradient that arrives twice in one backward: no reentrancy, or ``OffloadStrategy(instead)``."""
-    return ("Checkpoint without reentrancy (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; Hugging Face: "
-            "`gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`) or pass "
-            f"`OffloadStrategy({instead})`.")
+from lightning_lowmem.core.reentrant import reentrant_fix
 
 
 class BackwardUploads:
@@ -69,7 +64,8 @@ class BackwardUploads:
                     f"lowmem_offload(host_pass='overlap'): the gradient of `{self.name(i)}` arrived twice in one "
                     "backward, after its new value was uploaded: the backward in between (a weight shared by two "
                     "reentrant-checkpointed blocks recomputes it) may have read the new weight, so this step cannot "
-                    "match plain Lightning's. The first steps showed no such weight (the graph changed). " + reentrant_fix())
+                    "match plain Lightning's. The first steps showed no such weight (the graph changed). "
+                    + reentrant_fix("pass `OffloadStrategy(host_pass='serial')`"))
         self._arrived.add(i)
 
     def check_written(self, indices: Iterable[int]) -> None:
@@ -94,4 +90,4 @@ class BackwardUploads:
             f"`OffloadStrategy(host_pass='serial')`. Autograd said: {err}")
 
 
-__all__ = ["BackwardUploads", "reentrant_fix"]
+__all__ = ["BackwardUploads"]

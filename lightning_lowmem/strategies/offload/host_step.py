@@ -25,11 +25,11 @@ from typing_extensions import override
 from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
+from lightning_lowmem.core.reentrant import reentrant_fix
 from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
 from lightning_lowmem.strategies.offload import host_pass as _host_pass
 from lightning_lowmem.strategies.offload.delayed_step import DelayedUpdate
 from lightning_lowmem.strategies.offload.host_pass_checks import trainer_clip, why_serial
-from lightning_lowmem.strategies.offload.host_pass_uploads import reentrant_fix
 from lightning_lowmem.strategies.offload.host_worker import HostWorker
 from lightning_lowmem.strategies.offload.masters_view import reads_grads_after_step
 from lightning_lowmem.strategies.offload.mixed_check import CastWeightUseCheck
@@ -282,7 +282,7 @@ class HostStep(DelayedUpdate):
                 f"lowmem_offload(optimizer_in_backward=True): the gradient of `{self._masters.names[i]}` arrived twice "
                 "in one backward (a weight shared by two reentrant-checkpointed blocks: each block's inner backward "
                 "hands over its part), after its first part had stepped it: this step cannot match plain Lightning's, "
-                "which steps once with their sum. " + reentrant_fix("optimizer_in_backward=False"))
+                "which steps once with their sum. " + reentrant_fix("pass `OffloadStrategy(optimizer_in_backward=False)`"))
         self._stepped_in_backward.add(i)
         if not isinstance(self._transfer, StreamTransfer):
             self._step_in_backward(i, grad)

@@ -30,6 +30,7 @@ from lightning_lowmem.core import preflight as _preflight
 from lightning_lowmem.core import warning_filters as _warnings
 from lightning_lowmem.core.hooks import swapped
 from lightning_lowmem.core.optional import require
+from lightning_lowmem.core.reentrant import reentrant_fix
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.schedulers import repoint_scheduler
 from lightning_lowmem.strategies.zero import config as zc
@@ -399,10 +400,8 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
                 f"lowmem_zero (DeepSpeed ZeRO-{self.config['zero_optimization']['stage']}): a parameter's gradient arrived twice in one backward "
                 "(a block shared by two reentrant-checkpointed segments: each inner backward hands over its part), "
                 "and DeepSpeed reduces each gradient once per backward (it asserted: "
-                f"{' '.join(str(err).split()) or traceback.extract_tb(err.__traceback__)[-1].line}). Checkpoint "
-                "without reentrancy (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; Hugging Face: "
-                "`gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})`) or use "
-                "`strategy='lowmem_offload'`, which sums the parts.") from err
+                f"{' '.join(str(err).split()) or traceback.extract_tb(err.__traceback__)[-1].line}). "
+                + reentrant_fix("use `strategy='lowmem_offload'`, which sums the parts")) from err
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
