@@ -112,7 +112,7 @@ def optimizer_rows(args) -> tuple[list[dict], dict]:
     ours = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)  # what configure_optimizers returns ...
     if _host_optimizer.why_not_fused(ours) is not None:
         raise RuntimeError(f"the host AdamW would not be fused here: {_host_optimizer.why_not_fused(ours)}")
-    _host_optimizer.enable_fused(ours)  # ... after OffloadStrategy(host_optimizer="auto") re-points it
+    _host_optimizer.enable_fused(ours.param_groups)  # ... after OffloadStrategy(host_optimizer="auto") re-points it
     optimizers = {
         "ours (lowmem_offload host AdamW)": ours,
         "torch AdamW for-loop (CPU default)": torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=False),

@@ -223,10 +223,8 @@ def test_deferred_staging_slot_not_rewritten_while_unread():
 # --- hazard 4: pinned staging counted as the pinned allocator takes it -------------------------------------------
 
 
-@pytest.mark.parametrize("host_pass", ["serial", "delayed"])
-def test_deferred_pinned_staging_counted_exactly(host_pass):
-    """Planned (host-RAM check) == reported (``memory_breakdown``) == what the pinned allocator reserves (under
-    ``host_pass="delayed"``: with its landing slots)."""
+def test_deferred_pinned_staging_counted_exactly():
+    """Planned (host-RAM check) == reported (``memory_breakdown``) == what the pinned allocator reserves."""
     torch.manual_seed(0)
     module = CausalLMModule(config=TINY, learning_rate=1e-2)
     seen: dict[str, int] = {}
@@ -235,40 +233,17 @@ def test_deferred_pinned_staging_counted_exactly(host_pass):
         def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
             s = trainer.strategy
             assert isinstance(s._transfer, StreamTransfer)
-            slots = [*s._transfer.staging(), *(s._transfer._landing or [])]
-            assert (s._transfer._landing is not None) == (host_pass == "delayed")
-            storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in slots}
+            storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in s._transfer._staging}
             seen["allocated"] = sum(pinned_bytes(n) for n in storages.values())
             seen["buffers"] = len(storages)
             seen["reported"] = s.memory_breakdown().host["other"]
 
-    strategy = OffloadStrategy(host_pass=host_pass)
+    strategy = OffloadStrategy()
     with _deferred():
         _trainer(strategy=strategy, precision="bf16-true", max_steps=1, callbacks=[Inspect()]).fit(module, _data(2))
         seen["planned"] = strategy.host_bytes_needed(module, [])["staging_or_compute_weights"]
     assert seen["reported"] == seen["planned"] == seen["allocated"] > 0
-    n_params = len(list(module.parameters()))
-    assert seen["buffers"] < n_params * (2 if host_pass == "delayed" else 1)  # flat buckets, not one buffer per parameter
-
-
-def test_deferred_delayed_landing_waits_for_its_last_copies_before_rounding_into_the_slots_again():
-    """``host_pass="delayed"``: the worker rounds the next step into the landing slots while the last landing's copies
-    from them may still be in flight on the side stream (the stand-in lands them at the compute stream's wait, a GPU
-    does not): it synchronizes on their event first."""
-    ops = DeferredOps("lazy")
-    waited = []
-    synchronize = ops.synchronize
-    ops.synchronize = lambda event: waited.append(event) or synchronize(event)
-    weight = torch.zeros(3, dtype=torch.bfloat16)
-    transfer = StreamTransfer(torch.device("cpu"), [weight], ops)
-    transfer.landing_slots()
-    master = torch.full((3,), 1.0 + 2**-10)  # NOTE: rounds to 1.0 in bf16: the slot holds the rounded value
-    transfer.stage_landing([(0, master)])
-    assert not waited and transfer.land([(0, master, weight)]) == {0}
-    assert torch.equal(weight, master.bfloat16())
-    transfer.stage_landing([(0, master * 2)])
-    assert waited == [transfer._landed]
-    assert transfer.land([(0, master, weight), (1, master, weight)]) == {0}  # NOTE: 1 was never rounded: the caller
+    assert seen["buffers"] < len(list(module.parameters()))  # flat buckets, not one buffer per parameter
 
 
 # --- hazard 5: the micro-batch search measures with ActivationOffload ---------------------------------------------

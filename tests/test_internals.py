@@ -121,23 +121,6 @@ _PRIVATE = re.compile(r"""(?x)
 """)
 
 
-def test_torch_schedulers_still_read_the_step_called_flag():
-    """``mark_step_called`` stands in for a step that runs later: without it (torch renamed the flag) the scheduler's
-    first ``step()`` warns that it ran before ``optimizer.step()``."""
-    import warnings
-
-    for mark in (False, True):
-        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
-        if mark:
-            torch_internals.mark_step_called(opt)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            scheduler.step()
-        before = [w for w in caught if "before `optimizer.step()`" in str(w.message)]
-        assert bool(before) != mark
-
-
 def test_no_module_outside_internals_uses_a_private_api():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -73,8 +73,7 @@ PRIVATE_SYMBOLS = (
 INSTANCE_ATTRIBUTES = {
     "torch.Tensor": ("_version",),
     "torch.UntypedStorage": ("_cdata",),
-    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called", "_backward_hooks",
-                        "_backward_pre_hooks"),
+    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called"),
     "torch.optim.lr_scheduler.SequentialLR": ("_schedulers",),
     "torch.optim.lr_scheduler.ChainedScheduler": ("_schedulers",),
     "torch._ops.OpOverload": ("_schema",),
@@ -301,12 +300,6 @@ def forward_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
     return module._forward_hooks  # type: ignore[return-value]
 
 
-def has_backward_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` itself has backward hooks (``register_full_backward_hook``/``_pre_hook``, or the old
-    ``register_backward_hook``); the process-wide ones of ``nn.modules.module`` are not looked at."""
-    return bool(module._backward_hooks or module._backward_pre_hooks)
-
-
 def remove_forward_hook(module: nn.Module, key: int) -> None:
     """Remove forward hook ``key`` of ``module`` as its ``RemovableHandle`` would (the handle is long gone)."""
     del module._forward_hooks[key]
@@ -337,16 +330,6 @@ def module_apply_replaced(make: Callable[[Callable[..., Any]], Callable[..., Any
 def chained_schedulers(scheduler: Any) -> tuple[Any, ...]:
     """The inner schedulers of a ``SequentialLR``/``ChainedScheduler`` (empty for any other scheduler)."""
     return tuple(getattr(scheduler, "_schedulers", ()))
-
-
-def mark_step_called(optimizer: torch.optim.Optimizer) -> None:
-    """Set the flag torch's LR schedulers read at their first ``step()`` (set by the wrapper of
-    :func:`track_step_called`), for a step of ``optimizer`` that runs later, elsewhere (``host_pass="delayed"``).
-
-    NOTE: ``_opt_called`` is private: without it each scheduler warns "``lr_scheduler.step()`` before
-    ``optimizer.step()``" once (tests/test_internals.py fails when torch stops reading it).
-    """
-    optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
 def track_step_called(optimizer: torch.optim.Optimizer) -> None:

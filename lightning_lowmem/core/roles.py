@@ -7,6 +7,8 @@ inherits: a subclass keeps the role, a renamed class keeps it, and a look-alike 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 
 class HostMastersStrategy:
     """A strategy whose optimizers step fp32 master weights on the host, not the module's parameters
@@ -14,11 +16,16 @@ class HostMastersStrategy:
 
     A callback that steps or replaces the optimizer itself (``OptimizerInBackward``) refuses it and names the
     strategy's own option instead; one that holds per-parameter state keyed by the module's parameters
-    (``LowBitOptimizer``) finds them through :meth:`master_of`.
+    (``LowBitOptimizer``) finds them through :meth:`master_of`; ``MasterHalfPrecision`` runs the gradient hooks
+    inside :meth:`masters_view`.
     """
 
     def master_of(self, p_host: object) -> object | None:
         """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
+        raise NotImplementedError
+
+    def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
+        """Inside, the module's own parameters show the fp32 masters (``grads``: with their gradients)."""
         raise NotImplementedError
 
 

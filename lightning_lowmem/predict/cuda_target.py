@@ -21,7 +21,6 @@ from lightning_lowmem.core.accounting import host_storage_keys, storage_key
 from lightning_lowmem.core.roles import HostMastersStrategy
 from lightning_lowmem.predict.result import Correction, MemoryEstimate
 from lightning_lowmem.predict.run_spec import RunSpec
-from lightning_lowmem.strategies.offload.delayed_step import uses_landing_slots
 from lightning_lowmem.strategies.offload.transfer import pinned_staging_bytes
 
 #: CUDA context + cuBLAS workspace on a recent driver with lazy module loading (uncalibrated)
@@ -102,11 +101,10 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
     offload = "offload" in run.strategy_name and run.zero() is None
     staging = 0
     if offload:
-        dtype = torch.float32 if run.precision == "32-true" else torch.bfloat16
+        # NOTE: the compute weights' dtype: fp32 under "32-true" and "*-mixed" (autocast casts per op)
+        dtype = torch.float32 if run.precision == "32-true" or run.precision.endswith("-mixed") else torch.bfloat16
         staged = counts.get("staged_numels")
         staging = pinned_staging_bytes([(n, dtype) for n in (numels if staged is None else staged)])
-        if uses_landing_slots(run.strategy):
-            staging *= 2  # NOTE: the landing slots (`StreamTransfer.landing_slots`)
         if staged is not None and extrapolated and counts.get("traced_params") and estimate.num_params:
             staging = int(staging * estimate.num_params / counts["traced_params"])  # NOTE: traced at a lower depth
     for bd in estimate.phases.values():

@@ -27,7 +27,8 @@ def test_compute_dtype_and_scaler(precision, dtype, scaler):
     assert plugin.compute_dtype == dtype
     assert (plugin.scaler is not None) == scaler
     module = plugin.convert_module(torch.nn.Linear(3, 3))
-    assert module.weight.dtype == dtype
+    # NOTE: "*-mixed" keeps the compute weights fp32, as Lightning's MixedPrecision (autocast casts per op)
+    assert module.weight.dtype == plugin.weight_dtype == (torch.float32 if precision.endswith("-mixed") else dtype)
     # modules are built in fp32 whatever the compute dtype: the masters are copied from them
     with plugin.module_init_context():
         assert torch.nn.Linear(2, 2).weight.dtype == torch.float32
@@ -159,15 +160,13 @@ def test_overflow_skips_step_and_never_touches_the_masters(monkeypatch):
     monkeypatch.setattr(plugin, "_after_closure", lambda model, opt: None)  # the hooks need a Trainer
     master = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([master], lr=0.1, momentum=0.9)
-    calls = []
 
     def closure():
         master.grad = torch.tensor([8.0, float("inf"), 8.0])  # a planted inf in the (scaled) gradient
         return torch.tensor(1.0)
 
-    plugin.optimizer_step(opt, _Module(), closure, step_fn=lambda o: calls.append(o))
-    assert calls == [] and plugin.last_step_skipped
-    assert torch.equal(master.detach(), torch.ones(3)) and master.grad is None
+    plugin.optimizer_step(opt, _Module(), closure)
+    assert torch.equal(master.detach(), torch.ones(3)) and master.grad is None and not opt.state
     assert plugin.scaler.scale == 4.0
 
     def clean():
@@ -175,7 +174,6 @@ def test_overflow_skips_step_and_never_touches_the_masters(monkeypatch):
         return torch.tensor(1.0)
 
     plugin.optimizer_step(opt, _Module(), clean)
-    assert not plugin.last_step_skipped
     assert torch.equal(master.detach(), torch.full((3,), 0.9))
 
 
@@ -204,19 +202,10 @@ class _ScaledLinear(torch.nn.Linear):
         return super().forward(x) * self.weight.norm()
 
 
-def test_mixed_casts_exactly_the_weights_autocast_casts_at_every_use():
+def test_mixed_casts_nothing():
     module = _Block()
-    plugin = MasterHalfPrecision("bf16-mixed")
-    plugin.convert_module(module)
-    half = {n for n, p in module.named_parameters(remove_duplicate=False) if p.dtype == torch.bfloat16}
-    assert half == {
-        "proj.weight", "proj.bias", "conv.weight", "conv.bias", "hf_conv.weight", "hf_conv.bias",
-        "attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias",
-    }
-    # fp32: tied embedding/LM head, norm, custom parameter, an overridden forward, MHA's concatenated bias_k/v
-    assert module.embed.weight.dtype == module.head.weight.dtype == torch.float32
-    assert module.attn.bias_k.dtype == module.norm.weight.dtype == module.custom.weight.dtype == torch.float32
-    assert module.table.dtype == torch.float32  # buffers are never cast under -mixed
+    MasterHalfPrecision("bf16-mixed").convert_module(module)
+    assert {p.dtype for p in module.parameters()} | {b.dtype for b in module.buffers()} == {torch.float32}
 
 
 def test_true_casts_everything_buffers_included():
@@ -226,7 +215,7 @@ def test_true_casts_everything_buffers_included():
 
 
 def test_mixed_forward_equals_plain_autocast_bit_for_bit():
-    """The stored bf16 copies are the roundings autocast makes: same outputs and same gradients as plain mixed."""
+    """Autocast casts per op: the same outputs and the same gradients as plain mixed precision."""
     torch.manual_seed(0)
     ref = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
                                       norm=torch.nn.LayerNorm(16), enable_nested_tensor=False)
@@ -243,4 +232,4 @@ def test_mixed_forward_equals_plain_autocast_bit_for_bit():
     want.float().square().sum().backward()
     got.float().square().sum().backward()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
-        assert torch.equal(p.grad, q.grad.float()), name
+        assert torch.equal(p.grad, q.grad), name

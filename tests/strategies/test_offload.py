@@ -248,7 +248,7 @@ def test_fused_host_adamw_matches_foreach_to_rounding():
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
         if mode == "fused":
             assert _host_optimizer.why_not_fused(opt) is None
-            _host_optimizer.enable_fused(opt)
+            _host_optimizer.enable_fused(opt.param_groups)
         g = torch.Generator().manual_seed(1)
         for _ in range(10):
             for p in params:
@@ -323,7 +323,7 @@ def test_fused_host_adamw_equals_plain_with_the_same_fused_kernel_buffers_includ
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
             if self.fused:
-                _host_optimizer.enable_fused(opt)
+                _host_optimizer.enable_fused(opt.param_groups)
             return opt
 
     torch.manual_seed(0)

@@ -12,6 +12,8 @@ gradient the hook replaces (or drops) is the one stepped. Compared through ``Tra
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
 import pytest
 import torch
@@ -140,7 +142,8 @@ class ValidationSeesGradients(Callback):
     def __init__(self) -> None:
         self.none: list[bool] = []
 
-    def on_validation_start(self, trainer, pl_module):
+    def on_validation_epoch_start(self, trainer, pl_module):
+        # NOTE: from the strategy's `on_validation_start` on (callbacks' `on_validation_start` run before it)
         if isinstance(trainer.strategy, OffloadStrategy):
             self.none.append(all(m.grad is None for m in trainer.strategy.masters.values()))
         else:
@@ -185,7 +188,8 @@ class GradSpy(Callback):
         self.seen: list[tuple[str, dict[str, torch.Tensor | None]]] = []
 
     def _look(self, hook: str, pl_module) -> None:
-        self.seen.append((hook, {n: None if p.grad is None else p.grad.clone() for n, p in pl_module.named_parameters()}))
+        with _view(pl_module):
+            self.seen.append((hook, {n: None if p.grad is None else p.grad.clone() for n, p in pl_module.named_parameters()}))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._look("on_train_batch_start", pl_module)
@@ -200,22 +204,31 @@ class GradSpy(Callback):
         self._look("on_train_epoch_end", pl_module)
 
 
+def _view(pl_module):
+    """Where the gradients are: the module's parameters under plain Lightning, the masters' view under ``lowmem_offload``
+    (outside the gradient hooks the module's parameters hold the compute weights and no gradient)."""
+    strategy = pl_module.trainer.strategy
+    return strategy.masters_view(grads=True) if isinstance(strategy, OffloadStrategy) else contextlib.nullcontext()
+
+
 class LogsGradNorms(Clipped):
-    """The module's own ``on_train_batch_end`` logging gradient norms, as users write it."""
+    """The module's own ``on_train_batch_end`` logging gradient norms, through the view under ``lowmem_offload``."""
 
     def __init__(self) -> None:
         super().__init__(own_clip=False)
         self.batch_end_norms: list[dict[str, float]] = []
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.batch_end_norms.append({k: float(v) for k, v in grad_norm(self, norm_type=2).items()})
+        with _view(self):
+            self.batch_end_norms.append({k: float(v) for k, v in grad_norm(self, norm_type=2).items()})
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["offload", "offload_params"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_hooks_after_the_step_see_the_last_gradients_as_plain_lightning(precision, stream):
-    """``on_train_batch_end``, ``on_train_epoch_end``, the next ``on_train_batch_start`` and ``on_before_zero_grad``
-    show the last step's gradients (or, between micro-batches, those accumulated so far), as plain Lightning does."""
+def test_the_view_shows_the_last_gradients_after_the_step_as_plain_lightning(precision, stream):
+    """In ``on_train_batch_end``, ``on_train_epoch_end``, the next ``on_train_batch_start`` and ``on_before_zero_grad``
+    the masters' view shows the last step's gradients (or, between micro-batches, those accumulated so far), as plain
+    Lightning's parameters do."""
     seen = {}
     for name, strategy in (("plain", "auto"), ("ours", OffloadStrategy(host_optimizer="as_is", offload_params=stream))):
         spy = GradSpy()
@@ -239,19 +252,3 @@ def test_hooks_after_the_step_see_the_last_gradients_as_plain_lightning(precisio
     assert got_norms == want_norms and len(want_norms) == 8 and all(want_norms)
     _assert_equal(got_state, want_state)
     assert all(p.grad is None for p in trainer.lightning_module.parameters())  # outside the hooks: none
-
-
-def test_only_the_users_overridden_hooks_are_wrapped():
-    """Lightning's own callbacks and this package's (a checkpoint, MemoryReport) and hooks nobody overrides run as
-    they are: no view, nothing shown."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_lowmem import MemoryReport
-    from lightning_lowmem.strategies.offload.masters_view import wrap_grad_readers
-
-    spy, others, module = GradSpy(), [ModelCheckpoint(), MemoryReport(predict=False, plot=False)], Clipped()
-    undo = wrap_grad_readers([spy, *others], module, view=None)  # type: ignore[arg-type]  (never opened here)
-    assert sorted(h for h in vars(spy) if h.startswith("on_")) == sorted(_AFTER_STEP)
-    assert not [h for cb in (*others, module) for h in vars(cb) if h.startswith("on_")]
-    undo()
-    assert not [h for h in vars(spy) if h.startswith("on_")]

@@ -1,6 +1,6 @@
 """lowmem_offload's host-RAM check counts the state of the optimizer that really steps (a ``LeanOptimizer``'s, not the
-configured AdamW's 8 B/param) and the copies ``host_pass="overlap"`` keeps; each figure against the real tensors after
-``Trainer.fit``, and a run that fits only by the right count is allowed (refused by one byte less)."""
+configured AdamW's 8 B/param); each figure against the real tensors after ``Trainer.fit``, and a run that fits only by
+the right count is allowed (refused by one byte less)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 import lightning_lowmem  # noqa: F401  (registers lowmem_offload)
 from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.core import host_memory as _host_memory
-from lightning_lowmem.strategies.offload import host_pass as host_pass_module
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore:.*does not have many workers.*")]
@@ -113,74 +112,12 @@ def test_a_lean_run_that_fits_only_by_its_own_state_is_allowed(monkeypatch):
     assert fit(OffloadStrategy(), [LeanOptimizer("galore", rank=8)]).global_step == 2
     with pytest.raises(_host_memory.HostMemoryError, match="LowBitOptimizer") as exc:
         fit(OffloadStrategy())  # the configured AdamW's state does not fit there
-    assert "host_pass='serial'" not in str(exc.value)  # no copies without host_pass='overlap'
     _available(monkeypatch, lean - 1)
     with pytest.raises(_host_memory.HostMemoryError) as exc:
         fit(OffloadStrategy(), [LeanOptimizer("galore", rank=8)])
     state = predicted(OffloadStrategy(), [callback])["optimizer_state"]
     assert f"optimizer state {state / 2**10:.2f} KiB" in str(exc.value)
     assert "LowBitOptimizer" not in str(exc.value)  # it already replaces the optimizer: no 8-bit advice
-
-
-class Kept(L.Callback):
-    """At the end of training (before teardown closes the pass): the copies the overlapped pass holds."""
-
-    def on_train_end(self, trainer, pl_module):
-        kept = trainer.strategy._pass._kept._kept  # NOTE: {master index: (master copy, state copy)}
-        self.count = len(kept)
-        # NOTE: 0-d step counters aside: the state table counts AdamW's moments only
-        self.bytes = sum(t.numel() * t.element_size() for master, state in kept.values()
-                         for t in [master, *(state or {}).values()] if isinstance(t, torch.Tensor) and t.dim())
-
-
-def test_overlap_copies_are_counted_as_the_pass_keeps_them(monkeypatch):
-    monkeypatch.setattr(host_pass_module, "BUCKET_BYTES", 4 * 300)  # several buckets per step
-    serial, overlap = predicted(OffloadStrategy()), predicted(OffloadStrategy(host_pass="overlap"))
-    kept = Kept()
-    fit(OffloadStrategy(host_pass="overlap"), [kept], steps=3)
-    real = kept.bytes
-    n = sum(p.numel() for p in Model().parameters())
-    assert kept.count == len(list(Model().parameters()))  # every master, not one bucket
-    # NOTE: an upper bound: from the second step on the last bucket keeps no copy (its state copy is never made);
-    # the masters' copies were made at the first step, which does not know yet which bucket comes last
-    last = 4 * 300 + 4 * max(p.numel() for p in Model().parameters())
-    assert overlap["host_pass_copies"] == 4 * n + 8 * n and 0 < overlap["host_pass_copies"] - real <= 2 * last
-    assert serial["host_pass_copies"] == 0 and overlap["total"] == serial["total"] + overlap["host_pass_copies"]
-
-
-def test_an_overlapped_run_is_refused_where_only_the_serial_one_fits(monkeypatch):
-    serial = predicted(OffloadStrategy())["total"]
-    _available(monkeypatch, serial)
-    assert fit(OffloadStrategy(host_pass="serial")).global_step == 2
-    with pytest.raises(_host_memory.HostMemoryError, match=r"host pass copies .*host_pass='serial'"):
-        fit(OffloadStrategy(host_pass="overlap"))
-    overlap = predicted(OffloadStrategy(host_pass="overlap"))["total"]
-    _available(monkeypatch, overlap)
-    assert fit(OffloadStrategy(host_pass="overlap")).global_step == 2
-    # a swapped optimizer steps serially: no copies
-    if importlib.util.find_spec("galore_torch") is not None:
-        assert predicted(OffloadStrategy(host_pass="overlap"), [LeanOptimizer("galore", rank=8)])["host_pass_copies"] == 0
-
-
-@pytest.mark.parametrize("precision, clip", [("bf16-true", {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
-                                             ("16-true", {})])
-def test_value_clipping_and_fp16_count_the_pass_buffer_of_working_gradients(monkeypatch, precision, clip):
-    monkeypatch.setattr(host_pass_module, "BUCKET_BYTES", 4 * 300)  # several buckets per step
-
-    class Clamped(L.Callback):
-        def on_train_end(self, trainer, pl_module):
-            self.real = sum(t.numel() * t.element_size() for t in trainer.strategy._pass._working._flat.values())
-            self.need = trainer.strategy.host_bytes_needed(pl_module, trainer.optimizers, callbacks=trainer.callbacks)
-
-    got = Clamped()
-    trainer = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(host_pass="overlap"), precision=precision,
-                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[got], **clip)
-    trainer.fit(Model())
-    numels = [p.numel() for p in Model().parameters()]
-    bound = 4 * 300 + 4 * max(numels)  # a bucket closes past BUCKET_BYTES: at most one gradient more
-    assert got.need["host_pass_copies"] == 12 * sum(numels) + bound
-    assert 0 < got.real <= bound
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao (pip install lightning-lowmem[torchao])")
@@ -195,20 +132,3 @@ def test_torchao_scales_and_map_are_fp32_for_a_bf16_parameter(kind):
     p.grad = torch.randn_like(p)
     opt.step()
     assert real_state_bytes(opt) == torchao_bytes(p.numel(), kind, None, param_bytes=2)
-
-
-def test_a_low_bit_swap_steps_in_the_pass_and_its_copies_are_counted(monkeypatch):
-    pytest.importorskip("bitsandbytes")
-    from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
-
-    monkeypatch.setattr(host_pass_module, "BUCKET_BYTES", 4 * 300)
-    overlap = OffloadStrategy(host_pass="overlap")
-    counted = predicted(overlap, [LowBitOptimizer(min_8bit_size=16)])["host_pass_copies"]
-    kept = Kept()
-    fit(OffloadStrategy(host_pass="overlap"), [kept, LowBitOptimizer(min_8bit_size=16)], steps=3)
-    n = sum(p.numel() for p in Model().parameters())
-    assert kept.count == len(list(Model().parameters()))  # the pass ran: it kept a copy of every master
-    assert 4 * n < counted and 4 * n < kept.bytes <= counted  # the masters' copies, and some 8-bit state
-    # NOTE: the paged optimizer and the stable embedding's per-parameter overrides keep the step serial: no copies
-    for callback in (LowBitOptimizer("paged_adamw8bit"), LowBitOptimizer(stable_embedding=True)):
-        assert predicted(OffloadStrategy(host_pass="overlap"), [callback])["host_pass_copies"] == 0

@@ -378,17 +378,20 @@ def test_what_the_device_keeps_and_what_the_user_gets_back():
             seen["device_grads"] = [p.grad for p in pl_module.parameters() if p.grad is not None]
 
         def on_train_batch_end(self, trainer, pl_module, *args):
-            # NOTE: a user's on_train_batch_end shows the fp32 masters with their gradients (as plain Lightning's
-            # fp32 parameters); the breakdown taken there still counts what the device holds
+            # NOTE: the module's parameters hold the compute weights here; the strategy's view shows the fp32 masters
+            # with their gradients (as plain Lightning's fp32 parameters); a breakdown taken inside still counts what
+            # the device holds
             strategy = trainer.strategy
-            seen["shown"] = {(p.dtype, p.grad is not None) for p in pl_module.parameters()}
-            seen["breakdown"] = strategy.memory_breakdown().to_dict()
+            seen["compute"] = {(p.dtype, p.grad is not None) for p in pl_module.parameters()}
+            with strategy.masters_view(grads=True):
+                seen["shown"] = {(p.dtype, p.grad is not None) for p in pl_module.parameters()}
+                seen["breakdown"] = strategy.memory_breakdown().to_dict()
             seen["numel"] = sum(p.numel() for p in strategy.masters.values())
 
     t = trainer(steps=2, callbacks=[Inspect()])
     t.fit(module, DataLoader(Batches(4), batch_size=2))
     assert seen["dtypes"] == {torch.bfloat16} and seen["device_grads"] == []
-    assert seen["shown"] == {(torch.float32, True)}
+    assert seen["compute"] == {(torch.bfloat16, False)} and seen["shown"] == {(torch.float32, True)}
     n, mb = seen["numel"], seen["breakdown"]
     assert mb["device"]["gradients"] == 0 and mb["device"]["optimizer_state"] == 0
     assert mb["host"]["optimizer_state"] >= 12 * n  # fp32 masters + AdamW's two fp32 moments

@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lowmem  # noqa: F401  (registers the strategy names)
-from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.models import random_batch, tiny_gpt2
 from tests.helpers.runif import RunIf
@@ -93,17 +92,3 @@ def test_lora_with_dropout_equals_plain_bf16_mixed(arch, dora):
     assert trained
     for key, value in want.items():
         assert torch.equal(got[key], value), f"{key} differs by {(got[key] - value).abs().max()}"
-
-
-@pytest.mark.parametrize("dora", [False, True])
-def test_adapter_weights_keep_fp32_and_plain_lora_base_weights_stay_half(dora):
-    model = _lora(MLP(), ["inp", "blocks.0"], dora)
-    MasterHalfPrecision("bf16-mixed").convert_module(model)
-    dtypes = {n: p.dtype for n, p in model.named_parameters()}
-    adapters = {n for n in dtypes if "lora_" in n}
-    assert adapters and all(dtypes[n] == torch.float32 for n in adapters)
-    base = {n for n in dtypes if ".base_layer." in n}
-    # DoRA reads the base weight to build its update: fp32, as plain mixed precision has it
-    assert {dtypes[n] for n in base} == {torch.float32 if dora else torch.bfloat16}
-    assert dtypes["base_model.model.head.weight"] == torch.bfloat16  # a layer PEFT does not wrap: the usual rule
-

@@ -420,10 +420,10 @@ def test_bad_ckpt_path_names_the_file_and_the_fix(tmp_path, kind, match):
 def test_state_bytes_table_is_the_analytic_one():
     """The host-RAM check and the closed form read the one table of core/optimizer_state.py, not copies."""
     from lightning_lowmem.core import optimizer_state
-    from lightning_lowmem.strategies.offload import host_bytes as _offload_host_bytes
+    from lightning_lowmem.strategies.offload import strategy as _offload_strategy
 
     assert optimizer_state_bytes_per_param is optimizer_state.optimizer_state_bytes_per_param
-    assert _offload_host_bytes.expected_state_bytes is optimizer_state.expected_state_bytes
+    assert _offload_strategy.expected_state_bytes is optimizer_state.expected_state_bytes
     assert math.isclose(optimizer_state_bytes_per_param("adamw8bit", 4, 2**20) / 2**20, 2.03125)
 
 

@@ -1,12 +1,13 @@
-"""``lowmem_offload``: one technique in one folder, the strategy and its precision plugin.
+"""``lowmem_offload``: one technique in one folder.
 
-``strategy`` (``OffloadStrategy``) keeps the fp32 masters (``masters``, ``masters_view``, ``manual_grads``), moves
-gradients and weights (``transfer``), steps on the host (``host_optimizer``) and streams blocks' weights
-(``param_stream``); ``precision`` (``MasterHalfPrecision``, with ``loss_scaler``) casts, scales and clips. The
-strategy hands itself to the plugin through :meth:`MasterHalfPrecision.attach`.
+``strategy`` (``OffloadStrategy``) owns its parts: the fp32 host masters (``masters``, shown through ``masters_view``,
+in manual optimization by ``manual_grads``), the transfer of gradients and weights (``transfer``), the step schedule
+(``step_schedule``: after backward, or in it), the host kernel (``host_optimizer``), the non-finite guard
+(``nonfinite``) and parameter streaming (``param_stream``, ``stream_plan``). ``precision`` (``MasterHalfPrecision``,
+with ``loss_scaler``) casts, scales and clips, as Lightning's precision plugins do.
 """
 
-from lightning_lowmem.strategies.offload.host_step import NonFiniteGradientError
+from lightning_lowmem.strategies.offload.nonfinite import NonFiniteGradientError
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 

@@ -1,53 +1,46 @@
 """What ``lowmem_offload`` refuses, and why (private helper of :mod:`~lightning_lowmem.strategies.offload.strategy`).
 
-Every check collects all the problems it can see and the strategy raises them together, each naming what
-was passed and what to do: the constructor's flags (:func:`check_flags`), the Trainer, module and precision
-at setup (:func:`trainer_problems`, :func:`streaming_problems`, :func:`loading_problems`), the optimizers the
-host cannot step (:func:`check_host_can_run`) and the Trainer's precision plugin (:func:`to_master_precision`).
+Every check collects all the problems it can see and the strategy raises them together, each naming what was passed
+and what to do: the constructor's flags (:func:`check_flags`), the Trainer, module and precision at setup
+(:func:`trainer_problems`; the parts check their own: ``stream_plan.stream_problems``,
+``step_schedule.in_backward_problems``, ``hf_weights.loading_problems``), the optimizers the host cannot step
+(:func:`check_host_can_run`) and the Trainer's precision plugin (:func:`to_master_precision`).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
-from lightning_lowmem.core.lightning_callbacks import lightning_callback_problems
 from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.strategies.offload import hf_weights
-from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
-from lightning_lowmem.strategies.offload.host_optimizer import HOST_OPTIMIZERS
-from lightning_lowmem.strategies.offload.host_pass import HOST_PASSES
-from lightning_lowmem.strategies.offload.param_stream import OFFLOAD_PARAMS, block_params
+from lightning_lowmem.strategies.offload.host_optimizer import HOST_OPTIMIZERS, why_not_fused
+from lightning_lowmem.strategies.offload.nonfinite import NONFINITE
+from lightning_lowmem.strategies.offload.param_stream import OFFLOAD_PARAMS
 from lightning_lowmem.strategies.offload.precision import PRECISIONS, MasterHalfPrecision
 
-if TYPE_CHECKING:
-    from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
-NonFinite = Literal["skip", "raise", "ignore"]
-NONFINITE: tuple[str, ...] = get_args(NonFinite)
-
-
-def trainer_problems(strategy: OffloadStrategy, module: pl.LightningModule, trainer: pl.Trainer) -> list[str]:
-    """What ``strategy`` cannot run in this Trainer and module (accelerator, devices, precision, optimizer_in_backward)."""
+def trainer_problems(accelerator: Accelerator | None, devices: list[torch.device] | None, module: pl.LightningModule,
+                     trainer: pl.Trainer, precision: Any, offload_params: Any) -> list[str]:
+    """What ``lowmem_offload`` cannot run in this Trainer and module (accelerator, devices, precision, callbacks)."""
     problems: list[str] = []
-    if not isinstance(strategy.accelerator, (CPUAccelerator, CUDAAccelerator)):
+    if not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator)):
         problems.append(
-            f"it runs on the 'cpu' or 'cuda' accelerator, got `{type(strategy.accelerator).__name__}`; "
+            f"it runs on the 'cpu' or 'cuda' accelerator, got `{type(accelerator).__name__}`; "
             "pass `accelerator='cuda'` (or 'cpu')"
         )
-    if strategy.parallel_devices and len(strategy.parallel_devices) > 1:
+    if devices and len(devices) > 1:
         problems.append(
-            f"it trains on one device, got {len(strategy.parallel_devices)} ({strategy.parallel_devices}); pass `devices=1` "
+            f"it trains on one device, got {len(devices)} ({devices}); pass `devices=1` "
             "(for several GPUs use `strategy='lowmem_zero2_offload'`)"
         )
     if not any(p.is_floating_point() for p in module.parameters()):
@@ -56,18 +49,17 @@ def trainer_problems(strategy: OffloadStrategy, module: pl.LightningModule, trai
             "masters of; create the layers in `__init__` or `configure_model`"
         )
     wide = [n for n, p in module.named_parameters() if p.dtype == torch.float64]
-    if wide and (strategy.precision_plugin.mixed or strategy.precision_plugin.precision == "32-true"):  # type: ignore[union-attr]
+    if wide and precision.weight_dtype == torch.float32:
         # NOTE: its masters are fp32: the update would be rounded to fp32 where plain Lightning keeps float64 (under
         # "*-true" half precision plain Lightning casts the parameter itself, and the fp32 master holds more)
         names = ", ".join(f"`{n}`" for n in wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")
         problems.append(
             f"float64 parameters ({names}) would be trained through fp32 masters and given back as fp32, where "
-            f"plain Lightning's precision='{strategy.precision_plugin.precision}' keeps them float64; cast them to "  # type: ignore[union-attr]
+            f"plain Lightning's precision='{precision.precision}' keeps them float64; cast them to "
             "float32 in your module, or train it without `lowmem_offload`"
         )
-    fp16 = strategy.precision_plugin.precision.startswith("16-")  # type: ignore[union-attr]
-    fp16_true = fp16 and not strategy.precision_plugin.mixed  # type: ignore[union-attr]
-    if fp16_true and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if precision.precision == "16-true" and not module.automatic_optimization and fitting:
         # NOTE: "16-mixed" is allowed: plain Lightning's GradScaler leaves the gradients loss-scaled until the step too
         problems.append(
             "manual optimization with precision='16-true' is not supported: its fp16 gradients need a loss scale, "
@@ -75,100 +67,23 @@ def trainer_problems(strategy: OffloadStrategy, module: pl.LightningModule, trai
             "where plain Lightning's '16-true' has no loss scale; use precision='16-mixed' (gradients loss-scaled "
             "until the step, as plain Lightning's GradScaler leaves them), 'bf16-true', 'bf16-mixed' or '32-true'"
         )
-    if strategy.optimizer_in_backward and trainer.state.fn == TrainerFn.FITTING:
-        if trainer.accumulate_grad_batches != 1:
+    for callback in trainer.callbacks if fitting else ():  # type: ignore[attr-defined]
+        name = type(callback).__name__
+        if isinstance(callback, BaseFinetuning):
+            # NOTE: its hooks look the optimizer's parameters up among `pl_module.named_parameters()`; here the
+            # optimizer holds the host masters (a KeyError), and it adds the module's parameters as new groups
             problems.append(
-                f"`optimizer_in_backward=True` steps each parameter during backward, so it cannot accumulate: "
-                f"remove `accumulate_grad_batches={trainer.accumulate_grad_batches}` or set `optimizer_in_backward=False`"
+                f"`{name}` (a `BaseFinetuning`) matches the optimizer's parameters to the module's, and under "
+                "lowmem_offload the optimizer holds the fp32 host masters; unfreeze in your own hook instead "
+                "(`requires_grad_(True)` on the layers, then `optimizer.add_param_group({'params': layer.parameters()})`: "
+                "the strategy gives them masters at the next batch), or train without `lowmem_offload`"
             )
-        algorithm = trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM
-        if trainer.gradient_clip_val and GradClipAlgorithmType(algorithm) == GradClipAlgorithmType.NORM:
+        elif isinstance(callback, (StochasticWeightAveraging, WeightAveraging)) and offload_params is not False:
             problems.append(
-                "`optimizer_in_backward=True` cannot clip by the global norm (it is known only after every "
-                f"parameter has stepped): remove `gradient_clip_val={trainer.gradient_clip_val}`, use "
-                "`gradient_clip_algorithm='value'`, or set `optimizer_in_backward=False`"
+                f"`{name}` averages the module's parameters, and under `offload_params` a streamed block's parameters "
+                "hold placeholders between uses; use `offload_params=False` (strategy='lowmem_offload')"
             )
-        if fp16:
-            problems.append(
-                "`optimizer_in_backward=True` cannot use fp16: an overflow must skip the whole step, but "
-                "parameters would already have stepped; use 'bf16-true'/'bf16-mixed'/'32-true'"
-            )
-        if not module.automatic_optimization:
-            problems.append("`optimizer_in_backward=True` needs automatic optimization (the step happens in backward)")
-        problems += lightning_callback_problems(trainer, module, "`optimizer_in_backward=True`")
-        problems += _gradient_hook_problems(module)
     return problems
-
-
-def _gradient_hook_problems(module: pl.LightningModule) -> list[str]:
-    """``optimizer_in_backward``: the module's gradient hooks run after every parameter stepped and freed its gradient."""
-    name = type(module).__name__
-    problems = []
-    if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
-        problems.append(
-            f"`optimizer_in_backward=True` steps each parameter inside backward, before `{name}.configure_gradient_clipping` "
-            "runs, so your override would find no gradient to clip; remove it (`gradient_clip_val` with "
-            "`gradient_clip_algorithm='value'` clips each gradient before its step) or set `optimizer_in_backward=False`"
-        )
-    late = [h for h in ("on_after_backward", "on_before_optimizer_step") if is_overridden(h, module, pl.LightningModule)]
-    if late:
-        warnings.warn(
-            f"lowmem_offload(optimizer_in_backward=True) steps each parameter inside backward and frees its gradient: "
-            f"{' and '.join(f'`{name}.{h}`' for h in late)} will see `p.grad is None` for every parameter. Read "
-            "gradients in a tensor hook (`p.register_post_accumulate_grad_hook`), or set `optimizer_in_backward=False`.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return problems
-
-
-def streaming_problems(strategy: OffloadStrategy, module: torch.nn.Module) -> list[str]:
-    """What ``offload_params`` cannot do with ``module`` (no repeated blocks; no budget off CUDA)."""
-    if strategy.offload_params is False:
-        return []
-    problems = []
-    _, per_block, _ = block_params(module)
-    if strategy.offload_params is True and not any(per_block):
-        names = [n for n, _ in module.named_parameters()]
-        shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        problems.append(
-            f"`offload_params=True` streams the weights of repeated blocks (the children of an `nn.ModuleList` of two "
-            f"or more modules of one class), and `{type(module).__name__}` has none: no parameter would stream, all "
-            f"{len(names)} ({shown}) would stay on the device. Put the repeated layers in an `nn.ModuleList`, or pass "
-            "`offload_params='auto'` (streams what it finds, here nothing) or `offload_params=False`"
-        )
-    if strategy.offload_params == "auto" and strategy.device_budget is None and strategy.root_device.type != "cuda":
-        problems.append(
-            f"`offload_params='auto'` on the '{strategy.root_device.type}' device needs `device_budget` (bytes for the "
-            "compute weights, e.g. `device_budget='6GiB'`); only on CUDA does it default to the free memory"
-        )
-    return problems
-
-
-def loading_problems(
-    load_weights: str | os.PathLike | None, module: torch.nn.Module, trainer: pl.Trainer
-) -> tuple[bool, list[str]]:
-    """Decide whether ``load_weights`` is read (not on resume: the checkpoint's weights win); what cannot work."""
-    meta_params = [n for n, p in module.named_parameters() if p.is_meta]
-    meta_buffers = [n for n, b in module.named_buffers() if b.is_meta]
-    resuming = getattr(trainer, "ckpt_path", None) is not None
-    loading = load_weights is not None and not resuming
-    problems = []
-    if meta_params and not loading:
-        why = "resuming from `ckpt_path` (the checkpoint loads into real tensors only)" if resuming else (
-            "no `load_weights` to fill them")
-        problems.append(
-            f"{len(meta_params)} parameters are on the meta device (`{meta_params[0]}`, ...) and {why}: pass "
-            "`OffloadStrategy(load_weights=<save_pretrained directory>)`, or build the module under "
-            "`trainer.init_module(empty_init=True)` to resume"
-        )
-    if meta_buffers:
-        problems.append(
-            f"buffers on the meta device ({', '.join(f'`{n}`' for n in meta_buffers[:3])}): checkpoints do not hold "
-            "computed buffers (rotary `inv_freq`); build the module under `trainer.init_module(empty_init=True)` "
-            "instead of the meta device (its weights still come from `load_weights` without an fp32 copy)"
-        )
-    return loading, problems
 
 
 def to_master_precision(plugin: Precision | None) -> Precision | None:
@@ -200,7 +115,7 @@ def check_host_can_run(optimizer: Optimizer, host_optimizer: str) -> None:
             problems.append(f"param group {i} has `capturable=True` (CUDA graphs); the host step cannot capture")
         if group.get("fused") and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad):
             problems.append(f"param group {i} has `fused=True`, which torch has no CPU kernel for in `{name}`")
-    reason = _host_optimizer.why_not_fused(optimizer) if host_optimizer == "torch_fused" else None
+    reason = why_not_fused(optimizer) if host_optimizer == "torch_fused" else None
     if reason is not None:
         problems.append(f"`host_optimizer='torch_fused'` cannot fuse it ({reason}); use 'auto' or 'as_is'")
     if problems:
@@ -219,8 +134,6 @@ def check_flags(**flags: Any) -> None:
             type_error = True
     if flags["host_optimizer"] not in HOST_OPTIMIZERS:
         problems.append(f"`host_optimizer={flags['host_optimizer']!r}`; expected one of {', '.join(map(repr, HOST_OPTIMIZERS))}")
-    if flags["host_pass"] not in HOST_PASSES:
-        problems.append(f"`host_pass={flags['host_pass']!r}`; expected one of {', '.join(map(repr, HOST_PASSES))}")
     if flags["nonfinite"] not in NONFINITE:
         problems.append(f"`nonfinite={flags['nonfinite']!r}`; expected one of {', '.join(map(repr, NONFINITE))}")
     if not any(flags["offload_params"] is v or (isinstance(v, str) and flags["offload_params"] == v) for v in OFFLOAD_PARAMS):

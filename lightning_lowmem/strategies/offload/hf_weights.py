@@ -14,9 +14,11 @@ host for streamed blocks anyway) + one tensor. Cost: one read of each shard (pag
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,3 +118,27 @@ def load_into(targets: Mapping[str, torch.Tensor], directory: str | Path) -> dic
             "Pass the directory of this model's `save_pretrained`, or build the module with its weights."
         )
     return {"files": len(files), "tensors": len(loaded), "largest_tensor_bytes": largest}
+
+
+def loading_problems(load_weights: str | os.PathLike | None, module: torch.nn.Module, trainer: Any) -> tuple[bool, list[str]]:
+    """Decide whether ``load_weights`` is read (not on resume: the checkpoint's weights win); what cannot work."""
+    meta_params = [n for n, p in module.named_parameters() if p.is_meta]
+    meta_buffers = [n for n, b in module.named_buffers() if b.is_meta]
+    resuming = getattr(trainer, "ckpt_path", None) is not None
+    loading = load_weights is not None and not resuming
+    problems = []
+    if meta_params and not loading:
+        why = "resuming from `ckpt_path` (the checkpoint loads into real tensors only)" if resuming else (
+            "no `load_weights` to fill them")
+        problems.append(
+            f"{len(meta_params)} parameters are on the meta device (`{meta_params[0]}`, ...) and {why}: pass "
+            "`OffloadStrategy(load_weights=<save_pretrained directory>)`, or build the module under "
+            "`trainer.init_module(empty_init=True)` to resume"
+        )
+    if meta_buffers:
+        problems.append(
+            f"buffers on the meta device ({', '.join(f'`{n}`' for n in meta_buffers[:3])}): checkpoints do not hold "
+            "computed buffers (rotary `inv_freq`); build the module under `trainer.init_module(empty_init=True)` "
+            "instead of the meta device (its weights still come from `load_weights` without an fp32 copy)"
+        )
+    return loading, problems

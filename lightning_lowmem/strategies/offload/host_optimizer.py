@@ -44,15 +44,55 @@ def why_not_fused(optimizer: Optimizer) -> str | None:
     return None
 
 
-def enable_fused(optimizer: Optimizer) -> list[dict[str, Any]]:
-    """Switch ``optimizer``'s groups to the fused kernel; return their previous flags (for :func:`restore`)."""
-    saved = [{"fused": g.get("fused"), "foreach": g.get("foreach")} for g in optimizer.param_groups]
-    for group in optimizer.param_groups:
+def enable_fused(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Switch param ``groups`` to the fused kernel; return their previous flags (for :meth:`HostKernel.restore`)."""
+    saved = [{"fused": g.get("fused"), "foreach": g.get("foreach")} for g in groups]
+    for group in groups:
         group["fused"] = True
         group["foreach"] = False
     return saved
 
 
-def restore(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None:
-    for group, flags in zip(optimizer.param_groups, saved):
-        group.update(flags)
+class HostKernel:
+    """The kernel each optimizer steps the masters with: ``"auto"`` switches torch's Adam/AdamW to the fused CPU kernel
+    where it applies (:func:`why_not_fused`), ``"torch_fused"`` refuses an optimizer it cannot fuse, ``"as_is"`` leaves
+    every optimizer as configured. The groups' flags are given back at :meth:`restore` (teardown).
+
+    Example:
+        >>> opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+        >>> kernel = HostKernel("auto")
+        >>> kernel.choose(opt)
+        >>> opt.param_groups[0]["fused"], (kernel.restore(), opt.param_groups[0]["fused"])[1]
+        (True, None)
+    """
+
+    def __init__(self, mode: HostOptimizer) -> None:
+        self.mode = mode
+        self._saved: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}  # id(optimizer) -> (optimizer, flags)
+
+    def choose(self, optimizer: Optimizer) -> None:
+        """Pick ``optimizer``'s kernel (once; a group it gained since, by ``add_param_group``, takes it too)."""
+        if self.mode == "as_is":
+            return
+        entry = self._saved.get(id(optimizer))
+        if entry is not None:
+            entry[1].extend(enable_fused(optimizer.param_groups[len(entry[1]):]))
+            return
+        reason = why_not_fused(optimizer)
+        if reason is None:
+            self._saved[id(optimizer)] = (optimizer, enable_fused(optimizer.param_groups))
+        elif self.mode == "torch_fused":
+            raise ValueError(f"`host_optimizer='torch_fused'` cannot run the optimizer `{type(optimizer).__name__}` "
+                             f"swapped in after setup: {reason}. Use 'auto' or 'as_is'.")
+
+    def reloaded(self, optimizer: Optimizer) -> None:
+        """``optimizer.load_state_dict`` restored the groups' saved flags: keep the kernel this run chose, so a resumed
+        run steps exactly like an uninterrupted one."""
+        if id(optimizer) in self._saved:
+            enable_fused(optimizer.param_groups)
+
+    def restore(self) -> None:
+        for optimizer, saved in self._saved.values():
+            for group, flags in zip(optimizer.param_groups, saved):
+                group.update(flags)
+        self._saved.clear()

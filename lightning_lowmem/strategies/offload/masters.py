@@ -25,7 +25,6 @@ from torch.optim import Optimizer
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.strategies.offload import hf_weights
-from lightning_lowmem.strategies.offload.precision import autocast_cast_params
 
 
 def _holders(buf: Tensor) -> tuple[int, int]:
@@ -51,31 +50,27 @@ _UNHELD = _unheld()
 def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, resuming: bool = False) -> set[int]:
     """Ids of the frozen (``requires_grad=False``) parameters of ``module`` that need no fp32 host master.
 
-    A frozen weight never changes: it needs no master, no gradient buffer, no optimizer state, when its compute
-    weight holds its whole value. Under ``*-true`` (``32-true`` included) it does: plain Lightning holds that weight
-    in the compute dtype too. Under ``*-mixed`` a weight kept fp32 on the device (norms, embeddings, adapters) does;
-    one stored in the compute dtype (:func:`~lightning_lowmem.strategies.offload.precision.autocast_cast_params`)
-    does not: plain mixed precision keeps its fp32 value (checkpoints, and an unfreeze later steps from it), so it
-    keeps its master. Loading weights into the masters (``load_weights``) keeps every master.
+    A frozen weight never changes: it needs no master, no gradient buffer, no optimizer state, because its compute
+    weight holds its whole value (fp32 under ``32-true`` and ``*-mixed``; the compute dtype under ``*-true``, where plain
+    Lightning holds that weight in the compute dtype too). Loading weights into the masters (``load_weights``) keeps
+    every master.
 
     NOTE: [streamed without a master] under ``offload_params`` a streamed block's frozen weight follows the same rule:
-    its host copy in the stream (the compute dtype) is its value, and the hooks' views, the checkpoint, weight
-    averaging, an unfreeze and the module given back read that copy, never the parameter (a placeholder while its
-    block is released): see :mod:`~lightning_lowmem.strategies.offload.stream_values`. bitsandbytes' packed
-    4-bit/8-bit weights are not floating point: they never have a master, streamed or not.
+    its host copy in the stream is its value, and the view, the checkpoint, an unfreeze and the module given back read
+    that copy, never the parameter (a placeholder while its block is released): see
+    :mod:`~lightning_lowmem.strategies.offload.stream_values`. bitsandbytes' packed 4-bit/8-bit weights are not
+    floating point: they never have a master, streamed or not.
 
     NOTE: [resumed after an unfreeze] ``resuming`` (Lightning restored a checkpoint into the fp32 module before
     setup): a frozen weight whose value its half compute weight cannot hold exactly came from a master (saved after
-    ``BackboneFinetuning`` unfroze it; a frozen weight is saved in its compute dtype): it keeps its master, so the run
-    continues as the uninterrupted one. One comparison per weight, on resume only.
+    an unfreeze; a frozen weight is saved in its compute dtype): it keeps its master, so the run continues as the
+    uninterrupted one. One comparison per weight, on resume only.
     """
     if loading or precision is None:
         return set()
-    half = ({id(p) for p in autocast_cast_params(module)}
-            if precision.mixed and precision.compute_dtype != torch.float32 else set())
-    out = {id(p) for _, p in HostMasters.unique_params(module) if not p.requires_grad and id(p) not in half}
-    dtype = precision.compute_dtype
-    if resuming and dtype != torch.float32 and not precision.mixed:
+    out = {id(p) for _, p in HostMasters.unique_params(module) if not p.requires_grad}
+    dtype = precision.weight_dtype
+    if resuming and dtype != torch.float32:
         with torch.no_grad():
             out -= {id(p) for _, p in HostMasters.unique_params(module) if id(p) in out and p.dtype == torch.float32
                     and not p.is_meta and not torch.equal(p, p.to(dtype).to(torch.float32))}
@@ -97,6 +92,8 @@ class HostMasters:
         self.seen: dict[int, tuple[int, tuple[str, int], torch.dtype, torch.device]] = {}
         # id(module parameter) -> (name, parameter): frozen parameters that have no master (see `frozen_without_master`)
         self.frozen: dict[int, tuple[str, Parameter]] = {}
+        self.streamed: frozenset[int] = frozenset()  # ids of the module parameters that stream (`offload_params`): not followed
+        self._warned_rounded = False
 
     @staticmethod
     def unique_params(module: torch.nn.Module) -> Iterator[tuple[str, Parameter]]:
@@ -110,8 +107,7 @@ class HostMasters:
         """The fp32 host tensor of a new master: a copy of ``p``, or (loading weights) room for them."""
         if not loading:
             return p.detach().to("cpu", torch.float32, copy=True)
-        if (p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta and not precision.mixed
-                and precision.compute_dtype != torch.float32):
+        if p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta and precision.weight_dtype != torch.float32:
             # NOTE: an empty_init module's fp32 storage becomes the master (no second fp32 copy on the host); the
             # cast to the compute dtype right after gives the module parameter a storage of its own.
             return p.detach()
@@ -188,8 +184,8 @@ class HostMasters:
 
     def keep_buffers(self, module: torch.nn.Module, precision: Any) -> None:
         """Keep the fp32 originals of the buffers that the cast to the compute dtype will round."""
-        # NOTE: under "*-mixed" buffers keep fp32 (see MasterHalfPrecision.convert_module): nothing to restore
-        if precision.compute_dtype != torch.float32 and not precision.mixed:
+        # NOTE: only "*-true" casts the buffers (see MasterHalfPrecision.convert_module)
+        if precision.weight_dtype != torch.float32:
             for name, b in module.named_buffers():
                 if b.is_floating_point():
                     self.buffers[name] = (b.detach().to("cpu", copy=True), b)
@@ -225,7 +221,7 @@ class HostMasters:
             optimizer.state = state
 
     # --- writes into the compute weights by other code (see `OffloadStrategy.adopt_device_writes`) ---------------
-    def note_device(self, indices: Iterable[int] | None = None, skip: frozenset[int] = frozenset()) -> None:
+    def note_device(self, indices: Iterable[int] | None = None) -> None:
         """Remember the version counter and storage of compute weights ``indices`` (all) that now match their masters.
 
         NOTE: `Tensor._version` is a private torch API (the counter autograd checks saved tensors with; no public
@@ -233,7 +229,7 @@ class HostMasters:
         ``p.copy_()``, ``load_state_dict``), a write through ``p.data`` does not (torch does not track it).
         """
         for i in range(len(self.p_device)) if indices is None else indices:
-            if i in skip:
+            if id(self.p_device[i]) in self.streamed:
                 continue
             p = self.p_device[i]
             self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
@@ -251,32 +247,45 @@ class HostMasters:
 
         NOTE: [writes outside the hooks] plain Lightning's parameters are the weights the optimizer steps, so a
         callback's ``on_train_batch_end`` or ``training_step`` that clamps them (``with torch.no_grad(): p.clamp_()``)
-        or re-initialises a layer changes what is trained. Under ``lowmem_offload`` that code writes the compute
-        weights; without this the next step would overwrite them from the unchanged masters. The strategy calls it
-        before every read of the masters (the step, a view, a checkpoint, the module given back). Exact for fp32
-        compute weights; a half one is upcast (:meth:`warn_rounded`). Not seen: in-place writes through ``p.data``
-        (torch does not track them) and the weights of streamed blocks (``offload_params``).
+        or re-initialises a layer changes what is trained (weight averaging writes its average into them). Under
+        ``lowmem_offload`` that code writes the compute weights; without this the next step would overwrite them from
+        the unchanged masters. The strategy calls it before every read of the masters (the step, a view, a checkpoint,
+        the module given back). Exact for fp32 compute weights; a half one is upcast, and a warning says so once. Not
+        seen: in-place writes through ``p.data`` (torch does not track them) and the weights of streamed blocks.
         """
         changed = self.device_writes()
         for i in changed:
             self.adopt(i)
+        self.note_device(changed)
+        rounded = [self.names[i] for i in changed if self.p_device[i].dtype != torch.float32]
+        if rounded and not self._warned_rounded:
+            self._warned_rounded = True
+            more = f" and {len(rounded) - 3} more" if len(rounded) > 3 else ""
+            warnings.warn(
+                f"lowmem_offload: code wrote the weights {', '.join(f'`{n}`' for n in rounded[:3])}{more} outside the "
+                f"hooks that show the fp32 masters; their {self.p_device[changed[0]].dtype} compute weights were copied "
+                "into the masters (rounded: the masters' low bits are lost). For an exact fp32 write, write inside "
+                "`with trainer.strategy.masters_view(write_back=True):`. This warning is shown once.",
+                UserWarning,
+                stacklevel=4,
+            )
         return changed
 
-    def warn_rounded(self, changed: list[int]) -> bool:
-        """Warn that the half compute weights among ``changed`` reached their masters rounded; whether it warned."""
-        rounded = [self.names[i] for i in changed if self.p_device[i].dtype != torch.float32]
-        if not rounded:
-            return False
-        more = f" and {len(rounded) - 3} more" if len(rounded) > 3 else ""
-        warnings.warn(
-            f"lowmem_offload: code wrote the weights {', '.join(f'`{n}`' for n in rounded[:3])}{more} outside the hooks "
-            f"that show the fp32 masters; their {self.p_device[changed[0]].dtype} compute weights were copied into the "
-            "masters (rounded: the masters' low bits are lost). For an exact fp32 write, write inside "
-            "`with trainer.strategy.masters_view(write_back=True):`. This warning is shown once.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return True
+    @torch.no_grad()
+    def adopt_untracked_writes(self) -> list[int]:
+        """Copy into their masters the compute weights whose value differs from their master's rounding; return them.
+
+        NOTE: [untracked writes] a write through ``p.data`` bumps no version counter (:meth:`adopt_writes` misses it):
+        Lightning's ``WeightAveraging`` copies the average into the module that way at the end of fit. One comparison
+        of every compute weight with its master (a device-to-host read of the compute weights on CUDA), so it runs once,
+        when the module is given back.
+        """
+        changed = [i for i, (p, p_host) in enumerate(zip(self.p_device, self.p_host))
+                   if id(p) not in self.streamed and not p.is_meta
+                   and not torch.equal(p.detach().to("cpu"), p_host.detach().to(p.dtype))]
+        for i in changed:
+            self.p_host[i].copy_(self.p_device[i].detach())
+        return changed
 
     @torch.no_grad()
     def adopt(self, i: int) -> None:

@@ -55,7 +55,6 @@ from lightning_lowmem.strategies.offload.packed_weights import (
     quant_state_param,
     streamable,
 )
-from lightning_lowmem.strategies.offload.precision import _compiled_params
 from lightning_lowmem.strategies.offload.transfer import _bucket_sizes
 
 OffloadParams = Literal[False, True, "auto"]
@@ -88,6 +87,16 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     streamed = {id(p) for ps in per_block for p in ps}
     rest = [p for p in module.parameters() if id(p) not in streamed]
     return blocks, per_block, rest
+
+
+def streamed_host_bytes(offload_params: Any, module: nn.Module, dtype: torch.dtype) -> int:
+    """Host copies of the streamed blocks (all blocks under ``True``; counted for all under ``"auto"`` too)."""
+    if offload_params is False:
+        return 0
+    _, per_block, _ = block_params(module)
+    size = torch.empty((), dtype=dtype).element_size()
+    # NOTE: a packed 4-bit weight (bitsandbytes) keeps its uint8 bytes; floating-point weights are in the compute dtype
+    return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for ps in per_block for p in ps)
 
 
 class ParamStream:
@@ -135,7 +144,7 @@ class ParamStream:
         self._matmul = kept_by_hooks(self.params)  # NOTE: entered in `attach`: see packed_weights' [weight kept ...]
         self._quant_states = QuantStatePointers(self.params)
         # NOTE: a dispatch mode makes a compiled region run another path (another rounding): no check there
-        self._compiled = bool(_compiled_params(module))
+        self._compiled = any(torch_internals.is_compiled_module(m) for m in module.modules())
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def streamed_numel(self) -> int:

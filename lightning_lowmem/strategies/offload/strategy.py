@@ -1,133 +1,135 @@
-"""``lowmem_offload``: half-precision compute weights on the accelerator; fp32 masters, gradients and optimizer on the host.
+"""``lowmem_offload``: compute weights on the accelerator; fp32 masters, gradients and optimizer on the host.
 
-The flow of one optimizer step (for users: docs/techniques/offload.md; docs/design.md tells it as well):
+The flow of one optimizer step (for users: docs/techniques/offload.md; docs/design.md draws the parts):
 
-1. ``setup``: the user's optimizer is built by ``configure_optimizers`` over the fp32 module; the fp32
-   weights are copied once to the host as masters; the optimizer's param groups are re-pointed at
-   the masters (same optimizer object, so LR schedulers keep working); the module is cast to the
-   compute dtype and moved to the accelerator.
+1. ``setup``: the user's optimizer is built by ``configure_optimizers`` over the fp32 module; the fp32 weights are
+   copied once to the host as masters (:class:`~lightning_lowmem.strategies.offload.masters.HostMasters`); the
+   optimizer's param groups are re-pointed at the masters (same optimizer object, so LR schedulers keep working);
+   the module is cast to the compute dtype (``*-true``) and moved to the accelerator.
 2. Forward and backward run on the accelerator. As each parameter's gradient is ready
-   (``register_post_accumulate_grad_hook``) it leaves the device (pinned staging + side stream on
-   CUDA) and is added into an fp32 host buffer, the master's ``.grad``; the device gradient is freed
-   at once. Accumulation over ``accumulate_grad_batches`` adds on the host; nothing goes back.
-3. Step (``MasterHalfPrecision.optimizer_step``): unscale and check for inf/nan (fp16), clip on the
-   masters, run the optimizer on the host, copy the masters back into the compute weights.
+   (``register_post_accumulate_grad_hook``) the transfer (:mod:`~lightning_lowmem.strategies.offload.transfer`) takes
+   it to the host and hands it to the step schedule (:mod:`~lightning_lowmem.strategies.offload.step_schedule`), and
+   the device gradient is freed at once.
+3. Step: the precision plugin (:class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`) unscales
+   (fp16), runs the gradient hooks and the clip on the masters, and steps them on the host; the masters are copied
+   back into the compute weights.
 4. Checkpoints are Lightning's single file holding the fp32 masters and the host optimizer state.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
-from lightning_lowmem.core import preflight as _preflight
+from lightning_lowmem.core import host_memory, preflight
+from lightning_lowmem.core import resume_checks as _resume_checks
+from lightning_lowmem.core.accounting import (
+    MemoryBreakdown,
+    mark_host,
+    mark_host_state,
+    module_grad_bytes,
+    module_weight_bytes,
+    optimizer_state_bytes,
+    unique_storage_bytes,
+)
 from lightning_lowmem.core.checkpoint_io import AtomicCheckpointIO
+from lightning_lowmem.core.optimizer_state import expected_state_bytes
 from lightning_lowmem.core.reproducible import Reproducible
-from lightning_lowmem.core.roles import HostMastersStrategy
+from lightning_lowmem.core.roles import HostMastersStrategy, LeanOptimizerSwap, LowBitOptimizerSwap
 from lightning_lowmem.core.units import parse_bytes
-from lightning_lowmem.strategies.offload import checks as _offload_checks
-from lightning_lowmem.strategies.offload import hf_weights
-from lightning_lowmem.strategies.offload import host_bytes as _offload_host_bytes
-from lightning_lowmem.strategies.offload import host_optimizer as _host_optimizer
-from lightning_lowmem.strategies.offload.checks import NONFINITE, NonFinite  # noqa: F401
-from lightning_lowmem.strategies.offload.delayed_step import delayed_problems
-from lightning_lowmem.strategies.offload.host_pass import HostPass, HostPassMode
-from lightning_lowmem.strategies.offload.host_pass_copies import WorkingGrads
-from lightning_lowmem.strategies.offload.host_state import HostState
-from lightning_lowmem.strategies.offload.host_step import HostStep, NonFiniteGradientError  # noqa: F401  (imported from here too)
+from lightning_lowmem.strategies.offload import checks, hf_weights, stream_values
+from lightning_lowmem.strategies.offload.host_optimizer import HostKernel, HostOptimizer
 from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
 from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
-from lightning_lowmem.strategies.offload.masters_view import MastersView, wrap_finetuning, wrap_hooks
+from lightning_lowmem.strategies.offload.masters_view import MastersView
+from lightning_lowmem.strategies.offload.nonfinite import NonFinite, NonFiniteGradientError, NonFiniteGuard
 from lightning_lowmem.strategies.offload.packed_weights import give_back_streamed
-from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream
+from lightning_lowmem.strategies.offload.param_stream import OffloadParams, ParamStream, streamed_host_bytes
 from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
-from lightning_lowmem.strategies.offload.reused_grads import ReusedGrads
-from lightning_lowmem.strategies.offload.stream_plan import default_budget, plan_stream
-from lightning_lowmem.strategies.offload.transfer import HostTransfer
+from lightning_lowmem.strategies.offload.step_schedule import SerialStep, StepInBackward, in_backward_problems
+from lightning_lowmem.strategies.offload.stream_plan import default_budget, plan_stream, stream_problems
+from lightning_lowmem.strategies.offload.transfer import HostTransfer, planned_staging_bytes, transfer_for
 
 log = logging.getLogger(__name__)
 
-class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, SingleDeviceStrategy):
+class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     """CPU-master training on one device: only the compute weights (and activations) stay on the accelerator.
 
-    Memory on the device: 2 B/param for bf16/fp16 compute weights (4 B for ``"32-true"``) plus
-    activations and one parameter's gradient at a time, against 16 B/param for plain fp32 AdamW.
-    On the host: fp32 masters (4 B/param), fp32 gradient buffers (4 B/param, none with
-    ``optimizer_in_backward``), the optimizer state (8 B/param for Adam), and on CUDA pinned staging
-    buffers in the compute dtype (2 B/param). Cost: 2 B/param over PCIe each way per step and the
-    host optimizer step (memory-bandwidth bound, ~28 B touched per parameter for AdamW).
+    Memory on the device: the compute weights (2 B/param under ``"bf16-true"``/``"16-true"``, 4 B under ``"32-true"`` and
+    ``"*-mixed"``, whose weights stay fp32 as in plain Lightning) plus activations and one parameter's gradient at a
+    time, against 16 B/param for plain fp32 AdamW. On the host: fp32 masters (4 B/param), fp32 gradient buffers
+    (4 B/param, none with ``optimizer_in_backward``), the optimizer state (8 B/param for Adam), and on CUDA pinned
+    staging buffers in the compute weights' dtype. Cost: the weights' bytes over PCIe each way per step and the host
+    optimizer step (memory-bandwidth bound, ~28 B touched per parameter for AdamW).
 
-    Precision is the Trainer's ``precision`` flag: ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``,
-    ``"16-mixed"`` or ``"32-true"`` (see :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`;
-    fp16 uses dynamic loss scaling that skips overflowing steps). Any torch optimizer and LR scheduler
-    from ``configure_optimizers`` keeps working; gradient clipping (norm and value) and gradient
-    accumulation work on the masters. Code written for the fp32 module sees the fp32 masters through the module's
-    own parameters (``.data`` swapped for the call, see ``strategies/offload/masters_view.py``): the gradient hooks
-    (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) with their ``.grad``, every
-    hook of Lightning's weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``), the user's own
-    ``on_train_batch_start``/``on_train_batch_end``/``on_train_epoch_end``/``on_before_zero_grad`` with the last step's
-    ``.grad``, ``zero_grad()`` of the module, and in manual optimization ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next
-    forward (``strategies/offload/manual_grads.py``); your own such code: ``with trainer.strategy.masters_view():``.
-    Elsewhere the parameters hold the compute weights and no ``.grad`` (the masters: :attr:`masters`).
+    Precision is the Trainer's ``precision`` flag (see
+    :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`; fp16 uses dynamic loss scaling that
+    skips overflowing steps). Any torch optimizer and LR scheduler from ``configure_optimizers`` keeps working; gradient
+    clipping (norm and value) and gradient accumulation work on the masters. The gradient hooks
+    (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) and, in manual optimization,
+    ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next forward, see the fp32 masters and
+    their gradients through the module's own parameters; your own code: ``with trainer.strategy.masters_view():``.
+    Elsewhere the parameters hold the compute weights and no ``.grad``. Writes into the compute weights outside
+    those places (a callback clamping weights, ``StochasticWeightAveraging``) are copied into the masters before the
+    next step.
+
+    Not supported (refused at setup, each with its fix): Lightning's ``BaseFinetuning`` callbacks
+    (``BackboneFinetuning`` matches the optimizer's parameters, the masters, to the module's); weight averaging
+    (``StochasticWeightAveraging``, ``WeightAveraging``) with ``offload_params``, whose released weights are
+    placeholders.
 
     Args:
-        optimizer_in_backward: step each master on the host as soon as its gradient is ready (on CUDA on a host
-            worker while backward goes on, ``strategies/offload/host_worker.py``; on the CPU in the gradient hook) and
-            free that gradient (no host gradient buffers: -4 B/param of host memory). Needs ``accumulate_grad_batches=1``, no norm clipping (value
-            clipping works), bf16 or fp32, and automatic optimization.
-        host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel
-            (same update rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host);
-            ``"as_is"`` runs the user's optimizer bit for bit as configured; ``"torch_fused"`` is
-            ``"auto"`` but refuses optimizers it cannot fuse.
-        host_pass: ``"overlap"`` steps the masters bucket by bucket on a host worker during the last backward of each
-            window (uploading each into its compute weights, from the second window on), then checks the clip and the
-            non-finite guard and redoes the step serially where they change it: bit-identical to ``"serial"`` (the default), +4 B/param of host RAM plus a copy of the optimizer state
-            (see :mod:`~lightning_lowmem.strategies.offload.host_pass`, which names the cases that stay serial).
-            ``"delayed"`` (opt in; DeepSpeed's delayed parameter update) steps each window on a host worker during the
-            next window's forward and backward, which therefore compute on the weights before that step (one step
-            stale: this changes what is trained), +4 B/param of host RAM (on CUDA +2 B/param more, pinned, in bf16; see
-            :mod:`~lightning_lowmem.strategies.offload.delayed_step`, which says when the step lands early).
-        check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers,
-            the state of the optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD
-            without momentum, ...) and pinned staging, instead of being killed mid-setup. The RAM counted
-            is what this process may allocate: the least of the machine's available memory, its cgroup
-            (container) limit and ``ulimit -v``/``-d``.
-        nonfinite: what a non-finite (inf/nan) fp32 master gradient does in bf16 and fp32 (fp16 always
-            skips through its loss scaler). ``"skip"`` (default): skip that optimizer step (masters and
-            optimizer state untouched, gradients dropped), log ``lowmem/skipped_steps``, warn once, and raise
-            :class:`NonFiniteGradientError` naming the parameter after ``max_consecutive_skips`` skips in a
-            row; ``"raise"``: raise at the first; ``"ignore"``: step anyway (plain Lightning's behaviour: the
-            masters become nan for good). Cost: one vectorised norm over the host gradients per step
-            (one ``torch._foreach_norm``). With ``optimizer_in_backward`` the loss is checked before backward
-            (a non-finite loss skips the whole step) and each gradient before its parameter steps.
+        optimizer_in_backward: step each master on the host as soon as its gradient reaches the host, and keep no
+            host gradient buffers (-4 B/param of host memory; see
+            :class:`~lightning_lowmem.strategies.offload.step_schedule.StepInBackward`). Needs
+            ``accumulate_grad_batches=1``, no norm clipping (value clipping works), bf16 or fp32, and automatic
+            optimization.
+        host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel (same update
+            rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host); ``"as_is"`` runs the user's
+            optimizer bit for bit as configured; ``"torch_fused"`` is ``"auto"`` but refuses optimizers it cannot fuse.
+        check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers, the state of the
+            optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD without momentum, ...) and
+            pinned staging, instead of being killed mid-setup. The RAM counted is what this process may allocate: the
+            least of the machine's available memory, its cgroup (container) limit and ``ulimit -v``/``-d``.
+        nonfinite: what a non-finite (inf/nan) fp32 master gradient does in bf16 and fp32 (fp16 always skips through
+            its loss scaler). ``"skip"`` (default): skip that optimizer step (masters and optimizer state untouched,
+            gradients dropped), log ``lowmem/skipped_steps``, warn once, and raise :class:`NonFiniteGradientError` after
+            ``max_consecutive_skips`` skips in a row; ``"raise"``: raise at the first; ``"ignore"``: step anyway (plain
+            Lightning's behaviour: the masters become nan for good). Cost: one vectorised norm over the host gradients
+            per step. With ``optimizer_in_backward`` the loss is checked before backward (a non-finite loss skips the
+            whole step) and each gradient before its parameter steps.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
             block (GPT-2's ``transformer.h``, LLaMA's ``model.layers``) from host copies in the compute dtype (pinned on
             CUDA, +2 B/param of host memory in bf16): on the device only the non-block weights (embeddings, LM head,
-            final norm) and ``prefetch + 1`` blocks at a time (on CUDA one more, released, that the GPU may still read). Cost: each block's weights cross PCIe once in forward and
-            once in backward, overlapped with compute on a side stream (see
-            :class:`~lightning_lowmem.strategies.offload.param_stream.ParamStream`). ``"auto"``: the first blocks stay resident
-            as far as ``device_budget`` allows, the rest stream (the choice is logged). ``False``: all resident.
+            final norm) and ``prefetch + 1`` blocks at a time (on CUDA one more, released, that the GPU may still read).
+            Cost: each block's weights cross PCIe once in forward and once in backward, overlapped with compute on a
+            side stream (see :class:`~lightning_lowmem.strategies.offload.param_stream.ParamStream`). ``"auto"``: the
+            first blocks stay resident as far as ``device_budget`` allows, the rest stream (the choice is logged).
+            ``False``: all resident.
         prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
-        device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a
-            size such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks (+ 1 on CUDA) and the resident blocks
-            must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least 2 GiB);
-            required on the CPU.
+        device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a size
+            such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks (+ 1 on CUDA) and the resident
+            blocks must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least
+            2 GiB); required on the CPU.
         load_weights: a local Hugging Face ``save_pretrained`` directory in safetensors: its tensors are read one at a
             time straight into the fp32 masters of a module built without weights (on the ``meta`` device, or under
             ``trainer.init_module(empty_init=True)``, whose fp32 storage becomes the masters), so the host never holds
@@ -155,8 +157,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         self,
         *,
         optimizer_in_backward: bool = False,
-        host_optimizer: _host_optimizer.HostOptimizer = "auto",
-        host_pass: HostPassMode = "serial",
+        host_optimizer: HostOptimizer = "auto",
         check_host_memory: bool = True,
         nonfinite: NonFinite = "skip",
         max_consecutive_skips: int = 10,
@@ -168,10 +169,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        _offload_checks.check_flags(
+        checks.check_flags(
             optimizer_in_backward=optimizer_in_backward,
             host_optimizer=host_optimizer,
-            host_pass=host_pass,
             check_host_memory=check_host_memory,
             nonfinite=nonfinite,
             max_consecutive_skips=max_consecutive_skips,
@@ -183,47 +183,39 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
         self.host_optimizer = host_optimizer
-        self.host_pass = host_pass
         self.check_host_memory = check_host_memory
         self.nonfinite = nonfinite
         self.max_consecutive_skips = max_consecutive_skips
         self.offload_params = offload_params
-        self.load_weights = load_weights
-        self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
-        self._loading = False
         self.prefetch = prefetch
         self.device_budget = None if device_budget is None else parse_bytes(device_budget, "`device_budget`")
+        self.load_weights = load_weights
+        self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
         self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
-        self.skipped_steps = 0  # steps skipped by the non-finite guard (bf16/fp32), over the strategy's life
-        self._consecutive_skips = 0
-        self._warned_nonfinite = False
-        self._warned_rounded_write = False  # [writes outside the hooks] into a half compute weight: warned once
-        self._warned_serial_pass = False  # host_pass="overlap" asked for where the step must stay serial
+        self._guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
         # NOTE: Lightning fills `parallel_devices` (the accelerator's device) only on strategies that have the
         # attribute; without it a strategy picked by name stays on "cpu" even with accelerator="cuda".
         self.parallel_devices: list[torch.device] | None = None
+        self._loading = False
         self._reset()
 
     def _reset(self) -> None:
+        """The parts, empty until ``setup`` builds them for one fit."""
         self._masters = HostMasters()
-        self._hooks: list[Any] = []
-        self._hooked: set[int] = set()  # the masters whose module parameter has the gradient hook
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
-        self._reused: ReusedGrads | None = None  # *-mixed: fp32 sums of a repeatedly called layer's half weights
-        self._view: MastersView | None = None  # see strategies/offload/masters_view.py
-        self._manual = ManualGrads()  # manual optimization: the gradients until the step (strategies/offload/manual_grads.py)
-        self._unwrap: Callable[[], None] = lambda: None
-        self._fused: dict[int, tuple[Optimizer, list[dict[str, Any]]]] = {}
-        self._owner_cache: tuple[tuple[int, ...], dict[int, tuple[Optimizer, dict[str, Any]]]] | None = None
-        self._clip_value: float | None = None
-        self._pass: HostPass | None = None  # host_pass="overlap" (strategies/offload/host_pass.py), made at the first step
-        self._skip_backward = False  # optimizer_in_backward: this backward's loss was not finite
-        self._bad_in_backward: list[str] = []  # optimizer_in_backward: parameters whose gradient was not finite
-        self._stepped_in_backward: set[int] = set()  # optimizer_in_backward: masters stepped in this backward
-        self._cast_use_checked = False  # *-mixed: the first training step checked (strategies/offload/mixed_check.py)
-        self._grad_fp32 = WorkingGrads()  # optimizer_in_backward: half gradients widened into a reused fp32 buffer
-        self._state_marked: dict[int, set[int]] = {}  # NOTE: masters whose state is marked host (`mark_host` once each)
+        self._schedule: SerialStep | StepInBackward = SerialStep(self._masters, None)
+        self._kernel = HostKernel(self.host_optimizer)
+        self._view: MastersView | None = None
+        self._manual = ManualGrads()
+        self._hooks: list[Any] = []
+        self._hooked: set[int] = set()  # the masters whose module parameter has the gradient hook
+        self._marked: dict[int, int] = {}  # optimizer state marked host, per optimizer (`mark_host_state`)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by the non-finite guard (bf16/fp32), over the strategy's life."""
+        return self._guard.skipped_steps
 
     # --- where things run ------------------------------------------------------------------------------
     @property
@@ -244,7 +236,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         # NOTE: the Trainer's connector assigns its own plugin (HalfPrecision, MixedPrecision, Precision) to a
         # strategy picked by name; translating it here, at assignment, also makes `configure_model` build the
         # module in fp32 (the masters' source) and reports an unsupported precision when the Trainer is built.
-        self._precision_plugin = _offload_checks.to_master_precision(plugin)
+        self._precision_plugin = checks.to_master_precision(plugin)
 
     @property  # type: ignore[override]
     @override
@@ -264,7 +256,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        self._check_trainer(trainer)
+        self._check(trainer)
         if self._loading:
             hf_weights.materialize_meta(self.model)  # NOTE: before the optimizers are built over the parameters
         self.accelerator.setup(trainer)
@@ -277,15 +269,10 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             # re-pointed at the masters below, matching the parameters by identity.
             self.setup_optimizers(trainer)
             for opt in self.optimizers:
-                _offload_checks.check_host_can_run(opt, self.host_optimizer)
-        self._build_masters(self.model, self.optimizers if fitting else [], with_grads=fitting)
-        if fitting:
-            for opt in self.optimizers:
-                self._repoint(opt)
+                checks.check_host_can_run(opt, self.host_optimizer)
+        self._build_masters(trainer, fitting)
+        self._repoint()
         self.model = precision.convert_module(self.model)
-        if fitting and precision.mixed and precision.compute_dtype != torch.float32:
-            half = [p for p in self._masters.p_device if p.dtype == precision.compute_dtype]
-            self._reused = ReusedGrads(self.model, half, self._masters.device_index)
         self._masters.note_cast_buffers(self.model)
         if self.offload_params is not False:
             auto = self.offload_params == "auto" and self.device_budget is None
@@ -293,124 +280,145 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             self._stream, self.resident_blocks = plan_stream(self.model, self.offload_params, budget, self.prefetch,
                                                              self.root_device, log)
             self._stream.detach_weights()  # NOTE: before the move: the streamed weights never reach the device whole
+            self._masters.streamed = frozenset(self._stream.shapes)
         self.model_to_device()
         if self._stream is not None:
             self._stream.attach()
         self.model = lightning_internals.setup_model(self, self.model)
-        self._transfer = self._new_transfer()
+        self._transfer = transfer_for(self.root_device, self._masters.p_device)
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
-        self._view.before_show, self._view.after_restore = self.adopt_device_writes, self._note_device
-        undo = (wrap_hooks(trainer.callbacks, self.lightning_module, self._view),  # type: ignore[arg-type]
-                wrap_finetuning(trainer.callbacks, self._masters, lambda: self.optimizers, self._repoint),
-                self._land_early(trainer))
-
-        def unwrap() -> None:
-            for u in undo:
-                u()
-
-        self._unwrap = unwrap
-        if fitting and not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
-            self._manual.attach(self._view, self.lightning_module)  # type: ignore[arg-type]
         if fitting:
-            clip = trainer.gradient_clip_val
-            self._clip_value = float(clip) if self.optimizer_in_backward and clip else None
+            if not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
+                self._manual.attach(self._view, self.lightning_module)  # type: ignore[arg-type]
+            guard = self._guard if self.nonfinite != "ignore" and precision.scaler is None else None
+            if self.optimizer_in_backward:
+                clip = trainer.gradient_clip_val
+                self._schedule = StepInBackward(self._masters, guard, float(clip) if clip else None, lambda: self.optimizers)
+            else:
+                self._schedule = SerialStep(self._masters, guard)
             self._follow_trainable()
-        self._note_device()
-        precision.attach(drain=self.drain_transfers, view=self._view)  # NOTE: the gradient hooks see the masters
+        self._masters.note_device()
         self.setup_precision_plugin()
         # NOTE: no `_optimizers_to_device(root_device)`: the optimizer state belongs on the host.
 
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self._stream is not None:
-            self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
-        if self._reused is not None:
-            self._reused.hook()  # NOTE: after the stream's hooks: its views are taken of fetched weights
+    def _check(self, trainer: pl.Trainer) -> None:
+        """Every problem this strategy sees in the Trainer, module and flags, raised together (see ``checks.py``)."""
+        module = self.lightning_module
+        assert module is not None
+        precision = self.precision_plugin
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        problems = checks.trainer_problems(self.accelerator, self.parallel_devices, module, trainer, precision,
+                                          self.offload_params)
+        problems += stream_problems(self.offload_params, self.device_budget, module, self.root_device)
+        if self.optimizer_in_backward and fitting:
+            problems += in_backward_problems(trainer, module, precision)  # type: ignore[arg-type]
+        problems += preflight.checkpoint_dir_problems(trainer)  # NOTE: a save that would fail after the first step
+        self._loading, loading = hf_weights.loading_problems(self.load_weights, module, trainer)
+        problems += loading
+        if problems:
+            name = "lowmem_offload_params" if self.offload_params is True else "lowmem_offload"
+            raise ValueError(f"`{type(self).__name__}` (strategy='{name}') cannot run this configuration:\n- "
+                             + "\n- ".join(problems))
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._follow_trainable()
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if self.optimizer_in_backward and trainer.accumulate_grad_batches != 1:
-            # NOTE: an accumulation scheduler setup did not know (Lightning's is refused there)
-            raise ValueError(
-                f"`OffloadStrategy(optimizer_in_backward=True)`: `accumulate_grad_batches` became "
-                f"{trainer.accumulate_grad_batches} at epoch {trainer.current_epoch}; the step in backward cannot "
-                "accumulate. Remove the accumulation scheduler, or set `optimizer_in_backward=False`."
-            )
+    def _build_masters(self, trainer: pl.Trainer, fitting: bool) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if self.check_host_memory:
+            self._check_host_ram(module, self.optimizers if fitting else [], fitting, trainer.callbacks)  # type: ignore[arg-type]
+        self._reset()
+        precision = self.precision_plugin
+        frozen = frozen_without_master(module, precision, self._loading, resuming=trainer.ckpt_path is not None)
+        grad_buffers = fitting and not self.optimizer_in_backward
+        self._masters.build(module, self._loading, precision, grad_buffers=grad_buffers, frozen=frozen)
+        if self._loading:
+            self.load_report = self._masters.load(self.load_weights)  # type: ignore[arg-type]
+        self._masters.mark_host()
+        self._masters.keep_buffers(module, precision)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._masters.p_host:  # masters exist already (a later call): point the new optimizers at them
-            for opt in self.optimizers:
-                self._repoint(opt)
+            self._repoint()
 
-    def _check_trainer(self, trainer: pl.Trainer) -> None:
-        module = self.lightning_module
-        assert module is not None
-        problems = _offload_checks.trainer_problems(self, module, trainer)
-        problems += _offload_checks.streaming_problems(self, module) + delayed_problems(self, module)
-        problems += _preflight.checkpoint_dir_problems(trainer)  # NOTE: a save that would fail after the first step
-        self._loading, loading = _offload_checks.loading_problems(self.load_weights, module, trainer)
-        problems += loading
-        if problems:
-            raise ValueError(
-                f"`{type(self).__name__}` (strategy='lowmem_offload') cannot run this configuration:\n- "
-                + "\n- ".join(problems)
-            )
+    def _repoint(self) -> None:
+        """Point every optimizer's param groups at the masters, making masters for the parameters unfrozen since setup
+        and for those a group holds that had none (a group added with ``add_param_group``); move any state an
+        optimizer has to the host; choose its host kernel."""
+        self._masters_added(self._masters.master_unfrozen(stream_values.value_of(self._stream)))
+        for optimizer in self.optimizers:
+            self._masters.repoint(optimizer)
+            self._kernel.choose(optimizer)
 
-    # --- masters and their host RAM (see strategies/offload/masters.py, strategies/offload/host_bytes.py) -------
+    def _masters_added(self, new: Sequence[int]) -> None:
+        """Masters ``new`` were made after setup: their compute weights match them; the transfer learns of them."""
+        if not new:
+            return
+        self._masters.note_device(new)
+        if self._transfer is not None:
+            self._transfer.synchronize()
+            self._transfer = transfer_for(self.root_device, self._masters.p_device)
+
+    # --- the host RAM it needs --------------------------------------------------------------------------
     def host_bytes_needed(
-        self,
-        module: torch.nn.Module,
-        optimizers: list[Optimizer],
-        with_grads: bool = True,
-        callbacks: Sequence[Any] = (),
+        self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool = True, callbacks: Sequence[Any] = ()
     ) -> dict[str, int]:
-        """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part.
+        """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part (``"total"`` included).
 
-        The optimizer state is that of the optimizer that will step: ``optimizers`` as configured, the
-        bitsandbytes 8-bit one when ``callbacks`` hold a ``LowBitOptimizer`` (see :func:`lightning_lowmem.core.optimizer_state.expected_state_bytes`),
-        or a ``LeanOptimizer``'s own figure; ``host_pass_copies``: what ``host_pass="overlap"`` keeps.
+        ``masters``: fp32 masters (none for frozen parameters, see ``frozen_without_master``); ``gradient_buffers``:
+        fp32 gradient buffers (none with ``optimizer_in_backward``); ``optimizer_state``: the state of the optimizer
+        that will step (``optimizers`` as configured, the bitsandbytes 8-bit one when ``callbacks`` hold a
+        ``LowBitOptimizer``, or a ``LeanOptimizer``'s own figure; see
+        :func:`lightning_lowmem.core.optimizer_state.expected_state_bytes`); ``staging_or_compute_weights``: the pinned
+        staging on CUDA (the compute weights themselves on the CPU); ``streamed_weights``: the host copies of the
+        streamed blocks.
         """
-        return _offload_host_bytes.host_bytes_needed(self, module, optimizers, with_grads, callbacks)
-
-    def _build_masters(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool) -> None:
-        if self.check_host_memory:
-            _offload_host_bytes.check_host_ram(self, module, optimizers, with_grads)
-        self._reset()
-        masters = self._masters
         precision = self.precision_plugin
-        trainer = lightning_internals.attached_trainer(self.lightning_module)
-        frozen = frozen_without_master(module, precision, self._loading,
-                                       resuming=trainer is not None and trainer.ckpt_path is not None)
-        masters.build(module, self._loading, precision, grad_buffers=with_grads and not self.optimizer_in_backward,
-                      frozen=frozen)
-        if self._loading:
-            self.load_report = masters.load(self.load_weights)  # type: ignore[arg-type]
-        masters.mark_host()
-        masters.keep_buffers(module, precision)
+        frozen = frozen_without_master(module, precision, self._loading)
+        params = [p for _, p in HostMasters.unique_params(module)]
+        mastered = [p for p in params if id(p) not in frozen]
+        low_bit = next((cb for cb in callbacks if isinstance(cb, LowBitOptimizerSwap)), None)
+        lean = next((cb for cb in callbacks if isinstance(cb, LeanOptimizerSwap)), None)
+        embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+        if lean is not None:
+            state = sum(lean.expected_state_bytes(opt, module) for opt in optimizers)
+        else:
+            state = sum(expected_state_bytes(opt, low_bit, embeddings) for opt in optimizers)
+        dtype = precision.weight_dtype  # type: ignore[attr-defined]
+        # NOTE: on CUDA the staging covers the mastered parameters only; on the CPU every compute weight is host RAM
+        staged = mastered if self.root_device.type == "cuda" else params
+        trainable = sum(p.numel() for p in mastered if p.requires_grad)
+        parts = {
+            "masters": 4 * sum(p.numel() for p in mastered),
+            "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
+            "optimizer_state": state,
+            "staging_or_compute_weights": planned_staging_bytes(self.root_device, [(p.numel(), dtype) for p in staged]),
+            "streamed_weights": streamed_host_bytes(self.offload_params, module, dtype),
+        }
+        parts["total"] = sum(parts.values())
+        return parts
 
-    def _repoint(self, optimizer: Optimizer) -> None:
-        """Point ``optimizer``'s param groups at the masters; move any state it has to the host."""
-        self._master_unfrozen(repoint=False)  # NOTE: a group added with unfrozen parameters (BackboneFinetuning)
-        self._masters.repoint(optimizer)
-        if id(optimizer) in self._fused:  # NOTE: groups added since (`add_param_group`) take the host kernel too
-            saved = self._fused[id(optimizer)][1]
-            for group in optimizer.param_groups[len(saved):]:
-                saved.append({"fused": group.get("fused"), "foreach": group.get("foreach")})
-                group["fused"], group["foreach"] = True, False
-        if (self.host_optimizer != "as_is" and id(optimizer) not in self._fused
-                and _host_optimizer.why_not_fused(optimizer) is None):
-            self._fused[id(optimizer)] = (optimizer, _host_optimizer.enable_fused(optimizer))
+    def _check_host_ram(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool,
+                        callbacks: Sequence[Callback]) -> None:
+        """Raise (naming the parts and the fixes) when the host cannot hold what this strategy is about to allocate."""
+        need = self.host_bytes_needed(module, optimizers, with_grads, callbacks)
+        need.pop("total")
+        swapped = any(isinstance(cb, (LowBitOptimizerSwap, LeanOptimizerSwap)) for cb in callbacks)
+        fixes = []
+        if need["optimizer_state"] and not swapped:
+            fixes.append("8-bit optimizer state (`callbacks=[LowBitOptimizer()]`, ~2 B/param for Adam instead of 8) or a "
+                         "lean optimizer (`callbacks=[LeanOptimizer(kind='galore')]`, 'apollo_mini', 'adamw4bit', ...)")
+        if need["gradient_buffers"]:
+            fixes.append("`OffloadStrategy(optimizer_in_backward=True)` (no gradient buffers)")
+        fixes += ["a smaller model, or a machine/container with more RAM (or raise the limit named above)",
+                  "`OffloadStrategy(check_host_memory=False)` to try anyway"]
+        host_memory.check_host_memory({k.replace("_", " "): v for k, v in need.items()},
+                                      who="`OffloadStrategy` (strategy='lowmem_offload')", fixes=fixes)
 
+    # --- the masters ----------------------------------------------------------------------------------
     @property
     def masters(self) -> dict[str, Parameter]:
         """``{parameter name: fp32 host master}`` (empty outside ``fit``/``validate``/``test``)."""
-        self._delayed.land()  # NOTE: host_pass="delayed": the step on the worker writes them
         return self._masters.as_dict()
 
     @override
@@ -419,18 +427,32 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
         return self._masters.master_of(p_host)
 
     def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
-        """Inside, the module's own parameters are the fp32 masters (``grads``: with their gradients as ``.grad``), for
-        code written for the fp32 module (your own weight averaging callback); ``write_back`` if it writes them. A
-        frozen weight without a master shows its value: its compute weight, or a streamed block's host copy."""
+        """Inside, the module's own parameters are the fp32 masters (``grads``: with their gradients), for code written
+        for the fp32 module; ``write_back`` if it writes them. A frozen weight without a master shows its value: its
+        compute weight, or a streamed block's host copy."""
         return self._view.view(grads=grads, buffers=True, write_back=write_back) if self._view else nullcontext()
 
-    # --- gradients ---------------------------------------------------------------------------------------
-    def _grad_ready(self, i: int, sink: Callable[[int, Tensor], None], p_device: Tensor) -> None:
+    def _follow_trainable(self) -> None:
+        """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup, e.g. by a
+        user's own unfreezing), with a master that takes gradients and a host buffer for them."""
+        self._repoint()
+        masters = self._masters
+        for i, p in enumerate(masters.p_device):
+            if not p.requires_grad or i in self._hooked:
+                continue
+            self._hooked.add(i)
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)))
+            masters.p_host[i].requires_grad_(True)  # NOTE: a no-op at setup (the master copied the flag)
+            if self._schedule.grad_buffers and masters.grad_host[i] is None:
+                masters.grad_host[i] = torch.empty_like(masters.p_host[i])
+                mark_host(masters.grad_host[i])
+
+    # --- the step ---------------------------------------------------------------------------------------
+    def _grad_ready(self, i: int, p_device: Tensor) -> None:
+        """The gradient hook of module parameter ``i``: its gradient leaves the device for the step schedule."""
         grad = p_device.grad
         if grad is None:
             return
-        if self._pass is not None:
-            self._pass.arrived(i)  # NOTE: as the hook fires (the gradient may reach the pass later: see `HostPass.arrived`)
         self._manual.grad_ready()
         if not self._masters.p_host[i].requires_grad:
             # NOTE: `LightningModule.toggle_optimizer` (manual optimization, e.g. a GAN) turns off `requires_grad`
@@ -439,50 +461,194 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             p_device.grad = None
             return
         assert self._transfer is not None
-        if self._reused is not None:
-            summed = self._reused.take(i, grad)
-            if summed is not grad:  # NOTE: an fp32 sum (a layer called several times): straight to the host
-                p_device.grad = None
-                sink(i, summed.to(self._masters.p_host[i].device))
-                return
-        self._transfer.grad_to_host(i, grad, sink)
+        self._transfer.grad_to_host(i, grad, self._schedule.on_grad)
         p_device.grad = None  # NOTE: the device gradient is freed here, one parameter at a time
 
     @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        self._manual.before_backward()  # NOTE: backward needs the compute weights (the gradients accumulate on the masters)
-        self.adopt_device_writes(land=False)  # NOTE: optimizer_in_backward steps the masters inside this backward
-        # NOTE: with optimizer_in_backward each parameter steps inside backward: a non-finite loss must be caught
-        # before the first one does (one scalar; a device sync on CUDA).
-        self._skip_backward = bool(
-            self.optimizer_in_backward and self._guarding() and not torch.isfinite(closure_loss.detach()).all()
-        )
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._follow_trainable()
 
     @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        self.drain_transfers()  # NOTE: a no-op here in `Trainer.fit`: the precision plugin drained (see below)
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        module = self.lightning_module
+        assert module is not None
+        self._manual.before_backward()  # NOTE: backward needs the compute weights (the gradients accumulate on the masters)
+        self._adopt_writes()
+        self._schedule.before_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._drain()  # NOTE: [drain before user code] every gradient is on the masters before `on_after_backward`
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self._manual.after_backward()  # manual optimization: `p.grad` is the master's until the step
+        return closure_loss
+
+    def _drain(self) -> None:
+        """Hand every gradient queued by the backwards so far to the step schedule (a sync point on CUDA)."""
+        if self._transfer is not None:
+            self._transfer.synchronize()
+        self._schedule.drain()
+        if self._stream is not None:
+            self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        model = model or self.lightning_module
+        assert isinstance(model, pl.LightningModule)
+        self._manual.before_step()
+        self._adopt_writes()
+        self._kernel.choose(optimizer)  # NOTE: an optimizer swapped in after setup (a callback's, in on_fit_start)
+
+        def closure_then_guard() -> Any:
+            out = closure()
+            self._schedule.after_closure(optimizer, model)  # the non-finite guard
+            return out
+
+        out = self._schedule.step(self.precision_plugin, optimizer, model, closure_then_guard, **kwargs)
+        mark_host_state(optimizer, self._marked)
+        upload = functools.partial(self._to_compute, self._masters.pairs(optimizer))
+        if self._manual.attached:  # NOTE: code after `opt.step()` may write the stepped masters (manual_grads.py)
+            self._manual.after_step(upload)
+        else:
+            upload()
+        if (self._schedule.guard is not None and lightning_internals.attached_trainer(model) is not None
+                and lightning_internals.current_hook(model) is not None):
+            # NOTE: only inside a loop hook (training_step, optimizer_step): `log` refuses elsewhere
+            model.log("lowmem/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+        return out
+
+    def _adopt_writes(self) -> None:
+        """Copy compute weights other code wrote into their masters (see [writes outside the hooks] in masters.py);
+        inside a view the parameters show the masters, which code writes directly."""
+        if self._view is None or not self._view.depth:
+            self._masters.adopt_writes()
+
+    def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
+        """Round masters into their compute weights (a streamed one: into its host copy)."""
+        assert self._transfer is not None
+        stream_values.copy_to_compute(self._transfer, self._stream, pairs)
+        self._masters.note_device([i for i, _, _ in pairs])
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            with self._stream.first_use_check("train") if self._stream is not None else nullcontext():
+                return super().training_step(*args, **kwargs)
+        finally:
+            self._manual.close()  # NOTE: a `manual_backward` whose step comes in a later batch (manual accumulation)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._stream.first_use_check("validate") if self._stream is not None else nullcontext():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        module = self.lightning_module
+        if (module is not None and module.trainer.state.fn == TrainerFn.FITTING
+                and not is_overridden("on_validation_model_zero_grad", module, pl.LightningModule)):
+            # NOTE: Lightning's default `on_validation_model_zero_grad` (before validation inside fit) clears the
+            # parameters' gradients; here the gradients are the masters'. A step without backward after it
+            # (`StochasticWeightAveraging`'s BatchNorm epoch) must find none, as under plain Lightning.
+            for p_host in self._masters.p_host:
+                p_host.grad = None
+
+    # --- checkpoints ---------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""
+        module = self.lightning_module
+        assert module is not None
+        self._adopt_writes()
+        state = self._masters.state_dict(module)
+        if self._stream is not None:
+            # NOTE: streamed weights without a master (packed 4-bit ones, frozen) are saved from their host copies.
+            # Not through the stream's host view: leaving it releases every block, and a checkpoint taken in a hook
+            # mid-fit would leave the blocks fetched for the next forward released (NaN).
+            host = self._stream.host_of()
+            for key, value in module.state_dict(keep_vars=True).items():
+                if id(value) in host and id(value) not in self._masters.device_index:
+                    state[key] = host[id(value)].detach()
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        _resume_checks.check_model(checkpoint, self.lightning_module)  # NOTE: another model's checkpoint, named
+        with self._stream.host_view() if self._stream is not None else nullcontext():  # streamed: into the host copies
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # NOTE: [resumed after an unfreeze] in masters.py (a checkpoint loaded after setup)
+        new = self._masters.master_from_checkpoint(checkpoint["state_dict"])
+        if new:
+            self._masters_added(new)
+            self._repoint()
+        if self._masters.p_host:  # loaded after setup: the masters take the checkpoint's fp32 values too
+            self._masters.load_state_dict(checkpoint["state_dict"])
+            self._masters.note_device()  # NOTE: the load wrote the compute weights: not a write to adopt
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # NOTE: unlike Strategy's, no `_optimizer_to_device(root_device)`: torch puts the state next to its
+        # parameters, which are the host masters (a group a callback added since setup is re-pointed first).
+        self._repoint()
+        for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            _resume_checks.load_optimizer(optimizer, opt_state, _resume_checks.where(self.lightning_module.trainer))
+            self._kernel.reloaded(optimizer)
+            self._marked.pop(id(optimizer), None)
+            mark_host_state(optimizer, self._marked)  # load_state_dict made new state tensors
+
+    # --- memory report ------------------------------------------------------------------------------------------
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes of compute weights and gradients on the device; masters, gradients, optimizer state on the host."""
+        out = MemoryBreakdown()
+        module = self.lightning_module
+        if module is not None:
+            with self._view.hidden() if self._view is not None else nullcontext():  # NOTE: called in a hook's view
+                out.add("device", "weights", module_weight_bytes(module))
+                out.add("device", "gradients", module_grad_bytes(module))
+        masters = self._masters
+        out.add("host", "optimizer_state", unique_storage_bytes(masters.p_host))  # fp32 masters
+        for opt in self.optimizers:
+            out.add("host", "optimizer_state", optimizer_state_bytes(opt))
+        host_grads = [g for g in masters.grad_host if g is not None] + [p.grad for p in masters.p_host if p.grad is not None]
+        out.add("host", "gradients", unique_storage_bytes(host_grads))
+        if self._transfer is not None:
+            out.add("host", "other", self._transfer.staging_bytes())
+        if self._stream is not None:
+            out.add("host", "weights", self._stream.host_bytes())  # the streamed blocks' compute copies
+        return out
+
+    def host_bytes_per_param(self) -> dict[str, float]:
+        """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included).
+
+        ``weights`` is the streamed blocks' compute copies (``offload_params``), ``optimizer_state`` the fp32 masters
+        plus the optimizer's state, ``other`` the pinned staging (CUDA).
+        """
+        numel = sum(p.numel() for p in self._masters.p_host)
+        host = self.memory_breakdown().host
+        out = {k: v / numel for k, v in host.items() if v} if numel else {}
+        out["total"] = sum(out.values())
+        return out
 
     # --- teardown ----------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
         self._manual.detach()
-        self._unwrap()
         for handle in self._hooks:
             handle.remove()
         if self._transfer is not None:
             self._transfer.synchronize()
-        self._close_workers()
         if self._stream is not None:
             self._stream.remove()
             give_back_streamed(self._stream, self._masters.device_index)  # NOTE: packed 4-bit and frozen: no master
-        if self._reused is not None:
-            self._reused.remove()
-        for optimizer, flags in self._fused.values():
-            _host_optimizer.restore(optimizer, flags)
+        self._kernel.restore()
         module = self.lightning_module
         if module is not None and self._masters.p_host:
-            self.adopt_device_writes()  # NOTE: an `on_train_end` / `on_fit_end` that wrote the weights
+            self._masters.adopt_writes()  # NOTE: an `on_train_end` / `on_fit_end` that wrote the weights
+            self._masters.adopt_untracked_writes()  # NOTE: and one that wrote them through `.data` (WeightAveraging)
             self._masters.give_back_fp32(module, self.optimizers)
         self._reset()
         if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
@@ -493,3 +659,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, HostStep, HostState, Si
             self.checkpoint_io.teardown()
             return
         super().teardown()
+
+
+__all__ = ["NonFiniteGradientError", "OffloadStrategy"]

@@ -79,4 +79,28 @@ def plan_stream(
     return ParamStream(module, streamed, prefetch, device), resident
 
 
-__all__ = ["default_budget", "plan_resident", "plan_stream"]
+def stream_problems(offload_params: OffloadParams, device_budget: int | None, module: nn.Module,
+                    device: torch.device) -> list[str]:
+    """What ``offload_params`` cannot do with ``module`` (no repeated blocks; no budget off CUDA)."""
+    if offload_params is False:
+        return []
+    problems = []
+    _, per_block, _ = block_params(module)
+    if offload_params is True and not any(per_block):
+        names = [n for n, _ in module.named_parameters()]
+        shown = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        problems.append(
+            f"`offload_params=True` streams the weights of repeated blocks (the children of an `nn.ModuleList` of two "
+            f"or more modules of one class), and `{type(module).__name__}` has none: no parameter would stream, all "
+            f"{len(names)} ({shown}) would stay on the device. Put the repeated layers in an `nn.ModuleList`, or pass "
+            "`offload_params='auto'` (streams what it finds, here nothing) or `offload_params=False`"
+        )
+    if offload_params == "auto" and device_budget is None and device.type != "cuda":
+        problems.append(
+            f"`offload_params='auto'` on the '{device.type}' device needs `device_budget` (bytes for the "
+            "compute weights, e.g. `device_budget='6GiB'`); only on CUDA does it default to the free memory"
+        )
+    return problems
+
+
+__all__ = ["default_budget", "plan_resident", "plan_stream", "stream_problems"]

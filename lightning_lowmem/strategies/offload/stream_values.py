@@ -49,29 +49,6 @@ def copy_to_compute(transfer: HostTransfer, stream: ParamStream | None, pairs: P
     transfer.weights_to_device(pairs)
 
 
-@torch.no_grad()
-def upload_in_backward(transfer: HostTransfer, stream: ParamStream | None, pairs: Pairs, compute: object) -> None:
-    """:func:`copy_to_compute` from the host pass's worker during backward: a streamed weight's master is rounded into
-    its host copy now, the others go through ``transfer.upload`` (queued after ``compute``'s work so far).
-
-    NOTE: no wait for the stream's fetches (``ParamStream.update_host`` waits for them all, and releases every block:
-    not while backward runs). The worker uploads a master only after its gradient landed, which autograd produces after
-    every node that reads the weight. A block's fetches in backward serve its own backward (its output-gradient hook,
-    its recompute, the unpack of its saved weights), all before that; compute waited for each fetch's copy, and on CUDA
-    the gradient's copy to the host comes after compute. The block's next fetch is the next forward's. A streamed
-    weight read outside its block is refused at the first step (``stream_check``); a gradient that arrives twice (a
-    block recomputed after its weights' gradients landed) is found by
-    :mod:`~lightning_lowmem.strategies.offload.host_pass_uploads`.
-    """
-    if stream is not None:
-        host = stream.host_of()
-        for _, p_host, p in pairs:
-            if id(p) in host:
-                host[id(p)].copy_(p_host)  # fp32 -> compute dtype, the rounding of `ParamStream.update_host`
-        pairs = [pair for pair in pairs if id(pair[2]) not in host]
-    transfer.upload(pairs, compute)
-
-
 def unmastered(stream: ParamStream | None, masters: HostMasters) -> Shown:
     """``(block, parameter, host copy)`` of every floating-point streamed weight that has no master.
 

@@ -30,9 +30,6 @@ class HostTransfer:
     def __init__(self, device: torch.device, params: Sequence[torch.Tensor]) -> None:
         self.device = device
 
-    def staging(self) -> list[torch.Tensor]:
-        return []
-
     def staging_bytes(self) -> int:
         return 0
 
@@ -47,11 +44,6 @@ class HostTransfer:
         """Copy each ``(i, p_host, p_device)`` master into its compute weight (rounding to its dtype)."""
         for _, p_host, p_device in pairs:
             p_device.copy_(p_host)
-
-    def upload(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], compute: Any = None) -> None:
-        """:meth:`weights_to_device` from the host pass's worker during backward (see [upload in backward] in
-        ``host_pass_uploads.py``); ``compute``: the stream backward runs on (the copies wait for its work so far)."""
-        self.weights_to_device(pairs)
 
 
 # NOTE: [staging buckets] one flat pinned buffer per bucket, allocated once: torch's pinned caching allocator rounds
@@ -101,17 +93,16 @@ def _bucket_sizes(specs: Sequence[tuple[int, torch.dtype]]) -> list[tuple[list[i
     return out
 
 
-def planned_staging_bytes(device: torch.device, specs: Sequence[tuple[int, torch.dtype]], landing: bool = False) -> int:
+def planned_staging_bytes(device: torch.device, specs: Sequence[tuple[int, torch.dtype]]) -> int:
     """Host bytes the transfer for ``device`` allocates for parameters ``(numel, compute dtype)``.
 
-    :class:`StreamTransfer`: its staging buckets, as the (pinned) allocator reserves them, twice with ``landing`` (its
-    landing slots: ``host_pass="delayed"``); :class:`HostTransfer`: none of its own, the compute weights themselves are
-    in host RAM (counted here).
+    :class:`StreamTransfer`: its staging buckets, as the (pinned) allocator reserves them; :class:`HostTransfer`: none of
+    its own, the compute weights themselves are in host RAM (counted here).
     """
     ops = CudaOps(device) if device.type == "cuda" else cpu_ops()
     if ops is None:
         return sum(n * torch.empty((), dtype=d).element_size() for n, d in specs)
-    return (2 if landing else 1) * sum(ops.host_bytes(n) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
+    return sum(ops.host_bytes(n) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
 
 
 def pinned_staging_bytes(specs: Sequence[tuple[int, torch.dtype]]) -> int:
@@ -126,8 +117,9 @@ class StreamTransfer(HostTransfer):
     On CUDA the ops are :class:`~lightning_lowmem.core.streams.CudaOps` (pinned staging); on the CPU the tests run this
     same class on :class:`~lightning_lowmem.core.streams.DeferredOps`, whose copies land only when the host must see them.
 
-    The gradient hook only queues the copy (no host work on the autograd thread); the host folds the gradients
-    in :meth:`synchronize`, in the order they were queued, so the sums are those of the plain CPU path bit for bit.
+    The gradient hook only queues the copy (no host work on the autograd thread); the host hands the gradients to
+    their sink in :meth:`synchronize`, in the order they were queued, so the sums are those of the plain CPU path bit
+    for bit.
     """
 
     def __init__(self, device: torch.device, params: Sequence[torch.Tensor], ops: StreamOps) -> None:
@@ -135,74 +127,20 @@ class StreamTransfer(HostTransfer):
         self.ops = ops
         self.pinned = ops.pins
         self.stream = ops.side_stream()
-        # NOTE: only these staging buffers are pinned (2 B/param in bf16): pinned memory is a scarce,
-        # unswappable resource, and the fp32 masters / gradient buffers never cross PCIe. See [staging buckets].
-        self._params = params
+        # NOTE: only these staging buffers are pinned (one slot per parameter in its compute dtype): pinned memory is a
+        # scarce, unswappable resource, and the fp32 masters / gradient buffers never cross PCIe. See [staging buckets].
         self._buckets: list[torch.Tensor] = []
-        self._staging = self._slots()
+        self._staging: list[torch.Tensor | None] = [None] * len(params)
+        for sizes, slots, idx in _bucket_sizes([(p.numel(), p.dtype) for p in params]):
+            buckets = [ops.empty_host(n, torch.uint8) for n in sizes]
+            for i, (b, offset) in zip(idx, slots):
+                p = params[i]
+                self._staging[i] = buckets[b][offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            self._buckets += buckets
+        mark_host(*self._buckets)
         self._pending: deque[tuple[Any, int, Sink]] = deque()
         self._unread: set[int] = set()  # slots a queued copy writes that the host has not read yet
         self._h2d_done: Any = None
-        self._staged: set[int] = set()  # slots that hold their master rounded already (see `stage_weights`)
-        # NOTE: set by the overlapped host pass (strategies/offload/host_pass.py) while it is armed: `eager` hands the
-        # gradients whose copy has landed to the sink during backward; `barrier` waits until the sink's worker has
-        # read every slot handed to it (before a slot is rewritten)
-        self.eager = False
-        self.barrier: Callable[[], None] = lambda: None
-        self._landing: list[torch.Tensor] | None = None  # host_pass="delayed": see `landing_slots`
-        self._landing_staged: set[int] = set()
-        self._landed: Any = None  # an event after the last copies from the landing slots
-
-    def _slots(self) -> list[torch.Tensor]:
-        """One slot per parameter in new pinned buckets (see [staging buckets])."""
-        params = self._params
-        staging: list[torch.Tensor | None] = [None] * len(params)
-        for sizes, slots, idx in _bucket_sizes([(p.numel(), p.dtype) for p in params]):
-            buckets = [self.ops.empty_host(n, torch.uint8) for n in sizes]
-            for i, (b, offset) in zip(idx, slots):
-                p = params[i]
-                staging[i] = buckets[b][offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            self._buckets += buckets
-            mark_host(*buckets)
-        return staging  # type: ignore[return-value]
-
-    @override
-    def staging(self) -> list[torch.Tensor]:
-        return self._staging
-
-    def landing_slots(self) -> None:
-        """``host_pass="delayed"``: a second set of slots (the staging's pinned bytes again) that the host worker rounds
-        each stepped master into (:meth:`stage_landing`) while the next window's gradients are copied into the first;
-        the landing then only queues their copies (:meth:`land`)."""
-        if self._landing is None:
-            self._landing = self._slots()
-
-    @torch.no_grad()
-    def stage_landing(self, pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Round each ``(i, p_host)`` master into its landing slot (the host worker, after its step).
-
-        NOTE: first waits for the last landing's copies from these slots (they may still be in flight on the side
-        stream: the worker steps during the next window)."""
-        assert self._landing is not None
-        if self._landed is not None:
-            self.ops.synchronize(self._landed)
-        for i, p_host in pairs:
-            self._landing[i].copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
-            self._landing_staged.add(i)
-
-    @torch.no_grad()
-    def land(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> frozenset[int]:
-        """Queue the copy of each landing slot :meth:`stage_landing` filled into its compute weight (after the compute
-        stream's work so far: backward may still read the weights); return the indices of those copied."""
-        staged, self._landing_staged = self._landing_staged, set()
-        ops = self.ops
-        ops.wait_stream(self.stream, ops.compute_stream())
-        for i, _, p_device in pairs:
-            if i in staged:
-                ops.copy(p_device, self._landing[i], self.stream)  # type: ignore[index]
-        self._landed = ops.record_event(self.stream)
-        ops.wait_stream(ops.compute_stream(), self.stream)
-        return frozenset(i for i, _, _ in pairs if i in staged)
 
     @override
     def staging_bytes(self) -> int:
@@ -215,12 +153,10 @@ class StreamTransfer(HostTransfer):
         if i in self._unread:
             # NOTE: [staging reuse] the hook fired twice in one backward (a weight shared by two reentrant-checkpointed
             # blocks): the second copy would overwrite the slot before the host read the first (one contribution lost,
-            # the other doubled). Fold everything queued up to the first one now (queue order is kept).
+            # the other doubled). Hand over everything queued up to the first one now (queue order is kept).
             self._drain(until=i)
-            self.barrier()
-        self._staged.discard(i)
         ops.wait_stream(self.stream, ops.compute_stream())  # the gradient was written on the compute stream
-        ops.copy(self._staging[i], grad, self.stream)
+        ops.copy(self._staging[i], grad, self.stream)  # type: ignore[arg-type]
         event = ops.record_event(self.stream)
         # NOTE: [grad lifetime] the caching allocator must not hand the gradient's block to another
         # tensor while the side stream still reads it; the caller drops its reference right after.
@@ -228,17 +164,13 @@ class StreamTransfer(HostTransfer):
         self._pending.append((event, i, sink))
         self._unread.add(i)
         # NOTE: [host work] no fold here: the hook runs on the autograd thread, and host work there stalls the
-        # queueing of the next kernels (the GPU starves once its queue empties). `synchronize` folds.
-        if self.eager:  # the sink only queues work for the host pass's worker: hand it what has landed already
-            while self._pending and ops.query(self._pending[0][0]):
-                _, j, j_sink = self._pending.popleft()
-                j_sink(j, self._staging[j])  # NOTE: j stays in `_unread` until `synchronize`: the worker may read it
+        # queueing of the next kernels (the GPU starves once its queue empties). `synchronize` hands them over.
 
     def _drain(self, until: int | None = None) -> None:
         while self._pending:
             event, i, sink = self._pending.popleft()
             self.ops.synchronize(event)  # NOTE: sync point: the host waits for this one copy only
-            sink(i, self._staging[i])
+            sink(i, self._staging[i])  # type: ignore[arg-type]
             self._unread.discard(i)
             if i == until:
                 return
@@ -246,59 +178,20 @@ class StreamTransfer(HostTransfer):
     @override
     def synchronize(self) -> None:
         self._drain()
-        self._unread.clear()  # NOTE: slots handed on by `eager` too (the sink's worker is waited for before reuse)
-
-    @torch.no_grad()
-    def stage_weights(self, pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Round each ``(i, p_host)`` master into its staging slot now: :meth:`weights_to_device` then only queues its copy.
-
-        Called by the overlapped host pass's worker as each bucket steps, during backward. NOTE: [staged weights] no wait
-        for the last upload from these slots: the worker stages a slot only after it read a gradient copied into a slot
-        on the same side stream in this window, queued after that upload (done, in stream order). A gradient copied into
-        a staged slot later (a hook that fires twice) takes it back; so does :meth:`unstage` (the step was undone).
-        """
-        for i, p_host in pairs:
-            self._staging[i].copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
-            self._staged.add(i)
-
-    def unstage(self, indices: Sequence[int] | None = None) -> None:
-        """The staged masters ``indices`` (all) changed again (a speculative step undone, a write adopted): the upload
-        rounds those slots itself."""
-        if indices is None:
-            self._staged.clear()
-        else:
-            self._staged.difference_update(indices)
-
-    @torch.no_grad()
-    @override
-    def upload(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], compute: Any = None) -> None:
-        """Round each ``(i, p_host, p_device)`` into its slot (unless staged) and queue its copy now, on the side stream
-        after ``compute``'s work so far: backward has queued every kernel that reads these weights (their gradients
-        landed). Called from the host pass's worker: no wait for it (``barrier``), nor for the gradient copies.
-
-        NOTE: [staged weights] holds for these slots too: each read a gradient queued after the last upload from it.
-        """
-        ops = self.ops
-        self.stage_weights([(i, p_host) for i, p_host, _ in pairs if i not in self._staged])
-        ops.wait_stream(self.stream, compute if compute is not None else ops.compute_stream())
-        for i, _, p_device in pairs:
-            ops.copy(p_device, self._staging[i], self.stream)
 
     @torch.no_grad()
     @override
     def weights_to_device(self, pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         ops = self.ops
         self.synchronize()
-        self.barrier()
         if self._h2d_done is not None:
             ops.synchronize(self._h2d_done)  # the staging buffers are about to be rewritten on the host
         ops.wait_stream(self.stream, ops.compute_stream())  # backward may still read the weights
         for i, p_host, p_device in pairs:
             staging = self._staging[i]
-            if i not in self._staged:
-                staging.copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
+            assert staging is not None
+            staging.copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
             ops.copy(p_device, staging, self.stream)  # overlaps the host cast of the next one
-        self._staged.clear()
         self._h2d_done = ops.record_event(self.stream)
         ops.wait_stream(ops.compute_stream(), self.stream)
 
