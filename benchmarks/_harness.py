@@ -19,7 +19,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -195,8 +195,7 @@ def step_probe(at: int | None = 1) -> Any:
 
     Phases follow Lightning's hooks (forward until ``on_before_backward``, backward until
     ``on_after_backward``, then the optimizer). After fit: ``probe.tracker`` and ``probe.times``.
-    NOTE: with ``at=None`` the probe has only the batch start/end hooks: a callback with a hook between backward and
-    the step (``on_after_backward``) makes ``lowmem_offload(host_pass="overlap")`` run serially (``why_serial``).
+    NOTE: with ``at=None`` the probe has only the batch start/end hooks (nothing runs between backward and the step).
     """
     import lightning as L
 
@@ -251,24 +250,6 @@ def build_gpt2(args: Any) -> tuple[torch.nn.Module, torch.Tensor]:
     model.train()
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     return model, ids
-
-
-@contextlib.contextmanager
-def upload_at_step(host_pass: type, on: bool = True) -> Iterator[None]:
-    """``host_pass="overlap"`` as before its upload in backward (when ``on``): ``host_pass`` (the ``HostPass`` class) is
-    armed without its uploader, so every weight goes at the step (the host_path benchmark and GPU stage 5 compare both
-    in one run)."""
-    arm = host_pass.arm
-
-    def arm_without_uploader(self: Any, *args: Any, **kwargs: Any) -> None:
-        arm(self, *args, **{**kwargs, "uploader": None})
-
-    if on:
-        host_pass.arm = arm_without_uploader  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        host_pass.arm = arm  # type: ignore[attr-defined]
 
 
 def bench_trainer(**kwargs: Any) -> Any:

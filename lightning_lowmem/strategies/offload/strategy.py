@@ -221,7 +221,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+        return self.parallel_devices[0] if self.parallel_devices else super().root_device
 
     @property  # type: ignore[override]
     @override
