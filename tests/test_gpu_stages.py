@@ -259,7 +259,7 @@ def test_results_page_puts_each_figure_beside_its_prediction_and_the_cpu_figure(
     assert "| the recipe's peak | 6.1 GiB | 6.3 GiB | dry run 6.32 GiB | stage 1 `claim[recipe_12gib]` (ok) |" in summary
     assert "## Figures" in (tmp_path / "results" / "stage1.md").read_text()
     assert report.headline_rows([payload]) == [["the recipe's peak", "6.1 GiB; dry run 6.3 GiB",
-                                                "**GPU** (NVIDIA H200, 2026-12-02)", "`gpu/stage1.json`"]]
+                                                "**GPU** (NVIDIA H200, 2026-12-02)", "gpu/stage1"]]
 
 
 # --- benchmarks/bench_param_stream.py ---------------------------------------------------------------------------

@@ -216,7 +216,7 @@ class StepClock(L.Callback):
             return
         self.on_step(self)
         last = self.ends[-1][0] - self.starts[-1][0]
-        if time.time() + 1.25 * last + self.reserve_s > self.deadline:
+        if time.time() + 1.1 * last + self.reserve_s > self.deadline:
             trainer.should_stop = True  # NOTE: at an optimizer step's end: every step that ran is whole
 
     @override

@@ -58,9 +58,10 @@ def figures_table(figs: list[dict[str, Any]]) -> str:
 
 
 def headline_rows(stages: list[dict[str, Any]]) -> list[list[str]]:
-    """``[figure, value, label, source]`` of the headline figures of GPU ``stages``, for the README's table."""
+    """``[figure, value, label, results file stem]`` of the headline figures of GPU ``stages``, for the README's
+    table (``make figures``)."""
     return [[f["figure"], f["gpu"] + (f"; dry run {f['dry_run']}" if f.get("dry_run") else ""),
-             f"**GPU** ({f['device']}, {f['date']})", f"`gpu/stage{f['stage']}.json`"]
+             f"**GPU** ({f['device']}, {f['date']})", f"gpu/stage{f['stage']}"]
             for f in figures(stages) if f.get("headline") and f["status"] in ("ok", "failed", "timeout", "running")]
 
 

@@ -103,7 +103,8 @@ def recipe_12gib(ctx: Context) -> dict[str, Any]:
         return {"rows": rows, "run": run, "notes": notes, "figures": [figure],
                 "status": "failed" if fits is False else "ok"}
 
-    clock = c.StepClock(warmup=1, on_step=lambda k: ctx.record(result(k, None)), deadline=ctx.deadline)
+    clock = c.StepClock(warmup=1, on_step=lambda k: ctx.record(result(k, None)), deadline=ctx.deadline,
+                        reserve_s=5)
     try:
         c.fit(ctx, s, strategy, [clock, ActivationCheckpointing("all"), LowBitOptimizer("adamw8bit")],
               precision="bf16-true", lm=lm, gradient_clip_val=1.0)
@@ -243,7 +244,7 @@ def cuda_tests(ctx: Context) -> dict[str, Any]:
 
     c.fresh_cuda()  # NOTE: the device memory the plain run's process still caches goes back for the tests' processes
     files = cuda_test_files(ctx.repo)
-    out = pytest_run(ctx, ["-m", "cuda", "--timeout=40", *files], timeout_s=ctx.seconds_left() - 5)
+    out = pytest_run(ctx, ["-m", "cuda", "--timeout=30", *files], timeout_s=ctx.seconds_left() - 5)
     counts: dict[str, int] = {}
     for r in out["rows"]:
         kind = r["outcome"].split(":")[0]
@@ -251,7 +252,7 @@ def cuda_tests(ctx: Context) -> dict[str, Any]:
     out["figures"] = [{"figure": "CUDA-only correctness tests (`pytest -m cuda`)",
                        "gpu": ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none collected",
                        "dry_run": None, "cpu": None, "headline": True}]
-    out["notes"].append(f"files: {', '.join(files)}; each test at most 40 s, the whole run capped at the entry's time")
+    out["notes"].append(f"files: {', '.join(files)}; each test at most 30 s, the whole run capped at the entry's time")
     return out
 
 
@@ -259,7 +260,7 @@ def param_stream_bound(ctx: Context) -> dict[str, Any]:
     from benchmarks.gpu import _common as c
     from lightning_lowmem import OffloadStrategy
 
-    s = c.shape(ctx, batch=4, seq=1024, steps=4, warmup=1, config=WIDE, vocab=8192,
+    s = c.shape(ctx, batch=4, seq=1024, steps=3, warmup=1, config=WIDE, vocab=8192,
                 label="GPT-2 8x3072 (0.92B), vocab 8192")
     rows: list[dict[str, Any]] = []
     sizes: dict[str, Any] = {}
@@ -390,14 +391,14 @@ def _timed(fn: Any) -> float:
 
 
 ENTRIES = [
-    Entry("claim[recipe_12gib]", 185, recipe_12gib,
+    Entry("claim[recipe_12gib]", 210, recipe_12gib,
           "GPT-2-XL 12 GB recipe under a 12 GiB cap: fits, peaks, losses, step time", fresh=True),
     Entry("claim[dry_run]", 20, recipe_dry_run, "the dry run (CUDA target) of the recipe vs its measured peaks"),
-    Entry("claim[plain_uncapped]", 45, plain_uncapped,
+    Entry("claim[plain_uncapped]", 40, plain_uncapped,
           "plain Lightning on the uncapped GPU, same seed: losses beside the recipe's", fresh=True),
     Entry("speed[recipe_vs_plain]", 5, speed, "step time, tokens/s, GPU busy fraction: recipe vs plain"),
-    Entry("cuda_tests", 50, cuda_tests, "every `cuda`-marked test (pytest -m cuda), capped"),
-    Entry("param_stream_bound", 50, param_stream_bound,
+    Entry("cuda_tests", 40, cuda_tests, "every `cuda`-marked test (pytest -m cuda), capped"),
+    Entry("param_stream_bound", 45, param_stream_bound,
           "wide GPT-2, prefetch 1: streamed blocks at the device peak vs prefetch + 2; step vs resident", fresh=True),
-    Entry("environment", 15, environment, "device, driver, versions, carried packages, link and host bandwidths"),
+    Entry("environment", 10, environment, "device, driver, versions, carried packages, link and host bandwidths"),
 ]
