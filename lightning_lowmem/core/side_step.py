@@ -102,20 +102,6 @@ def stands_aside(pl_module: Any) -> bool:
     return _RUNNING.get(pl_module, 0) > 0 or lightning_internals.attached_trainer(pl_module) is None
 
 
-def forward_only(trainer: Any) -> bool:
-    """Whether Lightning's automatic loop runs this epoch's steps forward only: no backward, no optimizer step.
-
-    ``StochasticWeightAveraging`` does so in the epoch after its last one, to recompute the ``BatchNorm`` statistics
-    of the averaged weights: it sets ``fit_loop._skip_backward`` and raises ``accumulate_grad_batches`` above the
-    epoch's batches, so that no step happens. A callback that drives the accumulation window or splits the step must
-    then leave both alone (setting ``accumulate_grad_batches`` per batch would step the optimizer in that epoch).
-    """
-    # NOTE: private Lightning API (`_FitLoop._skip_backward`, a property over the automatic loop's flag): the only
-    # place Lightning says so; absent (a future Lightning), this reads False and the callbacks behave as before.
-    loop = getattr(trainer, "fit_loop", None)
-    return bool(getattr(loop, "_skip_backward", False))
-
-
 @contextlib.contextmanager
 def side_step(pl_module: Any, device: torch.device | None = None) -> Iterator[None]:
     """Run ``pl_module``'s ``training_step`` (or part of it) outside the loop, leaving no trace in the run.

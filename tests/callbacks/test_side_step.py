@@ -1,8 +1,8 @@
 """``side_step``: a training step run outside Lightning's loop leaves the run as it was.
 
 Unit tests of the context manager (RNG, logging, the mark, nesting, errors), then through ``Trainer.fit``: a probe
-(``ActivationCheckpointing(policy="budget")``) and the micro-batch search (``AccumulationScheduler("auto")``), both
-with dropout, train bit-identical weights to runs without them.
+(``ActivationCheckpointing(policy="budget")``), with dropout and an ``AccumulationScheduler`` window, trains
+bit-identical weights to a run without it.
 """
 
 from __future__ import annotations
@@ -238,14 +238,6 @@ def test_a_probe_leaves_the_scheduler_window_and_the_weights_as_without_it():
     _assert_equal(weights, reference)
 
 
-def test_micro_batch_trials_leave_the_weights_as_the_chosen_micro_batch_from_the_start():
-    auto = AccumulationScheduler(4, "auto", loss_normalization="tokens", memory_budget=10**12)
-    weights = _fit([auto])
-    assert auto.choice.micro_batch_size == 4 and len(auto.choice.peaks) >= 2  # trials ran at several sizes
-    reference = _fit([AccumulationScheduler(4, auto.choice.micro_batch_size, loss_normalization="tokens")])
-    _assert_equal(weights, reference)
-
-
 def _fit_ema_teacher(callbacks: list[Any]) -> dict[str, torch.Tensor]:
     from tests.conformance.corpus_kinds import EMATeacher
 
@@ -264,13 +256,6 @@ def test_a_probe_puts_back_a_teacher_that_training_step_moves_in_place(policy):
     reference = _fit_ema_teacher([])
     probe = ActivationCheckpointing(policy="budget", budget=10**12) if policy == "budget" else ActivationCheckpointing()
     _assert_equal(_fit_ema_teacher([probe]), reference)
-
-
-def test_micro_batch_trials_put_back_a_teacher_that_training_step_moves_in_place():
-    auto = AccumulationScheduler(4, "auto", memory_budget=10**12)
-    weights = _fit_ema_teacher([auto])
-    assert len(auto.choice.peaks) >= 2  # trials ran (each moved the teacher, then put it back)
-    _assert_equal(weights, _fit_ema_teacher([AccumulationScheduler(4, auto.choice.micro_batch_size)]))
 
 
 def test_param_writes_undone_puts_back_writes_through_data_views_and_out_and_leaves_reads():
