@@ -108,6 +108,8 @@ def test_deepspeed_private_symbols_exist():
     for path, method, attribute in deepspeed_internals.SOURCE_ATTRIBUTES:
         source = inspect.getsource(getattr(_class(path), method))
         assert f"{attribute} =" in source or f"{attribute}=" in source, f"{path}.{method} no longer sets {attribute}"
+    for path, text in deepspeed_internals.SOURCE_LINES:
+        assert text in inspect.getsource(_class(path)), f"{path} no longer holds {text!r}"
 
 
 #: a private torch/Lightning/DeepSpeed/PEFT module or name, or one of the private attributes the package reads
