@@ -325,7 +325,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         leaves at most the temp directory, removed at the next save.
         """
         if storage_options is not None or not lightning_internals.is_local_file_protocol(filepath):
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # the parent refuses storage_options
+            with self._partition_warning.quiet():
+                super().save_checkpoint(checkpoint, filepath, storage_options)  # the parent refuses storage_options
             return
         target = Path(self.broadcast(str(Path(filepath).absolute())))
         tmp = Path(self.broadcast(str(_atomic.temp_path(target))))
