@@ -1,19 +1,19 @@
 """Checkpointing a *segment* of consecutive blocks as one unit, without changing the model's code.
 
 ``torch.utils.checkpoint`` needs one function that runs the whole region, but a model's ``forward`` calls
-its blocks one by one (``for block in self.h: x = block(x, ...)``). Here each block of a segment gets an
-instance-level ``forward`` that records its call; the first block opens the segment, the last one closes it.
+its blocks one by one (``for block in self.h: x = block(x, ...)``). Here each block of a segment gets forward hooks
+(:class:`SegmentBlock`) that record its call; the first block opens the segment, the last one closes it.
 While a segment is open, tensors that the blocks save for backward are replaced by empty holders (a
 ``saved_tensors_hooks`` pair); in backward, the first unpack replays the recorded block calls (the output
 of block k feeding block k+1 as in forward, the RNG state of each call restored, autocast as in forward)
 and fills every holder; each block replays on the buffers its forward found, and its buffers are left as the
-forward left them (``_buffers.BufferGuard``). Only each segment's input stays alive: the O(sqrt L) trade of
+forward left them (:class:`~.hooks.RecomputeBuffers`). Only each segment's input stays alive: the O(sqrt L) trade of
 ``policy="sqrt"``.
 
 Tensors saved by the model's own code *between* two blocks of a segment are kept as usual (they are not
 replayed), so any code between the blocks is allowed. A segment is closed early (still correct, less
-saving) if blocks are called out of order, on an exception, and in all cases when the module that owns the
-blocks returns. Segments must not span FSDP units: the replay does not run the blocks' module hooks.
+saving) if blocks are called out of order, and in all cases when the module that owns the blocks returns or
+raises. The replay calls each block's ``forward``, not its module hooks: segments must not span FSDP units.
 """
 
 from __future__ import annotations
@@ -28,8 +28,13 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.blocks import INFO_ATTR, CheckpointInfo, call_inner, checkpoint_info, refuse_kv_cache
-from lightning_lowmem.core.buffers import BufferGuard
+from lightning_lowmem.callbacks.activation_checkpointing.hooks import (
+    CheckpointHooks,
+    CheckpointInfo,
+    RecomputeBuffers,
+    checkpoint_info,
+    refuse_kv_cache,
+)
 from lightning_lowmem.core.saved_versions import SavedVersion
 from lightning_lowmem.core.tensors import tensors_in
 
@@ -75,7 +80,7 @@ class _SegmentRun:
     """One forward pass through one segment, and its replay in backward."""
 
     def __init__(self, first_args: tuple) -> None:
-        self.calls: list[tuple[nn.Module, Any, tuple, dict, Any, BufferGuard]] = []
+        self.calls: list[tuple[nn.Module, tuple, dict, Any, RecomputeBuffers]] = []
         self.outputs: dict[int, tuple[weakref.ref, int, int]] = {}
         self.holders: list[weakref.ref] = []
         self.depth = 0
@@ -93,7 +98,7 @@ class _SegmentRun:
         self.holders.append(weakref.ref(holder))
         return holder
 
-    def record_call(self, module: nn.Module, inner: Any, args: tuple, kwargs: dict) -> None:
+    def record_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         def to_ref(t: Any) -> Any:
             hit = self.outputs.get(id(t)) if isinstance(t, torch.Tensor) else None
             if hit is not None and hit[0]() is t:
@@ -102,9 +107,9 @@ class _SegmentRun:
 
         rng_cpu = torch.get_rng_state()
         rng_dev = get_device_states(*args) if torch_internals.device_module_initialized(self.device_module) else ([], [])
-        guard = BufferGuard(module)  # NOTE: the replay runs each block on the buffers its forward found
-        guard.snapshot()
-        self.calls.append((module, inner, _map(args, to_ref), _map(kwargs, to_ref), (rng_cpu, rng_dev), guard))
+        buffers = RecomputeBuffers(module)  # NOTE: the replay runs each block on the buffers its forward found
+        buffers.snapshot()
+        self.calls.append((module, _map(args, to_ref), _map(kwargs, to_ref), (rng_cpu, rng_dev), buffers))
 
     def record_output(self, out: Any) -> None:
         index = len(self.calls) - 1
@@ -149,22 +154,22 @@ class _SegmentRun:
         def from_ref(t: Any) -> Any:
             return results[t.call][t.leaf] if isinstance(t, _Ref) else t
 
-        devices = self.calls[0][4][1][0] if self.calls else []
+        devices = self.calls[0][3][1][0] if self.calls else []
         with torch.random.fork_rng(devices=devices, device_type=self.device_type), torch.enable_grad():
             autocasts = [torch.amp.autocast(dt, **kw) for dt, kw in self.autocast.items()]
             for ctx in autocasts:
                 ctx.__enter__()
             try:
                 with saved_tensors_hooks(pack, unpack):
-                    for module, inner, args, kwargs, (rng_cpu, (dev_ids, dev_states)), guard in self.calls:
+                    for module, args, kwargs, (rng_cpu, (dev_ids, dev_states)), buffers in self.calls:
                         torch.set_rng_state(rng_cpu)
                         if dev_ids:
                             set_device_states(dev_ids, dev_states, device_type=self.device_type)
-                        guard.swap_in()
+                        buffers.swap_in()
                         try:
-                            out = call_inner(module, inner, _map(args, from_ref), _map(kwargs, from_ref))
+                            out = module.forward(*_map(args, from_ref), **_map(kwargs, from_ref))
                         finally:
-                            guard.swap_out()
+                            buffers.swap_out()
                         results.append(list(tensors_in(out)))
             finally:
                 for ctx in reversed(autocasts):
@@ -196,38 +201,46 @@ class Segment:
         if run is not None:
             run.hooks.__exit__(None, None, None)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"size": self.size, "run": None}
 
-class SegmentForward:
-    """The instance-level ``forward`` of one block of a :class:`Segment` (picklable, deep-copyable)."""
 
-    def __init__(self, module: nn.Module, inner: Any, segment: Segment, position: int) -> None:
-        self.module, self.inner, self.segment, self.position = module, inner, segment, position
+class SegmentBlock(CheckpointHooks):
+    """The forward hooks of one block of a :class:`Segment` (picklable, deep-copyable with the module)."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        segment = self.segment
+    def __init__(self, segment: Segment, info: CheckpointInfo) -> None:
+        self.segment, self.info = segment, info
+        self._recording: list[bool] = []  # one entry per call in progress: whether the segment records it
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        segment, position = self.segment, self.info.position
+        run = segment.run
         if not torch.is_grad_enabled():
-            return call_inner(self.module, self.inner, args, kwargs)
-        refuse_kv_cache(self.module, args, kwargs)
-        if self.position == 0:
+            run = None
+        elif position == 0:
+            refuse_kv_cache(module, args, kwargs)
             run = segment.open(args)
+        elif run is None or len(run.calls) != position:
+            segment.close()  # NOTE: out of order: what was recorded so far still replays correctly
+            run = None
         else:
-            run = segment.run
-            if run is None or len(run.calls) != self.position:
-                segment.close()  # NOTE: out of order: what was recorded so far still replays correctly
-                return call_inner(self.module, self.inner, args, kwargs)
-        run.record_call(self.module, self.inner, args, kwargs)
-        run.depth += 1
-        try:
-            out = call_inner(self.module, self.inner, args, kwargs)
-        except BaseException:
-            segment.close()
-            raise
-        finally:
-            run.depth -= 1
-        run.record_output(out)
-        if self.position == segment.size - 1:
-            segment.close()
-        return out
+            refuse_kv_cache(module, args, kwargs)
+        self._recording.append(run is not None)
+        if run is not None:
+            run.record_call(module, args, kwargs)
+            run.depth += 1
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        run = self.segment.run
+        if not (self._recording.pop() if self._recording else False) or run is None:
+            return
+        run.depth -= 1
+        run.record_output(output)
+        if self.info.position == self.segment.size - 1:
+            self.segment.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"segment": self.segment, "info": self.info, "_recording": []}
 
 
 def wrap_segment(modules: list[nn.Module], segment_index: int) -> tuple[Segment, bool]:
@@ -235,13 +248,11 @@ def wrap_segment(modules: list[nn.Module], segment_index: int) -> tuple[Segment,
 
     Returns the segment, and False when any of them is checkpointed already (then nothing is changed).
     """
-    if any(checkpoint_info(m) is not None for m in modules):
-        return Segment(len(modules)), False
     segment = Segment(len(modules))
+    if any(checkpoint_info(m) is not None for m in modules):
+        return segment, False
     for position, module in enumerate(modules):
-        inner = module.__dict__.get("forward")
-        module.forward = SegmentForward(module, inner, segment, position)  # type: ignore[method-assign]
-        module.__dict__[INFO_ATTR] = CheckpointInfo("segment", segment_index, position, is_boundary=position == 0)
+        SegmentBlock(segment, CheckpointInfo("segment", segment_index, position, is_boundary=position == 0)).attach(module)
     return segment, True
 
 
