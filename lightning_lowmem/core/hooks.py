@@ -1,11 +1,10 @@
-"""How the suite reaches into the user's objects: the ``lightning`` vs ``pytorch_lightning`` boundary, a wrapped
-``configure_model``, a ``training_step`` called as Lightning calls it, attributes swapped for a while."""
+"""How the suite reaches into the user's objects: the ``lightning`` vs ``pytorch_lightning`` boundary, a
+``training_step`` called as Lightning calls it, attributes swapped for a while."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -23,27 +22,6 @@ def check_lightning_object(obj: Any, what: str) -> None:
             "`import lightning.pytorch as pl` (or `import lightning as L` and use `L.Trainer`, "
             "`L.LightningModule`, `L.Callback`)."
         )
-
-
-def run_after_configure_model(pl_module: Any, apply: Callable[[], None]) -> None:
-    """Make ``pl_module.configure_model`` run ``apply`` after itself (undo with :func:`restore_configure_model`).
-
-    NOTE: Lightning calls ``configure_model`` after the callbacks' ``setup``: a model built there exists only
-    after it, so a technique that rewrites the model applies itself there.
-    """
-    original = pl_module.configure_model
-
-    @functools.wraps(original)
-    def configure_model() -> None:
-        original()
-        apply()
-
-    pl_module.configure_model = configure_model
-
-
-def restore_configure_model(pl_module: Any) -> None:
-    """Drop the wrapper(s) :func:`run_after_configure_model` set on the instance."""
-    pl_module.__dict__.pop("configure_model", None)
 
 
 def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
