@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu import report
-from benchmarks.gpu.registry import PROCESS_START_S, STAGE_BUDGET_S, STAGES, Entry, entries, safe_name
+from benchmarks.gpu.registry import PROCESS_START_S, REHEARSAL_SLACK, STAGE_BUDGET_S, STAGES, Entry, entries, safe_name
 
 TITLES = {1: "the headline: GPT-2-XL's 12 GB recipe under a 12 GiB cap vs plain Lightning, CUDA tests, streaming bound",
           2: "activation offload, parameter streaming on GPT-2-XL, dry run vs measured",
@@ -85,9 +85,9 @@ class StageRun:
     """Starts workers for a stage's entries, enforces each entry's limit, and collects what each recorded."""
 
     def __init__(self, stage: int, rehearsal: bool, state: Path, env: dict[str, str], log: Path, deadline: float,
-                 module: str | None = None) -> None:
-        self.stage, self.rehearsal, self.state, self.env, self.log, self.deadline, self.module = (
-            stage, rehearsal, state, env, log, deadline, module)
+                 module: str | None = None, slack: float = 1.0) -> None:
+        self.stage, self.rehearsal, self.state, self.env, self.log, self.deadline, self.module, self.slack = (
+            stage, rehearsal, state, env, log, deadline, module, slack)
 
     def _read(self, e: Entry, suffix: str) -> dict[str, Any] | None:
         import json
@@ -128,6 +128,7 @@ class StageRun:
                "--entries", ",".join(e.name for e in group), "--state", str(self.state)]
         cmd += ["--rehearsal"] if self.rehearsal else []
         cmd += ["--module", self.module] if self.module else []
+        cmd += ["--slack", str(self.slack)] if self.slack != 1 else []
         with open(self.log, "ab") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -146,13 +147,14 @@ class StageRun:
                 seen[e.name] = partial[0]
                 on_result(e, {**partial[1], "status": "running"})
             started, now, exited = self._started(e), time.time(), proc.poll() is not None
-            limit = min((started or launched) + (e.budget_s if started else START_LIMIT_S), self.deadline)
+            limit = min((started or launched) + (self.slack * e.budget_s if started else START_LIMIT_S), self.deadline)
             if exited and self._result(e) is not None:
                 continue  # NOTE: it wrote the result between the two looks
             if exited or now > limit:
                 if proc.poll() is None:
                     _kill(proc)
-                    why = (f"ran out of its {e.budget_s} s" if started and now <= self.deadline else
+                    slack = f" (x{self.slack:g} in the rehearsal)" if self.slack != 1 else ""
+                    why = (f"ran out of its {e.budget_s} s{slack}" if started and now <= self.deadline else
                            "the stage's time budget ran out" if started else f"no worker start in {START_LIMIT_S} s")
                     status = "timeout"
                 else:
@@ -242,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{payload['seconds']:7.1f} s] {e.name}: {result['status']} ({result.get('seconds', '-')} s of "
                   f"{e.budget_s}) {result.get('reason') or result.get('error') or ''}"[:400], flush=True)
 
-        StageRun(args.stage, args.rehearsal, state, child_env(site), log, deadline).run(
+        StageRun(args.stage, args.rehearsal, state, child_env(site), log, deadline,
+                 slack=REHEARSAL_SLACK if args.rehearsal else 1.0).run(
             [e for e in stage_entries if e.fn is not None], on_result)
         payload["seconds"] = round(time.time() - t0, 1)
         report.write(payload, dirs, log)

@@ -43,10 +43,17 @@ WIDE = {"n_layer": 8, "n_embd": 3072, "n_head": 24, "n_positions": 1024}
 PREFETCH = 1
 
 
+#: dropout off in the recipe and plain runs: CUDA draws a dropout mask per dtype-dependent vector width, so a
+#: bf16-true run and an autocast one would drop different elements; the comparison is of the training arithmetic
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
 def _xl(ctx: Context, steps: int) -> Any:
     from benchmarks.gpu import _common as c
 
-    return c.shape(ctx, batch=4, seq=1024, steps=steps, warmup=1, accumulate=ACCUMULATE)
+    return c.shape(ctx, batch=4, seq=1024, steps=steps, warmup=1, accumulate=ACCUMULATE,
+                   config={**c.GPT2_XL, **NO_DROPOUT}, tiny={**c.TINY, **NO_DROPOUT},
+                   label="GPT-2-XL 48x1600, vocab 50257, dropout 0")
 
 
 def _run(clock: Any, s: Any, **extra: Any) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--rehearsal", action="store_true")
     parser.add_argument("--module", default=None, help="the module holding ENTRIES (default: the stage's)")
+    parser.add_argument("--slack", type=float, default=1.0, help="each entry's limit is slack x its budget")
     args = parser.parse_args(argv)
     import torch
 
@@ -65,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {e.name: e for e in entries(args.stage, args.module)}
     for name in args.entries.split(","):
         entry = by_name[name]
-        ctx.entry, ctx.deadline = name, time.time() + entry.budget_s
-        (args.state / f"{safe_name(name)}.start").write_text(str(ctx.deadline - entry.budget_s))
+        start = time.time()
+        ctx.entry, ctx.deadline = name, start + args.slack * entry.budget_s
+        (args.state / f"{safe_name(name)}.start").write_text(str(start))
         print(f"--- {name} ---", flush=True)
         result = run_entry(entry, ctx)
         write_json(args.state / f"{safe_name(name)}.json", result)
