@@ -409,7 +409,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
         if not errors:
             zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
-        errors += self._setup_problems(trainer, precision, merged)
+        errors += setup_problems(self, trainer, precision, merged) + _preflight.checkpoint_dir_problems(trainer)
         if errors:
             raise ValueError(
                 f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(errors)
@@ -418,9 +418,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             rank_zero_warn(f"{type(self).__name__}: {message}.")
         self.config.clear()
         self.config.update(merged)
-
-    def _setup_problems(self, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
-        return setup_problems(self, trainer, precision, config) + _preflight.checkpoint_dir_problems(trainer)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
 
