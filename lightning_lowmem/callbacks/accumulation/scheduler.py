@@ -63,52 +63,38 @@ class AccumulationScheduler(Reproducible, L.Callback):
 
     Memory: activations scale with the micro-batch, so a micro-batch ``k`` times smaller keeps ``1/k`` of the
     activation memory while the optimizer still steps on ``effective_batch_size`` samples. Cost: ``k`` times more
-    forward/backward launches per step, and under DDP one ``all_reduce`` of two scalars per optimizer step.
+    forward/backward launches per step; under DDP one ``all_reduce`` of two scalars per optimizer step.
 
-    The callback sets the data loader's micro-batch through the ``batch_size`` attribute of the LightningModule or
-    LightningDataModule (``BatchSizeFinder``'s convention) and sets ``trainer.accumulate_grad_batches`` to
-    effective / (micro * world size). It logs what it chose and keeps it in :attr:`choice`.
+    The callback sets the loader's micro-batch through the ``batch_size`` attribute of the LightningModule or
+    LightningDataModule (``BatchSizeFinder``'s convention) and ``trainer.accumulate_grad_batches`` to
+    effective / (micro * world size), and keeps what it chose in :attr:`choice`.
 
-    Loss normalisation, exact with micro-batches of any size and the short last window of an epoch (where Lightning
-    divides by the full window, Lightning #19987). Counts are taken before each micro-batch's forward:
+    Loss normalisation, exact for micro-batches of any size and the short last window of an epoch (Lightning divides
+    that one by the full window, Lightning #19987), from counts taken before each micro-batch's forward
+    (see :mod:`~lightning_lowmem.callbacks.accumulation.window` and ``counts``):
 
-    - ``"samples"``: ``training_step`` returns its micro-batch's mean loss; the step gets the gradient of the mean over
-      every sample of the window. A micro-batch's samples are what the loader says (its batch sampler's
-      ``batch_size``, the remainder for the last batch), the batch's first tensor only for a loader that does not say.
-    - ``"tokens"``: ``training_step`` returns ``{"loss": sum_of_token_losses, "num_tokens": n}``
-      (``CausalLMModule(loss_reduction="sum")`` does); the step gets the gradient of the mean over every token of the
-      window. The tokens are counted from the batch (``count_tokens``; by default ``batch["labels"][..., 1:]`` not
-      ``-100``), and the first micro-batch's count is checked against the ``num_tokens`` it returned.
+    - ``"samples"``: ``training_step`` returns its micro-batch's mean loss; the step gets the mean over every sample
+      of the window. A micro-batch's samples are what the loader's batch sampler says, not its first tensor's length.
+    - ``"tokens"``: ``training_step`` returns ``{"loss": sum_of_token_losses, "num_tokens": n}``; the step gets the
+      mean over every token of the window. Tokens are counted from the batch (``count_tokens``; by default
+      ``batch["labels"][..., 1:] != -100``), and the first micro-batch's count is checked against its ``num_tokens``.
 
-    Equal micro-batches of a full window train bit for bit as ``Trainer(accumulate_grad_batches=...)``. What other
-    code sees is plain Lightning's: ``outputs["loss"]`` is ``training_step``'s loss divided by
-    ``trainer.accumulate_grad_batches``, ``on_after_backward`` sees the gradients as Lightning's accumulation leaves
-    them, and ``on_before_optimizer_step`` of the callbacks listed after this one (and the module's) the normalised
-    ones. Callbacks that read gradients in ``on_before_optimizer_step`` must come after it in ``callbacks``
-    (refused at setup otherwise).
+    Equal micro-batches of a full window train bit for bit as ``Trainer(accumulate_grad_batches=...)``, and what other
+    code sees is plain Lightning's (``outputs["loss"]`` divided by the accumulation, Lightning's progress bar counting
+    micro-batches). Callbacks that read gradients in ``on_before_optimizer_step`` must come after this one in
+    ``callbacks`` (refused at setup otherwise; the list is never reordered).
 
-    Schedule (batch-size warm-up): ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step
-    ``k`` (``schedule_interval="step"``) or epoch ``k`` (``"epoch"``); the micro-batch stays fixed; the learning rate
-    is untouched (scale it in your own scheduler for the linear-scaling rule).
+    ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step (or epoch) ``k``; the micro-batch and
+    the learning rate stay. ``micro_batch_size="auto"``: the largest divisor of effective / world size whose peak, as
+    ``measure(trainer, pl_module, m)`` says, fits ``memory_budget`` (default on CUDA: 90% of the device); a dry run on a
+    fake copy of the model measures without touching it. No trial step runs on the model.
 
-    ``micro_batch_size="auto"``: the largest divisor of effective / world size whose peak, as ``measure`` says,
-    fits ``memory_budget`` (default on CUDA: 90% of the device). ``measure(trainer, pl_module, m)`` returns the peak
-    bytes of a training step at micro-batch ``m``: a dry run on a fake copy of the model does so without touching it.
-    No trial step runs on the model itself.
-
-    Strategies: single device, DDP (the count is all-reduced), ``lowmem_offload`` (scales the gradients the optimizer
-    steps), DeepSpeed (sets ``gradient_accumulation_steps`` before the engine is built; only ``"samples"``, a fixed
-    int micro-batch and no schedule: DeepSpeed owns the gradient buffers and the window). Not with manual
-    optimization. Out of memory: not recovered (``on_oom="split"`` was removed: Lightning has no hook around a failing
-    ``training_step``, and the split replaced the strategy's methods); lower the micro-batch, or resume from
-    Lightning's ``OnExceptionCheckpoint``.
-
-    Checkpoints: one written inside a window holds the window (its counts and the gradients so far, copied to the
-    host) and a resume in a new process continues it exactly; under DeepSpeed or several processes it cannot, and
-    says so when it is written.
-
-    Logged at each optimizer step: ``accumulation/micro_batches``, ``accumulation/samples`` and, with ``"tokens"``,
-    ``accumulation/tokens`` (what the step held, all processes; also :attr:`last_window`).
+    Strategies: single device, DDP, ``lowmem_offload`` (scales the gradients the optimizer steps), DeepSpeed (its
+    ``gradient_accumulation_steps`` set before the engine is built; only ``"samples"``, an int micro-batch, no
+    schedule). Refused: manual optimization; ``on_oom="split"`` (removed: Lightning has no hook around a failing
+    ``training_step``). A checkpoint written inside a window holds it (counts and gradients; not under DeepSpeed or
+    several processes, said when written). Logged at each step: ``accumulation/micro_batches``,
+    ``accumulation/samples`` and with ``"tokens"`` ``accumulation/tokens`` (all processes; also :attr:`last_window`).
 
     Args:
         effective_batch_size: samples per optimizer step, summed over processes.
@@ -384,8 +370,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.window.pos, self.window.pending = 0, None  # NOTE: Lightning steps at the end of every epoch
-        self.window.reset()
+        self.window.start_epoch()
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -399,26 +384,22 @@ class AccumulationScheduler(Reproducible, L.Callback):
             count = torch.as_tensor(tokens, device=trainer.strategy.root_device).to(torch.float64)
             if not self._tokens_checked:
                 self._first_count = count
-        w.pending = (samples, count)
-        loop = trainer.fit_loop.epoch_loop
-        ready = loop.batch_progress.current.ready
-        if w.pos == 0:
-            w.size = self.effective_batch_at(trainer.global_step, trainer.current_epoch) // (self._micro * trainer.world_size)
-        epoch_end = ready == trainer.num_training_batches or loop.batch_progress.is_last_batch
-        first, last = w.pos == 0, w.pos == w.size - 1 or epoch_end
-        if not self._engine:  # NOTE: DeepSpeed's engine keeps its own window
-            value, zero_here = lightning_accumulation(batch_idx, ready, first, last, epoch_end, w.size)
-            # NOTE: Lightning decides zero_grad by `batch_idx % N == 0` and the step by `ready % N == 0`; after a
-            # schedule change a window need not start at a multiple of its size, so N is chosen per batch to give
-            # exactly this window's edges. Only a change is written: StochasticWeightAveraging's forward-only epoch
-            # raises N to keep Lightning from stepping, and an aligned window leaves that alone.
-            if value != self._trainer_accumulation:
-                self._trainer_accumulation = trainer.accumulate_grad_batches = value
-            if zero_here:
-                for optimizer in trainer.optimizers:
-                    pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-        w.pos = 0 if last else w.pos + 1
-        w.last = last
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        ready = progress.current.ready
+        epoch_end = ready == trainer.num_training_batches or progress.is_last_batch
+        size = self.effective_batch_at(trainer.global_step, trainer.current_epoch) // (self._micro * trainer.world_size)
+        value, zero_here = w.advance(size, batch_idx, ready, epoch_end, (samples, count))
+        if self._engine:  # NOTE: DeepSpeed's engine keeps its own window
+            return
+        # NOTE: Lightning decides zero_grad by `batch_idx % N == 0` and the step by `ready % N == 0`; after a schedule
+        # change a window need not start at a multiple of its size, so N is chosen per batch to give exactly this
+        # window's edges. Only a change is written: StochasticWeightAveraging's forward-only epoch raises N to keep
+        # Lightning from stepping, and an aligned window leaves that alone.
+        if value != self._trainer_accumulation:
+            self._trainer_accumulation = trainer.accumulate_grad_batches = value
+        if zero_here:
+            for optimizer in trainer.optimizers:
+                pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
 
     def _check_loader(self, loader: Any, batch: Any) -> None:
         """On an epoch's first batch: the loader gives the micro-batch the callback chose (see ``counts``).

@@ -77,6 +77,21 @@ class Window:
         self.micro_batches = 0
         self.count: Any = 0  # samples or tokens backpropagated in this window, this process
 
+    def start_epoch(self) -> None:
+        """A new window (Lightning steps at the end of every epoch: windows never cross epochs)."""
+        self.pos, self.pending = 0, None
+        self.reset()
+
+    def advance(self, size: int, batch_idx: int, ready: int, epoch_end: bool, counts: tuple[int, Any]) -> tuple[int, bool]:
+        """Place the next micro-batch and hold its ``(samples, count)`` for its backward; ``size``: the micro-batches
+        of the window it opens, if it does. Returns :func:`lightning_accumulation`'s ``(N, zero_here)``."""
+        if self.pos == 0:
+            self.size = size
+        first, self.last = self.pos == 0, self.pos == self.size - 1 or epoch_end
+        self.pos = 0 if self.last else self.pos + 1
+        self.pending = counts
+        return lightning_accumulation(batch_idx, ready, first, self.last, epoch_end, self.size)
+
     def weigh(self, accumulation: int, size: int, world_mean: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """Count the micro-batch whose backward starts; the factor ``h`` of its gradient (None: exactly 1)."""
         samples, count = self.pending  # type: ignore[misc]
