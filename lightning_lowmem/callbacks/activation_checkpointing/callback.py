@@ -10,6 +10,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -62,8 +63,8 @@ class ActivationCheckpointing(Reproducible, Callback):
     if none frees anything it warns and trains unchanged. Measuring runs ``training_step`` once on a fake copy of
     the module (fake weights, no Trainer: the run is untouched); a step that cannot run there (manual optimization,
     a read of ``self.trainer``) is refused, asking for ``blocks``. Checkpointing is non-reentrant with the RNG state
-    preserved, so gradients are bit-identical to training without it, dropout included. It is applied at
-    ``on_fit_start`` through each block's forward hooks (the module tree and ``state_dict`` keys do not change:
+    preserved, so gradients are bit-identical to training without it, dropout included. It is applied at the
+    first training batch through each block's forward hooks (the module tree and ``state_dict`` keys do not change:
     checkpoints load into a model without the callback and back) and removed at the end of ``fit``.
 
     Policies (``policy=``):
@@ -109,8 +110,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         >>> trainer = L.Trainer(callbacks=[ActivationCheckpointing(policy="budget", budget="6GiB")])
 
     Attributes:
-        wrapped: qualified names of the checkpointed modules (from ``on_fit_start``, or the first batch where
-            measured).
+        wrapped: qualified names of the checkpointed modules (from the first training batch).
         measured: for ``"budget"``, the measured bytes (``outside``, per-block ``blocks``, ``block_inputs``).
         chosen_by_measurement: for a model without repeated blocks, ``{module name: bytes its checkpointing
             frees}`` of the modules chosen on the first batch (``None`` otherwise).
@@ -185,24 +185,23 @@ class ActivationCheckpointing(Reproducible, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # NOTE: here, not in setup: a model built in `configure_model` exists now, and the hooks the strategy put on
-        # the blocks (ZeRO-3's gather, parameter streaming, FSDP2) are registered first, so they run outside the
-        # checkpointed region (the recompute calls the block's forward), as they run without checkpointing
         self._root, self.wrapped, self.measured, self.chosen_by_measurement = None, [], None, None  # a fit of its own
-        self._apply(pl_module)
-        if self._measures(pl_module):
-            from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-            if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # NOTE: at the first training batch, not in setup: a model built in `configure_model` exists, and every hook
+        # the strategy puts on the blocks (ZeRO-3's gather, FSDP2's unshard, parameter streaming's fetch, which
+        # `lowmem_offload` registers again at `on_train_start`) is registered before ours, so it runs outside the
+        # checkpointed region, once, as without checkpointing (the recompute calls the block's forward)
+        if self._root is None:
+            self._apply(pl_module)
+            if self._measures(pl_module) and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
                 raise ValueError(
                     f"ActivationCheckpointing(policy={self.policy!r}) would measure `{type(pl_module).__name__}` on a "
                     f"fake copy, which `{type(trainer.strategy).__name__}`'s sharded parameters do not allow; name the "
                     "blocks to checkpoint: `ActivationCheckpointing(policy='all', blocks=['model.layers'])` (module "
                     "names, patterns or class names), or `policy=['MyBlock']`."
                 )
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._pending_choice:
             self._choose_by_measurement(trainer, pl_module, batch, batch_idx)
         if self.policy == "budget" and self.measured is None:
@@ -245,8 +244,6 @@ class ActivationCheckpointing(Reproducible, Callback):
     # --- applying the policy --------------------------------------------------------------------
 
     def _check_strategy(self, trainer: pl.Trainer) -> None:
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
         strategy = trainer.strategy
         problems = []
         # NOTE: DeepSpeed composes: per-block checkpointing is non-reentrant `torch.utils.checkpoint` inside the
