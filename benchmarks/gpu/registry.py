@@ -34,7 +34,7 @@ SETUP_RESERVE_S = 20
 PROCESS_START_S = 10
 STAGES = (1, 2, 3, 4, 5, 6)
 #: in the CPU rehearsal an entry is stopped at twice its budget: the budgets are the GPU machine's (full sizes, 16
-#: cores), and the rehearsal's fixed costs (imports, Trainer setup, torch.compile's C++ builds) run on 2 shared cores;
+#: cores), and the rehearsal's fixed costs (imports, Trainer setup) run on 2 shared cores;
 #: the stage as a whole must still end inside :data:`STAGE_BUDGET_S`
 REHEARSAL_SLACK = 2.0
 

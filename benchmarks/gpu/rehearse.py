@@ -164,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lowmem-gpu-rehearsal-") as tmp:
         shim, hidden = image_mimic(Path(tmp) / "mimic", image)
         print(f"hidden from this interpreter (not on the GPU image): {', '.join(hidden) or 'none'}")
+        # NOTE: torch.compile'd code (torchao's optimizer steps) runs eagerly here: its C++ builds take minutes on 2
+        # shared cores and tell nothing of the GPU machine's Triton builds
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), *filter(None, [os.environ.get("PYTHONPATH")])]),
-               "PIP_NO_INDEX": "1"}
+               "PIP_NO_INDEX": "1", "TORCHDYNAMO_DISABLE": "1"}
         results = Path(tmp) / "results"
         for stage in map(int, args.stages.split(",")):
             out = Path(tmp) / f"out{stage}"  # NOTE: on the GPU machine each stage is one command with its own folder

@@ -105,7 +105,7 @@ def _optimizer(family: str, kind: str) -> Any:
 
 
 #: seconds per entry: GaLore's first step runs an SVD per projected weight (112 here); torchao compiles its step
-#: per parameter shape in the first step (Triton there; C++ in the CPU rehearsal, 45 s and more on 2 busy cores)
+#: per parameter shape in the first step (Triton; the CPU rehearsal runs it eagerly)
 BUDGET = {"galore": 45, "adamw8bit": 60, "adamw4bit": 60}
 
 ENTRIES = [
