@@ -9,6 +9,8 @@ import logging
 import random
 import re
 import warnings
+from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -23,6 +25,7 @@ from lightning_lowmem.callbacks.accumulation.scheduler import (
     _divisibility_message,
     lightning_accumulation,
 )
+from lightning_lowmem.callbacks.accumulation.window import Window
 from lightning_lowmem.callbacks.oom_recovery import OOMRecovery
 from tests.helpers.runif import RunIf
 
@@ -474,3 +477,51 @@ def test_oom_split_and_oom_recovery_are_refused_with_the_fix():
         AccumulationScheduler(16, 8, on_oom="retry")
     with pytest.raises(ValueError, match=r"OOMRecovery\(loss_normalization='tokens', regrow_after=None\) was removed"):
         OOMRecovery("tokens")
+
+
+# --- the window -------------------------------------------------------------------------------------------------
+
+
+def _window_steps(window: Window, counts: list[int], save_after: int | None = None) -> tuple[list, Any, dict | None]:
+    """Place, weigh and step ``counts`` (token counts, one window of 3 micro-batches); the state after ``save_after``."""
+    weights, saved = [], None
+    for i, c in enumerate(counts):
+        window.advance(3, i, i + 1, False, (2, torch.tensor(float(c), dtype=torch.float64)))
+        weights.append(window.weigh(3, window.size, lambda t: t))
+        if i == save_after:
+            saved = window.state_dict()
+    return weights, window.step_factor(1, lambda t: t, "cpu"), saved
+
+
+def test_the_token_weights_are_powers_of_two_exact_in_half_precision():
+    """The tokens' reference is the power of two nearest the mean count (300 -> 256): ``h`` is exact in bf16, so the
+    step's factor divides out exactly what the gradients took."""
+    weights, factor, _ = _window_steps(Window(tokens=True), [300, 200, 250])
+    assert [float(h) for h in weights] == [1 / 256] * 3 and float(weights[0].to(torch.bfloat16)) == 1 / 256
+    assert float(factor) == 256 * 3 / 750
+
+
+def test_a_window_saved_mid_way_continues_as_the_uninterrupted_one():
+    straight = _window_steps(Window(tokens=True), [300, 200, 250])
+    first = Window(tokens=True)
+    _, _, saved = _window_steps(first, [300, 200], save_after=1)
+    resumed = Window(tokens=True)
+    resumed.load_state_dict(saved)
+    resumed.advance(3, 2, 3, False, (2, torch.tensor(250.0, dtype=torch.float64)))
+    h = resumed.weigh(3, resumed.size, lambda t: t)
+    assert float(h) == float(straight[0][2]) and float(resumed.step_factor(1, lambda t: t, "cpu")) == float(straight[1])
+    assert resumed.stats.samples == 6 and resumed.stats.micro_batches == 3 and int(resumed.stats.tokens) == 750
+
+
+def test_a_checkpoint_inside_a_window_under_deepspeed_or_ddp_warns():
+    """Where the window's gradients cannot be written (DeepSpeed's own buffers, other processes' parts), say so."""
+    callback = AccumulationScheduler(4, 2)
+    callback.window.advance(2, 0, 1, False, (2, 2))  # one of the window's two micro-batches
+    progress = SimpleNamespace(ready=1, processed=1)  # between two batches, as in `on_train_batch_end`
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=progress)))
+    for engine, world, match in ((True, 1, "DeepSpeed keeps the window's gradients"), (False, 2, "each process")):
+        callback._engine = engine
+        checkpoint = {"callbacks": {callback.state_key: {}}}
+        with pytest.warns(UserWarning, match=match):
+            callback.on_save_checkpoint(SimpleNamespace(world_size=world, fit_loop=loop), None, checkpoint)
+        assert checkpoint["callbacks"][callback.state_key] == {}

@@ -6,8 +6,8 @@ micro-batch's mean loss weighted by its samples) or every token (``"tokens"``: e
 losses) of the window, over every process. Lightning divides each micro-batch's loss by
 ``trainer.accumulate_grad_batches`` (``N``) and DDP averages the gradients over the ``P`` processes. A tensor hook on
 the loss Lightning hands to ``on_before_backward`` multiplies the gradient flowing from it by
-``h = N * u / (reference * size)`` (``u``: the micro-batch's samples, 1 for tokens; ``reference``: the samples, or the
-mean tokens, of one micro-batch; ``size``: the window's micro-batches), and before the step the accumulated
+``h = N * u / (reference * size)`` (``u``: the micro-batch's samples, 1 for tokens; ``reference``: the samples of one
+micro-batch, or the power of two nearest its mean tokens; ``size``: the window's micro-batches), and before the step the accumulated
 gradients take ``F = reference * size * P / total`` (``total``: the window's samples or tokens, every process). Equal
 micro-batches in a full window make both exactly 1, and nothing is multiplied: the step is plain Lightning's
 ``accumulate_grad_batches``, bit for bit. A short or uneven window (the epoch's last), or token counts, is exact up to
@@ -100,7 +100,7 @@ class Window:
         self.micro_batches += 1
         self.count = self.count + count
         if self.reference is None:  # tokens, the first micro-batch of the run: its mean count over processes
-            self.reference = world_mean(count.to(torch.float64).clamp(min=1))
+            self.reference = _power_of_two(world_mean(count.clamp(min=1)))
         h = accumulation * (1 if self.tokens else samples) / (self.reference * size)
         return None if isinstance(h, float) and h == 1.0 else h
 
@@ -114,7 +114,7 @@ class Window:
         factor = self.reference * self.size * world / (total.clamp(min=1) if self.tokens else total)
         self.stats = WindowStats(self.micro_batches * world, int(samples), total if self.tokens else None)
         if self.tokens:  # NOTE: keeps the backpropagated gradients O(mean loss) (fp16 headroom) in the next window
-            self.reference = total.clamp(min=1) / (self.micro_batches * world)
+            self.reference = _power_of_two(total.clamp(min=1) / (self.micro_batches * world))
         self.reset()
         return None if isinstance(factor, float) and factor == 1.0 else factor
 
@@ -123,15 +123,23 @@ class Window:
         return {"pos": self.pos, "size": self.size, "samples": self.samples, "micro_batches": self.micro_batches,
                 "count": float(self.count), "reference": None if self.reference is None else float(self.reference)}
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pos, self.size = state["pos"], state["size"]
         self.samples, self.micro_batches = state["samples"], state["micro_batches"]
+        self.count = state["count"] if self.tokens else int(state["count"])  # NOTE: a float joins the next count
         if self.tokens:
-            self.count = torch.tensor(state["count"], dtype=torch.float64, device=device)
-            self.reference = torch.tensor(state["reference"], dtype=torch.float64, device=device)
-        else:
-            self.count = int(state["count"])
+            self.reference = state["reference"]
         self.last = False
+
+
+def _power_of_two(mean: torch.Tensor) -> torch.Tensor:
+    """The power of two nearest ``mean`` (on its device, no sync).
+
+    NOTE: the tokens' reference: ``h = N / (reference * size)`` is then exact in any float dtype of the loss (``N ==
+    size`` in an aligned window), so ``F`` divides out exactly the factor the gradients took (bf16-true: a mean
+    token count would round in bf16 and scale the step by up to 2^-9).
+    """
+    return torch.exp2(torch.round(torch.log2(mean)))
 
 
 def optimized_params(optimizers: list[Any]) -> list[torch.Tensor]:
