@@ -220,9 +220,12 @@ class TokenLM(Regression):
         return DataLoader([{"x": torch.randn(4, generator=g), "labels": labels[i]} for i in range(64)], self.batch_size)
 
 
-def test_tokens_counted_from_the_batch_are_checked_against_what_training_step_returned():
+@pytest.mark.parametrize(("accelerator", "precision"), [
+    ("cpu", "32-true"), pytest.param("cuda", "16-mixed", marks=RunIf(min_cuda_gpus=1))])
+def test_tokens_counted_from_the_batch_are_checked_against_what_training_step_returned(accelerator, precision):
+    """CUDA, 16-mixed: the counts on the device, the weight's hook on the loss GradScaler scaled."""
     scheduler = AccumulationScheduler(8, 4, loss_normalization="tokens")
-    L.Trainer(callbacks=[scheduler], **TRAINER).fit(TokenLM())
+    L.Trainer(callbacks=[scheduler], **{**TRAINER, "accelerator": accelerator, "precision": precision}).fit(TokenLM())
     assert scheduler.last_window.tokens is not None and scheduler.last_window.samples == 8
     # a loss over every label, unshifted: the default count (next-token labels) is not what it sums over
     with pytest.raises(ValueError, match=r"normalised by \d+ tokens, counted from the batch .* returned `num_tokens="
@@ -360,8 +363,9 @@ class Steps(L.Callback):
             self.states.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
 
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=RunIf(min_cuda_gpus=1))])
 @pytest.mark.parametrize("batch_norm", [False, True])
-def test_equal_micro_batches_train_bit_for_bit_as_plain_accumulate_grad_batches(batch_norm):
+def test_equal_micro_batches_train_bit_for_bit_as_plain_accumulate_grad_batches(batch_norm, accelerator):
     """Full windows of equal micro-batches: nothing is multiplied (both weights exactly 1), weights and buffers
     ``torch.equal`` to ``Trainer(accumulate_grad_batches=4)`` after every step; nothing of another object replaced."""
     runs = {}
@@ -369,7 +373,8 @@ def test_equal_micro_batches_train_bit_for_bit_as_plain_accumulate_grad_batches(
                                     ("scheduler", [AccumulationScheduler(16, 4)], {})):
         torch.manual_seed(0)
         module, steps = Regression(batch_size=4, batch_norm=batch_norm), Steps()
-        trainer = L.Trainer(callbacks=[*callbacks, steps], **{**TRAINER, "max_steps": 5, **kwargs})
+        trainer = L.Trainer(callbacks=[*callbacks, steps], **{**TRAINER, "max_steps": 5, "accelerator": accelerator,
+                                                              **kwargs})
         methods = (dict(vars(module)), dict(vars(trainer.strategy)))
         trainer.fit(module)
         assert "training_step" not in vars(module) and not {"training_step", "backward"} & set(vars(trainer.strategy))
