@@ -37,6 +37,8 @@ from lightning_lowmem.core.tensors import tensors_in
 Pack = Callable[[torch.Tensor], None]
 #: what an op on fake tensors raises when it needs values (or a meta kernel is narrower than the real one)
 _NEEDS_VALUES = (RuntimeError, NotImplementedError, *torch_internals.FAKE_ERRORS)
+#: ops whose fake kernel returns less than the real one keeps for backward: nn.LSTM's oneDNN workspace on the CPU
+_SIZED_BY_THE_REAL_KERNEL = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
 
 
 class _RealValues(torch_internals.TorchDispatchMode):
@@ -52,22 +54,32 @@ class _RealValues(torch_internals.TorchDispatchMode):
         if tensors and not any(torch_internals.is_fake(t) for t in tensors):
             with torch_internals.unset_fake_temporarily():
                 return func(*args, **kwargs)
+        if func in _SIZED_BY_THE_REAL_KERNEL:
+            return self._on_zeros(func, args, kwargs)
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except _NEEDS_VALUES as err:  # NOTE: a size that depends on values (pack_padded_sequence's), a meta kernel's limit
+            try:
+                return self._on_zeros(func, args, kwargs)
+            except _NEEDS_VALUES:
+                raise err from None
+        if not tensors and isinstance(out, torch.Tensor) and not out.is_floating_point() and out.numel() < 2**20:
+            # NOTE: indices and counts made from nothing (arange, C++ bookkeeping filled through its pointer, as
+            # pad_packed_sequence's lengths) are real: the ops on the batch they meet stay real
             with torch_internals.unset_fake_temporarily():
-                zeros = torch_internals.tree_map(
-                    lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-                    if isinstance(t, torch.Tensor) and torch_internals.is_fake(t) else t, (args, kwargs))
-                try:
-                    out = func(*zeros[0], **zeros[1])
-                except _NEEDS_VALUES:
-                    raise err from None
-            # NOTE: floating outputs are activations (fake, as the weights' are); integer ones (pack_padded_sequence's
-            # batch sizes, counts) stay real: later ops read them as the real run does
-            return torch_internals.tree_map(
-                lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                out)
+                return func(*args, **kwargs)
+        return out
+
+    def _on_zeros(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The real kernel on zeros of the fake inputs' sizes; its floating outputs fake (activations, as the
+        weights' are), the others real (batch sizes, counts: later ops read them as the real run does)."""
+        with torch_internals.unset_fake_temporarily():
+            zeros = torch_internals.tree_map(
+                lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                if isinstance(t, torch.Tensor) and torch_internals.is_fake(t) else t, (args, kwargs))
+            out = func(*zeros[0], **zeros[1])
+        return torch_internals.tree_map(
+            lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
 
 
 def _fake_copy(pl_module: pl.LightningModule, fake_mode: Any | None) -> pl.LightningModule:
