@@ -18,6 +18,7 @@ from benchmarks._figure_common import (
     where,
     x,
 )
+from benchmarks.gpu import report as gpu_report
 
 
 @block("estimate")
@@ -189,10 +190,13 @@ def headline(r: Results) -> str:
          f"worst peak error {worst:.3f} %", f"{dry_run(est)} against {where(est)} measured", "estimate"],
     ]
     gpu = r.gpu_stages()
+    out += gpu_report.headline_rows(gpu)  # NOTE: the GPU figures (benchmarks/results/gpu/), beside what they replace
     gpu_line = ("**GPU**: no GPU figure exists yet; every figure above is a CPU measurement or a dry run. "
-                "`make gpu-check STAGE=1|2|3|4` produces them (see the GPU checks page)." if not gpu else
+                "`make gpu-check STAGE=1` on the GPU machine (an H200; a task has 15 minutes of device time) measures "
+                "the headline ones (see the GPU checks page)." if not gpu else
                 "**GPU**: " + "; ".join(f"stage {g['stage']} on {g['machine'].get('device')} ({g['date'][:10]})"
-                                        for g in gpu) + " (see the GPU checks page).")
+                                        for g in gpu) + "; each figure beside its dry run and the CPU figure it "
+                "replaces in `benchmarks/results/gpu/summary.md` (see the GPU checks page).")
     return (table(["figure", "value", "label", "from `benchmarks/results/`"],
                   [[a, b, c, f"`{n}.json`"] for a, b, c, n in out]) + f"\n\n{gpu_line}")
 
@@ -212,7 +216,10 @@ def gpu_results(r: Results) -> str:
         out.append([g["stage"], m.get("device"), g["date"][:10], f"torch {m.get('torch')}, CUDA {m.get('torch_cuda')}",
                     ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
                     f"`benchmarks/results/gpu/stage{g['stage']}.md`"])
-    return "**GPU** results:\n\n" + table(["stage", "device", "date", "software", "entries", "details"], out)
+    figs = gpu_report.figures(stages)
+    return ("**GPU** results:\n\n" + table(["stage", "device", "date", "software", "entries", "details"], out)
+            + ("\n\nEach figure beside the dry run's prediction and the CPU figure it replaces:\n\n"
+               + gpu_report.figures_table(figs) if figs else ""))
 
 
 @block()

@@ -3,6 +3,8 @@
 ``import lightning_lowmem`` registers the ``lowmem_*`` strategy names with Lightning, so that
 ``Trainer(strategy="lowmem_offload")`` and ``strategy: lowmem_offload`` in LightningCLI YAML work.
 Public classes are imported lazily, so importing the package does not import the optional extras.
+A ``pytorch_lightning.Trainer`` (the standalone package) takes the same names from ``lightning_lowmem.pl``, this
+package built for it from the same source (:mod:`lightning_lowmem._internals.twin`); the strategy names work with both.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lightning_lowmem._registry import register_pytorch_lightning_guard, register_strategies
+from lightning_lowmem._registry import register_strategies, serve_pytorch_lightning_build
 
 __version__ = "0.1.0"
 
@@ -44,7 +46,7 @@ _LAZY = {
     "ByteTokenizer": "lightning_lowmem.demo.tokenizer",
 }
 # public submodule aliases, e.g. ``lightning_lowmem.zero.consolidate(...)``
-_SUBMODULES = {"zero": "lightning_lowmem.zero"}
+_SUBMODULES = {"zero": "lightning_lowmem.zero", "pl": "lightning_lowmem.pl"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "register_strategies"])  # noqa: PLE0605  (built from the lazy table)
 
@@ -64,5 +66,5 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
 
 
+serve_pytorch_lightning_build()
 register_strategies()
-register_pytorch_lightning_guard()

@@ -1,10 +1,11 @@
-"""The ``lowmem_*`` strategy names, registered with Lightning's ``StrategyRegistry`` on import.
+"""The ``lowmem_*`` strategy names, registered with the ``StrategyRegistry`` of both Lightning packages on import.
 
 Each name maps to a small factory that imports its strategy module only when a Trainer asks for
 it, so ``import lightning_lowmem`` stays light and works without the optional extras (deepspeed is
 imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then). When
 Lightning itself is not imported yet, the names are registered the moment it is (a one-shot import
-hook), so ``import lightning_lowmem`` costs nothing and ``lowmem --help`` answers at once.
+hook), so ``import lightning_lowmem`` costs nothing and ``lowmem --help`` answers at once. A
+``pytorch_lightning.Trainer`` gets the same names, built by ``lightning_lowmem.pl`` (:mod:`._internals.twin`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-_STRATEGIES_MODULE = "lightning.pytorch.strategies"
 # name -> (module, class, description, preset keyword arguments)
 STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "lowmem_offload": (
@@ -80,58 +80,61 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
 
 
 def builds(name: str, cls: type) -> bool:
-    """Whether the registered name ``name`` builds exactly ``cls`` (False for a name not ours).
+    """Whether the registered name ``name`` builds exactly ``cls``, of either Lightning package's build (False for a
+    name not ours).
 
     NOTE: compared with the class's own module and name, which the table holds so that registering imports nothing;
     importing the entry's module to compare classes would import every strategy (and the planner) on first use.
     """
+    from lightning_lowmem._internals.twin import real_name
+
     entry = STRATEGIES.get(name)
-    return entry is not None and (entry[0], entry[1]) == (cls.__module__, cls.__qualname__)
+    return entry is not None and (entry[0], entry[1]) == (real_name(cls.__module__), cls.__qualname__)
 
 
-def register_strategies(registry: Any = None) -> None:
-    """Register every ``lowmem_*`` name, now or as soon as Lightning is imported. Idempotent.
+#: this package built for the standalone ``pytorch_lightning`` package (:mod:`._internals.twin`, its ``PREFIX``)
+PL_BUILD = "lightning_lowmem.pl"
+#: each Lightning package's strategies module -> the build of this package whose classes the names build for it
+_PACKAGES = {"lightning.pytorch.strategies": "lightning_lowmem", "pytorch_lightning.strategies": PL_BUILD}
 
-    NOTE: never imports Lightning itself (seconds of start-up): without ``registry`` and before Lightning's
-    strategies are imported, a one-shot import hook registers the names right after they are.
+
+def register_strategies() -> None:
+    """Register every ``lowmem_*`` name with both Lightning packages, now or as soon as each is imported. Idempotent.
+
+    NOTE: never imports Lightning itself (seconds of start-up): before a package's strategies are imported, a
+    one-shot import hook registers the names right after they are, whatever the import order of the packages.
     """
-    if registry is None:
-        module = sys.modules.get(_STRATEGIES_MODULE)
+    for registry_module, build in _PACKAGES.items():
+        module = sys.modules.get(registry_module)
         if module is None:
-            after_import(_STRATEGIES_MODULE, register_strategies)
-            return
-        registry = module.StrategyRegistry
-    for name, (module, cls, description, init_params) in STRATEGIES.items():
-        registry.register(name, _factory(module, cls), description=description, override=True, **init_params)
+            after_import(registry_module, register_strategies)
+            continue
+        for name, (path, cls, description, init_params) in STRATEGIES.items():
+            path = build + path.removeprefix("lightning_lowmem")
+            module.StrategyRegistry.register(
+                name, _factory(path, cls), description=description, override=True, **init_params
+            )
 
 
-def _refuse_pytorch_lightning(name: str) -> Callable[..., Any]:
-    def refuse(**kwargs: Any) -> Any:
-        raise TypeError(
-            f"Passed `strategy={name!r}` to a `pytorch_lightning.Trainer`; lightning_lowmem works with the unified "
-            "`lightning` package only. Use `import lightning as L` and `L.Trainer(strategy=...)` (and "
-            "`L.LightningModule`), or `lightning.pytorch` in place of `pytorch_lightning`."
-        )
-
-    return refuse
+def serve_pytorch_lightning_build() -> None:
+    """Make ``lightning_lowmem.pl`` importable (idempotent; imports nothing until it is imported)."""
+    if not any(isinstance(finder, _BuildFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BuildFinder())
 
 
-_PL_STRATEGIES = "pytorch_lightning.strategies"
+class _BuildFinder(importlib.abc.MetaPathFinder):
+    """Finds ``lightning_lowmem.pl[.X]`` with :func:`._internals.twin.find_spec` (imported then); nothing else.
 
-
-def register_pytorch_lightning_guard() -> None:
-    """Make our names fail clearly in the standalone ``pytorch_lightning`` package's registry, now or on its import.
-
-    NOTE: never imports ``pytorch_lightning`` (that would cost every user seconds): if it is not imported yet, a
-    one-shot import hook registers the guard right after ``pytorch_lightning.strategies`` is first executed, so
-    the import order of the two packages does not matter.
+    NOTE: first on ``sys.meta_path``: a package of the build has the real folder as ``__path__`` (for its data
+    files), where the path finder would otherwise find a submodule's file and execute it unrewritten.
     """
-    module = sys.modules.get(_PL_STRATEGIES)
-    if module is None:
-        after_import(_PL_STRATEGIES, register_pytorch_lightning_guard)
-        return
-    for name, (_, _, description, _) in STRATEGIES.items():
-        module.StrategyRegistry.register(name, _refuse_pytorch_lightning(name), description=description, override=True)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != PL_BUILD and not fullname.startswith(PL_BUILD + "."):
+            return None
+        from lightning_lowmem._internals.twin import find_spec
+
+        return find_spec(fullname)
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:

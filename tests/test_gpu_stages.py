@@ -22,16 +22,16 @@ from benchmarks.gpu import registry, wheels
 REPO = Path(__file__).resolve().parents[1]
 
 EXPECTED = {
-    1: ["environment", "pinned_bandwidth", "host_adamw", "cuda_tests", "synccheck", "offload_phases"],
-    2: ["param_stream[resident]", "param_stream[prefetch=0]", "param_stream[prefetch=1]", "param_stream[prefetch=2]",
-        "activation_offload", "dry_run_vs_measured"],
-    3: ["low_bit[adamw]", "low_bit[adamw8bit]", "low_bit[paged_adamw8bit]", "chunked_loss", "micro_batch_search",
-        "deepspeed_zero"],
-    4: ["qlora_adapters[lora]", "qlora_adapters[qlora]", "qlora_adapters[qlora_streamed]", "qlora_adapters[dry_run]",
-        "lean_optimizer[adamw]", "lean_optimizer[galore]", "lean_optimizer[apollo_mini]", "lean_optimizer[adam_mini]",
-        "lean_optimizer[adamw8bit]", "lean_optimizer[adamw4bit]"],
-    5: ["host_step[serial]", "host_step[overlap]", "host_step[overlap_upload_at_step]", "host_step[delayed]",
-        "host_step[in_backward]"],
+    1: ["claim[recipe_12gib]", "claim[dry_run]", "claim[plain_uncapped]", "speed[recipe_vs_plain]", "cuda_tests",
+        "param_stream_bound", "environment"],
+    2: ["activation_offload", "param_stream[resident]", "param_stream[prefetch=0]", "param_stream[prefetch=1]",
+        "param_stream[prefetch=2]", "dry_run_vs_measured"],
+    3: ["qlora_adapters[lora]", "qlora_adapters[qlora]", "qlora_adapters[qlora_streamed]", "qlora_adapters[dry_run]"],
+    4: ["optimizer[adamw]", "low_bit[adamw8bit]", "low_bit[paged_adamw8bit]", "lean_optimizer[galore]",
+        "lean_optimizer[apollo_mini]", "lean_optimizer[adam_mini]", "lean_optimizer[adamw8bit]",
+        "lean_optimizer[adamw4bit]"],
+    5: ["host_step[serial]", "host_step[in_backward]", "host_adamw", "synccheck"],
+    6: ["chunked_loss", "micro_batch_search", "deepspeed_zero"],
 }
 
 
@@ -44,13 +44,29 @@ def test_stage_registry_lists_every_entry_within_the_budget(stage):
         assert e.fn is None or (callable(e.fn) and e.budget_s > 0), e.name
         assert registry.safe_name(e.name) and e.what
     assert len({registry.safe_name(e.name) for e in entries}) == len(entries)  # result files do not collide
-    # every entry running out its time still ends the stage inside the GPU machine's command limit
-    assert registry.worst_case_s(entries) <= registry.STAGE_BUDGET_S
+    # every entry running out its time (the wheel install and each process start counted) still ends the stage
+    # inside 7 minutes: with the machine's start, a stage and one rerun fit a task's 15 minutes of device time
+    assert registry.worst_case_s(entries) <= registry.STAGE_BUDGET_S == 420
+
+
+def test_stage1_runs_the_headline_claims_first_and_the_environment_last():
+    names = [e.name for e in registry.entries(1)]
+    assert names[:3] == ["claim[recipe_12gib]", "claim[dry_run]", "claim[plain_uncapped]"]
+    assert names.index("cuda_tests") < names.index("param_stream_bound") < names.index("environment") == len(names) - 1
 
 
 def test_unknown_stage_is_refused():
-    with pytest.raises(ValueError, match="Passed stage 6; expected one of 1, 2, 3, 4, 5"):
-        registry.entries(6)
+    with pytest.raises(ValueError, match="Passed stage 7; expected one of 1, 2, 3, 4, 5, 6"):
+        registry.entries(7)
+
+
+def test_cuda_test_files_are_the_files_with_a_cuda_only_test():
+    from benchmarks.gpu.stage1 import cuda_test_files
+
+    files = cuda_test_files(REPO)
+    assert "tests/strategies/test_offload.py" in files and "tests/test_gpu_stages.py" not in files
+    for f in files:
+        assert "min_cuda_gpus" in (REPO / f).read_text() or "bf16_cuda" in (REPO / f).read_text()
 
 
 def test_stage_scripts_import_only_public_names_outside_the_one_seam():
@@ -66,6 +82,8 @@ def test_stage_scripts_import_only_public_names_outside_the_one_seam():
                        [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             internal = [m for m in modules if m.startswith("lightning_lowmem.")]
             assert not internal, f"{path.name}:{node.lineno} imports {internal}: import it in _imports.py"
+    # NOTE: the offload strategy's internals are being rewritten: the stages use its public surface only
+    assert "strategies.offload" not in (REPO / "benchmarks" / "gpu" / "_imports.py").read_text()
 
 
 # --- the wheels ------------------------------------------------------------------------------------------------
@@ -171,6 +189,79 @@ def test_runner_survives_errors_hangs_skips_and_crashes(tmp_path):
     assert got["reads_prior"]["rows"] == [{"prior_status": "ok"}]
 
 
+FAKE_PARTIAL = """
+import time
+
+from benchmarks.gpu.registry import Entry
+
+
+def records_then_hangs(ctx):
+    ctx.record({"rows": [{"figure": 1}], "figures": [{"figure": "f", "gpu": "1 GiB", "headline": True}]})
+    time.sleep(3600)
+
+
+def records_then_raises(ctx):
+    ctx.record({"rows": [{"figure": 2}]})
+    raise RuntimeError("after a figure")
+
+
+def knows_its_deadline(ctx):
+    return {"rows": [{"left": ctx.seconds_left()}]}
+
+
+ENTRIES = [Entry("records_then_hangs", 4, records_then_hangs, "records, then hangs"),
+           Entry("records_then_raises", 30, records_then_raises, "records, then raises"),
+           Entry("knows_its_deadline", 30, knows_its_deadline, "reads its deadline")]
+"""
+
+
+def test_runner_writes_each_figure_as_it_is_measured_and_keeps_it_when_the_entry_is_cut_short(tmp_path):
+    from benchmarks.gpu.run_stage import StageRun, child_env
+
+    (tmp_path / "fake_partial_stage.py").write_text(FAKE_PARTIAL)
+    env = child_env(tmp_path / "site")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    state = tmp_path / "state"
+    state.mkdir()
+    seen: list[tuple[str, dict]] = []
+    run = StageRun(0, True, state, env, tmp_path / "log", time.time() + 300, module="fake_partial_stage")
+    import importlib
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        fake = importlib.import_module("fake_partial_stage")
+    finally:
+        sys.path.remove(str(tmp_path))
+    run.run(list(fake.ENTRIES), lambda e, r: seen.append((e.name, dict(r))))
+    hung = [r for name, r in seen if name == "records_then_hangs"]
+    assert hung[0]["status"] == "running" and hung[0]["rows"] == [{"figure": 1}]  # reported before the entry ended
+    assert hung[-1]["status"] == "timeout" and hung[-1]["rows"] == [{"figure": 1}] and hung[-1]["figures"]
+    raised = [r for name, r in seen if name == "records_then_raises"][-1]
+    assert raised["status"] == "error" and raised["rows"] == [{"figure": 2}] and "after a figure" in raised["error"]
+    left = [r for name, r in seen if name == "knows_its_deadline"][-1]["rows"][0]["left"]
+    assert 20 < left <= 30
+
+
+def test_results_page_puts_each_figure_beside_its_prediction_and_the_cpu_figure(tmp_path):
+    from benchmarks.gpu import report
+
+    figure = {"figure": "the recipe's peak", "gpu": "6.1 GiB", "dry_run": "6.3 GiB", "cpu": "dry run 6.32 GiB",
+              "headline": True}
+    payload = {"stage": 1, "title": "t", "mode": "GPU", "date": "2026-12-02T00:00:00+00:00", "command": "c",
+               "machine": {"device": "NVIDIA H200"}, "wheels": {"dir": ".whl", "installed": []}, "budget_s": 420,
+               "seconds": 1.0, "entries": [{"name": "claim[recipe_12gib]", "what": "w", "budget_s": 185,
+                                            "status": "ok", "figures": [figure]},
+                                           {"name": "later", "what": "w", "budget_s": 5, "status": "pending"}]}
+    report.write(payload, [tmp_path / "results", tmp_path / "out"])
+    for d in ("results", "out"):
+        assert sorted(p.name for p in (tmp_path / d).iterdir()) == ["stage1.json", "stage1.md", "summary.md"]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| the recipe's peak | 6.1 GiB | 6.3 GiB | dry run 6.32 GiB | stage 1 `claim[recipe_12gib]` (ok) |" in summary
+    assert "## Figures" in (tmp_path / "results" / "stage1.md").read_text()
+    assert report.headline_rows([payload]) == [["the recipe's peak", "6.1 GiB; dry run 6.3 GiB",
+                                                "**GPU** (NVIDIA H200, 2026-12-02)", "gpu/stage1"]]
+
+
 # --- benchmarks/bench_param_stream.py ---------------------------------------------------------------------------
 def test_param_stream_bench_times_gpu_steps_on_every_usable_cpu(monkeypatch):
     """Its CPU timing runs on one thread (a shared machine); the GPU steps' host work must get the machine's threads."""
@@ -196,14 +287,13 @@ def test_param_stream_bench_times_gpu_steps_on_every_usable_cpu(monkeypatch):
 
 
 def test_stage4_entries_name_the_package_kinds_and_carry_their_packages():
-    """Each lean_optimizer entry is a LeanOptimizer kind, and each package an entry needs is carried or on the image
-    (an entry whose package is missing skips: a dropped wheel would turn its GPU figure into a skip silently)."""
+    """Each optimizer entry is a LowBitOptimizer or LeanOptimizer kind, and each package an entry needs is carried or
+    on the image (an entry whose package is missing skips: a dropped wheel would turn its GPU figure into a skip)."""
     from benchmarks.gpu import stage4
-    from lightning_lowmem.callbacks.lean_optimizer import KINDS
+    from lightning_lowmem.callbacks.lean_optimizer import KINDS as LEAN_KINDS
+    from lightning_lowmem.callbacks.low_bit_optimizer import KINDS as LOW_BIT_KINDS
 
-    assert set(stage4.LEAN) - {"adamw"} <= set(KINDS)
+    assert set(stage4.LEAN) <= set(LEAN_KINDS) and set(stage4.LOW_BIT) <= set(LOW_BIT_KINDS)
     available = {wheels.norm(n) for n, _, _ in wheels.WHEELS} | wheels.image_packages()
-    needed = {wheels.norm(stage4._WHEEL[m]) for m in stage4.LEAN.values() if m} | {"peft", "bitsandbytes"}
+    needed = {wheels.norm(stage4.WHEEL[m]) for m in stage4.LEAN.values()} | {"peft", "bitsandbytes"}
     assert needed <= available, needed - available
-    assert [e.name for e in registry.entries(4) if e.name.startswith("lean_optimizer")] == [
-        f"lean_optimizer[{k}]" for k in stage4.LEAN]

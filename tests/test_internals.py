@@ -108,6 +108,8 @@ def test_deepspeed_private_symbols_exist():
     for path, method, attribute in deepspeed_internals.SOURCE_ATTRIBUTES:
         source = inspect.getsource(getattr(_class(path), method))
         assert f"{attribute} =" in source or f"{attribute}=" in source, f"{path}.{method} no longer sets {attribute}"
+    for path, text in deepspeed_internals.SOURCE_LINES:
+        assert text in inspect.getsource(_class(path)), f"{path} no longer holds {text!r}"
 
 
 #: a private torch/Lightning/DeepSpeed/PEFT module or name, or one of the private attributes the package reads
@@ -119,6 +121,47 @@ _PRIVATE = re.compile(r"""(?x)
 | \.(?:_cdata|_current_fx_name|_accelerator_connector|_data_source|_forward_hooks\w*|_version|_schema
      |_execution_engine|_activation_checkpointing_kwargs|_setup_model|_opt_called)\b
 """)
+
+
+def test_hook_tables_hold_every_hook_table():
+    """``hook_tables`` finds the tables by their names' ending: each hook table a module has today is among them."""
+    module = torch.nn.Linear(2, 2)
+    tables = [id(t) for t in torch_internals.hook_tables(module)]
+    names = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+             "_load_state_dict_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+    assert all(id(getattr(module, name)) in tables for name in names)
+
+
+def test_checkpoint_region_is_torch_checkpoint_in_two_halves():
+    """``checkpoint_region`` around a call recomputes it in backward with the same gradients as
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and plain autograd (dropout: the RNG is kept)."""
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Tanh())
+    x = torch.randn(3, 4)
+    calls = []
+
+    def run(how: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer.zero_grad()
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            calls.append(how)
+            return layer(t)
+
+        if how == "region":
+            region = torch_internals.checkpoint_region(fn, noop_context_fn, x)
+            next(region)
+            out = fn(x)
+            next(region, None)
+        else:
+            out = checkpoint(fn, x, use_reentrant=False) if how == "checkpoint" else fn(x)
+        out.square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    plain, ours, theirs = run("plain"), run("region"), run("checkpoint")
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(plain, ours, theirs))
+    assert calls.count("region") == 2  # forward, then the recompute in backward
 
 
 def test_no_module_outside_internals_uses_a_private_api():

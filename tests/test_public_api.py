@@ -11,13 +11,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_lowmem
 from lightning_lowmem._registry import STRATEGIES
 
-#: ``lightning_lowmem.__all__`` before the move, and ``Adapters`` (added with the move, in the new room) and
-#: ``LeanOptimizer`` (added after it)
+#: ``lightning_lowmem.__all__`` before the move, and ``Adapters`` (added with the move, in the new room),
+#: ``LeanOptimizer`` (added after it) and ``pl`` (the build for the ``pytorch_lightning`` package, added after it)
 ALL = ['AccumulationScheduler', 'ActivationCheckpointing', 'ActivationOffload', 'Adapters', 'AutoStrategy', 'ByteTokenizer',
        'CausalLMModule', 'ChunkedLMLoss', 'DryRunUnsupportedError', 'LeanOptimizer', 'LowBitOptimizer', 'MasterHalfPrecision',
        'MemoryBreakdown', 'MemoryEstimate', 'MemoryReport', 'OOMRecovery', 'OffloadStrategy', 'OptimizerInBackward',
        'RunSpec', 'StdlibTextDataModule', 'StepMemoryRecorder', 'ZeroStrategy', 'chunked_causal_lm_loss', 'dry_run',
-       'estimate_memory', 'plan', 'register_strategies', 'zero']
+       'estimate_memory', 'pl', 'plan', 'register_strategies', 'zero']
 #: the registered strategy names before the move
 REGISTERED = ['lowmem_auto', 'lowmem_offload', 'lowmem_offload_params', 'lowmem_zero2', 'lowmem_zero2_offload',
               'lowmem_zero3', 'lowmem_zero3_nvme', 'lowmem_zero3_offload']

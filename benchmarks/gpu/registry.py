@@ -2,12 +2,13 @@
 
 A stage is a list of :class:`Entry`. ``run_stage.py`` runs them in order, each guarded (an entry that fails records
 its error and the stage goes on) and each under its own time limit (``budget_s``); the budgets of a stage, plus a
-process start per ``fresh`` entry and the wheel install, add up to at most :data:`STAGE_BUDGET_S`, so a stage ends
-inside the GPU machine's 10-minute command limit even when every entry runs out of time.
+process start per ``fresh`` entry and the wheel install, add up to at most :data:`STAGE_BUDGET_S` (7 minutes), so a
+stage and one rerun fit the 15 minutes of device time a task is lent, machine start included, when it ends early.
 
 To add a measurement: write ``def my_entry(ctx) -> dict`` in ``stage{N}.py`` (see :class:`Context`), and put an
 ``Entry`` in that module's ``ENTRIES`` (replacing its planned slot, if one is listed); ``tests/test_gpu_stages.py``
-lists every stage's entries and checks the budgets.
+lists every stage's entries and checks the budgets. An entry that measures for long calls :meth:`Context.record`
+with what it has so far: the runner writes it out at once, and keeps it if the entry is cut short.
 
 This module imports nothing heavy (no torch): the tests build the registry in milliseconds.
 """
@@ -15,33 +16,48 @@ This module imports nothing heavy (no torch): the tests build the registry in mi
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
+import math
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: a stage's wall-clock limit: 9 minutes, inside the GPU machine's 10 minutes per command
-STAGE_BUDGET_S = 540
+#: a stage's wall-clock limit: 7 minutes (a task gets 15 minutes of device time, the machine's start included)
+STAGE_BUDGET_S = 420
 #: the wheel install and the runner's own start, before the first entry
 SETUP_RESERVE_S = 20
 #: one worker process start (python, torch, lightning, transformers imported), counted per process
 PROCESS_START_S = 10
-STAGES = (1, 2, 3, 4, 5)
+STAGES = (1, 2, 3, 4, 5, 6)
+#: in the CPU rehearsal an entry is stopped at twice its budget: the budgets are the GPU machine's (full sizes, 16
+#: cores), and the rehearsal's fixed costs (imports, Trainer setup) run on 2 shared cores;
+#: the stage as a whole must still end inside :data:`STAGE_BUDGET_S`
+REHEARSAL_SLACK = 2.0
 
 
 class Skip(Exception):
     """Raised by an entry that cannot run on this machine (the reason is recorded; the stage goes on)."""
 
 
+def need(module: str, why: str, wheel: str | None = None) -> None:
+    """Skip the entry when ``module`` cannot be imported, naming why it is needed and the wheel that carries it."""
+    if importlib.util.find_spec(module) is None:
+        raise Skip(f"{module} is not installed: {why} (carry its wheel {wheel or module}: make gpu-wheels)")
+
+
 @dataclass(frozen=True)
 class Entry:
     """One guarded measurement of a stage.
 
-    ``fn(ctx)`` returns ``{"rows": [...], "notes": [...], "status": "ok" | "failed"}`` (``status`` optional: "failed"
-    when it ran and what it checks did not hold, e.g. a CUDA test failed). ``fresh``: run in a new process (clean
-    allocator statistics and pinned host memory; the host RAM of an earlier entry returned). ``fn=None`` with
-    ``planned`` set is a slot kept for later work: listed in the results, never run.
+    ``fn(ctx)`` returns ``{"rows": [...], "notes": [...], "figures": [...], "status": "ok" | "failed"}`` (all
+    optional; ``status`` "failed" when it ran and what it checks did not hold, e.g. a CUDA test failed; ``figures``:
+    the results page's lines, see ``report.py``). ``fresh``: run in a new process (clean allocator statistics and
+    pinned host memory; the host RAM of an earlier entry returned). ``fn=None`` with ``planned`` set is a slot kept
+    for later work: listed in the results, never run.
     """
 
     name: str
@@ -54,7 +70,7 @@ class Entry:
 
 @dataclass
 class Context:
-    """What an entry gets: where it runs and how big, and the results of the entries before it in its stage."""
+    """What an entry gets: where it runs and how big, its deadline, and the results of the entries before it."""
 
     stage: int
     rehearsal: bool
@@ -62,16 +78,34 @@ class Context:
     repo: Path
     threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    entry: str = ""
+    deadline: float = math.inf
 
     @property
     def device(self) -> str:
         """``"cuda"`` on the GPU machine; ``"cpu"`` in the rehearsal (CUDA parts run on the deferred stand-in)."""
         return "cpu" if self.rehearsal else "cuda"
 
+    def seconds_left(self) -> float:
+        """Seconds until the runner stops this entry (its budget from its start)."""
+        return self.deadline - time.time()
+
     def prior(self, name: str) -> dict[str, Any] | None:
         """The recorded result of an earlier entry of this stage (None if it did not run or did not finish)."""
         path = self.state_dir / f"{safe_name(name)}.json"
         return json.loads(path.read_text()) if path.is_file() else None
+
+    def record(self, result: dict[str, Any]) -> None:
+        """What this entry has measured so far (rows, notes, figures): written to the results at once, and kept as
+        the entry's result if it is cut short (its time runs out, its worker dies, the machine is taken back)."""
+        write_json(self.state_dir / f"{safe_name(self.entry)}.partial.json", result)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write atomically (the runner polls for the file: it must never read half of it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    os.replace(tmp, path)
 
 
 def safe_name(name: str) -> str:

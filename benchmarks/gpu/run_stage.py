@@ -1,14 +1,16 @@
-"""Run one GPU stage: ``python benchmarks/gpu/run_stage.py --stage 1|2|3|4|5`` (``make gpu-check STAGE=N``).
+"""Run one GPU stage: ``python3 benchmarks/gpu/run_stage.py --stage 1|2|3|4|5|6`` (``make gpu-check STAGE=N``).
 
 Offline by construction: the packages the image lacks come as wheels from ``--wheels`` (``.whl/``, filled here by
 ``make gpu-wheels``), installed with ``pip --no-index --no-deps --target`` into a temporary folder put on
 ``PYTHONPATH``; no venv, no registry. The entries (``benchmarks/gpu/stage{N}.py``) run in worker processes
 (``benchmarks/gpu/worker.py``), each under its time limit: one that fails records its error, one that runs out of
-time is killed and recorded, and the stage goes on. The stage as a whole stops at
-:data:`~benchmarks.gpu.registry.STAGE_BUDGET_S` (9 minutes).
+time is killed and recorded with what it measured until then, and the stage goes on. The stage as a whole stops at
+``--budget`` (:data:`~benchmarks.gpu.registry.STAGE_BUDGET_S`, 7 minutes).
 
-Results: ``stage{N}.json`` + ``stage{N}.md`` in ``--results`` (``benchmarks/results/gpu/``) and, when set, in
-``--out`` / ``$LOWMEM_GPU_OUT`` too (with ``stage{N}.log``, the workers' output): three files, no sub-folders.
+Results: ``stage{N}.json`` + ``stage{N}.md`` and ``summary.md`` (every stage's figures in ``--results``, beside their
+dry-run predictions and the CPU figures they replace) in ``--results`` (``benchmarks/results/gpu/``) and, when set,
+in ``--out`` / ``$LOWMEM_GPU_OUT`` too (with ``stage{N}.log``, the workers' output): four files, no sub-folders,
+rewritten as each figure is measured, so a run cut short still returns what it measured.
 ``--rehearsal``: the same stage on the CPU with tiny sizes (see ``benchmarks/gpu/rehearse.py``).
 """
 
@@ -31,13 +33,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu import report
-from benchmarks.gpu.registry import PROCESS_START_S, STAGE_BUDGET_S, STAGES, Entry, entries, safe_name
+from benchmarks.gpu.registry import PROCESS_START_S, REHEARSAL_SLACK, STAGE_BUDGET_S, STAGES, Entry, entries, safe_name
 
-TITLES = {1: "environment, links, CUDA tests, lowmem_offload step phases",
-          2: "parameter streaming, activation offload, dry run vs measured",
-          3: "8-bit optimizers, chunked loss backends; planned slots",
-          4: "LoRA/QLoRA adapters (nf4 base resident and streamed) with the dry run, lean optimizers",
-          5: "the host path: serial, overlapped (upload in backward or at the step), delayed, in backward"}
+TITLES = {1: "the headline: GPT-2-XL's 12 GB recipe under a 12 GiB cap vs plain Lightning, CUDA tests, streaming bound",
+          2: "activation offload, parameter streaming on GPT-2-XL, dry run vs measured",
+          3: "LoRA/QLoRA adapters (nf4 base resident and streamed) with the dry run",
+          4: "low-bit and lean optimizers",
+          5: "the host step: serial vs optimizer_in_backward, the host AdamW rate, synccheck",
+          6: "chunked-loss backends; planned slots"}
 POLL_S = 0.5
 #: a worker that has not started its first entry by then is taken as hung at start
 START_LIMIT_S = 6 * PROCESS_START_S
@@ -82,15 +85,27 @@ class StageRun:
     """Starts workers for a stage's entries, enforces each entry's limit, and collects what each recorded."""
 
     def __init__(self, stage: int, rehearsal: bool, state: Path, env: dict[str, str], log: Path, deadline: float,
-                 module: str | None = None) -> None:
-        self.stage, self.rehearsal, self.state, self.env, self.log, self.deadline, self.module = (
-            stage, rehearsal, state, env, log, deadline, module)
+                 module: str | None = None, slack: float = 1.0) -> None:
+        self.stage, self.rehearsal, self.state, self.env, self.log, self.deadline, self.module, self.slack = (
+            stage, rehearsal, state, env, log, deadline, module, slack)
 
-    def _result(self, e: Entry) -> dict[str, Any] | None:
+    def _read(self, e: Entry, suffix: str) -> dict[str, Any] | None:
         import json
 
-        path = self.state / f"{safe_name(e.name)}.json"
+        path = self.state / f"{safe_name(e.name)}{suffix}"
         return json.loads(path.read_text()) if path.is_file() else None
+
+    def _result(self, e: Entry) -> dict[str, Any] | None:
+        """The entry's final result, over what it recorded while measuring (an error keeps the figures before it)."""
+        final = self._read(e, ".json")
+        return None if final is None else {**(self._read(e, ".partial.json") or {}), **final}
+
+    def _partial(self, e: Entry) -> tuple[float, dict[str, Any]] | None:
+        path = self.state / f"{safe_name(e.name)}.partial.json"
+        try:
+            return path.stat().st_mtime_ns, self._read(e, ".partial.json") or {}
+        except (OSError, ValueError):
+            return None  # NOTE: not written yet, or replaced between the two looks
 
     def _started(self, e: Entry) -> float | None:
         path = self.state / f"{safe_name(e.name)}.start"
@@ -113,11 +128,13 @@ class StageRun:
                "--entries", ",".join(e.name for e in group), "--state", str(self.state)]
         cmd += ["--rehearsal"] if self.rehearsal else []
         cmd += ["--module", self.module] if self.module else []
+        cmd += ["--slack", str(self.slack)] if self.slack != 1 else []
         with open(self.log, "ab") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         launched = time.time()
         pending = list(group)
+        seen: dict[str, float] = {}
         while pending:
             e = pending[0]
             result = self._result(e)
@@ -125,20 +142,25 @@ class StageRun:
                 on_result(e, result)
                 pending.pop(0)
                 continue
+            partial = self._partial(e)
+            if partial is not None and seen.get(e.name) != partial[0]:
+                seen[e.name] = partial[0]
+                on_result(e, {**partial[1], "status": "running"})
             started, now, exited = self._started(e), time.time(), proc.poll() is not None
-            limit = min((started or launched) + (e.budget_s if started else START_LIMIT_S), self.deadline)
+            limit = min((started or launched) + (self.slack * e.budget_s if started else START_LIMIT_S), self.deadline)
             if exited and self._result(e) is not None:
                 continue  # NOTE: it wrote the result between the two looks
             if exited or now > limit:
                 if proc.poll() is None:
                     _kill(proc)
-                    why = (f"ran out of its {e.budget_s} s" if started and now <= self.deadline else
+                    slack = f" (x{self.slack:g} in the rehearsal)" if self.slack != 1 else ""
+                    why = (f"ran out of its {e.budget_s} s{slack}" if started and now <= self.deadline else
                            "the stage's time budget ran out" if started else f"no worker start in {START_LIMIT_S} s")
                     status = "timeout"
                 else:
                     why = f"the worker exited with code {proc.returncode} (see the stage's log)"
                     status = "error"
-                on_result(e, {"status": status, "reason": why,
+                on_result(e, {**(partial[1] if partial else {}), "status": status, "reason": why,
                               "seconds": round(now - (started or launched), 1), "log_tail": _tail(self.log)})
                 return pending[1:]
             time.sleep(POLL_S)
@@ -208,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                          **({"reason": e.planned} if e.fn is None else {})} for e in stage_entries],
         }
         slots = {e.name: slot for e, slot in zip(stage_entries, payload["entries"])}
+        report.write(payload, dirs, log)  # NOTE: the stage's skeleton first: a run cut at once still names its machine
         print(f"GPU stage {args.stage} ({payload['mode']}): {len(installed)} wheels installed; "
               f"device {payload['machine'].get('device')}", flush=True)
 
@@ -215,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
             slots[e.name].update(result)
             payload["seconds"] = round(time.time() - t0, 1)
             report.write(payload, dirs, log)
+            if result["status"] == "running":
+                print(f"[{payload['seconds']:7.1f} s] {e.name}: recorded {len(result.get('rows', []))} rows", flush=True)
+                return
             print(f"[{payload['seconds']:7.1f} s] {e.name}: {result['status']} ({result.get('seconds', '-')} s of "
                   f"{e.budget_s}) {result.get('reason') or result.get('error') or ''}"[:400], flush=True)
 
-        StageRun(args.stage, args.rehearsal, state, child_env(site), log, deadline).run(
+        StageRun(args.stage, args.rehearsal, state, child_env(site), log, deadline,
+                 slack=REHEARSAL_SLACK if args.rehearsal else 1.0).run(
             [e for e in stage_entries if e.fn is not None], on_result)
         payload["seconds"] = round(time.time() - t0, 1)
         report.write(payload, dirs, log)

@@ -1,171 +1,153 @@
-"""Stage 3: what only a GPU can measure of the 8-bit optimizers and the chunked loss, plus slots for later work.
+"""Stage 3: what only a GPU can measure of the adapters: LoRA, and QLoRA with the nf4 base resident or streamed.
 
-Entries: ``low_bit[adamw|adamw8bit|paged_adamw8bit]``: GPT-2-XL trained on the GPU (``strategy="auto"``,
-``bf16-mixed``) with torch's fp32 AdamW and with ``LowBitOptimizer`` (bitsandbytes' CUDA kernels): optimizer state
-bytes per parameter, device peaks, step time. ``chunked_loss``: the LM loss alone at GPT-2-XL's head shapes, the
-model's own loss against ``chunked_causal_lm_loss`` with each backend (ours, Liger Kernel, Cut Cross-Entropy):
-forward + backward time, the loss's own device peak, and the error of loss and gradients against an fp32 reference.
-Planned slots (listed in the results, not run yet): the micro-batch search under a real out-of-memory, DeepSpeed
-ZeRO. The QLoRA adapters (and the lean optimizers) are stage 4's, the host path (serial, overlapped, delayed, in
-backward) stage 5's.
+On a LLaMA shape built from a ``transformers`` config (random weights, no download): 16 layers x 2048, MLP 5504,
+16 heads, vocabulary 32000 (0.94 B parameters) on the GPU; 2 layers x 64 in the rehearsal.
+
+``qlora_adapters[lora|qlora|qlora_streamed]``: ``Adapters("lora", r=16, target_modules="all-linear")`` at batch
+4 x 1024, bf16-true, with a bf16 base under ``lowmem_offload``, an nf4 base under ``lowmem_offload`` (resident) and an
+nf4 base under ``lowmem_offload_params`` (the packed base streamed block by block): device peaks, the strategy's host
+bytes (and the pinned allocator's), step time, the loss of every step; the streamed run against the resident one
+(the CPU rehearsal requires them bit-identical, as ``tests/strategies/test_offload_packed_stream.py`` does; on the GPU
+the max |diff| of the adapter weights and of the losses is recorded). ``qlora_adapters[dry_run]``: the dry run's
+CUDA-target prediction of each of these runs beside its measured allocated peak (the nf4 base traced through
+bitsandbytes' own layers on fake weights).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
-from benchmarks.gpu.registry import Context, Entry, Skip
+from benchmarks.gpu.registry import Context, Entry, need
 
-LOW_BIT = {"adamw": None, "adamw8bit": "adamw8bit", "paged_adamw8bit": "paged_adamw8bit"}
+LLAMA = {"num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 5504, "num_attention_heads": 16,
+         "num_key_value_heads": 16, "max_position_embeddings": 1024}
+LLAMA_TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 64}
+LORA = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+#: run -> (quantize_base, parameter streaming)
+QLORA_RUNS = {"lora": (None, False), "qlora": ("nf4", False), "qlora_streamed": ("nf4", True)}
 
 
-def _low_bit(kind: str | None) -> Any:
+def llama(ctx: Context, batch: int, steps: int = 6, warmup: int = 2) -> Any:
+    """The LLaMA shape (a :class:`~benchmarks.gpu._common.Shape`): on the GPU 16 x 2048, in the rehearsal 2 x 64."""
+    from benchmarks.gpu import _common as c
+
+    return c.shape(ctx, batch=batch, steps=steps, warmup=warmup, config=LLAMA, vocab=32000, model_type="llama",
+                   tiny=LLAMA_TINY, label="LLaMA 16x2048 (MLP 5504, 16 heads), vocab 32000")
+
+
+def _qlora(run: str) -> Any:
+    quantize, streamed = QLORA_RUNS[run]
+
     def entry(ctx: Context) -> dict[str, Any]:
-        import lightning as L
-        from typing_extensions import override
+        import sys
+        import time
+
+        import torch
 
         from benchmarks.gpu import _common as c
-        from lightning_lowmem import LowBitOptimizer
+        from benchmarks.gpu._imports import packed_bytes
+        from lightning_lowmem import Adapters, OffloadStrategy
 
-        if kind is not None and importlib.util.find_spec("bitsandbytes") is None:
-            raise Skip("bitsandbytes is not installed (carry its wheel: make gpu-wheels)")
-
-        class State(L.Callback):
-            def __init__(self) -> None:
-                self.bytes, self.params, self.optimizer = 0, 0, ""
-
-            @override
-            def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-                opt = trainer.optimizers[0]
-                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                            for st in opt.state.values() for t in st.values() if hasattr(t, "untyped_storage")}
-                self.bytes, self.optimizer = sum(storages.values()), type(opt).__name__
-                self.params = sum(p.numel() for p in pl_module.parameters())
-
-        s = c.shape(ctx, batch=2, steps=6, warmup=2)
+        need("peft", "Adapters wraps the model with PEFT")
+        if quantize is not None:
+            need("bitsandbytes", "quantize_base='nf4' builds bitsandbytes' Linear4bit")
+        s = llama(ctx, batch=4)
+        lm = c.module(s, ctx.device)
         c.fresh_cuda()
-        clock, state = c.PhaseClock(), State()
-        callbacks: list[Any] = [clock, state] + ([LowBitOptimizer(kind=kind)] if kind else [])
-        c.fit(ctx, s, "auto", callbacks, precision="bf16-mixed")
-        step = clock.step_seconds(s.warmup)
-        row = {"optimizer": state.optimizer, "state_B_per_param": round(state.bytes / max(state.params, 1), 3),
-               "state_bytes": state.bytes, "step_gpu_s": step["gpu_s"], "step_host_s": step["host_s"],
-               **c.cuda_peaks()}
-        return {"rows": [row], "notes": [(f"{s.label}, batch {s.batch}x{s.seq}, strategy='auto' on {ctx.device}, "
-                                          f"bf16-mixed (fp32 weights and state), {s.steps} steps, first {s.warmup} "
-                                          "left out of the step time; peaks over the whole fit.")]}
+        clock = c.StepClock(warmup=s.warmup)
+        t0 = time.perf_counter()
+        c.fit(ctx, s, OffloadStrategy(offload_params=streamed), [clock, Adapters("lora", **LORA, quantize_base=quantize)], lm=lm)
+        fit_s = time.perf_counter() - t0
+        step, losses, host = clock.step_seconds(), clock.losses(), clock.host or {}
+        trainable = {n: p.detach().float().cpu() for n, p in lm.named_parameters() if p.requires_grad}
+        bnb_nn = sys.modules.get("bitsandbytes.nn")  # NOTE: loaded by Adapters when it quantized the base
+        packed = [m for m in lm.modules() if bnb_nn is not None and isinstance(m, bnb_nn.Linear4bit)]
+        row: dict[str, Any] = {
+            "run": run, "strategy": "lowmem_offload_params" if streamed else "lowmem_offload",
+            "quantize_base": quantize, "step_gpu_s": step["gpu_s"], "step_host_s": step["host_s"],
+            **c.cuda_peaks(), "host_bytes": sum(host.values()), "host_breakdown": host,
+            "pinned_allocator": c.pinned_stats() or None, "trainable_params": sum(t.numel() for t in trainable.values()),
+            "quantized_linears": len(packed), "packed_base_bytes": sum(packed_bytes(m) for m in packed),
+            "final_loss": losses[-1] if losses else None, "fit_s": c.rnd(fit_s),
+        }
+        status, notes = "ok", [(f"{s.label}, batch {s.batch}x{s.seq}, bf16-true, Adapters('lora', r=16, alpha=32, "
+                                f"all-linear, quantize_base={quantize!r}) under {row['strategy']} on {ctx.device}, "
+                                f"{s.steps} steps (first {s.warmup} left out of the step time); peaks over the whole "
+                                "fit; host_bytes: the strategy's own host breakdown at the end of training; fit_s: the "
+                                "whole Trainer.fit (the base's quantization on the host in setup included).")]
+        if run == "qlora":
+            torch.save({"trainable": trainable, "losses": losses}, ctx.state_dir / "qlora_resident.pt")
+        if run == "qlora_streamed":
+            ref_path = ctx.state_dir / "qlora_resident.pt"
+            if not ref_path.is_file():
+                notes.append("not compared: the resident run (qlora_adapters[qlora]) did not finish in this stage")
+            else:
+                ref = torch.load(ref_path)
+                diff = max((float((trainable[k] - v).abs().max()) for k, v in ref["trainable"].items()
+                            if k in trainable), default=None)
+                loss_diff = max((abs(a - b) for a, b in zip(ref["losses"], losses)), default=None)
+                identical = ref["trainable"].keys() == trainable.keys() and ref["losses"] == losses and all(
+                    torch.equal(trainable[k], v) for k, v in ref["trainable"].items())
+                row |= {"vs_resident_adapter_max_abs_diff": diff, "vs_resident_loss_max_abs_diff": loss_diff,
+                        "vs_resident_bit_identical": identical}
+                if ctx.rehearsal and not identical:
+                    status = "failed"  # NOTE: on the CPU the streamed run must train exactly as the resident one
+                notes.append("vs_resident_*: the streamed run against qlora_adapters[qlora] (adapter weights after "
+                             "the fit, loss of every step); bit-identical required on the CPU, recorded on the GPU.")
+        figure = {"figure": f"LLaMA 0.94B LoRA r=16, {quantize or 'bf16'} base "
+                            f"{'streamed' if streamed else 'resident'}: device peak, host, step",
+                  "gpu": (f"allocated peak {c.gib(row.get('allocated_peak_bytes'))}, host {c.gib(row['host_bytes'])}, "
+                          f"step {row['step_gpu_s'] or row['step_host_s']} s"), "dry_run": None, "cpu": None}
+        return {"status": status, "rows": [row], "notes": notes, "figures": [figure],
+                "run": {"name": run, "batch": s.batch, "seq": s.seq, "streamed": streamed}}
 
-    entry.__name__ = f"low_bit_{kind or 'adamw'}"
+    entry.__name__ = f"qlora_adapters_{run}"
     return entry
 
 
-BACKENDS = ("model's own loss", "chunked", "liger", "cce")
-_KERNEL_PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+def qlora_dry_run(ctx: Context) -> dict[str, Any]:
+    """The dry run (target="cuda") of each adapters run measured above beside its measured allocated peak; an nf4 base
+    is traced through bitsandbytes' own layers on fake weights."""
+    from benchmarks.gpu import _common as c
+    from lightning_lowmem import Adapters, OffloadStrategy, dry_run
 
-
-def chunked_loss(ctx: Context) -> dict[str, Any]:
-    import torch
-    import torch.nn.functional as F
-
-    from lightning_lowmem import chunked_causal_lm_loss
-
-    b, s, h, v = (2, 32, 64, 512) if ctx.rehearsal else (4, 1024, 1600, 50257)
-    reps = 2 if ctx.rehearsal else 10
-    dev = ctx.device
-    torch.manual_seed(0)
-    hidden = torch.randn(b, s, h, device=dev).to(torch.bfloat16).requires_grad_()
-    weight = (0.02 * torch.randn(v, h, device=dev)).to(torch.bfloat16).requires_grad_()
-    labels = torch.randint(0, v, (b, s), device=dev)
-    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
-
-    def own() -> torch.Tensor:  # Hugging Face's loss: bf16 logits upcast to fp32, cross-entropy
-        logits = hidden @ weight.t()
-        return F.cross_entropy(logits.float().view(-1, v), targets, ignore_index=-100)
-
-    def kernel(name: str) -> Any:
-        return lambda: chunked_causal_lm_loss(hidden, weight, labels, chunk_tokens=1024, backend=name)
-
-    ref_h, ref_w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-    ref = F.cross_entropy((ref_h @ ref_w.t()).view(-1, v), targets, ignore_index=-100)
-    ref.backward()
-    ref_grads = (ref_h.grad, ref_w.grad)
-    del ref_h, ref_w
-    rows = []
-    for name in BACKENDS:
-        fn = own if name == "model's own loss" else kernel(name)
-        package = _KERNEL_PACKAGES.get(name)
-        if package and (ctx.rehearsal or importlib.util.find_spec(package) is None):
-            found = importlib.util.find_spec(package)
-            rows.append({"backend": name, "status": f"not run: {'Triton kernels need CUDA' if ctx.rehearsal else 'not installed'}"
-                         f" ({package} {'found at ' + str(found.origin) if found else 'not found'})"})
+    need("peft", "Adapters wraps the model with PEFT")
+    s = llama(ctx, batch=4)
+    rows, figures = [], []
+    for run, (quantize, streamed) in QLORA_RUNS.items():
+        measured = ctx.prior(f"qlora_adapters[{run}]")
+        if measured is None or measured.get("status") not in ("ok", "failed"):
+            rows.append({"run": run, "note": "not measured in this stage (see its entry)"})
             continue
-        try:
-            rows.append({"backend": name, "status": "ok", **_time_and_check(fn, hidden, weight, ref, ref_grads, reps)})
-        except Exception as err:  # noqa: BLE001 - one backend's failure is recorded, the others still run
-            rows.append({"backend": name, "status": f"error: {type(err).__name__}: {str(err)[:300]}"})
-    failed = any(r["status"].startswith("error") for r in rows)
-    return {"status": "failed" if failed else "ok", "rows": rows, "notes": [(
-        f"loss alone at batch {b}x{s}, hidden {h}, vocab {v}, bf16 hidden and head weight on {dev}; forward + backward "
-        f"median of {reps} (CUDA events) after 2 warm-ups (Triton compiles there); peak_bytes: the allocator's peak "
-        "during one forward + backward above what was allocated before it; errors: relative L2 error against an fp32 "
-        "reference (fp32 logits).")]}
+        est = dry_run(lambda: c.module(s), batch_size=s.batch, seq_len=s.seq,
+                      strategy=OffloadStrategy(offload_params=streamed), precision="bf16-true",
+                      callbacks=[Adapters("lora", **LORA, quantize_base=quantize)], target="cuda")
+        context = sum(x.bytes for x in est.corrections if x.name == "cuda_context")
+        tensors = est.peak_device - context
+        got = measured["rows"][0].get("allocated_peak_bytes")
+        rows.append({"run": run, "predicted_device_bytes": est.peak_device, "cuda_context_bytes": context,
+                     "predicted_tensors_bytes": tensors, "measured_allocated_peak_bytes": got,
+                     "predicted_over_measured": c.rnd(tensors / got) if got else None,
+                     "predicted_host_bytes": est.peak_host, "measured_host_bytes": measured["rows"][0].get("host_bytes"),
+                     "binding_phase": est.binding_phase, "dry_run_s": c.rnd(est.wall_s, 1)})
+        figures.append({"figure": f"LLaMA 0.94B LoRA, {run}: allocated peak", "gpu": c.gib(got),
+                        "dry_run": f"{c.gib(tensors)} ({rows[-1]['predicted_over_measured']}x)", "cpu": None})
+    return {"rows": rows, "figures": figures, "notes": [(
+        "predicted_tensors_bytes = the dry run's device peak less its fixed CUDA-context correction; measured = "
+        "allocated_bytes.all.peak of the same run (shape, strategy, callbacks, precision). predicted_host_bytes: the "
+        "dry run's host peak; measured_host_bytes: the strategy's host breakdown of the measured run. The CPU rehearsal "
+        "has no device figures.")]}
 
 
-def _time_and_check(fn: Any, hidden: Any, weight: Any, ref: Any, ref_grads: Any, reps: int) -> dict[str, Any]:
-    import time
-
-    import torch
-
-    def step() -> Any:
-        hidden.grad = weight.grad = None
-        loss = fn()
-        loss.backward()
-        return loss
-
-    cuda = hidden.is_cuda
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    peak = None
-    if cuda:
-        hidden.grad = weight.grad = None
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        loss = step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        loss = step()
-
-    def rel(a: Any, b: Any) -> float:
-        return float((a.float() - b).norm() / b.norm())
-
-    return {"ms": round(sorted(times)[len(times) // 2], 3), "peak_bytes": peak,
-            "loss_rel_err": float(abs(loss.float() - ref) / ref), "grad_hidden_rel_err": rel(hidden.grad, ref_grads[0]),
-            "grad_weight_rel_err": rel(weight.grad, ref_grads[1])}
-
+#: seconds per entry: the nf4 runs quantize the base on the host in ``setup`` (the model is built there, as a user's
+#: is), about 0.8 B values through bitsandbytes' CPU kernel, before the first step
+QLORA_BUDGET = {"lora": 45, "qlora": 60, "qlora_streamed": 60, "dry_run": 35}
 
 ENTRIES = [
-    *(Entry(f"low_bit[{name}]", 70, _low_bit(kind), f"GPT-2-XL on the GPU with {name}: state B/param, peaks, step",
-            fresh=True) for name, kind in LOW_BIT.items()),
-    Entry("chunked_loss", 120, chunked_loss, "LM loss at GPT-2-XL's head: ours vs Liger vs CCE (time, peak, error)",
-          fresh=True),
-    Entry("micro_batch_search", 0, None, "AccumulationScheduler(micro_batch_size='auto') against a real CUDA OOM",
-          planned="the search's CUDA path (allocator peaks, out-of-memory recovery) has no GPU figure yet"),
-    Entry("deepspeed_zero", 0, None, "lowmem_zero* presets on the GPU",
-          planned="DeepSpeed ships as an sdist whose ops compile with nvcc there: a later stage carries and builds it"),
+    *(Entry(f"qlora_adapters[{run}]", QLORA_BUDGET[run], _qlora(run),
+            f"LLaMA 0.94B LoRA r=16, {'nf4' if q else 'bf16'} base {'streamed' if st else 'resident'}: peaks, host, step",
+            fresh=True) for run, (q, st) in QLORA_RUNS.items()),
+    Entry("qlora_adapters[dry_run]", QLORA_BUDGET["dry_run"], qlora_dry_run,
+          "dry run (CUDA target) of the adapters runs vs their peaks"),
 ]

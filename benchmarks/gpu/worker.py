@@ -2,15 +2,15 @@
 
 ``python -m benchmarks.gpu.worker --stage N --entries a,b --state DIR [--rehearsal]``. For each entry it writes
 ``DIR/<name>.start`` (the runner's clock for that entry's time limit starts there) and, when the entry is done,
-``DIR/<name>.json``: ``{"status": "ok" | "failed" | "skipped" | "error", "seconds", "rows", "notes", ...}``. An
-exception is recorded with its traceback; the next entry runs. The runner kills a worker whose entry runs out of time
-and starts another for the entries after it.
+``DIR/<name>.json``: ``{"status": "ok" | "failed" | "skipped" | "error", "seconds", "rows", "notes", ...}`` (and,
+while it measures, ``DIR/<name>.partial.json``: see :meth:`Context.record`). An exception is recorded with its
+traceback; the next entry runs. The runner kills a worker whose entry runs out of time and starts another for the
+entries after it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # NOTE: run as a file too, the checkout's package and benchmarks first
 
-from benchmarks.gpu.registry import Context, Skip, entries, safe_name
+from benchmarks.gpu.registry import Context, Skip, entries, safe_name, write_json
 
 
 def usable_cpus() -> int:
@@ -31,13 +31,6 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically (the runner polls for the file: it must never read half of it)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def run_entry(entry: Any, ctx: Context) -> dict[str, Any]:
@@ -63,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--rehearsal", action="store_true")
     parser.add_argument("--module", default=None, help="the module holding ENTRIES (default: the stage's)")
+    parser.add_argument("--slack", type=float, default=1.0, help="each entry's limit is slack x its budget")
     args = parser.parse_args(argv)
     import torch
 
@@ -72,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {e.name: e for e in entries(args.stage, args.module)}
     for name in args.entries.split(","):
         entry = by_name[name]
-        (args.state / f"{safe_name(name)}.start").write_text(str(time.time()))
+        start = time.time()
+        ctx.entry, ctx.deadline = name, start + args.slack * entry.budget_s
+        (args.state / f"{safe_name(name)}.start").write_text(str(start))
         print(f"--- {name} ---", flush=True)
         result = run_entry(entry, ctx)
         write_json(args.state / f"{safe_name(name)}.json", result)

@@ -8,7 +8,6 @@ DeepSpeed. DeepSpeed is optional and slow to import: it is imported inside each 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 #: DeepSpeed module globals used here (dotted), checked by tests/test_internals.py
@@ -16,6 +15,10 @@ PRIVATE_SYMBOLS = (
     "deepspeed.comm.comm.cdb",
     "deepspeed.utils.groups._WORLD_GROUP",
     "deepspeed.utils.groups._EXPERT_PARALLEL_GROUP",
+)
+#: (class path, text) a DeepSpeed class's source holds, checked by the test
+SOURCE_LINES = (
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "assert len(set(p.ds_id for p in params_in_bucket))"),
 )
 #: (class path, method, attribute) DeepSpeed assigns in that method, checked in the method's source by the test
 SOURCE_ATTRIBUTES = (
@@ -59,11 +62,33 @@ def cpu_adam_update(adam: Any, step: int, group: dict[str, Any], *tensors: Any) 
     )
 
 
-def functional_linear_before_zero3() -> Callable[..., Any] | None:
-    """The ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced (None if it never did).
+def undo_zero3_linear() -> None:
+    """Put back the ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced process-wide.
 
-    NOTE: DeepSpeed keeps the original in a class attribute of its ``zero.Init`` context and never puts it back.
+    NOTE: DeepSpeed swaps ``torch.nn.functional.linear`` for its ``zero3_linear_wrap`` and never puts it back ("this
+    will persist unless manually reset"), keeping the original in a class attribute of its ``zero.Init`` context:
+    every linear layer run after ``fit`` (a plain model under autocast, another Trainer) would go through DeepSpeed's
+    autograd function and round differently. Undoing DeepSpeed's own patch is the package's only write to a torch
+    module attribute.
     """
+    import torch
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
-    return getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is zero3_linear_wrap:
+        torch.nn.functional.linear = original
+
+
+def reduced_twice(err: AssertionError) -> str | None:
+    """What DeepSpeed asserted when it refused a gradient reduced twice in one backward (ZeRO-1/2's message, or the
+    line of ZeRO-3's bare ``assert`` that a reduce bucket holds each parameter once), or None for another assertion.
+
+    NOTE: ZeRO-3's assertion has no message; it is told by the source line that raised it (:data:`SOURCE_LINES`).
+    """
+    import traceback
+
+    if "already been reduced" in str(err):
+        return " ".join(str(err).split())
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return frame.line if "deepspeed" in frame.filename and "ds_id" in (frame.line or "") else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from types import FrameType, SimpleNamespace
 from typing import Any
 
@@ -28,6 +28,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 # NOTE: dispatch modes and pytrees are private torch modules with no public home; every TorchDispatchMode user
 # (FlopCounterMode, torch's MemTracker, torchao) imports them from here.
 from torch.utils import _python_dispatch, _pytree
+
+# NOTE: the non-reentrant checkpoint's two halves (see `checkpoint_region`)
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as _checkpoint_generator
 
 #: every private torch name used here (dotted, from ``torch``), checked by tests/test_internals.py
 PRIVATE_SYMBOLS = (
@@ -68,12 +71,15 @@ PRIVATE_SYMBOLS = (
     "torch.ops.aten._pack_padded_sequence",
     "torch.cuda._initialized",
     "torch._dynamo.eval_frame.OptimizedModule",
+    "torch.utils.checkpoint._checkpoint_without_reentrant_generator",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper",
 )
 #: private attributes of torch objects (class path -> attribute names), checked on an instance by the test
 INSTANCE_ATTRIBUTES = {
     "torch.Tensor": ("_version",),
     "torch.UntypedStorage": ("_cdata",),
-    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called"),
+    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called", "_backward_hooks",
+                        "_backward_pre_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
     "torch.optim.lr_scheduler.SequentialLR": ("_schedulers",),
     "torch.optim.lr_scheduler.ChainedScheduler": ("_schedulers",),
     "torch._ops.OpOverload": ("_schema",),
@@ -277,6 +283,28 @@ def saved_by_checkpoint(frame: FrameType | None) -> bool:
     return False
 
 
+def checkpoint_region(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]], *args: Any,
+                      **kwargs: Any) -> Generator[None, None, None]:
+    """Non-reentrant ``torch.utils.checkpoint`` of what runs between this generator's first and second ``next()``:
+    ``fn(*args, **kwargs)`` (the recompute), the RNG state preserved, ``context_fn`` as ``checkpoint``'s.
+
+    NOTE: ``checkpoint(fn, use_reentrant=False)`` runs this same generator around one call of ``fn``; a module's
+    forward pre-hook and forward hook need its two halves apart (torch's composable ``checkpoint`` in
+    ``torch.distributed._composable.checkpoint_activation`` does the same), and no public API gives them.
+    """
+    return _checkpoint_generator(fn, True, context_fn, "default", False, True, *args, **kwargs)
+
+
+def is_checkpoint_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is torch.distributed's ``CheckpointWrapper``/``OffloadWrapper`` (FSDP's
+    ``activation_checkpointing_policy``, ``apply_activation_checkpointing``); their module is private."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    return isinstance(module, ActivationWrapper)
+
+
 # --- nn.Module internals --------------------------------------------------------------------------------------------
 BatchNormBase = _BatchNorm
 
@@ -298,6 +326,29 @@ def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
 def forward_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
     """``module``'s forward hooks by handle id (the live dict)."""
     return module._forward_hooks  # type: ignore[return-value]
+
+
+def forward_pre_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
+    """``module``'s forward pre-hooks by handle id (the live dict): a technique finds the hooks it registered, which
+    a deep copy of the module carries, without a handle (there is no public way to list a module's hooks)."""
+    return module._forward_pre_hooks  # type: ignore[return-value]
+
+
+def remove_forward_pre_hook(module: nn.Module, key: int) -> None:
+    """Remove forward pre-hook ``key`` of ``module`` as its ``RemovableHandle`` would (the handle is long gone)."""
+    del module._forward_pre_hooks[key]
+    module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def hook_tables(module: nn.Module) -> list[dict[Any, Any]]:
+    """``module``'s own hook tables (forward, backward, state-dict hooks...: the live dicts): a copy of the module
+    that must run none of the hooks other techniques registered, nor copy what they hold, gets empty ones instead.
+
+    NOTE: found by their names' ending (``_forward_pre_hooks``, ``_forward_hooks_with_kwargs``...), so a table torch
+    adds is emptied too; tests/test_internals.py checks the ones named in :data:`INSTANCE_ATTRIBUTES` are found.
+    """
+    return [v for k, v in vars(module).items()
+            if isinstance(v, dict) and k.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called"))]
 
 
 def remove_forward_hook(module: nn.Module, key: int) -> None:

@@ -1,68 +1,17 @@
-"""Repeated-block discovery and per-block checkpointing by forward replacement (no wrapper modules).
+"""Repeated-block discovery: the blocks parameter streaming streams and activation checkpointing recomputes.
 
-A block is checkpointed by giving the module an instance-level ``forward`` (a :class:`CheckpointedForward`)
-that runs the class's ``forward`` under non-reentrant ``torch.utils.checkpoint``, its recompute on the buffers
-the forward found (``_buffers.BufferGuard``). The module tree, the
-parameter names and therefore ``state_dict`` keys are unchanged, module hooks (FSDP2's, DeepSpeed's) stay
-outside the checkpointed region, and :func:`unwrap` restores the module exactly.
-
-For other techniques (``ActivationOffload(boundaries_only=True)``): :func:`checkpoint_info` tells whether a
-module is checkpointed and whether it is a *boundary*, i.e. whether the tensors passed to it are what the
-checkpoint keeps alive for backward; :func:`checkpointed_modules` lists them in module order.
+:func:`find_repeated_blocks` finds a model's repeated blocks, :func:`select_modules` the modules a user names,
+:func:`outside_compiled` drops ``torch.compile``-d ones.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.buffers import BufferGuard, checkpoint_contexts
-
-# the attribute that marks a checkpointed module (read it through `checkpoint_info`)
-INFO_ATTR = "_lowmem_checkpoint"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """How a module is checkpointed.
-
-    Attributes:
-        kind: ``"block"`` (recomputed on its own) or ``"segment"`` (recomputed with its segment's other blocks).
-        segment: index of the segment (blocks checkpointed on their own each form a segment of one).
-        position: position of the module inside its segment (0 for the first).
-        is_boundary: True when the module's inputs are kept for backward (the first block of each segment).
-        selective: True when matmul outputs are kept too (selective activation checkpointing).
-    """
-
-    kind: Literal["block", "segment"]
-    segment: int
-    position: int
-    is_boundary: bool
-    selective: bool = False
-
-
-def checkpoint_info(module: nn.Module) -> CheckpointInfo | None:
-    """The :class:`CheckpointInfo` of a module checkpointed by ``ActivationCheckpointing``, else None."""
-    return module.__dict__.get(INFO_ATTR)
-
-
-def checkpointed_modules(root: nn.Module) -> list[tuple[str, nn.Module, CheckpointInfo]]:
-    """Every checkpointed module under ``root`` (``root`` included), in module order."""
-    out = []
-    for name, module in root.named_modules():
-        info = checkpoint_info(module)
-        if info is not None:
-            out.append((name, module, info))
-    return out
-
 
 # --- discovery ------------------------------------------------------------------------------------
 
@@ -183,91 +132,3 @@ def owner_of(root: nn.Module, name: str) -> nn.Module:
         grand_name = ".".join(parts[:-2])
         return root.get_submodule(grand_name) if grand_name else root
     return parent
-
-
-# --- per-block checkpointing ----------------------------------------------------------------------
-
-
-def call_inner(module: nn.Module, inner: Callable[..., Any] | None, args: tuple, kwargs: dict) -> Any:
-    """Run a wrapped module's own forward: the instance-level one it had before, else its class's."""
-    if inner is not None:
-        return inner(*args, **kwargs)
-    # NOTE: looked up at call time, so a class swapped in later (FSDP2's `FSDP<Block>`) is honoured.
-    return type(module).forward(module, *args, **kwargs)
-
-
-def refuse_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Recomputing a block that writes a KV cache would write it twice: refuse with the fix."""
-    for value in (*args, *kwargs.values()):
-        if value is not None and any(c.__name__ == "Cache" for c in type(value).__mro__):
-            raise RuntimeError(
-                f"`{type(module).__name__}` received a key/value cache (`{type(value).__name__}`) while training "
-                "under ActivationCheckpointing: recomputing the block in backward would update the cache a second "
-                "time. Turn caching off for training (`model.config.use_cache = False`, or pass `use_cache=False`)."
-            )
-
-
-class CheckpointedForward:
-    """The instance-level ``forward`` of a block checkpointed on its own (picklable, deep-copyable)."""
-
-    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None, context_fn: Callable[[], Any] | None) -> None:
-        self.module = module
-        self.inner = inner
-        self.context_fn = context_fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return call_inner(self.module, self.inner, args, kwargs)
-        refuse_kv_cache(self.module, args, kwargs)
-        # NOTE: the guard gives each recompute the buffers this forward found, and leaves those it left (a
-        # recompute of BatchNorm would update its running statistics a second time, and read updated ones)
-        context_fn = functools.partial(checkpoint_contexts, BufferGuard(self.module), self.context_fn)
-        # NOTE: top-level tensor arguments are handed to `checkpoint` one by one, not inside the `args` tuple:
-        # checkpoint then keeps them as saved tensors, which saved-tensor hooks see (ActivationOffload's
-        # `boundaries_only=True` moves them to the host); inside a tuple they were plain, unreachable references.
-        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        rest = tuple(None if i in slots else a for i, a in enumerate(args))
-        return checkpoint(
-            _call_with_tensors, self.module, self.inner, rest, kwargs, slots, *(args[i] for i in slots),
-            use_reentrant=False, preserve_rng_state=True, context_fn=context_fn,
-        )  # fmt: skip
-
-
-def _call_with_tensors(
-    module: nn.Module, inner: Callable[..., Any] | None, rest: tuple, kwargs: dict, slots: list[int], *tensors: Any
-) -> Any:
-    args = list(rest)
-    for i, t in zip(slots, tensors):
-        args[i] = t
-    return call_inner(module, inner, tuple(args), kwargs)
-
-
-def has_foreign_checkpointing(module: nn.Module) -> str | None:
-    """Name the checkpointing someone else already applied to ``module`` (or an ancestor's wrapper), if any."""
-    if type(module).__name__ == "CheckpointWrapper":
-        return "torch.distributed CheckpointWrapper (e.g. FSDP's activation_checkpointing_policy)"
-    for child in module.modules():
-        if type(child).__name__ == "CheckpointWrapper":
-            return "torch.distributed CheckpointWrapper (e.g. FSDP's activation_checkpointing_policy)"
-    return None
-
-
-def wrap_block(module: nn.Module, info: CheckpointInfo, context_fn: Callable[[], Any] | None) -> bool:
-    """Checkpoint ``module`` on its own. Returns False (and changes nothing) when it is checkpointed already."""
-    if checkpoint_info(module) is not None:
-        return False
-    inner = module.__dict__.get("forward")
-    module.forward = CheckpointedForward(module, inner, context_fn)  # type: ignore[method-assign]
-    module.__dict__[INFO_ATTR] = info
-    return True
-
-
-def unwrap(module: nn.Module) -> None:
-    """Undo :func:`wrap_block` / segment wrapping: the module's forward is what it was before."""
-    if checkpoint_info(module) is None:
-        return
-    wrapper = module.__dict__.pop("forward")
-    if wrapper.inner is not None:
-        module.__dict__["forward"] = wrapper.inner
-    del module.__dict__[INFO_ATTR]
-

@@ -1,49 +1,32 @@
-"""How the suite reaches into the user's objects: the ``lightning`` vs ``pytorch_lightning`` boundary, a wrapped
-``configure_model``, a ``training_step`` called as Lightning calls it, attributes swapped for a while."""
+"""How the suite reaches into the user's objects: the ``lightning`` vs ``pytorch_lightning`` boundary, a
+``training_step`` called as Lightning calls it, attributes swapped for a while."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
+
+from lightning_lowmem._internals.twin import BUILDS, package_for, package_of
 
 
 def check_lightning_object(obj: Any, what: str) -> None:
-    """Refuse objects of the standalone ``pytorch_lightning`` package with a message that says what to do.
+    """Refuse an object of the other Lightning package than this build's, saying which build to import.
 
-    lightning_lowmem targets the unified ``lightning`` package; the two packages keep separate class
-    hierarchies and registries, so their objects cannot be mixed.
+    ``lightning`` and the standalone ``pytorch_lightning`` keep separate class hierarchies and registries:
+    ``lightning_lowmem`` works with the first, ``lightning_lowmem.pl`` (the same source, see
+    :mod:`lightning_lowmem._internals.twin`) with the second, and their objects cannot be mixed.
     """
-    module = type(obj).__module__ or ""
-    if module == "pytorch_lightning" or module.startswith("pytorch_lightning."):
-        raise TypeError(
-            f"Passed a `{type(obj).__module__}.{type(obj).__qualname__}` as {what}; lightning_lowmem works with the "
-            "unified `lightning` package only. Replace `import pytorch_lightning as pl` with "
-            "`import lightning.pytorch as pl` (or `import lightning as L` and use `L.Trainer`, "
-            "`L.LightningModule`, `L.Callback`)."
-        )
-
-
-def run_after_configure_model(pl_module: Any, apply: Callable[[], None]) -> None:
-    """Make ``pl_module.configure_model`` run ``apply`` after itself (undo with :func:`restore_configure_model`).
-
-    NOTE: Lightning calls ``configure_model`` after the callbacks' ``setup``: a model built there exists only
-    after it, so a technique that rewrites the model applies itself there.
-    """
-    original = pl_module.configure_model
-
-    @functools.wraps(original)
-    def configure_model() -> None:
-        original()
-        apply()
-
-    pl_module.configure_model = configure_model
-
-
-def restore_configure_model(pl_module: Any) -> None:
-    """Drop the wrapper(s) :func:`run_after_configure_model` set on the instance."""
-    pl_module.__dict__.pop("configure_model", None)
+    ours, theirs = package_for(__name__), package_of(obj)
+    if theirs is None or theirs == ours:
+        return
+    raise TypeError(
+        f"Passed a `{type(obj).__module__}.{type(obj).__qualname__}` (of the `{theirs}` package) as {what}, imported "
+        f"from `{BUILDS[ours]}`, which is built for the `{ours}` package; the two packages' objects cannot be mixed. "
+        f"For a `{theirs}` Trainer (e.g. one a library builds itself), import the same class from `{BUILDS[theirs]}`: "
+        f"`from {BUILDS[theirs]} import ...` (the same names, from the same source). The `lowmem_*` strategy names "
+        "work with both packages."
+    )
 
 
 def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:

@@ -1,27 +1,12 @@
-"""What a side step must put back: the state of a module that a training step run outside the loop changes.
+"""``kept_state``: a module's buffers, metric states and rebound public attributes, put back on exit.
 
-A side step (the probe of ``ActivationCheckpointing``, the trials of ``AccumulationScheduler(micro_batch_size=
-"auto")``) runs the user's ``training_step`` on a batch that plain Lightning never trains on. Whatever that step
-changes in the module would reach the run. :func:`kept_state` puts back, on exit (after an error too):
+``lowmem_auto`` plans inside ``fit`` and must leave the module as it found it. :func:`kept_state` puts back, on exit
+(after an error too): every buffer (the same tensor, its values), every ``torchmetrics.Metric``'s states and
+bookkeeping, and every public attribute of the module and its submodules that was rebound.
 
-- every buffer, the same tensor with the same values: ``BatchNorm`` running statistics and ``num_batches_tracked``
-  (its kernel writes them without bumping their version, so every buffer is copied), a module's own running scales
-  and counters, written in place or re-registered;
-- every ``torchmetrics.Metric`` under the module: its states (tensors updated in place, lists appended to) and its
-  bookkeeping (update count, cached ``compute`` and ``forward`` values), so a metric updated in ``training_step``
-  does not count the side step's batch in the epoch's value;
-- every public attribute (no leading ``_``) of the module and its submodules that the step rebound, such as a
-  counter ``self.seen += n`` or a ``self.last = out.detach()``, and the ``training`` flags.
-
-NOTE: [what is not put back] A tensor attribute that is not a buffer, changed in place (``self.ema.mul_(...)``),
-a container changed in place (``self.history.append(...)``), an attribute set for the first time, state outside
-the module (a DataModule's, a global's), and the parameters: a trial's optimizer step runs at learning rate 0,
-which leaves them bit-identical for every optimizer whose update scales with it. A parameter that ``training_step``
-itself writes in place (an EMA teacher moved toward its student under ``torch.no_grad``) is put back by
-:func:`param_writes_undone` around the step's call. Lightning's own tuners
-(``BatchSizeFinder``, ``LearningRateFinder``) restore a checkpoint instead, which covers the parameters, the
-optimizer and the persistent buffers but none of the above (metric states and non-persistent buffers are not in
-the ``state_dict``) and costs a full copy of the model on disk.
+NOTE: not put back: a tensor attribute that is not a buffer changed in place, a container changed in place, an
+attribute set for the first time, state outside the module, the parameters. The module goes once its last user
+(``plan.auto``) stops using it.
 """
 
 from __future__ import annotations
@@ -35,11 +20,26 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.accounting import storage_key, storage_key_or_none
-from lightning_lowmem.core.buffers import submodules
-
 _MISSING = object()
+
+
+def submodules(module: nn.Module) -> list[nn.Module]:
+    """``module.modules()`` (each once, in the same order), by identity.
+
+    NOTE: ``nn.Module.modules()`` keeps a set of the modules it met, which needs them hashable; a LightningModule
+    whose class defines ``__eq__`` has no ``__hash__``.
+    """
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(reversed([child for _, child in m.named_children()]))
+    return out
 
 
 @functools.cache
@@ -79,11 +79,7 @@ class _MetricSnapshot:
 
 
 class ModuleState:
-    """What :func:`kept_state` puts back, taken now; :meth:`restore` puts it back (any number of times).
-
-    The OOM splitter takes one before each chunk's forward and restores it when the chunk runs out of memory, so a
-    failed attempt leaves no trace either.
-    """
+    """What :func:`kept_state` puts back, taken now; :meth:`restore` puts it back."""
 
     __slots__ = ("buffers", "metrics", "public")
 
@@ -92,7 +88,7 @@ class ModuleState:
         with torch.no_grad():
             self.buffers = [(m, name, buf, buf.clone()) for m in modules for name, buf in m.named_buffers(recurse=False)]
         self.metrics = [_MetricSnapshot(m) for m in modules if _is_metric(type(m))]
-        # NOTE: whole dictionaries (a fast copy; the OOM splitter takes one per micro-batch), filtered on restore
+        # NOTE: whole dictionaries (a fast copy), filtered on restore
         self.public = [(m, dict(vars(m))) for m in modules]
 
     def restore(self) -> None:
@@ -143,59 +139,4 @@ def kept_state(module: nn.Module) -> Iterator[None]:
         state.restore()
 
 
-class _ParamWrites(torch_internals.TorchDispatchMode):
-    """Before the first write into a parameter's storage (an in-place op, ``out=``, also through ``.data`` or a view),
-    keeps a host copy of that parameter; :meth:`undo` copies them back."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.params = {storage_key(p): p for p in module.parameters() if p.device.type != "meta"}
-        self.kept: dict[tuple[str, int], torch.Tensor] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if torch_internals.op_is_mutable(func):
-            declared = torch_internals.op_arguments(func)
-            named = dict(zip((a.name for a in declared), args)) | kwargs
-            for arg in declared:
-                value = named.get(arg.name)
-                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-                    key = storage_key_or_none(value)
-                    if key in self.params and key not in self.kept:
-                        self.kept[key] = self.params[key].detach().to("cpu", copy=True)
-        return func(*args, **kwargs)
-
-    def undo(self) -> None:
-        with torch.no_grad():
-            for key, before in self.kept.items():
-                self.params[key].data.copy_(before)  # NOTE: `.data`: no version bump (as before the side step)
-
-
-@contextlib.contextmanager
-def param_writes_undone(module: nn.Module) -> Iterator[None]:
-    """Inside, the parameters of ``module`` that ops write in place are copied first (to the host), and put back on exit
-    (after an error too). Cost: a dispatch mode over the ops inside, and a host copy of each parameter written.
-
-    NOTE: not around a model holding ``torch.compile``-d modules (under a dispatch mode a compiled region runs another
-    path, another rounding): their writes stay (see [what is not put back]).
-
-    Example:
-        >>> teacher = nn.Linear(2, 2)
-        >>> before = teacher.weight.detach().clone()
-        >>> with param_writes_undone(teacher), torch.no_grad():
-        ...     _ = teacher.weight.mul_(0.5)
-        >>> torch.equal(teacher.weight, before)
-        True
-    """
-    if any(torch_internals.is_compiled_module(m) for m in module.modules()):
-        yield
-        return
-    mode = _ParamWrites(module)
-    try:
-        with mode:
-            yield
-    finally:
-        mode.undo()
-
-
-__all__ = ["ModuleState", "kept_state", "param_writes_undone"]
+__all__ = ["ModuleState", "kept_state"]

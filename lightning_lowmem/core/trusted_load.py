@@ -3,9 +3,9 @@
 A pickle can call any importable function while it is read, so a checkpoint from elsewhere (a download, a
 shared directory) can run code the moment it is loaded. ``torch.load(weights_only=True)`` allows only tensors,
 containers, primitives and an allow-list of classes. DeepSpeed 0.19 reads its own checkpoints with
-``weights_only=False``; :func:`checked_loads` routes those reads (``Trainer.fit(ckpt_path=DIR)`` under a
-``lowmem_zero*`` strategy, ``lowmem consolidate``) through a weights-only load, and checks each file
-against the directory's digest manifest (``core.digest``) first.
+``weights_only=False``; the ``lowmem_zero*`` presets read them through :func:`checked_load` instead (their
+checkpoint engine, ``strategies.zero.checkpoint_engine``; ``lowmem consolidate`` before DeepSpeed's reader), after
+:class:`ManifestCheck` has checked each file against the directory's digest manifest (``core.digest``).
 
 What DeepSpeed's files need beyond torch's own allow-list (found by writing real ZeRO-1/2/3 checkpoints, with
 and without optimizer/parameter offload, fp32 and bf16, on the CPU with DeepSpeed 0.19.8, and listing what
@@ -19,19 +19,16 @@ flag, passed to the strategy) or ``consolidate(..., trusted=True)`` / ``lowmem c
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import os
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_lowmem.core import digest as _digest
-from lightning_lowmem.core.hooks import swapped
 
 #: (module, name) of the classes in DeepSpeed checkpoints, and where they appear
 DEEPSPEED_GLOBALS = (
@@ -67,9 +64,7 @@ def deepspeed_globals() -> list[Any]:
 
 
 def _path_of(f: Any) -> Path | None:
-    if isinstance(f, (str, os.PathLike)):
-        return Path(os.fspath(f))
-    return None
+    return Path(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else None
 
 
 def _unsafe_globals(f: Any) -> list[str]:
@@ -97,55 +92,51 @@ def refusal(f: Any, err: BaseException, opt_in: str) -> UntrustedCheckpointError
     )
 
 
-def weights_only_load(f: Any, opt_in: str, *, original: Any = None, **kwargs: Any) -> Any:
+def weights_only_load(f: Any, opt_in: str, **kwargs: Any) -> Any:
     """``torch.load(f, weights_only=True)`` with :data:`DEEPSPEED_GLOBALS` allowed; refusal names ``f`` and ``opt_in``."""
-    load = original or torch.load
-    if kwargs.pop("pickle_module", None) is not None:
-        raise UntrustedCheckpointError(f"Refused to load {f!r} with a custom `pickle_module`. {opt_in}.")
-    kwargs.pop("weights_only", None)
     with torch.serialization.safe_globals(deepspeed_globals()):
         try:
-            return load(f, weights_only=True, **kwargs)
+            return torch.load(f, weights_only=True, **kwargs)
         except pickle.UnpicklingError as err:
             raise refusal(f, err, opt_in) from None
 
 
-@contextlib.contextmanager
-def checked_loads(directory: str | os.PathLike, *, trusted: bool, opt_in: str) -> Iterator[None]:
-    """While inside, every ``torch.load`` is weights-only (unless ``trusted``) and files of ``directory`` are checked.
+class ManifestCheck:
+    """Checks files of ``directory`` against its ``lowmem_manifest.json`` before they are read (each hashed once).
 
-    A file listed in ``directory``'s ``lowmem_manifest.json`` must have its recorded size and SHA-256 (each file
-    is hashed once); a file of ``directory`` that the manifest does not list is refused too.
-
-    NOTE: swaps the ``torch.load`` attribute of the ``torch`` module, which is how DeepSpeed calls it; another
-    thread loading with ``weights_only=False`` meanwhile would get a weights-only load as well (a refusal at
-    worst, never a less safe load).
+    A listed file must have its recorded size and SHA-256; a file of ``directory`` the manifest does not list is
+    refused too. Without a manifest (DeepSpeed's own checkpoints) nothing is checked.
     """
-    root = Path(directory).resolve()
-    files = _digest.read_manifest(root)
-    original = torch.load
-    verified: set[tuple[str, int, int]] = set()
 
-    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = str(directory)
+        self.root = Path(directory).resolve()
+        self.files = _digest.read_manifest(self.root)
+        self._verified: set[tuple[str, int, int]] = set()
+
+    def __call__(self, f: Any) -> None:
         path = _path_of(f)
-        if files is not None and path is not None:
-            resolved = path.resolve()
-            if resolved.is_relative_to(root):
-                st = resolved.stat()
-                key = (str(resolved), st.st_size, st.st_mtime_ns)
-                if key not in verified:
-                    entry = files.get(resolved.relative_to(root).as_posix())
-                    problem = _digest.entry_problem(path, entry, root / _digest.MANIFEST)
-                    if problem is not None:
-                        raise _digest.DigestMismatchError(
-                            f"The checkpoint {str(directory)!r} is damaged: {problem}. Use an earlier checkpoint (or an "
-                            "intact copy of this one)."
-                        )
-                    verified.add(key)
-        if trusted:
-            return original(f, *args, **kwargs)
-        kwargs.update(zip(("map_location", "pickle_module"), args))  # torch.load's positional parameters
-        return weights_only_load(f, opt_in, original=original, **kwargs)
+        if self.files is None or path is None or not path.resolve().is_relative_to(self.root):
+            return
+        resolved = path.resolve()
+        st = resolved.stat()
+        key = (str(resolved), st.st_size, st.st_mtime_ns)
+        if key in self._verified:
+            return
+        entry = self.files.get(resolved.relative_to(self.root).as_posix())
+        problem = _digest.entry_problem(path, entry, self.root / _digest.MANIFEST)
+        if problem is not None:
+            raise _digest.DigestMismatchError(
+                f"The checkpoint {self.directory!r} is damaged: {problem}. Use an earlier checkpoint (or an intact copy "
+                "of this one)."
+            )
+        self._verified.add(key)
 
-    with swapped(torch, load=load):
-        yield
+
+def checked_load(f: Any, check: ManifestCheck | None, *, trusted: bool, opt_in: str, **kwargs: Any) -> Any:
+    """``f`` checked by ``check``, then loaded weights-only (fully when ``trusted``: the caller's opt-in)."""
+    if check is not None:
+        check(f)
+    if trusted:
+        return torch.load(f, weights_only=False, **kwargs)
+    return weights_only_load(f, opt_in, **kwargs)

@@ -10,11 +10,17 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.callbacks.activation_checkpointing import segments as _segments
 from lightning_lowmem.callbacks.activation_checkpointing.callback import (
     ActivationCheckpointing,
     choose_for_budget,
     parse_bytes,
+)
+from lightning_lowmem.callbacks.activation_checkpointing.hooks import (
+    checkpoint_info,
+    checkpointed_modules,
+    remove_checkpointing,
 )
 from lightning_lowmem.core import blocks as _blocks
 from lightning_lowmem.measure import tracker as measure
@@ -190,11 +196,11 @@ def test_sqrt_segments_cover_blocks_in_order():
     model.transformer.h.extend(copy.deepcopy(model.transformer.h))  # 8 blocks -> segments of round(sqrt 8) = 3
     model.config.n_layer = 8
     _apply(model, policy="sqrt")
-    infos = [_blocks.checkpoint_info(b) for b in model.transformer.h]
+    infos = [checkpoint_info(b) for b in model.transformer.h]
     assert [(i.segment, i.position, i.is_boundary) for i in infos] == [
         (0, 0, True), (0, 1, False), (0, 2, False), (1, 0, True), (1, 1, False), (1, 2, False), (2, 0, True), (2, 1, False),
     ]  # fmt: skip
-    assert [name for name, _, _ in _blocks.checkpointed_modules(model)] == [f"transformer.h.{i}" for i in range(8)]
+    assert [name for name, _, _ in checkpointed_modules(model)] == [f"transformer.h.{i}" for i in range(8)]
 
 
 def test_sqrt_keeps_less_than_plain():
@@ -244,8 +250,8 @@ def test_not_applied_twice_and_unwrap():
     assert len(first.wrapped) == 4 and second.wrapped == []
     assert _count_block_forwards(model, _hf_loss) == [2, 2, 2, 2]
     for block in model.transformer.h:
-        _blocks.unwrap(block)
-        assert "forward" not in block.__dict__ and _blocks.checkpoint_info(block) is None
+        assert remove_checkpointing(block)
+        assert "forward" not in block.__dict__ and checkpoint_info(block) is None
     assert _count_block_forwards(model, _hf_loss) == [1, 1, 1, 1]
 
 
@@ -253,9 +259,10 @@ def test_deepcopy_and_pickle_keep_checkpointing():
     model = _gpt2()
     _apply(model, policy="sqrt")
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        forward = clone.transformer.h[1].forward
-        assert forward.module is clone.transformer.h[1]
+        assert [i.position for _, _, i in checkpointed_modules(clone)] == [0, 1, 0, 1]
         assert _count_block_forwards(clone, _hf_loss) == [2, 2, 2, 2]
+    assert ActivationCheckpointing.remove(model) == 4 and not checkpointed_modules(model)
+    assert _count_block_forwards(model, _hf_loss) == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("policy", ["all", "sqrt"])
@@ -267,7 +274,7 @@ def test_eval_and_no_grad_do_not_recompute(policy, grad_mode, monkeypatch):
     model = copy.deepcopy(plain)
     _apply(model, policy=policy)
     frames = []
-    monkeypatch.setattr(_blocks, "checkpoint", lambda *a, **k: frames.append(a) or pytest.fail("checkpoint called"))
+    monkeypatch.setattr(torch_internals, "checkpoint_region", lambda *a, **k: frames.append(a) or pytest.fail("checkpoint called"))
     recorded = []
     monkeypatch.setattr(_segments._SegmentRun, "record_call", lambda *a: recorded.append(a))
     ids = random_batch(seq_len=8)["input_ids"]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing, choose_for_budget
-from lightning_lowmem.core import blocks as _blocks
+from lightning_lowmem.callbacks.activation_checkpointing.hooks import BlockCheckpoint, CheckpointInfo
 from tests.helpers.activation_modules import LitCalibrated, LitConvBN, assert_same_state, fit_state
 
 pytestmark = pytest.mark.integration
@@ -98,8 +98,7 @@ def test_recompute_runs_on_the_buffers_forward_found_every_backward():
     block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     ref.load_state_dict(block.state_dict())
-    info = _blocks.CheckpointInfo("block", 0, 0, is_boundary=True)
-    assert _blocks.wrap_block(block, info, None)
+    assert BlockCheckpoint(CheckpointInfo("block", 0, 0, is_boundary=True)).attach(block)
     x = torch.randn(8, 4)
     loss, loss_ref = block(x).square().sum(), ref(x).square().sum()
     for _ in range(2):

@@ -145,23 +145,35 @@ def test_a_second_fit_keeps_the_adapters_it_applied():
     assert module.model is first
 
 
-def test_a_model_built_in_configure_model_gets_adapters():
-    class Late(LitLM):
-        def __init__(self):
-            super().__init__(None)
-            del self.model
+class _Late(LitLM):
+    """The model exists only after ``configure_model``, which ends with the Trainer's Adapters (when ``adapt``)."""
 
-        def configure_model(self):
-            if not hasattr(self, "model"):
-                with torch.random.fork_rng(devices=[]):  # the run's dropout masks stay the reference's
-                    torch.manual_seed(0)
-                    self.model = tiny_llama(num_hidden_layers=2)
+    def __init__(self, adapt: bool = True):
+        super().__init__(None)
+        del self.model
+        self.adapt = adapt
 
+    def configure_model(self):
+        if not hasattr(self, "model"):
+            with torch.random.fork_rng(devices=[]):  # the run's dropout masks stay the reference's
+                torch.manual_seed(0)
+                self.model = tiny_llama(num_hidden_layers=2)
+        if self.adapt:
+            next(c for c in self.trainer.callbacks if isinstance(c, Adapters)).apply(self)
+
+
+def test_a_model_built_in_configure_model_gets_adapters_from_its_own_call():
     want = LitLM("lora")
     fit(want, [])
-    got = Late()
+    got = _Late()
     fit(got, [Adapters("lora", **LORA)])
     assert_equal_states(state(got), state(want))
+
+
+def test_a_model_built_in_configure_model_without_the_call_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"`_Late.model` has no adapters.*End your `configure_model` with "
+                                         r"`adapters.apply\(self\)`"):
+        fit(_Late(adapt=False), [Adapters("lora", **LORA)], steps=1)
 
 
 def test_a_missing_model_attribute_names_the_children():

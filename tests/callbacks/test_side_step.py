@@ -1,13 +1,12 @@
-"""``side_step``: a training step run outside Lightning's loop leaves the run as it was.
+"""What remains of ``core.side_step`` and ``core.kept_state`` (used by the dry run and ``lowmem_auto`` only): the RNG
+forked, logging silenced, warnings quieted, a module's buffers, metric states and rebound attributes put back.
 
-Unit tests of the context manager (RNG, logging, the mark, nesting, errors), then through ``Trainer.fit``: a probe
-(``ActivationCheckpointing(policy="budget")``) and the micro-batch search (``AccumulationScheduler("auto")``), both
-with dropout, train bit-identical weights to runs without them.
+Nothing in the package runs a training step outside Lightning's loop any more (the probe and the micro-batch search
+measure fake copies: ``test_no_trace.py``); both modules go once their last users stop using them.
 """
 
 from __future__ import annotations
 
-import copy
 import random
 import warnings
 from typing import Any
@@ -17,11 +16,8 @@ import pytest
 import torch
 from torchmetrics import CatMetric, SumMetric
 
-from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
-from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
-from lightning_lowmem.core.side_step import forked_rng, marked, quiet_warnings, side_step, silenced_log, stands_aside
-from lightning_lowmem.demo.module import CausalLMModule
-from tests.callbacks.test_accumulation_integration import ListData, fit_kwargs, padded_samples
+from lightning_lowmem.core.kept_state import kept_state
+from lightning_lowmem.core.side_step import forked_rng, quiet_warnings, silenced_log
 
 
 class _Logs(L.LightningModule):
@@ -38,30 +34,35 @@ class _Logs(L.LightningModule):
         self.calls.extend(dictionary)
 
 
-def _attached() -> _Logs:
-    module = _Logs()
-    module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                               enable_model_summary=False)
-    return module
-
-
-def test_rng_is_put_back_after_the_side_step_and_after_an_error():
+def test_rng_is_put_back_after_the_fork_and_after_an_error():
     torch.manual_seed(3)
     expected = torch.rand(4)
     torch.manual_seed(3)
-    module = _attached()
-    with side_step(module):
+    with forked_rng():
         inside = torch.rand(4)
-    assert torch.equal(inside, expected)  # the side step draws what the run would have drawn...
-    with pytest.raises(RuntimeError, match="boom"), side_step(module):
+    assert torch.equal(inside, expected)  # the fork draws what the run would have drawn...
+    with pytest.raises(RuntimeError, match="boom"), forked_rng():
         torch.rand(100)
         raise RuntimeError("boom")
     assert torch.equal(torch.rand(4), expected)  # ...and the run draws it again afterwards
 
 
+def test_python_and_numpy_generators_are_put_back():
+    np = pytest.importorskip("numpy")
+    random.seed(1)
+    np.random.seed(1)
+    expected = (random.random(), float(np.random.rand()))
+    random.seed(1)
+    np.random.seed(1)
+    with forked_rng():
+        assert (random.random(), float(np.random.rand())) == expected  # the run's draws...
+        random.random()
+    assert (random.random(), float(np.random.rand())) == expected  # ...drawn again by the run
+
+
 def test_logging_is_silenced_inside_and_restored_after_an_error():
-    module = _attached()
-    with pytest.raises(ValueError, match="inside"), side_step(module):
+    module = _Logs()
+    with pytest.raises(ValueError, match="inside"), silenced_log(module):
         module.log("a", 1.0)
         module.log_dict({"b": 2.0})
         raise ValueError("inside")
@@ -72,63 +73,12 @@ def test_logging_is_silenced_inside_and_restored_after_an_error():
     assert module.calls == ["c", "d"]
 
 
-def test_an_instance_log_of_someone_else_is_given_back():
-    module = _attached()
-    recorded: list[str] = []
-    module.log = lambda name, *a, **k: recorded.append(name)  # type: ignore[method-assign]  # e.g. the OOM splitter's
-    with side_step(module):
-        module.log("probe", 1.0)
-    module.log("real", 1.0)
-    assert recorded == ["real"] and module.calls == []
-
-
 def test_a_class_can_be_silenced_and_restored():
     original = L.LightningModule.log
     with silenced_log(L.LightningModule):
         assert L.LightningModule.log is not original
         L.LightningModule().log("x", 1.0)  # no trainer: would warn; silenced, it does nothing
     assert L.LightningModule.log is original
-
-
-def test_the_mark_tells_a_wrapper_to_stand_aside_and_nesting_keeps_the_outer_one():
-    module = _attached()
-    other = _attached()
-    assert not stands_aside(module)
-    torch.manual_seed(5)
-    expected = torch.rand(3)
-    torch.manual_seed(5)
-    with side_step(module):
-        with side_step(module):
-            assert stands_aside(module)
-            module.log("inner", 1.0)
-            torch.rand(10)
-        # the inner exit gives back what the outer set: still marked, still silent, its RNG state
-        assert stands_aside(module) and not stands_aside(other)
-        module.log("outer", 1.0)
-        assert torch.equal(torch.rand(3), expected)
-    assert not stands_aside(module) and module.calls == []
-    assert torch.equal(torch.rand(3), expected)
-
-
-def test_a_detached_module_stands_aside_and_marked_alone_touches_nothing_else():
-    assert stands_aside(_Logs())  # no Trainer: no loop whose step a wrapper could change
-    module = _attached()
-    with marked(module), forked_rng():
-        assert stands_aside(module)
-        module.log("kept", 1.0)  # `marked` alone (the OOM splitter's view) leaves logging on
-    assert module.calls == ["kept"]
-
-
-def test_a_module_without_hash_can_be_marked():
-    class Unhashable(_Logs):
-        def __eq__(self, other: object) -> bool:  # defining __eq__ removes __hash__
-            return isinstance(other, Unhashable)
-
-    module = Unhashable()
-    module.trainer = _attached().trainer
-    with side_step(module):
-        assert stands_aside(module)
-    assert not stands_aside(module)
 
 
 def test_quiet_warnings_ignores_inside_only():
@@ -140,21 +90,8 @@ def test_quiet_warnings_ignores_inside_only():
     assert [str(w.message) for w in seen] == ["real"]
 
 
-def test_python_and_numpy_generators_are_put_back():
-    np = pytest.importorskip("numpy")
-    random.seed(1)
-    np.random.seed(1)
-    expected = (random.random(), float(np.random.rand()))
-    random.seed(1)
-    np.random.seed(1)
-    with side_step(_attached()):
-        assert (random.random(), float(np.random.rand())) == expected  # the run's draws...
-        random.random()
-    assert (random.random(), float(np.random.rand())) == expected  # ...drawn again by the run
-
-
 class _Counting(_Logs):
-    """A module whose step changes what a side step must put back, and what it leaves."""
+    """A module whose step changes what ``kept_state`` must put back, and what it leaves."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,13 +113,13 @@ class _Counting(_Logs):
         self.register_buffer("scale", torch.ones(()))  # registered: left registered
 
 
-def test_side_step_puts_back_buffers_metric_states_and_rebound_attributes():
+def test_kept_state_puts_back_buffers_metric_states_and_rebound_attributes():
     module = _Counting()
-    module.training_step(torch.randn(4, 3))  # a real step: what the side step must keep
+    module.training_step(torch.randn(4, 3))  # a real step: what must be kept
     norm = {k: v.clone() for k, v in module.norm.state_dict().items()}
     mean, total, outputs = module.norm.running_mean, module.total.compute(), module.outputs.compute()
     last, history = module.last, module.history
-    with side_step(module):
+    with kept_state(module):
         module.training_step(torch.randn(8, 3) * 5)
         module.eval()
         assert module.total.update_count == 2 and module.steps == 2
@@ -196,100 +133,13 @@ def test_side_step_puts_back_buffers_metric_states_and_rebound_attributes():
     assert module.total.update_count == 2 and float(module.total.compute()) == 8.0
 
 
-def test_side_step_puts_back_after_an_error():
-    module = _Counting()
-    with pytest.raises(RuntimeError, match="trial"), side_step(module):
+def test_kept_state_puts_back_after_an_error_and_takes_a_module_without_hash():
+    class Unhashable(_Counting):
+        def __eq__(self, other: object) -> bool:  # defining __eq__ removes __hash__
+            return isinstance(other, Unhashable)
+
+    module = Unhashable()
+    with pytest.raises(RuntimeError, match="trial"), kept_state(module):
         module.training_step(torch.randn(4, 3))
         raise RuntimeError("trial")
     assert module.steps == 0 and module.total.update_count == 0 and int(module.norm.num_batches_tracked) == 0
-
-
-# --- through Trainer.fit -----------------------------------------------------------------------------------------
-# dropout on: a side step that drew from the run's RNG would change every later mask, and so the weights
-CONFIG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 16,
-          "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
-
-
-def _fit(callbacks: list[Any], steps: int = 2) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    module = CausalLMModule(config=CONFIG, loss_reduction="sum", learning_rate=1e-3)
-    L.seed_everything(7, verbose=False)
-    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, **fit_kwargs())
-    trainer.fit(module, ListData(padded_samples(4 * steps)))
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for name, w in want.items():
-        assert torch.equal(got[name], w), name
-
-
-def test_a_probe_leaves_the_scheduler_window_and_the_weights_as_without_it():
-    """The budget probe runs `training_step` once more on the first batch, inside the scheduler's first window:
-    the scheduler's wrapper must not count it (a count of 3 micro-batches would scale the first step's gradients)."""
-    scheduler = {"effective_batch_size": 4, "micro_batch_size": 2, "loss_normalization": "tokens"}
-    reference = _fit([AccumulationScheduler(**scheduler)])
-    probe = ActivationCheckpointing(policy="budget", budget=10**12)
-    counted = AccumulationScheduler(**scheduler)
-    weights = _fit([counted, probe])
-    assert probe.measured and len(probe.measured["blocks"]) == CONFIG["n_layer"]  # the probe ran
-    assert counted.last_window.micro_batches == 2
-    _assert_equal(weights, reference)
-
-
-def test_micro_batch_trials_leave_the_weights_as_the_chosen_micro_batch_from_the_start():
-    auto = AccumulationScheduler(4, "auto", loss_normalization="tokens", memory_budget=10**12)
-    weights = _fit([auto])
-    assert auto.choice.micro_batch_size == 4 and len(auto.choice.peaks) >= 2  # trials ran at several sizes
-    reference = _fit([AccumulationScheduler(4, auto.choice.micro_batch_size, loss_normalization="tokens")])
-    _assert_equal(weights, reference)
-
-
-def _fit_ema_teacher(callbacks: list[Any]) -> dict[str, torch.Tensor]:
-    from tests.conformance.corpus_kinds import EMATeacher
-
-    torch.manual_seed(0)
-    module = EMATeacher()
-    trainer = L.Trainer(max_steps=3, callbacks=callbacks, limit_val_batches=0, **fit_kwargs())
-    trainer.fit(module)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-@pytest.mark.parametrize("policy", ["all", "budget"])
-def test_a_probe_puts_back_a_teacher_that_training_step_moves_in_place(policy):
-    """A self-distillation step moves its frozen EMA teacher toward the student in place (``torch.no_grad``): the
-    probe's extra ``training_step`` must not move it too (before: the teacher took one more EMA step, 1 ulp at the
-    first step where teacher == student; any later probe would move it by a whole step)."""
-    reference = _fit_ema_teacher([])
-    probe = ActivationCheckpointing(policy="budget", budget=10**12) if policy == "budget" else ActivationCheckpointing()
-    _assert_equal(_fit_ema_teacher([probe]), reference)
-
-
-def test_micro_batch_trials_put_back_a_teacher_that_training_step_moves_in_place():
-    auto = AccumulationScheduler(4, "auto", memory_budget=10**12)
-    weights = _fit_ema_teacher([auto])
-    assert len(auto.choice.peaks) >= 2  # trials ran (each moved the teacher, then put it back)
-    _assert_equal(weights, _fit_ema_teacher([AccumulationScheduler(4, auto.choice.micro_batch_size)]))
-
-
-def test_param_writes_undone_puts_back_writes_through_data_views_and_out_and_leaves_reads():
-    from lightning_lowmem.core.kept_state import param_writes_undone
-
-    net = torch.nn.Linear(4, 4)
-    before = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    with param_writes_undone(net), torch.no_grad():
-        net.weight.data.mul_(2.0)  # NOTE: through `.data`: no version bump, still seen (by storage)
-        net.weight[0].zero_()  # a view
-        torch.add(net.bias, 1.0, out=net.bias)
-        seen = net.weight.detach().clone()
-    _assert_equal({k: v.detach() for k, v in net.state_dict().items()}, before)
-    assert not seen[0].any() and torch.equal(seen[1:], 2 * before["weight"][1:])  # NOTE: inside, the writes were seen
-
-
-def test_the_fits_above_train():
-    """Guards the two tests above: two steps move the weights (runs that trained nothing would pass them)."""
-    torch.manual_seed(0)
-    untouched = copy.deepcopy(CausalLMModule(config=CONFIG, loss_reduction="sum", learning_rate=1e-3).state_dict())
-    trained = _fit([AccumulationScheduler(4, 2, loss_normalization="tokens")])
-    assert any(not torch.equal(untouched[k], trained[k]) for k in untouched)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 
-from tests.conformance import corpus_hf, corpus_kinds, corpus_lightning, corpus_nets
+from tests.conformance import corpus_hf, corpus_kinds, corpus_libs, corpus_lightning, corpus_nets
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ _NETS = [
     _net("parametrized_blocks", "parametrized", corpus_kinds.ParametrizedBlocks),
     _net("float64_head", "float64", corpus_kinds.Float64Head),
     _net("ema_teacher", "self_distillation", corpus_kinds.EMATeacher),
+    # published libraries' model classes, where the `corpus` extra installed them
+    *(_net(name, kind, cls) for name, (kind, cls) in corpus_libs.available().items()),
 ]
 
 MODULES: dict[str, ModuleSpec] = {m.name: m for m in [*_NETS, *map(_hf, corpus_hf.FAMILIES)]}

@@ -98,10 +98,10 @@ def main() -> None:
     def armed() -> bool:
         return saves["n"] == target_save
 
-    if not offload:  # NOTE: DeepSpeed writes its shards through this engine
-        from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine as tce
+    if not offload:  # NOTE: DeepSpeed writes its shards through the checkpoint engine ZeroStrategy gives it
+        from lightning_lowmem.strategies.zero.checkpoint_engine import CheckedCheckpointEngine as tce
 
-        engine_save, engine_commit = tce.TorchCheckpointEngine.save, tce.TorchCheckpointEngine.commit
+        engine_save, engine_commit = tce.save, tce.commit
 
         def save(self, state_dict, path):
             kind = "write_model" if path.endswith("model_states.pt") else "write_optim"
@@ -120,7 +120,7 @@ def main() -> None:
                 die()
             return engine_commit(self, info)
 
-        tce.TorchCheckpointEngine.save, tce.TorchCheckpointEngine.commit = save, commit
+        tce.save, tce.commit = save, commit
 
     replace_dir, rename, remove = _atomic.replace_dir, os.rename, _atomic._remove
 

@@ -228,6 +228,72 @@ def test_bf16_mixed_on_a_parametrization_with_fp32_buffers_is_refused_with_the_c
         _trainer("lowmem_zero2", max_steps=1, precision="bf16-mixed", limit_val_batches=0).fit(ParametrizedBlocks())
 
 
+class _Cells(torch.utils.data.Dataset):
+    """A batch read at once (``dataset[indices]``), as scvi-tools' ``AnnTorchDataset``: counts and a batch index."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x, self.batch = torch.rand(12, 6, generator=gen), torch.randint(0, 2, (12, 1), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, indices):
+        return {"x": self.x[indices], "batch": self.batch[indices]}
+
+
+class _BatchesInItsSampler(torch.utils.data.DataLoader):
+    """scvi-tools' ``AnnDataLoader``: batches in its sampler (``batch_size=None``) unless it is given a sampler."""
+
+    def __init__(self, dataset, batch_size=128, sampler=None, **kwargs):
+        if sampler is None:
+            sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(dataset), batch_size, False)
+            batch_size = None
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+
+
+class _OneHotCovariate(L.LightningModule):
+    """scvi-tools' ``FCLayers``: the batch index one-hot encoded and concatenated to the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(6 + 2, 1)
+        self.shapes: list[tuple[int, ...]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.shapes.append(tuple(batch["x"].shape))
+        x = torch.cat([batch["x"], torch.nn.functional.one_hot(batch["batch"].squeeze(-1), 2).float()], dim=-1)
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return _BatchesInItsSampler(_Cells(), batch_size=4)
+
+
+def test_a_loader_batching_in_its_sampler_is_refused_before_lightning_collates_its_batches():
+    """Issue 47 item 4 (scvi-tools under `lowmem_zero2_offload`: `expand` failed in its first step). Lightning's
+    distributed sampler rebuilds the loader through its class, which then collates whole batches (shape (1, 4, 6));
+    refused before the first step, and the named fix trains as plain Lightning does."""
+    def trainer(strategy, **kwargs):
+        return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+    module = _OneHotCovariate()
+    with pytest.raises(ValueError, match=r"`_BatchesInItsSampler` that batches in its sampler.*`batch_size=4`.*"
+                                         r"use_distributed_sampler=False"):
+        trainer("lowmem_zero2").fit(module)
+    assert module.shapes == []
+    plain, zero = _OneHotCovariate(), _OneHotCovariate()
+    trainer("auto").fit(plain)
+    trainer("lowmem_zero2", use_distributed_sampler=False).fit(zero)
+    assert zero.shapes == plain.shapes == [(4, 6)] * 3
+    for got, want in zip(zero.parameters(), plain.parameters()):
+        assert torch.equal(got, want)
+
+
 def _chained_schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     """A ChainedScheduler around a SequentialLR: every scheduler in it holds the optimizer it was built on."""
     from torch.optim import lr_scheduler as S

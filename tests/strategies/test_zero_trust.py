@@ -198,3 +198,14 @@ def test_a_zero3_fit_leaves_torch_functional_linear_as_it_found_it(checkpoints):
     """ZeRO-3's `zero.Init` swaps `torch.nn.functional.linear` process-wide; after fit the original is back."""
     assert "lowmem_zero3" in checkpoints  # NOTE: the fixture ran a `lowmem_zero3` fit in this process
     assert torch.nn.functional.linear is torch._C._nn.linear
+
+
+def test_universal_checkpoint_loading_is_refused_before_the_first_step():
+    """DeepSpeed's universal loader unpickles its files itself (no checkpoint engine): refused when the engine is built."""
+    from lightning_lowmem.strategies.zero import ZeroStrategy
+
+    _Steps.count = 0
+    strategy = ZeroStrategy(stage=2, config={"checkpoint": {"load_universal": True}})
+    with pytest.raises(ValueError, match=r"The DeepSpeed config selects universal-checkpoint loading .*weights-only"):
+        _trainer(strategy, max_steps=1).fit(_module(), _loader())
+    assert _Steps.count == 0

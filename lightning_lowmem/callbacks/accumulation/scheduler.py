@@ -1,46 +1,54 @@
-"""``AccumulationScheduler``: hold the effective batch, fit the micro-batch to memory, normalise the loss exactly."""
+"""``AccumulationScheduler``: hold the effective batch from micro-batches, the loss averaged over every sample or token."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.callbacks.accumulation import progress as _progress
-from lightning_lowmem.callbacks.accumulation import window as _aw
-from lightning_lowmem.callbacks.accumulation.micro_batch_search import search
-from lightning_lowmem.callbacks.accumulation.normalization import WindowNormalization, WindowStats
-from lightning_lowmem.callbacks.accumulation.oom_split import OOMSplitter
+from lightning_lowmem.callbacks.accumulation.counts import count_samples, labelled_tokens, loader_batch_size
+from lightning_lowmem.callbacks.accumulation.micro_batch_search import largest_fitting
 from lightning_lowmem.callbacks.accumulation.window import (
-    _divisibility_message,
-    _int,
-    _positive_int,
+    Window,
+    WindowStats,
     lightning_accumulation,
+    restore_gradients,
+    saved_gradients,
 )
-from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.units import fmt_bytes, parse_bytes
 
 Normalization = Literal["tokens", "samples"]
 Interval = Literal["step", "epoch"]
-OnOOM = Literal["split", "raise"]
 MicroBatch = int | Literal["auto"]
+#: ``measure(trainer, pl_module, micro_batch)``: the peak bytes of a training step at that micro-batch (None: it fails)
+Measure = Callable[[L.Trainer, L.LightningModule, int], int | None]
+
+#: NOTE: where the window's state cannot be written in one process's checkpoint
+_NOT_SAVED = {
+    "engine": "DeepSpeed keeps the window's gradients in its own buffers and does not checkpoint them",
+    "world": "each process holds its own part of the window's gradients until the step, and the checkpoint is "
+             "written by one of them",
+}
 
 
 @dataclass
 class Choice:
-    """What the callback chose, and why (``peaks``: measured peak bytes per tried micro-batch, ``None``: OOM)."""
+    """What the callback chose, and why (``peaks``: measured peak bytes per tried micro-batch, ``None``: fails)."""
 
     effective_batch_size: int
     micro_batch_size: int
@@ -50,91 +58,55 @@ class Choice:
     peaks: dict[int, int | None] | None = None
 
 
-class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
-    """Hold the effective batch (samples per optimizer step, all processes) and fit the micro-batch to memory.
+class AccumulationScheduler(Reproducible, L.Callback):
+    """Hold the effective batch (samples per optimizer step, all processes) with micro-batches that fit memory.
 
     Memory: activations scale with the micro-batch, so a micro-batch ``k`` times smaller keeps ``1/k`` of the
     activation memory while the optimizer still steps on ``effective_batch_size`` samples. Cost: ``k`` times more
-    forward/backward launches per step (smaller kernels; slower where the micro-batch no longer fills the device),
-    and one ``all_reduce`` of a scalar count per optimizer step under DDP.
+    forward/backward launches per step; under DDP one ``all_reduce`` of two scalars per optimizer step.
 
-    The callback sets the data loader's micro-batch through the ``batch_size`` attribute of the LightningModule or
-    LightningDataModule (``BatchSizeFinder``'s convention) and drives ``trainer.accumulate_grad_batches`` itself:
-    accumulation = effective / (micro * world size). It logs what it chose and keeps it in :attr:`choice`.
+    The callback sets the loader's micro-batch through the ``batch_size`` attribute of the LightningModule or
+    LightningDataModule (``BatchSizeFinder``'s convention) and ``trainer.accumulate_grad_batches`` to
+    effective / (micro * world size), and keeps what it chose in :attr:`choice`.
 
-    ``micro_batch_size="auto"`` tries micro-batches (divisors of effective / world size, binary search), and the
-    largest that fits wins: on CUDA by trial steps with out-of-memory recovery under ``memory_budget`` (default 90%
-    of the device), elsewhere by trial steps measured with :class:`~lightning_lowmem.measure.tracker.MemoryTracker`
-    (device role) under ``memory_budget`` (required). A trial is the real training step (the strategy, precision
-    and other callbacks applied) on the loader's first batch: forward + backward + an optimizer step at learning
-    rate 0, after one warm-up step, so gradients and optimizer state are alive; the weights are untouched, and the
-    optimizer state, gradients, learning rates and RNG are put back. Padded data: trials see the first batch;
-    pad to a fixed length (or put the longest sequences first) so it is the largest.
+    Loss normalisation, exact for micro-batches of any size and the short last window of an epoch (Lightning divides
+    that one by the full window, Lightning #19987), from counts taken before each micro-batch's forward
+    (see :mod:`~lightning_lowmem.callbacks.accumulation.window` and ``counts``):
 
-    Loss normalisation (exact, with micro-batches of any size and a short last window):
+    - ``"samples"``: ``training_step`` returns its micro-batch's mean loss; the step gets the mean over every sample
+      of the window. A micro-batch's samples are what the loader's batch sampler says, not its first tensor's length.
+    - ``"tokens"``: ``training_step`` returns ``{"loss": sum_of_token_losses, "num_tokens": n}``; the step gets the
+      mean over every token of the window. Tokens are counted from the batch (``count_tokens``; by default
+      ``batch["labels"][..., 1:] != -100``), and the first micro-batch's count is checked against its ``num_tokens``.
 
-    - ``"samples"``: ``training_step`` returns the mean loss of its micro-batch (a tensor or ``{"loss": ...}``);
-      the step gets the gradient of the mean over every sample of the window. The sample count is
-      ``output["num_samples"]`` if given, else the batch's size.
-    - ``"tokens"``: ``training_step`` returns ``{"loss": sum_of_token_losses, "num_tokens": n}``
-      (``CausalLMModule(loss_reduction="sum")`` does); the step gets the gradient of the mean over every token
-      of the window, whatever the padding of each micro-batch.
+    Equal micro-batches of a full window train bit for bit as ``Trainer(accumulate_grad_batches=...)``, and what other
+    code sees is plain Lightning's (``outputs["loss"]`` divided by the accumulation, Lightning's progress bar counting
+    micro-batches). Callbacks that read gradients in ``on_before_optimizer_step`` must come after this one in
+    ``callbacks`` (refused at setup otherwise; the list is never reordered).
 
-    The last window of an epoch (Lightning steps at the end of an epoch) is averaged over what it really held,
-    not divided by the full window as Lightning does (Lightning #19987).
+    ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step (or epoch) ``k``; the micro-batch and
+    the learning rate stay. ``micro_batch_size="auto"``: the largest divisor of effective / world size whose peak, as
+    ``measure(trainer, pl_module, m)`` says, fits ``memory_budget`` (default on CUDA: 90% of the device); a dry run on a
+    fake copy of the model measures without touching it. No trial step runs on the model.
 
-    Schedule (batch-size warm-up): ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step
-    ``k`` (``schedule_interval="step"``) or epoch ``k`` (``"epoch"``); ``effective_batch_size`` holds before the
-    first key. The micro-batch stays fixed; accumulation changes at the next window boundary. Learning rate:
-    untouched. ``trainer.global_step`` and step-interval LR schedulers count optimizer steps, so a warm-up phase
-    takes more, smaller updates at the same learning rate per update; scale the LR in your own scheduler
-    if you want the linear-scaling rule (``lr * E / E_final``).
-
-    Strategies: single device, DDP (gradients averaged over processes; the count is all-reduced), ``lowmem_offload``
-    (scales the host master gradients the optimizer steps), DeepSpeed (sets DeepSpeed's
-    ``gradient_accumulation_steps`` through ``trainer.accumulate_grad_batches`` before the engine is built; only
-    ``"samples"``, a fixed int micro-batch and no schedule: DeepSpeed owns the gradient buffers and the window).
-
-    What other code sees: ``outputs["loss"]`` in ``on_train_batch_end`` is the micro-batch's mean loss as
-    ``training_step`` computed it (``"tokens"``: its sum / its ``num_tokens``), *not* divided by the accumulation,
-    on every strategy (plain Lightning's ``accumulate_grad_batches`` divides it). The callback puts itself first in
-    ``trainer.callbacks``, so other callbacks' ``on_before_optimizer_step`` see the normalised gradients; only
-    ``on_after_backward`` sees the scaled, not yet normalised, sums.
-
-    Out of memory (``on_oom="split"``, the default for ``micro_batch_size="auto"``): a micro-batch whose forward or
-    backward raises ``torch.OutOfMemoryError`` is released and run as two halves, and the window completes with the
-    same samples and the same exact normalisation, so the optimizer step, the LR schedule, the reported loss and
-    ``global_step`` are those of a run without the error (up to the fp32 order of additions of the split micro-batch).
-    Later micro-batches run split to that size (a log line says so), and grow back after ``regrow_after`` clean
-    optimizer steps. A single sample that does not fit saves an atomic emergency checkpoint of the last completed
-    step and raises :class:`~lightning_lowmem.callbacks.accumulation.oom_split.MicroBatchOutOfMemoryError`. On CUDA the
-    allocator cache is emptied once per recovery. Cost: nothing until an error (one Python hook call per parameter
-    per backward); a recovery loses the failed micro-batch's work. Single process only (an error on one process
-    would desynchronise the others' collectives), not with DeepSpeed (its engine owns the micro-batch loop) nor with
-    an optimizer step inside backward. See :class:`~lightning_lowmem.callbacks.oom_recovery.OOMRecovery` for runs
-    without accumulation.
-
-    Checkpoints: one written inside a window (a time-based ``ModelCheckpoint``, a validation off the window's edge)
-    holds the window (its counts and the gradients so far, copied to the host) and a resume in a new process continues
-    it exactly; under DeepSpeed or several processes it cannot, and says so when it is written.
-
-    Logged at each optimizer step: ``accumulation/micro_batches``, ``accumulation/samples`` and, with ``"tokens"``,
-    ``accumulation/tokens`` (what the step held, all processes); with ``on_oom="split"`` also ``oom/recoveries`` and
-    ``oom/bytes_freed`` (running totals, also :attr:`oom_recoveries` and :attr:`oom_bytes_freed`).
+    Strategies: single device, DDP, ``lowmem_offload`` (scales the gradients the optimizer steps), DeepSpeed (its
+    ``gradient_accumulation_steps`` set before the engine is built; only ``"samples"``, an int micro-batch, no
+    schedule). Refused: manual optimization; ``on_oom="split"`` (removed: Lightning has no hook around a failing
+    ``training_step``). A checkpoint written inside a window holds it (counts and gradients; not under DeepSpeed or
+    several processes, said when written). Logged at each step: ``accumulation/micro_batches``,
+    ``accumulation/samples`` and with ``"tokens"`` ``accumulation/tokens`` (all processes; also :attr:`last_window`).
 
     Args:
         effective_batch_size: samples per optimizer step, summed over processes.
-        micro_batch_size: samples per forward/backward per process, or ``"auto"``.
+        micro_batch_size: samples per forward/backward per process, or ``"auto"`` (with ``measure``).
         schedule: ``{step_or_epoch: effective_batch_size}`` changes, or ``None``.
         schedule_interval: whether ``schedule`` keys are optimizer steps or epochs.
         loss_normalization: ``"samples"`` or ``"tokens"`` (see above).
-        memory_budget: bytes (or a size such as ``"12GiB"``) a training step may peak at on the device role,
-            for ``"auto"``; on CUDA ``None`` means 90% of the device's memory.
+        memory_budget: bytes (or a size such as ``"12GiB"``) a training step may peak at, for ``"auto"``.
         batch_arg_name: the attribute that sets the loader's batch size.
-        on_oom: ``"split"`` (recover from out-of-memory errors, above) or ``"raise"``; ``None``: ``"split"`` for
-            ``micro_batch_size="auto"`` in a single process, else ``"raise"``.
-        regrow_after: after a split, try twice the micro-batch again after this many optimizer steps without an
-            error; ``None`` keeps the smaller one.
+        on_oom: ``None`` or ``"raise"`` (``"split"`` is refused, see above).
+        measure: for ``"auto"``, the peak bytes of a training step at a micro-batch (above).
+        count_tokens: for ``"tokens"``, a function of the batch returning its token count (a 0-dim tensor or int).
 
     Example (``tiny_model``/``tiny_data``: the demo ``CausalLMModule``/``StdlibTextDataModule``, small):
 
@@ -156,8 +128,9 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
         loss_normalization: Normalization = "samples",
         memory_budget: int | str | None = None,
         batch_arg_name: str = "batch_size",
-        on_oom: OnOOM | None = None,
-        regrow_after: int | None = None,
+        on_oom: Literal["raise"] | None = None,
+        measure: Measure | None = None,
+        count_tokens: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
         # NOTE: a wrong type is a TypeError, a right type with a bad value a ValueError; either message names all
@@ -192,11 +165,18 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
                 f"`memory_budget={memory_budget!r}` must be a positive number of bytes, a size such as '12GiB', or None")
         if not isinstance(batch_arg_name, str):
             wrong_type.append(f"`batch_arg_name={batch_arg_name!r}` must be the name of an attribute (a str)")
-        if on_oom not in (None, "split", "raise"):
-            problems.append(f"`on_oom={on_oom!r}`; expected 'split', 'raise' or None")
-        if regrow_after is not None and not _positive_int(regrow_after):
-            (problems if _int(regrow_after) else wrong_type).append(
-                f"`regrow_after={regrow_after!r}` must be a positive int (optimizer steps) or None")
+        if on_oom == "split":
+            problems.append(
+                "`on_oom='split'` was removed: Lightning has no hook around a failing `training_step`, and the split "
+                "replaced the strategy's `training_step` and `backward`; pass an int `micro_batch_size` whose step fits "
+                "(`lowmem plan` or `lowmem estimate` predicts the peak), and add Lightning's `OnExceptionCheckpoint` "
+                "to resume after an out-of-memory error"
+            )
+        elif on_oom not in (None, "raise"):
+            problems.append(f"`on_oom={on_oom!r}`; expected 'raise' or None")
+        for name, fn in (("measure", measure), ("count_tokens", count_tokens)):
+            if fn is not None and not callable(fn):
+                wrong_type.append(f"`{name}={fn!r}` must be a function or None")
         if not problems and not wrong_type and micro_batch_size != "auto":
             for e in sorted({effective_batch_size, *schedule.values()}):
                 if e % micro_batch_size:
@@ -204,11 +184,11 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
         if problems or wrong_type:
             error = TypeError if wrong_type else ValueError
             raise error("AccumulationScheduler: " + "; ".join(wrong_type + problems) + ".")
-        if micro_batch_size != "auto" and memory_budget is not None:
+        if micro_batch_size != "auto" and (memory_budget is not None or measure is not None):
             rank_zero_warn(
-                f"AccumulationScheduler: `memory_budget={memory_budget}` is used only to choose the micro-batch "
-                f"(`micro_batch_size='auto'`); with `micro_batch_size={micro_batch_size}` it is ignored. Remove it, or "
-                "pass `micro_batch_size='auto'`."
+                f"AccumulationScheduler: `memory_budget`/`measure` choose the micro-batch (`micro_batch_size='auto'`); "
+                f"with `micro_batch_size={micro_batch_size}` they are ignored (`memory_budget={memory_budget}`). Remove "
+                "them, or pass `micro_batch_size='auto'`."
             )
         self.effective_batch_size = effective_batch_size
         self.micro_batch_size = micro_batch_size
@@ -218,22 +198,20 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
         self.memory_budget = memory_budget
         self.batch_arg_name = batch_arg_name
         self.on_oom = on_oom
-        self.regrow_after = regrow_after
+        self.measure = measure
+        self.count_tokens = count_tokens
         self.choice: Choice | None = None
         self.last_window: WindowStats | None = None
+        self.window = Window(tokens=loss_normalization == "tokens")
         self._micro: int | None = micro_batch_size if isinstance(micro_batch_size, int) else None
         self._engine = False  # DeepSpeed owns the window and the gradients
         self._sets_loader = False
         self._warned_bn = False
-        self._trainer_accumulation: int | None = None
-        self._wrapped_step = False
+        self._trainer_accumulation: int | None = None  # the last value this callback gave the Trainer
         self._resume_window: dict[str, Any] | None = None  # a window saved mid-way, put back in `on_train_start`
-        self._instance_step: Any = None  # a `training_step` the module instance had before ours (rare)
-        self._counting = True  # False while a split micro-batch re-runs samples a completed forward counted
-        self._last_count: Any = None  # what the last `_weigh` counted (samples or tokens), for the split's logging
-        self._splitter: Any = None  # `_oom_split.OOMSplitter` with on_oom="split"
-        self._reset_window()
-        self._n_ref: torch.Tensor | None = None  # mean count per micro-batch, all processes: keeps grads O(mean)
+        self._first_count: Any = None  # tokens counted in a micro-batch, checked against its output once per fit
+        self._tokens_checked = False
+        self._stepped = False  # an optimizer step closed the window under way: log its stats
 
     # --- configuration --------------------------------------------------------------------------------------------
     def effective_batch_at(self, step: int, epoch: int) -> int:
@@ -250,9 +228,8 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
         if stage != "fit":
             return
         check_lightning_object(trainer, "the Trainer")
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
         self._engine = isinstance(trainer.strategy, DeepSpeedStrategy)
+        auto = self.micro_batch_size == "auto"
         world = trainer.world_size
         problems = []
         if trainer.accumulate_grad_batches not in (1, self._trainer_accumulation):
@@ -263,7 +240,7 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
         others = [type(c).__name__ for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
         if others:
             problems.append(f"remove the `{others[0]}` callback: it also sets `accumulate_grad_batches`")
-        if self.micro_batch_size == "auto" and any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
+        if auto and any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
             problems.append("remove `BatchSizeFinder` or pass an int `micro_batch_size`: both would set the batch size")
         if not pl_module.automatic_optimization:
             problems.append("manual optimization is not supported: the callback drives Lightning's automatic loop")
@@ -274,104 +251,51 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
                     "buffers, so they cannot be rescaled by the window's token count): use 'samples', or "
                     "`strategy='lowmem_offload'`/DDP for exact token normalisation"
                 )
-            if self.schedule and len(self._effective_batches()) > 1:
+            if len(self._effective_batches()) > 1:
                 problems.append("a `schedule` is not available with DeepSpeed: its accumulation is fixed at start-up")
-            if self.micro_batch_size == "auto":
+            if auto:
                 problems.append("`micro_batch_size='auto'` is not available with DeepSpeed: pass an int")
-        if self.micro_batch_size == "auto" and not lightning_hasattr(pl_module, self.batch_arg_name):
-            problems.append(
-                f"`micro_batch_size='auto'` needs a `{self.batch_arg_name}` attribute on the LightningModule or "
-                "DataModule that `train_dataloader()` uses (like BatchSizeFinder), for the trials and the result"
-            )
-        if self.micro_batch_size == "auto" and trainer.strategy.root_device.type != "cuda" and self.memory_budget is None:
-            problems.append(
-                "`micro_batch_size='auto'` off CUDA needs `memory_budget` (bytes a training step may peak at)"
-            )
+        elif auto:
+            if self.measure is None:
+                problems.append(
+                    "`micro_batch_size='auto'` needs `measure` (the peak bytes of a training step at a micro-batch; "
+                    "the scheduler runs no trial step on your model): pass an int, chosen with `lowmem plan` or "
+                    "`lowmem estimate` (dry runs on a fake copy), or pass `measure`"
+                )
+            if not lightning_hasattr(pl_module, self.batch_arg_name):
+                problems.append(
+                    f"`micro_batch_size='auto'` needs a `{self.batch_arg_name}` attribute on the LightningModule or "
+                    "DataModule that `train_dataloader()` uses (like BatchSizeFinder), to set the result"
+                )
+            if trainer.strategy.root_device.type != "cuda" and self.memory_budget is None:
+                problems.append("`micro_batch_size='auto'` off CUDA needs `memory_budget` (bytes a step may peak at)")
         for e in self._effective_batches():
             if e % world:
                 problems.append(f"`effective_batch_size` {e} is not divisible by the world size {world}")
             elif self._micro is not None and e % (self._micro * world):
                 problems.append(_divisibility_message(e, self._micro, world))
-        problems += self._check_on_oom(trainer)
-        self._sets_loader = self._drives_loader and lightning_hasattr(pl_module, self.batch_arg_name)
+        if not self._engine:  # NOTE: [exact normalisation] in `window`: the gradients change in on_before_optimizer_step
+            mine = next((i for i, c in enumerate(trainer.callbacks) if c is self), 0)
+            readers = sorted({type(c).__name__ for c in trainer.callbacks[:mine]
+                              if is_overridden("on_before_optimizer_step", c, L.Callback)})
+            if readers:
+                problems.append(
+                    f"list it before {', '.join(f'`{n}`' for n in readers)} in `callbacks`: it normalises the window's "
+                    "gradients in `on_before_optimizer_step`, where a callback listed before it would read them first"
+                )
         if problems:
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems) + ".")
+        self._sets_loader = lightning_hasattr(pl_module, self.batch_arg_name)
         if is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module):
             rank_zero_warn(
                 "AccumulationScheduler: the LightningModule overrides `optimizer_step`/`optimizer_zero_grad`; they "
                 "are called once per optimizer step (window), not per micro-batch."
             )
         self._warn_batch_norm(pl_module)
+        self.window = Window(tokens=self.loss_normalization == "tokens")
+        self._first_count, self._tokens_checked = None, False
         if self._micro is not None:
             self._apply(trainer, pl_module, self._micro)
-        self._wrap_training_step(pl_module)
-        if self._drives_loader and not self._engine:  # the bar counts optimizer steps, as at the effective batch
-            _progress.count_optimizer_steps(trainer, self)
-        # NOTE: first among the callbacks, so that every other callback's `on_before_optimizer_step` sees the
-        # normalised gradients and its `on_train_batch_end` the reported loss (see [reported loss])
-        if trainer.callbacks and trainer.callbacks[0] is not self:
-            trainer.callbacks.remove(self)
-            trainer.callbacks.insert(0, self)
-
-    _drives_loader = True  # OOMRecovery: the loader's batch is the window, untouched
-    _epoch_start_step = 0  # global_step when this epoch started (the progress bar's count; see `progress`)
-
-    def _check_on_oom(self, trainer: L.Trainer) -> list[str]:
-        """Resolve ``on_oom=None`` and say why an explicit ``"split"`` cannot run here."""
-        explicit = self.on_oom == "split"
-        if self.on_oom is None:
-            split = self.micro_batch_size == "auto" and trainer.world_size == 1 and not self._engine
-        else:
-            split = explicit
-        problems = []
-        if explicit and self._engine:
-            problems.append(
-                "`on_oom='split'` is not available with DeepSpeed: its engine owns the micro-batch loop and the "
-                "gradient buffers; pass `on_oom='raise'`, or use `strategy='lowmem_offload'`"
-            )
-        elif explicit and trainer.world_size > 1:
-            problems.append(
-                f"`on_oom='split'` needs a single process (world size {trainer.world_size}): an out-of-memory error "
-                "on one process would leave the others waiting in a gradient all-reduce; pass `on_oom='raise'`"
-            )
-        in_backward = getattr(trainer.strategy, "optimizer_in_backward", False) or any(
-            isinstance(c, OptimizerInBackward) for c in trainer.callbacks
-        )
-        if explicit and in_backward:
-            problems.append(
-                "`on_oom='split'` cannot recover when the optimizer steps inside backward (`optimizer_in_backward`): "
-                "a failed backward has already stepped some parameters; pass `on_oom='raise'`"
-            )
-        split = split and not problems and not in_backward
-        if split and self._splitter is None:
-            self._splitter = OOMSplitter(self, self.regrow_after)
-        elif not split:
-            self._splitter = None
-        return problems
-
-    @property
-    def oom_recoveries(self) -> int:
-        """Micro-batches split after an out-of-memory error, this run (for ``MemoryReport``)."""
-        return self._splitter.recoveries if self._splitter is not None else 0
-
-    @property
-    def oom_bytes_freed(self) -> int:
-        """Bytes the allocator cache gave back after those recoveries (CUDA; 0 elsewhere)."""
-        return self._splitter.bytes_freed if self._splitter is not None else 0
-
-    @property
-    def oom_micro_batch(self) -> int | None:
-        """The largest micro-batch run since a recovery (the loader's batches split to it); None: not split."""
-        return self._splitter.piece if self._splitter is not None else None
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # NOTE: after the strategy's setup (its parameters and gradient hooks final) and the "auto" search
-        if self._splitter is not None:
-            self._splitter.install(trainer, pl_module)
-        if self._resume_window:
-            _aw.restore_window(self, trainer, self._resume_window)
-        self._resume_window = None
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -382,15 +306,14 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
             budget = self.memory_budget
             if budget is None:  # CUDA only (checked in setup)
                 budget = int(0.9 * torch.cuda.get_device_properties(trainer.strategy.root_device).total_memory)
-            peaks = search(trainer, pl_module, candidates, budget, self.batch_arg_name)
-            self._apply(trainer, pl_module, max(m for m, p in peaks.items() if p is not None and p <= budget))
-            self.choice = dataclasses.replace(self.choice, memory_budget=budget, peaks=peaks)
+            measure = self.measure
+            micro, peaks = largest_fitting(candidates, budget, lambda m: measure(trainer, pl_module, m))  # type: ignore[misc]
+            self._apply(trainer, pl_module, micro)
+            self.choice = dataclasses.replace(self.choice, memory_budget=budget, peaks=peaks)  # type: ignore[arg-type]
         elif self.choice is None:  # "auto" resumed from a checkpoint: the micro-batch it chose then
             self._apply(trainer, pl_module, self._micro)
         if self._engine:
             self._check_engine(trainer)
-        if not self._drives_loader:
-            return
         c = self.choice
         rank_zero_info(
             f"AccumulationScheduler: micro-batch {c.micro_batch_size} x accumulation {c.accumulation} x "
@@ -403,7 +326,7 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
     def resolved(self) -> AccumulationScheduler:
         """A fresh copy; with ``micro_batch_size="auto"`` once it chose, the micro-batch it chose."""
         if self.micro_batch_size == "auto" and self.choice is not None:
-            return self.fresh(micro_batch_size=self.choice.micro_batch_size, memory_budget=None)
+            return self.fresh(micro_batch_size=self.choice.micro_batch_size, memory_budget=None, measure=None)
         return self.fresh()
 
     def _apply(self, trainer: L.Trainer, pl_module: L.LightningModule, micro: int) -> None:
@@ -414,6 +337,8 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
         e = self.effective_batch_at(trainer.global_step, trainer.current_epoch)
         self._trainer_accumulation = trainer.accumulate_grad_batches = e // (micro * world)
         self.choice = Choice(e, micro, e // (micro * world), world)
+        if not self.window.tokens:
+            self.window.reference = micro
 
     def _check_engine(self, trainer: L.Trainer) -> None:
         config = getattr(trainer.strategy, "config", None) or {}
@@ -427,7 +352,7 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
 
     def _warn_batch_norm(self, pl_module: L.LightningModule) -> None:
         norms = {type(m).__name__ for m in pl_module.modules() if isinstance(m, torch_internals.BatchNormBase)}
-        if norms and not self._warned_bn and self._drives_loader:  # OOMRecovery: no micro-batches (see callbacks.accumulation.oom_split)
+        if norms and not self._warned_bn:
             self._warned_bn = True
             rank_zero_warn(
                 f"AccumulationScheduler: the model has {', '.join(sorted(norms))} layers; they normalise over each "
@@ -435,31 +360,151 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
                 "LayerNorm, or SyncBatchNorm across processes, if that matters)."
             )
 
+    # --- the window -------------------------------------------------------------------------------------------------
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._splitter is not None:
-            self._splitter.remove()
-        _progress.restore(trainer)
-        if not self._wrapped_step:
-            return
-        if self._instance_step is not None:
-            pl_module.training_step = self._instance_step  # type: ignore[method-assign]
-        elif "training_step" in pl_module.__dict__:
-            del pl_module.training_step
-        self._wrapped_step, self._instance_step = False, None
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._resume_window:  # NOTE: after the optimizers and their state are restored
+            restore_gradients(trainer.optimizers, self._resume_window["grads"])
+            self.window.load_state_dict(self._resume_window)
+        self._resume_window = None
 
     @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.window.start_epoch()
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        w, loader = self.window, trainer.train_dataloader
+        if w.pos == 0 and batch_idx == 0:
+            self._check_loader(loader, batch)
+        samples = count_samples(loader, batch, batch_idx)
+        count: Any = samples
+        if w.tokens:
+            tokens = (self.count_tokens or labelled_tokens)(batch)
+            count = torch.as_tensor(tokens, device=trainer.strategy.root_device).to(torch.float64)
+            if not self._tokens_checked:
+                self._first_count = count
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        ready = progress.current.ready
+        epoch_end = ready == trainer.num_training_batches or progress.is_last_batch
+        size = self.effective_batch_at(trainer.global_step, trainer.current_epoch) // (self._micro * trainer.world_size)
+        value, zero_here = w.advance(size, batch_idx, ready, epoch_end, (samples, count))
+        if self._engine:  # NOTE: DeepSpeed's engine keeps its own window
+            return
+        # NOTE: Lightning decides zero_grad by `batch_idx % N == 0` and the step by `ready % N == 0`; after a schedule
+        # change a window need not start at a multiple of its size, so N is chosen per batch to give exactly this
+        # window's edges. Only a change is written: StochasticWeightAveraging's forward-only epoch raises N to keep
+        # Lightning from stepping, and an aligned window leaves that alone.
+        if value != self._trainer_accumulation:
+            self._trainer_accumulation = trainer.accumulate_grad_batches = value
+        if zero_here:
+            for optimizer in trainer.optimizers:
+                pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+
+    def _check_loader(self, loader: Any, batch: Any) -> None:
+        """On an epoch's first batch: the loader gives the micro-batch the callback chose (see ``counts``).
+
+        NOTE: ``lightning_setattr`` also sets ``hparams.batch_size`` when only the hyper-parameters have one; a loader
+        built with a fixed size then ignores it, and the run would accumulate the wrong effective batch.
+        """
+        said = loader_batch_size(loader)
+        size = said or extract_batch_size(batch)
+        if size == self._micro:
+            return
+        if said is None:
+            rank_zero_warn(
+                f"AccumulationScheduler cannot tell the train loader's batch size: it names none (`batch_size=None` or "
+                f"a batch sampler without one), and the batch's first tensor has {size} rows, which need not be its "
+                f"samples (a graph's nodes, packed tokens). If its batches hold {self._micro} samples, all is well; "
+                f"otherwise build the loader with `batch_size=self.{self.batch_arg_name}`."
+            )
+            return
+        where = f"set `{self.batch_arg_name}={self._micro}` on the LightningModule or DataModule, but"
+        if not self._sets_loader:
+            where = (f"needs micro-batches of {self._micro}, but neither the LightningModule nor the DataModule has a "
+                     f"`{self.batch_arg_name}` attribute for it to set, and")
+        raise ValueError(
+            f"AccumulationScheduler {where} the train loader gives batches of {size}, so each optimizer step would "
+            f"hold {size}/{self._micro} of `effective_batch_size`. Build the loader from that attribute "
+            f"(`DataLoader(..., batch_size=self.{self.batch_arg_name})`, or `self.hparams.{self.batch_arg_name}` "
+            "if it lives in the hyper-parameters), or pass `micro_batch_size` equal to the loader's batch size."
+        )
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        w = self.window
+        if w.pending is None or not loss.requires_grad:
+            return
+        n, size = trainer.accumulate_grad_batches, w.size
+        if self._engine:
+            # NOTE: weights relative to a full micro-batch. Lightning's loop divides the loss by n; Lightning's stock
+            # DeepSpeedStrategy divides it by n again in `engine.backward` (so n is undone), our ZeroStrategy
+            # (`loss_divided_once`) does not.
+            n, size = (1 if getattr(trainer.strategy, "loss_divided_once", False) else n), 1
+        h = w.weigh(n, size, lambda t: trainer.strategy.reduce(t, reduce_op="mean"))
+        if h is not None:
+            h = h.to(loss.dtype) if isinstance(h, torch.Tensor) else h  # NOTE: a 0-dim product would promote
+            loss.register_hook(lambda grad: grad * h)
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        w = self.window
+        if self._engine or w.micro_batches == 0:  # NOTE: nothing backpropagated (SWA's forward-only epoch)
+            w.reset()
+            return
+        strategy = trainer.strategy
+        factor = w.step_factor(trainer.world_size, lambda t: strategy.reduce(t, reduce_op="sum"), strategy.root_device)
+        self.last_window, self._stepped = w.stats, True
+        if factor is None:
+            return
+        per_device: dict[torch.device, Any] = {}
+        # NOTE: the gradients of what the optimizer steps: under `lowmem_offload` these are the host masters
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if isinstance(factor, torch.Tensor) and p.grad.device not in per_device:
+                        per_device[p.grad.device] = factor.to(p.grad.device)
+                    p.grad.mul_(per_device.get(p.grad.device, factor))
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._first_count is not None and isinstance(outputs, Mapping) and "loss" in outputs:
+            counted, self._first_count, self._tokens_checked = self._first_count, None, True
+            _check_token_count(outputs, counted)
+        if not self._stepped:
+            return
+        self._stepped = False
+        w = self.last_window
+        metrics = {"accumulation/micro_batches": float(w.micro_batches), "accumulation/samples": float(w.samples)}
+        if w.tokens is not None:
+            metrics["accumulation/tokens"] = w.tokens
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+
+    # --- checkpoints ------------------------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "micro_batch_size": self._micro, "n_ref": None if self._n_ref is None else float(self._n_ref),
-            "oom_micro_batch": None if self._splitter is None else self._splitter.piece,
-        }
+        reference = self.window.reference if self.window.tokens else None
+        return {"micro_batch_size": self._micro, "n_ref": None if reference is None else float(reference)}
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        window = _aw.window_state(self, trainer)  # NOTE: a checkpoint written inside a window (see the helper)
-        if window is not None and self.state_key in checkpoint.get("callbacks", {}):
-            checkpoint["callbacks"][self.state_key]["window"] = window
+        w = self.window
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        # NOTE: at a window edge there is nothing to keep; inside a batch (`OnExceptionCheckpoint`) the gradients
+        # hold part of it, and such a checkpoint resumes without the window
+        if w.pos == 0 or progress.ready != progress.processed or self.state_key not in checkpoint.get("callbacks", {}):
+            return
+        reason = "engine" if self._engine else "world" if trainer.world_size > 1 else None
+        if reason is not None:
+            rank_zero_warn(
+                f"AccumulationScheduler: a checkpoint is being written inside an accumulation window ({w.pos} of "
+                f"{w.size} micro-batches done), but {_NOT_SAVED[reason]}: a resume from it continues the window "
+                "without them, so its next optimizer step differs from an uninterrupted run's. Save on window edges "
+                "(`ModelCheckpoint(every_n_train_steps=...)`)."
+            )
+            return
+        checkpoint["callbacks"][self.state_key]["window"] = {**w.state_dict(), "grads": saved_gradients(trainer.optimizers)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -468,11 +513,51 @@ class AccumulationScheduler(Reproducible, WindowNormalization, L.Callback):
         # stay what they were; "auto" does not search again.
         if self.micro_batch_size == "auto" and state_dict.get("micro_batch_size"):
             self._micro = int(state_dict["micro_batch_size"])
-        if state_dict.get("n_ref") is not None:
-            self._n_ref = torch.tensor(state_dict["n_ref"], dtype=torch.float64)
-        # NOTE: a run resumed after a split keeps the smaller micro-batch (Lightning restores callbacks after `setup`)
-        if self._splitter is not None and state_dict.get("oom_micro_batch"):
-            self._splitter.piece = int(state_dict["oom_micro_batch"])
+        if self.window.tokens and state_dict.get("n_ref") is not None:
+            self.window.reference = float(state_dict["n_ref"])
+
+
+def _check_token_count(outputs: Mapping[str, Any], counted: torch.Tensor) -> None:
+    """The first micro-batch's ``num_tokens`` is the count the normalisation used (a sync, once per fit)."""
+    if "num_tokens" not in outputs:
+        raise TypeError(
+            "AccumulationScheduler(loss_normalization='tokens'): `training_step` must return "
+            "`{'loss': sum_of_token_losses, 'num_tokens': n}` (CausalLMModule(loss_reduction='sum') does); it returned "
+            f"keys {sorted(outputs)}. Or pass `loss_normalization='samples'` for a per-micro-batch mean loss."
+        )
+    returned = torch.as_tensor(outputs["num_tokens"]).to(counted.device, torch.float64)
+    if bool(returned != counted):
+        raise ValueError(
+            f"AccumulationScheduler(loss_normalization='tokens'): the first micro-batch was normalised by "
+            f"{int(counted)} tokens, counted from the batch before its forward (`count_tokens`, by default "
+            f"`batch['labels'][..., 1:] != -100`), but `training_step` returned `num_tokens={int(returned)}`. Pass "
+            "`count_tokens=<a function of the batch that counts the tokens your loss sums over>`."
+        )
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> bool:
+    return _int(value) and value > 0
+
+
+def _divisibility_message(effective: int, micro: int, world: int) -> str:
+    """Say why ``effective`` does not split into micro-batches, and the nearest values that do."""
+    unit = micro * world
+    below, above = (effective // unit) * unit, (effective // unit + 1) * unit
+    nearest = f"{below} or {above}" if below else f"{above}"
+    msg = (
+        f"`effective_batch_size` {effective} is not a multiple of micro-batch {micro} x world size {world} = {unit}: "
+        f"the nearest valid effective batch sizes are {nearest}"
+    )
+    if effective % world == 0:
+        per_process = effective // world
+        divisors = [d for d in range(1, per_process + 1) if per_process % d == 0]
+        options = [str(d) for d in ([d for d in divisors if d < micro][-1:] + [d for d in divisors if d > micro][:1])]
+        msg += f", or keep {effective} with micro-batch {' or '.join(options)}"
+    return msg
 
 
 __all__ = ["AccumulationScheduler", "Choice", "WindowStats", "lightning_accumulation"]

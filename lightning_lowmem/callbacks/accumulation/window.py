@@ -1,27 +1,42 @@
-"""The window edges, the loader check and the mid-window checkpoint of ``AccumulationScheduler`` (private helper).
+"""The accumulation window of ``AccumulationScheduler``: its edges, its counts, the weight of each micro-batch's
+gradient and the factor of the optimizer step.
 
-A checkpoint can be written inside an accumulation window: ``ModelCheckpoint(train_time_interval=...)``, a
-validation every ``val_check_interval`` batches that does not fall on a window edge, a SLURM requeue, a user's
-``trainer.save_checkpoint`` in a hook. Lightning keeps no gradients in a checkpoint, so a resume from it continued
-the window with the micro-batches after the save only, and the step differed from the uninterrupted run's.
-:func:`window_state` puts the window in the callback's state (its counts and the gradients accumulated so far,
-copied to the host: a checkpoint written mid-window is larger by one gradient per trainable parameter), and
-:func:`restore_window` puts them back before the first batch of the resumed run, so the step is the same.
+NOTE: [exact normalisation] The step must get the gradient of the mean over every sample (``"samples"``: each
+micro-batch's mean loss weighted by its samples) or every token (``"tokens"``: each micro-batch's sum of token
+losses) of the window, over every process. Lightning divides each micro-batch's loss by
+``trainer.accumulate_grad_batches`` (``N``) and DDP averages the gradients over the ``P`` processes. A tensor hook on
+the loss Lightning hands to ``on_before_backward`` multiplies the gradient flowing from it by
+``h = N * u / (reference * size)`` (``u``: the micro-batch's samples, 1 for tokens; ``reference``: the samples of one
+micro-batch, or the power of two nearest its mean tokens; ``size``: the window's micro-batches), and before the step the accumulated
+gradients take ``F = reference * size * P / total`` (``total``: the window's samples or tokens, every process). Equal
+micro-batches in a full window make both exactly 1, and nothing is multiplied: the step is plain Lightning's
+``accumulate_grad_batches``, bit for bit. A short or uneven window (the epoch's last), or token counts, is exact up to
+the rounding of one more multiply. The forward values (``outputs["loss"]``, what ``self.log`` records) are untouched.
+Hazard: ``on_before_optimizer_step`` of a callback listed before the scheduler would see the gradients before ``F``
+(the scheduler refuses that order at setup).
+
+NOTE: [mid-window checkpoint] A checkpoint can be written inside a window (``ModelCheckpoint(train_time_interval=
+...)``, a validation off the window's edge, a SLURM requeue). Lightning keeps no gradients in a checkpoint, so the
+scheduler saves the window (:meth:`Window.state_dict`, and the gradients so far, copied to the host) and puts it back
+before the resumed run's first batch, so its step is the uninterrupted one's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-#: NOTE: where the window's state cannot be written in one process's checkpoint
-_NOT_SAVED = {
-    "engine": "DeepSpeed keeps the window's gradients in its own buffers and does not checkpoint them",
-    "world": "each process holds its own part of the window's gradients until the step, and the checkpoint is "
-             "written by one of them",
-}
+
+@dataclass
+class WindowStats:
+    """What the last optimizer step was built from, summed over every process."""
+
+    micro_batches: int
+    samples: int
+    tokens: torch.Tensor | None  # 0-dim, on the device (read it with ``int(...)``: a sync on CUDA)
 
 
 def lightning_accumulation(
@@ -42,106 +57,112 @@ def lightning_accumulation(
     raise RuntimeError(f"no accumulation value fits batch {batch_idx} (ready {ready}, first {first}, last {last})")
 
 
-def check_first_batch(callback: Any, batch_size: int) -> None:
-    """Refuse a loader whose batches are not the micro-batch the callback chose (checked on the epoch's first batch).
+class Window:
+    """One accumulation window (see the module's notes): where it is, what its backward passes counted."""
 
-    NOTE: ``lightning_setattr`` also sets ``hparams.batch_size`` when only the hyper-parameters have one; a loader
-    built with a fixed size then ignores it, and the run would accumulate the wrong effective batch.
+    def __init__(self, tokens: bool) -> None:
+        self.tokens = tokens
+        self.pos = 0  # the position of the next micro-batch in the window
+        self.size = 0  # micro-batches the window holds (fixed at its first)
+        self.last = False  # the micro-batch under way closes the window
+        #: samples (an int) or mean tokens (a float64 device tensor) of one micro-batch: the unit of the weights
+        self.reference: Any = None
+        self.pending: tuple[int, Any] | None = None  # (samples, count) of the micro-batch whose backward comes next
+        self.stats: WindowStats | None = None  # what the last step was built from
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the counts (after a step)."""
+        self.samples = 0
+        self.micro_batches = 0
+        self.count: Any = 0  # samples or tokens backpropagated in this window, this process
+
+    def start_epoch(self) -> None:
+        """A new window (Lightning steps at the end of every epoch: windows never cross epochs)."""
+        self.pos, self.pending = 0, None
+        self.reset()
+
+    def advance(self, size: int, batch_idx: int, ready: int, epoch_end: bool, counts: tuple[int, Any]) -> tuple[int, bool]:
+        """Place the next micro-batch and hold its ``(samples, count)`` for its backward; ``size``: the micro-batches
+        of the window it opens, if it does. Returns :func:`lightning_accumulation`'s ``(N, zero_here)``."""
+        if self.pos == 0:
+            self.size = size
+        first, self.last = self.pos == 0, self.pos == self.size - 1 or epoch_end
+        self.pos = 0 if self.last else self.pos + 1
+        self.pending = counts
+        return lightning_accumulation(batch_idx, ready, first, self.last, epoch_end, self.size)
+
+    def weigh(self, accumulation: int, size: int, world_mean: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """Count the micro-batch whose backward starts; the factor ``h`` of its gradient (None: exactly 1)."""
+        samples, count = self.pending  # type: ignore[misc]
+        self.pending = None
+        self.samples += samples
+        self.micro_batches += 1
+        self.count = self.count + count
+        if self.reference is None:  # tokens, the first micro-batch of the run: its mean count over processes
+            self.reference = _power_of_two(world_mean(count.clamp(min=1)))
+        h = accumulation * (1 if self.tokens else samples) / (self.reference * size)
+        return None if isinstance(h, float) and h == 1.0 else h
+
+    def step_factor(self, world: int, world_sum: Callable[[torch.Tensor], torch.Tensor], device: Any) -> Any:
+        """The factor ``F`` of the window's gradients (None: exactly 1); :attr:`stats` and the next reference set."""
+        total, samples = self.count, self.samples
+        if world > 1:  # NOTE: one all_reduce of two scalars per optimizer step (a sync point)
+            both = torch.stack([torch.as_tensor(total, dtype=torch.float64, device=device),
+                                torch.tensor(float(samples), dtype=torch.float64, device=device)])
+            total, samples = world_sum(both).unbind()
+        factor = self.reference * self.size * world / (total.clamp(min=1) if self.tokens else total)
+        self.stats = WindowStats(self.micro_batches * world, int(samples), total if self.tokens else None)
+        if self.tokens:  # NOTE: keeps the backpropagated gradients O(mean loss) (fp16 headroom) in the next window
+            self.reference = _power_of_two(total.clamp(min=1) / (self.micro_batches * world))
+        self.reset()
+        return None if isinstance(factor, float) and factor == 1.0 else factor
+
+    # --- [mid-window checkpoint] ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos, "size": self.size, "samples": self.samples, "micro_batches": self.micro_batches,
+                "count": float(self.count), "reference": None if self.reference is None else float(self.reference)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos, self.size = state["pos"], state["size"]
+        self.samples, self.micro_batches = state["samples"], state["micro_batches"]
+        self.count = state["count"] if self.tokens else int(state["count"])  # NOTE: a float joins the next count
+        if self.tokens:
+            self.reference = state["reference"]
+        self.last = False
+
+
+def _power_of_two(mean: torch.Tensor) -> torch.Tensor:
+    """The power of two nearest ``mean`` (on its device, no sync).
+
+    NOTE: the tokens' reference: ``h = N / (reference * size)`` is then exact in any float dtype of the loss (``N ==
+    size`` in an aligned window), so ``F`` divides out exactly the factor the gradients took (bf16-true: a mean
+    token count would round in bf16 and scale the step by up to 2^-9).
     """
-    if batch_size == callback._micro:
-        return
-    where = f"set `{callback.batch_arg_name}={callback._micro}` on the LightningModule or DataModule, but"
-    if not callback._sets_loader:
-        where = f"needs micro-batches of {callback._micro}, but neither the LightningModule nor the DataModule has a " \
-                f"`{callback.batch_arg_name}` attribute for it to set, and"
-    raise ValueError(
-        f"AccumulationScheduler {where} the train loader gives batches of {batch_size}, so each optimizer step would "
-        f"hold {batch_size}/{callback._micro} of `effective_batch_size`. Build the loader from that attribute "
-        f"(`DataLoader(..., batch_size=self.{callback.batch_arg_name})`, or `self.hparams.{callback.batch_arg_name}` "
-        "if it lives in the hyper-parameters), or pass `micro_batch_size` equal to the loader's batch size."
-    )
+    return torch.exp2(torch.round(torch.log2(mean)))
 
 
-def window_state(callback: Any, trainer: Any) -> dict[str, Any] | None:
-    """The window in progress (None at a window edge): counts, the normalisation factor, the gradients so far."""
-    if callback._pos == 0 or trainer is None:
-        return None
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    if progress.ready != progress.processed:
-        # NOTE: inside a batch (the out-of-memory splitter's emergency checkpoint of the last completed step): the
-        # window's counts already hold part of this batch; such a checkpoint resumes as it did before, without them
-        return None
-    reason = "engine" if callback._engine else "world" if trainer.world_size > 1 else None
-    if reason is not None:
-        rank_zero_warn(
-            f"AccumulationScheduler: a checkpoint is being written inside an accumulation window ({callback._pos} of "
-            f"{callback._window} micro-batches done), but {_NOT_SAVED[reason]}: a resume from it continues the window "
-            "without them, so its next optimizer step differs from an uninterrupted run's. Save on window edges "
-            "(`ModelCheckpoint(every_n_train_steps=...)`)."
-        )
-        return None
-    grads = [
-        None if p.grad is None else p.grad.detach().to("cpu", copy=True)
-        for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]
-    ]
-    count = callback._count
-    return {
-        "pos": callback._pos, "window": callback._window, "samples": callback._samples,
-        "micro_batches": callback._micro_batches,
-        "count": float(count) if isinstance(count, torch.Tensor) else count, "count_is_tensor": isinstance(count, torch.Tensor),
-        "k": None if callback._k is None else float(callback._k),
-        "k_dtype": None if callback._k_loss is None else str(callback._k_loss.dtype).removeprefix("torch."),
-        "grads": grads,
-    }
+def optimized_params(optimizers: list[Any]) -> list[torch.Tensor]:
+    """What the optimizers step (under ``lowmem_offload`` the host masters), in order."""
+    return [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
 
 
-def restore_window(callback: Any, trainer: Any, state: dict[str, Any]) -> None:
-    """Put a window saved by :func:`window_state` back (after the optimizers and their state are restored)."""
-    params = [p for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]]
-    grads = state["grads"]
-    mismatch = len(grads) != len(params) or any(
-        g is not None and tuple(g.shape) != tuple(p.shape) for g, p in zip(grads, params))
-    if mismatch:
+def saved_gradients(optimizers: list[Any]) -> list[torch.Tensor | None]:
+    """The window's gradients so far, copied to the host (a mid-window checkpoint holds them)."""
+    return [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in optimized_params(optimizers)]
+
+
+def restore_gradients(optimizers: list[Any], grads: list[torch.Tensor | None]) -> None:
+    """Put :func:`saved_gradients` back (after the optimizers and their state are restored)."""
+    params = optimized_params(optimizers)
+    if len(grads) != len(params) or any(g is not None and g.shape != p.shape for g, p in zip(grads, params)):
         raise ValueError(
             f"AccumulationScheduler: the checkpoint was written inside an accumulation window and holds its gradients "
             f"for {len(grads)} parameters, but the optimizers of this run have {len(params)} (or other shapes): it "
             "was written by another model or `configure_optimizers`. Resume with the model that wrote it."
         )
-    device = trainer.strategy.root_device
     for p, g in zip(params, grads):
         p.grad = None if g is None else g.to(device=p.device)  # NOTE: in the dtype it had (bf16-true: bf16)
-    callback._pos, callback._window = state["pos"], state["window"]
-    callback._samples, callback._micro_batches = state["samples"], state["micro_batches"]
-    count = state["count"]
-    callback._count = torch.tensor(count, dtype=torch.float64, device=device) if state["count_is_tensor"] else count
-    if state["k"] is not None:
-        callback._k = torch.tensor(state["k"], dtype=torch.float64, device=device)
-        callback._k_loss = callback._k.to(getattr(torch, state["k_dtype"]))
-    callback._last = False
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _positive_int(value: Any) -> bool:
-    return _int(value) and value > 0
-
-
-def _divisibility_message(effective: int, micro: int, world: int) -> str:
-    """Say why ``effective`` does not split into micro-batches, and the nearest values that do."""
-    unit = micro * world
-    below, above = (effective // unit) * unit, (effective // unit + 1) * unit
-    nearest = f"{below} or {above}" if below else f"{above}"
-    msg = (
-        f"`effective_batch_size` {effective} is not a multiple of micro-batch {micro} x world size {world} = {unit}: "
-        f"the nearest valid effective batch sizes are {nearest}"
-    )
-    if effective % world == 0:
-        per_process = effective // world
-        divisors = [d for d in range(1, per_process + 1) if per_process % d == 0]
-        smaller = [d for d in divisors if d < micro]
-        larger = [d for d in divisors if d > micro]
-        options = [str(d) for d in (smaller[-1:] + larger[:1])]
-        msg += f", or keep {effective} with micro-batch {' or '.join(options)}"
-    return msg
-
-
+__all__ = ["Window", "WindowStats", "lightning_accumulation", "restore_gradients", "saved_gradients"]

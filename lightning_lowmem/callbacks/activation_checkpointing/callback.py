@@ -10,12 +10,20 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem._internals import torch as torch_internals
+from lightning_lowmem.callbacks.activation_checkpointing.hooks import (
+    BlockCheckpoint,
+    CheckpointInfo,
+    checkpoint_info,
+    checkpointed_modules,
+    remove_checkpointing,
+)
 from lightning_lowmem.callbacks.activation_checkpointing.probe import (
     choose_submodules,
     measure_saved_bytes,
@@ -23,11 +31,7 @@ from lightning_lowmem.callbacks.activation_checkpointing.probe import (
 )
 from lightning_lowmem.callbacks.activation_checkpointing.segments import CloseSegments, Segment, wrap_segment
 from lightning_lowmem.callbacks.activation_checkpointing.selective import holds_recurrent_layer, selective_contexts
-from lightning_lowmem.core import blocks as _blocks
 from lightning_lowmem.core.blocks import (
-    CheckpointInfo,
-    checkpoint_info,
-    checkpointed_modules,
     compiled_names,
     find_repeated_blocks,
     in_compiled,
@@ -35,7 +39,7 @@ from lightning_lowmem.core.blocks import (
     owner_of,
     select_modules,
 )
-from lightning_lowmem.core.hooks import check_lightning_object, restore_configure_model, run_after_configure_model
+from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.units import parse_bytes
 
@@ -56,11 +60,12 @@ class ActivationCheckpointing(Reproducible, Callback):
     (an MLP, an autoencoder, a CNN, a one-layer ``nn.Transformer``) gets its blocks by measurement on the first
     training batch (one extra forward, RNG untouched): the largest submodules whose checkpointing frees memory,
     splitting any that holds more than half of all activations into its children (:attr:`chosen_by_measurement`);
-    if none frees anything it warns and trains unchanged. Manual-optimization modules without repeated blocks
-    (GANs) must name ``blocks``: measuring would run their ``training_step``, which steps optimizers. Checkpointing is
-    non-reentrant (``use_reentrant=False``) with the RNG state preserved, so gradients are bit-identical to
-    training without it, dropout included. Blocks are wrapped by giving them an instance-level ``forward``,
-    so ``state_dict`` keys do not change: checkpoints load into a model without the callback and back.
+    if none frees anything it warns and trains unchanged. Measuring runs ``training_step`` once on a fake copy of
+    the module (fake weights, no Trainer: the run is untouched); a step that cannot run there (manual optimization,
+    a read of ``self.trainer``) is refused, asking for ``blocks``. Checkpointing is non-reentrant with the RNG state
+    preserved, so gradients are bit-identical to training without it, dropout included. It is applied at the
+    first training batch through each block's forward hooks (the module tree and ``state_dict`` keys do not change:
+    checkpoints load into a model without the callback and back) and removed at the end of ``fit``.
 
     Policies (``policy=``):
         - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
@@ -74,7 +79,7 @@ class ActivationCheckpointing(Reproducible, Callback):
           recurrent layer are recomputed whole; an in-place change of a kept output is refused (see ``selective``).
         - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings
           the activations under the budget, from activation sizes measured on the first training batch
-          (one extra forward, RNG untouched). Below the minimum possible it raises, naming the minimum.
+          (on a fake copy, as above). Below the minimum possible it raises, naming the minimum.
         - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
 
     ``torch.compile``-d modules, the modules inside them and those holding them are not checkpointed (a warning names
@@ -83,14 +88,14 @@ class ActivationCheckpointing(Reproducible, Callback):
 
     Module buffers end as plain training leaves them: each recompute runs on a copy of the buffers its forward
     found (so ``BatchNorm`` running statistics and a module's own counters are updated once, and a forward that
-    reads a buffer it updates recomputes the same thing), and the measuring forward puts every buffer back. Cost:
+    reads a buffer it updates recomputes the same thing). Cost:
     a copy of a checkpointed block's buffers per call, held until its backward (nothing for blocks without
     buffers, such as Hugging Face transformer blocks).
 
     Works with models built in ``__init__`` or in ``configure_model``, under single-device, DDP, FSDP /
-    ModelParallel (per-block policies), ``lowmem_offload`` and DeepSpeed ZeRO (the ``lowmem_zero*`` presets; under
-    stage 3 every policy but ``"sqrt"``), as Hugging Face's non-reentrant checkpointing composes with ZeRO-3's
-    parameter fetching. Hugging Face models: their own ``gradient_checkpointing`` is turned off (with a warning)
+    ModelParallel (the per-block policies, blocks found or named), ``lowmem_offload`` and DeepSpeed ZeRO (the
+    ``lowmem_zero*`` presets; under stage 3 every policy but ``"sqrt"``): the strategies' hooks that gather or
+    stream a block's weights run around its checkpointed forward, once. Hugging Face models: their own ``gradient_checkpointing`` is turned off (with a warning)
     to avoid recomputing twice, and ``config.use_cache`` is set to False while fitting (a KV cache cannot be
     recomputed).
 
@@ -105,7 +110,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         >>> trainer = L.Trainer(callbacks=[ActivationCheckpointing(policy="budget", budget="6GiB")])
 
     Attributes:
-        wrapped: qualified names of the checkpointed modules, after setup.
+        wrapped: qualified names of the checkpointed modules (from the first training batch).
         measured: for ``"budget"``, the measured bytes (``outside``, per-block ``blocks``, ``block_inputs``).
         chosen_by_measurement: for a model without repeated blocks, ``{module name: bytes its checkpointing
             frees}`` of the modules chosen on the first batch (``None`` otherwise).
@@ -166,7 +171,6 @@ class ActivationCheckpointing(Reproducible, Callback):
         self._block_list: list[tuple[str, nn.Module]] = []
         self._hook_handles: list[Any] = []
         self._use_cache: list[tuple[Any, Any]] = []
-        self._patched_configure_model = False
         self._pending_choice = False  # no repeated blocks: choose submodules on the first training batch
         self.chosen_by_measurement: dict[str, int] | None = None
 
@@ -178,18 +182,26 @@ class ActivationCheckpointing(Reproducible, Callback):
             return
         check_lightning_object(trainer, "the Trainer of ActivationCheckpointing")
         self._check_strategy(trainer)
-        run_after_configure_model(pl_module, lambda: self._apply(pl_module))
-        self._patched_configure_model = True
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # NOTE: configure_model ran already (our wrapper applied the policy); this covers a module whose
-        # class-level configure_model Lightning skipped, and is a no-op otherwise (never applied twice).
-        if self._root is None:
-            self._apply(pl_module)
+        self._root, self.wrapped, self.measured, self.chosen_by_measurement = None, [], None, None  # a fit of its own
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # NOTE: at the first training batch, not in setup: a model built in `configure_model` exists, and every hook
+        # the strategy puts on the blocks (ZeRO-3's gather, FSDP2's unshard, parameter streaming's fetch, which
+        # `lowmem_offload` registers again at `on_train_start`) is registered before ours, so it runs outside the
+        # checkpointed region, once, as without checkpointing (the recompute calls the block's forward)
+        if self._root is None:
+            self._apply(pl_module)
+            if self._measures(pl_module) and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+                raise ValueError(
+                    f"ActivationCheckpointing(policy={self.policy!r}) would measure `{type(pl_module).__name__}` on a "
+                    f"fake copy, which `{type(trainer.strategy).__name__}`'s sharded parameters do not allow; name the "
+                    "blocks to checkpoint: `ActivationCheckpointing(policy='all', blocks=['model.layers'])` (module "
+                    "names, patterns or class names), or `policy=['MyBlock']`."
+                )
         if self._pending_choice:
             self._choose_by_measurement(trainer, pl_module, batch, batch_idx)
         if self.policy == "budget" and self.measured is None:
@@ -197,11 +209,13 @@ class ActivationCheckpointing(Reproducible, Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit" or self._root is None:
             return
-        if self._patched_configure_model:
-            restore_configure_model(pl_module)
-            self._patched_configure_model = False
+        for name in self.wrapped:
+            remove_checkpointing(self._root.get_submodule(name))
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
         for config, value in self._use_cache:
             config.use_cache = value
         self._use_cache = []
@@ -217,23 +231,19 @@ class ActivationCheckpointing(Reproducible, Callback):
     def remove(root: nn.Module) -> int:
         """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many.
 
-        A fit leaves the blocks checkpointed (so ``trainer.validate``/``fit`` again run the same model); a copy of
-        the module as built, such as the dry run of ``MemoryReport``'s baseline, starts from this.
+        The end of ``fit`` does this; a copy of a module taken during a fit (a dry run's) starts from this.
         """
-        found = checkpointed_modules(root)
-        for _, module, _ in found:
-            _blocks.unwrap(module)
+        count = 0
         for module in root.modules():
+            count += remove_checkpointing(module)
             for key, hook in list(torch_internals.forward_hooks(module).items()):
                 if isinstance(hook, CloseSegments):
                     torch_internals.remove_forward_hook(module, key)
-        return len(found)
+        return count
 
     # --- applying the policy --------------------------------------------------------------------
 
     def _check_strategy(self, trainer: pl.Trainer) -> None:
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
         strategy = trainer.strategy
         problems = []
         # NOTE: DeepSpeed composes: per-block checkpointing is non-reentrant `torch.utils.checkpoint` inside the
@@ -279,39 +289,39 @@ class ActivationCheckpointing(Reproducible, Callback):
             )
         return _outside_compiled(root, found)
 
-    def _apply(self, pl_module: pl.LightningModule) -> None:
+    def _measures(self, pl_module: nn.Module) -> bool:
+        """Whether the first training batch measures (``"budget"``, or no repeated blocks found)."""
+        return self._pending_choice or (self.policy == "budget" and bool(self._block_list))
+
+    def _apply(self, pl_module: nn.Module) -> None:
         if self._root is not None:
             return
+        self._root = pl_module
         blocks = self._find_blocks(pl_module)
-        if not blocks:  # no repeated blocks and none named: measured on the first training batch
-            if not getattr(pl_module, "automatic_optimization", True):
-                children = [n for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
-                raise ValueError(
-                    f"ActivationCheckpointing found no repeated blocks (no `nn.ModuleList` of at least two same-class "
-                    f"modules) in `{type(pl_module).__name__}`, and cannot measure which submodules to checkpoint: "
-                    "that runs `training_step` once more, which a manual-optimization module would use to step its "
-                    f"optimizers. Name the blocks: `ActivationCheckpointing(blocks={children!r})` (module names, "
-                    "patterns such as 'encoder.*' or class names)."
-                )
-            self._root, self._pending_choice = pl_module, True
-            self._prepare_hf(pl_module)
-            return
-        foreign = {_blocks.has_foreign_checkpointing(m) for _, m in blocks} - {None}
-        if foreign:
+        if any(torch_internals.is_checkpoint_wrapper(m) for _, b in blocks for m in b.modules()):
             rank_zero_warn(
-                f"ActivationCheckpointing: the model is already checkpointed by {foreign.pop()}; leaving it as it is "
-                "(checkpointing it twice would recompute twice)."
+                "ActivationCheckpointing: the model is already checkpointed by torch.distributed's CheckpointWrapper "
+                "(e.g. `apply_activation_checkpointing`); leaving it as it is (checkpointing it twice would "
+                "recompute twice)."
             )
-            self._root = pl_module
             return
-        self._root, self._block_list = pl_module, blocks
+        self._block_list, self._pending_choice = blocks, not blocks
+        if self._measures(pl_module) and not getattr(pl_module, "automatic_optimization", True):
+            children = [n for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
+            what = "found no repeated blocks (no `nn.ModuleList` of at least two same-class modules)" if not blocks \
+                else "was given policy='budget'"
+            raise ValueError(
+                f"ActivationCheckpointing {what} in `{type(pl_module).__name__}`, and cannot measure which modules "
+                "to checkpoint: that runs `training_step` once on a copy of the module, where a manual-optimization "
+                f"step cannot step its optimizers. Name the blocks: `ActivationCheckpointing(blocks={children!r})` "
+                "(module names, patterns such as 'encoder.*' or class names)."
+            )
         self._prepare_hf(pl_module)
-        self._apply_policy()
+        if blocks and self.policy != "budget":  # NOTE: else chosen on the first training batch, from measured sizes
+            self._apply_policy()
 
     def _apply_policy(self) -> None:
         blocks = self._block_list
-        if self.policy == "budget":
-            return  # chosen on the first training batch, from measured sizes
         L = len(blocks)
         if self.policy == "sqrt":
             size = max(1, round(math.sqrt(L)))
@@ -334,7 +344,7 @@ class ActivationCheckpointing(Reproducible, Callback):
                                "kernel modifies its matmul outputs in place; it is recomputed whole instead.")
             keep = selective and whole is None
             info = CheckpointInfo("block", segment, 0, is_boundary=True, selective=keep)
-            if _blocks.wrap_block(module, info, selective_contexts if keep else None):
+            if BlockCheckpoint(info, selective_contexts if keep else None).attach(module):
                 self.wrapped.append(name)
         self._log()
 
@@ -387,7 +397,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         """Blocks for a model with no repeated blocks: the largest submodules whose checkpointing frees memory."""
         self._pending_choice = False
         with trainer.precision_plugin.train_step_context():
-            measured, total = measure_submodules(pl_module, batch, batch_idx)
+            measured, total = measure_submodules(pl_module, batch, batch_idx)  # type: ignore[arg-type]
         # NOTE: every rank must wrap the same modules: rank 0's measurement decides
         compiled = compiled_names(pl_module)
         measured = {n: a for n, a in measured.items() if in_compiled(n, compiled) is None}  # NOTE: see _outside_compiled
@@ -401,18 +411,17 @@ class ActivationCheckpointing(Reproducible, Callback):
             )
             return
         self._block_list = [(n, pl_module.get_submodule(n)) for n in names]
-        self._apply_policy()
+        if self.policy != "budget":
+            self._apply_policy()
 
     # --- budget ---------------------------------------------------------------------------------
 
     def _measure_and_choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._root is None:
-            self._apply(pl_module)
         if not self._block_list:
             self.measured = {}
             return
         with trainer.precision_plugin.train_step_context():
-            measured = measure_saved_bytes(pl_module, [m for _, m in self._block_list], batch, batch_idx)
+            measured = measure_saved_bytes(pl_module, [n for n, _ in self._block_list], batch, batch_idx)
         # NOTE: every rank must wrap the same blocks; the largest measurement of any rank decides.
         values = torch.tensor([measured["outside"], *measured["blocks"], *measured["block_inputs"]], dtype=torch.float64)
         values = trainer.strategy.reduce(values.to(trainer.strategy.root_device), reduce_op="max").cpu()

@@ -1,8 +1,27 @@
-"""Measure the activation bytes each block saves for backward: one forward of ``training_step``, nothing kept."""
+"""What blocks save for backward, measured by one ``training_step`` on a fake copy of the module: the run is untouched.
+
+``policy="budget"`` needs the bytes each block saves, and a model without repeated blocks the bytes each submodule
+saves, on the first training batch. Both run ``training_step`` once on a copy of the LightningModule whose
+parameters, buffers and tensor attributes are fake tensors (``FakeTensorMode``: shapes, dtypes and storage sizes, no
+bytes), detached from the Trainer (``self.log`` does nothing there) and without the hooks other techniques registered
+on the module, while a ``saved_tensors_hooks`` pair records what is saved. The user's module, its buffers, metric
+states and parameters, the Trainer and the logs never see it; the RNGs (torch, Python, NumPy) are put back.
+
+Ops on real tensors only (the batch, masks, positions) run for real, so values the model branches on exist; an op
+the fake mode cannot size without values runs on zeros of its inputs' sizes. A step that cannot run on a fake copy
+(it reads ``self.trainer``, steps its optimizers, or needs real values of the weights) is refused with the fix: name
+the blocks. In a dry run (the module is fake already) the step runs on a copy sharing its fake tensors.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import random
+import sys
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -10,103 +29,166 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import storage_key
 from lightning_lowmem.core.hooks import training_step_args
-from lightning_lowmem.core.kept_state import param_writes_undone
-from lightning_lowmem.core.side_step import side_step
 from lightning_lowmem.core.tensors import tensors_in
 
+Pack = Callable[[torch.Tensor], None]
+#: what an op on fake tensors raises when it needs values (or a meta kernel is narrower than the real one)
+_NEEDS_VALUES = (RuntimeError, NotImplementedError, *torch_internals.FAKE_ERRORS)
+#: ops whose fake kernel returns less than the real one keeps for backward: nn.LSTM's oneDNN workspace on the CPU
+_SIZED_BY_THE_REAL_KERNEL = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
 
-class _ModelStorages:
-    """The storage keys of a model's parameters and buffers, and of the parameters a module holds gathered while it runs.
 
-    NOTE: DeepSpeed ZeRO-3 swaps a gathered storage into a module's parameters in its forward pre-hook and frees it in
-    its forward hook; the hooks registered here run after those, so a gathered weight saved for backward (its linear
-    saves it) is known for a parameter, not counted as an activation, and forgotten before its address can be reused.
+class _RealValues(torch_internals.TorchDispatchMode):
+    """Above the fake mode: an op on real tensors only runs for real; one the fake mode cannot size runs on zeros."""
+
+    def __init__(self, fake_mode: Any) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        tensors = [t for t in torch_internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(torch_internals.is_fake(t) for t in tensors):
+            with torch_internals.unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func in _SIZED_BY_THE_REAL_KERNEL:
+            return self._on_zeros(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except _NEEDS_VALUES as err:  # NOTE: a size that depends on values (pack_padded_sequence's), a meta kernel's limit
+            try:
+                return self._on_zeros(func, args, kwargs)
+            except _NEEDS_VALUES:
+                raise err from None
+        if not tensors and isinstance(out, torch.Tensor) and not out.is_floating_point() and out.numel() < 2**20:
+            # NOTE: indices and counts made from nothing (arange, C++ bookkeeping filled through its pointer, as
+            # pad_packed_sequence's lengths) are real: the ops on the batch they meet stay real
+            with torch_internals.unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return out
+
+    def _on_zeros(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The real kernel on zeros of the fake inputs' sizes; its floating outputs fake (activations, as the
+        weights' are), the others real (batch sizes, counts: later ops read them as the real run does)."""
+        with torch_internals.unset_fake_temporarily():
+            zeros = torch_internals.tree_map(
+                lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                if isinstance(t, torch.Tensor) and torch_internals.is_fake(t) else t, (args, kwargs))
+            out = func(*zeros[0], **zeros[1])
+        return torch_internals.tree_map(
+            lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+
+
+def _fake_copy(pl_module: pl.LightningModule, fake_mode: Any | None) -> pl.LightningModule:
+    """A deep copy of ``pl_module`` with fake parameters, buffers and tensor attributes and no module hooks (a
+    ``LightningModule`` copies without its Trainer). ``fake_mode`` None: the tensors are fake already (shared)."""
+    memo: dict[int, Any] = {}
+    for module in pl_module.modules():
+        for table in torch_internals.hook_tables(module):
+            memo[id(table)] = type(table)()
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False),
+               *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+        for t in own:
+            if id(t) in memo or fake_mode is None:
+                memo.setdefault(id(t), t)
+                continue
+            shape = getattr(t, "ds_shape", None)  # NOTE: DeepSpeed ZeRO-3 leaves empty partitions; the full size
+            if shape is None:
+                fake = fake_mode.from_tensor(t)
+            else:
+                with fake_mode:
+                    fake = torch.empty(shape, dtype=t.dtype, device=t.device)
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return copy.deepcopy(pl_module, memo)
+
+
+@contextlib.contextmanager
+def _rng_kept(device: torch.device) -> Iterator[None]:
+    """torch's CPU and ``device``'s RNG, Python's and NumPy's global ones, as they were (a real op may draw)."""
+    numpy = sys.modules.get("numpy")
+    python_state, numpy_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def run_on_fake_copy(pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                     attach: Callable[[pl.LightningModule, set[tuple[str, int]]], tuple[Pack, list[Any]]]) -> None:
+    """``training_step`` once on a fake copy of ``pl_module``, its saves given to the ``pack`` that ``attach(copy,
+    keys of the copy's parameters and buffers)`` returns with the hook handles it registered on the copy.
+
+    Raises:
+        ValueError: the step cannot run on a fake copy (the cause chained), with the fix.
     """
+    fake = not any(torch_internals.is_fake(p) for p in pl_module.parameters())
+    fake_mode = torch_internals.FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    try:
+        replica = _fake_copy(pl_module, fake_mode)
+        states = {storage_key(t) for t in [*replica.parameters(), *replica.buffers()]}
+        pack, handles = attach(replica, states)
+        held: list[torch.Tensor] = []  # NOTE: held to the end: a storage's identity is never reused meanwhile
 
-    def __init__(self, root: nn.Module) -> None:
-        tensors = [*root.parameters(), *root.buffers()]
-        self.keys = {storage_key(t) for t in tensors}
-        # NOTE: the storages held, not the tensors: ZeRO-3 replaces a parameter's (empty) storage when it gathers it,
-        # and a freed storage's address would come back as an activation's and be taken for a parameter's
-        self._storages = [t.untyped_storage() for t in tensors]
-        self._gathered: dict[tuple[str, int], int] = {}
-        self._stack: list[list[tuple[str, int]]] = []
-        self._handles = []
-        for module in root.modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre))
-            self._handles.append(module.register_forward_hook(self._post, always_call=True))
+        def keep(t: torch.Tensor) -> None:
+            held.append(t)
+            pack(t)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self.keys or key in self._gathered
+        def unpack(_: Any) -> torch.Tensor:
+            raise RuntimeError("internal error: the activation probe's graph was backpropagated")
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        keys = [storage_key(p) for p in module.parameters(recurse=False)]
-        for key in keys:
-            self._gathered[key] = self._gathered.get(key, 0) + 1
-        self._stack.append(keys)
-
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        for key in self._stack.pop() if self._stack else []:
-            left = self._gathered.pop(key, 1) - 1
-            if left:
-                self._gathered[key] = left
-
-    def remove(self) -> None:
-        for handle in self._handles:
+        device = next((t.device for t in tensors_in(batch)), torch.device("cpu"))
+        modes = (fake_mode, _RealValues(fake_mode)) if fake_mode is not None else ()
+        with _rng_kept(device), warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            warnings.simplefilter("ignore")  # NOTE: `self.log` without a Trainer warns; the fake step's own
+            for mode in modes:
+                stack.enter_context(mode)
+            with torch.enable_grad(), saved_tensors_hooks(keep, unpack):
+                replica.training_step(*training_step_args(replica.training_step, batch, batch_idx))
+        for handle in handles:
             handle.remove()
-        self._storages.clear()
+    except Exception as err:
+        raise ValueError(
+            f"ActivationCheckpointing measures what blocks keep for backward by running `training_step` once on a "
+            f"fake copy of `{type(pl_module).__name__}` (fake weights, no Trainer attached), and it failed there: "
+            f"{type(err).__name__}: {err}. Name the modules to checkpoint instead: `ActivationCheckpointing("
+            "policy=['MyBlock'])` or `blocks=` (module names, patterns such as 'encoder.*' or class names)."
+        ) from err
 
 
-def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], batch: Any, batch_idx: int) -> dict[str, Any]:
-    """Bytes of distinct storages saved for backward outside the blocks, inside each block, and of each block's inputs.
-
-    The forward runs with a pack hook that records sizes (no backward follows). Saved tensors are held only
-    until their block returns, so the probe needs the activations outside the blocks plus one block's, the
-    same as checkpointing every block. It runs as a :func:`~lightning_lowmem.core.side_step.side_step` (RNG
-    forked, logging off, training_step wrappers aside, buffers and metric states put back), so training is
-    unchanged. Parameters and buffers are not activations and are not counted.
-    """
-    params = _ModelStorages(pl_module)
+def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[str], batch: Any, batch_idx: int) -> dict[str, Any]:
+    """Bytes of distinct storages saved for backward outside the blocks, inside each block (by qualified name), and of
+    each block's input (its first floating-point tensor argument); parameters and buffers are not counted."""
     outside = 0
     per_block = [0] * len(blocks)
     inputs = [0] * len(blocks)
     current: list[int] = []
-    # NOTE: storages are identified by address, and a freed address is reused at once: what was saved is
-    # held (as training would hold it) until its block returns, so a reused address is never taken for a
-    # seen one. Tensors saved outside the blocks are held to the end: training keeps them under any policy.
     seen_outside: set[tuple[str, int]] = set()
     seen_block: set[tuple[str, int]] = set()
-    held_outside: list[torch.Tensor] = []
-    held_block: list[torch.Tensor] = []
 
-    def pack(x: torch.Tensor) -> None:
-        nonlocal outside
-        key = storage_key(x)
-        if key in params or key in seen_outside or key in seen_block:
-            return
-        nbytes = x.untyped_storage().nbytes()
-        if current:
-            seen_block.add(key)
-            held_block.append(x)
-            per_block[current[-1]] += nbytes
-        else:
-            seen_outside.add(key)
-            held_outside.append(x)
-            outside += nbytes
-        return
+    def attach(replica: pl.LightningModule, states: set[tuple[str, int]]) -> tuple[Pack, list[Any]]:
+        def pack(x: torch.Tensor) -> None:
+            nonlocal outside
+            key = storage_key(x)
+            if key in states or key in seen_outside or key in seen_block:
+                return
+            nbytes = x.untyped_storage().nbytes()
+            if current:
+                seen_block.add(key)
+                per_block[current[-1]] += nbytes
+            else:
+                seen_outside.add(key)
+                outside += nbytes
 
-    def unpack(_: Any) -> torch.Tensor:
-        raise RuntimeError("internal error: the activation probe's graph was backpropagated")
-
-    handles = []
-    for index, block in enumerate(blocks):
-
-        def pre(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
+        def pre(module: nn.Module, args: Any, kwargs: Any, index: int) -> None:
             current.append(index)
             seen_block.clear()
-            held_block.clear()
             first = next((t for t in tensors_in(args) if t.is_floating_point()), None)
             inputs[index] = 0 if first is None else first.untyped_storage().nbytes()
 
@@ -114,23 +196,16 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[nn.Module], 
             if current:
                 current.pop()
             seen_block.clear()
-            held_block.clear()
 
-        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(block.register_forward_hook(post, always_call=True))
-    try:
-        # NOTE: a side step: RNG forked, `self.log` off, a training_step wrapper (AccumulationScheduler's window)
-        # stands aside, and every buffer (BatchNorm statistics, counters), metric state and parameter the step
-        # writes in place (an EMA teacher) is put back, so the probe leaves the run as it was
-        with side_step(pl_module), param_writes_undone(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
-            out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
-            del out
-    finally:
-        for h in handles:
-            h.remove()
-        params.remove()
-        held_outside.clear()
-        held_block.clear()
+        handles = []
+        for index, name in enumerate(blocks):
+            block = replica.get_submodule(name)
+            handles.append(block.register_forward_pre_hook(
+                lambda m, a, k, index=index: pre(m, a, k, index), with_kwargs=True))
+            handles.append(block.register_forward_hook(post, always_call=True))
+        return pack, handles
+
+    run_on_fake_copy(pl_module, batch, batch_idx, attach)
     return {"outside": outside, "blocks": per_block, "block_inputs": inputs}
 
 
@@ -152,64 +227,47 @@ class ModuleActivations:
 def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> tuple[dict[str, ModuleActivations], int]:
     """Activation bytes saved for backward inside each called submodule (inclusive of its children), and in total.
 
-    One forward of ``training_step`` under the same rules as :func:`measure_saved_bytes` (RNG forked, logging off,
-    nothing backpropagated; parameters and buffers not counted). A storage counts for every module running when
-    it is *first* saved: a module's input saved again inside it belongs to whoever saved it first.
+    A storage counts for every module running when it is *first* saved: a module's input saved again inside it
+    belongs to whoever saved it first.
     """
-    params = _ModelStorages(pl_module)
     stack: list[ModuleActivations] = []
     found: dict[str, ModuleActivations] = {}
     seen: set[tuple[str, int]] = set()
-    held: list[torch.Tensor] = []  # NOTE: held to the end, as training holds them: no address is reused
     total = 0
 
-    def pack(x: torch.Tensor) -> None:
-        nonlocal total
-        key = storage_key(x)
-        if key in params or key in seen:
-            return
-        seen.add(key)
-        held.append(x)
-        nbytes = x.untyped_storage().nbytes()
-        total += nbytes
-        for entry in {id(e): e for e in stack}.values():
-            entry.saved += nbytes
-        return
+    def attach(replica: pl.LightningModule, states: set[tuple[str, int]]) -> tuple[Pack, list[Any]]:
+        def pack(x: torch.Tensor) -> None:
+            nonlocal total
+            key = storage_key(x)
+            if key in states or key in seen:
+                return
+            seen.add(key)
+            nbytes = x.untyped_storage().nbytes()
+            total += nbytes
+            for entry in {id(e): e for e in stack}.values():
+                entry.saved += nbytes
 
-    def unpack(_: Any) -> torch.Tensor:
-        raise RuntimeError("internal error: the activation probe's graph was backpropagated")
-
-    handles = []
-    for name, module in pl_module.named_modules():
-        if not name:
-            continue
-
-        def pre(module: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+        def pre(module: nn.Module, args: Any, kwargs: Any, name: str) -> None:
             entry = found.get(name)
             if entry is None:
                 entry = found[name] = ModuleActivations(name, len(found), 0, 0)
             kept = {storage_key(t): t for t in tensors_in((args, kwargs))}  # a checkpoint keeps every tensor input
-            entry.inputs += sum(t.untyped_storage().nbytes() for k, t in kept.items() if k not in params)
+            entry.inputs += sum(t.untyped_storage().nbytes() for k, t in kept.items() if k not in states)
             stack.append(entry)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             if stack:
                 stack.pop()
 
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, always_call=True))
-    try:
-        # NOTE: a side step: RNG forked, `self.log` off, a training_step wrapper (AccumulationScheduler's window)
-        # stands aside, and every buffer (BatchNorm statistics, counters), metric state and parameter the step
-        # writes in place (an EMA teacher) is put back, so the probe leaves the run as it was
-        with side_step(pl_module), param_writes_undone(pl_module), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
-            out = pl_module.training_step(*training_step_args(pl_module.training_step, batch, batch_idx))
-            del out
-    finally:
-        for h in handles:
-            h.remove()
-        params.remove()
-        held.clear()
+        handles = []
+        for name, module in replica.named_modules():
+            if name:
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, k, name=name: pre(m, a, k, name), with_kwargs=True))
+                handles.append(module.register_forward_hook(post, always_call=True))
+        return pack, handles
+
+    run_on_fake_copy(pl_module, batch, batch_idx, attach)
     return found, total
 
 

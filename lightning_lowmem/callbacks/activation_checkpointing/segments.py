@@ -1,23 +1,23 @@
 """Checkpointing a *segment* of consecutive blocks as one unit, without changing the model's code.
 
-``torch.utils.checkpoint`` needs one function that runs the whole region, but a model's ``forward`` calls
-its blocks one by one (``for block in self.h: x = block(x, ...)``). Here each block of a segment gets an
-instance-level ``forward`` that records its call; the first block opens the segment, the last one closes it.
-While a segment is open, tensors that the blocks save for backward are replaced by empty holders (a
-``saved_tensors_hooks`` pair); in backward, the first unpack replays the recorded block calls (the output
-of block k feeding block k+1 as in forward, the RNG state of each call restored, autocast as in forward)
-and fills every holder; each block replays on the buffers its forward found, and its buffers are left as the
-forward left them (``_buffers.BufferGuard``). Only each segment's input stays alive: the O(sqrt L) trade of
+``torch.utils.checkpoint`` needs one function that runs the whole region, but a model's ``forward`` calls its
+blocks one by one (``for block in self.h: x = block(x, ...)``). Here each block of a segment gets forward hooks
+(:class:`SegmentBlock`) that record its call: the first block's pre-hook opens torch's non-reentrant checkpoint
+(``checkpoint_region``: the segment's input is what it keeps), the last block's forward hook closes it, and the
+recompute replays the recorded block calls (block k's output feeding block k+1 as in forward, each call on the RNG
+state and the buffers its forward found). Only each segment's input stays alive: the O(sqrt L) trade of
 ``policy="sqrt"``.
 
-Tensors saved by the model's own code *between* two blocks of a segment are kept as usual (they are not
-replayed), so any code between the blocks is allowed. A segment is closed early (still correct, less
-saving) if blocks are called out of order, on an exception, and in all cases when the module that owns the
-blocks returns. Segments must not span FSDP units: the replay does not run the blocks' module hooks.
+Tensors saved by the model's own code *between* two blocks of a segment are kept as usual (a saved-tensor hook pair
+that keeps them, with autograd's in-place check, is on top there), so any code between the blocks is allowed and
+the replay saves what the blocks saved. A segment is closed early (still correct, less saving) if blocks are called
+out of order, and in all cases when the module that owns the blocks returns or raises. The replay calls each block's
+``forward``, not its module hooks: segments must not span FSDP units.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -28,18 +28,17 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.core.blocks import INFO_ATTR, CheckpointInfo, call_inner, checkpoint_info, refuse_kv_cache
-from lightning_lowmem.core.buffers import BufferGuard
-from lightning_lowmem.core.saved_versions import SavedVersion
+from lightning_lowmem.callbacks.activation_checkpointing.hooks import (
+    CheckpointHooks,
+    CheckpointInfo,
+    RecomputeBuffers,
+    checkpoint_info,
+    refuse_kv_cache,
+)
+from lightning_lowmem.core.saved_versions import CheckedSaves, SavedVersion
 from lightning_lowmem.core.tensors import tensors_in
 
-
-class _Holder:
-    __slots__ = ("__weakref__", "saved", "value")
-
-    def __init__(self, saved: SavedVersion) -> None:
-        self.value: torch.Tensor | None = None
-        self.saved = saved  # NOTE: autograd's in-place check, which our hooks turn off (see `_SegmentRun._unpack`)
+_WHO = "ActivationCheckpointing(policy='sqrt')"
 
 
 class _Ref:
@@ -51,131 +50,94 @@ class _Ref:
         self.call, self.leaf = call, leaf
 
 
+class _Input:
+    """Stands in the first call for its ``index``-th positional tensor: the segment's saved input."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 def _map(value: Any, fn: Any) -> Any:
     """``fn`` applied to every tensor and reference in a nested call's arguments (Lightning's collection walk)."""
-    return apply_to_collection(value, (torch.Tensor, _Ref), fn)
+    return apply_to_collection(value, (torch.Tensor, _Ref, _Input), fn)
 
 
-def _device_type(args: tuple) -> str:
-    for t in tensors_in(args):
-        if t.device.type != "cpu":
-            return t.device.type
-    return "cuda"
+def _kept(t: torch.Tensor) -> SavedVersion:
+    return SavedVersion(t, keep=True)
 
 
-def _autocast_state(device_type: str) -> dict[str, dict[str, Any]]:
-    out = {}
-    for dt in {device_type, "cpu"}:
-        if torch.amp.is_autocast_available(dt):
-            out[dt] = {"enabled": torch.is_autocast_enabled(dt), "dtype": torch.get_autocast_dtype(dt)}
-    return out
+def _checked(saved: SavedVersion) -> torch.Tensor:
+    saved.check(_WHO)
+    return saved.counter
 
 
 class _SegmentRun:
-    """One forward pass through one segment, and its replay in backward."""
+    """One forward pass through one segment (a checkpoint region), and its replay in backward."""
 
-    def __init__(self, first_args: tuple) -> None:
-        self.calls: list[tuple[nn.Module, Any, tuple, dict, Any, BufferGuard]] = []
+    def __init__(self, args: tuple) -> None:
+        self.calls: list[tuple[nn.Module, tuple, dict, Any, RecomputeBuffers]] = []
         self.outputs: dict[int, tuple[weakref.ref, int, int]] = {}
-        self.holders: list[weakref.ref] = []
-        self.depth = 0
-        self.replayed = False
-        self.device_type = _device_type(first_args)
-        self.autocast = _autocast_state(self.device_type)
+        self.inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.device_type = next((t.device.type for t in tensors_in(args) if t.device.type != "cpu"), "cuda")
         self.device_module = getattr(torch, self.device_type, None)
-        self.hooks = saved_tensors_hooks(self._pack, self._unpack)
+        # NOTE: between two blocks, the model's own saves go to a pair that keeps them (not to the checkpoint)
+        self.between: saved_tensors_hooks | None = None
+        self.region = torch_internals.checkpoint_region(
+            self._replay, lambda: (CheckedSaves(_WHO), contextlib.nullcontext()), *(args[i] for i in self.inputs))
+        next(self.region)
 
-    # forward side
-    def _pack(self, x: torch.Tensor) -> Any:
-        if self.depth == 0:
-            return SavedVersion(x, keep=True)  # NOTE: saved by the model's code between blocks: kept, not replayed
-        holder = _Holder(SavedVersion(x))
-        self.holders.append(weakref.ref(holder))
-        return holder
+    def record_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.between is not None:
+            self.between.__exit__(None, None, None)
+            self.between = None
 
-    def record_call(self, module: nn.Module, inner: Any, args: tuple, kwargs: dict) -> None:
         def to_ref(t: Any) -> Any:
             hit = self.outputs.get(id(t)) if isinstance(t, torch.Tensor) else None
             if hit is not None and hit[0]() is t:
                 return _Ref(hit[1], hit[2])  # NOTE: not kept alive: recomputed in the replay
             return t
 
-        rng_cpu = torch.get_rng_state()
+        if not self.calls:  # NOTE: the first block's tensors are the checkpoint's saved inputs, not kept here
+            args = tuple(_Input(i) if i in self.inputs else a for i, a in enumerate(args))
         rng_dev = get_device_states(*args) if torch_internals.device_module_initialized(self.device_module) else ([], [])
-        guard = BufferGuard(module)  # NOTE: the replay runs each block on the buffers its forward found
-        guard.snapshot()
-        self.calls.append((module, inner, _map(args, to_ref), _map(kwargs, to_ref), (rng_cpu, rng_dev), guard))
+        buffers = RecomputeBuffers(module)  # NOTE: the replay runs each block on the buffers its forward found
+        buffers.snapshot()
+        self.calls.append((module, _map(args, to_ref), _map(kwargs, to_ref), (torch.get_rng_state(), rng_dev), buffers))
 
-    def record_output(self, out: Any) -> None:
+    def record_output(self, out: Any, last: bool) -> None:
         index = len(self.calls) - 1
         for leaf, t in enumerate(tensors_in(out)):
             self.outputs[id(t)] = (weakref.ref(t), index, leaf)
+        if not last:
+            self.between = saved_tensors_hooks(_kept, _checked)
+            self.between.__enter__()
 
-    # backward side
-    def _unpack(self, saved: Any) -> torch.Tensor:
-        # NOTE: a tensor changed in place after it was saved: plain PyTorch raises here, and so do we (the replay
-        # would hand back recomputed values instead)
-        if isinstance(saved, SavedVersion):
-            saved.check("ActivationCheckpointing(policy='sqrt')")
-            return saved.counter
-        saved.saved.check("ActivationCheckpointing(policy='sqrt')")
-        if saved.value is None:
-            if self.replayed:
-                raise RuntimeError(
-                    "A checkpointed segment was backpropagated through twice (or `retain_graph=True` was used). "
-                    "ActivationCheckpointing(policy='sqrt') supports one backward per forward."
-                )
-            self._replay()
-        value, saved.value = saved.value, None
-        return value
+    def close(self) -> None:
+        if self.between is not None:
+            self.between.__exit__(None, None, None)
+            self.between = None
+        next(self.region, None)
 
-    def _replay(self) -> None:
-        count = 0
-        holders = self.holders
-
-        def pack(x: torch.Tensor) -> None:
-            nonlocal count
-            if count < len(holders):
-                holder = holders[count]()
-                if holder is not None:
-                    holder.value = x.detach() if x.requires_grad else x
-            count += 1
-
-        def unpack(_: Any) -> torch.Tensor:
-            raise RuntimeError("internal error: the replay graph of a checkpointed segment was backpropagated")
-
+    def _replay(self, *inputs: torch.Tensor) -> None:
         results: list[list[torch.Tensor]] = []
 
-        def from_ref(t: Any) -> Any:
+        def value(t: Any) -> Any:
+            if isinstance(t, _Input):
+                return inputs[self.inputs.index(t.index)]
             return results[t.call][t.leaf] if isinstance(t, _Ref) else t
 
-        devices = self.calls[0][4][1][0] if self.calls else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device_type), torch.enable_grad():
-            autocasts = [torch.amp.autocast(dt, **kw) for dt, kw in self.autocast.items()]
-            for ctx in autocasts:
-                ctx.__enter__()
+        for module, args, kwargs, (rng_cpu, (dev_ids, dev_states)), buffers in self.calls:
+            torch.set_rng_state(rng_cpu)
+            if dev_ids:
+                set_device_states(dev_ids, dev_states, device_type=self.device_type)
+            buffers.swap_in()
             try:
-                with saved_tensors_hooks(pack, unpack):
-                    for module, inner, args, kwargs, (rng_cpu, (dev_ids, dev_states)), guard in self.calls:
-                        torch.set_rng_state(rng_cpu)
-                        if dev_ids:
-                            set_device_states(dev_ids, dev_states, device_type=self.device_type)
-                        guard.swap_in()
-                        try:
-                            out = call_inner(module, inner, _map(args, from_ref), _map(kwargs, from_ref))
-                        finally:
-                            guard.swap_out()
-                        results.append(list(tensors_in(out)))
+                out = module.forward(*_map(args, value), **_map(kwargs, value))
             finally:
-                for ctx in reversed(autocasts):
-                    ctx.__exit__(None, None, None)
-        self.replayed = True
-        if count != len(holders):
-            raise RuntimeError(
-                f"Recomputing a checkpointed segment of {len(self.calls)} block(s) saved {count} tensors for backward; "
-                f"the forward saved {len(holders)}. The blocks do not compute the same thing twice from the same "
-                "inputs (global state changed between forward and backward?). Use a per-block policy ('all')."
-            )
+                buffers.swap_out()
+            results.append(list(tensors_in(out)))
 
 
 class Segment:
@@ -188,46 +150,52 @@ class Segment:
     def open(self, args: tuple) -> _SegmentRun:
         self.close()
         self.run = _SegmentRun(args)
-        self.run.hooks.__enter__()
         return self.run
 
     def close(self) -> None:
         run, self.run = self.run, None
         if run is not None:
-            run.hooks.__exit__(None, None, None)
+            run.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"size": self.size, "run": None}
 
 
-class SegmentForward:
-    """The instance-level ``forward`` of one block of a :class:`Segment` (picklable, deep-copyable)."""
+class SegmentBlock(CheckpointHooks):
+    """The forward hooks of one block of a :class:`Segment` (picklable, deep-copyable with the module)."""
 
-    def __init__(self, module: nn.Module, inner: Any, segment: Segment, position: int) -> None:
-        self.module, self.inner, self.segment, self.position = module, inner, segment, position
+    def __init__(self, segment: Segment, info: CheckpointInfo) -> None:
+        self.segment, self.info = segment, info
+        self._recording: list[bool] = []  # one entry per call in progress: whether the segment records it
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        segment = self.segment
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        segment, position = self.segment, self.info.position
+        run = segment.run
         if not torch.is_grad_enabled():
-            return call_inner(self.module, self.inner, args, kwargs)
-        refuse_kv_cache(self.module, args, kwargs)
-        if self.position == 0:
+            run = None
+        elif position == 0:
+            refuse_kv_cache(module, args, kwargs)
             run = segment.open(args)
+        elif run is None or len(run.calls) != position:
+            segment.close()  # NOTE: out of order: what was recorded so far still replays correctly
+            run = None
         else:
-            run = segment.run
-            if run is None or len(run.calls) != self.position:
-                segment.close()  # NOTE: out of order: what was recorded so far still replays correctly
-                return call_inner(self.module, self.inner, args, kwargs)
-        run.record_call(self.module, self.inner, args, kwargs)
-        run.depth += 1
-        try:
-            out = call_inner(self.module, self.inner, args, kwargs)
-        except BaseException:
-            segment.close()
-            raise
-        finally:
-            run.depth -= 1
-        run.record_output(out)
-        if self.position == segment.size - 1:
-            segment.close()
-        return out
+            refuse_kv_cache(module, args, kwargs)
+        self._recording.append(run is not None)
+        if run is not None:
+            run.record_call(module, args, kwargs)
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        run = self.segment.run
+        if not (self._recording.pop() if self._recording else False) or run is None:
+            return
+        last = self.info.position == self.segment.size - 1
+        run.record_output(output, last)
+        if last:
+            self.segment.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"segment": self.segment, "info": self.info, "_recording": []}
 
 
 def wrap_segment(modules: list[nn.Module], segment_index: int) -> tuple[Segment, bool]:
@@ -235,13 +203,11 @@ def wrap_segment(modules: list[nn.Module], segment_index: int) -> tuple[Segment,
 
     Returns the segment, and False when any of them is checkpointed already (then nothing is changed).
     """
-    if any(checkpoint_info(m) is not None for m in modules):
-        return Segment(len(modules)), False
     segment = Segment(len(modules))
+    if any(checkpoint_info(m) is not None for m in modules):
+        return segment, False
     for position, module in enumerate(modules):
-        inner = module.__dict__.get("forward")
-        module.forward = SegmentForward(module, inner, segment, position)  # type: ignore[method-assign]
-        module.__dict__[INFO_ATTR] = CheckpointInfo("segment", segment_index, position, is_boundary=position == 0)
+        SegmentBlock(segment, CheckpointInfo("segment", segment_index, position, is_boundary=position == 0)).attach(module)
     return segment, True
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_lowmem.callbacks.adapters.quantize_base import QUANT_TYPES, quantize_linears
-from lightning_lowmem.core.hooks import check_lightning_object, restore_configure_model, run_after_configure_model
+from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.optional import require
 from lightning_lowmem.core.reproducible import Reproducible
 
@@ -92,8 +92,8 @@ def find_peft_model(root: nn.Module) -> nn.Module:
 class Adapters(Reproducible, Callback):
     """Train LoRA or DoRA adapters (Hugging Face PEFT) on a frozen base model, which can be 4-bit or 8-bit.
 
-    In ``setup`` (after your ``configure_model``, before the strategy moves, casts or copies any parameter) the
-    model at ``pl_module.<attribute>`` is replaced by ``peft.get_peft_model(model, LoraConfig(...))``: every base
+    In ``setup`` (before the strategy moves, casts or copies any parameter) the model at ``pl_module.<attribute>``
+    is replaced by ``peft.get_peft_model(model, LoraConfig(...))``: every base
     parameter is frozen (``requires_grad=False``) and each targeted linear layer gets two rank-``r`` matrices
     (DoRA: and a magnitude vector). Your ``training_step`` and ``configure_optimizers`` stay as they are: an
     optimizer built over ``self.parameters()`` keeps no state for the frozen base (its gradients stay None).
@@ -122,10 +122,16 @@ class Adapters(Reproducible, Callback):
             global RNG, so the run's dropout masks and data order are those of the same run without adapters;
             None draws it from the global RNG.
 
+    A model built in ``configure_model`` does not exist yet in ``setup``, and Lightning calls ``configure_model``
+    and then ``configure_optimizers`` with no callback hook between: end your ``configure_model`` with
+    ``adapters.apply(self)`` (this callback object; ``setup`` then leaves the model to it). A model without adapters
+    when the fit (validation, test, predict) starts is refused with that fix.
+
     Raises:
         ValueError/TypeError: in the constructor, every bad argument at once; in ``setup``, a model that already
             holds PEFT adapters (yours: remove this callback, the strategies work with your PEFT model as it is),
-            or no model at ``attribute``.
+            or no model at ``attribute``; when a stage starts, a model built in ``configure_model`` without
+            ``adapters.apply(self)``.
         ModuleNotFoundError: peft (or bitsandbytes, for ``quantize_base``) is not installed, with the pip line.
 
     Example (the demo module's model is ``self.model``; its ``configure_optimizers`` is left as it is):
@@ -162,7 +168,6 @@ class Adapters(Reproducible, Callback):
         self.quantize_base, self.attribute, self.seed = quantize_base, attribute, seed
         self.quantized: list[str] = []  # names of the base linears quantized by the last apply
         self._dtype: torch.dtype | None = None  # the compute dtype the base is quantized from (set at setup)
-        self._patched = False
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(kind={self.kind!r}, r={self.r}, alpha={self.alpha}, dropout={self.dropout}, "
@@ -190,22 +195,47 @@ class Adapters(Reproducible, Callback):
                     "`strategy='lowmem_offload'`, or `quantize_base=None`."
                 )
         # NOTE: every stage, not only fit: `trainer.validate(ckpt_path=...)` restores a state_dict with the adapters'
-        # names. A model built in `configure_model` exists only after it (Lightning calls it after this hook).
-        # NOTE: a `*-true` half precision computes with half weights: the base is quantized from them (see
+        # names. A `*-true` half precision computes with half weights: the base is quantized from them (see
         # `quantize_linears`); the precision plugin converts the module after this hook
         self._dtype = _HALF_TRUE.get(str(trainer.precision))
         builds_later = type(pl_module).configure_model is not L.LightningModule.configure_model
         if isinstance(getattr(pl_module, self.attribute, None), nn.Module) or not builds_later:
             self.apply(pl_module)  # NOTE: raises here when there is no model and no `configure_model` to build it
-        run_after_configure_model(pl_module, lambda: self.apply(pl_module))
-        self._patched = True
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # NOTE: the adapters stay: the module keeps the model it trained (export it with `export_merged`)
-        if self._patched:
-            restore_configure_model(pl_module)
-            self._patched = False
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_applied(pl_module)
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_applied(pl_module)
+
+    @override
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_applied(pl_module)
+
+    @override
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_applied(pl_module)
+
+    def _check_applied(self, pl_module: L.LightningModule) -> None:
+        """Refuse a model that ``configure_model`` built (or replaced) after ``setup`` and left without adapters.
+
+        NOTE: Lightning calls ``configure_model`` after the callbacks' ``setup`` and ``configure_optimizers`` right
+        after it, inside the strategy's setup, with no callback hook between: adapters added now would be missing
+        from the optimizer (and from a checkpoint restored before). Only the module's own code can add them there.
+        """
+        model = getattr(pl_module, self.attribute, None)
+        if getattr(model, _MARK, False):
+            return
+        raise ValueError(
+            f"Passed `{self!r}`, but `{type(pl_module).__name__}.{self.attribute}` has no adapters: it was built (or "
+            "replaced) in `configure_model`, which Lightning runs after the callbacks' `setup` and right before "
+            "`configure_optimizers`, with no callback hook between. End your `configure_model` with "
+            "`adapters.apply(self)` (the Adapters object you pass to the Trainer, e.g. "
+            "`next(c for c in self.trainer.callbacks if isinstance(c, Adapters)).apply(self)`), or build the model "
+            "in `__init__`."
+        )
 
     # --- the technique ---------------------------------------------------------------------------------
     def apply(self, pl_module: nn.Module) -> nn.Module:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import types
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,14 +20,12 @@ from lightning_lowmem.callbacks.chunked_lm_loss.chunked_ce import (
     linear_cross_entropy_sum,
     require_kernel,
 )
-from lightning_lowmem.core.hooks import check_lightning_object, restore_configure_model, run_after_configure_model
+from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
 
 __all__ = ["ChunkedLMLoss", "chunked_causal_lm_loss", "chunked_causal_lm_loss_sum", "is_chunked"]
 
 IGNORE_INDEX = -100
-_MARK = "_lowmem_chunked_lm_loss"  # instance attribute on a wrapped model: its settings
-_VERIFIED = "_lowmem_chunked_lm_loss_verified"
 # NOTE: logit values passed through the model's own post-processing once per model, to check that we reproduce it
 _PROBE = (-30.0, -4.0, -1.0, -0.25, 0.0, 0.5, 2.0, 7.0, 30.0)
 
@@ -150,7 +147,7 @@ def chunked_causal_lm_loss(
     return loss_sum if reduction == "sum" else loss_sum / count.clamp(min=1)
 
 
-# --- the Hugging Face model's forward -----------------------------------------------------------------------------
+# --- the Hugging Face model's forward, through its hooks and its head's --------------------------------------------
 @dataclass(frozen=True)
 class _Settings:
     chunk_tokens: int
@@ -158,9 +155,130 @@ class _Settings:
     recompute: bool
 
 
+@dataclass
+class _Call:
+    """One training call of a wrapped model: its labels, then the loss its head's pre-hook computed."""
+
+    labels: torch.Tensor
+    shifted: bool  # `shift_labels` given: already aligned with the hidden states
+    num_items: Any
+    ignore_index: int
+    loss_sum: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    probe_dtype: torch.dtype | None = None
+    probe_shape: tuple[int, ...] = ()
+
+
+class _ChunkedHooks:
+    """The forward hooks of one causal LM and of its output embeddings (picklable, deep-copyable with the model).
+
+    The model's pre-hook takes ``labels`` (and ``shift_labels``, ``num_items_in_batch``, ``ignore_index``) out of a
+    training call, so the model computes no loss of its own; the head's pre-hook computes the chunked loss from its
+    input (the final hidden states, after the model's final norm) and its weight, and hands the head an empty input
+    (no logits); the head's forward hook returns a small probe of known values instead, which the model post-processes
+    as its logits (checked once against the softcap/scale the loss applied); the model's forward hook returns the
+    output with ``loss``, ``loss_sum`` and ``num_tokens``, and ``logits`` None.
+    """
+
+    def __init__(self, settings: _Settings, transform: tuple[float | None, float | None]) -> None:
+        self.settings, self.transform = settings, transform  # (logit scale, logit softcap): `head_transform`
+        self.verified = False  # NOTE: the model's post-processing matched once; no probe values (a host copy) after
+        self._calls: list[_Call | None] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_calls": []}
+
+    def model_pre(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        call, changed = None, None
+        if model.training:
+            try:
+                bound = inspect.signature(model.forward).bind(*args, **kwargs)
+            except TypeError:
+                bound = None  # NOTE: let the model raise its own message
+            if bound is not None:
+                call, changed = _take_labels(bound)
+        self._calls.append(call)
+        return changed
+
+    def head_pre(self, head: nn.Module, args: tuple) -> tuple | None:
+        call = self._calls[-1] if self._calls else None
+        if call is None:
+            return None
+        if call.loss_sum is not None:
+            raise RuntimeError("ChunkedLMLoss: the model calls its LM head twice in one forward; compute the loss "
+                               "with `chunked_causal_lm_loss` in your own training_step instead.")
+        hidden, settings = args[0], self.settings
+        scale, softcap = self.transform
+        call.loss_sum, call.count = chunked_causal_lm_loss_sum(
+            hidden, head.weight, call.labels.to(hidden.device), head_bias=head.bias, ignore_index=call.ignore_index,
+            chunk_tokens=settings.chunk_tokens, shift=not call.shifted, logit_scale=scale, logit_softcap=softcap,
+            backend=settings.backend, recompute=settings.recompute,  # type: ignore[arg-type]
+        )
+        dtype = torch.promote_types(hidden.dtype, head.weight.dtype)
+        if torch.is_autocast_enabled(hidden.device.type):
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+        call.probe_dtype, call.probe_shape = dtype, (*([1] * (hidden.dim() - 1)), len(_PROBE))
+        return (hidden[..., :0, :],)  # NOTE: the head computes no logits
+
+    def head_post(self, head: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
+        call = self._calls[-1] if self._calls else None
+        if call is None or call.probe_dtype is None:
+            return None
+        if self.verified:  # NOTE: no host-to-device copy (a sync on CUDA) after the first step
+            return output.new_zeros(call.probe_shape, dtype=call.probe_dtype)
+        return torch.tensor(_PROBE, dtype=call.probe_dtype, device=output.device).reshape(call.probe_shape)
+
+    def model_post(self, model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        call = self._calls.pop() if self._calls else None
+        if call is None or out is None:
+            return None
+        if call.loss_sum is None or call.count is None:
+            raise RuntimeError(f"ChunkedLMLoss: `{type(model).__name__}`'s forward never called its output embeddings; "
+                               "compute the loss with `chunked_causal_lm_loss` instead.")
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        if not self.verified:
+            self.verified = _verify(model, logits, call.probe_dtype, *self.transform)
+        loss_sum, count, num_items = call.loss_sum, call.count, call.num_items
+        if num_items is not None:  # NOTE: Hugging Face's convention: the caller's token count for the whole batch
+            loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
+        else:
+            loss = loss_sum / count.clamp(min=1)
+        if isinstance(out, tuple):
+            return (loss, *out[1:])
+        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        new = type(out)(loss=loss, **fields)
+        new["loss_sum"], new["num_tokens"] = loss_sum, count
+        return new
+
+
+def _take_labels(bound: inspect.BoundArguments) -> tuple[_Call | None, tuple[tuple, dict] | None]:
+    """A training call's labels taken out of its arguments: the call and the arguments without them, or (None, None)
+    when there are no labels or ``logits_to_keep`` asks for a part of the logits (the model runs untouched)."""
+    arguments = bound.arguments
+    extra_name = next((n for n, p in bound.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    extra = dict(arguments.get(extra_name, {})) if extra_name else {}
+
+    def get(name: str, default: Any = None) -> Any:
+        return arguments.get(name, extra.get(name, default))
+
+    labels, shift_labels, keep = get("labels"), get("shift_labels"), get("logits_to_keep")
+    if (labels is None and shift_labels is None) or not (keep is None or (isinstance(keep, int) and keep == 0)):
+        return None, None
+    call = _Call(labels if shift_labels is None else shift_labels, shift_labels is not None,
+                 get("num_items_in_batch"), get("ignore_index", IGNORE_INDEX))
+    for name in ("labels", "shift_labels", "num_items_in_batch", "ignore_index"):
+        arguments.pop(name, None)
+        extra.pop(name, None)
+    if extra_name:
+        arguments[extra_name] = extra
+    return call, (bound.args, bound.kwargs)
+
+
 def is_chunked(model: nn.Module) -> bool:
-    """Whether ``ChunkedLMLoss`` wraps ``model``'s forward (its training forward with labels returns no logits)."""
-    return getattr(model, _MARK, None) is not None
+    """Whether ``ChunkedLMLoss`` chunks the loss of ``model`` or of a model inside it (then its training forward with
+    labels returns no logits)."""
+    return any(isinstance(getattr(h, "__self__", None), _ChunkedHooks)
+               for m in model.modules() for h in torch_internals.forward_pre_hooks(m).values())
 
 
 def head_transform(model: nn.Module) -> tuple[float | None, float | None]:
@@ -180,92 +298,22 @@ def _is_fake(t: torch.Tensor) -> bool:
     return torch_internals.is_fake(t) or t.device.type == "meta"
 
 
-def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The instance ``forward`` of a wrapped model (bound with ``types.MethodType``, so ``deepcopy`` rebinds it)."""
-    settings: _Settings = getattr(self, _MARK)
-    original = type(self).forward.__get__(self)
-    if not self.training:
-        return original(*args, **kwargs)
-    try:
-        bound = inspect.signature(original).bind(*args, **kwargs)
-    except TypeError:
-        return original(*args, **kwargs)  # NOTE: let the model raise its own message
-    arguments = dict(bound.arguments)
-    for name, param in inspect.signature(original).parameters.items():
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(name, {}))
-    labels, shift_labels = arguments.pop("labels", None), arguments.pop("shift_labels", None)
-    keep = arguments.get("logits_to_keep")
-    if (labels is None and shift_labels is None) or not (keep is None or (isinstance(keep, int) and keep == 0)):
-        return original(*args, **kwargs)
-    num_items = arguments.pop("num_items_in_batch", None)
-    ignore_index = arguments.pop("ignore_index", IGNORE_INDEX)
-    head = self.get_output_embeddings()
-    scale, softcap = head_transform(self)
-    result: dict[str, Any] = {}
-
-    def head_forward(hidden: torch.Tensor) -> torch.Tensor:
-        # NOTE: runs inside `head.__call__`, so hooks that fetch or stream the head's weight around its forward still
-        # fire around the loss; returns a tiny probe instead of [batch, tokens, vocab] logits.
-        if result:
-            raise RuntimeError(f"ChunkedLMLoss: `{type(self).__name__}` calls its LM head twice in one forward; "
-                               "compute the loss with `chunked_causal_lm_loss` in your own training_step instead.")
-        target = labels if shift_labels is None else shift_labels
-        result["sum"], result["count"] = chunked_causal_lm_loss_sum(
-            hidden, head.weight, target.to(hidden.device), head_bias=head.bias, ignore_index=ignore_index,
-            chunk_tokens=settings.chunk_tokens, shift=shift_labels is None, logit_scale=scale, logit_softcap=softcap,
-            backend=settings.backend, recompute=settings.recompute,  # type: ignore[arg-type]
-        )
-        dtype = torch.promote_types(hidden.dtype, head.weight.dtype)
-        if torch.is_autocast_enabled(hidden.device.type):
-            dtype = torch.get_autocast_dtype(hidden.device.type)
-        shape = (*([1] * (hidden.dim() - 1)), len(_PROBE))
-        if getattr(self, _VERIFIED, False):  # NOTE: no host-to-device copy (a sync on CUDA) after the first step
-            result["probe"] = hidden.new_zeros(shape, dtype=dtype)
-        else:
-            result["probe"] = torch.tensor(_PROBE, dtype=dtype, device=hidden.device).reshape(shape)
-        return result["probe"]
-
-    previous = head.__dict__.get("forward")
-    head.__dict__["forward"] = head_forward
-    try:
-        out = original(**arguments)
-    finally:
-        if previous is None:
-            del head.__dict__["forward"]
-        else:
-            head.__dict__["forward"] = previous
-    if not result:
-        raise RuntimeError(f"ChunkedLMLoss: `{type(self).__name__}`'s forward never called its output embeddings "
-                           f"(`{type(head).__name__}`); compute the loss with `chunked_causal_lm_loss` instead.")
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    _verify_once(self, result["probe"], logits, scale, softcap)
-    loss_sum, count = result["sum"], result["count"]
-    if num_items is not None:  # NOTE: Hugging Face's convention: the caller's token count for the whole batch
-        loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
-    else:
-        loss = loss_sum / count.clamp(min=1)
-    if isinstance(out, tuple):
-        return (loss, *out[1:])
-    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    new = type(out)(loss=loss, **fields)
-    new["loss_sum"], new["num_tokens"] = loss_sum, count
-    return new
-
-
-def _verify_once(model: nn.Module, probe: torch.Tensor, logits: Any, scale: float | None, softcap: float | None) -> None:
-    """Check once per model that its post-processing of ``lm_head``'s output is what the loss applies."""
-    if getattr(model, _VERIFIED, False) or _is_fake(probe) or (torch.is_tensor(logits) and _is_fake(logits)):
-        return  # NOTE: a dry run (fake weights: the head's output has no values to compare)
-    expected = probe.detach().double()
+def _verify(model: nn.Module, logits: Any, dtype: torch.dtype | None, scale: float | None,
+            softcap: float | None) -> bool:
+    """Whether the model's post-processing of the probe its head returned is what the loss applies (raises if not);
+    False in a dry run (fake logits have no values to compare)."""
+    if torch.is_tensor(logits) and _is_fake(logits):
+        return False
+    probe = torch.tensor(_PROBE, dtype=dtype)
+    expected = probe.double()
     if scale is not None:
         expected = expected * scale
     if softcap is not None:
         expected = torch.tanh(expected / softcap) * softcap
-    ok = torch.is_tensor(logits) and logits.shape == probe.shape
+    ok = torch.is_tensor(logits) and logits.numel() == probe.numel()
     if ok:
         tol = 1e-5 if probe.dtype in (torch.float32, torch.float64) else 2e-2
-        ok = torch.allclose(logits.detach().double(), expected, rtol=tol, atol=tol * 10)
+        ok = torch.allclose(logits.detach().double().cpu().reshape(-1), expected, rtol=tol, atol=tol * 10)
     if not ok:
         raise ValueError(
             f"ChunkedLMLoss cannot reproduce `{type(model).__name__}`'s logits: its forward changes the LM head's "
@@ -274,7 +322,7 @@ def _verify_once(model: nn.Module, probe: torch.Tensor, logits: Any, scale: floa
             "your training_step with `chunked_causal_lm_loss(hidden, head.weight, labels, logit_scale=..., "
             "logit_softcap=...)`."
         )
-    model.__dict__[_VERIFIED] = True
+    return True
 
 
 def _causal_lm_classes() -> frozenset[str]:
@@ -318,8 +366,9 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
     1.5 x ``chunk_tokens x vocab x 4`` bytes at the loss's peak: 128 tokens keep GPT-2-XL's loss under 64 MiB).
     Cost: the head's matmul runs once more, in backward (each chunk's logits are recomputed there).
 
-    How: the model's own ``forward`` runs (so every input it takes keeps working), with its output embedding
-    (``lm_head``) computing the chunked loss from the hidden states and the labels instead of the logits. Same
+    How: the model's own ``forward`` runs (so every input it takes keeps working); forward hooks on the model take
+    the labels out of the call and hand them to its output embedding's (``lm_head``), which computes the chunked loss
+    from the head's input (the final hidden states) and its weight instead of the logits. Same
     result as the model's ``labels=`` loss: labels shifted inside, ``-100`` ignored, mean over the labelled tokens,
     ``num_items_in_batch`` and ``shift_labels`` honoured; the head's bias, Gemma's logit soft-capping and Cohere's /
     Granite's logit scale applied (in fp32; checked once per model against the model's own post-processing).
@@ -327,8 +376,9 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
     In training (``model.training`` and a ``labels`` or ``shift_labels`` argument) the output has
     ``loss``, ``loss_sum`` and ``num_tokens`` (for ``AccumulationScheduler(loss_normalization="tokens")``:
     ``return {"loss": out.loss_sum, "num_tokens": out.num_tokens}``) and **``logits`` is ``None``**.
-    Validation, test and predict (eval mode) and calls without labels run the model untouched.
-    ``CausalLMModule`` uses it in its training step by itself.
+    Validation, test and predict (eval mode) and calls without labels, or with ``logits_to_keep``, run the model
+    untouched. ``CausalLMModule`` uses it in its training step by itself. The hooks are added at ``on_fit_start``
+    (a model built in ``configure_model`` exists then) and removed at the end of ``fit``.
 
     Args:
         chunk_tokens: rows of logits per chunk (smaller: less memory, more, smaller matmuls).
@@ -355,7 +405,7 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
         1
 
     Attributes:
-        wrapped: qualified names of the wrapped models, from setup to the end of fit (then ``[]``: unwrapped).
+        wrapped: qualified names of the wrapped models, from ``on_fit_start`` to the end of fit (then ``[]``).
     """
 
     def __init__(self, chunk_tokens: int = 1024, backend: Backend = "auto", recompute: bool = True) -> None:
@@ -372,8 +422,7 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
         self.backend = backend
         self.recompute = recompute
         self.wrapped: list[str] = []
-        self._models: list[nn.Module] = []
-        self._patched_configure_model = False
+        self._handles: list[Any] = []
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -399,26 +448,20 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
                 f"Passed `backend='cce'` with `Trainer(precision={trainer.precision!r})`; Cut Cross-Entropy runs only "
                 "in float16/bfloat16. Use precision='bf16-mixed' (or '16-mixed'), or backend='auto'/'chunked'."
             )
-        run_after_configure_model(pl_module, lambda: self.apply(pl_module))
-        self._patched_configure_model = True
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._models:  # a no-op when configure_model applied it already
-            self.apply(pl_module)
+        # NOTE: here, not in setup: a model built in `configure_model` exists now (the loss changes no parameter)
+        self.apply(pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if self._patched_configure_model:
-            restore_configure_model(pl_module)
-            self._patched_configure_model = False
-        self.remove()
+        if stage == "fit":
+            self.remove()
 
     def apply(self, root: nn.Module) -> list[str]:
-        """Wrap the causal LMs under ``root`` (what setup does; for a dry run of the module). Returns their names."""
-        if self._models:
+        """Chunk the loss of the causal LMs under ``root`` (what ``on_fit_start`` does). Returns their names."""
+        if self._handles:
             return self.wrapped
         found = find_causal_lms(root)
         if not found:
@@ -443,25 +486,29 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
                                 "Cut Cross-Entropy takes no bias (backend='auto' picks Liger or ours for it)")
         if problems:
             raise ValueError("ChunkedLMLoss: " + "; ".join(problems) + ".")
+        chunked = [name or type(model).__name__ for name, model in found if is_chunked(model)]
+        if chunked:
+            raise ValueError(f"ChunkedLMLoss: {', '.join(chunked)} chunk their loss already (another ChunkedLMLoss); "
+                             "keep one of the callbacks.")
         settings = _Settings(self.chunk_tokens, self.backend, self.recompute)
-        for name, model in found:
-            if "forward" in model.__dict__:
-                raise ValueError(
-                    f"ChunkedLMLoss: `{name or type(model).__name__}` already has an instance-level `forward` "
-                    "(another wrapper); the callback replaces the class's forward and would drop it."
-                )
-            model.__dict__[_MARK] = settings
-            model.forward = types.MethodType(_chunked_forward, model)  # type: ignore[method-assign]
-            self._models.append(model)
+        for _, model in found:
+            hooks = _ChunkedHooks(settings, head_transform(model))
+            head = model.get_output_embeddings()
+            # NOTE: the model's pre-hook last (it sees the call's own arguments) and its forward hook first; the head's
+            # pre-hook last, so hooks that fetch the head's weight around its forward have run when the loss reads it
+            self._handles += [
+                model.register_forward_pre_hook(hooks.model_pre, with_kwargs=True),
+                model.register_forward_hook(hooks.model_post, with_kwargs=True, prepend=True, always_call=True),
+                head.register_forward_pre_hook(hooks.head_pre),
+                head.register_forward_hook(hooks.head_post, prepend=True),
+            ]
         self.wrapped = [name or type(model).__name__ for name, model in found]
         rank_zero_info(f"ChunkedLMLoss: chunked training loss for {', '.join(self.wrapped)} "
                        f"(chunk_tokens={self.chunk_tokens}, backend={self.backend!r}, recompute={self.recompute})")
         return self.wrapped
 
     def remove(self) -> None:
-        """Give the wrapped models their class's forward back."""
-        for model in self._models:
-            model.__dict__.pop("forward", None)
-            model.__dict__.pop(_MARK, None)
-            model.__dict__.pop(_VERIFIED, None)
-        self._models, self.wrapped = [], []
+        """Remove the hooks: the models compute their own loss again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.wrapped = [], []

@@ -1,8 +1,9 @@
 """The ``lowmem_zero*`` presets: ``ZeroStrategy`` (DeepSpeed ZeRO with the reference settings) and ``consolidate``.
 
-``strategy`` is the strategy; ``config`` builds the DeepSpeed config, ``checkpoint``/``consolidate``/``resume``
-write, read and convert its checkpoints, ``host_bytes`` checks the host RAM, ``optim`` swaps in DeepSpeed's CPU
-Adam, ``skips`` and ``after_fit`` keep Lightning's semantics around the engine.
+``strategy`` is the strategy; ``config`` builds the DeepSpeed config, ``checks`` refuses what it cannot run,
+``checkpoint``/``checkpoint_engine``/``consolidation``/``resume`` write, read and convert its checkpoints,
+``host_bytes`` checks the host RAM, ``optim`` swaps in DeepSpeed's CPU Adam, ``skips`` and ``after_fit`` keep
+Lightning's semantics around the engine.
 """
 
 from lightning_lowmem.strategies.zero.consolidation import consolidate

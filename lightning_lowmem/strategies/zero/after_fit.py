@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_lowmem._internals import deepspeed as deepspeed_internals
-from lightning_lowmem._internals import frames
 from lightning_lowmem._internals import torch as torch_internals
 
 PARTITIONED_MESSAGE = (
@@ -23,28 +25,32 @@ def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id") and p.data.numel() == 0 and getattr(p, "ds_numel", 0) > 0
 
 
-def _called_by_deepspeed() -> bool:
-    """Whether DeepSpeed's own code (its checkpoint writer) takes this state dict: not the user's concern."""
-    return frames.called_from_package("deepspeed.")
-
-
 class PartitionWarning:
-    """``state_dict`` pre-hooks on every module that owns parameters: warns once, the first time partitioned
-    weights are taken; nothing while :attr:`suspended` (our own checkpoint path, which DeepSpeed writes itself)."""
+    """``state_dict`` pre-hooks on every module of :meth:`watch`'s module that owns parameters: warn once, the first
+    time partitioned weights are taken, except while :meth:`quiet` (the strategy's own checkpoint path, whose
+    state dicts DeepSpeed and Lightning take)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self) -> None:
         self.warned = False
-        self.suspended = False
-        self.handles = [
-            m.register_state_dict_pre_hook(self._hook)
-            for m in module.modules()
-            if any(True for _ in m.parameters(recurse=False))
-        ]
+        self._quiet = 0
+        self.handles: list[Any] = []
+
+    def watch(self, module: nn.Module) -> None:
+        self.remove()
+        self.warned = False
+        self.handles = [m.register_state_dict_pre_hook(self._hook) for m in module.modules()
+                        if any(True for _ in m.parameters(recurse=False))]
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
 
     def _hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self.warned or self.suspended:
-            return
-        if any(is_partitioned(p) for p in module.parameters(recurse=False)) and not _called_by_deepspeed():
+        if not self.warned and not self._quiet and any(is_partitioned(p) for p in module.parameters(recurse=False)):
             self.warned = True
             rank_zero_warn(PARTITIONED_MESSAGE)
 
@@ -77,18 +83,3 @@ def gather_full_weights(module: nn.Module) -> None:
         for name, buffer in buffers.items():
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
                 buffers[name] = buffer.to(torch.float32)
-
-
-
-def restore_functional_linear() -> None:
-    """Put back the ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced.
-
-    NOTE: DeepSpeed swaps ``torch.nn.functional.linear`` for its ``zero3_linear_wrap`` process-wide and never puts it
-    back ("this will persist unless manually reset"): every linear layer run after ``fit`` (a plain model evaluated
-    under autocast, another Trainer) would go through DeepSpeed's autograd function and round differently.
-    """
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap  # NOTE: optional and slow to import
-
-    original = deepspeed_internals.functional_linear_before_zero3()
-    if original is not None and torch.nn.functional.linear is zero3_linear_wrap:
-        torch.nn.functional.linear = original

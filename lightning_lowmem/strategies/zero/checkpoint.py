@@ -1,4 +1,4 @@
-"""DeepSpeed directory checkpoints: written atomically, checked before they are read (private helper of ``zero.py``).
+"""DeepSpeed directory checkpoints: written atomically, checked before they are read (helpers of ``ZeroStrategy``).
 
 DeepSpeed's ``engine.save_checkpoint(dir)`` rewrites ``dir/checkpoint/*.pt`` and ``dir/latest`` in place,
 so a kill while ``last.ckpt/`` is rewritten leaves a directory whose ``latest`` names a tag holding a
@@ -10,12 +10,12 @@ checkpoint stays complete until the new one is.
 :func:`zero_checkpoint_problem` says what is wrong with a directory before DeepSpeed opens it, naming the
 file, so that resume and ``lowmem consolidate`` fail with that instead of ``EOFError``.
 
-Integrity and disk-full (:func:`recorded_saves`): while DeepSpeed saves, its ``torch.save`` calls write through
-``_digest.HashingWriter``, so each file's SHA-256 is computed as it is written (each rank its own shards; a
-``.NAME.lowmem-sha256`` note beside each file hands it to the rank that writes ``lowmem_manifest.json`` last).
-A full disk is named (``core.disk_full``) instead of torch's ``unexpected pos ...``, and the temporary directory is
-removed so that the space is given back. Loads go through ``_trusted_load.checked_loads``: weights-only, and
-each file checked against the manifest.
+Integrity and disk-full (:func:`recorded_saves`): DeepSpeed writes every file through its checkpoint engine, which
+``ZeroStrategy`` makes a ``checkpoint_engine.CheckedCheckpointEngine``: each file goes through :func:`write_hashed`,
+so its SHA-256 is computed as it is written (each rank its own shards; a ``.NAME.lowmem-sha256`` note beside each
+file hands it to the rank that writes ``lowmem_manifest.json`` last). A full disk is named (``core.disk_full``)
+instead of torch's ``unexpected pos ...``, and the temporary directory is removed so that the space is given back.
+Loads go through the same engine: weights-only, each file checked against the manifest first.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch
 from lightning_lowmem.core import digest as _digest
 from lightning_lowmem.core import disk_full as _disk_full
 from lightning_lowmem.core.checkpoint_io import torch_file_problem
-from lightning_lowmem.core.hooks import swapped
 
 _NOTE = ".lowmem-sha256"
 
@@ -94,7 +93,7 @@ def zero_checkpoint_problem(path: str | os.PathLike, tag: str | None = None) -> 
     return None
 
 
-class _Full(Exception):
+class FullDisk(Exception):
     """A write of ``path`` hit a full disk (``cause``); raised through DeepSpeed, named after the cleanup."""
 
     def __init__(self, cause: OSError, path: Path, remaining: int) -> None:
@@ -102,47 +101,42 @@ class _Full(Exception):
         self.cause, self.path, self.remaining = cause, path, remaining
 
 
+def write_hashed(obj: Any, path: str | os.PathLike, root: Path, zipfile_serialization: bool) -> None:
+    """``torch.save(obj, path)`` with its SHA-256 computed as written, noted beside it (``.NAME.lowmem-sha256``,
+    relative to ``root``) for :func:`write_manifest`; a full disk raised as :class:`FullDisk`."""
+    target = Path(path).absolute()
+    sink = None
+    try:
+        with open(target, "wb") as handle:
+            sink = _digest.HashingWriter(handle)
+            torch.save(obj, sink, _use_new_zipfile_serialization=zipfile_serialization)
+    except Exception as err:
+        full = _disk_full.full_disk_error(sink.error if sink is not None else None) or _disk_full.full_disk_error(err)
+        if full is None:
+            raise
+        raise FullDisk(full, target, max(0, _disk_full.tensor_bytes(obj) - (sink.written if sink is not None else 0))) from err
+    note = {target.relative_to(root).as_posix(): {"bytes": sink.written, "sha256": sink.hexdigest()}}
+    target.with_name(f".{target.name}{_NOTE}").write_text(json.dumps(note))
+
+
 def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink()) if root.is_dir() else 0
 
 
 @contextlib.contextmanager
-def recorded_saves(tmp: str | os.PathLike, target: str | os.PathLike) -> Iterator[None]:
-    """While DeepSpeed writes ``tmp``: hash each ``torch.save`` file as written, name a full disk, clean up on failure.
+def recorded_saves(engine: Any, tmp: str | os.PathLike, target: str | os.PathLike) -> Iterator[None]:
+    """While DeepSpeed writes ``tmp`` through ``engine`` (a ``CheckedCheckpointEngine``): each file hashed as written,
+    a full disk named, ``tmp`` removed on failure.
 
     On any error ``tmp`` is removed (every rank; it is only ever a temporary) and a full disk becomes
     ``DiskFullError`` ("no space left on DEVICE while writing PATH (needed ~N, free M)").
-
-    NOTE: swaps the ``torch.save`` attribute of the ``torch`` module (how DeepSpeed's checkpoint engine calls it);
-    only saves into ``tmp`` are redirected.
     """
     tmp, target = Path(tmp).absolute(), Path(target).absolute()
-    original = torch.save
-
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        path = Path(os.fspath(f)).absolute() if isinstance(f, (str, os.PathLike)) else None
-        if path is None or not path.is_relative_to(tmp):
-            return original(obj, f, *args, **kwargs)
-        sink = None
-        try:
-            with open(path, "wb") as handle:
-                sink = _digest.HashingWriter(handle)
-                original(obj, sink, *args, **kwargs)
-            note = {path.relative_to(tmp).as_posix(): {"bytes": sink.written, "sha256": sink.hexdigest()}}
-            path.with_name(f".{path.name}{_NOTE}").write_text(json.dumps(note))
-        except Exception as err:
-            full = _disk_full.full_disk_error(sink.error if sink is not None else None) or _disk_full.full_disk_error(err)
-            if full is not None:
-                remaining = max(0, _disk_full.tensor_bytes(obj) - (sink.written if sink is not None else 0))
-                raise _Full(full, path, remaining) from err
-            raise
-        return None
-
     try:
-        with swapped(torch, save=save):
+        with engine.writing_into(tmp):
             yield
     except BaseException as err:
-        full = err if isinstance(err, _Full) else None
+        full = err if isinstance(err, FullDisk) else None
         cause = full.cause if full is not None else _disk_full.full_disk_error(err)
         written = _tree_bytes(tmp) if cause is not None else 0
         shutil.rmtree(tmp, ignore_errors=True)

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningR
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils.data import DataLoader
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.optional import require
@@ -184,3 +185,28 @@ def _pinned_compute_dtype(module: nn.Module, precision: str) -> list[str]:
         "parameters do not follow (DeepSpeed fetches them in its half dtype: a dtype error in its linear). Use "
         "`strategy='lowmem_zero2'`, or `precision='32-true'`"
     )]
+
+
+def batching_loader(loader: Any) -> type | None:
+    """The class of ``loader`` when it is a ``DataLoader`` subclass that batches in its sampler (``batch_size=None``,
+    each sampler item a list of indices): Lightning's distributed sampler rebuilds it through that class's
+    ``__init__``, which may read ``batch_size`` and ``sampler`` its own way (see :func:`loader_problem`)."""
+    if not isinstance(loader, DataLoader) or type(loader) is DataLoader:
+        return None
+    return type(loader) if loader.batch_size is None and loader.batch_sampler is None else None
+
+
+def loader_problem(rebuilt: DataLoader) -> str | None:
+    """Why a :func:`batching_loader` cannot run as Lightning rebuilt it (it collates again), or None."""
+    if rebuilt.batch_size is None:
+        return None
+    name = type(rebuilt).__name__
+    return (
+        f"the loader is a `{name}` that batches in its sampler (`batch_size=None`, each sampler item a list of "
+        "indices). Lightning's distributed sampler (on under every DeepSpeed strategy, one process included) "
+        f"rebuilds it through `{name}.__init__` with a new `sampler=`, and the rebuilt loader has "
+        f"`batch_size={rebuilt.batch_size}`: it would collate whole batches into one, giving every tensor an extra "
+        "leading dimension (scvi-tools' `AnnDataLoader` then fails in its first step). Pass "
+        "`Trainer(use_distributed_sampler=False)` (in one process there is nothing to shard; with several, give the "
+        "loader a distributed sampler of its own, as scvi-tools does under its `ddp` strategies)"
+    )

@@ -140,7 +140,8 @@ def trainer_settings(
     return cfg
 
 
-def _enabled(section: Any) -> bool:
+def enabled(section: Any) -> bool:
+    """Whether a DeepSpeed config section (``fp16``, ``bf16``) is enabled (``true`` or ``"true"``)."""
     if not isinstance(section, dict):
         return False
     value = section.get("enabled", False)
@@ -161,8 +162,8 @@ def conflicts(trainer_cfg: dict[str, Any], user_cfg: dict[str, Any], precision: 
         )
     for key in ("fp16", "bf16"):
         section = user_cfg.get(key)
-        if isinstance(section, dict) and "enabled" in section and _enabled(section) != (key in trainer_cfg):
-            want = "enabled" if _enabled(user_cfg[key]) else "disabled"
+        if isinstance(section, dict) and "enabled" in section and enabled(section) != (key in trainer_cfg):
+            want = "enabled" if enabled(user_cfg[key]) else "disabled"
             errors.append(
                 f"the DeepSpeed config has `{key}` {want} but `Trainer(precision={precision!r})`: Lightning casts the "
                 f"inputs from its precision flag, so the Trainer must win. Set `Trainer(precision="

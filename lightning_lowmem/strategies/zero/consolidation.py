@@ -1,14 +1,19 @@
 """``consolidate``: a DeepSpeed ZeRO directory checkpoint -> one plain fp32 state dict (also ``lowmem consolidate``).
 
 Re-exported by :mod:`lightning_lowmem.strategies.zero.strategy` and :mod:`lightning_lowmem.zero`. The directory is checked
-first (``_zero_checkpoint.zero_checkpoint_problem``), and DeepSpeed's reads of it go through
-``_trusted_load.checked_loads``: weights-only (nothing in the files is run) unless ``trusted=True``, and each file
-checked against the digest manifest the save wrote.
+first (``checkpoint.zero_checkpoint_problem``), then each file DeepSpeed will read: against the digest manifest the
+save wrote, and (unless ``trusted=True``) by a weights-only read that runs nothing from it.
+
+NOTE: DeepSpeed's ``zero_to_fp32`` reads the files with ``torch.load(weights_only=False)`` itself and has no seam
+to read through (no checkpoint engine), so the weights-only read is a check before DeepSpeed's own read, not a
+replacement of it: a file replaced between the two (by another process writing the directory meanwhile) is not
+covered. Consolidate a directory nobody else writes to while it runs.
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import torch
@@ -62,9 +67,14 @@ def consolidate(
         raise (FileNotFoundError if not ckpt.exists() else ValueError)(
             f"Passed `checkpoint_dir={str(checkpoint_dir)!r}`: {problem}"
         )
+    check = _trusted_load.ManifestCheck(ckpt)
     try:
-        with _trusted_load.checked_loads(ckpt, trusted=trusted, opt_in=_trusted_load.CONSOLIDATE_OPT_IN):
-            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+        for file in sorted((ckpt / (tag or (ckpt / "latest").read_text().strip())).glob("*.pt")):
+            check(file)
+            if not trusted:  # NOTE: memory-mapped, so only the pickle is read, not the tensors
+                _trusted_load.weights_only_load(file, _trusted_load.CONSOLIDATE_OPT_IN, map_location="cpu",
+                                                mmap=zipfile.is_zipfile(file))
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
     except (_trusted_load.UntrustedCheckpointError, _digest.DigestMismatchError):
         raise
     except (EOFError, RuntimeError, ValueError, KeyError, OSError) as err:

@@ -37,13 +37,9 @@ from typing import Any
 from lightning_lowmem.core import host_memory as _host_memory
 from lightning_lowmem.core.host_memory import pinned_bytes
 from lightning_lowmem.core.optimizer_state import expected_state_bytes
+from lightning_lowmem.strategies.zero.config import enabled
 
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
-
-
-def _enabled(cfg: dict[str, Any], key: str) -> bool:
-    value = cfg.get(key, {}).get("enabled", False) if isinstance(cfg.get(key), dict) else False
-    return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
 def zero_offload_host_bytes(
@@ -71,7 +67,7 @@ def zero_offload_host_bytes(
     param_device = off_param.get("device", "none") if isinstance(off_param, dict) else "none"
     if opt_device not in ("cpu", "nvme") and param_device not in ("cpu", "nvme"):
         return {}
-    w = 2 if (_enabled(config, "fp16") or _enabled(config, "bf16")) else 4
+    w = 2 if (enabled(config.get("fp16")) or enabled(config.get("bf16"))) else 4
     grad_accum = _DTYPE_BYTES.get(str((config.get("data_types") or {}).get("grad_accum_dtype", "")).lower(), w)
     gas = int(config.get("gradient_accumulation_steps", 1) or 1)
     n_ranks = max(1, int(world_size))

@@ -3,6 +3,8 @@
 DeepSpeed refuses a client optimizer that is not one of its CPU optimizers under optimizer offload
 (``zero_force_ds_cpu_optimizer``), and a torch Adam stepping fp32 masters on the host would be several
 times slower than the vectorised C++ kernel anyway.
+
+NOTE: imports DeepSpeed (slow): ``ZeroStrategy`` imports this module when an offload preset builds its optimizer.
 """
 
 from __future__ import annotations
@@ -10,18 +12,28 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.ops.lion import DeepSpeedCPULion
 from torch.optim import Optimizer
 
-from lightning_lowmem.core.optional import instance_of
-
-_CPU_OPTIMIZERS = (("deepspeed.ops.adam", "DeepSpeedCPUAdam"), ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad"),
-                   ("deepspeed.ops.lion", "DeepSpeedCPULion"))
 # per-group keys of torch's Adam that DeepSpeedCPUAdam cannot honour when set
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
+# torch-only per-group switches that mean nothing to DeepSpeedCPUAdam (the unsupported ones are refused above)
+_TORCH_ONLY = {"params", "foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
 
 
-def _is_deepspeed_cpu_optimizer(optimizer: Optimizer) -> bool:
-    return instance_of(optimizer, _CPU_OPTIMIZERS)  # NOTE: by type, looked up where DeepSpeed is imported already
+class Adam(DeepSpeedCPUAdam):
+    """``DeepSpeedCPUAdam`` standing in for ``torch.optim.Adam``, under its name.
+
+    NOTE: Lightning names what it logs after the optimizer's class (``LearningRateMonitor``'s ``lr-Adam``; a monitor,
+    a dashboard or a checkpoint filename built from it): the swap must not rename the user's metrics. DeepSpeed checks
+    its CPU optimizers with ``isinstance`` (a subclass passes).
+    """
+
+
+class AdamW(DeepSpeedCPUAdam):
+    """``DeepSpeedCPUAdam`` standing in for ``torch.optim.AdamW``, under its name (see :class:`Adam`)."""
 
 
 def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Optimizer, str]:
@@ -33,7 +45,7 @@ def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Opti
     Raises:
         ValueError: any other optimizer, or an Adam flag ``DeepSpeedCPUAdam`` does not implement.
     """
-    if _is_deepspeed_cpu_optimizer(optimizer):
+    if isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)):
         return optimizer, ""
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
@@ -53,8 +65,6 @@ def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Opti
             "`DeepSpeedCPUAdam` (used by the optimizer-offload presets) does not implement. Drop the flag, or use "
             "a preset without offload (`lowmem_zero2`, `lowmem_zero3`)."
         )
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
     # NOTE: torch's AdamW is a subclass of Adam; `decoupled_weight_decay=True` makes Adam an AdamW too.
     adamw = isinstance(optimizer, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)
     keep = ("lr", "betas", "eps", "weight_decay", "initial_lr")
@@ -62,50 +72,20 @@ def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Opti
         {"params": g["params"], **{k: g[k] for k in keep if k in g}, **{k: v for k, v in g.items() if k not in _TORCH_ONLY}}
         for g in optimizer.param_groups
     ]
-    defaults = optimizer.defaults
-    cpu_adam = DeepSpeedCPUAdam(
-        groups,
-        lr=float(defaults["lr"]),
-        betas=tuple(defaults["betas"]),
-        eps=defaults["eps"],
-        weight_decay=defaults["weight_decay"],
-        adamw_mode=adamw,
-    )
     # NOTE: DeepSpeed's low-precision master weights check `type(optimizer) == DeepSpeedCPUAdam`: no renaming there
     low_masters = any(isinstance(config.get(k), dict) and config[k].get(f"{k}_master_weights_and_grads")
                       for k in ("bf16", "fp16"))
-    if not low_masters:
-        cpu_adam.__class__ = _named_as(type(optimizer).__name__, DeepSpeedCPUAdam)
+    cls = DeepSpeedCPUAdam if low_masters else AdamW if type(optimizer) is torch.optim.AdamW else Adam
+    defaults = optimizer.defaults
+    cpu_adam = cls(groups, lr=float(defaults["lr"]), betas=tuple(defaults["betas"]), eps=defaults["eps"],
+                   weight_decay=defaults["weight_decay"], adamw_mode=adamw)
     summary = "; ".join(
         f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
         for i, g in enumerate(cpu_adam.param_groups)
     )
-    message = (
+    return cpu_adam, (
         f"ZeroStrategy: optimizer offload steps on the CPU, so `{name}` was replaced by "
         f"`DeepSpeedCPUAdam(adamw_mode={adamw})` with the same parameter groups ({summary})"
-        + ("." if low_masters else f"; it keeps the class name `{type(optimizer).__name__}` for Lightning's naming (e.g. "
-           f"LearningRateMonitor's `lr-{type(optimizer).__name__}`).")
+        + ("." if cls is DeepSpeedCPUAdam else f"; it is the subclass `{cls.__module__}.{cls.__name__}`, named as the "
+           f"optimizer it replaces for Lightning's naming (e.g. LearningRateMonitor's `lr-{cls.__name__}`).")
     )
-    return cpu_adam, message
-
-
-_NAMED: dict[tuple[str, type], type] = {}
-
-
-def _named_as(name: str, cls: type) -> type:
-    """A subclass of ``cls`` (adding nothing) whose ``__name__`` is ``name``.
-
-    NOTE: Lightning names what it logs after the optimizer's class (``LearningRateMonitor``'s ``lr-AdamW``, a
-    monitor, a dashboard, a checkpoint filename built from it); the swap must not rename the user's metrics. DeepSpeed
-    checks the CPU optimizer with ``isinstance`` (a subclass passes) and reads the class name only to pick an
-    optimizer from its own config (not used with a client optimizer).
-    """
-    if (name, cls) not in _NAMED:
-        doc = f"``{cls.__module__}.{cls.__qualname__}`` under the name of the optimizer it replaced (``{name}``)."
-        _NAMED[name, cls] = type(name, (cls,), {"__doc__": doc, "__module__": __name__, "__qualname__": name})
-    return _NAMED[name, cls]
-
-
-# torch-only per-group switches that mean nothing to DeepSpeedCPUAdam (the unsupported ones are refused above)
-_TORCH_ONLY = {"params", "foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay"}
-

@@ -21,17 +21,22 @@ from lightning_lowmem._internals import deepspeed as deepspeed_internals
 from lightning_lowmem.core import resume_checks as _resume_checks
 
 
+def _innermost(optimizer: Any) -> Any:
+    """The torch optimizer inside DeepSpeed's ZeRO optimizer wrapper(s)."""
+    for _ in range(8):  # NOTE: bounded: a wrapper is never nested deeper
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def cpu_adam_of(optimizer: Any) -> Any:
     """The ``DeepSpeedCPUAdam`` inside DeepSpeed's ZeRO optimizer wrapper(s), or None."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    seen = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, DeepSpeedCPUAdam):
-            return optimizer
-        seen.add(id(optimizer))
-        optimizer = getattr(optimizer, "optimizer", None)
-    return None
+    inner = _innermost(optimizer)
+    return inner if isinstance(inner, DeepSpeedCPUAdam) else None
 
 
 @torch.no_grad()
@@ -95,7 +100,7 @@ def load_error(err: BaseException, optimizer: Any, source: str) -> ValueError | 
     weights = ("or keep only its weights: `lowmem consolidate DIR model.pt`, load that into the model and fit "
                "without `ckpt_path` (the optimizer, the schedule and the step count start afresh)")
     if isinstance(err, KeyError):
-        return ValueError(_resume_checks.mismatch_message(set(), cpu_adam_of(optimizer) or _base(optimizer), source,
+        return ValueError(_resume_checks.mismatch_message(set(), _innermost(optimizer), source,
                                                           err=err, weights_only=weights))
     if "ZeRO checkpoint" in str(err):  # NOTE: DeepSpeed's own layout checks (parameter groups, alignment)
         return ValueError(f"Cannot resume from {source}: DeepSpeed cannot load it into this run ({err}) It was written "
@@ -103,8 +108,3 @@ def load_error(err: BaseException, optimizer: Any, source: str) -> ValueError | 
                           f"{weights}.")
     return None
 
-
-def _base(optimizer: Any) -> Any:
-    """The torch optimizer inside DeepSpeed's ZeRO wrapper."""
-    inner = getattr(optimizer, "optimizer", None)
-    return optimizer if inner is None else _base(inner)

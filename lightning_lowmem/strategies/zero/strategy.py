@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import traceback
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -26,20 +28,21 @@ from typing_extensions import override
 
 from lightning_lowmem._internals import deepspeed as deepspeed_internals
 from lightning_lowmem._internals import lightning as lightning_internals
+from lightning_lowmem.core import atomic as _atomic
 from lightning_lowmem.core import preflight as _preflight
+from lightning_lowmem.core import trusted_load as _trusted_load
 from lightning_lowmem.core import warning_filters as _warnings
-from lightning_lowmem.core.hooks import swapped
 from lightning_lowmem.core.optional import require
 from lightning_lowmem.core.reentrant import reentrant_fix
 from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.schedulers import repoint_scheduler
+from lightning_lowmem.strategies.zero import checkpoint as zckpt
 from lightning_lowmem.strategies.zero import config as zc
-from lightning_lowmem.strategies.zero.after_fit import PartitionWarning, gather_full_weights, restore_functional_linear
-from lightning_lowmem.strategies.zero.checkpoint_io import ZeroCheckpoints
-from lightning_lowmem.strategies.zero.checks import module_problems, setup_problems
+from lightning_lowmem.strategies.zero import resume as _zero_resume
+from lightning_lowmem.strategies.zero.after_fit import PartitionWarning, gather_full_weights
+from lightning_lowmem.strategies.zero.checks import batching_loader, loader_problem, module_problems, setup_problems
 from lightning_lowmem.strategies.zero.consolidation import consolidate  # noqa: F401 (re-exported)
 from lightning_lowmem.strategies.zero.host_bytes import check_zero_host_memory
-from lightning_lowmem.strategies.zero.optim import to_cpu_optimizer
 from lightning_lowmem.strategies.zero.skips import SkippedSteps
 
 if TYPE_CHECKING:
@@ -48,7 +51,7 @@ if TYPE_CHECKING:
 _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 
 
-class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
+class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     """DeepSpeed ZeRO with the reference settings (module docstring), Trainer flags flowing in, on CUDA or the CPU.
 
     Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
@@ -65,7 +68,8 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
     the DeepSpeed config; ``config=`` (a dict or JSON path) is deep-merged over the result and wins, except
     where Lightning applies the setting too (accumulation, fp16/bf16): a contradiction there is an error.
     With an offload preset the module's ``torch.optim.Adam``/``AdamW`` is swapped for ``DeepSpeedCPUAdam``
-    with the same parameter groups and hyper-parameters (logged). Steps DeepSpeed skips for inf/nan gradients are
+    with the same parameter groups and hyper-parameters (logged). Checkpoints are DeepSpeed directories, written
+    atomically and read weights-only (``strategies.zero.checkpoint``, ``strategies.zero.checkpoint_engine``). Steps DeepSpeed skips for inf/nan gradients are
     logged as ``lowmem/skipped_steps`` (the first one of a bf16/fp32 run warns).
 
     Example:
@@ -168,7 +172,8 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
             kwargs.setdefault("remote_device", "nvme")
         self.gather_on_fit_end = gather_on_fit_end
         self._warning_filters: list[Any] = []
-        self._partition_warning: Any = None
+        self._partition_warning = PartitionWarning()
+        self._batching_loader: type | None = None  # see `process_dataloader`
         self._skips = SkippedSteps()
         self._user_config = zc.load_user_config(config)
         if config_problems := zc.config_problems(self._user_config):
@@ -209,9 +214,7 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if self._partition_warning is not None:
-            self._partition_warning.remove()
-            self._partition_warning = None
+        self._partition_warning.remove()
         if self.config is not None and self.lightning_module is not None:
             # NOTE: the config was checked when it was formatted, before Lightning called `configure_model`: the
             # layers a module builds there (BatchNorm, compiled submodules) are checked now, before the engine
@@ -230,26 +233,20 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         if self.gather_on_fit_end:
             gather_full_weights(module)
         # NOTE: also after a gather: the next forward under DeepSpeed partitions the weights again
-        self._partition_warning = PartitionWarning(module)
+        self._partition_warning.watch(module)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # NOTE: Lightning's checkpoint dict; DeepSpeed drops its "state_dict" and writes the partitions itself, so
         # the partition warning (meant for the user's own `state_dict()`) stays quiet here.
-        hooks = self._partition_warning
-        if hooks is None:
+        with self._partition_warning.quiet():
             return super().lightning_module_state_dict()
-        hooks.suspended = True
-        try:
-            return super().lightning_module_state_dict()
-        finally:
-            hooks.suspended = False
 
     @override
     def teardown(self) -> None:
         super().teardown()
-
-        restore_functional_linear()
+        if self.zero_stage_3:
+            deepspeed_internals.undo_zero3_linear()
 
         _warnings.remove(self._warning_filters)
         self._warning_filters = []
@@ -282,38 +279,108 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
-        import deepspeed
-
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._device_rank),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
-        return engine, ds_optimizer
+        params = [p for p in model.parameters() if p.requires_grad]
+        return self._initialize(model, self.config, optimizer, lr_scheduler, params)
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
-        root = self.root_device
-        if root.index is not None:
-            return super()._initialize_deepspeed_inference(model)
-        # NOTE: the parent builds `Namespace(device_rank=root_device.index)`; present the local rank instead
-        # for the duration of the call (the strategy's own `root_device` is not changed).
+        # NOTE: the parent's, with `_device_rank` for the device's index (None on the CPU)
+        assert isinstance(self.config, dict)
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        config.update({key: self.config[key] for key in ("fp16", "bf16") if key in self.config})
+        if self.zero_stage_3:
+            config.update({key: self.config[key] for key in ("zero_allow_untested_optimizer", "zero_optimization")})
+        remove_module_hooks(model)
+        self.model, _ = self._initialize(model, config)
+
+    def _initialize(self, model: Module, config: Any, optimizer: Any = None, lr_scheduler: Any = None,
+                    params: list[Any] | None = None) -> tuple[Any, Any]:
+        """``deepspeed.initialize`` as the parent calls it, the engine reading and writing checkpoints through a
+        :class:`~lightning_lowmem.strategies.zero.checkpoint_engine.CheckedCheckpointEngine`."""
         import deepspeed
 
-        original = deepspeed.initialize
+        from lightning_lowmem.strategies.zero import checkpoint_engine  # NOTE: imports DeepSpeed
 
-        def initialize(*args: Any, **kw: Any) -> Any:
-            if "args" in kw and getattr(kw["args"], "device_rank", 0) is None:
-                kw["args"] = argparse.Namespace(device_rank=self._device_rank)
-            return original(*args, **kw)
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank), config=config, model=model,
+            model_parameters=params or [], optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
+        )
+        self._checkpoints = checkpoint_engine.install(engine)
+        return engine, ds_optimizer
 
-        with swapped(deepspeed, initialize=initialize):
-            super()._initialize_deepspeed_inference(model)
-        return None
+    # ---- checkpoints: atomic directory saves, checked loads (see `strategies.zero.checkpoint`) ---------------
+
+    def _writes_shared_files(self) -> bool:
+        """Whether this process writes the checkpoint's shared files (``latest``, the swap): DeepSpeed's rank 0."""
+        engine = self.model
+        if engine is not None and engine.use_node_local_storage():
+            return self.local_rank == 0
+        return self.is_global_zero
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: lightning_internals.PATH, storage_options: Any | None = None) -> None:
+        """DeepSpeed's directory checkpoint, written to ``.NAME.tmp-PID/`` beside ``filepath``, fsync-ed, swapped in.
+
+        The previous checkpoint at ``filepath`` stays complete until the new one is; a process killed midway
+        leaves at most the temp directory, removed at the next save.
+        """
+        if storage_options is not None or not lightning_internals.is_local_file_protocol(filepath):
+            with self._partition_warning.quiet():
+                super().save_checkpoint(checkpoint, filepath, storage_options)  # the parent refuses storage_options
+            return
+        target = Path(self.broadcast(str(Path(filepath).absolute())))
+        tmp = Path(self.broadcast(str(_atomic.temp_path(target))))
+        writer = self._writes_shared_files()
+        if writer:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _atomic.clean_orphans(target, keep=tmp)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # an earlier save of this process that failed midway
+        self.barrier("lowmem_zero_save_begin")
+        # NOTE: DeepSpeed takes the module's state dict: the partition warning is for the user's own
+        with self._partition_warning.quiet(), zckpt.recorded_saves(self._checkpoints, tmp, target):
+            super().save_checkpoint(checkpoint, tmp)  # every process writes its shards (DeepSpeed ends with a barrier)
+            if writer:
+                zckpt.write_manifest(tmp)  # last
+                _atomic.fsync_tree(tmp)
+        if writer:
+            _atomic.replace_dir(tmp, target)
+        self.barrier("lowmem_zero_save_end")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: lightning_internals.PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if (self.load_full_weights and self.zero_stage_3) or not lightning_internals.is_local_file_protocol(checkpoint_path):
+            # NOTE: explicit, so that neither TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD nor Lightning's remote-URL default unpickles
+            return super().load_checkpoint(checkpoint_path, True if weights_only is None else weights_only)
+        path = Path(checkpoint_path)
+        if self._writes_shared_files():
+            _atomic.recover(path)  # a previous version left under `.NAME.old-PID` by a kill mid-swap
+        self.barrier("lowmem_zero_load")
+        problem = zckpt.zero_checkpoint_problem(path) or _zero_resume.stage_mismatch(path, 3 if self.zero_stage_3 else 2)
+        if problem is not None:
+            raise (FileNotFoundError if not path.exists() else ValueError)(
+                f"Cannot resume from `ckpt_path={str(checkpoint_path)!r}` with `{type(self).__name__}`: {problem}"
+            )
+        try:
+            # NOTE: weights-only unless the caller passed `weights_only=False` (DeepSpeed's own engine unpickles fully)
+            with self._checkpoints.reading(path, trusted=weights_only is False, opt_in=_trusted_load.TRAINER_OPT_IN):
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        except (RuntimeError, KeyError) as err:  # NOTE: another model shape / optimizer: say so, naming the file
+            readable = _zero_resume.load_error(err, self.model.optimizer, f"`ckpt_path={str(path)!r}`")
+            if readable is None:
+                raise
+            raise readable from err
+        _zero_resume.replay_cpu_adam_steps(self.model.optimizer)  # NOTE: see `strategies.zero.resume`
+        return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # NOTE: Lightning rebuilt the loader (its distributed sampler) before this hook: see `checks.loader_problem`
+        if self._batching_loader is not None and isinstance(dataloader, self._batching_loader):
+            problem = loader_problem(dataloader)
+            if problem is not None:
+                raise ValueError(f"{type(self).__name__} cannot run this configuration:\n- {problem}")
+        return super().process_dataloader(dataloader)
 
     # ---- config: preset <- Trainer <- user JSON ------------------------------------------------------------
 
@@ -322,11 +389,14 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         assert self.lightning_module is not None and self.config is not None
         trainer = self.lightning_module.trainer
         precision = str(self.precision_plugin.precision)
+        source = lightning_internals.fit_data_source(trainer)
+        loader = source.dataloader() if source.is_defined() else None  # NOTE: as given, before Lightning rebuilds it
+        self._batching_loader = batching_loader(loader)
         trainer_cfg = zc.trainer_settings(
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val,
             precision=precision,
-            micro_batch_size=self._micro_batch_size(),
+            micro_batch_size=_micro_batch_size(loader),
             fp16={
                 "loss_scale": self.loss_scale,
                 "initial_scale_power": self.initial_scale_power,
@@ -339,7 +409,7 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
         if not errors:
             zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
-        errors += self._setup_problems(trainer, precision, merged)
+        errors += setup_problems(self, trainer, precision, merged) + _preflight.checkpoint_dir_problems(trainer)
         if errors:
             raise ValueError(
                 f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(errors)
@@ -348,19 +418,6 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
             rank_zero_warn(f"{type(self).__name__}: {message}.")
         self.config.clear()
         self.config.update(merged)
-
-    def _micro_batch_size(self) -> int:
-        # NOTE: the parent's `_auto_select_batch_size` fails on loaders with `batch_size=None` (no batch sampler).
-        assert self.lightning_module is not None
-        source = lightning_internals.fit_data_source(self.lightning_module.trainer)
-        if not source.is_defined():
-            return 1
-        loader = source.dataloader()
-        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
-        return int(size) if isinstance(size, int) and size > 0 else 1
-
-    def _setup_problems(self, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
-        return setup_problems(self, trainer, precision, config) + _preflight.checkpoint_dir_problems(trainer)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
 
@@ -371,6 +428,8 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
             self._check_host_memory(optimizer)  # NOTE: before DeepSpeedCPUAdam and the engine allocate anything
         if not (self._offload_optimizer and self._cpu_optimizer):
             return optimizer, scheduler_config
+
+        from lightning_lowmem.strategies.zero.optim import to_cpu_optimizer  # NOTE: imports DeepSpeed
 
         with _preflight.SlowStartNotice("Creating DeepSpeedCPUAdam", _preflight.OP_BUILD_HINT):
             cpu_optimizer, message = to_cpu_optimizer(optimizer, self.config)
@@ -394,13 +453,13 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except AssertionError as err:
-            if not _reduced_twice(err):
+            asserted = deepspeed_internals.reduced_twice(err)
+            if asserted is None:
                 raise
             raise ValueError(
                 f"lowmem_zero (DeepSpeed ZeRO-{self.config['zero_optimization']['stage']}): a parameter's gradient arrived twice in one backward "
                 "(a block shared by two reentrant-checkpointed segments: each inner backward hands over its part), "
-                "and DeepSpeed reduces each gradient once per backward (it asserted: "
-                f"{' '.join(str(err).split()) or traceback.extract_tb(err.__traceback__)[-1].line}). "
+                f"and DeepSpeed reduces each gradient once per backward (it asserted: {asserted}). "
                 + reentrant_fix("use `strategy='lowmem_offload'`, which sums the parts")) from err
 
     @override
@@ -411,11 +470,10 @@ class ZeroStrategy(Reproducible, ZeroCheckpoints, DeepSpeedStrategy):
         return out
 
 
-def _reduced_twice(err: AssertionError) -> bool:
-    """Whether DeepSpeed's assertion is its refusal of a gradient reduced twice in one backward: ZeRO-1/2's message, or
-    ZeRO-3's bare ``assert`` that a reduce bucket holds each parameter once."""
-    frame = traceback.extract_tb(err.__traceback__)[-1]
-    return "already been reduced" in str(err) or ("deepspeed" in frame.filename and "ds_id" in (frame.line or ""))
+def _micro_batch_size(loader: Any) -> int:
+    # NOTE: the parent's `_auto_select_batch_size` fails on loaders with `batch_size=None` (no batch sampler).
+    size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else 1
 
 
 _MISSING = object()

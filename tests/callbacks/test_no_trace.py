@@ -1,17 +1,19 @@
-"""Steps run outside the training loop leave no trace in the module: buffers, metric states, counters, RNG.
+"""What runs before or beside the first step leaves no trace in the module: buffers, metric states, counters, RNG.
 
-``AccumulationScheduler(micro_batch_size="auto")`` runs trial steps and ``ActivationCheckpointing(policy="budget")``
-a measuring forward, both through the user's ``training_step``. The module here is what users write: convolutions
-with ``BatchNorm`` (running statistics and ``num_batches_tracked`` are buffers updated in forward), a torchmetrics
-accuracy updated in ``training_step`` and logged per epoch, a sample counter attribute, a random flip drawn from
-Python's ``random``, Adam with a warm-up LR schedule. Each run is compared with plain Lightning at the same
-micro-batch and effective batch: every weight and buffer by ``torch.equal`` (which also needs Adam's moments to
-start from nothing after the trials), the metric's state after every batch, the logged epoch value, the counter,
-the LR schedule.
+``ActivationCheckpointing(policy="budget")`` measures a forward on a fake copy; ``AccumulationScheduler(
+micro_batch_size="auto")`` measures on dry runs (fake copies). Neither runs the user's ``training_step`` on the
+module. The first module here is what users write: convolutions with ``BatchNorm`` (running statistics and
+``num_batches_tracked`` are buffers updated in forward), a torchmetrics accuracy updated in ``training_step`` and
+logged per epoch, a sample counter attribute, a random flip drawn from Python's ``random``, Adam with a warm-up LR
+schedule. Each run is compared with plain Lightning at the same micro-batch and effective batch: every weight and
+buffer by ``torch.equal``, the metric's state after every batch, the logged epoch value, the counter, the LR
+schedule. Then a causal LM with dropout (a draw from the run's RNG would change every later mask) and a
+self-distillation module whose step moves its EMA teacher in place.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 import warnings
 from typing import Any
@@ -24,6 +26,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
+from lightning_lowmem.demo.module import CausalLMModule
+from tests.callbacks.test_accumulation_integration import ListData, fit_kwargs, padded_samples
 from tests.helpers.activation_modules import LitConvBN, assert_same_state, fit_state
 
 pytestmark = pytest.mark.integration
@@ -106,20 +110,21 @@ def _assert_same_run(got: tuple, want: tuple) -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("accumulating", [False, True], ids=["micro16", "micro8x2"])
-def test_micro_batch_trials_leave_buffers_metrics_and_counters_as_plain_lightning(accumulating):
-    """The trials run steps at micro-batches 1..16 on the first batch: BatchNorm counted 6 batches instead of 2,
-    and the accuracy and the counter counted the trials' samples, before the side step put the module back."""
-    auto = AccumulationScheduler(16, "auto", memory_budget=10**12)
-    if accumulating:  # a budget between the peaks of 8 and 16: micro-batch 8, accumulation 2
-        _fit([auto], steps=1)
-        auto = AccumulationScheduler(16, "auto", memory_budget=auto.choice.peaks[8])
+def test_a_dry_run_measured_micro_batch_leaves_buffers_metrics_and_counters_as_plain_lightning():
+    """``micro_batch_size="auto"`` measured by dry runs (fake copies): nothing runs on the module before the first
+    step, so BatchNorm, the accuracy, the counter, the RNG and the LR schedule are plain Lightning's at the choice."""
+    from tests.callbacks.test_accumulation_integration import dry_run_peak
+
+    asked: list[int] = []
+
+    def measure(trainer: L.Trainer, pl_module: Any, micro: int) -> int:
+        asked.append(micro)
+        return dry_run_peak(trainer, pl_module, micro)
+
+    auto = AccumulationScheduler(16, "auto", memory_budget=10**12, measure=measure)
     got = _fit([auto])
-    micro = auto.choice.micro_batch_size
-    assert micro == (8 if accumulating else 16) and len(auto.choice.peaks) >= 2  # the trials ran
-    want = _fit([], batch_size=micro, accumulate_grad_batches=16 // micro)
-    _assert_same_run(got, want)
-    assert all(int(v) == 2 * 16 // micro for k, v in got[0].items() if k.endswith("num_batches_tracked"))
+    assert auto.choice.micro_batch_size == 16 and asked == [1, 4, 8, 16]  # the dry runs ran at several sizes
+    _assert_same_run(got, _fit([], batch_size=16))
 
 
 @pytest.mark.parametrize("blocks", [2, 0], ids=["repeated-blocks", "measured-submodules"])
@@ -138,3 +143,64 @@ def test_the_runs_above_train_and_count():
     assert any(not torch.equal(v, untouched[k]) for k, v in trainer.lightning_module.state_dict().items())
     assert recorder.counts == [8, 16]
     assert [int(s["tp"] + s["fn"]) for s in recorder.states] == [8, 16]
+
+
+# --- a causal LM with dropout, a self-distillation teacher --------------------------------------------------------
+# dropout on: a probe that drew from the run's RNG would change every later mask, and so the weights
+CONFIG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 16,
+          "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+
+
+def _fit_lm(callbacks: list[Any], steps: int = 2) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = CausalLMModule(config=CONFIG, loss_reduction="sum", learning_rate=1e-3)
+    L.seed_everything(7, verbose=False)
+    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, **fit_kwargs())
+    trainer.fit(module, ListData(padded_samples(4 * steps)))
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+
+
+def test_a_probe_leaves_the_scheduler_window_and_the_weights_as_without_it():
+    """The budget probe measures the first batch inside the scheduler's first window: the scheduler must not count
+    it (a count of 3 micro-batches would scale the first step's gradients)."""
+    scheduler = {"effective_batch_size": 4, "micro_batch_size": 2, "loss_normalization": "tokens"}
+    reference = _fit_lm([AccumulationScheduler(**scheduler)])
+    probe = ActivationCheckpointing(policy="budget", budget=10**12)
+    counted = AccumulationScheduler(**scheduler)
+    weights = _fit_lm([counted, probe])
+    assert probe.measured and len(probe.measured["blocks"]) == CONFIG["n_layer"]  # the probe ran
+    assert counted.last_window.micro_batches == 2
+    _assert_equal(weights, reference)
+
+
+def _fit_ema_teacher(callbacks: list[Any]) -> dict[str, torch.Tensor]:
+    from tests.conformance.corpus_kinds import EMATeacher
+
+    torch.manual_seed(0)
+    module = EMATeacher()
+    trainer = L.Trainer(max_steps=3, callbacks=callbacks, limit_val_batches=0, **fit_kwargs())
+    trainer.fit(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("policy", ["all", "budget"])
+def test_a_probe_puts_back_a_teacher_that_training_step_moves_in_place(policy):
+    """A self-distillation step moves its frozen EMA teacher toward the student in place (``torch.no_grad``): the
+    probe must not move it too (a probe that ran ``training_step`` on the module moved it one more EMA step)."""
+    reference = _fit_ema_teacher([])
+    probe = ActivationCheckpointing(policy="budget", budget=10**12) if policy == "budget" else ActivationCheckpointing()
+    _assert_equal(_fit_ema_teacher([probe]), reference)
+
+
+def test_the_fits_above_train():
+    """Guards the probe tests above: two steps move the weights (runs that trained nothing would pass them)."""
+    torch.manual_seed(0)
+    untouched = copy.deepcopy(CausalLMModule(config=CONFIG, loss_reduction="sum", learning_rate=1e-3).state_dict())
+    trained = _fit_lm([AccumulationScheduler(4, 2, loss_normalization="tokens")])
+    assert any(not torch.equal(untouched[k], trained[k]) for k in untouched)

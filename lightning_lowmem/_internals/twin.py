@@ -1,0 +1,97 @@
+"""``lightning_lowmem.pl``: this package for the standalone ``pytorch_lightning`` package, built from the same source.
+
+``lightning`` and ``pytorch_lightning`` are released in lockstep from one source but keep separate class hierarchies
+and registries: a callback or strategy subclassing ``lightning.pytorch``'s classes means nothing to a
+``pytorch_lightning.Trainer`` (which libraries such as neuralforecast build themselves). Lightning builds
+``lightning.pytorch`` from ``pytorch_lightning``'s sources by rewriting imports; this module (the names and the
+finder) and :mod:`.twin_source` (the compiler) do the reverse at import time. Module ``lightning_lowmem.pl.X`` is the file of ``lightning_lowmem.X`` compiled with its imports (and
+the module paths it names in strings, e.g. the lazy tables) rewritten: ``lightning.pytorch`` to
+``pytorch_lightning``, ``lightning.fabric`` to ``lightning_fabric``, ``lightning`` to ``pytorch_lightning``,
+``lightning_lowmem`` to ``lightning_lowmem.pl``. One implementation, nothing to keep in step; nothing but this
+package's own files is compiled. The modules of :data:`SHARED` hold no Lightning class and are one copy for both.
+
+NOTE: not imported by ``import lightning_lowmem`` (that imports no module more than before): the registry's finder
+imports this module when ``lightning_lowmem.pl`` is first imported, the hooks when a callback is set up.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+PREFIX = "lightning_lowmem.pl"
+#: the Lightning package -> the build of this package that works with it
+BUILDS = {"lightning": "lightning_lowmem", "pytorch_lightning": PREFIX}
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the lightning_lowmem package's folder
+#: served to both builds as they are: the import machinery and the name registry (they hold no Lightning class)
+SHARED = frozenset({"lightning_lowmem._registry", "lightning_lowmem._internals.twin",
+                    "lightning_lowmem._internals.twin_source"})
+#: old module prefix -> new one, the first that matches wins (``lightning`` after its subpackages)
+_RENAMES = (
+    ("lightning.pytorch", "pytorch_lightning"),
+    ("lightning.fabric", "lightning_fabric"),
+    ("lightning", "pytorch_lightning"),
+    ("lightning_lowmem", PREFIX),
+)
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def twin_name(name: str) -> str:
+    """The name module ``name`` has in the ``pytorch_lightning`` build (unchanged for one of neither package)."""
+    if name in SHARED or _under(name, PREFIX):
+        return name
+    for old, new in _RENAMES:
+        if _under(name, old):
+            return new + name[len(old) :]
+    return name
+
+
+def real_name(name: str) -> str:
+    """The module of this package that ``name`` (a module of either build) is compiled from."""
+    return "lightning_lowmem" + name[len(PREFIX) :] if _under(name, PREFIX) else name
+
+
+def package_of(obj: Any) -> str | None:
+    """``"lightning"`` or ``"pytorch_lightning"``: the package whose Trainer, LightningModule, Callback,
+    LightningDataModule or Strategy ``obj`` is (None for neither). Checks only packages already imported."""
+    for package, module in (("lightning", "lightning.pytorch"), ("pytorch_lightning", "pytorch_lightning")):
+        pl, strategies = sys.modules.get(module), sys.modules.get(module + ".strategies")
+        if pl is None or strategies is None:
+            continue
+        if isinstance(obj, (pl.Trainer, pl.LightningModule, pl.Callback, pl.LightningDataModule, strategies.Strategy)):
+            return package
+    return None
+
+
+def package_for(module_name: str) -> str:
+    """The Lightning package the build holding module ``module_name`` (its ``__name__``) works with."""
+    return "pytorch_lightning" if _under(module_name, PREFIX) else "lightning"
+
+
+def find_spec(fullname: str) -> Any:
+    """The spec of ``lightning_lowmem.pl[.X]``: the rewritten file of ``lightning_lowmem[.X]`` (None for no such file).
+
+    Called by the finder of :mod:`lightning_lowmem._registry` (on ``sys.meta_path`` from ``import lightning_lowmem``).
+    """
+    if not _under(fullname, PREFIX) or real_name(fullname) in SHARED:
+        return None
+    parts = fullname.split(".")[2:]
+    if not all(part.isidentifier() for part in parts):  # NOTE: a name is never a path out of the package
+        return None
+    base = os.path.join(_ROOT, *parts)
+    package = os.path.isfile(os.path.join(base, "__init__.py"))
+    origin = os.path.join(base, "__init__.py") if package else base + ".py"
+    if not os.path.isfile(origin):
+        return None
+    from lightning_lowmem._internals.twin_source import Loader
+
+    spec = importlib.machinery.ModuleSpec(fullname, Loader(origin), origin=origin, is_package=package)
+    spec.has_location = True
+    if package:
+        spec.submodule_search_locations = [base]
+    return spec
