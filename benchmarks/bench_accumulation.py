@@ -22,6 +22,7 @@ from benchmarks._harness import bench_trainer, fmt_bytes, interleaved, write_res
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.demo.data import StdlibTextDataModule
 from lightning_lowmem.demo.module import CausalLMModule
+from lightning_lowmem.predict.micro_batch import dry_run_peak
 
 MiB = 1024**2
 EFFECTIVE = 64
@@ -39,7 +40,8 @@ def build(seq_len: int) -> tuple[CausalLMModule, StdlibTextDataModule]:
 def choose(budget: int, seq_len: int) -> dict:
     """One ``Trainer.fit`` step with micro_batch_size="auto" under ``budget``: what the callback chose."""
     module, data = build(seq_len)
-    callback = AccumulationScheduler(EFFECTIVE, "auto", loss_normalization="tokens", memory_budget=budget)
+    callback = AccumulationScheduler(EFFECTIVE, "auto", loss_normalization="tokens", memory_budget=budget,
+                                     measure=dry_run_peak)
     trainer = bench_trainer(max_steps=1, limit_val_batches=0, callbacks=[callback])
     trainer.fit(module, data)
     c = callback.choice

@@ -3,9 +3,10 @@
 The script below is the kind people already have: a LightningModule around a Hugging Face causal LM over
 padded sequences of different lengths, a DataModule with a ``batch_size`` attribute, a Trainer. The additions:
 
-1. ``AccumulationScheduler(effective_batch_size=64, micro_batch_size="auto", ...)`` in ``callbacks``: it picks
-   the largest micro-batch that fits ``--budget``, sets ``datamodule.batch_size`` and the accumulation itself,
-   and says what it chose;
+1. ``AccumulationScheduler(effective_batch_size=64, micro_batch_size="auto", measure=dry_run_peak, ...)`` in
+   ``callbacks``: it picks the largest micro-batch whose step fits ``--budget`` (measured by dry runs on a fake copy
+   of the model, before the first step), sets ``datamodule.batch_size`` and the accumulation itself, and says what it
+   chose;
 2. ``training_step`` returns the *sum* of its token losses and their count, so the step gets the exact mean over
    every token of the 64 sequences (a per-micro-batch mean would weight short and long micro-batches alike).
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lightning_lowmem import AccumulationScheduler
+from lightning_lowmem import AccumulationScheduler, dry_run_peak
 
 
 class LitLM(L.LightningModule):
@@ -78,7 +79,8 @@ def main() -> None:
         micro_batch_size=args.micro_batch or "auto",
         schedule={10: 32, 20: 64} if args.warmup else None,
         loss_normalization="tokens",
-        memory_budget=budget,
+        memory_budget=None if args.micro_batch else budget,
+        measure=None if args.micro_batch else dry_run_peak,
     )
     trainer = L.Trainer(
         accelerator="auto", devices=1, max_steps=steps, logger=False, enable_checkpointing=False, callbacks=[callback]

@@ -35,6 +35,7 @@ _LAZY = {
     "MemoryBreakdown": "lightning_lowmem.core.accounting",
     "estimate_memory": "lightning_lowmem.predict.estimate",
     "dry_run": "lightning_lowmem.predict.dry_run",
+    "dry_run_peak": "lightning_lowmem.predict.micro_batch",
     "DryRunUnsupportedError": "lightning_lowmem.predict.unsupported",
     "MemoryEstimate": "lightning_lowmem.predict.result",
     "RunSpec": "lightning_lowmem.predict.run_spec",

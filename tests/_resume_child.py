@@ -56,15 +56,21 @@ SAMPLES = 64  # one epoch is longer than every run: a resume is always mid-epoch
 
 
 class KeyedData(torch.utils.data.Dataset):
+    """Sample ``i`` drawn from its own seed: the same data whatever the batch size (the scheduler sets it)."""
+
     def __len__(self) -> int:
         return SAMPLES
 
-    def __getitem__(self, i: int) -> int:
-        return i
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + i)
+        ids = torch.randint(0, 256, (SEQ,), generator=g)
+        # NOTE: a varying number of padded tokens per sequence, so "tokens" and "samples" normalisation differ
+        mask = (torch.arange(SEQ) < torch.randint(SEQ // 2, SEQ + 1, (1,), generator=g)).long()
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 class Module(CausalLMModule):
-    """The demo LM with a step-wise LR warm-up, a batch size the scheduler can set, and data keyed by batch."""
+    """The demo LM with a step-wise LR warm-up, a batch size the scheduler can set, and data keyed by sample."""
 
     def __init__(self, batch_size: int = 2, loss_reduction: str = "mean", model: str = "gpt2") -> None:
         super().__init__(model_type=model, config=CONFIG if model == "gpt2" else LLAMA, learning_rate=1e-2,
@@ -73,16 +79,6 @@ class Module(CausalLMModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(KeyedData(), batch_size=self.batch_size)
-
-    def training_step(self, batch, batch_idx):
-        index = self.trainer.current_epoch * len(self.trainer.train_dataloader) + batch_idx
-        g = torch.Generator().manual_seed(1000 + index)
-        ids = torch.randint(0, 256, (len(batch), SEQ), generator=g)
-        # NOTE: a varying number of padded tokens per sequence, so "tokens" and "samples" normalisation differ
-        mask = (torch.arange(SEQ) < torch.randint(SEQ // 2, SEQ + 1, (len(batch), 1), generator=g)).long()
-        labels = ids.masked_fill(mask == 0, -100)
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        return super().training_step({k: v.to(self.device) for k, v in batch.items()}, batch_idx)
 
 
 class SaveAt(L.Callback):

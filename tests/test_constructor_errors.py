@@ -52,12 +52,6 @@ CASES = [
     ("AccumulationScheduler", {"memory_budget": 0}, V, "memory_budget=0"),
     ("AccumulationScheduler", {"batch_arg_name": 3}, T, "batch_arg_name=3"),
     ("AccumulationScheduler", {"on_oom": "retry"}, V, "on_oom='retry'"),
-    ("AccumulationScheduler", {"regrow_after": "5"}, T, "regrow_after='5'"),
-    ("AccumulationScheduler", {"regrow_after": 0}, V, "regrow_after=0"),
-    # OOMRecovery
-    ("OOMRecovery", {"loss_normalization": "mean"}, V, "loss_normalization='mean'"),
-    ("OOMRecovery", {"regrow_after": "5"}, T, "regrow_after='5'"),
-    ("OOMRecovery", {"regrow_after": 0}, V, "regrow_after=0"),
     # Adapters
     pytest.param("Adapters", {"kind": "ia3"}, V, "kind='ia3'", marks=RunIf(peft=True)),
     pytest.param("Adapters", {"r": "16"}, T, "r='16'", marks=RunIf(peft=True)),

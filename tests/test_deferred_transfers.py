@@ -19,8 +19,6 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import lightning_lowmem  # noqa: F401  (registers "lowmem_offload")
-from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
-from lightning_lowmem.callbacks.activation_offload.callback import ActivationOffload
 from lightning_lowmem.core.host_memory import pinned_bytes
 from lightning_lowmem.core.streams import CudaOps, DeferredOps, cpu_stand_in
 from lightning_lowmem.demo.module import CausalLMModule
@@ -90,22 +88,10 @@ def _fit_grads(module: L.LightningModule, deferred: bool, data: Any = None, **kw
     callbacks = [*kwargs.pop("callbacks", []), record]
     with _deferred(built=built) if deferred else contextlib.nullcontext():
         trainer = _trainer(callbacks=callbacks, **kwargs)
-        trainer.fit(module, data) if data is not None or isinstance(module, LoaderLM) else trainer.fit(module, _data())
+        trainer.fit(module, data if data is not None else _data())
     if deferred:
         assert built and sum(o.copies_queued for o in built) > 0
     return record
-
-
-class LoaderLM(CausalLMModule):
-    """Builds its own loader with ``self.batch_size`` (what ``micro_batch_size="auto"`` sets)."""
-
-    def __init__(self) -> None:
-        super().__init__(config=TINY, learning_rate=1e-2)
-        self.batch_size = 1
-        self.samples = [{k: v[0] for k, v in random_batch(1, 16, seed=i).items()} for i in range(8)]
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.samples, batch_size=self.batch_size)
 
 
 # --- the seam itself --------------------------------------------------------------------------------------------
@@ -168,29 +154,6 @@ def test_deferred_on_after_backward_sees_complete_master_gradients():
     _assert_same(deferred.before_step, plain.before_step)
 
 
-# --- hazard 2: the micro-batch search drains its trial steps -----------------------------------------------------
-
-
-@pytest.mark.parametrize("in_backward", [False, True])
-def test_deferred_micro_batch_search_leaves_no_queued_gradient(in_backward):
-    """The trial steps' copies must not reach the first real step (nor step the masters at the real LR)."""
-    torch.manual_seed(0)
-    module = LoaderLM()
-
-    def run(micro: int | str) -> tuple[MasterGrads, dict[str, torch.Tensor]]:
-        m = copy.deepcopy(module)
-        sched = AccumulationScheduler(4, micro, memory_budget=2**40)
-        rec = _fit_grads(m, deferred=True, callbacks=[sched], max_steps=1,
-                         strategy=OffloadStrategy(optimizer_in_backward=in_backward))
-        assert sched.choice.micro_batch_size == 4
-        return rec, {n: p.detach().clone() for n, p in m.named_parameters()}
-
-    auto, auto_weights = run("auto")
-    fixed, fixed_weights = run(4)
-    _assert_same(auto.before_step, fixed.before_step)
-    _assert_same([auto_weights], [fixed_weights])
-
-
 # --- hazard 3: a staging slot is not rewritten while unread ------------------------------------------------------
 
 
@@ -244,23 +207,6 @@ def test_deferred_pinned_staging_counted_exactly():
         seen["planned"] = strategy.host_bytes_needed(module, [])["staging_or_compute_weights"]
     assert seen["reported"] == seen["planned"] == seen["allocated"] > 0
     assert seen["buffers"] < len(list(module.parameters()))  # flat buckets, not one buffer per parameter
-
-
-# --- hazard 5: the micro-batch search measures with ActivationOffload ---------------------------------------------
-
-
-def test_deferred_micro_batch_search_measures_with_activation_offload():
-    torch.manual_seed(0)
-    module = LoaderLM()
-    peaks = {}
-    for offload in (False, True):
-        m = copy.deepcopy(module)
-        sched = AccumulationScheduler(4, "auto", memory_budget=2**40)
-        callbacks = [sched, *([ActivationOffload(min_bytes=0)] if offload else [])]
-        with _deferred():
-            _trainer(strategy="auto", callbacks=callbacks, max_steps=1).fit(m)
-        peaks[offload] = sched.choice.peaks[4]
-    assert peaks[True] < peaks[False]
 
 
 # --- hazard 6: CudaPeakWindow matches devices by index ------------------------------------------------------------

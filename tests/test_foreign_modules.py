@@ -160,8 +160,11 @@ def test_accumulation_scheduler_matches_lightning_accumulation(name):
 
 @pytest.mark.parametrize("name", ["plain_tensor", "autoencoder"])
 def test_accumulation_scheduler_auto_micro_batch(name):
-    """The trials call `training_step` as Lightning does (`plain_tensor`'s takes no `batch_idx`)."""
-    callback = AccumulationScheduler(effective_batch_size=16, micro_batch_size="auto", memory_budget="64MiB")
+    """The dry runs measure each module as Lightning runs it (`plain_tensor`'s `training_step` takes no `batch_idx`)."""
+    from lightning_lowmem import dry_run_peak
+
+    callback = AccumulationScheduler(effective_batch_size=16, micro_batch_size="auto", memory_budget="64MiB",
+                                     measure=dry_run_peak)
     result = _run(name, callbacks=(callback,))
     _assert_trained(result, name)
     assert next(c for c in result[3].callbacks if isinstance(c, AccumulationScheduler)).choice.micro_batch_size >= 1

@@ -16,7 +16,7 @@ from lightning_lowmem._registry import STRATEGIES
 ALL = ['AccumulationScheduler', 'ActivationCheckpointing', 'ActivationOffload', 'Adapters', 'AutoStrategy', 'ByteTokenizer',
        'CausalLMModule', 'ChunkedLMLoss', 'DryRunUnsupportedError', 'LeanOptimizer', 'LowBitOptimizer', 'MasterHalfPrecision',
        'MemoryBreakdown', 'MemoryEstimate', 'MemoryReport', 'OOMRecovery', 'OffloadStrategy', 'OptimizerInBackward',
-       'RunSpec', 'StdlibTextDataModule', 'StepMemoryRecorder', 'ZeroStrategy', 'chunked_causal_lm_loss', 'dry_run',
+       'RunSpec', 'StdlibTextDataModule', 'StepMemoryRecorder', 'ZeroStrategy', 'chunked_causal_lm_loss', 'dry_run', 'dry_run_peak',
        'estimate_memory', 'pl', 'plan', 'register_strategies', 'zero']
 #: the registered strategy names before the move
 REGISTERED = ['lowmem_auto', 'lowmem_offload', 'lowmem_offload_params', 'lowmem_zero2', 'lowmem_zero2_offload',

@@ -124,23 +124,6 @@ def test_cpu_adam_replay_rebuilds_the_bias_correction_of_the_uninterrupted_run()
     assert results == {False: False, True: True}  # the cause, and the fix
 
 
-def test_mid_window_checkpoint_under_deepspeed_or_ddp_warns():
-    """Where the window's gradients cannot be written (DeepSpeed's own buffers, other processes' parts), say so."""
-    from lightning_lowmem import AccumulationScheduler
-    from lightning_lowmem.callbacks.accumulation.window import window_state
-
-    callback = AccumulationScheduler(4, 2)
-    callback._pos, callback._window = 1, 2
-    progress = SimpleNamespace(ready=3, processed=3)  # between two batches, as in `on_train_batch_end`
-    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=progress)))
-    for engine, world, match in ((True, 1, "DeepSpeed keeps the window's gradients"), (False, 2, "each process")):
-        callback._engine = engine
-        with pytest.warns(UserWarning, match=match):
-            assert window_state(callback, SimpleNamespace(world_size=world, fit_loop=loop)) is None
-    callback._pos = 0  # at a window edge there is nothing to say
-    assert window_state(callback, SimpleNamespace(world_size=2, fit_loop=loop)) is None
-
-
 # --- the full matrix: `make resume-matrix` ---------------------------------------------------------------------
 
 STOPS = [1, 5]  # after optimizer step 2 and step 6 of 8 (DeepSpeedCPUAdam's powers differ from step 5 on)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from lightning_lowmem import dry_run_peak
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.demo.module import IGNORE_INDEX, CausalLMModule
 from tests.helpers.models import GPT2_TINY
@@ -209,21 +210,6 @@ def test_epoch_schedule_warm_up():
     for got, want in zip(capture.grads, ref_grads, strict=True):
         assert_close_rel(got, want)
     assert_close_rel({n: p.detach() for n, p in module.named_parameters()}, ref_weights)
-
-
-def dry_run_peak(trainer: L.Trainer, pl_module: L.LightningModule, micro: int) -> int:
-    """A ``measure`` for ``micro_batch_size="auto"``: the device peak of this run at micro-batch ``micro``, predicted by
-    a dry run on a fake copy of the module (the real one, its RNG and its data are not touched). Two micro-batches per
-    step: the second one's backward runs with the first one's gradients alive, as in any window."""
-    from lightning_lowmem.predict.dry_run import dry_run
-    from lightning_lowmem.predict.run_spec import RunSpec
-
-    scheduler = next(c for c in trainer.callbacks if isinstance(c, AccumulationScheduler))
-    run = RunSpec.from_trainer(trainer, exclude=(scheduler,))
-    effective = 2 * micro * trainer.world_size
-    run.callbacks.append(scheduler.fresh(effective_batch_size=effective, micro_batch_size=micro, schedule=None,
-                                         memory_budget=None, measure=None))
-    return dry_run(pl_module, trainer.datamodule, run=run).peak_device
 
 
 def test_auto_picks_the_largest_micro_batch_whose_measured_peak_fits_the_budget():

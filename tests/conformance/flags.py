@@ -178,7 +178,6 @@ FLAGS: list[Flag] = [
     Flag("OptimizerInBackward", callbacks=cb("OptimizerInBackward")),
     Flag("ChunkedLMLoss(16)", callbacks=cb("ChunkedLMLoss", chunk_tokens=16), compare="reorder", reason=R_CHUNKED,
          applies=_causal_lm),
-    Flag("OOMRecovery", callbacks=cb("OOMRecovery")),
     Flag("MemoryReport", callbacks=memory_report),
     # --- the README's recipes
     Flag("recipe:ckpt(all)+ActivationOffload(boundaries_only)",
@@ -218,8 +217,6 @@ FLAGS: list[Flag] = [
          compare="reorder", reason=R_DS + "; " + R_CHUNKED, group="deepspeed", applies=_causal_lm, slice=False),
     Flag("lowmem_zero3+ChunkedLMLoss(16)", zero(3, False), callbacks=cb("ChunkedLMLoss", chunk_tokens=16),
          compare="reorder", reason=R_DS + "; " + R_CHUNKED, group="deepspeed", applies=_causal_lm, slice=False),
-    Flag("lowmem_zero2+OOMRecovery", zero(2, False), callbacks=cb("OOMRecovery"), compare="reorder", reason=R_DS,
-         group="deepspeed", slice=False),
     Flag("lowmem_zero3_offload+MemoryReport", zero(3, True), callbacks=memory_report, compare="reorder", reason=R_DS,
          group="deepspeed", slice=False),
 ]

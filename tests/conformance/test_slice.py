@@ -34,7 +34,7 @@ SLICE_MODULES = {
 CORE = ("lowmem_offload@32-true", "lowmem_offload@bf16-mixed", "lowmem_offload@bf16-true", "ActivationCheckpointing(all)",
         "ActivationOffload(min_bytes=0)", "AccumulationScheduler(8/4)", "OptimizerInBackward", "MemoryReport")
 OTHER_KINDS = ("causal_lm",)
-EXTRA = {"lstm_packed": ("LowBitOptimizer(adamw8bit)",), "cnn_bn": ("OOMRecovery", "LowBitOptimizer(adamw8bit)")}
+EXTRA = {"lstm_packed": ("LowBitOptimizer(adamw8bit)",), "cnn_bn": ("LowBitOptimizer(adamw8bit)",)}
 # torch.compile recompiles in every fit: the compiled module runs the flags that change what it compiles
 COMPILED = ("lowmem_offload@32-true", "lowmem_offload@bf16-mixed", "ActivationCheckpointing(all)", "MemoryReport")
 DEEPSPEED_MODULE, CALLBACK_MODULE = "hf_llama", "cnn_bn"
