@@ -19,20 +19,6 @@ def caller_frame(depth: int = 1) -> FrameType:
     return sys._getframe(depth + 1)
 
 
-def called_from_package(prefix: str, depth: int = 1) -> bool:
-    """Whether a module whose ``__name__`` starts with ``prefix`` is on the stack above the caller's ``depth``.
-
-    NOTE: ZeRO-3 warns that ``state_dict()`` after fit holds empty partitions, except when DeepSpeed's own code (its
-    checkpoint writer) takes it: no argument says who asks.
-    """
-    frame: FrameType | None = sys._getframe(depth + 1)
-    while frame is not None:
-        if str(frame.f_globals.get("__name__", "")).startswith(prefix):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def raising_instances(err: BaseException) -> list[Any]:
     """The ``self`` of each frame ``err`` was raised through, outermost first (None where a frame has none).
 
