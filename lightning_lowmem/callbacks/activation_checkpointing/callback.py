@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -45,59 +44,50 @@ from lightning_lowmem.core.units import parse_bytes
 
 __all__ = ["ActivationCheckpointing", "CheckpointInfo", "checkpoint_info", "checkpointed_modules", "find_repeated_blocks"]
 
-log = logging.getLogger(__name__)
-
 PolicyName = Literal["all", "every_n", "sqrt", "selective", "budget"]
-POLICIES: tuple[str, ...] = ("all", "every_n", "sqrt", "selective", "budget")
+POLICIES: tuple[str, ...] = get_args(PolicyName)
 
 
 class ActivationCheckpointing(Reproducible, Callback):
     """Recompute the activations of chosen blocks in backward instead of keeping them: a policy for any model.
 
-    Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward
-    work in backward. Blocks are found automatically (the longest ``nn.ModuleList`` of same-class modules:
-    GPT-2, LLaMA, BERT, T5, ViT, ``nn.TransformerEncoder``) or named with ``blocks``. A model with no such list
-    (an MLP, an autoencoder, a CNN, a one-layer ``nn.Transformer``) gets its blocks by measurement on the first
-    training batch (one extra forward, RNG untouched): the largest submodules whose checkpointing frees memory,
-    splitting any that holds more than half of all activations into its children (:attr:`chosen_by_measurement`);
-    if none frees anything it warns and trains unchanged. Measuring runs ``training_step`` once on a fake copy of
-    the module (fake weights, no Trainer: the run is untouched); a step that cannot run there (manual optimization,
-    a read of ``self.trainer``) is refused, asking for ``blocks``. Checkpointing is non-reentrant with the RNG state
-    preserved, so gradients are bit-identical to training without it, dropout included. It is applied at the
-    first training batch through each block's forward hooks (the module tree and ``state_dict`` keys do not change:
-    checkpoints load into a model without the callback and back) and removed at the end of ``fit``.
+    Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward work in
+    backward. Blocks are found automatically (the longest ``nn.ModuleList`` of same-class modules: GPT-2, LLaMA,
+    BERT, T5, ViT, ``nn.TransformerEncoder``) or named with ``blocks``. A model with no such list (an MLP, a CNN, an
+    autoencoder) gets as blocks the largest submodules whose checkpointing frees memory, measured on the first
+    training batch, any holding more than half of all activations split into its children
+    (:attr:`chosen_by_measurement`; none: a warning, and it trains unchanged). Measuring (this, and ``"budget"``)
+    runs ``training_step`` once on a fake copy of the module (``probe``): the run is untouched; a step that cannot
+    run there (manual optimization, a read of ``self.trainer``) is refused, asking for ``blocks``.
+
+    Checkpointing is torch's non-reentrant one with the RNG state preserved, so gradients are bit-identical to
+    training without it, dropout included. It is applied at the first training batch through each block's forward
+    hooks (the module tree and ``state_dict`` keys do not change) and removed at the end of ``fit``. Each recompute
+    runs on a copy of the buffers its forward found (``BatchNorm`` statistics are updated once; a copy of the block's
+    buffers per call until its backward, none for Hugging Face blocks).
 
     Policies (``policy=``):
         - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
         - ``"every_n"`` with ``n``: blocks 0, n, 2n, ... are recomputed (``n=1`` is ``"all"``).
-        - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only
-          the segment inputs (at most 2*sqrt(L) blocks' worth at the peak). Not under FSDP or ZeRO-3. NOTE: a
-          transformer block's input is ~1/50 of its activations, so there ``"all"`` keeps less for about
-          the same recompute; ``"sqrt"`` pays off when block boundaries are as large as the blocks.
-        - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap
-          element-wise ops are recomputed (PyTorch's selective activation checkpointing). Blocks holding a
-          recurrent layer are recomputed whole; an in-place change of a kept output is refused (see ``selective``).
-        - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings
-          the activations under the budget, from activation sizes measured on the first training batch
-          (on a fake copy, as above). Below the minimum possible it raises, naming the minimum.
+        - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only the
+          segment inputs. Not under FSDP or ZeRO-3. NOTE: a transformer block's input is ~1/50 of its activations, so
+          there ``"all"`` keeps less for about the same recompute.
+        - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap element-wise ops
+          are recomputed. Blocks holding a recurrent layer are recomputed whole; an in-place change of a kept output
+          is refused (see ``selective``).
+        - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings the
+          activations under the budget, as measured. Below the minimum possible it raises, naming the minimum.
         - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
 
     ``torch.compile``-d modules, the modules inside them and those holding them are not checkpointed (a warning names
-    them; refused when they are all that was found or named): inside a compiled region the checkpoint changes
-    inductor's kernels (not bit-identical), and around one torch's recompute can save other tensors.
-
-    Module buffers end as plain training leaves them: each recompute runs on a copy of the buffers its forward
-    found (so ``BatchNorm`` running statistics and a module's own counters are updated once, and a forward that
-    reads a buffer it updates recomputes the same thing). Cost:
-    a copy of a checkpointed block's buffers per call, held until its backward (nothing for blocks without
-    buffers, such as Hugging Face transformer blocks).
+    them; refused when they are all there is): inside a compiled region the checkpoint changes inductor's kernels,
+    and around one torch's recompute can save other tensors.
 
     Works with models built in ``__init__`` or in ``configure_model``, under single-device, DDP, FSDP /
-    ModelParallel (the per-block policies, blocks found or named), ``lowmem_offload`` and DeepSpeed ZeRO (the
-    ``lowmem_zero*`` presets; under stage 3 every policy but ``"sqrt"``): the strategies' hooks that gather or
-    stream a block's weights run around its checkpointed forward, once. Hugging Face models: their own ``gradient_checkpointing`` is turned off (with a warning)
-    to avoid recomputing twice, and ``config.use_cache`` is set to False while fitting (a KV cache cannot be
-    recomputed).
+    ModelParallel (blocks found or named), ``lowmem_offload`` and DeepSpeed ZeRO (under stage 3 every policy but
+    ``"sqrt"``): the strategies' hooks that gather or stream a block's weights run around its checkpointed forward,
+    once. Hugging Face models: their own activation checkpointing is turned off (with a warning) and
+    ``config.use_cache`` is False while fitting (a KV cache cannot be recomputed).
 
     Example:
         >>> from lightning_lowmem import ActivationCheckpointing
@@ -246,9 +236,9 @@ class ActivationCheckpointing(Reproducible, Callback):
     def _check_strategy(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
         problems = []
-        # NOTE: DeepSpeed composes: per-block checkpointing is non-reentrant `torch.utils.checkpoint` inside the
-        # block's module call, so ZeRO-3's fetch hooks run around the forward, again around the recompute's
-        # submodule calls, and its pre-backward fetch has gathered the block's own parameters before the recompute
+        # NOTE: DeepSpeed composes: a block's checkpoint region is its forward, inside its module hooks, so ZeRO-3's
+        # fetch hooks run around the forward, again around the recompute's submodule calls, and its pre-backward
+        # fetch has gathered the block's own parameters before the recompute
         stage = _zero_stage(strategy) if isinstance(strategy, DeepSpeedStrategy) else 0
         if self.policy == "sqrt" and stage == 3:
             problems.append(
@@ -367,7 +357,6 @@ class ActivationCheckpointing(Reproducible, Callback):
             f"ActivationCheckpointing(policy={self.policy!r}): checkpointing {len(self.wrapped)} of "
             f"{len(self._block_list)} blocks ({', '.join(kinds)}){how}: {', '.join(self.wrapped) or 'none'}"
         )
-        log.info(msg)
         rank_zero_info(msg)
 
     def _prepare_hf(self, root: nn.Module) -> None:
