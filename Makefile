@@ -22,8 +22,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# the compute precision from a quick probe of this machine: bf16-true where the CPU computes bf16 natively, 32-true
+# where it emulates it (~10x slower: the demo would take an hour); it says which and why
 demo: install
-	$(VENV)/bin/lowmem fit --config configs/demo.yaml
+	$(VENV)/bin/lowmem fit --config configs/demo.yaml --trainer.precision $$($(PY) -m lightning_lowmem.demo.probe)
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --doctest-modules lightning_lowmem tests

@@ -36,8 +36,9 @@ def planning(only: list[str]) -> None:
         for budget, hardware in BUDGETS:
             t0 = time.perf_counter()
             try:
+                # NOTE: 8-bit AdamW allowed after the module's own AdamW, as the founding recipes use it
                 p = plan(shape, batch, seq, device_memory=budget * GiB, host_memory=HOST, hardware=hardware,
-                         cache=cache)
+                         cache=cache, optimizers=("adamw", "adamw8bit"))
             except NoRecipeFitsError as err:
                 rows.append({"model": shape, "batch x seq": f"{batch} x {seq}", "budget_GiB": budget,
                              "hardware": hardware, "chosen": "none fits", "why": str(err).split(". To fit")[0],
@@ -62,6 +63,8 @@ def planning(only: list[str]) -> None:
             "CUDA target) fastest first until one fits device and host; wall_s is the plan's wall time on this "
             "machine, with the dry runs of the earlier budgets of the same model reused (one cache per model)."),
             "step_vs_fastest: the chosen recipe's predicted step time over the fastest candidate's (which may not fit).",
+            ("Optimizers allowed: the module's AdamW, then 8-bit AdamW (`optimizers=('adamw', 'adamw8bit')`): 8-bit "
+             "AdamW is chosen only where no recipe with AdamW fits."),
             "Step times are predictions from the named profile's datasheet rates (uncalibrated: no GPU lent yet).",
             ("'none fits': the message names the smallest device peak of any recipe and, where the device would fit, the "
             "host memory that would be needed."),

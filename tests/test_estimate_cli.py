@@ -65,6 +65,56 @@ def test_table_with_budget_and_json(tmp_path, capsys):
     assert rows[0]["peak_device"] > rows[1]["peak_device"]
 
 
+def test_a_budgets_unit_is_stated_beside_the_tables(capsys):
+    """Issue 48 item 6: `--budget 12GB` is 12e9 B (11.18 GiB), the table's sizes are GiB: both are printed, and what
+    a GPU sold as "12 GB" holds."""
+    assert main([*TINY, "--batch-size", "2", "--seq-len", "32", "--budget", "12GB", "--target", "cpu",
+                 "--only", "baseline"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "budget 12GB = 12,000,000,000 B = 11.18 GiB (GB = 10^9 B, GiB = 2^30 B" in lines[0]
+    assert "a GPU sold as 12 GB holds 12 GiB: give it as 12GiB" in lines[0]
+    assert "fits 12GB (11.18 GiB)" in lines[1]  # the table's header
+
+
+def test_rows_the_closed_form_rules_out_are_not_traced(capsys):
+    """Issue 48: a row whose model states alone exceed the budget in closed form is not traced (the README's table:
+    fp32, bf16-mixed and bf16-true need 11.6 GiB and more of GPT-2 XL's states on a 12 GB budget)."""
+    from lightning_lowmem.predict.estimate import estimate_memory
+
+    shape = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 258}
+    states = 16 * 152_832  # fp32 AdamW: 16 B per parameter
+    est = estimate_memory(shape, 2, 32, target="cpu", skip_above=states // 2)
+    assert est.method == "analytic" and est.fits(states // 2) is False
+    assert est.fallback_reason.startswith("not traced: the model states alone need")
+    # weights, optimizer state and gradients only: the optimizer in backward keeps no full gradient, streamed
+    # weights are not all on the device: neither is ruled out by the states of another run
+    assert estimate_memory(shape, 2, 32, target="cpu", skip_above=states // 2, precision="bf16-true",
+                           optimizer_in_backward=True).method == "dry_run"
+    assert estimate_memory(shape, 2, 32, target="cpu", skip_above=states // 2).method == "analytic"
+    assert estimate_memory(shape, 2, 32, target="cpu", skip_above=10**9).method == "dry_run"
+    assert main([*TINY, "--batch-size", "2", "--seq-len", "32", "--budget", "100KB", "--target", "cpu",
+                 "--only", "baseline"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fp32 AdamW (baseline)")]
+    assert " no " in row and "analytic (not traced: the model states alone need" in row
+
+
+def test_a_class_path_that_does_not_import_says_so(capsys, tmp_path, monkeypatch):
+    """Issue 48 item 5: a misspelt class path (or the right one run from another folder) was taken for a model shape
+    ("Passed `--batch-size None`"); the import failure is said, with what to do."""
+    monkeypatch.chdir(tmp_path)
+    err = _error(["--model", "my_modul.MyGPT"], capsys)
+    assert ("Passed `--model my_modul.MyGPT`, a LightningModule class path, but importing `my_modul` failed "
+            "(ModuleNotFoundError: No module named 'my_modul')") in err
+    assert f"current directory ({tmp_path})" in err and "--batch-size" not in err
+    err = _error(["--model", "tests.memory._modules.NoSuchModule"], capsys)
+    assert "`tests.memory._modules.NoSuchModule` is nothing, not a LightningModule subclass" in err
+    from lightning_lowmem.cli import main as lowmem
+
+    with pytest.raises(SystemExit):
+        lowmem(["plan", "--model", "my_modul.MyGPT", "--device-memory", "1GB"])
+    assert "importing `my_modul` failed" in capsys.readouterr().err
+
+
 def test_zero_rows_have_no_combination_the_run_refuses():
     # the real ActivationOffload refuses DeepSpeed, as ActivationCheckpointing(policy="sqrt") refuses ZeRO-3: the
     # table offers no combination the run would refuse

@@ -210,7 +210,12 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
     from lightning_lowmem.predict.estimate import COMBINATIONS, module_class
 
     problems: list[str] = []
-    data, data_issues = data_problems(args, init_args, module_class(args.model) if args.model else None)
+    cls = None
+    try:
+        cls = module_class(args.model, "--model ") if args.model else None
+    except ValueError as err:  # NOTE: a class path that does not import: said, not taken for a model shape
+        raise ValueError("\n- ".join(["the arguments do not describe an estimate:", str(err)])) from None
+    data, data_issues = data_problems(args, init_args, cls)
     problems += data_issues
     budget = None
     if args.budget is not None:
@@ -239,7 +244,7 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
     else:
         for flag in ("batch_size", "seq_len"):
             value = getattr(args, flag)
-            if (value is None and not _names_module(args.model)) or (value is not None and value < 1):
+            if (value is None and cls is None) or (value is not None and value < 1):
                 problems.append(f"Passed `--{flag.replace('_', '-')} {value}`; --model needs a positive integer")
         if args.micro_batch_size is not None and args.batch_size and (
             args.micro_batch_size < 1 or args.batch_size % args.micro_batch_size
@@ -256,9 +261,7 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
         if not combos:
             problems.append(f"Passed `--only {' '.join(args.only)}`, which matches no combination; the names are: "
                             + "; ".join(n for n, _ in COMBINATIONS))
-        from lightning_lowmem.predict.estimate import module_class
-
-        config = module_class(args.model)  # a LightningModule class path: its own step (and data, unless sized)
+        config = cls  # a LightningModule class path: its own step (and data, unless sized)
         if config is None:
             try:
                 config = _model_config(args)
@@ -327,12 +330,6 @@ def adapter_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"adapters": args.adapters, "adapter_r": args.adapter_r, "quantize_base": args.quantize_base}
 
 
-def _names_module(name: str) -> bool:
-    from lightning_lowmem.predict.estimate import module_class
-
-    return module_class(name) is not None
-
-
 def _model_config(args: argparse.Namespace) -> Any:
     from lightning_lowmem.predict.configs import max_positions, resolve_config
 
@@ -354,6 +351,45 @@ def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> list[str]:
             for r in [header, tuple("-" * w for w in widths), *rows]]
 
 
+def budget_line(given: str, budget: int) -> str:
+    """The budget in bytes and in the tables' GiB, naming the unit it was given in (a GPU's "12 GB" is 12 GiB)."""
+    return (f"budget {given} = {budget:,} B = {fmt_size(budget)} (GB = 10^9 B, GiB = 2^30 B: the sizes below are "
+            "GiB; a GPU sold as 12 GB holds 12 GiB: give it as 12GiB)")
+
+
+class _Rows:
+    """A table printed row by row, as each row is computed (fixed widths; the last column as long as it is)."""
+
+    def __init__(self, header: tuple[str, ...], widths: list[int]) -> None:
+        self.widths = [max(w, len(h)) for w, h in zip(widths, header)]
+        self.print(*header)
+        self.print(*("-" * w for w in self.widths), "-" * len(header[-1]))
+
+    def print(self, *cells: str) -> None:
+        fixed = "  ".join(str(c).ljust(w) for c, w in zip(cells, self.widths))
+        print(f"{fixed}  {cells[-1]}".rstrip(), flush=True)
+
+
+def _row_failure(estimate_memory: Any, config: Any, args: argparse.Namespace, data: Any, method: str,
+                 extrapolate: bool | None, kw: dict[str, Any], budget: int | None) -> Any:
+    """One row's estimate, or why it has none: a missing extra, a refusal of the real run, no trace possible."""
+    from lightning_lowmem.predict.fake import DryRunUnsupportedError
+
+    try:
+        return estimate_memory(config, args.batch_size, args.seq_len, data=data, micro_batch_size=args.micro_batch_size,
+                               target=args.target, world_size=args.world_size, method=method, extrapolate=extrapolate,
+                               skip_above=budget, **kw, **adapter_flags(args),
+                               **({"optimizer": args.optimizer} if args.optimizer else {}))
+    except ModuleNotFoundError as err:  # an optional extra (bitsandbytes) missing: say so, keep going
+        return f"skipped: {err}"
+    except ValueError as err:  # the real run refuses this combination for this model: its own reason
+        return "refused: " + " ".join(str(err).split())
+    except DryRunUnsupportedError as err:  # no trace and no closed form (an adapter run): say why
+        return "not predicted: " + " ".join(str(err).split())
+    except RuntimeError as err:  # NOTE: a row that fails must not take the table with it: its error, the rest goes on
+        return f"failed: {type(err).__name__}: " + " ".join(str(err).split())[:300]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem estimate``: predicted device and host peaks of a run (``--config``) or of the suite's combinations."""
     parser = _parser()
@@ -372,65 +408,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     method = "analytic" if args.analytic else "dry_run"
     extrapolate = False if args.full_trace else None
     payload: list[dict[str, Any]] = []
-    fits_header = "fits" + (f" {args.budget}" if budget else "")
+    given = "" if budget is None else f"{args.budget} ({fmt_size(budget)})"  # NOTE: as given, and in the table's unit
+    fits_header = f"fits {given}".rstrip()
+    unit = "" if budget is None else f"; {budget_line(args.budget, budget)}"
+    target = args.target or "cuda"
     if args.config:
         t0 = time.perf_counter()
         est = estimate_memory(args.config, target=args.target, method=method, extrapolate=extrapolate)
+        target = est.target
         rows = [(phase, fmt_size(bd.total("device")), *(fmt_size(bd.device[c]) for c in CATEGORIES),
                  fmt_size(bd.total("host"))) for phase, bd in est.phases.items()]
         source = "--target" if args.target else est.target_source
-        print(f"{args.config}: target {est.target} (from {source}; `--target` overrides); {est.run}")
+        print(f"{args.config}: target {est.target} (from {source}; `--target` overrides); {est.run}{unit}")
         print("\n".join(_table(rows, ("phase", "device peak", *CATEGORIES, "host peak"))))
-        verdict = "" if budget is None else f"; {'fits' if est.fits(budget) else 'does NOT fit'} {args.budget}"
+        verdict = "" if budget is None else f"; {'fits' if est.fits(budget) else 'does NOT fit'} {given}"
         print(f"device peak {fmt_size(est.peak_device)} ({est.binding_phase}), host peak {fmt_size(est.peak_host)}"
               f"{verdict}; {est.method}, {time.perf_counter() - t0:.1f} s")
         for note in est.notes:
             print(f"  note: {note}")
         payload.append({"config": args.config, **est.to_dict()})
     else:
-        rows = []
         # NOTE: with adapters the rows break the device peak down (weights: the frozen base at its stored size and
         # the adapters; gradients and optimizer state: the adapters'), at the phase the peak binds in
         cats = CATEGORIES if args.adapters else ()
-        blank = ("-",) * len(cats)
-        from lightning_lowmem.predict.fake import DryRunUnsupportedError
-
-        for name, kw in combos:
-            t0 = time.perf_counter()
-            try:
-                est = estimate_memory(config, args.batch_size, args.seq_len, data=data,
-                                      micro_batch_size=args.micro_batch_size,
-                                      target=args.target, world_size=args.world_size, method=method,
-                                      extrapolate=extrapolate, **kw, **adapter_flags(args),
-                                      **({"optimizer": args.optimizer} if args.optimizer else {}))
-            except ModuleNotFoundError as err:  # an optional extra (bitsandbytes) missing: say so, keep going
-                rows.append((name, "-", "-", "-", "-", *blank, f"skipped: {err}", "-"))
-                continue
-            except ValueError as err:  # the real run refuses this combination for this model: its own reason
-                rows.append((name, "-", "-", "-", "-", *blank, "refused: " + " ".join(str(err).split()), "-"))
-                continue
-            except DryRunUnsupportedError as err:  # no trace and no closed form (an adapter run): say why
-                rows.append((name, "-", "-", "-", "-", *blank, "not predicted: " + " ".join(str(err).split()), "-"))
-                continue
-            fits = "-" if budget is None else ("yes" if est.fits(budget) else "no")
-            binding = est.phases[est.binding_phase].device
-            rows.append((name, fmt_size(est.peak_device), fmt_size(est.peak_host), est.binding_phase, fits,
-                         *(fmt_size(binding[c]) for c in cats),
-                         est.method + (f" ({est.fallback_reason})" if est.fallback_reason else ""),
-                         f"{time.perf_counter() - t0:.1f} s"))
-            payload.append({"combination": name, **est.to_dict()})
-        target = args.target or "cuda"
         adapters = "" if not args.adapters else (
             f", adapters {args.adapters} r={args.adapter_r or 16}"
             + (f" on a {args.quantize_base} base" if args.quantize_base else "") + " (device bytes by category at the "
             "binding phase)")
         optimizer = f", optimizer {args.optimizer}" if args.optimizer else ""
         print(f"{args.model}: target {target} (from {'--target' if args.target else 'the default for --model'}), "
-              f"batch {args.batch_size}, seq {args.seq_len}{adapters}{optimizer}"
-              + (f", budget {args.budget} = {budget:,} B" if budget else ""))
-        print("\n".join(_table(rows, ("combination", "device peak", "host peak", "binds", fits_header, *cats,
-                                      "method", "time"))))
-    if (est.target if args.config else args.target or "cuda") == "cuda":
+              f"batch {args.batch_size}, seq {args.seq_len}{adapters}{optimizer}{unit}", flush=True)
+        # NOTE: each row is printed as it comes (a row's dry run takes seconds): fixed widths, the method last
+        table = _Rows(("combination", "device peak", "host peak", "binds", fits_header, *cats, "time", "method"),
+                      [max(len(n) for n, _ in combos), 11, 11, 9, len(fits_header), *(11,) * len(cats), 7])
+        for name, kw in combos:
+            t0 = time.perf_counter()
+            failed = _row_failure(estimate_memory, config, args, data, method, extrapolate, kw, budget)
+            if isinstance(failed, str):
+                table.print(name, *("-",) * (4 + len(cats)), "-", failed)
+                continue
+            est = failed
+            fits = "-" if budget is None else ("yes" if est.fits(budget) else "no")
+            binding = est.phases[est.binding_phase].device
+            table.print(name, fmt_size(est.peak_device), fmt_size(est.peak_host), est.binding_phase, fits,
+                        *(fmt_size(binding[c]) for c in cats), f"{time.perf_counter() - t0:.1f} s",
+                        est.method + (f" ({est.fallback_reason})" if est.fallback_reason else ""))
+            payload.append({"combination": name, **est.to_dict()})
+    if target == "cuda":
         print("GPU corrections (uncalibrated, no GPU run yet): 1-byte dropout masks, flash SDPA, foreach AdamW "
               "traced; +512 MiB CUDA context; allocator fragmentation not modelled.")
     if args.json:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 _EPILOG = (
     "Every candidate (strategy, precision, checkpointing, activation offload, chunked loss, micro-batch for the same "
-    "effective batch, 8-bit AdamW, optimizer in backward, ZeRO offload presets) is priced by a cost model, then "
+    "effective batch, optimizer in backward, ZeRO offload presets; adapters and other optimizers where allowed) is priced by a cost model, then "
     "predicted by the dry run (the real Trainer.fit on fake tensors), fastest first, until one fits. Hardware "
     "profiles: rtx2060-6gb, rtx3060-12gb, rtx4090-24gb, a100-40gb, a100-80gb, h100-80gb, 'measure' (this "
     "machine), or a YAML file (`base: <profile>` and the fields to change)."
@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="with --model: the sequence length")
     parser.add_argument("--device-memory", help="device budget, e.g. 12GB (default: the hardware profile's memory)")
     parser.add_argument("--host-memory", help="host budget, e.g. 64GB (default: not checked)")
-    parser.add_argument("--hardware", help="a profile name, 'measure', or a YAML file (default: rtx3060-12gb rates)")
+    parser.add_argument("--hardware", help="a profile name, 'measure', or a YAML file (default: 'measure' for a CPU "
+                        "target, else rtx3060-12gb rates)")
     parser.add_argument("--pure-half", action="store_true", help="also consider half weights without fp32 masters")
     parser.add_argument("--adapters", default="none", metavar="KINDS", help="the trainings you allow, comma-separated, in "
                         "order of preference: 'none' (the full fine-tune, the default), 'lora', 'dora' (the Adapters "
@@ -50,10 +51,14 @@ def _parser() -> argparse.ArgumentParser:
                         "allowed, comma-separated: 'none' (its dtype, the default), 'nf4', 'fp4', 'int8' (bitsandbytes)")
     parser.add_argument("--adapter-r", type=int, default=16, help="with --adapters: the adapters' rank (default 16)")
     parser.add_argument("--optimizers", default="adamw", metavar="KINDS", help="the optimizers you allow, "
-                        "comma-separated, in order of preference: 'adamw' (the module's own, the default; the plan may "
-                        "make it 8-bit), LeanOptimizer kinds 'galore', 'apollo', 'apollo_mini', 'adam_mini', "
-                        "'adamw4bit', 'torchao_adamw8bit'; the next is planned only when none of the one before fits")
-    parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
+                        "comma-separated, in order of preference: 'adamw' (the module's own, the default), 'adamw8bit' "
+                        "(LowBitOptimizer), LeanOptimizer kinds 'galore', 'apollo', 'apollo_mini', 'adam_mini', "
+                        "'adamw4bit', 'torchao_adamw8bit'; the next is planned only when none of the one before fits; "
+                        "the plan never changes the optimizer unless listed")
+    parser.add_argument("--target", choices=("cuda", "cpu"), default=None,
+                        help="the device planned for, as `lowmem estimate`'s (default: with --config the YAML's "
+                        "trainer.accelerator, `auto` meaning CUDA where this machine has it, else the CPU; with --model "
+                        "cuda); a CPU target is priced at this machine's measured rates unless --hardware says otherwise")
     parser.add_argument("--write", help="write the chosen recipe as a YAML `lowmem fit --config` runs")
     parser.add_argument("--json", help="also write the plan as JSON")
     return parser
@@ -81,7 +86,7 @@ def _check(args: argparse.Namespace) -> list[str]:
             problems.append(f"Passed `--{flag.replace('_', '-')} {value}`; expected a positive integer")
     if args.config and (args.set or args.seq_len):
         problems.append("`--set`/`--seq-len` are for --model; with --config the YAML describes the model and data")
-    if args.device_memory is None and args.hardware is None:
+    if args.device_memory is None and args.hardware is None and args.target != "cpu":
         problems.append("give `--device-memory` (e.g. 12GB) or `--hardware` (a profile with its memory)")
     return problems
 
@@ -107,7 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     optimizers = args.optimizers.split(",")
     optimizer_choices(optimizers, (), problems, cli=True)
     model = args.config
-    module_class = _module_class(args.model) if args.model else None
+    module_class = None
+    try:
+        module_class = _module_class(args.model, "--model ") if args.model else None
+    except ValueError as err:  # NOTE: a class path that does not import: said, not taken for a model shape
+        parser.exit(2, f"lowmem plan: error: {err}\n")
     data, data_issues = data_problems(args, init_args, module_class)
     problems += data_issues
     if module_class is not None:
@@ -125,13 +134,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = plan(model, args.batch_size, args.seq_len, device_memory=args.device_memory,
                       host_memory=args.host_memory, hardware=args.hardware, pure_half=args.pure_half,
                       target=args.target, data=data, adapters=adapters, quantize_base=quantize_base,
-                      adapter_r=args.adapter_r, optimizers=optimizers)
+                      adapter_r=args.adapter_r, optimizers=optimizers,
+                      progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     except NoRecipeFitsError as err:
         parser.exit(1, f"lowmem plan: {err}\n")
     except ValueError as err:
         parser.exit(2, f"lowmem plan: error: {err}\n")
     what = args.config or (f"{args.model} on {args.data}" if data is not None else
                            f"{args.model}: batch {args.batch_size}, seq {args.seq_len}")
+    if data is not None:  # NOTE: as given: a written YAML builds the same data module
+        result.yaml_parts["data"] = {"class_path": args.data,
+                                     "init_args": {**json.loads(args.data_args or "{}"), **init_args}}
     print(f"{what}; {result.hardware.name}; {'; '.join(result.notes)}; {result.wall_s:.1f} s")
     print(result.table())
     print(result.summary())

@@ -1,7 +1,8 @@
-"""``LossLog``: one line per N optimizer steps with the training loss, so a run's progress stays on screen."""
+"""``LossLog``: one line per N optimizer steps with the training loss and the time left, so a run's progress shows."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
@@ -9,34 +10,45 @@ from typing_extensions import override
 
 
 class LossLog(L.Callback):
-    """Print ``step N  train_loss X  (val_loss Y)`` every ``every_n_steps`` optimizer steps and at the end of fit.
+    """Print ``step N/M  train_loss X  (val_loss Y)  S s/step, ~T s left`` every ``every_n_steps`` optimizer steps (and
+    after the first), and the loss's first and last values at the end of fit.
 
     Example:
         >>> trainer = L.Trainer(callbacks=[LossLog(every_n_steps=1)], max_steps=2, enable_progress_bar=False,
         ...                     enable_model_summary=False)
         >>> trainer.fit(tiny_model(), tiny_data())  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
-        step 1  train_loss ...
-        step 2  train_loss ...
+        step 1/2  train_loss ...
+        step 2/2  train_loss ...
         train_loss ... -> ... over 2 steps
     """
 
     def __init__(self, every_n_steps: int = 10) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"Passed `LossLog(every_n_steps={every_n_steps})`; it must be at least 1.")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"Passed `LossLog(every_n_steps={every_n_steps!r})`; it must be an integer >= 1.")
         self.every_n_steps = every_n_steps
         self.history: list[tuple[int, float]] = []
+        self._start: float | None = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = time.perf_counter()
 
     def _line(self, trainer: L.Trainer) -> str | None:
         metrics = trainer.callback_metrics
         if "train_loss" not in metrics:
             return None
+        step, total = trainer.global_step, trainer.max_steps
         loss = float(metrics["train_loss"])
-        self.history.append((trainer.global_step, loss))
+        self.history.append((step, loss))
         val = f"  val_loss {float(metrics['val_loss']):.4f}" if "val_loss" in metrics else ""
-        return f"step {trainer.global_step:>6d}  train_loss {loss:.4f}{val}"
+        per_step = (time.perf_counter() - self._start) / step if self._start is not None else None
+        pace = "" if per_step is None else f"  {per_step:.1f} s/step" + (
+            f", ~{per_step * (total - step):.0f} s left" if total > step else "")
+        return f"step {step}{f'/{total}' if total > 0 else ''}  train_loss {loss:.4f}{val}{pace}"
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         step = trainer.global_step
         if step and (step == 1 or step % self.every_n_steps == 0) and (not self.history or self.history[-1][0] != step):
             line = self._line(trainer)

@@ -52,7 +52,8 @@ def build_causal_lm(
                 "Give the directory that `model.save_pretrained(...)` wrote, or leave `pretrained_path` unset "
                 "to build a model with random weights from `model_type` and `config`."
             )
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        # NOTE: `from_pretrained` returns the model in eval mode (dropout off), and Lightning keeps each module's mode
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).train()
 
     overrides = dict(config or {})
     if vocab_size is not None:
@@ -176,6 +177,17 @@ class CausalLMModule(L.LightningModule):
         seq_len = getattr(datamodule, "seq_len", None)
         if isinstance(seq_len, int):
             self._check_seq_len(seq_len, f"The datamodule (`{type(datamodule).__name__}(seq_len={seq_len})`)")
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        ids = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
+        rows = self.model.get_input_embeddings().num_embeddings
+        if isinstance(ids, int) and ids > rows:
+            # NOTE: else an IndexError deep in the embedding lookup, at the first batch holding a high id
+            raise ValueError(
+                f"The datamodule's tokenizer (`{type(tokenizer).__name__}`) gives {ids} token ids, but the model "
+                f"embeds {rows} (its `vocab_size`): ids {rows} and up would index past the embedding. Train on data "
+                f"tokenized as the model was (its own tokenizer), or give the model {ids} rows before saving it "
+                f"(`model.resize_token_embeddings({ids})`, then `save_pretrained`)."
+            )
 
     @override
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

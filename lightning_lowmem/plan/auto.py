@@ -13,13 +13,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem._internals import lightning as lightning_internals
-from lightning_lowmem.core.kept_state import kept_state
 from lightning_lowmem.core.reproducible import Reproducible, fresh
-from lightning_lowmem.core.side_step import forked_rng
 from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.plan.hardware import PROFILES
 from lightning_lowmem.plan.output import trainer_yaml
-from lightning_lowmem.plan.recipes import technique_field
+from lightning_lowmem.plan.recipes import optimizer_choices, technique_field
 from lightning_lowmem.plan.search import plan
 from lightning_lowmem.plan.source import effective_batch
 
@@ -44,8 +42,12 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         device_budget: bytes or a size (``"10GB"``) for the device peak. Default: the device's free memory minus
             10 % (on CUDA); required on CPU.
         host_budget: bytes or a size for the host peak. Default: the host's available memory minus 10 %.
-        hardware: the profile the cost model prices steps with (``lightning_lowmem.plan.PROFILES``, ``"measure"``).
+        hardware: the profile the cost model prices steps with (``lightning_lowmem.plan.PROFILES``, ``"measure"``);
+            default: this machine's measured rates on a CPU, the ``rtx3060-12gb`` rates on CUDA.
         pure_half: also consider half weights without fp32 master weights.
+        optimizers: the optimizers allowed, in order of preference (``plan``'s ``optimizers``): ``("adamw",)``, the
+            module's own, by default; add ``"adamw8bit"`` (``LowBitOptimizer``) or a ``LeanOptimizer`` kind to let
+            the plan use it where nothing fits with the one before (it trains with other maths).
 
     Example:
         >>> from lightning_lowmem import AutoStrategy
@@ -58,7 +60,8 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
     strategy_name = "lowmem_auto"
 
     def __init__(self, device_budget: int | str | None = None, host_budget: int | str | None = None,
-                 hardware: str | None = None, pure_half: bool = False) -> None:
+                 hardware: str | None = None, pure_half: bool = False, optimizers: tuple[str, ...] = ("adamw",)
+                 ) -> None:
         super().__init__()
         problems, wrong_type = [], False
         for name, value in (("device_budget", device_budget), ("host_budget", host_budget)):
@@ -78,10 +81,12 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
                 and not str(hardware).endswith((".yaml", ".yml")):
             problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
                             "or a YAML file.")
+        wrong_type |= optimizer_choices(optimizers, (), problems)[1]
         if problems:
             raise (TypeError if wrong_type else ValueError)("\n- ".join(["AutoStrategy:", *problems]))
         self.device_budget, self.host_budget, self.hardware, self.pure_half = device_budget, host_budget, hardware, \
             pure_half
+        self.allowed_optimizers = tuple(optimizers)  # NOTE: `optimizers` is the strategy's own property
         self.plan: Any = None
         self.chosen_strategy: Any = None
 
@@ -119,14 +124,11 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         data = None if data is model else data
         loader = getattr(data if hasattr(data, "batch_size") else model, "batch_size", None)
         effective = effective_batch(user, loader, trainer.accumulate_grad_batches)
-        # NOTE: the dry runs execute the module's forward; a draw whose value it reads (Hugging Face's LayerDrop:
-        # `torch.rand([]) < p`) advances the global generators, so training would see other numbers than the recipe
-        # it chose, given by hand. Planning runs on forked generators (CPU, the device's, Python's, NumPy's), and
-        # the module's buffers and attributes are put back.
-        with forked_rng(self.root_device), kept_state(model):
-            self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
-                             hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
-                             target="cuda" if self.root_device.type == "cuda" else "cpu")
+        # NOTE: the dry runs run fake copies of the module, on forked random generators (`dry_run`): the module and
+        # the random streams training starts from are as the user left them
+        self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
+                         hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
+                         target="cuda" if self.root_device.type == "cuda" else "cpu", optimizers=self.allowed_optimizers)
         run = self.plan.run
         added = [c for c in run.callbacks if not any(type(u) is type(c) for u in user)]
         strategy = self._build(trainer, run.strategy, run.precision)
@@ -137,7 +139,8 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
 
         described = trainer_yaml(run)
         described["callbacks"] = [d for d, c in zip(described["callbacks"], run.callbacks) if c in added]
-        rank_zero_info(f"lowmem_auto: {self.plan.summary()}\nreproduce it with (trainer: in a YAML):\n"
+        dropped = "".join(f"\n  dropped {r.name}: {r.why}" for r in self.plan.rows if r.status == "refused")
+        rank_zero_info(f"lowmem_auto: {self.plan.summary()}{dropped}\nreproduce it with (trainer: in a YAML):\n"
                        + yaml.safe_dump(described, sort_keys=False).rstrip())
         strategy.connect(model)
 

@@ -145,7 +145,7 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
         link += 2 * layers * tokens * per_token_block  # out in forward, back in backward
     link_s, serial_s = link / (profile.link_gbps * GB), serial / (profile.link_gbps * GB)
 
-    state = ADAMW_8BIT_BYTES if recipe.optimizer_8bit else ADAMW_BYTES
+    state = ADAMW_8BIT_BYTES if recipe.optimizer == "adamw8bit" else ADAMW_BYTES
     host_opt = dev_opt = 0.0
     if recipe.base in ("offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"):
         host_opt = trained * state / (profile.host_gbps * GB)

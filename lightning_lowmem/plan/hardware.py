@@ -15,6 +15,7 @@ until a GPU run has been compared (see docs/planner.md, "Limits").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,13 +140,19 @@ def measure_host(seconds: float = 0.5) -> HardwareProfile:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _measured_once() -> HardwareProfile:
+    """This machine's profile, measured once per process (a plan on a CPU prices with it by default)."""
+    return measure_host()
+
+
 def load_profile(spec: str | dict[str, Any] | HardwareProfile | None) -> HardwareProfile | None:
     """A profile from a shipped name, ``"measure"``, a YAML file (``base:`` + overridden fields) or a dict."""
     if spec is None or isinstance(spec, HardwareProfile):
         return spec
     if isinstance(spec, str):
         if spec == "measure":
-            return measure_host()
+            return _measured_once()
         if spec in PROFILES:
             return PROFILES[spec]
         path = Path(spec).expanduser()

@@ -20,6 +20,7 @@ from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
 from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
+from lightning_lowmem.core.optional import package_available
 from lightning_lowmem.predict.run_spec import LEAN_OPTIMIZERS, RunSpec
 
 Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"]
@@ -46,7 +47,7 @@ TECHNIQUE_FIELDS: tuple[tuple[type, str], ...] = (
     (ActivationCheckpointing, "checkpointing"),
     (ActivationOffload, "activation_offload"),
     (ChunkedLMLoss, "chunked_loss"),
-    (LowBitOptimizer, "optimizer_8bit"),
+    (LowBitOptimizer, "optimizer"),
     (AccumulationScheduler, "micro_batch_size"),
     (Adapters, "adapters"),
     (LeanOptimizer, "optimizer"),
@@ -54,9 +55,9 @@ TECHNIQUE_FIELDS: tuple[tuple[type, str], ...] = (
 #: an adapter variant a plan may consider: (kind, quantized base), ``(None, None)`` the full fine-tune
 AdapterVariant = tuple[str | None, str | None]
 FULL_FINE_TUNE: AdapterVariant = (None, None)
-#: ``plan(optimizers=...)``: "adamw" (the module's own optimizer; the plan may add 8-bit AdamW) or a ``LeanOptimizer``
-#: shorthand of ``estimate_memory`` -> how recipe names show it
-OPTIMIZER_LABELS: dict[str, str] = {"galore": "GaLore", "apollo": "APOLLO", "apollo_mini": "APOLLO-Mini",
+#: ``plan(optimizers=...)``: "adamw" (the module's own optimizer), "adamw8bit" (``LowBitOptimizer``) or a
+#: ``LeanOptimizer`` shorthand of ``estimate_memory`` -> how recipe names show it
+OPTIMIZER_LABELS: dict[str, str] = {"adamw8bit": "8-bit AdamW", "galore": "GaLore", "apollo": "APOLLO", "apollo_mini": "APOLLO-Mini",
                                     "adam_mini": "Adam-mini", "adamw4bit": "4-bit AdamW (torchao)",
                                     "torchao_adamw8bit": "8-bit AdamW (torchao)"}
 
@@ -75,14 +76,14 @@ class Recipe:
     checkpointing: Checkpointing | None = None
     activation_offload: bool = False
     chunked_loss: bool = False
-    optimizer_8bit: bool = False
     #: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)``: a different training (the base frozen),
     #: considered only where the user allows it (``plan(adapters=...)``); None: the full fine-tune
     adapters: str | None = None
     adapter_r: int = 16
     quantize_base: str | None = None
-    #: ``LeanOptimizer`` by its ``estimate_memory`` shorthand (``"galore"``, ...): another optimizer (other maths),
-    #: considered only where the user allows it (``plan(optimizers=...)``); None: the module's own
+    #: ``LowBitOptimizer`` (``"adamw8bit"``) or ``LeanOptimizer`` by its ``estimate_memory`` shorthand (``"galore"``,
+    #: ...): another optimizer (other maths), considered only where the user allows it (``plan(optimizers=...)``);
+    #: None: the module's own
     optimizer: str | None = None
 
     @property
@@ -108,8 +109,7 @@ class Recipe:
             parts.append(OPTIMIZER_LABELS[self.optimizer])
         if self.checkpointing:
             parts.append("ckpt(every 2nd)" if self.checkpointing == "every_n" else "ckpt(all)")
-        parts += [n for n, on in (("act. offload", self.activation_offload), ("chunked loss", self.chunked_loss),
-                                  ("8-bit AdamW", self.optimizer_8bit)) if on]
+        parts += [n for n, on in (("act. offload", self.activation_offload), ("chunked loss", self.chunked_loss)) if on]
         return " + ".join(parts) + f", micro {self.micro_batch_size}"
 
     def flags(self, batch_size: int | None, half: str = "bf16") -> dict[str, Any]:
@@ -131,8 +131,6 @@ class Recipe:
             flags["activation_offload"] = True
         if self.chunked_loss:
             flags["chunked_loss"] = CHUNK_TOKENS
-        if self.optimizer_8bit:
-            flags["optimizer"] = "adamw8bit"
         if self.optimizer is not None:
             flags["optimizer"] = self.optimizer
         if self.adapters is not None:
@@ -171,8 +169,7 @@ class Recipe:
         return (self.base == other.base and self.training == other.training
                 and self.micro_batch_size <= other.micro_batch_size
                 and _CKPT_RANK[self.checkpointing] >= _CKPT_RANK[other.checkpointing]
-                and self.activation_offload >= other.activation_offload and self.chunked_loss >= other.chunked_loss
-                and self.optimizer_8bit >= other.optimizer_8bit)
+                and self.activation_offload >= other.activation_offload and self.chunked_loss >= other.chunked_loss)
 
     @property
     def adapter_variant(self) -> tuple[str | None, int, str | None]:
@@ -189,16 +186,14 @@ class Recipe:
             return "the optimizer in backward cannot use fp16: an overflow must skip the whole step"
         if self.base == "offload_obw" and self.micro_batch_size != batch_size:
             return "the optimizer in backward steps at every backward: no accumulation"
-        if self.base == "offload_obw" and self.optimizer_8bit:
+        if self.base == "offload_obw" and self.optimizer == "adamw8bit":
             return "the optimizer in backward runs its own per-parameter AdamW"
         if self.base == "zero3_offload" and self.chunked_loss:
             return "ZeRO-3 re-gathers a partitioned weight only for its own module's backward, not the loss's"
         if self.quantize_base is not None and self.base in _DEEPSPEED:
             return "bitsandbytes' packed base weights cannot be partitioned by DeepSpeed"
         if self.optimizer is not None and self.base in _DEEPSPEED:
-            return "DeepSpeed's engine builds its own optimizer: LeanOptimizer cannot replace it"
-        if self.optimizer is not None and self.optimizer_8bit:
-            return "LeanOptimizer and LowBitOptimizer both replace the optimizer"
+            return "DeepSpeed's engine builds its own optimizer: LeanOptimizer and LowBitOptimizer cannot replace it"
         return None
 
 
@@ -212,20 +207,19 @@ def micro_batches(batch_size: int) -> list[int]:
     return out
 
 
-def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = True, eight_bit: bool = True,
-               chunked_loss: bool = True, micro: bool = True, checkpointing: bool = True,
+def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = True, chunked_loss: bool = True, micro: bool = True, checkpointing: bool = True,
                activation_offload: bool = True, bases: Sequence[str] | None = None, half: str = "bf16",
                adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16,
                optimizers: Sequence[str | None] = (None,)) -> list[Recipe]:
     """Every recipe considered, for an effective batch of ``batch_size`` on one device.
 
     DeepSpeed bases take the checkpointing callback (per-block policies compose with ZeRO's parameter fetching) but
-    no activation offload or 8-bit optimizer (``ActivationOffload`` refuses DeepSpeed, and its engine runs its own
+    no activation offload or optimizer of ours (``ActivationOffload`` refuses DeepSpeed, and its engine runs its own
     optimizer), and pairs the real run refuses (:meth:`Recipe.conflict`) are left out; ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only the bases named.
     ``adapters``: the adapter variants the user allows, ``(kind, quantized base)`` with ``(None, None)`` the full
     fine-tune (the default, alone: a plan never turns a full fine-tune into an adapter run by itself); every
-    recipe is considered with each, at rank ``adapter_r``. ``optimizers``: the same for ``LeanOptimizer`` shorthands
-    (None: the module's own optimizer, with and without 8-bit AdamW; a lean one never with it).
+    recipe is considered with each, at rank ``adapter_r``. ``optimizers``: the same for the optimizers allowed (None:
+    the module's own; ``"adamw8bit"``: ``LowBitOptimizer``; ``LeanOptimizer`` shorthands): none is added unasked.
     """
     if bases is not None:
         unknown = [b for b in bases if b not in BASES]
@@ -235,14 +229,13 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
     out = []
     for base in bases:
         ds = base in _DEEPSPEED
-        for (kind, quant), lean, mb, ckpt, act, chunk, q in itertools.product(
+        for (kind, quant), lean, mb, ckpt, act, chunk in itertools.product(
             adapters, optimizers,
             micro_batches(batch_size) if micro else [batch_size],
             [None, "every_n", "all"] if checkpointing else [None],
             [False] if ds or not activation_offload else [False, True], [False, True] if chunked_loss else [False],
-            [False] if ds or not eight_bit else [False, True],
         ):
-            recipe = Recipe(base, mb, ckpt, act, chunk, q, kind, adapter_r if kind else 16,  # type: ignore[arg-type]
+            recipe = Recipe(base, mb, ckpt, act, chunk, kind, adapter_r if kind else 16,  # type: ignore[arg-type]
                             quant if kind else None, lean)
             if recipe.conflict(batch_size, half) is None:
                 out.append(recipe)
@@ -250,7 +243,7 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
 
 
 ADAPTER_KINDS = ("none", "lora", "dora")
-OPTIMIZERS = ("adamw", *LEAN_OPTIMIZERS)
+OPTIMIZERS = ("adamw", "adamw8bit", *LEAN_OPTIMIZERS)
 
 
 def optimizer_choices(optimizers: Any, own_callbacks: Sequence[Any], problems: list[str],
@@ -264,14 +257,16 @@ def optimizer_choices(optimizers: Any, own_callbacks: Sequence[Any], problems: l
     call = (f"`--optimizers {','.join(names or [])}`" if cli else f"`optimizers={optimizers!r}`")
     if not names or any(n not in OPTIMIZERS for n in names):
         problems.append(f"Passed {call}; expected some of {', '.join(repr(n) for n in OPTIMIZERS)} ('adamw': the "
-                        "module's own optimizer, which the plan may make 8-bit)")
+                        "module's own optimizer; 'adamw8bit': LowBitOptimizer)")
         return (None,), names is None
     lean = [n for n in names if n != "adamw"]
-    own = [c for c in own_callbacks if technique_field(c) in ("optimizer", "optimizer_8bit")]
+    own = [c for c in own_callbacks if technique_field(c) == "optimizer"]
     if lean and own:
         problems.append(f"Passed {call}, but the run has its own `{own[0]!r}`: its optimizer stays; leave "
                         "`optimizers` out (or remove the callback to let the plan choose among the ones you list)")
     problems += [p for p in (lean_extra_problem(n, call) for n in dict.fromkeys(lean)) if p]
+    if "adamw8bit" in lean and not package_available("bitsandbytes"):
+        problems.append(f"Passed {call}: 'adamw8bit' needs `bitsandbytes`: `pip install 'lightning-lowmem[bnb]'`")
     # NOTE: in the order listed: the planner takes the first optimizer that has a recipe that fits
     return tuple(dict.fromkeys(None if n == "adamw" else n for n in names)), False
 QUANTIZED_BASES = ("none", "nf4", "fp4", "int8")
@@ -284,8 +279,6 @@ def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_call
     type was given; what is wrong with them (or with ``adapter_r``, or ``own_callbacks``: the run's own callbacks,
     which may hold an ``Adapters`` already) is added to ``problems``, as ``plan``'s arguments are spelled (``cli``:
     as ``lowmem plan``'s ``--adapters a,b`` are)."""
-    from lightning_lowmem.core.optional import package_available
-
     wrong_type = not isinstance(adapters, (str, Sequence)) or not isinstance(quantize_base, (str, Sequence))
     kinds = [adapters] if isinstance(adapters, str) else list(adapters) if isinstance(adapters, Sequence) else None
     quants = ([quantize_base] if isinstance(quantize_base, str) else list(quantize_base)

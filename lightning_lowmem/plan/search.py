@@ -27,7 +27,7 @@ Example (a tiny GPT-2 shape here, planned in seconds; ``"gpt2-xl"`` and the othe
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -67,12 +67,13 @@ def plan(
     pure_half: bool = False,
     fixed_callbacks: Sequence[Any] = (),
     bases: Sequence[str] | None = None,
-    target: Literal["cpu", "cuda"] = "cuda",
+    target: Literal["cpu", "cuda"] | None = None,
     cache: dict[Any, Any] | None = None,
     adapters: str | Sequence[str] = ("none",),
     quantize_base: str | Sequence[str] = ("none",),
     adapter_r: int = 16,
     optimizers: str | Sequence[str] = ("adamw",),
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Choose the fastest recipe whose predicted device peak fits ``device_memory`` (and host peak ``host_memory``).
 
@@ -86,13 +87,16 @@ def plan(
             ``AccumulationScheduler`` does).
         device_memory: bytes or a size (``"12GB"``); default: the hardware profile's memory.
         host_memory: bytes or a size; default: no host check (the host peak is still reported).
-        hardware: a profile name (see ``lightning_lowmem.plan.PROFILES``), ``"measure"``, a YAML path or a dict.
+        hardware: a profile name (see ``lightning_lowmem.plan.PROFILES``), ``"measure"``, a YAML path or a dict;
+            default: ``"measure"`` (this machine's rates) for a CPU target, the ``rtx3060-12gb`` rates for CUDA.
         pure_half: also consider half weights without fp32 masters (``bf16-true``: numerics change).
         fixed_callbacks: technique callbacks the run keeps whatever the plan (``lowmem_auto``: the user's own);
             every candidate is traced with them, and none adds a technique of the same kind.
         bases: consider only these bases (``lightning_lowmem.plan.recipes.BASES``: ``"fp32"``, ``"mixed"``, ``"half"``,
             ``"offload"``, ``"offload_obw"``, ``"offload_params"``, ``"zero2_offload"``, ``"zero3_offload"``); default:
             all but ``"half"``.
+        target: the device predicted, as ``estimate_memory``'s: default a YAML's ``trainer.accelerator`` (``auto``:
+            CUDA where this machine has it, else the CPU), ``"cuda"`` for everything else; the plan's notes say which.
         cache: a dict reused across calls: dry runs keyed by model (a shape's config; a module and data object by
             identity), batch and recipe are not repeated.
         adapters, quantize_base, adapter_r: the trainings you allow: ``adapters`` lists ``"none"`` (the full
@@ -104,11 +108,13 @@ def plan(
             adapter run (another training) unless you list it. A run that has its own ``Adapters`` callback (in
             ``fixed_callbacks`` or the YAML) keeps it.
         optimizers: the optimizers you allow, in order of preference, as ``adapters`` are: ``"adamw"`` (the module's
-            own; the plan may add 8-bit AdamW) and ``LeanOptimizer`` kinds by ``estimate_memory``'s shorthands
-            (``"galore"``, ``"apollo"``, ``"apollo_mini"``, ``"adam_mini"``, ``"adamw4bit"``,
-            ``"torchao_adamw8bit"``, at the callback's defaults): ``("adamw", "galore")`` plans GaLore only where no
-            recipe with AdamW fits. Default: the module's own alone (a lean optimizer changes the maths). A kind whose
-            package is missing is refused up front, naming the extra.
+            own), ``"adamw8bit"`` (``LowBitOptimizer``, bitsandbytes) and ``LeanOptimizer`` kinds by
+            ``estimate_memory``'s shorthands (``"galore"``, ``"apollo"``, ``"apollo_mini"``, ``"adam_mini"``,
+            ``"adamw4bit"``, ``"torchao_adamw8bit"``, at the callback's defaults): ``("adamw", "adamw8bit")`` plans
+            8-bit AdamW only where no recipe with the module's own fits. Default: the module's own alone (another
+            optimizer changes the maths; the plan never swaps it unasked). A kind whose package is missing is refused
+            up front, naming the extra.
+        progress: called with one line after each dry run (the candidate, its verdict, its time), as it comes.
 
     Raises:
         NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
@@ -127,7 +133,8 @@ def plan(
                           optimizers=budgets.optimizers)
     # NOTE: a user's own AccumulationScheduler sets the loader's batch itself
     loader = None if "micro_batch_size" in fixed else source.loader_batch
-    judge = Judge(source, budgets, fixed_callbacks, fixed, loader, target, {} if cache is None else cache)
+    judge = Judge(source, budgets, fixed_callbacks, fixed, loader, budgets.target, {} if cache is None else cache,
+                  progress)
     rows_floors = floors(rows)
     # NOTE: the trainings the user listed, in the order given: another training is a preference, not a speed-up, so
     # the next one is planned only when no recipe of the one before fits (a full fine-tune that fits is never
@@ -145,7 +152,8 @@ def plan(
             break
     if chosen is None:
         raise NoRecipeFitsError(_no_fit_message(rows_floors, budgets.device, budgets.host, source))
-    notes = [f"{judge.traces} dry runs ({target} target), {len(rows)} candidates", *source.notes]
+    notes = [(f"{judge.traces} dry runs ({budgets.target} target, from {budgets.target_source}), {len(rows)} "
+              "candidates"), *source.notes]
     kept = next((c for c in fixed_callbacks if technique_field(c) == "adapters"), None)
     if kept is not None:
         notes.append(f"training: the run's own `{kept!r}`")
@@ -168,8 +176,11 @@ class Budgets:
     host: int | None
     #: the adapter variants the user allows (``(kind, quantized base)``, ``(None, None)``: the full fine-tune)
     adapters: tuple[AdapterVariant, ...] = (FULL_FINE_TUNE,)
-    #: the optimizers the user allows, in order (None: the module's own; else a ``LeanOptimizer`` shorthand)
+    #: the optimizers the user allows, in order (None: the module's own; else ``"adamw8bit"`` or a lean one)
     optimizers: tuple[str | None, ...] = (None,)
+    #: the device predicted, and why that one
+    target: str = "cuda"
+    target_source: str = "the default for a model without a Trainer"
 
     @property
     def half(self) -> str:
@@ -185,11 +196,6 @@ class Budgets:
         the problems at once."""
         problems: list[str] = []
         type_error = False
-        profile = None
-        try:
-            profile = load_profile(hardware)
-        except ValueError as err:
-            problems.append(str(err))
         device_budget = host_budget = None
         for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
             if value is None:
@@ -204,15 +210,25 @@ class Budgets:
                 device_budget = parsed
             else:
                 host_budget = parsed
+        if target not in ("cpu", "cuda", None):
+            problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
+        source = Source.of(model, batch_size, seq_len, data, problems)
+        why = "target=" if target is not None else "the default for a model without a Trainer"
+        if target is None and source is not None and source.target is not None:
+            target, why = source.target, source.target_source
+        target = target or "cuda"
+        profile = None
+        try:
+            # NOTE: a CPU run is priced at this machine's measured rates (a GPU's would rank its recipes wrongly)
+            profile = load_profile("measure" if hardware is None and target == "cpu" else hardware)
+        except ValueError as err:
+            problems.append(str(err))
         if device_budget is None and device_memory is None:
             if profile is None:
                 problems.append("Passed neither `device_memory` nor `hardware`; give the device's memory (e.g. "
                                 f"device_memory='12GB') or a profile ({', '.join(PROFILES)}).")
             else:
                 device_budget = profile.memory_bytes
-        if target not in ("cpu", "cuda"):
-            problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
-        source = Source.of(model, batch_size, seq_len, data, problems)
         own = [*trainings[3], *(source.fixed_callbacks if source is not None else [])]
         variants, wrong_type = adapter_variants(*trainings[:3], own, problems)
         type_error |= wrong_type
@@ -224,7 +240,7 @@ class Budgets:
                                                                          *problems]))
         if profile is None:
             profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
-        return cls(source, profile, device_budget, host_budget, variants, optimizers)
+        return cls(source, profile, device_budget, host_budget, variants, optimizers, target, why)
 
 
 
@@ -245,11 +261,11 @@ def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: f
                                 micro=source.can_split and "micro_batch_size" not in fixed,
                                 checkpointing="checkpointing" not in fixed,
                                 activation_offload="activation_offload" not in fixed,
-                                eight_bit=not fixed & {"optimizer_8bit", "optimizer"}, bases=bases, half=half,
+                                bases=bases, half=half,
                                 adapters=(FULL_FINE_TUNE,) if "adapters" in fixed else adapters,
                                 adapter_r=adapter_r,
                                 # NOTE: the run's own optimizer swap (LeanOptimizer, LowBitOptimizer) stays
-                                optimizers=(None,) if fixed & {"optimizer", "optimizer_8bit"} else optimizers)]
+                                optimizers=(None,) if "optimizer" in fixed else optimizers)]
     if not keep_deepspeed:
         rows = [r for r in rows if r.recipe.base not in ("zero2_offload", "zero3_offload")] or rows
     rows.sort(key=lambda r: r.cost.total_s)
@@ -267,6 +283,8 @@ class Judge:
     loader: int | None
     target: str
     cache: dict[Any, Any]
+    #: called with one line after each dry run
+    progress: Callable[[str], None] | None = None
     #: how many dry runs this judge ran (cache hits not counted)
     traces: int = 0
     #: (base, training, recipe field) -> why: a technique that refused this module under a base refuses it in every candidate of
@@ -277,8 +295,10 @@ class Judge:
         b, half = self.source.batch_size, self.budgets.half
         key = (self.source.key, b, self.target, row.recipe, half, tuple(sorted(self.fixed)))
         cache = self.cache
-        if key not in cache:
+        traced = key not in cache
+        if traced:
             self.traces += 1
+            t0 = time.perf_counter()
             run = None
             try:
                 run = row.recipe.run(b, half, self.loader, self.source.scheduler)
@@ -286,12 +306,20 @@ class Judge:
                 cache[key] = self.source.estimate(run, self.target)
             except (ValueError, TypeError, ModuleNotFoundError, NotImplementedError) as err:
                 cache[key] = (err, refusing_technique(err, run))
-            except DryRunUnsupportedError as err:  # NOTE: not a refusal of the run: it cannot be predicted
+            except (DryRunUnsupportedError, RuntimeError) as err:
+                # NOTE: not a refusal by a technique: it cannot be predicted, or cannot run on this machine (a real
+                # CPU kernel refusing the precision); the candidate is dropped with its reason, the plan goes on
                 cache[key] = (err, None)
-        result = cache[key]
+        self._verdict(row, cache[key])
+        if traced and self.progress is not None:
+            self.progress(f"dry run {self.traces}: {row.name}: {row.status}"
+                          + (f" ({row.why})" if row.why else "") + f", {time.perf_counter() - t0:.1f} s")
+
+    def _verdict(self, row: Row, result: Any) -> None:
         if isinstance(result, tuple):
             err, technique = result
-            cause = "not predicted: " if isinstance(err, DryRunUnsupportedError) else ""
+            cause = ("not predicted: " if isinstance(err, DryRunUnsupportedError)
+                     else f"cannot run: {type(err).__name__}: " if isinstance(err, RuntimeError) else "")
             row.status, row.why = "refused", cause + " ".join(str(err).split())[:160]
             if technique is not None:
                 self.refusals[(row.recipe.base, row.recipe.training, technique_field(technique))] = (
@@ -333,7 +361,11 @@ def search(rows: list[Row], rows_floors: list[Row], judge: Judge) -> Row | None:
         if group not in floored:
             floored.add(group)
             for floor in (f for f in rows_floors if (f.recipe.base, f.recipe.training) == group):
-                judge(floor)
+                refused = judge.refused(floor)  # NOTE: a technique that refused one floor refuses the others
+                if refused is not None and floor.status == "not traced":
+                    floor.status, floor.why = "refused", refused
+                else:
+                    judge(floor)
                 if floor.status == "too big":
                     too_big.append(floor)
         if row.status == "not traced" and not _ruled_out(row, rows, too_big, judge):

@@ -16,7 +16,7 @@ from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.core.reproducible import init_arguments
 from lightning_lowmem.plan.cost import ModelShape
-from lightning_lowmem.predict.configs import causal_lm_factory, resolve_config
+from lightning_lowmem.predict.configs import causal_lm_factory, causal_lm_init_args, resolve_config
 from lightning_lowmem.predict.depth import find_blocks
 from lightning_lowmem.predict.dry_run import dry_run
 from lightning_lowmem.predict.estimate import is_module, module_class
@@ -65,6 +65,9 @@ class Source:
     scheduler: dict[str, Any] = field(default_factory=dict)
     #: a YAML's own callbacks that fix what the run trains (its ``Adapters``, ``LeanOptimizer``): every candidate keeps them
     fixed_callbacks: list[Any] = field(default_factory=list)
+    #: a YAML's device (from its ``trainer.accelerator``) and why; None: not said
+    target: str | None = None
+    target_source: str = ""
 
     def estimate(self, run: RunSpec, target: str) -> MemoryEstimate:
         return dry_run(self.module, self.data, run=run, target=target, **self.tokens)
@@ -89,17 +92,28 @@ class Source:
                                     problems=problems)
             if source is not None:
                 source.yaml_parts = {"base_yaml": model}
+                source.target, source.target_source = run.target, f"the YAML's {run.target_source}"
                 # NOTE: what the run trains and with which optimizer (its maths) stays; the plan's techniques go around it
                 source.fixed_callbacks = [c for c in run.callbacks if isinstance(c, (Adapters, LeanOptimizer))]
                 if scheduler is not None:  # its maths (loss normalisation) stays; the plan sets the batch sizes
                     source.scheduler = {k: v for k, v in init_arguments(scheduler).items()
-                                        if k not in ("effective_batch_size", "micro_batch_size", "memory_budget")}
+                                        if k not in ("effective_batch_size", "micro_batch_size", "memory_budget",
+                                                     "measure")}
             return source
-        if is_module(model) or module_class(model) is not None:
-            module = model if is_module(model) else module_class(model)
+        try:
+            named = None if is_module(model) else module_class(model)
+        except ValueError as err:
+            problems.append(str(err))
+            return None
+        if is_module(model) or named is not None:
+            module = model if is_module(model) else named
             # NOTE: keyed by identity (the objects are kept alive by the key, so an id is never reused for another)
-            return cls._of_module(module, data, batch_size, seq_len, key=("module", _Identity(model), _Identity(data)),
-                                  problems=problems)
+            source = cls._of_module(module, data, batch_size, seq_len, key=("module", _Identity(model),
+                                                                            _Identity(data)), problems=problems)
+            if source is not None:
+                source.yaml_parts = {k: v for k, v in (("model", _class_yaml(module)), ("data", _class_yaml(data)))
+                                     if v is not None}
+            return source
 
         try:
             config = resolve_config(model)
@@ -109,15 +123,18 @@ class Source:
         if batch_size is None or seq_len is None:
             problems.append(f"Passed the model shape {model!r} without `batch_size` and `seq_len`.")
             return None
-        factory = causal_lm_factory(config)
-        fields = factory.keywords
+        try:
+            factory = causal_lm_factory(config)
+        except ValueError as err:
+            problems.append(str(err))
+            return None
         yaml_parts = {
-            "model": {"class_path": "lightning_lowmem.demo.module.CausalLMModule", "init_args": fields},
+            "model": {"class_path": "lightning_lowmem.demo.module.CausalLMModule",
+                      "init_args": causal_lm_init_args(config)},
             "data": {"class_path": "lightning_lowmem.demo.data.StdlibTextDataModule",
                      "init_args": {"seq_len": seq_len, "batch_size": batch_size}},
         }
-        with torch.device("meta"):
-            num_params = sum(p.numel() for p in {id(p): p for p in factory().parameters()}.values())
+        num_params = sum(p.numel() for p in {id(p): p for p in factory().parameters()}.values())
         return cls(("shape", config.to_json_string()), ModelShape.of(num_params, config, seq_len), batch_size, True,
                    True, factory, None, {"batch_size": batch_size, "seq_len": seq_len}, [], yaml_parts)
 
@@ -150,6 +167,21 @@ class Source:
         loader = data_batch if isinstance(data_batch, int) and data_batch != batch_size else None
         return cls(key, shape, batch_size, causal_lm, holder is not None and batch_size is not None, module, data, {},
                    notes, loader_batch=loader)
+
+
+def _class_yaml(obj: Any) -> dict[str, Any] | None:
+    """``{"class_path": ...}`` (with the ``init_args`` it saved, where it did) of a module or data class or object, as a
+    written YAML names it; None for what has no importable class path (a lambda, a DataLoader, a class defined in a
+    function or in ``__main__``)."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    if obj is None or not issubclass(cls, (L.LightningModule, L.LightningDataModule)) or "<" in cls.__qualname__ \
+            or cls.__module__ == "__main__":
+        return None
+    out: dict[str, Any] = {"class_path": f"{cls.__module__}.{cls.__qualname__}"}
+    saved = {} if isinstance(obj, type) else dict(getattr(obj, "hparams", {}) or {})
+    if saved:
+        out["init_args"] = saved
+    return out
 
 
 __all__ = ["Source", "effective_batch"]

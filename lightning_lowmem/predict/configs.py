@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_lowmem.demo.module import CausalLMModule, causal_lm_types
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
@@ -97,8 +99,8 @@ def _with_overrides(config: Any, overrides: dict[str, Any], rebuild: Any) -> Any
     return rebuild(overrides)
 
 
-def causal_lm_factory(config: Any) -> Any:
-    """A zero-argument callable building the demo ``CausalLMModule`` over ``config`` (random weights)."""
+def causal_lm_init_args(config: Any) -> dict[str, Any]:
+    """The demo ``CausalLMModule``'s arguments over ``config``: what a YAML's ``model: init_args:`` says."""
     if config.model_type not in causal_lm_types():
         raise ValueError(
             f"architecture `{config.model_type}` has no causal-LM head in transformers, so the demo training step "
@@ -107,7 +109,23 @@ def causal_lm_factory(config: Any) -> Any:
     fields = {k: v for k, v in config.to_diff_dict().items()
               if k not in ("model_type", "transformers_version", "architectures", "_name_or_path")}
     fields["vocab_size"] = config.vocab_size  # NOTE: the demo module defaults to its 258-token byte vocabulary
-    return functools.partial(CausalLMModule, model_type=config.model_type, config=fields)
+    return {"model_type": config.model_type, "config": fields}
+
+
+def causal_lm_factory(config: Any) -> Any:
+    """A zero-argument callable giving the demo ``CausalLMModule`` over ``config``, built on the meta device.
+
+    NOTE: built once per config (the last one is kept): a table of estimates (``lowmem estimate --model``) or a plan
+    runs a dozen dry runs of the same model, and building GPT-2 XL's 48 blocks takes seconds. A dry run copies it.
+    """
+    init_args = causal_lm_init_args(config)
+    return functools.partial(_built_on_meta, init_args["model_type"], json.dumps(init_args["config"], sort_keys=True))
+
+
+@functools.lru_cache(maxsize=1)
+def _built_on_meta(model_type: str, config_json: str) -> CausalLMModule:
+    with torch.device("meta"):
+        return CausalLMModule(model_type=model_type, config=json.loads(config_json))
 
 
 def max_positions(config: Any) -> int | None:
@@ -118,4 +136,4 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
-__all__ = ["SHAPES_DIR", "causal_lm_factory", "max_positions", "resolve_config", "shipped_shapes"]
+__all__ = ["SHAPES_DIR", "causal_lm_factory", "causal_lm_init_args", "max_positions", "resolve_config", "shipped_shapes"]

@@ -1,6 +1,6 @@
 """Deep models from shallow traces: the parts of a step whose peaks grow linearly with depth, and their lines.
 
-A dry run of a deep model traces it cut to 3, 4 and 5 repeated blocks (:func:`truncate_blocks`), with each
+A dry run of a deep model traces it cut to 3, 4 and 5 repeated blocks (``fake_copy(..., blocks=n)``), with each
 forward and backward cut into the part before the blocks, the blocks and the part after them
 (:class:`DepthWindows`). Each part's peak grows linearly with depth, but a phase's peak may move from one part
 to another as the model deepens; the parts outside the blocks run the same ops at every depth and are
@@ -62,14 +62,12 @@ def find_blocks(module: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn
     return best
 
 
-def truncate_blocks(module: torch.nn.Module, keep: int) -> None:
-    """Keep the first ``keep`` repeated blocks (on a fake copy)."""
-    found = find_blocks(module)
-    assert found is not None
-    parent, name, blocks = found
-    full = len(blocks)
-    setattr(parent, name, torch.nn.ModuleList(list(blocks)[:keep]))
-    for sub in module.modules():  # NOTE: Hugging Face loops over `layers[: config.num_hidden_layers]`
+def fewer_layers(module: torch.nn.Module, full: int, keep: int) -> None:
+    """Tell the configs of a model cut from ``full`` to ``keep`` repeated blocks (a fake copy) its new depth.
+
+    NOTE: Hugging Face loops over ``layers[: config.num_hidden_layers]``.
+    """
+    for sub in module.modules():
         config = getattr(sub, "config", None)
         for attr in ("num_hidden_layers", "n_layer", "num_layers"):
             if config is not None and getattr(config, attr, None) == full:
@@ -265,11 +263,11 @@ __all__ = [
     "disagreement",
     "event_values",
     "events",
+    "fewer_layers",
     "find_blocks",
     "keep_every_layer",
     "line",
     "non_negative",
     "phases_of",
-    "truncate_blocks",
     "values_of",
 ]

@@ -36,6 +36,8 @@ Example (GPT-2 XL's shape is ``n_layer=48, n_embd=1600, n_head=25``: the same ca
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -64,7 +66,6 @@ from lightning_lowmem.predict.depth import (
     line,
     non_negative,
     phases_of,
-    truncate_blocks,
     values_of,
 )
 from lightning_lowmem.predict.fake import DryRunUnsupportedError, FakeExecution, fake_copy, fake_execution
@@ -195,6 +196,8 @@ def _trainer(spec: RunSpec, extra: list[Any], root: str, zero: ZeroPlan | None) 
         accelerator="cpu", devices=1, **{**kwargs, "callbacks": [*kwargs["callbacks"], *extra]},
         max_steps=-1, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        # NOTE: `self.log` does nothing in barebones mode (see predict/fake.py), and nothing else a step does changes
+        barebones=True,
     )
 
 
@@ -227,7 +230,7 @@ def _trace(
     """
     recorder = StepMemoryRecorder(every_n_steps=1)
     zero = spec.zero()
-    with tempfile.TemporaryDirectory(prefix="lowmem-dry-run-") as root, fake_execution() as fx:
+    with tempfile.TemporaryDirectory(prefix="lowmem-dry-run-") as root, _forked_rng(), fake_execution() as fx:
         module = build(fx)
         if zero is not None:
             _check_zero(spec, module)
@@ -322,19 +325,15 @@ def dry_run(
         )
 
     dropped: set[str] = set()
+    if is_factory:
+        with torch.device("meta"):
+            module = module()  # NOTE: built once, on the meta device; every trace runs a fake copy of it
 
     def build(keep: int | None) -> Callable[[FakeExecution], torch.nn.Module]:
         def make(fx: FakeExecution) -> torch.nn.Module:
-            if is_factory:
-                with torch.device("meta"):
-                    source = module()
-                copy = fake_copy(source, fx, upcast_half)
-            else:
-                copy = fake_copy(module, fx, upcast_half)
+            copy = fake_copy(module, fx, upcast_half, blocks=keep)
             # NOTE: a module that went through a fit keeps its checkpointed blocks; the run decides its own policy
             ActivationCheckpointing.remove(copy)
-            if keep is not None:
-                truncate_blocks(copy, keep)
             dropped.update(keep_every_layer(copy))
             return copy
 
@@ -349,14 +348,12 @@ def dry_run(
     stand_ins: dict[str, int] = {}
     notes = list(run.notes)
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        probe = module() if is_factory else None
-    found = find_blocks(probe if probe is not None else module)
+    found = find_blocks(module)
     num_blocks = len(found[2]) if found else None
-    unique = {id(p): p for p in (probe if probe is not None else module).parameters()}.values()
+    unique = {id(p): p for p in module.parameters()}.values()
     numels = [int(getattr(p, "ds_numel", p.numel())) for p in unique if p.requires_grad]
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in unique)
-    del probe, unique
+    del unique
     unit = depth_unit(run)
     can = num_blocks is not None and unit is not None and num_blocks > 5 * unit
     if extrapolate is None:
@@ -415,21 +412,39 @@ def dry_run(
                               run=run.describe(), steps=traced_steps, bounds=bounds)
     zero = run.zero()
     if zero is not None:
-        zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module, is_factory))
+        zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module))
     if target == "cuda":
         estimate.corrections = cuda_corrections(counts, estimate, run, numels, extrapolate and not traced_steps)
     estimate.wall_s = time.perf_counter() - t0
     return estimate
 
 
-def _largest_block_params(module: Any, is_factory: bool) -> int | None:
+def _largest_block_params(module: Any) -> int | None:
     """Parameters of the largest repeated block or embedding (what ZeRO-3 offload gathers at once)."""
-    with torch.device("meta"):
-        m = module() if is_factory else module
-    found = find_blocks(m)
+    found = find_blocks(module)
     sizes = [sum(p.numel() for p in found[2][0].parameters())] if found else []
-    sizes += [e.weight.numel() for e in m.modules() if isinstance(e, torch.nn.Embedding)]
+    sizes += [e.weight.numel() for e in module.modules() if isinstance(e, torch.nn.Embedding)]
     return max(sizes) if sizes else None
+
+
+@contextlib.contextmanager
+def _forked_rng() -> Iterator[None]:
+    """The global random generators (torch's CPU and CUDA ones, Python's, NumPy's) put back on exit.
+
+    NOTE: a dry run executes the module's forward; a draw whose value it reads (Hugging Face's LayerDrop:
+    `torch.rand([]) < p`) advances them, and training after a prediction (``lowmem_auto``) would see other numbers.
+    """
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 __all__ = ["DryRunUnsupportedError", "dry_run", "find_blocks"]

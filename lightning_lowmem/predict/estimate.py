@@ -21,6 +21,7 @@ Example (a tiny GPT-2 shape here; ``"gpt2-xl"`` and the other shipped names are 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -30,8 +31,10 @@ from lightning_lowmem.callbacks.adapters.callback import Adapters
 from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.callbacks.lean_optimizer.build import import_package
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
-from lightning_lowmem.predict.analytic import analytic_phases
-from lightning_lowmem.predict.configs import causal_lm_factory, max_positions, resolve_config
+from lightning_lowmem.callbacks.optimizer_in_backward import OptimizerInBackward
+from lightning_lowmem.core.units import fmt_size
+from lightning_lowmem.predict.analytic import analytic_phases, zero_states
+from lightning_lowmem.predict.configs import causal_lm_factory, max_positions, resolve_config, shipped_shapes
 from lightning_lowmem.predict.dry_run import dry_run
 from lightning_lowmem.predict.fake import DryRunUnsupportedError
 from lightning_lowmem.predict.result import MemoryEstimate
@@ -89,6 +92,7 @@ def estimate_memory(
     adapters: Literal["lora", "dora"] | None = None,
     adapter_r: int | None = None,
     quantize_base: Literal["nf4", "fp4", "int8"] | None = None,
+    skip_above: int | None = None,
 ) -> MemoryEstimate:
     """Predict peak memory per phase, role and category of one run.
 
@@ -120,6 +124,10 @@ def estimate_memory(
         adapters, adapter_r, quantize_base: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)`` (LoRA or
             DoRA on a frozen, optionally 4-/8-bit base; the callback's own code runs in the dry run); not together
             with ``strategy``/``callbacks``. The closed form does not model adapters: no analytic fallback.
+        skip_above: a device budget in bytes: a model shape whose model states alone (weights, optimizer state and,
+            unless stepped in backward, gradients: exact per-parameter sizes in closed form) exceed it on the device
+            is not traced; the result is the closed form, ``fallback_reason`` says why (a table of estimates against
+            a budget skips what cannot fit).
 
     Raises:
         ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run
@@ -202,6 +210,10 @@ def estimate_memory(
         config, batch_size, micro_batch_size, seq_len, run, target)
     fallback = None
     est = None
+    floor = None if bound is None or skip_above is None else _states_floor(bound, run)
+    if floor is not None and floor > skip_above:  # type: ignore[operator]
+        method, fallback = "analytic", (f"not traced: the model states alone need {fmt_size(floor)} on the device "
+                                        f"(closed form), more than the budget of {fmt_size(skip_above)}")
     if method == "dry_run":
 
         try:
@@ -230,20 +242,40 @@ def estimate_memory(
     return est
 
 
-def module_class(name: Any) -> Any:
-    """The LightningModule class a dotted path such as ``my_project.models.MyModule`` names, or None."""
+def module_class(name: Any, given: str = "model=") -> Any:
+    """The LightningModule class a dotted path such as ``my_project.models.MyModule`` names; None for what is no
+    class path (a shape name, a ``config.json`` path, a model type, a ``transformers`` config class).
+
+    Raises:
+        ValueError: a class path whose module does not import, or that names no LightningModule: what was given
+            (as ``given``: ``"model="`` or ``"--model "``), what failed and what to do.
+    """
     import importlib
+    import os
 
     import lightning as L
+    from transformers import PretrainedConfig
 
-    if not isinstance(name, str) or "." not in name or "/" in name or name.endswith(".json"):
+    if not isinstance(name, str) or "." not in name or not all(p.isidentifier() for p in name.split(".")):
         return None
     module_name, _, attr = name.rpartition(".")
+    call = f"`{given}{name!r}`" if given.endswith("=") else f"`{given}{name}`"
     try:
         cls = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError:
-        return None
-    return cls if isinstance(cls, type) and issubclass(cls, L.LightningModule) else None
+    except ImportError as err:
+        raise ValueError(
+            f"Passed {call}, a LightningModule class path, but importing `{module_name}` failed ({type(err).__name__}: "
+            f"{err}). A class path is imported from the current directory ({os.getcwd()}) and the installed packages: "
+            f"run from the folder that holds `{module_name.split('.')[0]}`, or fix its import; a model shape is a "
+            f"shipped name ({', '.join(shipped_shapes())}), a config.json path or a model type (e.g. llama)."
+        ) from None
+    if isinstance(cls, type) and issubclass(cls, L.LightningModule):
+        return cls
+    if isinstance(cls, type) and issubclass(cls, PretrainedConfig):
+        return None  # NOTE: `transformers.GPT2Config`: a model shape (`resolve_config`)
+    found = "nothing" if cls is None else f"a {type(cls).__name__}" if not isinstance(cls, type) else f"class {cls.__name__}"
+    raise ValueError(f"Passed {call}: `{module_name}.{attr}` is {found}, not a LightningModule subclass; give the class "
+                     f"path of your LightningModule (e.g. `{module_name}.MyModule`), or a model shape.")
 
 
 def is_module(obj: Any) -> bool:
@@ -261,12 +293,7 @@ def _analytic_bound(config: Any, batch_size: int | None, micro: int | None, seq_
         return None
     num_params = largest = None
     try:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
-        unique = {id(p): p for p in meta.parameters()}.values()
+        unique = {id(p): p for p in causal_lm_factory(config)().model.parameters()}.values()
         num_params = sum(p.numel() for p in unique)
         largest = max(p.numel() for p in unique)
     except Exception:  # noqa: BLE001, S110  NOTE: any architecture transformers cannot build: closed-form counts
@@ -288,6 +315,23 @@ def _analytic_bound(config: Any, batch_size: int | None, micro: int | None, seq_
     except ValueError:
         return None
     return phases, num_params
+
+
+def _states_floor(bound: tuple[dict, int | None], run: RunSpec) -> int | None:
+    """Device bytes of the model states alone at the optimizer step, in closed form: weights, optimizer state and
+    the gradients (not when stepped in backward), DeepSpeed's partitioned ones for ZeRO; None where the closed form
+    does not say (streamed parameters)."""
+    if run.strategy_name == "lowmem_offload_params" or getattr(run.strategy, "offload_params", False):
+        return None
+    est = MemoryEstimate(phases=copy.deepcopy(bound[0]), method="analytic", num_params=bound[1])
+    zero = run.zero()
+    if zero is not None:
+        if bound[1] is None:
+            return None
+        zero_states(est, zero, precision=run.precision, gathered_params=None)
+    device = est.phases["optimizer"].device
+    in_backward = any(isinstance(c, OptimizerInBackward) for c in run.callbacks)
+    return device["weights"] + device["optimizer_state"] + (0 if in_backward else device["gradients"])
 
 
 # --- the suite's combinations, for ``lowmem estimate --model`` ----------------------------------------------------

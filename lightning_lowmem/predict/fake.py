@@ -20,8 +20,8 @@ there, each item named because without it a real run and its dry run part ways:
   ``torch.utils.swap_tensors``, which refuses tensors that have weak references (every fake tensor
   does); here the parameter's ``.data`` is replaced instead, keeping the ``Parameter`` object (and so
   every optimizer and hook holding it).
-* ``LightningModule.log``/``log_dict`` are no-ops: Lightning's result collection moves logged values
-  with storage swaps that a fake tensor cannot take (the logged scalars are a few bytes).
+* ``self.log``/``self.log_dict`` do nothing: the dry run's Trainer is ``barebones`` (Lightning's result collection
+  would move the logged values with storage swaps that a fake tensor cannot take; they are a few bytes).
 * Ops whose output size depends on values (``nonzero``, ``unique``, ``bincount``, boolean indexing): exact
   where the values deciding the size are real (a mask or labels from the batch), otherwise a stated bound
   (:mod:`lightning_lowmem.predict.data_dependent`; :attr:`FakeExecution.bounds`, listed in the estimate).
@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,9 +48,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.callbacks.adapters.quantize_base import move_quant_state
-from lightning_lowmem.core.hooks import swapped
-from lightning_lowmem.core.side_step import quiet_warnings, silenced_log
 from lightning_lowmem.predict.data_dependent import DataDependent
+from lightning_lowmem.predict.depth import fewer_layers, find_blocks
 from lightning_lowmem.predict.kernels import KernelMatch
 from lightning_lowmem.predict.unsupported import DryRunUnsupportedError, model_line, unsupported
 
@@ -275,21 +276,28 @@ def _apply_on_fake(original: Any) -> Any:
 def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
     """Run the block with fake tensors from parameters on, real values where they exist (see module docstring).
 
+    ``quiet``: Python warnings ignored and Lightning's (and this package's) loggers at ``ERROR`` inside: a dry run's
+    warnings and info lines would describe the simulation, not the user's run.
+
     Raises:
         DryRunUnsupportedError: an op of the model cannot run on fake tensors.
     """
-    import lightning.pytorch as pl
-
     execution = FakeExecution()
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_lowmem")]
+    levels = [lg.level for lg in loggers]
     try:
-        # NOTE: logging off for every LightningModule (the class: a module built inside is one too); a dry run's
-        # warnings are about the simulation, not the run. Not a side step: the techniques' wrappers must run.
-        with (torch_internals.module_apply_replaced(_apply_on_fake), silenced_log(pl.LightningModule),
-              quiet_warnings() if quiet else contextlib.nullcontext(), execution.mode, _Values(execution),
-              _HealthyChecks(execution)):
+        with warnings.catch_warnings(), torch_internals.module_apply_replaced(_apply_on_fake), execution.mode, \
+                _Values(execution), _HealthyChecks(execution):
+            if quiet:
+                warnings.simplefilter("ignore")
+                for lg in loggers:
+                    lg.setLevel(logging.ERROR)
             yield execution
     except FAKE_ERRORS as err:
         raise unsupported(err) from err
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _param_subclass(t: torch.Tensor) -> bool:
@@ -297,12 +305,34 @@ def _param_subclass(t: torch.Tensor) -> bool:
     return type(t) is not torch.nn.Parameter and issubclass(type(t), torch.nn.Parameter)
 
 
-def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bool = False) -> torch.nn.Module:
+class _FakeCopies(TorchFunctionMode):
+    """Inside :func:`fake_copy`: ``copy.deepcopy`` gets each tensor's fake (``Tensor.__deepcopy__`` asks the torch
+    function modes first); a stray parameter's ``.data.clone()`` (one no module registers) gets it too."""
+
+    def __init__(self, fake_of: Any) -> None:
+        super().__init__()
+        self.fake_of = fake_of
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.__deepcopy__:
+            tensor, memo = args
+            if id(tensor) not in memo:
+                memo[id(tensor)] = self.fake_of(tensor)
+            return memo[id(tensor)]
+        if func is torch.Tensor.clone and not isinstance(args[0], FakeTensor):
+            return self.fake_of(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bool = False,
+              blocks: int | None = None) -> torch.nn.Module:
     """A copy of ``module`` whose parameters and buffers are fake (same sizes, strides, tying); nothing allocated.
 
     The module objects are deep-copied (cheap: no tensor bytes), so the caller's module is never touched;
     tied weights stay one tensor. ``upcast_half``: bf16/fp16 floating tensors become fp32 (the module as
-    built, before a half-precision plugin converted it). A Trainer reference is not copied.
+    built, before a half-precision plugin converted it). ``blocks``: keep only the first ``blocks`` repeated blocks
+    (:func:`~lightning_lowmem.predict.depth.find_blocks`; the others are never copied). A Trainer reference is not
+    copied.
     """
     memo: dict[int, Any] = {}
 
@@ -319,18 +349,21 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
                 f.__dict__.update(copy.deepcopy(t.__dict__, memo))
         return f
 
-    def deepcopy_tensor(self: torch.Tensor, memo_: dict[int, Any]) -> torch.Tensor:
-        if id(self) not in memo_:
-            memo_[id(self)] = fake_of(self)
-        return memo_[id(self)]
-
-    # NOTE: every tensor reachable from the module (parameters, buffers, plain tensor attributes) becomes fake; a
-    # parameter subclass with its own `__deepcopy__` is copied first, so the module's copy finds it in the memo
-    with swapped(torch.Tensor, __deepcopy__=deepcopy_tensor), swapped(torch.nn.Parameter, __deepcopy__=deepcopy_tensor):
-        for p in module.parameters():
-            if _param_subclass(p) and id(p) not in memo:
-                deepcopy_tensor(p, memo)
-        return copy.deepcopy(module, memo)
+    # NOTE: deepcopy's memo is the seam: each parameter is entered with its fake before the copy (a parameter's
+    # `__deepcopy__` consults no torch function mode), every other tensor is made fake by `_FakeCopies`, and a cut
+    # model's block list is entered already cut
+    with _FakeCopies(fake_of):
+        for _, p in module.named_parameters(remove_duplicate=False):
+            if id(p) not in memo:
+                memo[id(p)] = fake_of(p)
+        found = find_blocks(module) if blocks is not None else None
+        if found is not None:
+            kept = torch.nn.ModuleList([copy.deepcopy(b, memo) for b in list(found[2])[:blocks]])
+            memo[id(found[2])] = kept
+        out = copy.deepcopy(module, memo)
+    if found is not None:
+        fewer_layers(out, len(found[2]), blocks)  # type: ignore[arg-type]
+    return out
 
 
 __all__ = ["DryRunUnsupportedError", "FakeExecution", "fake_copy", "fake_execution", "model_line"]

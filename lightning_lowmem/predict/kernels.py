@@ -237,7 +237,7 @@ class KernelMatch:
         cost = sum(t.untyped_storage().nbytes() for t in leaves) + 8 * sum(
             t.untyped_storage().nbytes() for t in fakes if t is not None)
         if cost <= PROBE_BYTES:
-            return _describe(_outputs(self._real(func, args, kwargs)))
+            return _describe(_outputs(self._real(func, args, kwargs, self.refuse)))
         where = entry.length(args) if entry.length is not None else []
         full = args[where[0][0]].shape[where[0][1]] if where else 0
         # NOTE: lengths congruent to the full one modulo 64: oneDNN pads every row of its workspace parts to 64 bytes
@@ -255,7 +255,7 @@ class KernelMatch:
         for n in lengths:
             shorter = tuple(self._shorten(a, dims[i], n) if i in dims else a for i, a in enumerate(args))
             probes.append((_describe(_outputs(func(*shorter, **kwargs))),
-                           _describe(_outputs(self._real(func, shorter, kwargs)))))
+                           _describe(_outputs(self._real(func, shorter, kwargs, self.refuse)))))
         out: list[_Out | None] = []
         varying = ""
         for i, (fake_full, real_full) in enumerate(zip(_describe(fakes), probes[0][1])):
@@ -284,8 +284,12 @@ class KernelMatch:
         return torch.empty(shape, dtype=t.dtype)
 
     @staticmethod
-    def _real(func: Any, args: Any, kwargs: Any) -> Any:
-        """``func`` run by the real CPU kernel on zeros of the inputs' sizes (aliasing kept), unseen by any mode."""
+    def _real(func: Any, args: Any, kwargs: Any, refuse: Callable[[str, str], Exception]) -> Any:
+        """``func`` run by the real CPU kernel on zeros of the inputs' sizes (aliasing kept), unseen by any mode.
+
+        Raises ``refuse(op, why)`` where this CPU's kernel refuses the inputs (oneDNN has no fp16 LSTM on most CPUs,
+        no bf16 one without AVX-512): the run itself fails the same way on this CPU.
+        """
         bases: dict[int, torch.Tensor] = {}
 
         def real(x: Any) -> Any:
@@ -300,7 +304,11 @@ class KernelMatch:
 
         with torch_internals.disable_current_modes(), torch_internals.unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
             real_args, real_kwargs = torch_internals.tree_map(real, (args, kwargs))
-            return func(*real_args, **real_kwargs)
+            try:
+                return func(*real_args, **real_kwargs)
+            except RuntimeError as err:
+                raise refuse(str(func), f"this CPU's kernel refuses these inputs ({str(err).split('. ')[0]}): the "
+                                        "run itself fails the same way on this CPU; another precision runs") from err
 
     # --- fake outputs of the real sizes ----------------------------------------------------------------------------
     @staticmethod

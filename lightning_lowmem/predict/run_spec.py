@@ -214,14 +214,15 @@ class RunSpec:
                               if v is not None)
             raise ValueError(f"Passed {given} without `adapters`; they describe the adapters' rank and base: add "
                              "`adapters='lora'` (or 'dora'), or leave them out for a full fine-tune.")
+        if micro_batch_size is not None and batch_size is not None and micro_batch_size != batch_size:
+            # NOTE: before the callbacks that read the window's gradients (it weighs them first; it refuses otherwise)
+            callbacks.append(AccumulationScheduler(effective_batch_size=batch_size * world_size,
+                                                   micro_batch_size=micro_batch_size))
         if checkpointing is not None:
             n = checkpointing_every_n if checkpointing == "every_n" else None
             callbacks.append(ActivationCheckpointing(policy=checkpointing, n=n))  # type: ignore[arg-type]
         if activation_offload:
             callbacks.append(ActivationOffload())
-        if micro_batch_size is not None and batch_size is not None and micro_batch_size != batch_size:
-            callbacks.append(AccumulationScheduler(effective_batch_size=batch_size * world_size,
-                                                   micro_batch_size=micro_batch_size))
         if chunked_loss:
             callbacks.append(ChunkedLMLoss(chunk_tokens=chunked_loss))
         if optimizer == "adamw8bit":

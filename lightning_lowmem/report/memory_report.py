@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -25,6 +26,8 @@ from lightning_lowmem.measure.tracker import MemoryTracker
 from lightning_lowmem.predict.dry_run import dry_run
 from lightning_lowmem.predict.run_spec import RunSpec
 from lightning_lowmem.report import render
+
+_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 
 
 class MemoryReport(StepMemoryRecorder):
@@ -79,6 +82,9 @@ class MemoryReport(StepMemoryRecorder):
         save_dir: where ``memory_report.json`` and the PNG go. Default: ``<trainer.log_dir or
             default_root_dir>/memory_report``.
         predict: add the prediction of this run and the plain fp32 baseline (two dry runs at the end of fit).
+        gpu_precision: also predict this run on a CUDA device at this precision (``"bf16-true"``, ...) beside plain
+            fp32 training there (two more dry runs): what the recipe saves on a GPU, whatever precision this machine
+            trained at (the demo trains in 32-true on a CPU without native bf16).
 
     Example:
         >>> from lightning_lowmem import MemoryReport
@@ -92,6 +98,7 @@ class MemoryReport(StepMemoryRecorder):
     Attributes:
         steps: one dict per sampled step (what ``memory_report.json`` holds under ``"steps"``).
         predicted, baseline: the two dry runs as dicts (``MemoryEstimate.to_dict()``), or ``{"error": ...}``.
+        gpu: with ``gpu_precision``, ``{"run": ..., "plain_fp32": ...}``: the two GPU predictions, as dicts.
         table: the table printed at the end of fit.
     """
 
@@ -102,6 +109,7 @@ class MemoryReport(StepMemoryRecorder):
         plot: bool = True,
         save_dir: str | os.PathLike | None = None,
         predict: bool = True,
+        gpu_precision: str | None = None,
     ) -> None:
         problems, wrong_type = [], []
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
@@ -111,6 +119,8 @@ class MemoryReport(StepMemoryRecorder):
         for name, value in (("phases", phases), ("plot", plot), ("predict", predict)):
             if not isinstance(value, bool):
                 wrong_type.append(f"Passed `{name}={value!r}`; expected True or False.")
+        if gpu_precision is not None and gpu_precision not in _PRECISIONS:
+            problems.append(f"Passed `gpu_precision={gpu_precision!r}`; expected one of {', '.join(_PRECISIONS)} or None.")
         if save_dir is not None and not isinstance(save_dir, (str, os.PathLike)):
             wrong_type.append(f"Passed `save_dir` of type {type(save_dir).__name__}; expected a path (str or os.PathLike).")
         elif save_dir is not None and Path(save_dir).expanduser().is_file():
@@ -124,6 +134,8 @@ class MemoryReport(StepMemoryRecorder):
         self.plot = plot
         self.save_dir: Path | None = Path(save_dir).expanduser() if save_dir is not None else None
         self.predict = predict
+        self.gpu_precision = gpu_precision
+        self.gpu: dict[str, Any] | None = None
         self.table: str = ""
         self.predicted: dict[str, Any] | None = None
         self.baseline: dict[str, Any] | None = None
@@ -213,8 +225,10 @@ class MemoryReport(StepMemoryRecorder):
             return
         self._fit_ended = False
         if self.predict:
-            self.predicted, self.baseline = self._dry_runs(trainer, pl_module)
-        self.table = render.table(self.steps, self.predicted, self.baseline, self.phases) + _oom_line(trainer)
+            rank_zero_info("MemoryReport: predicting this run and plain fp32 training (dry runs on fake tensors)"
+                           + (f", and both on a GPU at {self.gpu_precision}" if self.gpu_precision else "") + " ...")
+            self.predicted, self.baseline, self.gpu = self._dry_runs(trainer, pl_module)
+        self.table = render.table(self.steps, self.predicted, self.baseline, self.phases, self.gpu) + _oom_line(trainer)
         rank_zero_info(self.table)
         if self.save_dir is None:  # setup did not run for "fit" (hooks driven by hand)
             return
@@ -225,14 +239,17 @@ class MemoryReport(StepMemoryRecorder):
             "worst_step": max(self.steps, key=lambda r: r["peak_bytes"])["step"],
             "predicted": self.predicted,
             "plain_fp32": self.baseline,
+            "gpu": self.gpu,
             "timeline": self._timeline,
         }
         atomic_write_text(self.save_dir / "memory_report.json", json.dumps(payload, indent=2, default=str) + "\n")
         if self.plot and self._timeline is not None:
             render.plot(self._timeline, self.save_dir / "memory_step.png")
 
-    def _dry_runs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The dry run of this run and of plain fp32 training of the module; ``{"error": ...}`` where one fails."""
+    def _dry_runs(self, trainer: pl.Trainer, pl_module: pl.LightningModule
+                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+        """The dry run of this run and of plain fp32 training of the module (and both on a GPU at ``gpu_precision``);
+        ``{"error": ...}`` where one fails."""
 
         batch = apply_to_collection(self.first_batch, torch.Tensor, lambda t: t.detach().to("cpu"))
         target = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
@@ -242,26 +259,30 @@ class MemoryReport(StepMemoryRecorder):
         try:
             run = RunSpec.from_trainer(trainer, exclude=(self,))
         except ValueError as err:
-            return {"error": str(err)}, {"error": str(err)}
+            return {"error": str(err)}, {"error": str(err)}, None
         micro_batches = max(r["micro_batches"] for r in self.steps)
         plain_batch = _fp32_batch(trainer, _repeat_batch(batch, micro_batches))
-        runs = [(run, batch, "the run's first batch"),
-                (RunSpec(), plain_batch, f"{micro_batches} micro-batch(es) in one batch")]
+        runs = [(run, batch, "the run's first batch", target),
+                (RunSpec(), plain_batch, f"{micro_batches} micro-batch(es) in one batch", target)]
         if micro_batches > 1:
             # NOTE: the window in one batch prices what accumulation saves too; plain fp32 at the run's own
             # micro-batch prices the other techniques alone (both are shown, each labelled)
-            runs.append((RunSpec(), _fp32_batch(trainer, batch), "one micro-batch, as the run"))
-        for spec, data, what in runs:
+            runs.append((RunSpec(), _fp32_batch(trainer, batch), "one micro-batch, as the run", target))
+        if self.gpu_precision:
+            runs += [(dataclasses.replace(run, precision=self.gpu_precision), batch, "the run's first batch", "cuda"),
+                     (RunSpec(), plain_batch, f"{micro_batches} micro-batch(es) in one batch", "cuda")]
+        for spec, data, what, where in runs:
             try:
-                est = dry_run(pl_module, batch=data, run=spec, target=target, upcast_half=upcast)
+                est = dry_run(pl_module, batch=data, run=spec, target=where, upcast_half=upcast)
             except Exception as err:  # noqa: BLE001 - a failed prediction must not fail a finished fit; it is reported
                 rank_zero_warn(f"MemoryReport: no prediction of {spec.describe()} ({type(err).__name__}: {err}).")
                 out.append({"error": f"{type(err).__name__}: {err}", "run": spec.describe()})
                 continue
             out.append({**est.to_dict(), "batch": what})
-        if len(out) > 2:
+        gpu = {"run": out[-2], "plain_fp32": out[-1]} if self.gpu_precision else None
+        if micro_batches > 1:
             out[1]["same_micro_batch"] = out[2]
-        return out[0], out[1]
+        return out[0], out[1], gpu
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -15,8 +15,9 @@ _MAX_TIMELINE_POINTS = 2000
 
 
 def table(steps: list[dict[str, Any]], predicted: dict[str, Any] | None, baseline: dict[str, Any] | None,
-          phases: bool) -> str:
-    """The measured step with the highest device peak, the prediction of the same run and the plain baseline."""
+          phases: bool, gpu: dict[str, Any] | None = None) -> str:
+    """The measured step with the highest device peak, the prediction of the same run and the plain baseline (and
+    both predicted on a GPU, with ``gpu``)."""
     worst = max(steps, key=lambda r: r["peak_bytes"])
     cols = ["", "device peak", *CATEGORIES, "host peak"]
     rows: list[list[str]] = []
@@ -43,6 +44,12 @@ def table(steps: list[dict[str, Any]], predicted: dict[str, Any] | None, baselin
         estimate_rows("predicted", predicted)
     if baseline and "phases" in baseline:
         estimate_rows("plain fp32", baseline)
+    gpu_run, gpu_plain = (gpu or {}).get("run"), (gpu or {}).get("plain_fp32")
+    for label, est in ((f"GPU {(gpu_run or {}).get('run', {}).get('precision', '')}", gpu_run),
+                       ("GPU plain fp32", gpu_plain)):
+        if est and "phases" in est:
+            binding = est["binding_phase"]
+            rows.append(row(f"{label} step peak ({binding})", est["phases"][binding]["device"], est["peak_host"]))
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [cols, *rows]]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -83,6 +90,13 @@ def table(steps: list[dict[str, Any]], predicted: dict[str, Any] | None, baselin
                 f"{fmt_mib(plain_micro)}: saving of the techniques at the same micro-batch {fmt_mib(saving)} "
                 f"({100 * saving / plain_micro:.1f} %); the rest of the saving above is accumulation's."
             )
+    if gpu_run and gpu_plain and "phases" in gpu_run and "phases" in gpu_plain:
+        saving = gpu_plain["peak_device"] - gpu_run["peak_device"]
+        tail.append(f"On a GPU (dry runs, CUDA target, uncalibrated): this recipe at {gpu_run['run']['precision']} "
+                    f"{fmt_mib(gpu_run['peak_device'])} against plain fp32 {fmt_mib(gpu_plain['peak_device'])} "
+                    f"({gpu_plain['batch']}): saving {fmt_mib(saving)} ({100 * saving / gpu_plain['peak_device']:.1f} %).")
+    elif gpu is not None:
+        tail.append(f"On a GPU: not available ({(gpu_run or {}).get('error') or (gpu_plain or {}).get('error')}).")
     if worst["cuda_max_allocated"] is not None:
         tail.append(f"CUDA over the step: max allocated {fmt_mib(worst['cuda_max_allocated'])}, "
                     f"max reserved {fmt_mib(worst['cuda_max_reserved'])}.")

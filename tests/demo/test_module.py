@@ -47,6 +47,28 @@ def test_from_pretrained_local_directory(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_a_saved_model_fine_tunes_in_train_mode(tmp_path):
+    """Issue 48 item 8: ``from_pretrained`` returns the model in eval mode; Lightning keeps each module's mode, so the
+    fine-tune ran with dropout off ("Found 60 module(s) in eval mode")."""
+    tiny_gpt2(dropout=0.1).save_pretrained(tmp_path)
+    module = CausalLMModule(pretrained_path=str(tmp_path))
+    assert all(m.training for m in module.modules())
+
+
+def test_a_saved_vocabulary_smaller_than_the_datas_is_refused_at_setup(tmp_path):
+    """Issue 48 item 8: a model saved with 256 token ids on the byte tokenizer's 258 crashed mid-run with an
+    IndexError (the first batch holding an end-of-text id); refused before the first step, naming both sizes."""
+    from lightning_lowmem.demo.data import StdlibTextDataModule
+
+    tiny_gpt2(vocab_size=256).save_pretrained(tmp_path)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"gives 258 token ids, but the model embeds 256 \(its `vocab_size`\).*"
+                                         r"resize_token_embeddings\(258\)"):
+        trainer.fit(CausalLMModule(pretrained_path=str(tmp_path)),
+                    datamodule=StdlibTextDataModule(seq_len=16, batch_size=2, max_bytes=5000))
+
+
 def test_bad_model_inputs():
     with pytest.raises(ValueError, match=r"Passed `model_type='t5'`.*causal LM"):
         build_causal_lm("t5", {})

@@ -93,9 +93,11 @@ def test_a_technique_that_refuses_the_module_is_traced_once_per_base():
     # the classifier steps SGD, which LowBitOptimizer refuses: its other 8-bit candidates are ruled out untraced
     from tests.helpers.foreign import make
 
-    p = plan(make("classifier"), device_memory="1GB", bases=("fp32",), target="cpu")
-    eight_bit = [r for r in p.rows if r.recipe.optimizer_8bit and r.status != "not traced"]
-    assert p.traces == 2 and not p.chosen.recipe.optimizer_8bit and p.chosen.status == "fits"
+    # 8-bit AdamW listed first (allowed, preferred): refused once, the module's own optimizer planned after it
+    p = plan(make("classifier"), device_memory="1GB", bases=("fp32",), target="cpu", hardware="rtx3060-12gb",
+             optimizers=("adamw8bit", "adamw"))
+    eight_bit = [r for r in p.rows if r.recipe.optimizer == "adamw8bit" and r.status != "not traced"]
+    assert p.chosen.recipe.optimizer is None and p.chosen.status == "fits"
     assert len(eight_bit) > 1 and all(r.status == "refused" for r in eight_bit)
     assert sum(r.estimate is None and "refused this module" in r.why for r in eight_bit) == len(eight_bit) - 1
 
@@ -164,7 +166,7 @@ def test_lowmem_plan_writes_a_yaml_that_lowmem_fit_runs(tmp_path, capsys):
 
 
 def test_a_yamls_effective_batch_and_loss_normalisation_are_kept():
-    """configs/demo.yaml: effective batch 16 from micro-batches of 4, token-mean loss: every candidate keeps both."""
+    """configs/demo.yaml: effective batch 8 from micro-batches of 4, token-mean loss: every candidate keeps both."""
     from pathlib import Path
 
     from lightning_lowmem.plan.recipes import Recipe
@@ -172,12 +174,12 @@ def test_a_yamls_effective_batch_and_loss_normalisation_are_kept():
 
     problems: list[str] = []
     source = _Source.of(str(Path(__file__).parents[2] / "configs" / "demo.yaml"), None, None, None, problems)
-    assert not problems and (source.batch_size, source.loader_batch) == (16, 4)
+    assert not problems and (source.batch_size, source.loader_batch) == (8, 4)
     assert source.scheduler["loss_normalization"] == "tokens"
-    for micro in (16, 2):
+    for micro in (8, 2):
         run = Recipe("offload", micro, "all").run(source.batch_size, "bf16", source.loader_batch, source.scheduler)
         (scheduler,) = [c for c in run.callbacks if type(c).__name__ == "AccumulationScheduler"]
-        assert (scheduler.effective_batch_size, scheduler.micro_batch_size) == (16, micro)
+        assert (scheduler.effective_batch_size, scheduler.micro_batch_size) == (8, micro)
         assert scheduler.loss_normalization == "tokens"
 
 
@@ -192,3 +194,138 @@ def test_lowmem_plan_of_a_module_class_fed_by_a_data_module(capsys):
     assert printed.startswith("tests.memory._modules.AutoEncoder on tests.memory._modules.Images;")
     expected = plan(AutoEncoder, data=Images(batch_size=8), device_memory="1GB", target="cpu").summary()
     assert expected in printed.splitlines()
+
+
+NEWCOMER = '''
+import lightning as L
+import torch
+from torch import nn
+
+
+class NewcomerGPT(L.LightningModule):
+    """A module of one's own: its own data, no data module, no init arguments."""
+
+    def __init__(self, vocab: int = 64, width: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(width, 2, 64, batch_first=True) for _ in range(2)])
+        self.batch_size = 8
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch[0])
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        ids = torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(0))
+        data = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+'''
+
+
+def test_a_plan_of_ones_own_module_writes_its_model(tmp_path, monkeypatch, capsys):
+    """Issue 48 item 3: `lowmem plan --model my_module.MyGPT --write plan12.yaml` wrote no `model:` section, so the
+    `lowmem fit --config plan12.yaml` it printed failed with "the following arguments are required: fit.model"."""
+    import yaml
+
+    from lightning_lowmem.cli import main
+
+    (tmp_path / "newcomer_gpt.py").write_text(NEWCOMER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--model", "newcomer_gpt.NewcomerGPT", "--device-memory", "1GB", "--hardware",
+                 "rtx3060-12gb", "--target", "cpu", "--write", "plan12.yaml"]) == 0
+    assert "wrote plan12.yaml: run it with `lowmem fit --config plan12.yaml`" in capsys.readouterr().out
+    written = yaml.safe_load((tmp_path / "plan12.yaml").read_text())
+    assert written["model"] == {"class_path": "newcomer_gpt.NewcomerGPT", "init_args": {"vocab": 64, "width": 32}} \
+        or written["model"] == {"class_path": "newcomer_gpt.NewcomerGPT"}
+    assert main(["fit", "--config", "plan12.yaml", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu",
+                 "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]) == 0
+
+
+def test_the_optimizer_is_never_changed_unasked():
+    """Issue 48 item 4: both budgets chose "bf16-mixed + 8-bit AdamW" for a module whose fp32 AdamW fits; 8-bit AdamW
+    is another optimizer, planned only where the user lists it."""
+    p, _ = _plan("gpt2", 10**9)
+    assert not any(r.recipe.optimizer for r in p.rows) and p.chosen.recipe.optimizer is None
+
+
+def test_planning_a_cpu_yaml_targets_the_cpu_as_estimate_does(tmp_path):
+    """Issue 48 item 4: `lowmem plan` of a CPU YAML planned for CUDA while `lowmem estimate` of it predicted the CPU;
+    both take the YAML's `trainer.accelerator` now, and the plan says so. A CPU is priced at its measured rates."""
+    from tests.test_estimate_cli import YAML
+
+    path = tmp_path / "run.yaml"
+    path.write_text(YAML)
+    p = plan(str(path), device_memory="1GB", bases=("fp32",))
+    assert p.notes[0].endswith("dry runs (cpu target, from the YAML's trainer.accelerator: cpu), "
+                               f"{len(p.rows)} candidates")
+    assert p.hardware.name == "measured-host" and p.chosen.estimate.target == "cpu"
+    assert "cuda target" in plan(str(path), device_memory="1GB", bases=("fp32",), target="cuda").notes[0]
+
+
+def _lstm_and_data(refuse_half: bool = False):
+    from tests.memory._modules import Recurrent, make
+
+    class HalfRefusing(Recurrent):
+        """A CPU whose LSTM kernel refuses half precision (oneDNN without AVX-512 BF16 on bf16, most CPUs on fp16)."""
+
+        def training_step(self, batch, batch_idx):
+            if torch.is_autocast_enabled("cpu") or self.rnn.weight_ih_l0.dtype != torch.float32:
+                raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+            return super().training_step(batch, batch_idx)
+
+    module, (x, y, lengths) = make("lstm")
+    if refuse_half:
+        module = HalfRefusing()
+    return module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, lengths), batch_size=8)
+
+
+def test_a_candidate_this_cpu_cannot_run_is_dropped_and_the_plan_goes_on():
+    """Issue 47 item 3: `AutoStrategy` crashed pricing a bf16-mixed LSTM candidate on a CPU whose kernel refuses bf16
+    ("could not create a primitive descriptor for the LSTM forward propagation primitive") where fp32 fits: the
+    candidate is dropped with its reason, the plan goes on."""
+    module, data = _lstm_and_data(refuse_half=True)
+    p = plan(module, data=data, device_memory="256MB", host_memory="4GB", target="cpu", hardware="rtx3060-12gb",
+             bases=("fp32", "mixed"))
+    traced = [r for r in p.rows if r.recipe.base == "mixed" and r.status != "not traced"]
+    assert traced and all(r.status == "refused" for r in traced)
+    assert any(r.why == "cannot run: RuntimeError: could not create a primitive descriptor for the LSTM forward "
+                        "propagation primitive" for r in traced)
+    assert p.chosen.recipe.base == "fp32" and p.chosen.status == "fits"
+
+
+def test_a_real_cpu_kernel_refusing_the_inputs_is_a_dry_run_refusal():
+    """The dry run asks oneDNN's LSTM for its workspace size by running it: where this CPU's kernel refuses the
+    dtype, the run itself would fail the same way: a refusal naming it, not a crash inside the probe."""
+    from lightning_lowmem.predict.fake import DryRunUnsupportedError
+    from lightning_lowmem.predict.kernels import KernelMatch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive. Run "
+                           "workload with environment variable ONEDNN_VERBOSE=all")
+
+    match = KernelMatch(lambda op, detail: DryRunUnsupportedError(op, detail, None))
+    with pytest.raises(DryRunUnsupportedError, match=r"this CPU's kernel refuses these inputs \(could not create a "
+                                                     r"primitive descriptor for the LSTM forward propagation primitive\)"):
+        match._real(broken, (torch.zeros(2),), {}, match.refuse)
+
+
+def test_lowmem_auto_on_a_cpu_logs_the_dropped_candidates_and_this_machines_rates(caplog):
+    import logging
+
+    module, data = _lstm_and_data(refuse_half=True)
+    auto = AutoStrategy(device_budget="256MB", host_budget="4GB")
+    trainer = L.Trainer(strategy=auto, accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(module, train_dataloaders=data)
+    text = caplog.text
+    assert "lowmem_auto: chosen:" in text and "on measured-host" in text and "rtx3060" not in text
+    assert "dropped" in text and "cannot run: RuntimeError: could not create a primitive descriptor" in text
+    assert trainer.global_step == 1

@@ -25,7 +25,7 @@ def test_candidates_leave_out_pairs_the_real_run_refuses():
     assert all(r.conflict(4) is None for r in recipes)
     assert not any(r.base == "offload_obw" and r.micro_batch_size != 4 for r in recipes)
     assert not any(r.base == "zero3_offload" and r.chunked_loss for r in recipes)
-    assert not any(r.base.startswith("zero") and (r.activation_offload or r.optimizer_8bit) for r in recipes)
+    assert not any(r.base.startswith("zero") and r.activation_offload for r in recipes)
     # checkpointing composes with ZeRO (per-block policies): the ZeRO candidates carry it too
     assert {r.checkpointing for r in recipes if r.base.startswith("zero")} == {None, "every_n", "all"}
     assert not any(r.base == "half" for r in recipes)
@@ -33,6 +33,18 @@ def test_candidates_leave_out_pairs_the_real_run_refuses():
     # a technique the user fixed is never added by the plan
     assert not any(r.checkpointing for r in candidates(4, checkpointing=False))
     assert {r.micro_batch_size for r in candidates(4, micro=False)} == {4}
+
+
+def test_the_optimizer_is_changed_only_where_allowed():
+    """Issue 48: 8-bit AdamW trains with other maths than the module's AdamW; like a lean optimizer, it is a candidate
+    only where the user lists it (``optimizers``), and never on DeepSpeed (its engine builds its own optimizer) or with
+    the optimizer in backward (its own per-parameter AdamW)."""
+    assert {r.optimizer for r in candidates(4)} == {None}
+    allowed = candidates(4, optimizers=(None, "adamw8bit"))
+    eight_bit = [r for r in allowed if r.optimizer == "adamw8bit"]
+    assert eight_bit and not any(r.base.startswith("zero") or r.base == "offload_obw" for r in eight_bit)
+    assert Recipe("offload", 4, optimizer="adamw8bit").name() == "lowmem_offload + 8-bit AdamW, micro 4"
+    assert Recipe("offload", 4, optimizer="adamw8bit").training_name == "full fine-tune with 8-bit AdamW"
 
 
 def test_saves_at_least_is_the_order_of_techniques():
@@ -44,11 +56,11 @@ def test_saves_at_least_is_the_order_of_techniques():
 
 
 def test_recipe_becomes_the_run_the_trainer_gets():
-    run = Recipe("offload", 2, "all", chunked_loss=True, optimizer_8bit=True).run(batch_size=8)
+    run = Recipe("offload", 2, "all", chunked_loss=True, optimizer="adamw8bit").run(batch_size=8)
     names = [type(c).__name__ for c in run.callbacks]
     assert run.precision == "bf16-true" and type(run.strategy).__name__ == "OffloadStrategy"
-    assert names == ["ActivationCheckpointing", "AccumulationScheduler", "ChunkedLMLoss", "LowBitOptimizer"]
-    sched = run.callbacks[1]
+    assert names == ["AccumulationScheduler", "ActivationCheckpointing", "ChunkedLMLoss", "LowBitOptimizer"]
+    sched = run.callbacks[0]
     assert (sched.effective_batch_size, sched.micro_batch_size) == (8, 2)
     assert Recipe("mixed", 8).run(8, half="16").precision == "16-mixed"
     assert Recipe("zero3_offload", 8).run(8).strategy == "lowmem_zero3_offload"
@@ -65,7 +77,7 @@ def test_cost_counts_recompute_transfers_and_the_host_step():
     micro = step_cost(Recipe("offload", 1), XL, 4, CARD)
     assert micro.link_bytes == pytest.approx(5 * 2 * XL.num_params)  # gradients leave once per micro-batch
     assert step_cost(Recipe("offload", 4, "all", activation_offload=True), XL, 4, CARD).link_s > ckpt.link_s
-    assert step_cost(Recipe("offload", 4, optimizer_8bit=True), XL, 4, CARD).host_optimizer_s < base.host_optimizer_s
+    assert step_cost(Recipe("offload", 4, optimizer="adamw8bit"), XL, 4, CARD).host_optimizer_s < base.host_optimizer_s
     # the optimizer in backward hides the host step behind backward
     assert step_cost(Recipe("offload_obw", 4), XL, 4, CARD).total_s < base.total_s
     # resident fp32 states: no host step, no link
