@@ -32,20 +32,11 @@ Example:
     >>> sorted(tracker.report())                 # everything above as a JSON-able dict
     ['device', 'live_at_end', 'peak', 'peak_bytes', 'peak_bytes_host', 'peak_phase', 'phases']
 
-The rest of the API:
-
-* ``tracker.track(batch, category="other")``: count tensors created before ``with tracker:`` (the batch).
-* ``tracker.set_phase(name | None)``: switch phase from hooks (a Lightning callback) instead of a ``with`` block.
-  A name may repeat (accumulation); its peak is the maximum over the repetitions.
-* ``tracker.breakdown()``: live bytes now (after exit: at exit) as a ``MemoryBreakdown``;
-  ``tracker.peak_breakdown()``: at the device peak (device) and at the host peak (host);
-  ``tracker.peak_phase``: where the device peak happened; ``tracker.live_bytes(role)``; ``tracker.num_ops``.
-* ``MemoryTracker(..., timeline=True)`` then ``tracker.timeline()``: bytes by category after every change.
-* ``peaks[name]`` is a :class:`PhasePeak`: ``total``/``by_category`` (device role), ``host_total``/
-  ``host_by_category``, and on CUDA ``cuda_max_allocated``/``cuda_max_reserved``.
-* :class:`~lightning_lowmem.measure.cuda_peak.CudaPeakWindow` and
-  :func:`~lightning_lowmem.measure.cuda_peak.reset_cuda_peak_stats` (re-exported here): CUDA peaks that several
-  consumers can read.
+The rest of the API (see each method): ``track`` (tensors made before ``with tracker:``, the batch), ``set_phase``
+(phases from hooks; a name may repeat, its peak is the maximum), ``set_window``, ``breakdown``, ``peak_breakdown``,
+``live_bytes``, ``num_ops``, ``timeline()`` (with ``timeline=True``), ``peaks[name]`` (a :class:`PhasePeak`);
+``CudaPeakWindow`` and ``reset_cuda_peak_stats`` (:mod:`~lightning_lowmem.measure.cuda_peak`, re-exported here): CUDA
+peaks that several consumers can read.
 
 Under a fake mode, enter the tracker *inside* it (``with FakeTensorMode(): ... with tracker: ...``):
 a dispatch mode only sees the ops of the modes entered after it.
@@ -101,6 +92,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -108,11 +100,9 @@ from typing_extensions import Self, override
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core import accounting as _cat
-from lightning_lowmem.core.accounting import CATEGORIES
+from lightning_lowmem.core.accounting import CATEGORIES, ROLES, MemoryBreakdown, Role
 from lightning_lowmem.core.tensors import tensors_in
 from lightning_lowmem.measure.cuda_peak import CudaPeaks, CudaPeakWindow, reset_cuda_peak_stats
-from lightning_lowmem.measure.ledger import _A, _DEV, _G, _HOST, _O, _W, _X, StorageLedger, _Snap, _storage
-from lightning_lowmem.measure.readings import PhasePeak, TrackerReadings
 
 __all__ = [
     "CudaPeakWindow",
@@ -125,6 +115,9 @@ __all__ = [
 _FORWARD = "forward"
 _BACKWARD = "backward"
 _OPTIMIZER = "optimizer"
+_W, _G, _O, _A, _X = range(5)  # indices into CATEGORIES: weights, gradients, optimizer_state, activations, other
+_DEV, _HOST = 0, 1  # indices into ROLES
+_CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
 
 
 class _Mode(torch_internals.TorchDispatchMode):
@@ -185,8 +178,74 @@ def _exit_mode(mode: torch_internals.TorchDispatchMode, exc: tuple[Any, ...]) ->
         torch_internals.push_dispatch_mode(m)
 
 
-class MemoryTracker(TrackerReadings, StorageLedger):
+class _Snap:
+    """Bytes by category at the moment a role's total was highest (within a scope: overall, one phase, one window)."""
+
+    __slots__ = ("cats", "phase", "seq", "total")
+
+    def __init__(self) -> None:
+        self.seq = -1
+        self.total = -1
+        self.cats = [0, 0, 0, 0, 0]
+        self.phase: str | None = None
+
+
+class _Rec:
+    """One tracked storage: its bytes, category, role, creation sequence number and forward epoch."""
+
+    __slots__ = ("cat", "fwd", "nbytes", "ref", "role", "seq")
+
+    def __init__(self, nbytes: int, cat: int, role: int, seq: int, fwd: int) -> None:
+        self.nbytes = nbytes
+        self.cat = cat
+        self.role = role
+        self.seq = seq
+        self.fwd = fwd  # forward-phase epoch that created it (0: not created in forward)
+        self.ref: weakref.ref | None = None
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if torch_internals.inner_tensors(t) is not None:  # NOTE: a wrapper's storage holds nothing; its inner tensors count
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some wrapper subclasses
+        return None
+
+
+@dataclass
+class PhasePeak:
+    """The peak of one phase (the maximum over all its repetitions, e.g. accumulation micro-batches).
+
+    ``total``/``by_category`` are the device role at the moment the device-role bytes were highest;
+    ``host_total``/``host_by_category`` the host role at the moment the host-role bytes were highest.
+    ``cuda_max_allocated``/``cuda_max_reserved`` are CUDA's own peaks over the phase (None off CUDA).
+    """
+
+    name: str
+    total: int = 0
+    by_category: dict[str, int] = field(default_factory=_cat._zeros)
+    host_total: int = 0
+    host_by_category: dict[str, int] = field(default_factory=_cat._zeros)
+    cuda_max_allocated: int | None = None
+    cuda_max_reserved: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": {**self.by_category, "total": self.total},
+            "host": {**self.host_by_category, "total": self.host_total},
+            "cuda_max_allocated": self.cuda_max_allocated,
+            "cuda_max_reserved": self.cuda_max_reserved,
+        }
+
+
+class MemoryTracker:
     """Live tensor-storage bytes by phase, category and role, with peaks (see the module docstring).
+
+    One record per storage (bytes, category, role, when it was created, whether a forward created it), the live
+    bytes by role and category, and snapshots of the bytes by category at the highest moment of each scope
+    (overall, each phase, each window); re-tagging a storage moves its bytes in every snapshot taken while it was
+    alive.
 
     Args:
         module: the model whose parameters and buffers are ``weights`` (and their ``.grad``
@@ -235,9 +294,25 @@ class MemoryTracker(TrackerReadings, StorageLedger):
         self._reset()
 
     # --- state --------------------------------------------------------------------------------------
-    @override
     def _reset(self) -> None:
-        super()._reset()
+        self._recs: dict[int, _Rec] = {}
+        self._live = ([0] * 5, [0] * 5)
+        self._tot = [0, 0]
+        self._seq = 0
+        self._peak = (_Snap(), _Snap())
+        self._phase_snaps: dict[str, tuple[_Snap, _Snap]] = {}
+        self._phase: str | None = None
+        self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
+        self._win: tuple[_Snap, _Snap] | None = None  # the current window's snapshots (see `set_window`)
+        self._win_events: list[list[Any]] | None = None
+        #: ``{window: [[seq, device bytes by category, host bytes by category], ...]}`` (see `set_window`)
+        self.window_events: dict[str, list[list[Any]]] = {}
+        self._in_fwd = False
+        self._fwd_epoch = 0
+        self._host_keys: set[int] = set()
+        self._phase_order: list[str] = []
+        self._timeline: list[tuple[int, int, int, int, int, int, int]] = []
+        self._host_on_accel = self.device.type not in ("cpu", "meta")
         self._weight_keys: set[int] = set()
         self._host_refs: list[weakref.ref] = []
         self._handles: list[Any] = []
@@ -247,6 +322,139 @@ class MemoryTracker(TrackerReadings, StorageLedger):
         self._cuda_window: CudaPeakWindow | None = None
         self._cuda: dict[str, list[int]] = {}
         self._ops = 0
+
+    # --- the ledger: one record per storage, the hot path --------------------------------------------
+    def _see(self, t: torch.Tensor, mutates: bool = True) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        key = torch_internals.storage_key(st)
+        rec = self._recs.get(key)
+        if rec is not None:
+            if mutates:
+                n = self._nbytes(st, t)
+                if n != rec.nbytes:  # resize_, set_, out= variants
+                    self._resize(rec, n)
+            return
+        self._add(st, t, key, _A if self._in_fwd else _X)
+
+    def _nbytes(self, st: torch.UntypedStorage, t: torch.Tensor) -> int:
+        n = st.nbytes()
+        if self._host_on_accel and t.is_cuda and n % _CUDA_BLOCK:
+            n += _CUDA_BLOCK - n % _CUDA_BLOCK
+        return n
+
+    def _add(self, st: torch.UntypedStorage, t: torch.Tensor, key: int, cat: int) -> None:
+        n = self._nbytes(st, t)
+        role = _HOST if (key in self._host_keys or (self._host_on_accel and t.device.type == "cpu")) else _DEV
+        with self._lock:
+            self._seq += 1
+            rec = _Rec(n, cat, role, self._seq, self._fwd_epoch if cat == _A else 0)
+            rec.ref = weakref.ref(st, lambda _ref, key=key: self._free(key))
+            self._recs[key] = rec
+            if n:
+                self._live[role][cat] += n
+                self._tot[role] += n
+                self._update_peaks(role)
+
+    def _record_timeline(self) -> None:
+        d = self._live[_DEV]
+        self._timeline.append((len(self._phase_order) - 1, d[0], d[1], d[2], d[3], d[4], self._tot[_HOST]))
+
+    def _update_peaks(self, role: int) -> None:
+        total = self._tot[role]
+        if self._win_events is not None:
+            self._win_events.append([self._seq, self._live[_DEV].copy(), self._live[_HOST].copy()])
+        for snap in (self._peak[role], self._cur[role], *((self._win[role],) if self._win is not None else ())):
+            if total > snap.total:
+                snap.total = total
+                snap.cats = self._live[role].copy()
+                snap.seq = self._seq
+                snap.phase = self._phase
+        if self.timeline_enabled:
+            self._record_timeline()
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            rec = self._recs.pop(key, None)
+            # NOTE: a freed storage's key (its address) is reused by later storages: drop its host mark.
+            self._host_keys.discard(key)
+            if rec is None:
+                return
+            if rec.cat == _A and self._in_fwd and rec.fwd == self._fwd_epoch:
+                # NOTE: created and freed inside one forward: a temporary, not a saved activation.
+                self._retag(rec, _X, rec.role, retro=True)
+            self._live[rec.role][rec.cat] -= rec.nbytes
+            self._tot[rec.role] -= rec.nbytes
+            self._seq += 1
+            if self.timeline_enabled:
+                self._record_timeline()
+
+    def _resize(self, rec: _Rec, n: int) -> None:
+        with self._lock:
+            delta = n - rec.nbytes
+            rec.nbytes = n
+            self._live[rec.role][rec.cat] += delta
+            self._tot[rec.role] += delta
+            self._seq += 1
+            if delta > 0:
+                self._update_peaks(rec.role)
+
+    def _retag(self, rec: _Rec, cat: int, role: int, *, retro: bool) -> None:
+        """Move ``rec`` to ``(cat, role)``; with ``retro``, also in every peak snapshot taken while it was alive."""
+        if rec.cat == cat and rec.role == role:
+            return
+        with self._lock:
+            n = rec.nbytes
+            self._live[rec.role][rec.cat] -= n
+            self._tot[rec.role] -= n
+            self._live[role][cat] += n
+            self._tot[role] += n
+            if retro and n:
+                moved = role != rec.role
+                for snaps in (self._peak, *self._phase_snaps.values()):
+                    # NOTE: the record is alive now, so it was alive at every snapshot taken since its creation.
+                    old, new = snaps[rec.role], snaps[role]
+                    if old.seq >= rec.seq:
+                        old.cats[rec.cat] -= n
+                        if moved:
+                            old.total -= n
+                    if new.seq >= rec.seq:
+                        new.cats[cat] += n
+                        if moved:
+                            new.total += n
+                for events in self.window_events.values():  # NOTE: the same correction, event by event
+                    for event in events:
+                        if event[0] >= rec.seq:
+                            event[1 + rec.role][rec.cat] -= n
+                            event[1 + role][cat] += n
+            rec.cat, rec.role = cat, role
+            if cat != _A:
+                rec.fwd = 0
+            if self._tot[role] > self._cur[role].total or self._tot[role] > self._peak[role].total or (
+                self._win is not None and self._tot[role] > self._win[role].total
+            ):
+                self._update_peaks(role)
+
+    def _open(self, snaps: tuple[_Snap, _Snap]) -> None:
+        """A scope (phase or window) starts from what is live now."""
+        with self._lock:
+            self._seq += 1
+            for role in (_DEV, _HOST):
+                if self._tot[role] > snaps[role].total:
+                    snaps[role].total = self._tot[role]
+                    snaps[role].cats = self._live[role].copy()
+                    snaps[role].seq = self._seq
+                    snaps[role].phase = self._phase
+
+    def _best(self, role: int) -> _Snap:
+        # NOTE: a storage marked host after it was counted moves out of the device-role snapshots taken while it
+        # was alive, so the overall snapshot may no longer be the highest moment: take the best of all scopes.
+        best = self._peak[role]
+        for snaps in self._phase_snaps.values():
+            if snaps[role].total > best.total:
+                best = snaps[role]
+        return best
 
     # --- classification from the objects we know -----------------------------------------------------
     def _tag(self, t: torch.Tensor | None, cat: int, *, retro: bool = True) -> None:
@@ -284,25 +492,24 @@ class MemoryTracker(TrackerReadings, StorageLedger):
 
     def _scan_grads(self) -> None:
         """Re-tag gradients (at every phase boundary): catches ``.grad`` set outside autograd's accumulation."""
-        for p in self._params:
-            if p.grad is not None:
-                self._tag(p.grad, _G)
-        for p in self._extra_params:
-            if p.grad is not None:
-                self._tag(p.grad, _G)
+        for p in (*self._params, *self._extra_params):
+            self._on_grad(p)
 
     def _scan_optimizer(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
-                st = _storage(p)
-                if st is not None and torch_internals.storage_key(st) not in self._weight_keys:
+                if self._is_extra(p):
                     self._tag(p, _O)  # NOTE: a master copy the module does not hold (CPU-master strategies)
-                if p.grad is not None:
-                    self._tag(p.grad, _G)
+                self._on_grad(p)
         for state in opt.state.values():
             if isinstance(state, dict):
                 for value in _cat.state_tensors(state):
                     self._tag(value, _O)
+
+    def _is_extra(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` (an optimizer's parameter) is one the module does not hold."""
+        st = _storage(p)
+        return st is not None and torch_internals.storage_key(st) not in self._weight_keys
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:
@@ -361,13 +568,9 @@ class MemoryTracker(TrackerReadings, StorageLedger):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    st = _storage(p)
-                    if st is not None and torch_internals.storage_key(st) not in self._weight_keys:
-                        self._extra_params.append(p)
-                        if p.requires_grad:
-                            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            extra = [p for group in opt.param_groups for p in group["params"] if self._is_extra(p)]
+            self._extra_params += extra
+            self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in extra if p.requires_grad]
             self._handles.append(opt.register_step_post_hook(self._scan_optimizer))
         if self._cuda_enabled():
             self._cuda_window = CudaPeakWindow(self.device)
@@ -496,3 +699,81 @@ class MemoryTracker(TrackerReadings, StorageLedger):
         finally:
             if self._mode is not None and self._phase == name:
                 self.set_phase(None)
+
+    # --- readings ---------------------------------------------------------------------------------------
+    @property
+    def peak_bytes(self) -> int:
+        """The highest device-role live bytes seen while tracking."""
+        return max(self._best(_DEV).total, 0)
+
+    def peak_bytes_role(self, role: Role) -> int:
+        """The highest live bytes of ``role`` (``"device"`` or ``"host"``) seen while tracking."""
+        if role not in ROLES:
+            raise ValueError(f"Passed `role={role!r}`; expected one of {ROLES}.")
+        return max(self._best(ROLES.index(role)).total, 0)
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase in which the device-role peak happened (None: outside every phase)."""
+        return self._best(_DEV).phase
+
+    @property
+    def peaks(self) -> dict[str, PhasePeak]:
+        out = {}
+        for name, (dev, host) in self._phase_snaps.items():
+            cuda = self._cuda.get(name)
+            out[name] = PhasePeak(
+                name=name,
+                total=max(dev.total, 0),
+                by_category=dict(zip(CATEGORIES, dev.cats)),
+                host_total=max(host.total, 0),
+                host_by_category=dict(zip(CATEGORIES, host.cats)),
+                cuda_max_allocated=cuda[0] if cuda else None,
+                cuda_max_reserved=cuda[1] if cuda else None,
+            )
+        return out
+
+    def peak_breakdown(self) -> MemoryBreakdown:
+        """Bytes by category at the device-role peak (device) and at the host-role peak (host)."""
+        return MemoryBreakdown(
+            device=dict(zip(CATEGORIES, self._best(_DEV).cats)), host=dict(zip(CATEGORIES, self._best(_HOST).cats))
+        )
+
+    def breakdown(self) -> MemoryBreakdown:
+        """Live bytes by category and role now (after exit: at exit)."""
+        if self._mode is None and hasattr(self, "_final"):
+            return self._final
+        return MemoryBreakdown(device=dict(zip(CATEGORIES, self._live[_DEV])), host=dict(zip(CATEGORIES, self._live[_HOST])))
+
+    def live_bytes(self, role: Role = "device") -> int:
+        return self.breakdown().total(role)
+
+    @property
+    def num_ops(self) -> int:
+        """Aten ops seen while tracking."""
+        return self._ops
+
+    def timeline(self) -> dict[str, Any]:
+        """With ``timeline=True``: device-role bytes by category after every allocation and free.
+
+        Returns ``{"phases": [phase names], "phase": [index into phases per event],
+        "<category>": [bytes per event], ..., "host_total": [bytes per event]}``.
+        """
+        cols = list(zip(*self._timeline)) if self._timeline else [()] * 7
+        out: dict[str, Any] = {"phases": list(self._phase_order), "phase": list(cols[0])}
+        for i, cat in enumerate(CATEGORIES):
+            out[cat] = list(cols[i + 1])
+        out["host_total"] = list(cols[6])
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """A JSON-able summary: peaks (overall and per phase, both roles), the binding phase, live bytes."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_bytes_host": self.peak_bytes_role("host"),
+            "peak_phase": self.peak_phase,
+            "peak": self.peak_breakdown().to_dict(),
+            "phases": {name: p.to_dict() for name, p in self.peaks.items()},
+            "live_at_end": self.breakdown().to_dict(),
+            "device": str(self.device),
+        }
