@@ -62,14 +62,15 @@ def measure(name: str, scale: int, run_name: str) -> dict[str, Any]:
         row["bounds"] = len(predicted.get("bounds", []))
         row["corrections"] = "; ".join(n.split(":")[0] for n in predicted["notes"] if "fake kernel corrected" in n)
     # the same dry run with torch's fake kernels as shipped and no bounds for data-dependent ops
-    from lightning_lowmem.core.hooks import swapped
+    from unittest import mock
+
     from lightning_lowmem.predict import data_dependent as _data_dependent
     from lightning_lowmem.predict import kernels as _kernels
 
     fresh, batch = make(name, scale)
     try:
-        with (swapped(_kernels.KernelMatch, handles=staticmethod(lambda func: False)),
-              swapped(_data_dependent.DataDependent, handles=lambda self, func: False)):
+        with (mock.patch.object(_kernels.KernelMatch, "handles", staticmethod(lambda func: False)),
+              mock.patch.object(_data_dependent.DataDependent, "handles", lambda self, func: False)):
             est = dry_run(fresh, batch=batch, run=_runs()[run_name])
         row["uncorrected_MiB"] = est.peak_device / MiB
         row["uncorrected_error_%"] = round(100 * (est.peak_device / worst["peak_bytes"] - 1), 2)

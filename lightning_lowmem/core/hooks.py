@@ -1,10 +1,8 @@
 """How the suite reaches into the user's objects: the ``lightning`` vs ``pytorch_lightning`` boundary, a
-``training_step`` called as Lightning calls it, attributes swapped for a while."""
+``training_step`` called as Lightning calls it."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from lightning_lowmem._internals.twin import BUILDS, package_for, package_of
@@ -39,28 +37,3 @@ def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
     return (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def swapped(target: Any, **attributes: Any) -> Iterator[None]:
-    """Set ``attributes`` in ``target``'s own ``__dict__`` (an instance, a class or a module); put back what was there.
-
-    NOTE: restores the target's own previous entry rather than deleting ours, so nested swaps (a probe inside the
-    OOM splitter's capture, a side step inside a side step) each get back what they found.
-    """
-    own = vars(target)
-    previous = {name: own.get(name, _MISSING) for name in attributes}
-    for name, value in attributes.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is _MISSING:
-                with contextlib.suppress(AttributeError):
-                    delattr(target, name)
-            else:
-                setattr(target, name, value)

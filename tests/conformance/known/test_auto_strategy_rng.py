@@ -4,8 +4,8 @@ when the model draws random numbers whose values it reads (Hugging Face's LayerD
 Found by the conformance sweep (``hf_wav2vec2``: ``lowmem_auto`` chose bf16-mixed + 8-bit AdamW; every weight
 differs from that recipe run by hand; with ``layerdrop=0`` the two are bit-identical). Suspected cause: the planner's
 dry runs execute the module's forward at fit start, and a draw whose value is read (not a fake tensor's) advances the
-global torch RNG, so dropout and LayerDrop in training see other numbers. Fixed: ``AutoStrategy.connect`` plans under
-``forked_rng`` (CPU, device, Python's and NumPy's generators) and ``kept_state`` (buffers put back).
+global torch RNG, so dropout and LayerDrop in training see other numbers. Fixed: the dry run forks the global RNGs
+(CPU, device, Python's and NumPy's generators) and runs on a fake copy (the module's buffers untouched).
 """
 
 from __future__ import annotations
