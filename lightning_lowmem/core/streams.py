@@ -22,9 +22,7 @@ Use :func:`cpu_stand_in` to make the CPU path of both techniques use :class:`Def
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
-import threading
 import time
 import weakref
 from collections import deque
@@ -145,17 +143,6 @@ class CudaOps(StreamOps):
         tensor.record_stream(stream)
 
 
-def _locked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A method of :class:`DeferredOps` run under its lock (a host worker queues copies while the autograd thread does)."""
-
-    @functools.wraps(fn)
-    def run(self: DeferredOps, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return fn(self, *args, **kwargs)
-
-    return run
-
-
 class DeferredStream:
     """A side stream of :class:`DeferredOps`: a queue of copies (and waits on other streams) run in order."""
 
@@ -202,7 +189,7 @@ class DeferredOps(StreamOps):
             a reusable cached buffer, else new), :attr:`device_live` the buffers alive.
 
     ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` (host time spent doing the device's
-    copies) count what happened; :meth:`run_all` lands every copy.
+    copies) count what happened.
     """
 
     def __init__(self, progress: Progress = "run_ahead", *, seed: int = 0, pins: bool = True,
@@ -223,7 +210,6 @@ class DeferredOps(StreamOps):
         self.copies_run = 0
         self.most_in_flight = 0
         self.copy_seconds = 0.0
-        self._lock = threading.RLock()
 
     # -- streams and events ---------------------------------------------------------------------------------------
     @override
@@ -237,7 +223,6 @@ class DeferredOps(StreamOps):
         return _COMPUTE
 
     @override
-    @_locked
     def record_event(self, stream: DeferredStream) -> DeferredEvent:
         if stream is _COMPUTE:
             self.compute_issued += 1
@@ -247,7 +232,6 @@ class DeferredOps(StreamOps):
         return DeferredEvent(stream, stream.issued)
 
     @override
-    @_locked
     def query(self, event: DeferredEvent) -> bool:
         self._progress()
         if event.stream is _COMPUTE:
@@ -255,7 +239,6 @@ class DeferredOps(StreamOps):
         return event.stream is None or event.stream.done >= event.position
 
     @override
-    @_locked
     def synchronize(self, event: DeferredEvent) -> None:
         if event.stream is _COMPUTE:
             self.compute_done = max(self.compute_done, event.position)
@@ -263,18 +246,15 @@ class DeferredOps(StreamOps):
         self._host_waits(event.stream, event.position)
 
     @override
-    @_locked
     def wait_stream(self, waiter: DeferredStream, other: DeferredStream) -> None:
         self._wait(waiter, other, other.issued)
 
     @override
-    @_locked
     def wait_event(self, waiter: DeferredStream, event: DeferredEvent) -> None:
         if event.stream is not None:
             self._wait(waiter, event.stream, event.position)
 
     @override
-    @_locked
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """Nothing to do on the CPU (the queued copy holds its source); with ``device_lags``, a buffer of
         :meth:`to_device` read by the compute stream is reused only after the compute stream passes its free."""
@@ -287,7 +267,6 @@ class DeferredOps(StreamOps):
         return torch.empty(numel, dtype=dtype)
 
     @override
-    @_locked
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: DeferredStream) -> None:
         # NOTE: `src` is read when the copy runs, not now: a source changed in between is copied changed, as on a GPU.
         # The version counter of `dst` moves now, as a CUDA copy's does when it is queued (`.data`: not again later)
@@ -296,7 +275,6 @@ class DeferredOps(StreamOps):
         self._queue(stream, lambda: target.copy_(src))
 
     @override
-    @_locked
     def to_device(self, host: torch.Tensor, device: torch.device, stream: DeferredStream) -> torch.Tensor:
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
         if out.numel():
@@ -317,7 +295,6 @@ class DeferredOps(StreamOps):
         self.device_live += nbytes
         weakref.finalize(out, self._freed, id(out), nbytes)
 
-    @_locked
     def _freed(self, key: int, nbytes: int) -> None:
         # NOTE: freed now, but the compute kernels queued so far may still read it: with record_stream the allocator
         # hands it out again only after the compute stream passes an event recorded after this point.
@@ -327,15 +304,9 @@ class DeferredOps(StreamOps):
         self._cache.append((nbytes, self.compute_issued + 1 if used and self.device_lags else 0))
 
     # -- running the queues -----------------------------------------------------------------------------------------
-    @_locked
     def advance(self, stream: DeferredStream, n: int = 1) -> None:
         """Run the next ``n`` queued items of ``stream`` (a test landing copies by hand)."""
         self._run(stream, min(stream.issued, stream.done + n))
-
-    @_locked
-    def run_all(self) -> None:
-        for stream in self.streams:
-            self._run(stream, stream.issued)
 
     def in_flight(self) -> int:
         return sum(s.issued - s.done for s in self.streams)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
@@ -173,17 +172,6 @@ class ActivationOffload(Reproducible, Callback):
             before_host_alloc=self._watch_host_ram,
         )
 
-    @contextlib.contextmanager
-    def offloading(self, pl_module: pl.LightningModule, batch: Any) -> Iterator[None]:
-        """Offload the saved tensors of a forward run outside the training loop (``AccumulationScheduler``'s
-        micro-batch search measures its trial steps with this), building the engine if ``fit`` has not yet."""
-        if self.engine is None:
-            self.on_train_start(pl_module.trainer, pl_module)
-        engine = self._require_engine()
-        engine.begin_step([*pl_module.parameters(), *pl_module.buffers(), *tensors_in(batch)])
-        with engine.hooks():
-            yield
-
     def _make_copier(self, device: torch.device) -> SyncCopier:
         if device.type != "cuda":
             if self.pin_memory:
@@ -243,7 +231,7 @@ class ActivationOffload(Reproducible, Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.engine is not None and not self._stepped:
-            self.last_step = OffloadStats(**self.engine.stats.to_dict())
+            self.last_step = dataclasses.replace(self.engine.stats)
             self._stepped = True
 
     @override

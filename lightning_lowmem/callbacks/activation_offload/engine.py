@@ -61,9 +61,6 @@ class OffloadStats:
     host_bytes_peak: int = 0  # most bytes of host copies alive at once
     host_bytes_reserved: int = 0  # host RAM the copies hold from the OS (pinned: rounded, cached, never returned)
 
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
 
 class _StorageEntry:
     """One storage offloaded to the host, shared by every saved tensor that aliases it."""
