@@ -139,17 +139,17 @@ import sys, threading, time, warnings, psutil, torch, lightning as L
 warnings.filterwarnings("ignore")
 sys.path.insert(0, {str(ROOT)!r})
 from lightning_lowmem.demo.module import CausalLMModule
-from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
+from lightning_lowmem.strategies.zero import strategy as zero_strategy
 from lightning_lowmem.strategies.zero.host_bytes import zero_offload_host_bytes
 from tests.helpers.models import random_batch
 proc, rec, peak = psutil.Process(), {{}}, [0]
-original = ZeroStrategy._check_host_memory
-def check(self, optimizer):
+original = zero_strategy.check_zero_host_memory
+def check(strategy, optimizer):
     groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
-    rec["pred"] = sum(zero_offload_host_bytes(self.config, groups, world_size=1, cuda=False).values())
+    rec["pred"] = sum(zero_offload_host_bytes(strategy.config, groups, world_size=1, cuda=False).values())
     rec["rss0"] = proc.memory_info().rss
-    return original(self, optimizer)
-ZeroStrategy._check_host_memory = check
+    return original(strategy, optimizer)
+zero_strategy.check_zero_host_memory = check
 def sample():
     while True:
         peak[0] = max(peak[0], proc.memory_info().rss); time.sleep(0.002)

@@ -2,8 +2,7 @@
 
 ``strategy`` is the strategy; ``config`` builds the DeepSpeed config, ``checks`` refuses what it cannot run,
 ``checkpoint``/``checkpoint_engine``/``consolidation``/``resume`` write, read and convert its checkpoints,
-``host_bytes`` checks the host RAM, ``optim`` swaps in DeepSpeed's CPU Adam, ``skips`` and ``after_fit`` keep
-Lightning's semantics around the engine.
+``host_bytes`` checks the host RAM, ``optim`` swaps in DeepSpeed's CPU Adam, ``after_fit`` the weights after fit.
 """
 
 from lightning_lowmem.strategies.zero.consolidation import consolidate

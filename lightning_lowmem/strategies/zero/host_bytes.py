@@ -34,6 +34,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from lightning.pytorch.accelerators import CUDAAccelerator
+
 from lightning_lowmem.core import host_memory as _host_memory
 from lightning_lowmem.core.host_memory import pinned_bytes
 from lightning_lowmem.core.optimizer_state import expected_state_bytes
@@ -153,9 +155,6 @@ def check_zero_host_memory(strategy: Any, optimizer: Any) -> None:
     ``strategy`` is a ``ZeroStrategy`` before its engine exists; ``optimizer`` the one ``configure_optimizers``
     returned. Rank 0 decides for every process (broadcast), so that all of them stop and none waits in a collective.
     """
-    from lightning.pytorch.accelerators import CUDAAccelerator
-
-
     groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     # NOTE: the one optimizer-state table (DeepSpeedCPUAdam keeps Adam's two fp32 moments, its Adagrad and Lion one)
     per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))

@@ -14,10 +14,12 @@ import argparse
 import inspect
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
@@ -43,7 +45,6 @@ from lightning_lowmem.strategies.zero.after_fit import PartitionWarning, gather_
 from lightning_lowmem.strategies.zero.checks import batching_loader, loader_problem, module_problems, setup_problems
 from lightning_lowmem.strategies.zero.consolidation import consolidate  # noqa: F401 (re-exported)
 from lightning_lowmem.strategies.zero.host_bytes import check_zero_host_memory
-from lightning_lowmem.strategies.zero.skips import SkippedSteps
 
 if TYPE_CHECKING:
     import deepspeed
@@ -129,13 +130,12 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         require("deepspeed", _FEATURE)
-        problems = []
         flags = {"offload_optimizer": offload_optimizer, "offload_parameters": offload_parameters, "pin_memory": pin_memory,
                  "cpu_optimizer": cpu_optimizer, "check_host_memory": check_host_memory,
                  "gather_on_fit_end": gather_on_fit_end}
-        not_bool = [f"Passed `{k}={v!r}`; expected True or False." for k, v in flags.items() if not isinstance(v, bool)]
-        problems.extend(not_bool)
-        if isinstance(gather_on_fit_end, bool) and gather_on_fit_end and stage != 3:
+        problems = [f"Passed `{k}={v!r}`; expected True or False." for k, v in flags.items() if not isinstance(v, bool)]
+        bad_type = bool(problems)
+        if gather_on_fit_end is True and stage != 3:
             problems.append(
                 f"Passed `gather_on_fit_end=True` with `stage={stage}`; only stage 3 partitions the module's "
                 "parameters (remove it, or use stage=3)."
@@ -147,7 +147,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
         if offload_device not in ("cpu", "nvme"):
             problems.append(f"Passed `offload_device={offload_device!r}`; expected 'cpu' or 'nvme'.")
-        bad_type = bool(not_bool)
         if offload_parameters and stage != 3:
             problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
         unknown = set(kwargs) - _PASSTHROUGH
@@ -174,7 +173,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self._warning_filters: list[Any] = []
         self._partition_warning = PartitionWarning()
         self._batching_loader: type | None = None  # see `process_dataloader`
-        self._skips = SkippedSteps()
+        self._warned_skip = False
         self._user_config = zc.load_user_config(config)
         if config_problems := zc.config_problems(self._user_config):
             raise ValueError(f"ZeroStrategy(config=...): {' '.join(config_problems)}")
@@ -218,10 +217,14 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if self.config is not None and self.lightning_module is not None:
             # NOTE: the config was checked when it was formatted, before Lightning called `configure_model`: the
             # layers a module builds there (BatchNorm, compiled submodules) are checked now, before the engine
-            module_errors = module_problems(self, self.lightning_module, str(self.precision_plugin.precision), self.config)
-            if module_errors:
-                raise ValueError(f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(module_errors))
+            self._refuse(module_problems(self, self.lightning_module, str(self.precision_plugin.precision), self.config))
         super().setup(trainer)
+
+    def _refuse(self, problems: list[str | None]) -> None:
+        """One ``ValueError`` listing every problem (None entries are none)."""
+        problems = [p for p in problems if p is not None]
+        if problems:
+            raise ValueError(f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(problems))
 
     @override
     def on_train_end(self) -> None:
@@ -256,8 +259,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             return super().setup_distributed()
         # NOTE: `_validate_device_index_selection` fails on the CPU device's `None` index; the rest is kept.
-        from lightning.fabric.utilities.seed import reset_seed
-
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
@@ -377,9 +378,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         # NOTE: Lightning rebuilt the loader (its distributed sampler) before this hook: see `checks.loader_problem`
         if self._batching_loader is not None and isinstance(dataloader, self._batching_loader):
-            problem = loader_problem(dataloader)
-            if problem is not None:
-                raise ValueError(f"{type(self).__name__} cannot run this configuration:\n- {problem}")
+            self._refuse([loader_problem(dataloader)])
         return super().process_dataloader(dataloader)
 
     # ---- config: preset <- Trainer <- user JSON ------------------------------------------------------------
@@ -397,23 +396,13 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             gradient_clip_val=trainer.gradient_clip_val,
             precision=precision,
             micro_batch_size=_micro_batch_size(loader),
-            fp16={
-                "loss_scale": self.loss_scale,
-                "initial_scale_power": self.initial_scale_power,
-                "loss_scale_window": self.loss_scale_window,
-                "hysteresis": self.hysteresis,
-                "min_loss_scale": self.min_loss_scale,
-            },
+            fp16={k: getattr(self, k) for k in zc.FP16_REFERENCE},
         )
         errors, warnings = zc.conflicts(trainer_cfg, self._user_config, precision)
         merged = zc.merge(zc.merge(self.config, trainer_cfg), self._user_config)
         if not errors:
             zc.resolve_auto(merged, zc.hidden_size_of(self.lightning_module), self.world_size)
-        errors += setup_problems(self, trainer, precision, merged) + _preflight.checkpoint_dir_problems(trainer)
-        if errors:
-            raise ValueError(
-                f"{type(self).__name__} cannot run this configuration:\n- " + "\n- ".join(errors)
-            )
+        self._refuse(errors + setup_problems(self, trainer, precision, merged) + _preflight.checkpoint_dir_problems(trainer))
         for message in warnings:
             rank_zero_warn(f"{type(self).__name__}: {message}.")
         self.config.clear()
@@ -425,7 +414,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler_config = super()._init_optimizers()
         if self.check_host_memory:
-            self._check_host_memory(optimizer)  # NOTE: before DeepSpeedCPUAdam and the engine allocate anything
+            check_zero_host_memory(self, optimizer)  # NOTE: before DeepSpeedCPUAdam and the engine allocate anything
         if not (self._offload_optimizer and self._cpu_optimizer):
             return optimizer, scheduler_config
 
@@ -438,9 +427,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             if scheduler_config is not None:
                 repoint_scheduler(scheduler_config.scheduler, optimizer, cpu_optimizer)
         return cpu_optimizer, scheduler_config
-
-    def _check_host_memory(self, optimizer: Optimizer) -> None:
-        check_zero_host_memory(self, optimizer)
 
     #: A micro-batch's loss is divided by the accumulation once (by Lightning's loop), not again by DeepSpeed.
     loss_divided_once = True
@@ -464,9 +450,30 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        before = self._skips.count(self)
+        # NOTE: DeepSpeed skips a step whose gradients hold inf/nan (`engine.skipped_steps`); under fp16 its loss scaler
+        # logs it, under bf16 and fp32 nothing is said, and a run whose every step is skipped does not train. As under
+        # `lowmem_offload`, the count is logged as `lowmem/skipped_steps` and the first skip of a bf16/fp32 run warns.
+        engine = self.deepspeed_engine
+        before = int(getattr(engine, "skipped_steps", 0) or 0)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._skips.after_step(self, before, model or self.lightning_module)  # `lowmem/skipped_steps`, a warning
+        if engine is None:
+            return out
+        skipped, module = int(engine.skipped_steps or 0), model or self.lightning_module
+        trainer = lightning_internals.attached_trainer(module)
+        if skipped > before and not self._warned_skip and not engine.fp16_enabled():
+            self._warned_skip = True
+            warnings.warn(
+                f"ZeroStrategy: DeepSpeed skipped the optimizer step at global step "
+                f"{trainer.global_step if trainer is not None else '?'}: the gradients held inf/nan. The weights and "
+                "the optimizer state are unchanged. Skips are counted in `lowmem/skipped_steps`; this warning is shown "
+                "once. Look for the batch or loss that produced it (`Trainer(detect_anomaly=True)`), or lower the "
+                "learning rate if it keeps happening.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if trainer is not None and lightning_internals.current_hook(module) is not None:
+            # NOTE: only inside a loop hook (`optimizer_step`): `log` refuses elsewhere
+            module.log("lowmem/skipped_steps", float(skipped), on_step=True, on_epoch=False, batch_size=1)
         return out
 
 
