@@ -1,4 +1,6 @@
-"""The demo: steps per second and peak process memory, plain Lightning vs the demo config, side by side.
+"""The demo: steps per second and peak process memory, plain Lightning vs the demo config, side by side; and
+(``--make-demo``) what `make demo` costs end to end on this machine, at the precision its probe picks and at 32-true
+(the precision a CPU without native bf16 gets), with the machine's bf16 status.
 
 Each variant runs in its own process (so its peak RSS is its own), alternating A B A B for
 ``--rounds`` rounds. Peak RSS is read with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc otherwise keeps
@@ -73,12 +75,73 @@ def run(config: Path, extra: list[str], max_steps: int) -> dict:
     return json.loads(line[0][len("RESULT "):])
 
 
+def bf16_status() -> dict:
+    """The CPU's bf16 instructions (``/proc/cpuinfo``) and the probe's timed matmuls (one thread)."""
+    from lightning_lowmem.demo.probe import demo_precision
+
+    flags = set()
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    precision, why = demo_precision()
+    return {"avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags, "avx2": "avx2" in flags,
+            "probe": precision, "probe_says": why}
+
+
+def make_demo(config: Path, precision: str, threads: int | None) -> dict:
+    """`lowmem fit --config demo.yaml --trainer.precision P` in a child process: wall and CPU seconds (children's
+    rusage), the training's own time (LossLog's pace x steps), the loss's first and last value."""
+    import resource
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "lightning_lowmem.cli", "fit", "--config", str(config),
+                          f"--trainer.precision={precision}", "--trainer.default_root_dir=/tmp/lowmem-bench-demo"],
+                         check=False, env=env, capture_output=True, text=True, cwd="/tmp")
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if out.returncode:
+        raise RuntimeError(f"make demo at {precision} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    pace = float(steps[-1].split("  ")[-1].split(" s/step")[0])
+    losses = [line for line in out.stdout.splitlines() if line.startswith("train_loss ")]
+    return {"precision": precision, "threads": threads or "default", "wall_s": round(wall, 1),
+            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
+            "training_s": round(pace * int(steps[-1].split()[1].split("/")[0]), 1), "loss": losses[-1] if losses else "",
+            "report": next((line for line in out.stdout.splitlines() if line.startswith("On a GPU")), "")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--make-demo", action="store_true", help="time `make demo` end to end instead")
+    parser.add_argument("--threads", type=int, default=None, help="with --make-demo: OMP_NUM_THREADS of the child")
     args = parser.parse_args()
+    if args.make_demo:
+        status = bf16_status()
+        rows = [make_demo(Path(args.config), p, args.threads) for p in dict.fromkeys([status["probe"], "32-true"])]
+        native = status["avx512_bf16"] or status["amx_bf16"]
+        write_results(
+            "demo_time", rows, ["precision", "threads", "wall_s", "cpu_s", "training_s", "loss", "report"],
+            title="make demo end to end: the probe's precision and 32-true (a CPU without native bf16)",
+            notes=[(f"this CPU: avx512_bf16 {status['avx512_bf16']}, amx_bf16 {status['amx_bf16']}, avx2 "
+                   f"{status['avx2']}: {'native' if native else 'no native'} bf16; the probe: {status['probe_says']}"),
+                   ("training_s: LossLog's seconds per step x steps (the fit's loop, without start-up and the report); "
+                   "cpu_s: the child's user + system CPU seconds (start-up, training, the report's dry runs)."),
+                   ("32-true is what `make demo` trains at on a CPU that emulates bf16 (a bf16 matmul ~10x slower "
+                   "there): its training time here is an upper bound's stand-in only where this CPU's fp32 is "
+                   "no faster than that host's.")],
+            extra={"bf16": status})
+        return
     config = yaml.safe_load(Path(args.config).read_text())
     variants = {"plain Lightning": plain_overrides(config), "demo config": []}
     results: dict[str, list[dict]] = {name: [] for name in variants}

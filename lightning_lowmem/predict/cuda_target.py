@@ -29,7 +29,13 @@ CUDA_CONTEXT_BYTES = 512 * 2**20
 
 @contextlib.contextmanager
 def cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
-    """Trace CUDA's kernel choices on CPU: fused dropout with a 1-byte mask, SDPA with O(s) saved state."""
+    """Trace CUDA's kernel choices on CPU: fused dropout with a 1-byte mask, SDPA with O(s) saved state.
+
+    NOTE: a swap of two ``torch.nn.functional`` attributes for the CUDA-target trace, where a ``TorchFunctionMode``
+    is the seam both functions offer: autograd does not carry torch function modes into a checkpointed block's
+    recompute (``torch.utils.checkpoint``), which would take CPU's kernels there and save other tensors than the
+    forward did (``CheckpointError``; tried, with the same results without checkpointing).
+    """
     dropout, sdpa = F.dropout, F.scaled_dot_product_attention
 
     def cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:

@@ -73,10 +73,6 @@ from lightning_lowmem.predict.result import MemoryEstimate
 from lightning_lowmem.predict.run_spec import RunSpec, ZeroPlan
 
 
-class _StopBeforeEngine(Exception):
-    """Raised in place of DeepSpeed's engine set-up, once every callback has checked the run."""
-
-
 # --- data ------------------------------------------------------------------------------------------------------
 class _Repeat:
     """A loader that yields a copy of one batch ``n`` times (Lightning iterates any sized iterable).

@@ -352,11 +352,12 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
     # NOTE: deepcopy's memo is the seam: each parameter is entered with its fake before the copy (a parameter's
     # `__deepcopy__` consults no torch function mode), every other tensor is made fake by `_FakeCopies`, and a cut
     # model's block list is entered already cut
+    found = find_blocks(module) if blocks is not None else None
+    dropped = {id(p) for b in list(found[2])[blocks:] for p in b.parameters()} if found is not None else set()
     with _FakeCopies(fake_of):
         for _, p in module.named_parameters(remove_duplicate=False):
-            if id(p) not in memo:
+            if id(p) not in memo and id(p) not in dropped:  # NOTE: one tied to a kept part comes by `_FakeCopies`
                 memo[id(p)] = fake_of(p)
-        found = find_blocks(module) if blocks is not None else None
         if found is not None:
             kept = torch.nn.ModuleList([copy.deepcopy(b, memo) for b in list(found[2])[:blocks]])
             memo[id(found[2])] = kept

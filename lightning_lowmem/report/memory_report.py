@@ -19,7 +19,6 @@ from typing_extensions import override
 from lightning_lowmem.core.accounting import CATEGORIES
 from lightning_lowmem.core.atomic import atomic_write_text
 from lightning_lowmem.core.hooks import check_lightning_object
-from lightning_lowmem.core.units import fmt_mib
 from lightning_lowmem.measure.cuda_peak import CudaPeaks
 from lightning_lowmem.measure.recorder import PHASES, StepMemoryRecorder
 from lightning_lowmem.measure.tracker import MemoryTracker
@@ -228,7 +227,7 @@ class MemoryReport(StepMemoryRecorder):
             rank_zero_info("MemoryReport: predicting this run and plain fp32 training (dry runs on fake tensors)"
                            + (f", and both on a GPU at {self.gpu_precision}" if self.gpu_precision else "") + " ...")
             self.predicted, self.baseline, self.gpu = self._dry_runs(trainer, pl_module)
-        self.table = render.table(self.steps, self.predicted, self.baseline, self.phases, self.gpu) + _oom_line(trainer)
+        self.table = render.table(self.steps, self.predicted, self.baseline, self.phases, self.gpu)
         rank_zero_info(self.table)
         if self.save_dir is None:  # setup did not run for "fit" (hooks driven by hand)
             return
@@ -291,17 +290,6 @@ class MemoryReport(StepMemoryRecorder):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps = list(state_dict.get("steps", []))
-
-
-def _oom_line(trainer: pl.Trainer) -> str:
-    """One line on out-of-memory recoveries (``AccumulationScheduler(on_oom="split")``, ``OOMRecovery``), if any."""
-    for cb in trainer.callbacks:
-        recoveries = getattr(cb, "oom_recoveries", 0)
-        if recoveries:
-            freed = getattr(cb, "oom_bytes_freed", 0)
-            return (f"\nout-of-memory recoveries: {recoveries} (micro-batches split to {cb.oom_micro_batch}"
-                    + (f"; {fmt_mib(freed)} returned by empty_cache)" if freed else ")"))
-    return ""
 
 
 def _fp32_batch(trainer: pl.Trainer, batch: Any) -> Any:
