@@ -163,7 +163,7 @@ def test_a_full_disk_is_named_and_the_temp_file_removed(tmp_path):
     with pytest.raises(DiskFullError) as exc:
         _atomic.atomic_write(target, lambda f: torch.save({"w": torch.zeros(1 << 20)}, f), needed=4 << 20)
     message = str(exc.value)
-    assert message.startswith("No space left on ") and f"while writing '{target}' (needed ~4.0 MiB, free " in message
+    assert message.startswith("No space left on ") and f"while writing '{target}' (needed ~4.00 MiB, free " in message
     assert "unexpected pos" not in message and exc.value.errno == 28
     assert target.read_bytes() == b"previous checkpoint"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

@@ -95,7 +95,7 @@ def test_a_full_disk_during_a_save_is_named(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(1 << 18)}}, target)
     before = target.read_bytes()
     os.symlink("/dev/full", tmp_path / f".last.ckpt.tmp-{os.getpid()}")  # the kernel answers ENOSPC
-    with pytest.raises(DiskFullError, match=r"^No space left on .* while writing '.*last\.ckpt' \(needed ~4\.0 MiB"):
+    with pytest.raises(DiskFullError, match=r"^No space left on .* while writing '.*last\.ckpt' \(needed ~4\.00 MiB"):
         AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(1 << 20)}}, target)
     assert target.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 

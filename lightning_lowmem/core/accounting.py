@@ -9,7 +9,6 @@ tensors a technique keeps in the compute role.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -148,33 +147,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 # NOTE: on a CPU-only machine a tensor "offloaded to the host" lives in the same memory as one kept
 # in the compute role, so the device alone cannot tell the roles apart. Techniques that keep tensors
 # on the host (fp32 masters, host gradients, offloaded activations) mark them here, and trackers
-# count marked storages in the host role. Marks are weak: a freed tensor drops out by itself.
-_HOST_TENSORS: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
-
-
+# count marked storages in the host role. Marks are weak (by identity): a freed tensor drops out by itself.
+_HOST_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _HOST_LISTENERS: list[Callable[[torch.Tensor], None]] = []
-
-
-_MARKED: dict[int, weakref.ref] = {}  # id -> ref of every marked tensor, to make marking idempotent
-
-
-def _unmark(key: int, ref: weakref.ref) -> None:
-    """A marked tensor died: forget its id (unless the id already marks a newer tensor)."""
-    if _MARKED.get(key) is ref:
-        del _MARKED[key]
 
 
 def mark_host(*tensors: torch.Tensor) -> None:
     """Mark tensors as kept in the host role (their storage is counted on the host side). Idempotent."""
     for t in tensors:
-        if isinstance(t, torch.Tensor):
-            # NOTE: WeakSet.add compares two live refs to one tensor with Tensor.__eq__ (elementwise: "Boolean
-            # value of Tensor ... is ambiguous"), so a tensor already marked must not reach it again.
-            ref = _MARKED.get(id(t))
-            if ref is not None and ref() is t:
-                continue
-            _MARKED[id(t)] = weakref.ref(t, functools.partial(_unmark, id(t)))
-            _HOST_TENSORS.add(t)
+        if isinstance(t, torch.Tensor) and t not in _HOST_TENSORS:
+            _HOST_TENSORS[t] = True
             for listener in _HOST_LISTENERS:
                 listener(t)
 

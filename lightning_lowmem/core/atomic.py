@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import re
 import shutil
@@ -141,17 +142,12 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
-_LIBC: Any = None
-
-
+@functools.cache
 def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        except OSError:
-            _LIBC = False
-    return _LIBC or None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_lowmem.core.accounting import unique_storage_bytes
 from lightning_lowmem.core.tensors import tensors_in
+from lightning_lowmem.core.units import fmt_bytes
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -40,20 +41,17 @@ def full_disk_error(err: BaseException | None) -> OSError | None:
     return None
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+def _existing(path: str | os.PathLike) -> Path:
+    """``path``'s nearest existing ancestor (itself when it exists)."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
 
 
 def device_of(path: str | os.PathLike) -> str:
     """``/dev/sda1 (mounted at /data)`` for the filesystem holding ``path`` (its nearest existing ancestor)."""
-    p = Path(os.path.abspath(path))
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    mount = p
+    mount = _existing(path)
     while not os.path.ismount(mount) and mount != mount.parent:
         mount = mount.parent
     source = None
@@ -69,11 +67,8 @@ def device_of(path: str | os.PathLike) -> str:
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
-    p = Path(os.path.abspath(path))
-    while not p.exists() and p != p.parent:
-        p = p.parent
     try:
-        return shutil.disk_usage(p).free
+        return shutil.disk_usage(_existing(path)).free
     except OSError:
         return None
 
@@ -86,7 +81,7 @@ def disk_full_error(cause: OSError, path: str | os.PathLike, needed: int | None,
     free = free_bytes(path)
     what = "no space left on" if cause.errno == errno.ENOSPC else "the disk quota is exceeded on"
     amounts = ", ".join(
-        x for x in (f"needed ~{_size(needed)}" if needed else "", f"free {_size(free)}" if free is not None else "") if x
+        x for x in (f"needed ~{fmt_bytes(needed)}" if needed else "", f"free {fmt_bytes(free)}" if free is not None else "") if x
     )
     error = DiskFullError(
         cause.errno,

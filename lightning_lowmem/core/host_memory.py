@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from lightning_lowmem.core.units import fmt_bytes
+
 _UNLIMITED = 1 << 60  # cgroup v1 writes 0x7FFFFFFFFFFFF000 for "no limit"
 
 
@@ -85,24 +87,20 @@ def cgroup_limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/c
         hierarchy, _, rest = line.partition(":")
         controllers, _, relative = rest.partition(":")
         if hierarchy == "0" and controllers == "":  # cgroup v2 (unified)
-            dirs = [base / rel if rel else base for rel in _ancestors(relative)]
-            for d in dirs:
-                limit = _read_int(d / "memory.max")
-                if limit is None:
-                    continue
-                used = _read_int(d / "memory.current") or 0
-                used -= _stat_value(d / "memory.stat", "inactive_file")
-                out[f"cgroup v2 limit ({d / 'memory.max'} = {_fmt(limit)})"] = max(0, limit - max(0, used))
+            version, mount, limit_file, used_file, inactive = "v2", base, "memory.max", "memory.current", ("inactive_file",)
         elif "memory" in controllers.split(","):  # cgroup v1
-            mount = base / "memory" if (base / "memory").is_dir() else base
-            for rel in _ancestors(relative):
-                d = mount / rel if rel else mount
-                limit = _read_int(d / "memory.limit_in_bytes")
-                if limit is None:
-                    continue
-                used = _read_int(d / "memory.usage_in_bytes") or 0
-                used -= _stat_value(d / "memory.stat", "total_inactive_file", "inactive_file")
-                out[f"cgroup v1 limit ({d / 'memory.limit_in_bytes'} = {_fmt(limit)})"] = max(0, limit - max(0, used))
+            version, mount = "v1", base / "memory" if (base / "memory").is_dir() else base
+            limit_file, used_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+            inactive = ("total_inactive_file", "inactive_file")
+        else:
+            continue
+        for rel in _ancestors(relative):
+            d = mount / rel if rel else mount
+            limit = _read_int(d / limit_file)
+            if limit is None:
+                continue
+            used = (_read_int(d / used_file) or 0) - _stat_value(d / "memory.stat", *inactive)
+            out[f"cgroup {version} limit ({d / limit_file} = {fmt_bytes(limit)})"] = max(0, limit - max(0, used))
     return out
 
 
@@ -120,7 +118,7 @@ def rlimit_limits() -> dict[str, int]:
     ):
         soft, _ = resource.getrlimit(getattr(resource, name))
         if soft != resource.RLIM_INFINITY and soft > 0:
-            out[f"{name} (`ulimit -{flag}` = {_fmt(soft)} of {shell}, {_fmt(used)} in use)"] = max(0, soft - used)
+            out[f"{name} (`ulimit -{flag}` = {fmt_bytes(soft)} of {shell}, {fmt_bytes(used)} in use)"] = max(0, soft - used)
     return out
 
 
@@ -142,20 +140,12 @@ def check_host_memory(need: Mapping[str, int], *, who: str, fixes: Sequence[str]
     total = sum(need.values())
     host = available_host_memory()
     if total > host.available:
-        parts = ", ".join(f"{name} {_fmt(n)}" for name, n in need.items() if n)
+        parts = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in need.items() if n)
         raise HostMemoryError(
-            f"{who} needs {_fmt(total)} of host RAM ({parts}), but this process may allocate only "
-            f"{_fmt(host.available)}, limited by {host.limited_by}. Fix: " + "; or ".join(fixes) + "."
+            f"{who} needs {fmt_bytes(total)} of host RAM ({parts}), but this process may allocate only "
+            f"{fmt_bytes(host.available)}, limited by {host.limited_by}. Fix: " + "; or ".join(fixes) + "."
         )
     return host
-
-
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
 
 
 def pinned_bytes(nbytes: int, *, cuda: bool = True) -> int:

@@ -40,11 +40,14 @@ class SyncCopier:
 
     pin_memory = False
 
+    def empty_host(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8)
+
     def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        n, pin = src_bytes.numel(), self.pin_memory
-        host = host_buffer(lambda: torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin), n, pin)
-        host.copy_(src_bytes)
-        return host, None
+        """A new host buffer (:func:`host_buffer`) holding ``src_bytes``, and the copy's completion event."""
+        n = src_bytes.numel()
+        host = host_buffer(lambda: self.empty_host(n), n, self.pin_memory)
+        return host, self.to_host_into(src_bytes, host)
 
     def to_host_into(self, src_bytes: torch.Tensor, host: torch.Tensor) -> Any:
         """Copy ``src_bytes`` into ``host`` (a slice of an existing host copy); returns the completion event."""
@@ -75,20 +78,15 @@ class StreamCopier(SyncCopier):
         self.side = ops.side_stream()
 
     @override
-    def to_host(self, src_bytes: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        ops = self.ops
-        n = src_bytes.numel()
-        host = host_buffer(lambda: ops.empty_host(n, torch.uint8), n, ops.pins)
-        # NOTE: the source was written by kernels queued on the compute stream; without this wait the side
-        # stream could copy it before they ran (a read-before-write race).
-        ops.wait_stream(self.side, ops.compute_stream())
-        ops.copy(host, src_bytes, self.side)
-        return host, ops.record_event(self.side)
+    def empty_host(self, n: int) -> torch.Tensor:
+        return self.ops.empty_host(n, torch.uint8)
 
     @override
     def to_host_into(self, src_bytes: torch.Tensor, host: torch.Tensor) -> Any:
         ops = self.ops
-        ops.wait_stream(self.side, ops.compute_stream())  # NOTE: as in `to_host`: after the kernels that wrote it
+        # NOTE: the source was written by kernels queued on the compute stream; without this wait the side
+        # stream could copy it before they ran (a read-before-write race).
+        ops.wait_stream(self.side, ops.compute_stream())
         ops.copy(host, src_bytes, self.side)
         return ops.record_event(self.side)
 
