@@ -8,15 +8,15 @@ from typing import Any, Literal, get_args
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core.accounting import mark_host_state
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.optimizer_state import optimizer_family
 from lightning_lowmem.core.optional import require
 from lightning_lowmem.core.reproducible import Reproducible
-from lightning_lowmem.core.roles import HostMastersStrategy, LowBitOptimizerSwap
+from lightning_lowmem.core.roles import LowBitOptimizerSwap, module_param_of
 from lightning_lowmem.core.schedulers import repoint_scheduler
 
 Kind = Literal["adamw8bit", "paged_adamw8bit", "lion8bit", "adam8bit"]
@@ -124,8 +124,6 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         if stage != "fit":
             return
         require("bitsandbytes", f"LowBitOptimizer(kind={self.kind!r})")
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
         strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy):
             raise ValueError(  # noqa: TRY004  (a strategy this callback cannot work with, not a wrong argument type)
@@ -255,13 +253,6 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    if id(p) in embeddings or id(_module_param_of(pl_module, p)) in embeddings:
+                    if id(module_param_of(pl_module, p)) in embeddings:
                         manager.override_config(p, key_value_dict={"optim_bits": 32})
                         self._override_ids.append(id(p))
-
-
-def _module_param_of(pl_module: L.LightningModule, p: torch.Tensor) -> torch.Tensor | None:
-    trainer = lightning_internals.attached_trainer(pl_module)
-    strategy = trainer.strategy if trainer is not None else None
-    return strategy.master_of(p) if isinstance(strategy, HostMastersStrategy) else None
-

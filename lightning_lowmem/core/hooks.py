@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
 from lightning_lowmem._internals.twin import BUILDS, package_for, package_of
 
 
@@ -34,6 +36,4 @@ def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]
     NOTE: the same rule as Lightning's ``_build_kwargs`` (decorators unwrapped through ``__wrapped__``), so code
     that runs a module's step itself (trials, probes) calls it as the Trainer would.
     """
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
     return (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)

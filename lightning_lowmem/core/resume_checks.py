@@ -48,17 +48,6 @@ def expected_state_keys(optimizer: torch.optim.Optimizer) -> set[str] | None:
         return None
 
 
-def optimizer_mismatch(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, source: str) -> str | None:
-    """Why ``saved`` (one entry of a checkpoint's ``optimizer_states``) was not written by an optimizer like this one."""
-    keys = {str(k) for state in saved.get("state", {}).values() if isinstance(state, Mapping) for k in state}
-    if not keys:
-        return None
-    expected = expected_state_keys(optimizer)
-    if expected is None or (expected and not keys.isdisjoint(expected)):
-        return None
-    return mismatch_message(keys, optimizer, source, expected)
-
-
 def mismatch_message(keys: set[str], optimizer: Any, source: str, expected: set[str] | None = None,
                      err: BaseException | None = None, weights_only: str = _WEIGHTS_ONLY) -> str:
     family = next((f for k, f in _FAMILIES.items() if k in keys), "another optimizer")
@@ -74,25 +63,16 @@ def mismatch_message(keys: set[str], optimizer: Any, source: str, expected: set[
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], source: str) -> None:
-    """``optimizer.load_state_dict(saved)``, refusing (ValueError) a state another kind of optimizer wrote."""
-    problem = optimizer_mismatch(saved, optimizer, source)
-    if problem is not None:
-        raise ValueError(problem)
+    """``optimizer.load_state_dict(saved)`` (one entry of a checkpoint's ``optimizer_states``), refusing (ValueError)
+    a state another kind of optimizer wrote: its per-parameter keys are none of those this optimizer writes."""
+    keys = {str(k) for state in saved.get("state", {}).values() if isinstance(state, Mapping) for k in state}
+    expected = expected_state_keys(optimizer) if keys else None
+    if expected is not None and (not expected or keys.isdisjoint(expected)):
+        raise ValueError(mismatch_message(keys, optimizer, source, expected))
     try:
         optimizer.load_state_dict(saved)
     except (KeyError, TypeError) as err:  # NOTE: torch's own `ValueError`s (group counts) already say what differs
-        keys = {str(k) for state in saved.get("state", {}).values() if isinstance(state, Mapping) for k in state}
         raise ValueError(mismatch_message(keys, optimizer, source, err=err)) from err
-
-
-def model_mismatch(saved: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], source: str,
-                   hparams: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None] = (None, None)) -> str | None:
-    """Tensors whose shape differs between a checkpoint's ``state_dict`` and the model (``shapes``), named."""
-    diff = [(k, tuple(v.shape), tuple(shapes[k])) for k, v in saved.items()
-            if k in shapes and hasattr(v, "shape") and tuple(v.shape) != tuple(shapes[k])]
-    if not diff:
-        return None
-    return shape_message(diff, source, hparams)
 
 
 def shape_message(diff: Sequence[tuple[str, Sequence[int], Sequence[int]]], source: str,
@@ -133,10 +113,9 @@ def _changed(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None)
 
 def check_model(checkpoint: Mapping[str, Any], module: Any) -> None:
     """Refuse (ValueError) a checkpoint whose ``state_dict`` holds tensors of other shapes than ``module``'s."""
-    shapes = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
-    trainer = lightning_internals.attached_trainer(module)
-    saved_hparams = checkpoint.get("hyper_parameters")
-    problem = model_mismatch(checkpoint.get("state_dict", {}), shapes, where(trainer),
-                             (saved_hparams, dict(getattr(module, "hparams", {}) or {})))
-    if problem is not None:
-        raise ValueError(problem)
+    shapes = {n: tuple(t.shape) for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    diff = [(k, tuple(v.shape), shapes[k]) for k, v in checkpoint.get("state_dict", {}).items()
+            if k in shapes and hasattr(v, "shape") and tuple(v.shape) != shapes[k]]
+    if diff:
+        hparams = (checkpoint.get("hyper_parameters"), dict(getattr(module, "hparams", {}) or {}))
+        raise ValueError(shape_message(diff, where(lightning_internals.attached_trainer(module)), hparams))

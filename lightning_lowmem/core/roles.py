@@ -8,6 +8,11 @@ inherits: a subclass keeps the role, a renamed class keeps it, and a look-alike 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from typing import TypeVar
+
+from lightning_lowmem._internals import lightning as lightning_internals
+
+T = TypeVar("T")
 
 
 class HostMastersStrategy:
@@ -27,6 +32,14 @@ class HostMastersStrategy:
     def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
         """Inside, the module's own parameters show the fp32 masters (``grads``: with their gradients)."""
         raise NotImplementedError
+
+
+def module_param_of(module: object, p: T) -> T:
+    """The module parameter that ``p`` (a parameter an optimizer steps) stands for: the one it is the master of when
+    ``module`` (a LightningModule) is fitted by a :class:`HostMastersStrategy`, else ``p`` itself."""
+    strategy = getattr(lightning_internals.attached_trainer(module), "strategy", None)
+    master_of = strategy.master_of(p) if isinstance(strategy, HostMastersStrategy) else None
+    return p if master_of is None else master_of  # type: ignore[return-value]
 
 
 class LowBitOptimizerSwap:
@@ -60,4 +73,4 @@ class LeanOptimizerSwap:
         raise NotImplementedError
 
 
-__all__ = ["HostMastersStrategy", "LeanOptimizerSwap", "LowBitOptimizerSwap"]
+__all__ = ["HostMastersStrategy", "LeanOptimizerSwap", "LowBitOptimizerSwap", "module_param_of"]

@@ -1,17 +1,13 @@
 """Streams, events and asynchronous copies for the host<->device transfers: CUDA's, or a CPU stand-in that defers them.
 
-The transfer logic of ``lowmem_offload`` (:class:`~lightning_lowmem.strategies.offload.transfer.StreamTransfer`) and
-of ``ActivationOffload`` (:class:`~lightning_lowmem.callbacks.activation_offload.engine.StreamCopier`) is written once,
-against :class:`StreamOps`. :class:`CudaOps` calls ``torch.cuda``. :class:`DeferredOps` runs the *same* logic on
-the CPU: a copy queued on a side stream happens only when the host must see it (an event it synchronizes, a
-stream the compute stream waits on) or when the test advances the stream; until then the destination keeps its
-old bytes (a fresh device buffer is filled with ``0xFF``, a NaN in every float dtype). So the ordering bugs that
-a GPU shows only sometimes (a host read before the copy landed, a buffer rewritten while a copy into it is
-queued, a copy that reads its source after compute changed it) show every time in CPU tests.
-
-It fakes no CUDA call. The CPU "compute stream" is the host thread itself (CPU kernels run when called), so a
-compute-side wait for a side stream is where the stand-in runs that stream's queued copies. CUDA-only calls
-without a CPU counterpart (pinning, ``record_stream``) are skipped; the queued copy holds its source alive.
+The transfers of ``lowmem_offload`` and ``ActivationOffload`` are written once, against :class:`StreamOps`.
+:class:`CudaOps` calls ``torch.cuda``; :class:`DeferredOps` runs the *same* logic on the CPU, where a copy queued on
+a side stream lands only when the host must see it (an event it synchronizes, a stream the compute stream waits
+on) or a test advances the stream; until then its destination keeps its old bytes (a fresh device buffer is
+``0xFF``: NaN in every float dtype). So the ordering bugs a GPU shows only sometimes (a host read before the copy
+landed, a buffer rewritten while a copy into it is queued, a source changed before it was copied) show every time
+in CPU tests. It fakes no CUDA call: the CPU "compute stream" is the host thread (CPU kernels run when called), and
+CUDA-only calls without a CPU counterpart (pinning, ``record_stream``) are skipped.
 
 Use :func:`cpu_stand_in` to make the CPU path of both techniques use :class:`DeferredOps` (tests, benchmarks)::
 

@@ -8,14 +8,15 @@ from typing import Any, Literal, get_args
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.callbacks.lean_optimizer import build
+from lightning_lowmem.callbacks.lean_optimizer.state_bytes import lean_state_bytes
 from lightning_lowmem.core.accounting import mark_host_state
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.reproducible import Reproducible
-from lightning_lowmem.core.roles import HostMastersStrategy, LeanOptimizerSwap, LowBitOptimizerSwap
+from lightning_lowmem.core.roles import LeanOptimizerSwap, LowBitOptimizerSwap, module_param_of
 from lightning_lowmem.core.schedulers import repoint_scheduler
 
 Kind = Literal["galore", "apollo", "apollo_mini", "adam_mini", "adamw4bit", "adamw8bit"]
@@ -140,8 +141,6 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
         if stage != "fit":
             return
         build.import_package(self.kind, self.call)
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
         strategy = trainer.strategy
         if isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)):
             raise ValueError(  # noqa: TRY004  (a strategy this callback cannot work with, not a wrong argument type)
@@ -185,8 +184,6 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
     def expected_state_bytes(self, optimizer: object, module: object) -> int:
         """Bytes of the state this kind will keep for ``optimizer``'s trainable parameters as fp32 masters (the
         host-RAM check of ``lowmem_offload``, before the swap; see :mod:`.state_bytes`)."""
-        from lightning_lowmem.callbacks.lean_optimizer.state_bytes import lean_state_bytes
-
         assert isinstance(optimizer, torch.optim.Optimizer) and isinstance(module, torch.nn.Module)
         return lean_state_bytes(self, optimizer, module)
 
@@ -195,7 +192,9 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
         """Build the lean optimizer over ``optimizer``'s param groups (the module's, or lowmem_offload's masters);
         with, for each of its groups, the index of the configured group it came from."""
         self.check_convertible(optimizer)
-        module_param = _module_param_lookup(pl_module)
+        def module_param(p: torch.Tensor) -> torch.Tensor:
+            return module_param_of(pl_module, p)
+
         if self.kind in PROJECTED:
             rank = int(self.rank or 1)  # NOTE: never None here: set from the kind's defaults
             projected = build.projection_plan(optimizer, module_param, pl_module, rank, self.call)
@@ -253,17 +252,3 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
                 "config on the module. Pass them: LeanOptimizer(kind='adam_mini', dim=..., n_heads=...)."
             )
         return shape
-
-
-def _module_param_lookup(pl_module: L.LightningModule) -> Any:
-    """``p -> the module parameter p stands for``: itself, or the one a lowmem_offload host master is the master of."""
-    trainer = lightning_internals.attached_trainer(pl_module)
-    strategy = trainer.strategy if trainer is not None else None
-    if isinstance(strategy, HostMastersStrategy):
-
-        def lookup(p: torch.Tensor) -> torch.Tensor:
-            m = strategy.master_of(p)
-            return m if isinstance(m, torch.Tensor) else p
-
-        return lookup
-    return lambda p: p
