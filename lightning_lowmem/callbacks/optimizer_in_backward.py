@@ -138,10 +138,6 @@ class OptimizerInBackward(Reproducible, Callback):
         self._hook_params(trainer)
 
     @override
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_accumulation(trainer)
-
-    @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self._stepped.clear()
 

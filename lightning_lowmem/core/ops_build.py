@@ -58,7 +58,7 @@ def extensions_root() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         return Path(root)
-    from torch.utils.cpp_extension import get_default_build_root
+    from torch.utils.cpp_extension import get_default_build_root  # NOTE: import cost (setuptools): only when asked
 
     return Path(get_default_build_root())
 

@@ -8,8 +8,6 @@ import logging
 import sys
 from types import ModuleType
 
-from typing_extensions import override
-
 # package import name -> extra of lightning-lowmem that installs it
 _EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "bnb", "liger_kernel": "kernels", "cut_cross_entropy": "kernels",
            "galore_torch": "galore", "apollo_torch": "apollo", "adam_mini": "adam-mini", "torchao": "torchao"}
@@ -27,22 +25,16 @@ _IMPORT_NOTICES = {
 }
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, start: str) -> None:
-        super().__init__()
-        self.start = start
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.start)
-
-
 def _import_quietly(name: str) -> ModuleType:
     """Import ``name``, dropping its known import-time notice (only that message, only during this import)."""
     if name in sys.modules or name not in _IMPORT_NOTICES:
         return importlib.import_module(name)
     logger_name, start = _IMPORT_NOTICES[name]
-    logger, drop = logging.getLogger(logger_name), _DropMessage(start)
+    logger = logging.getLogger(logger_name)
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(start)
+
     logger.addFilter(drop)
     try:
         return importlib.import_module(name)

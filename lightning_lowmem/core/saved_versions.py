@@ -32,11 +32,6 @@ _HINT = (
 )
 
 
-def _current_node() -> str | None:
-    # NOTE: the backward node being run, i.e. the op that saved the tensor
-    return torch_internals.current_autograd_node_name()
-
-
 class SavedVersion:
     """The version a saved tensor had when it was saved, and a handle on its live version counter.
 
@@ -60,7 +55,7 @@ class SavedVersion:
         """Raise what plain PyTorch raises if the saved tensor was modified in place since it was saved."""
         now = torch_internals.tensor_version(self.counter)
         if now != self.version:
-            node = _current_node()
+            node = torch_internals.current_autograd_node_name()  # NOTE: the node being run: the op that saved it
             saved_by = f", saved for the backward of {node}," if node else ""
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "

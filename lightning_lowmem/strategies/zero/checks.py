@@ -86,7 +86,9 @@ def module_problems(strategy: Any, module: nn.Module, precision: str, config: di
     if strategy.zero_stage_3:
         problems += _compiled_submodules(module) + _input_jitter(module)
     if precision.startswith(("bf16", "16")):
-        problems += [] if _buffer_dtype_set(config) else _running_statistics(module, precision)
+        data_types = config.get("data_types")
+        if not (isinstance(data_types, dict) and data_types.get("buffer_dtype") is not None):
+            problems += _running_statistics(module, precision)
         problems += _pinned_compute_dtype(module, precision) if strategy.zero_stage_3 else []
     return problems
 
@@ -98,11 +100,6 @@ def _partitions_some(module: nn.Module, config: dict[str, Any]) -> bool:
     if not isinstance(threshold, int) or isinstance(threshold, bool):
         return True
     return any(p.numel() > threshold for p in module.parameters())
-
-
-def _buffer_dtype_set(config: dict[str, Any]) -> bool:
-    data_types = config.get("data_types")
-    return isinstance(data_types, dict) and data_types.get("buffer_dtype") is not None
 
 
 def _names(found: list[str]) -> str:

@@ -203,9 +203,8 @@ def resolve_auto(cfg: dict[str, Any], hidden_size: int | None, world_size: int) 
             zero[key] = sizes.get(key, default)
     if cfg.get("gradient_clipping") == "auto":
         cfg["gradient_clipping"] = 0.0
-    for key in ("train_batch_size",):
-        if cfg.get(key) == "auto":
-            cfg[key] = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world_size
+    if cfg.get("train_batch_size") == "auto":
+        cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world_size
     if cfg.get("train_micro_batch_size_per_gpu") == "auto":
         cfg.pop("train_micro_batch_size_per_gpu")
 
