@@ -1,19 +1,7 @@
 """``lowmem_offload``: compute weights on the accelerator; fp32 masters, gradients and optimizer on the host.
 
-The flow of one optimizer step (for users: docs/techniques/offload.md; docs/design.md draws the parts):
-
-1. ``setup``: the user's optimizer is built by ``configure_optimizers`` over the fp32 module; the fp32 weights are
-   copied once to the host as masters (:class:`~lightning_lowmem.strategies.offload.masters.HostMasters`); the
-   optimizer's param groups are re-pointed at the masters (same optimizer object, so LR schedulers keep working);
-   the module is cast to the compute dtype (``*-true``) and moved to the accelerator.
-2. Forward and backward run on the accelerator. As each parameter's gradient is ready
-   (``register_post_accumulate_grad_hook``) the transfer (:mod:`~lightning_lowmem.strategies.offload.transfer`) takes
-   it to the host and hands it to the step schedule (:mod:`~lightning_lowmem.strategies.offload.step_schedule`), and
-   the device gradient is freed at once.
-3. Step: the precision plugin (:class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`) unscales
-   (fp16), runs the gradient hooks and the clip on the masters, and steps them on the host; the masters are copied
-   back into the compute weights.
-4. Checkpoints are Lightning's single file holding the fp32 masters and the host optimizer state.
+:class:`OffloadStrategy` is Lightning glue over its parts (docs/design.md, "The offload core", draws them and the flow
+of one step; docs/techniques/offload.md is the user's page).
 """
 
 from __future__ import annotations
