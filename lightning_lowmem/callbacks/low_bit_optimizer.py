@@ -186,12 +186,10 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
                 "optimizer, which starts from zero moments.",
                 stacklevel=2,
             )
-        groups = []
-        for group in optimizer.param_groups:
-            # NOTE: every key is kept (not only lr/betas/eps/weight_decay): schedulers store `initial_lr`
-            # and momentum schedules in the groups, and `params` is the same list object's contents, so
-            # under lowmem_offload the groups keep pointing at the host masters.
-            groups.append({k: v for k, v in group.items() if k not in _TORCH_ONLY_KEYS})
+        # NOTE: every key is kept (not only lr/betas/eps/weight_decay): schedulers store `initial_lr` and momentum
+        # schedules in the groups, and `params` is the same list object's contents, so under lowmem_offload the groups
+        # keep pointing at the host masters.
+        groups = [{k: v for k, v in group.items() if k not in _TORCH_ONLY_KEYS} for group in optimizer.param_groups]
         defaults = {k: optimizer.defaults[k] for k in _DEFAULT_KEYS if k in optimizer.defaults}
         if _TARGETS[self.kind][1] == "lion":
             defaults.pop("eps", None)
@@ -225,10 +223,8 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
             )
         problems = []
         for i, group in enumerate(optimizer.param_groups):
-            if group.get("amsgrad"):
-                problems.append(f"param group {i} has `amsgrad=True`, which bitsandbytes does not implement")
-            if group.get("maximize"):
-                problems.append(f"param group {i} has `maximize=True`, which bitsandbytes does not implement")
+            problems += [f"param group {i} has `{key}=True`, which bitsandbytes does not implement"
+                         for key in ("amsgrad", "maximize") if group.get(key)]
             l2 = isinstance(optimizer, torch.optim.Adam) and not isinstance(optimizer, torch.optim.AdamW)
             if l2 and group.get("weight_decay", 0) and not group.get("decoupled_weight_decay", False):
                 problems.append(

@@ -1,10 +1,5 @@
-"""CUDA peak statistics that several consumers of one process can read: :class:`CudaPeakWindow`.
-
-``torch.cuda.reset_peak_memory_stats`` is process-wide, so a component that resets it (a phase of
-:class:`~lightning_lowmem.measure.tracker.MemoryTracker`, the memory recorder, the micro-batch search) would
-hide the peak from every other. Each resets through :func:`reset_cuda_peak_stats` instead, which first
-folds the current maxima into every open window. Both are re-exported by :mod:`lightning_lowmem.measure.tracker`.
-"""
+"""CUDA peak statistics that several consumers of one process can read: :class:`CudaPeakWindow` (re-exported by
+:mod:`lightning_lowmem.measure.tracker`)."""
 
 from __future__ import annotations
 
@@ -29,9 +24,10 @@ class CudaPeaks(NamedTuple):
 class CudaPeakWindow:
     """The CUDA allocator's peak since this window's last :meth:`lap`, safe to use beside other windows.
 
-    ``torch.cuda.reset_peak_memory_stats`` is process-wide: one consumer resetting it hides the peak
-    from every other. Every project component resets through :func:`reset_cuda_peak_stats`, which
-    first folds the current maxima into every open window, so each window still reads its own peak.
+    ``torch.cuda.reset_peak_memory_stats`` is process-wide: one consumer resetting it (a phase of ``MemoryTracker``,
+    the memory recorder) hides the peak from every other. Every project component resets through
+    :func:`reset_cuda_peak_stats`, which first folds the current maxima into every open window, so each window still
+    reads its own peak.
 
     Example::
 

@@ -153,9 +153,8 @@ def build_adam_mini(optimizer: Optimizer, names: Callable[[Tensor], str], shape:
         src = optimizer.param_groups[i]
         group.update(lr=src["lr"], beta1=src["betas"][0], beta2=src["betas"][1], eps=src["eps"],
                      weight_decay=src.get("weight_decay", 0.0) if group["weight_decay"] else 0.0)
-        for k in ("initial_lr",):
-            if k in src:
-                group[k] = src[k]
+        if "initial_lr" in src:
+            group["initial_lr"] = src["initial_lr"]
     return new, source_of
 
 

@@ -1,7 +1,7 @@
 """Bytes of the state a ``LeanOptimizer`` kind will keep, before it exists (the host-RAM check of ``lowmem_offload``).
 
 Per parameter tensor of ``n`` values (fp32 masters: ``param_bytes=4``), as each package lays its state out (read from
-their code, checked against their real state after a step in ``tests/callbacks/test_lean_optimizer_state.py``):
+their code, checked against their real state after a step in ``tests/strategies/test_offload_host_ram_optimizers.py``):
 
 * GaLore / APOLLO / APOLLO-Mini, a projected ``m x n`` weight at rank ``r``: Adam's two moments of the projected
   gradient (``r`` times the side the projection keeps) and the projection matrix (``r`` times the other side);
@@ -19,11 +19,9 @@ their code, checked against their real state after a step in ``tests/callbacks/t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lowmem.callbacks.lean_optimizer import build
@@ -62,29 +60,28 @@ def adam_mini_bytes(shape: tuple[int, ...], param_bytes: int = 4) -> int:
     return param_bytes * (numel + second)
 
 
-def lean_state_bytes(callback: Any, optimizer: Optimizer, module: torch.nn.Module,
-                     module_param: Callable[[Tensor], Tensor] = lambda p: p, param_bytes: int = 4) -> int:
+def lean_state_bytes(callback: Any, optimizer: Optimizer, module: torch.nn.Module) -> int:
     """Bytes of the state ``callback`` (a ``LeanOptimizer``)'s optimizer will keep for ``optimizer``'s trainable
-    parameters, stepped as fp32 masters (``param_bytes``); ``module_param`` as in :func:`build.projection_plan`."""
+    parameters (the module's own, before the swap), stepped as fp32 masters."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     kind = callback.kind
     projected: set[int] = set()
     if kind in ("galore", "apollo", "apollo_mini"):
         try:
-            projected = build.projection_plan(optimizer, module_param, module, int(callback.rank), callback.call)
+            projected = build.projection_plan(optimizer, lambda p: p, module, int(callback.rank), callback.call)
         except ValueError:
             # NOTE: nothing to project; the callback refuses this model at fit start, with that message
             projected = set()
     total = 0
     for p in params:
         if id(p) in projected:
-            total += projected_bytes(tuple(p.shape), int(callback.rank), callback.proj_type, kind, param_bytes)
+            total += projected_bytes(tuple(p.shape), int(callback.rank), callback.proj_type, kind)
         elif kind in _TORCHAO:
-            total += torchao_bytes(p.numel(), kind, callback.block_size, param_bytes)
+            total += torchao_bytes(p.numel(), kind, callback.block_size)
         elif kind == "adam_mini":
-            total += adam_mini_bytes(tuple(p.shape), param_bytes)
+            total += adam_mini_bytes(tuple(p.shape))
         else:
-            total += 2 * param_bytes * p.numel()
+            total += 8 * p.numel()  # Adam's two fp32 moments
     return total
 
 
