@@ -88,11 +88,8 @@ def zero2_checkpoint(tmp_path_factory):
 
 @pytest.mark.integration
 def test_zero3_resuming_a_zero2_directory_names_the_stages(zero2_checkpoint, tmp_path):
-    from lightning_lowmem.strategies.zero.resume import checkpoint_stage
-
     ckpt = tmp_path / "last.ckpt"
     shutil.copytree(zero2_checkpoint, ckpt)
-    assert checkpoint_stage(ckpt) == 2
     with pytest.raises(ValueError, match=r"written by ZeRO-1/2 .* this strategy runs ZeRO-3.*`lowmem_zero2` / "
                                          r"`lowmem_zero2_offload`.*lowmem consolidate"):
         _trainer("lowmem_zero3", max_steps=2).fit(_module(), _loader(), ckpt_path=str(ckpt))

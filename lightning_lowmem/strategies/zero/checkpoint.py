@@ -43,12 +43,13 @@ _FIX = (
 )
 
 
-def zero_checkpoint_problem(path: str | os.PathLike, tag: str | None = None) -> str | None:
-    """What is wrong with ``path`` as a DeepSpeed checkpoint directory, or None if it looks complete.
+def zero_checkpoint_problem(path: str | os.PathLike, tag: str | None = None, stage: int | None = None) -> str | None:
+    """What is wrong with ``path`` as a DeepSpeed checkpoint directory (for a ZeRO-``stage`` run), or None.
 
     Checks: a directory; ``latest`` (or ``tag``) names a folder; that folder holds a
     ``*model_states.pt``; every ``.pt`` in it is a complete ``torch.save`` file (its first bytes and zip
-    directory; the tensors are not read).
+    directory; the tensors are not read); the digest manifest; the stage that wrote the shards (DeepSpeed cannot
+    read one stage's shards into the other, and says so with a bare ``AssertionError``).
     """
     p = Path(path)
     if not p.exists():
@@ -90,7 +91,19 @@ def zero_checkpoint_problem(path: str | os.PathLike, tag: str | None = None) -> 
         problem = str(err)
     if problem is not None:
         return f"The DeepSpeed checkpoint {str(path)!r} is damaged: {problem}. {_FIX}"
-    return None
+    # NOTE: ZeRO-3's model shards are `zero_pp_rank_*_model_states.pt`; ZeRO-1/2 write `mp_rank_*` ones (and
+    # `zero_pp_rank_*_optim_states.pt`)
+    written = 3 if any(f.name.startswith("zero_pp_rank_") and f.name.endswith("model_states.pt") for f in files) else 2
+    if stage is None or (written == 3) == (stage == 3):
+        return None
+    was = "ZeRO-3 (parameters partitioned: `zero_pp_rank_*_model_states.pt`)" if written == 3 else (
+        "ZeRO-1/2 (one `mp_rank_*_model_states.pt` with the whole model)")
+    presets = "`lowmem_zero3` / `lowmem_zero3_offload`" if written == 3 else "`lowmem_zero2` / `lowmem_zero2_offload`"
+    return (
+        f"it was written by {was}, and this strategy runs ZeRO-{stage}; DeepSpeed cannot read one stage's shards "
+        f"into the other. Resume with the strategy that wrote it ({presets}), or convert it to one fp32 state dict "
+        "with `lowmem consolidate DIR model.pt` and load that as the model's initial weights (a new optimizer state)."
+    )
 
 
 class FullDisk(Exception):

@@ -6,13 +6,11 @@
   ``csrc/includes/cpu_adam.h``). The two differ in the last bit from about the fifth step on, so every weight of a
   resumed run drifts from the uninterrupted one. Replaying the step counter (no tensors touched) rebuilds the
   product exactly as the uninterrupted run built it.
-- :func:`stage_mismatch`: a directory written under another ZeRO stage, named before DeepSpeed's bare
-  ``AssertionError``.
+- :func:`load_error`: a checkpoint of another model shape or optimizer, named.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,40 +55,6 @@ def replay_cpu_adam_steps(optimizer: Any) -> int:
         for group in adam.param_groups:
             deepspeed_internals.cpu_adam_update(adam, step, group, empty, empty, empty, empty)
     return steps
-
-
-def checkpoint_stage(path: str | Path, tag: str | None = None) -> int | None:
-    """3 when the directory holds ZeRO-3 model shards, 2 for a ZeRO-1/2 (or stage 0) one; None if it cannot tell."""
-    p = Path(path)
-    if tag is None:
-        latest = p / "latest"
-        if not latest.is_file():
-            return None
-        tag = latest.read_text().strip()
-    folder = p / tag
-    if not folder.is_dir():
-        return None
-    names = [f.name for f in folder.glob("*model_states.pt")]
-    if any(n.startswith("zero_pp_rank_") for n in names):
-        return 3
-    if any(n.startswith("mp_rank_") for n in names):
-        return 2
-    return None
-
-
-def stage_mismatch(path: str | Path, stage: int) -> str | None:
-    """Why a ZeRO-``stage`` strategy cannot resume from ``path``'s shards, or None when their stage fits."""
-    written = checkpoint_stage(path)
-    if written is None or (written == 3) == (stage == 3):
-        return None
-    was = "ZeRO-3 (parameters partitioned: `zero_pp_rank_*_model_states.pt`)" if written == 3 else (
-        "ZeRO-1/2 (one `mp_rank_*_model_states.pt` with the whole model)")
-    presets = "`lowmem_zero3` / `lowmem_zero3_offload`" if written == 3 else "`lowmem_zero2` / `lowmem_zero2_offload`"
-    return (
-        f"it was written by {was}, and this strategy runs ZeRO-{stage}; DeepSpeed cannot read one stage's shards "
-        f"into the other. Resume with the strategy that wrote it ({presets}), or convert it to one fp32 state dict "
-        "with `lowmem consolidate DIR model.pt` and load that as the model's initial weights (a new optimizer state)."
-    )
 
 
 def load_error(err: BaseException, optimizer: Any, source: str) -> ValueError | None:

@@ -16,7 +16,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
@@ -45,9 +45,6 @@ from lightning_lowmem.strategies.zero.after_fit import PartitionWarning, gather_
 from lightning_lowmem.strategies.zero.checks import batching_loader, loader_problem, module_problems, setup_problems
 from lightning_lowmem.strategies.zero.consolidation import consolidate  # noqa: F401 (re-exported)
 from lightning_lowmem.strategies.zero.host_bytes import check_zero_host_memory
-
-if TYPE_CHECKING:
-    import deepspeed
 
 _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 
@@ -279,7 +276,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     @override
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
-    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
+    ) -> tuple[Any, Optimizer]:  # (a DeepSpeedEngine, its optimizer)
         params = [p for p in model.parameters() if p.requires_grad]
         return self._initialize(model, self.config, optimizer, lr_scheduler, params)
 
@@ -357,7 +354,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         if self._writes_shared_files():
             _atomic.recover(path)  # a previous version left under `.NAME.old-PID` by a kill mid-swap
         self.barrier("lowmem_zero_load")
-        problem = zckpt.zero_checkpoint_problem(path) or _zero_resume.stage_mismatch(path, 3 if self.zero_stage_3 else 2)
+        problem = zckpt.zero_checkpoint_problem(path, stage=3 if self.zero_stage_3 else 2)
         if problem is not None:
             raise (FileNotFoundError if not path.exists() else ValueError)(
                 f"Cannot resume from `ckpt_path={str(checkpoint_path)!r}` with `{type(self).__name__}`: {problem}"
