@@ -38,29 +38,15 @@ class OptimizerInBackward(Reproducible, Callback):
     Python overhead that grows with the square of the number of parameter tensors (~600 for GPT-2-XL).
     The weights are bit-identical to the normal step for SGD and AdamW (tested).
 
-    Limits, enforced at fit start with a message:
-
-    * ``accumulate_grad_batches > 1`` is refused: the step would run on every micro-batch; so is Lightning's
-      ``GradientAccumulationScheduler`` with a factor above 1 (also checked at every batch start, for other schedulers).
-    * Lightning's ``StochasticWeightAveraging`` on a module with BatchNorm is refused: its extra BatchNorm epoch has
-      Lightning step the optimizer once more with the last step's gradients (no backward runs), which the step in
-      backward has already used and freed.
-    * parameters added to the optimizer during the fit (``optimizer.add_param_group``, as Lightning's
-      ``BackboneFinetuning`` does when it unfreezes) or made trainable later are hooked at the next batch start.
-    * gradient clipping by norm (``gradient_clip_val`` with ``gradient_clip_algorithm="norm"``) is
-      refused: the global norm needs every gradient before the first step, which would take a second
-      backward pass (LOMO's approach); it is not implemented. Clipping by **value** is per element and
-      is applied in the hook.
-    * a ``configure_gradient_clipping`` or ``optimizer_step`` override on the LightningModule is refused
-      (it would run after the parameters were already updated); so is manual optimization, more than
-      one optimizer, and fp16 loss scaling (``precision="16-mixed"``: the hook would step with scaled
-      gradients).
-    * strategies: a single device. DDP is refused: DDP reduces gradients in buckets *after* the
-      per-parameter hook fires, and keeps them in persistent bucket buffers, so stepping there would use
-      unreduced gradients and would save no memory. Under ``lowmem_offload`` use
-      ``OffloadStrategy(optimizer_in_backward=True)``; DeepSpeed and FSDP are refused.
-    * gradients are ``None`` in ``on_after_backward`` and ``on_before_optimizer_step``: gradient-norm
-      logging there sees nothing.
+    Refused at fit start, with the reason (details in ``docs/techniques/optimizer-in-backward.md``):
+    accumulation (``accumulate_grad_batches > 1``, a ``GradientAccumulationScheduler`` factor above 1; checked again
+    at every batch start), ``StochasticWeightAveraging`` on a module with BatchNorm, clipping by norm (the global
+    norm needs every gradient first; clipping by **value** is applied in the hook), an overridden ``optimizer_step``
+    or ``configure_gradient_clipping``, manual optimization, several optimizers, fp16 loss scaling, and every
+    strategy but a single device (DDP reduces after the hook fires; under ``lowmem_offload`` use
+    ``OffloadStrategy(optimizer_in_backward=True)``). Parameters added to the optimizer or made trainable during the
+    fit (``BackboneFinetuning``) are hooked at the next batch start. Gradients are ``None`` in
+    ``on_after_backward`` and ``on_before_optimizer_step``.
 
     Example (any optimizer; combine with ``LowBitOptimizer`` for 8-bit state as well):
 

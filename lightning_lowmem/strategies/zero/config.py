@@ -1,19 +1,11 @@
 """DeepSpeed config building for :class:`~lightning_lowmem.strategies.zero.strategy.ZeroStrategy` (private helper).
 
-Three layers, later ones winning where they overlap:
-
-1. the preset: the reference settings (``reference_config``) of the ZeRO-2/ZeRO-3 offload JSON files in
-   https://blog.csdn.net/weixin_42486623/article/details/132761712, which follow Hugging Face's DeepSpeed
-   integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed);
-2. the Trainer: ``accumulate_grad_batches``, ``gradient_clip_val``, precision, the loader's batch size
-   (``trainer_settings``);
-3. the user's DeepSpeed JSON/dict (``config=``), deep-merged over both (``merge``).
-
-Where layer 3 contradicts layer 2, :func:`conflicts` decides: settings only DeepSpeed applies
-(``gradient_clipping``, ``train_micro_batch_size_per_gpu``) follow the JSON with a warning; settings
-Lightning's loop applies as well (``gradient_accumulation_steps``: Lightning divides the loss and counts
-optimizer steps with it; ``fp16``/``bf16``: Lightning casts the inputs from its precision flag) cannot
-differ without training wrongly, so they are errors naming the Trainer flag to set.
+Three layers, later ones winning where they overlap: the preset's reference settings (:func:`reference_config`, after
+Hugging Face's DeepSpeed integration docs), the Trainer's flags (:func:`trainer_settings`) and the user's DeepSpeed
+JSON/dict (``config=``, :func:`merge`). Where the JSON contradicts the Trainer, :func:`conflicts` decides: settings
+only DeepSpeed applies (``gradient_clipping``, ``train_micro_batch_size_per_gpu``) follow the JSON with a warning;
+those Lightning's loop applies as well (``gradient_accumulation_steps``, ``fp16``/``bf16``) are errors naming the
+Trainer flag to set.
 """
 
 from __future__ import annotations

@@ -59,16 +59,11 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     well, fetched layer by layer; ``offload_device="nvme"`` puts both on a local SSD. The cost: gradients
     cross to the host and weights back every step, and the step runs on the CPU (see the benchmark).
 
-    Defaults (the reference settings): fp16 dynamic loss scaling when ``Trainer(precision="16-mixed")`` (bf16 for
-    ``"bf16-mixed"``), ``overlap_comm``, ``contiguous_gradients``, pinned host buffers, 2e8-element buckets
-    (stage 2), hidden-size-derived buckets (stage 3) and ``stage3_gather_16bit_weights_on_model_save``.
-    ``accumulate_grad_batches``, ``gradient_clip_val``, the precision and the loader's batch size are put in
-    the DeepSpeed config; ``config=`` (a dict or JSON path) is deep-merged over the result and wins, except
-    where Lightning applies the setting too (accumulation, fp16/bf16): a contradiction there is an error.
-    With an offload preset the module's ``torch.optim.Adam``/``AdamW`` is swapped for ``DeepSpeedCPUAdam``
-    with the same parameter groups and hyper-parameters (logged). Checkpoints are DeepSpeed directories, written
-    atomically and read weights-only (``strategies.zero.checkpoint``, ``strategies.zero.checkpoint_engine``). Steps DeepSpeed skips for inf/nan gradients are
-    logged as ``lowmem/skipped_steps`` (the first one of a bf16/fp32 run warns).
+    The Trainer's accumulation, clipping, precision and batch size go into the DeepSpeed config; ``config=`` is
+    deep-merged over it and wins, except where Lightning applies the setting too (a contradiction is an error).
+    Offload presets swap ``torch.optim.Adam``/``AdamW`` for ``DeepSpeedCPUAdam`` (logged); checkpoints are written
+    atomically and read weights-only; skipped inf/nan steps are logged as ``lowmem/skipped_steps``. The settings and
+    their reasons: ``docs/techniques/zero.md``.
 
     Example:
         >>> trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
