@@ -14,18 +14,10 @@ A process killed at any point leaves the previous version at the target and, at 
 dead processes (and puts back a previous version that a kill left only under its ``.old`` name) at
 the next save.
 
-Why Lightning's ``lightning.fabric.utilities.cloud_io._atomic_save`` (what ``TorchCheckpointIO`` uses)
-is not enough:
-
-- it serializes the whole checkpoint into an in-memory ``BytesIO`` first: a second copy of every
-  tensor in host RAM, at the moment the host is fullest (masters, optimizer state);
-- on a local path its fsspec transaction writes to ``tempfile.mkstemp()`` in the *system* temp
-  directory and commits with ``shutil.move``: when ``/tmp`` is another filesystem (tmpfs, a container
-  layer) the "move" is a copy into the final path, which a kill truncates, and a kill before the
-  commit leaves the orphan in ``/tmp``, never cleaned;
-- nothing is ``fsync``-ed, neither the data before the rename nor the directory after it, so after a
-  power loss or kernel crash the new name can point at an empty or partial file;
-- it writes single files only; DeepSpeed's checkpoints are directories, rewritten in place.
+Why not Lightning's ``_atomic_save`` (what ``TorchCheckpointIO`` uses): it serializes into an in-memory ``BytesIO``
+first (a second copy of every tensor in host RAM, when the host is fullest), "moves" a temp file from the system temp
+directory (a copy when ``/tmp`` is another filesystem, and a kill leaves the orphan there), fsyncs nothing, and
+writes single files only (DeepSpeed's checkpoints are directories, rewritten in place).
 """
 
 from __future__ import annotations

@@ -129,29 +129,24 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
             shown = {"block_size": self.block_size}
         return f"{type(self).__name__}(kind={self.kind!r}" + "".join(f", {k}={v!r}" for k, v in shown.items() if v is not None) + ")"
 
-    @property
-    def call(self) -> str:
-        """How this callback was called, for messages."""
-        return repr(self)
-
     # --- Trainer hooks --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer")
         if stage != "fit":
             return
-        build.import_package(self.kind, self.call)
+        build.import_package(self.kind, repr(self))
         strategy = trainer.strategy
         if isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)):
             raise ValueError(  # noqa: TRY004  (a strategy this callback cannot work with, not a wrong argument type)
-                f"{self.call} cannot be used with `{type(strategy).__name__}`: DeepSpeed builds its own optimizer in "
+                f"{self!r} cannot be used with `{type(strategy).__name__}`: DeepSpeed builds its own optimizer in "
                 "its engine, and FSDP shards the weights that a projection or a per-head moment needs whole. Use a "
                 "single device, `strategy='ddp'`, or `strategy='lowmem_offload'` (the optimizer state on the host)."
             )
         others = [cb for cb in trainer.callbacks if isinstance(cb, (LowBitOptimizerSwap, LeanOptimizer)) and cb is not self]
         if others:
             raise ValueError(
-                f"{self.call} and {others[0]!r} both replace the configured optimizer; keep one of them."
+                f"{self!r} and {others[0]!r} both replace the configured optimizer; keep one of them."
             )
 
     @override
@@ -197,10 +192,10 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
 
         if self.kind in PROJECTED:
             rank = int(self.rank or 1)  # NOTE: never None here: set from the kind's defaults
-            projected = build.projection_plan(optimizer, module_param, pl_module, rank, self.call)
+            projected = build.projection_plan(optimizer, module_param, pl_module, rank, repr(self))
             options = {"rank": rank, "update_proj_gap": self.update_proj_gap, "scale": self.scale,
                        "proj_type": self.proj_type}
-            new, sources = build.build_projected(self.kind, optimizer, projected, options, self.call)
+            new, sources = build.build_projected(self.kind, optimizer, projected, options, repr(self))
             self._hooks += [new.register_step_post_hook(build.compact_projections),
                             new.register_state_dict_post_hook(build.projectors_to_plain),
                             new.register_load_state_dict_post_hook(build.projectors_from_plain)]
@@ -208,10 +203,10 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
             names = {id(p): n for n, p in pl_module.named_parameters()}
             new, sources = build.build_adam_mini(
                 optimizer, lambda p: names.get(id(module_param(p)), f"param_{id(p)}"), self._adam_mini_shape(pl_module),
-                self.call,
+                repr(self),
             )
         else:
-            new, sources = build.build_torchao(self.kind, optimizer, self.block_size, self.call)
+            new, sources = build.build_torchao(self.kind, optimizer, self.block_size, repr(self))
             self._hooks += build.eager_on_fake_tensors(new)
         return new, sources
 
@@ -220,7 +215,7 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
         what = f"`{type(optimizer).__module__}.{type(optimizer).__qualname__}`"
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
             raise ValueError(
-                f"{self.call} replaces the `torch.optim.AdamW` (or `Adam`) that `configure_optimizers` returns, but "
+                f"{self!r} replaces the `torch.optim.AdamW` (or `Adam`) that `configure_optimizers` returns, but "
                 f"yours returns {what}: swapping it would change the algorithm and its hyper-parameters' meaning. "
                 "Return `torch.optim.AdamW(...)` from `configure_optimizers`, or remove the callback."
             )
@@ -235,7 +230,7 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
                                 "(L2 added to the gradient); the lean optimizers decay decoupled (AdamW). Use "
                                 "`torch.optim.AdamW` or weight_decay=0")
         if problems:
-            raise ValueError(f"{self.call} cannot replace {what}: " + "; ".join(problems) + ".")
+            raise ValueError(f"{self!r} cannot replace {what}: " + "; ".join(problems) + ".")
 
     def _adam_mini_shape(self, pl_module: L.LightningModule) -> dict[str, int | None]:
         shape = {"dim": self.dim, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
@@ -247,7 +242,7 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
         qk = [n for n, _ in pl_module.named_parameters() if any(k in n.lower() for k in _ADAM_MINI_QK)]
         if qk and (shape["dim"] is None or shape["n_heads"] is None):
             raise ValueError(
-                f"{self.call}: Adam-mini keeps one second moment per attention head of the query/key weights "
+                f"{self!r}: Adam-mini keeps one second moment per attention head of the query/key weights "
                 f"({qk[0]}, ...), so it needs the model's `dim` and `n_heads`, which it found in no Hugging Face "
                 "config on the module. Pass them: LeanOptimizer(kind='adam_mini', dim=..., n_heads=...)."
             )

@@ -68,7 +68,7 @@ def lean_state_bytes(callback: Any, optimizer: Optimizer, module: torch.nn.Modul
     projected: set[int] = set()
     if kind in ("galore", "apollo", "apollo_mini"):
         try:
-            projected = build.projection_plan(optimizer, lambda p: p, module, int(callback.rank), callback.call)
+            projected = build.projection_plan(optimizer, lambda p: p, module, int(callback.rank), repr(callback))
         except ValueError:
             # NOTE: nothing to project; the callback refuses this model at fit start, with that message
             projected = set()
