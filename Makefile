@@ -22,10 +22,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# the compute precision from a quick probe of this machine: bf16-true where the CPU computes bf16 natively, 32-true
-# where it emulates it (~10x slower: the demo would take an hour); it says which and why
+# the precision and threads from a quick probe of this machine (it says which and why): bf16-true where the CPU
+# computes bf16 natively, 32-true where it emulates it (~10x slower: an hour); one thread where more wait on each other
 demo: install
-	$(VENV)/bin/lowmem fit --config configs/demo.yaml --trainer.precision $$($(PY) -m lightning_lowmem.demo.probe)
+	@set -- $$($(PY) -m lightning_lowmem.demo.probe) && \
+	echo "OMP_NUM_THREADS=$$2 lowmem fit --config configs/demo.yaml --trainer.precision $$1" && \
+	OMP_NUM_THREADS=$$2 $(VENV)/bin/lowmem fit --config configs/demo.yaml --trainer.precision $$1
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --doctest-modules lightning_lowmem tests

@@ -115,7 +115,8 @@ def make_demo(config: Path, precision: str, threads: int | None) -> dict:
     return {"precision": precision, "threads": threads or "default", "wall_s": round(wall, 1),
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
             "training_s": round(pace * int(steps[-1].split()[1].split("/")[0]), 1), "loss": losses[-1] if losses else "",
-            "report": next((line for line in out.stdout.splitlines() if line.startswith("On a GPU")), "")}
+            "report": next((line for line in (out.stdout + out.stderr).splitlines() if line.startswith("On a GPU")),
+                           "")}
 
 
 def main() -> None:
@@ -124,11 +125,13 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--make-demo", action="store_true", help="time `make demo` end to end instead")
-    parser.add_argument("--threads", type=int, default=None, help="with --make-demo: OMP_NUM_THREADS of the child")
+    parser.add_argument("--threads", type=int, default=1, help="with --make-demo: also with this OMP_NUM_THREADS (a "
+                        "busy shared machine makes torch's default threads wait on each other)")
     args = parser.parse_args()
     if args.make_demo:
         status = bf16_status()
-        rows = [make_demo(Path(args.config), p, args.threads) for p in dict.fromkeys([status["probe"], "32-true"])]
+        rows = [make_demo(Path(args.config), p, t) for p in dict.fromkeys([status["probe"], "32-true"])
+                for t in dict.fromkeys([None, args.threads or 1])]
         native = status["avx512_bf16"] or status["amx_bf16"]
         write_results(
             "demo_time", rows, ["precision", "threads", "wall_s", "cpu_s", "training_s", "loss", "report"],

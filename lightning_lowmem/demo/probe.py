@@ -1,33 +1,58 @@
-"""The demo's compute precision, from a quick probe of this machine: bf16 where it is fast, fp32 where it is emulated.
+"""The demo's precision and threads, from a quick probe of this machine: bf16 where it is fast, fp32 where it is
+emulated; torch's threads where they speed the demo's matmuls up, one where they wait on each other.
 
-    python -m lightning_lowmem.demo.probe     # prints bf16-true or 32-true (stdout), and why (stderr)
+    python -m lightning_lowmem.demo.probe     # prints e.g. "bf16-true 1" (stdout), and why (stderr)
 
 A CPU without native bf16 (no AVX-512 BF16 or AMX) emulates it: a bf16 matmul there runs about 10x slower than an
-fp32 one, and the demo's bf16 training would take over an hour instead of minutes. ``make demo`` passes the probe's
-answer as ``--trainer.precision``.
+fp32 one, and the demo's bf16 training would take over an hour instead of minutes. On a busy shared machine (CI, a
+laptop compiling), torch's threads spin waiting for each other: the demo's small matmuls ran 5x slower on 2 cores
+than on one. ``make demo`` passes the probe's answers as ``--trainer.precision`` and ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
 #: bf16 is used where its matmul takes at most this many times the fp32 one (native: about 0.1-1x; emulated: ~10x)
 MAX_SLOWDOWN = 2.0
+#: all of torch's threads are used where they make the median matmul at least this much faster than one thread
+MIN_SPEEDUP = 1.3
 
 
-def _seconds(dtype: torch.dtype, budget: float = 0.2) -> float:
-    """The fastest of repeated 256 x 512 x 512 matmuls in ``dtype`` (at least 3, for about ``budget`` seconds)."""
+def _seconds(dtype: torch.dtype, budget: float = 0.2, pick: Any = min) -> float:
+    """``pick`` (the fastest; or the median) of repeated 256 x 512 x 512 matmuls in ``dtype`` (at least 5, for about
+    ``budget`` seconds)."""
     a, b = torch.randn(256, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
     a @ b  # NOTE: the first call pays the kernel's set-up
-    best, start, n = float("inf"), time.perf_counter(), 0
-    while n < 3 or time.perf_counter() - start < budget:
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 5 or time.perf_counter() - start < budget:
         t0 = time.perf_counter()
         a @ b
-        best, n = min(best, time.perf_counter() - t0), n + 1
-    return best
+        times.append(time.perf_counter() - t0)
+    return pick(times)
+
+
+def demo_threads() -> tuple[int, str]:
+    """``(threads, why)``: torch's threads where they make the median fp32 matmul ``MIN_SPEEDUP`` faster, else one."""
+    many = torch.get_num_threads()
+    if many == 1:
+        return 1, "one thread (torch's)"
+    torch.set_num_threads(1)
+    try:
+        one = _seconds(torch.float32, pick=statistics.median)
+    finally:
+        torch.set_num_threads(many)
+    all_ = _seconds(torch.float32, pick=statistics.median)
+    times = f"{many} threads take {all_ / one:.2f}x one thread's time per matmul here"
+    if one / all_ >= MIN_SPEEDUP:
+        return many, f"{times}: {many} threads"
+    return 1, f"{times} (the cores are busy or few): one thread"
 
 
 def demo_precision() -> tuple[str, str]:
@@ -47,9 +72,9 @@ def demo_precision() -> tuple[str, str]:
 
 
 def main() -> int:
-    precision, why = demo_precision()
-    print(f"demo: {why}", file=sys.stderr, flush=True)
-    print(precision)
+    (precision, why), (threads, how) = demo_precision(), demo_threads()
+    print(f"demo: {why}; {how}", file=sys.stderr, flush=True)
+    print(precision, threads)
     return 0
 
 

@@ -10,6 +10,7 @@ from lightning_lowmem.core.accounting import CATEGORIES
 from lightning_lowmem.core.atomic import atomic_write
 from lightning_lowmem.core.units import fmt_mib
 from lightning_lowmem.measure.recorder import PHASES
+from lightning_lowmem.predict.cuda_target import CUDA_CONTEXT_BYTES
 
 _MAX_TIMELINE_POINTS = 2000
 
@@ -94,7 +95,8 @@ def table(steps: list[dict[str, Any]], predicted: dict[str, Any] | None, baselin
         saving = gpu_plain["peak_device"] - gpu_run["peak_device"]
         tail.append(f"On a GPU (dry runs, CUDA target, uncalibrated): this recipe at {gpu_run['run']['precision']} "
                     f"{fmt_mib(gpu_run['peak_device'])} against plain fp32 {fmt_mib(gpu_plain['peak_device'])} "
-                    f"({gpu_plain['batch']}): saving {fmt_mib(saving)} ({100 * saving / gpu_plain['peak_device']:.1f} %).")
+                    f"({gpu_plain['batch']}; both with CUDA's context, {fmt_mib(CUDA_CONTEXT_BYTES)}): saving "
+                    f"{fmt_mib(saving)} ({100 * saving / gpu_plain['peak_device']:.1f} %).")
     elif gpu is not None:
         tail.append(f"On a GPU: not available ({(gpu_run or {}).get('error') or (gpu_plain or {}).get('error')}).")
     if worst["cuda_max_allocated"] is not None:

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_probe_trains_in_bf16_only_where_this_cpu_computes_it_natively(monkeypatch, bf16_seconds, expected):
     """A 2-core AVX2 EPYC computes a bf16 matmul 10x slower than fp32 (emulated): the demo took 105 minutes there."""
     monkeypatch.setattr(probe, "_seconds", lambda dtype: bf16_seconds if dtype == probe.torch.bfloat16 else 1.0)
+    monkeypatch.setattr(probe.torch, "set_num_threads", lambda n: None)
     precision, why = probe.demo_precision()
     assert precision == expected
     assert f"a bf16 matmul takes {bf16_seconds:.2f}x the fp32 one here" in why
@@ -31,12 +32,26 @@ def test_the_probe_trains_in_bf16_only_where_this_cpu_computes_it_natively(monke
 def test_the_probe_measures_this_machine(capsys):
     assert probe.main() == 0
     out, err = capsys.readouterr()
-    assert out.strip() in ("bf16-true", "32-true") and err.startswith("demo: a bf16 matmul takes")
+    precision, threads = out.split()
+    assert precision in ("bf16-true", "32-true") and 1 <= int(threads) <= probe.torch.get_num_threads()
+    assert err.startswith("demo: a bf16 matmul takes") and "thread" in err
+
+
+@pytest.mark.parametrize(("one", "many", "expected"), [(1.0, 0.5, 2), (1.0, 0.9, 1), (1.0, 9.0, 1)])
+def test_the_probe_uses_one_thread_where_more_wait_on_each_other(monkeypatch, one, many, expected):
+    """On a busy 2-core machine the demo's matmuls took 9x longer on torch's 2 threads than on one."""
+    monkeypatch.setattr(probe.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(probe.torch, "set_num_threads", lambda n: calls.append(n))
+    calls: list[int] = []
+    monkeypatch.setattr(probe, "_seconds", lambda dtype, pick: one if calls and calls[-1] == 1 and len(calls) == 1
+                        else many)
+    assert probe.demo_threads()[0] == expected
 
 
 def test_make_demo_runs_the_config_at_the_probes_precision_and_shows_its_progress():
     make = (ROOT / "Makefile").read_text()
-    assert "lowmem fit --config configs/demo.yaml --trainer.precision $$($(PY) -m lightning_lowmem.demo.probe)" in make
+    assert "set -- $$($(PY) -m lightning_lowmem.demo.probe)" in make
+    assert "OMP_NUM_THREADS=$$2 $(VENV)/bin/lowmem fit --config configs/demo.yaml --trainer.precision $$1" in make
     config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     callbacks = {c["class_path"].rsplit(".", 1)[-1]: c.get("init_args", {}) for c in config["trainer"]["callbacks"]}
     assert callbacks["LossLog"] == {"every_n_steps": 1}
