@@ -345,12 +345,6 @@ def _model_config(args: argparse.Namespace) -> Any:
     return config
 
 
-def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> list[str]:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-            for r in [header, tuple("-" * w for w in widths), *rows]]
-
-
 def budget_line(given: str, budget: int) -> str:
     """The budget in bytes and in the tables' GiB, naming the unit it was given in (a GPU's "12 GB" is 12 GiB)."""
     return (f"budget {given} = {budget:,} B = {fmt_size(budget)} (GB = 10^9 B, GiB = 2^30 B: the sizes below are "
@@ -420,7 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  fmt_size(bd.total("host"))) for phase, bd in est.phases.items()]
         source = "--target" if args.target else est.target_source
         print(f"{args.config}: target {est.target} (from {source}; `--target` overrides); {est.run}{unit}")
-        print("\n".join(_table(rows, ("phase", "device peak", *CATEGORIES, "host peak"))))
+        header = ("phase", "device peak", *CATEGORIES, "host peak")
+        table = _Rows(header, [max(len(str(r[i])) for r in rows) for i in range(len(header) - 1)])
+        for row in rows:
+            table.print(*row)
         verdict = "" if budget is None else f"; {'fits' if est.fits(budget) else 'does NOT fit'} {given}"
         print(f"device peak {fmt_size(est.peak_device)} ({est.binding_phase}), host peak {fmt_size(est.peak_host)}"
               f"{verdict}; {est.method}, {time.perf_counter() - t0:.1f} s")

@@ -215,11 +215,6 @@ def analytic_phases(
     }
 
 
-def per_param_rule_bytes(num_params: int, precision: str = "32-true") -> int:
-    """The accelerate / Hugging Face rule: 16 B/param in fp32, 18 B/param mixed, with no activations."""
-    return num_params * (16 if precision == "32-true" else 18)
-
-
 def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: int | None) -> None:
     """Replace a single-device trace's model states by DeepSpeed ZeRO's partitioned ones, in place.
 
