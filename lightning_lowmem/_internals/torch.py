@@ -69,6 +69,9 @@ PRIVATE_SYMBOLS = (
     "torch.ops.aten._unique",
     "torch.ops.aten._unique2",
     "torch.ops.aten._pack_padded_sequence",
+    "torch.ops.aten._grouped_mm",
+    "torch.ops.aten._embedding_bag",
+    "torch.ops.aten._embedding_bag_forward_only",
     "torch.cuda._initialized",
     "torch._dynamo.eval_frame.OptimizedModule",
     "torch.utils.checkpoint._checkpoint_without_reentrant_generator",
@@ -198,6 +201,9 @@ ATEN = SimpleNamespace(
     unique=torch.ops.aten._unique,
     unique2=torch.ops.aten._unique2,
     pack_padded_sequence=torch.ops.aten._pack_padded_sequence,
+    grouped_mm=torch.ops.aten._grouped_mm,
+    embedding_bag=torch.ops.aten._embedding_bag,
+    embedding_bag_forward_only=torch.ops.aten._embedding_bag_forward_only,
 )
 #: the C++ function behind ``nn.utils.rnn.pad_packed_sequence`` (it fills integer buffers the dry run keeps real)
 PAD_PACKED_SEQUENCE = torch._C._VariableFunctions._pad_packed_sequence

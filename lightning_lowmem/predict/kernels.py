@@ -121,7 +121,7 @@ def _embedding_bag(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     (``is_fast_path`` in ATen's EmbeddingBag.cpp: fp32, fp16 and bf16 weights) leaves ``offset2bag`` empty."""
     # NOTE: torch's meta function takes the fast path for fp32/fp16 only, so a bf16 bag got an index-sized
     # offset2bag the real kernel never allocates (+3.6 % on the dry run of a small recommender)
-    out = (op or _aten._embedding_bag.default)(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+    out = (op or torch_internals.ATEN.embedding_bag.default)(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
                                                per_sample_weights, include_last_offset, padding_idx)
     fast = (mode == 0 and weight.dtype == torch.bfloat16 and weight.stride(1) == 1 and padding_idx < 0
             and (per_sample_weights is None or per_sample_weights.stride(0) == 1))
@@ -133,13 +133,13 @@ def _embedding_bag(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.T
 #: ops whose fake kernel refuses inputs the real CPU kernel takes, or allocates what it does not:
 #: ``{op: (what differs, the fake kernel used)}``
 REPLACED: dict[Any, tuple[str, Callable[..., Any]]] = {
-    _aten._grouped_mm.default: ("the meta function accepts bf16 inputs only; the CPU kernel any float",
+    torch_internals.ATEN.grouped_mm.default: ("the meta function accepts bf16 inputs only; the CPU kernel any float",
                                 _grouped_mm),
-    _aten._embedding_bag.default: ("the meta function gives a bf16 sum bag an offset2bag the CPU kernel leaves empty",
+    torch_internals.ATEN.embedding_bag.default: ("the meta function gives a bf16 sum bag an offset2bag the CPU kernel leaves empty",
                                    _embedding_bag),
-    _aten._embedding_bag_forward_only.default: (
+    torch_internals.ATEN.embedding_bag_forward_only.default: (
         "the meta function gives a bf16 sum bag an offset2bag the CPU kernel leaves empty",
-        functools.partial(_embedding_bag, op=_aten._embedding_bag_forward_only.default)),
+        functools.partial(_embedding_bag, op=torch_internals.ATEN.embedding_bag_forward_only.default)),
 }
 
 
