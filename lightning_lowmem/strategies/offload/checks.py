@@ -86,14 +86,14 @@ def trainer_problems(accelerator: Accelerator | None, devices: list[torch.device
     return problems
 
 
-def to_master_precision(plugin: Precision | None) -> Precision | None:
+def to_master_precision(plugin: Precision | None, strategy: str = "lowmem_offload") -> Precision | None:
     if plugin is None or isinstance(plugin, MasterHalfPrecision):
         return plugin
     name = getattr(plugin, "precision", None)
     if type(plugin) in (Precision, HalfPrecision, MixedPrecision) and name in PRECISIONS:
         return MasterHalfPrecision(name)  # type: ignore[arg-type]
     raise ValueError(
-        f"`strategy='lowmem_offload'` got `precision={name!r}` (`{type(plugin).__name__}`); it supports "
+        f"`strategy='{strategy}'` got `precision={name!r}` (`{type(plugin).__name__}`); it supports "
         f"{', '.join(map(repr, PRECISIONS))}: compute weights in that dtype on the device and fp32 masters on the host. "
         "Pass one of these as `Trainer(precision=...)`, or `plugins=[MasterHalfPrecision(...)]` to set the loss scaler."
     )

@@ -224,7 +224,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         # NOTE: the Trainer's connector assigns its own plugin (HalfPrecision, MixedPrecision, Precision) to a
         # strategy picked by name; translating it here, at assignment, also makes `configure_model` build the
         # module in fp32 (the masters' source) and reports an unsupported precision when the Trainer is built.
-        self._precision_plugin = checks.to_master_precision(plugin)
+        self._precision_plugin = checks.to_master_precision(plugin, self._name)
 
     @property  # type: ignore[override]
     @override
@@ -304,9 +304,14 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self._loading, loading = hf_weights.loading_problems(self.load_weights, module, trainer)
         problems += loading
         if problems:
-            name = "lowmem_offload_params" if self.offload_params is True else "lowmem_offload"
-            raise ValueError(f"`{type(self).__name__}` (strategy='{name}') cannot run this configuration:\n- "
+            raise ValueError(f"`{type(self).__name__}` (strategy='{self._name}') cannot run this configuration:\n- "
                              + "\n- ".join(problems))
+
+    @property
+    def _name(self) -> str:
+        """The registered name this configuration goes by, for messages."""
+        # NOTE: read before `offload_params` is set too (Strategy.__init__ assigns the precision plugin)
+        return "lowmem_offload_params" if getattr(self, "offload_params", False) is True else "lowmem_offload"
 
     def _build_masters(self, trainer: pl.Trainer, fitting: bool) -> None:
         module = self.lightning_module
@@ -401,7 +406,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         fixes += ["a smaller model, or a machine/container with more RAM (or raise the limit named above)",
                   "`OffloadStrategy(check_host_memory=False)` to try anyway"]
         host_memory.check_host_memory({k.replace("_", " "): v for k, v in need.items()},
-                                      who="`OffloadStrategy` (strategy='lowmem_offload')", fixes=fixes)
+                                      who=f"`OffloadStrategy` (strategy='{self._name}')", fixes=fixes)
 
     # --- the masters ----------------------------------------------------------------------------------
     @property
