@@ -458,6 +458,12 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         p_device.grad = None  # NOTE: the device gradient is freed here, one parameter at a time
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._stream is not None:
+            self._stream.hook_blocks()  # NOTE: after the callbacks' hooks of `on_train_start` (see ParamStream.hook_blocks)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._follow_trainable()
