@@ -153,9 +153,6 @@ class MemoryReport(StepMemoryRecorder):
             self.save_dir = Path(root) / "memory_report"
         if trainer.is_global_zero:
             self._check_writable(self.save_dir)
-        # NOTE: a new list, not an in-place move: Lightning is iterating the old one to call this hook. Last, so that
-        # at `teardown` every technique has given the module back as it found it before the dry runs copy it.
-        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
         self.steps, self.first_batch, self._windows = [], None, -1
         self._timeline, self._timeline_peak, self._fit_ended = None, -1, False
 
@@ -218,8 +215,9 @@ class MemoryReport(StepMemoryRecorder):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # NOTE: after every other callback's teardown (this one runs last, see `setup`): the module is as the user
-        # built it, so the dry runs copy what a fresh run would start from.
+        # NOTE: after every callback's `on_fit_end`, where the techniques that change the module (checkpointing's and
+        # the chunked loss's hooks, activation offload's saved-tensor hooks) take their changes back: the module is as
+        # the user built it, so the dry runs copy what a fresh run would start from.
         if stage != "fit" or not self._fit_ended or not self.steps or not trainer.is_global_zero:
             return
         self._fit_ended = False

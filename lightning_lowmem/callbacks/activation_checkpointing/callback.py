@@ -198,6 +198,11 @@ class ActivationCheckpointing(Reproducible, Callback):
             self._measure_and_choose(trainer, pl_module, batch, batch_idx)
 
     @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # NOTE: as soon as training ends: a MemoryReport's teardown then copies the model as built
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._root is None:
             return

@@ -252,6 +252,10 @@ class ActivationOffload(Reproducible, Callback):
         self._exit()
 
     @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit()
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._exit()
 

@@ -455,6 +455,10 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
         self.apply(pl_module)
 
     @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.remove()  # NOTE: as soon as training ends: a MemoryReport's teardown then copies the model as built
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.remove()
