@@ -104,7 +104,6 @@ def register_strategies() -> None:
     NOTE: never imports Lightning itself (seconds of start-up): before a package's strategies are imported, a
     one-shot import hook registers the names right after they are, whatever the import order of the packages.
     """
-    _hint_misspelt_names()
     for registry_module, build in _PACKAGES.items():
         module = sys.modules.get(registry_module)
         if module is None:
@@ -115,31 +114,6 @@ def register_strategies() -> None:
             module.StrategyRegistry.register(
                 name, _factory(path, cls), description=description, override=True, **init_params
             )
-
-
-def _hint_misspelt_names() -> None:
-    """After Lightning's uncaught "invalid strategy name" for a name close to a ``lowmem_*`` one, print the close names
-    (Lightning's message lists its own examples only). Idempotent.
-
-    NOTE: no seam reaches a ``Trainer(strategy=...)`` refusal: Python's hook for uncaught exceptions is the one place
-    to add the hint. Chained (the hook found here runs first, unchanged); a notebook's own handler does not call it.
-    """
-    previous = sys.excepthook
-    if getattr(previous, "__qualname__", "") == _hint_misspelt_names.__qualname__ + ".<locals>.hook":
-        return
-
-    def hook(kind: type[BaseException], err: BaseException, tb: Any) -> None:
-        previous(kind, err, tb)
-        import difflib
-        import re
-
-        given = re.search(r"invalid strategy name: `strategy='([^']*)'`", str(err))
-        close = difflib.get_close_matches(given.group(1), list(STRATEGIES), n=2, cutoff=0.6) if given else []
-        if close:
-            print(f"lightning_lowmem: did you mean {' or '.join(repr(c) for c in close)}? Its names: "
-                  f"{', '.join(STRATEGIES)}.", file=sys.stderr)
-
-    sys.excepthook = hook
 
 
 def serve_pytorch_lightning_build() -> None:

@@ -179,6 +179,8 @@ class CausalLMModule(L.LightningModule):
             self._check_seq_len(seq_len, f"The datamodule (`{type(datamodule).__name__}(seq_len={seq_len})`)")
         tokenizer = getattr(datamodule, "tokenizer", None)
         ids = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
+        if self.model is None:  # NOTE: built in `configure_model`, after `setup`: nothing to check against yet
+            return
         rows = self.model.get_input_embeddings().num_embeddings
         if isinstance(ids, int) and ids > rows:
             # NOTE: else an IndexError deep in the embedding lookup, at the first batch holding a high id
