@@ -21,9 +21,9 @@
   DeepSpeed's fp32 partition gathered for ZeRO, taken at ``on_train_end`` while the strategy is set up), the
   module's parameters (after ``fit``; gathered at ``on_train_end`` for ZeRO) and its buffers.
 
-The data of batch ``i`` is drawn from a generator seeded with ``i`` (the batch's index in the whole run):
-Lightning restarts a loader that has no ``state_dict`` from the epoch's first batch when it resumes mid-epoch (it
-warns), which is Lightning's behaviour for every strategy, not what these tests measure. The model has no dropout
+Sample ``i`` is drawn from a generator seeded with ``i``, and a resumed run's loader starts after the samples the
+checkpoint had processed: Lightning restarts a loader that has no ``state_dict`` from the epoch's first batch when it
+resumes mid-epoch (it warns), which is Lightning's behaviour for every strategy, not what these tests measure. The model has no dropout
 (Lightning does not put the RNG state in its checkpoints; plain Lightning's resume draws other masks).
 """
 
@@ -78,7 +78,12 @@ class Module(CausalLMModule):
         self.batch_size = batch_size
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(KeyedData(), batch_size=self.batch_size)
+        # NOTE: Lightning restarts a loader without state from the epoch's first sample on a mid-epoch resume (it
+        # warns); this one starts after the batches the checkpoint had processed (the loops are restored before
+        # the loader is built), as a resumable loader's `load_state_dict` would
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed * self.batch_size
+        return torch.utils.data.DataLoader(torch.utils.data.Subset(KeyedData(), range(done, SAMPLES)),
+                                           batch_size=self.batch_size)
 
 
 class SaveAt(L.Callback):
@@ -149,7 +154,10 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, precision=spec["precision"], max_steps=spec["steps"],
         logger=False, enable_checkpointing=bool(spec.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **kwargs,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        # NOTE: Lightning gives a training loader under DeepSpeed a shuffling DistributedSampler seeded with the
+        # global seed, which the resumed run draws differently: one process has nothing to shard
+        use_distributed_sampler=False, **kwargs,
     )
     trainer.fit(module, ckpt_path=spec.get("resume"))
     state = capture.state

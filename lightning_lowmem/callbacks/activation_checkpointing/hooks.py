@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.saved_versions import CheckedSaves
@@ -198,6 +199,7 @@ class BlockCheckpoint(CheckpointHooks):
         self.info, self.context_fn = info, context_fn
         self._open: list[Any] = []  # one entry per call in progress: its checkpoint, or None (no autograd)
 
+    @override
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():  # NOTE: validation, generation: the block runs once, as without the callback
             self._open.append(None)
@@ -210,6 +212,7 @@ class BlockCheckpoint(CheckpointHooks):
         next(region)
         self._open.append(region)
 
+    @override
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         region = self._open.pop() if self._open else None
         if region is not None:

@@ -26,6 +26,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
+from typing_extensions import override
 
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.callbacks.activation_checkpointing.hooks import (
@@ -168,6 +169,7 @@ class SegmentBlock(CheckpointHooks):
         self.segment, self.info = segment, info
         self._recording: list[bool] = []  # one entry per call in progress: whether the segment records it
 
+    @override
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         segment, position = self.segment, self.info.position
         run = segment.run
@@ -185,6 +187,7 @@ class SegmentBlock(CheckpointHooks):
         if run is not None:
             run.record_call(module, args, kwargs)
 
+    @override
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         run = self.segment.run
         if not (self._recording.pop() if self._recording else False) or run is None:

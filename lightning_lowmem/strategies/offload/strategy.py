@@ -419,6 +419,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
         return self._masters.master_of(p_host)
 
+    @override
     def masters_view(self, *, grads: bool = False, write_back: bool = False) -> AbstractContextManager:
         """Inside, the module's own parameters are the fp32 masters (``grads``: with their gradients), for code written
         for the fp32 module; ``write_back`` if it writes them. A frozen weight without a master shows its value: its

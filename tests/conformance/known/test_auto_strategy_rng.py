@@ -57,7 +57,7 @@ def test_auto_matches_the_recipe_it_chose(source):
     from lightning_lowmem.plan.auto import AutoStrategy
 
     _build = _builder(source)
-    auto = AutoStrategy(device_budget="8GiB")
+    auto = AutoStrategy(device_budget="8GiB", hardware="rtx3060-12gb")  # priced for a GPU: plain Lightning fits and wins
     got = train(_build, strategy=auto)
     run = auto.plan.run
     assert str(run.strategy) == "auto" and run.accumulate_grad_batches == 1, run.describe()  # a plain-Lightning recipe
