@@ -85,7 +85,7 @@ INSTANCE_ATTRIBUTES = {
                         "_backward_pre_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
     "torch.optim.lr_scheduler.SequentialLR": ("_schedulers",),
     "torch.optim.lr_scheduler.ChainedScheduler": ("_schedulers",),
-    "torch._ops.OpOverload": ("_schema",),
+    "torch._ops.OpOverload": ("_schema", "is_view"),
 }
 
 # --- fake tensors ------------------------------------------------------------------------------------------------
@@ -172,6 +172,11 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
 def op_is_mutable(func: Any) -> bool:
     """Whether the aten op overload ``func`` writes into an argument (in-place, ``out=``, ``resize_``, ``set_``)."""
     return bool(func._schema.is_mutable)
+
+
+def op_is_view(func: Any) -> bool:
+    """Whether the aten op overload ``func`` returns a view of an argument (its output aliases an input's storage)."""
+    return bool(func.is_view)
 
 
 def op_arguments(func: Any) -> list[Any]:

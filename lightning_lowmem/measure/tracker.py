@@ -140,11 +140,17 @@ class _Mode(torch_internals.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
         tracker._ops += 1
-        mutates = _MUTATES.get(func)
-        if mutates is None:
+        kind = _KIND.get(func)
+        if kind is None:
             # NOTE: only ops that write into an argument (in-place, out=, resize_, set_) can change the size of
             # a storage we already count; the others' outputs that share a storage are views.
-            mutates = _MUTATES[func] = torch_internals.op_is_mutable(func)
+            kind = _KIND[func] = (torch_internals.op_is_mutable(func), torch_internals.op_is_view(func))
+        mutates, view = kind
+        if view and tracker._phase is None:
+            # NOTE: outside a phase a view of a storage made before tracking began (the loader's in-memory dataset,
+            # sliced into the next micro-batch) is not an allocation: counting it as `other` put host data in the
+            # device peak. Inside a phase a view of an untracked storage is still counted (as it always was).
+            return out
         see = tracker._see
         if isinstance(out, torch.Tensor):
             see(out, mutates)
@@ -159,7 +165,7 @@ class _Mode(torch_internals.TorchDispatchMode):
         return out
 
 
-_MUTATES: dict[Any, bool] = {}
+_KIND: dict[Any, tuple[bool, bool]] = {}  # op -> (writes into an argument, returns a view)
 
 
 def _exit_mode(mode: torch_internals.TorchDispatchMode, exc: tuple[Any, ...]) -> None:
