@@ -31,10 +31,12 @@ CUDA_CONTEXT_BYTES = 512 * 2**20
 def cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
     """Trace CUDA's kernel choices on CPU: fused dropout with a 1-byte mask, SDPA with O(s) saved state.
 
-    NOTE: a swap of two ``torch.nn.functional`` attributes for the CUDA-target trace, where a ``TorchFunctionMode``
-    is the seam both functions offer: autograd does not carry torch function modes into a checkpointed block's
-    recompute (``torch.utils.checkpoint``), which would take CPU's kernels there and save other tensors than the
-    forward did (``CheckpointError``; tried, with the same results without checkpointing).
+    NOTE: the package's one global function swap (two ``torch.nn.functional`` attributes, for the dry run only),
+    where a ``TorchFunctionMode`` is the seam both functions offer: the autograd engine does not carry torch function
+    modes into backward, so a checkpointed block's recompute (``torch.utils.checkpoint``, ours and Hugging Face's)
+    would take CPU's kernels and save other tensors than the forward did (``CheckpointError``; tried again
+    2026-12-02 on torch 2.13). Hazard: another thread calling these functions during a ``target="cuda"`` dry run
+    (a ``MemoryReport`` or ``lowmem_auto`` inside a fit) gets the emulation; no thread of this package does.
     """
     dropout, sdpa = F.dropout, F.scaled_dot_product_attention
 
