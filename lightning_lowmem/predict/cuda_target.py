@@ -31,9 +31,9 @@ CUDA_CONTEXT_BYTES = 512 * 2**20
 def cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
     """Trace CUDA's kernel choices on CPU: fused dropout with a 1-byte mask, SDPA with O(s) saved state.
 
-    NOTE: the package's one global function swap (two ``torch.nn.functional`` attributes, for the dry run only),
-    where a ``TorchFunctionMode`` is the seam both functions offer: the autograd engine does not carry torch function
-    modes into backward, so a checkpointed block's recompute (``torch.utils.checkpoint``, ours and Hugging Face's)
+    NOTE: one of the dry run's two global swaps (two ``torch.nn.functional`` attributes; the other is
+    ``nn.Module._apply`` in :func:`.fake.fake_execution`), where a ``TorchFunctionMode`` is the seam both functions
+    offer: the autograd engine does not carry torch function modes into backward, so a checkpointed block's recompute (``torch.utils.checkpoint``, ours and Hugging Face's)
     would take CPU's kernels and save other tensors than the forward did (``CheckpointError``; tried again
     2026-12-02 on torch 2.13). Hazard: another thread calling these functions during a ``target="cuda"`` dry run
     (a ``MemoryReport`` or ``lowmem_auto`` inside a fit) gets the emulation; no thread of this package does.
