@@ -33,9 +33,9 @@ def cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
 
     NOTE: one of the dry run's two global swaps (two ``torch.nn.functional`` attributes; the other is
     ``nn.Module._apply`` in :func:`.fake.fake_execution`), where a ``TorchFunctionMode`` is the seam both functions
-    offer: the autograd engine does not carry torch function modes into backward, so a checkpointed block's recompute (``torch.utils.checkpoint``, ours and Hugging Face's)
-    would take CPU's kernels and save other tensors than the forward did (``CheckpointError``; tried again
-    2026-12-02 on torch 2.13). Hazard: another thread calling these functions during a ``target="cuda"`` dry run
+    offer: the autograd engine does not carry torch function modes into backward, so a checkpointed block's
+    recompute (``torch.utils.checkpoint``, ours and Hugging Face's) would take CPU's kernels and save other tensors
+    than the forward did (``CheckpointError``; tried again 2026-12-02 on torch 2.13). Hazard: another thread calling these functions during a ``target="cuda"`` dry run
     (a ``MemoryReport`` or ``lowmem_auto`` inside a fit) gets the emulation; no thread of this package does.
     """
     dropout, sdpa = F.dropout, F.scaled_dot_product_attention
