@@ -69,6 +69,7 @@ def _instances() -> dict[str, object]:
         "torch.optim.lr_scheduler.SequentialLR": torch.optim.lr_scheduler.SequentialLR(opt, [const], milestones=[]),
         "torch.optim.lr_scheduler.ChainedScheduler": torch.optim.lr_scheduler.ChainedScheduler([const]),
         "torch._ops.OpOverload": torch.ops.aten.add.Tensor,
+        "torch._dynamo.eval_frame.OptimizedModule": torch.compile(torch.nn.Linear(1, 1)),
         "lightning.pytorch.LightningModule": BoringModel(),
         "lightning.pytorch.Trainer": trainer,
         "lightning.pytorch.loops.fit_loop._FitLoop": trainer.fit_loop,

@@ -121,6 +121,9 @@ def _overrides_without_decorator() -> list[str]:
                 # NOTE: a nested class is no method (torch.autograd.Function's metaclass adds `_backward_cls`)
                 if isinstance(fn, type) or not callable(fn):
                     continue
+                # NOTE: torch's `Optimizer.__init__` wraps the class's `step` at its first instance (`hooked`)
+                if getattr(fn, "hooked", False) and fn.__wrapped__.__qualname__.split(".")[0] != cls.__name__:
+                    continue
                 overrides = any(attr in vars(base) for base in cls.__mro__[1:] if base is not object)
                 if overrides and not (getattr(fn, "__override__", False) or getattr(value, "__override__", False)):
                     missing.append(f"{module.__name__}.{cls.__qualname__}.{attr}")

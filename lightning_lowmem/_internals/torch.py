@@ -8,6 +8,7 @@ the installed torch, so an upgrade that removes one fails there, by name, instea
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import weakref
 from collections.abc import Callable, Generator, Iterator
@@ -81,11 +82,12 @@ PRIVATE_SYMBOLS = (
 INSTANCE_ATTRIBUTES = {
     "torch.Tensor": ("_version",),
     "torch.UntypedStorage": ("_cdata",),
-    "torch.nn.Module": ("_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called", "_backward_hooks",
+    "torch.nn.Module": ("_compiled_call_impl", "_buffers", "_parameters", "_forward_hooks", "_forward_hooks_always_called", "_backward_hooks",
                         "_backward_pre_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
     "torch.optim.lr_scheduler.SequentialLR": ("_schedulers",),
     "torch.optim.lr_scheduler.ChainedScheduler": ("_schedulers",),
     "torch._ops.OpOverload": ("_schema", "is_view"),
+    "torch._dynamo.eval_frame.OptimizedModule": ("_orig_mod",),
 }
 
 # --- fake tensors ------------------------------------------------------------------------------------------------
@@ -190,6 +192,33 @@ def is_compiled_module(module: nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule  # NOTE: here: importing dynamo takes a second
 
     return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def eager_copies(module: nn.Module, memo: dict[int, Any], skip: set[int]) -> list[nn.Module]:
+    """Enter into a ``copy.deepcopy`` ``memo`` the module each ``torch.compile(m)`` inside ``module`` wraps, as that
+    wrapper's copy (not those holding a parameter whose id is in ``skip``); return the modules whose
+    ``nn.Module.compile()`` a copy must undo (:func:`uncompile`).
+
+    NOTE: a fake copy that runs a compiled region compiles it again (other module objects, fake inputs), and
+    dynamo's next compile of the user's module then differs (another graph, other fused kernels: |diff| ~1e-5 of
+    an update, tests/conformance/known/test_compiled_submodule.py): the copy runs it eagerly instead.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiled = []
+    for m in module.modules():
+        if skip and any(id(p) in skip for p in m.parameters()):
+            continue
+        if isinstance(m, OptimizedModule):
+            memo[id(m)] = copy.deepcopy(m._orig_mod, memo)
+        elif getattr(m, "_compiled_call_impl", None) is not None:
+            compiled.append(m)
+    return compiled
+
+
+def uncompile(module: nn.Module) -> None:
+    """Undo ``nn.Module.compile()`` on ``module`` (one this package copied: see :func:`eager_copies`)."""
+    module._compiled_call_impl = None
 
 
 def op_returns(func: Any) -> list[Any]:
