@@ -105,19 +105,11 @@ class AccumulationScheduler(Reproducible, L.Callback):
         (2, 2)
     """
 
-    def __init__(
-        self,
-        effective_batch_size: int = 64,
-        micro_batch_size: MicroBatch = "auto",
-        schedule: dict[int, int] | None = None,
-        schedule_interval: Interval = "step",
-        loss_normalization: Normalization = "samples",
-        memory_budget: int | str | None = None,
-        batch_arg_name: str = "batch_size",
-        on_oom: Literal["raise"] | None = None,
-        measure: Measure | None = None,
-        count_tokens: Callable[[Any], Any] | None = None,
-    ) -> None:
+    def __init__(self, effective_batch_size: int = 64, micro_batch_size: MicroBatch = "auto",
+                 schedule: dict[int, int] | None = None, schedule_interval: Interval = "step",
+                 loss_normalization: Normalization = "samples", memory_budget: int | str | None = None,
+                 batch_arg_name: str = "batch_size", on_oom: Literal["raise"] | None = None,
+                 measure: Measure | None = None, count_tokens: Callable[[Any], Any] | None = None) -> None:
         super().__init__()
         # NOTE: a wrong type is a TypeError, a bad value a ValueError; either message names all
         problems: list[str] = []
