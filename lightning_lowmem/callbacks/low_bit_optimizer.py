@@ -47,38 +47,26 @@ def _describe(optimizer: torch.optim.Optimizer) -> str:
 class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
     """Replace the optimizer your LightningModule configured by its bitsandbytes 8-bit equivalent.
 
-    Memory saved: Adam/AdamW keep two fp32 moments, 8 B per parameter; the 8-bit block-wise state
-    keeps them in 1 B each plus one fp32 absmax per 256 values, about 2.03 B per parameter (measured
-    by ``benchmarks/bench_low_bit_optimizer.py``): 75 % of the optimizer state. Lion: 4 B -> ~1.02 B.
-    Tensors with fewer than ``min_8bit_size`` elements (biases, norms) keep 32-bit state.
-    Cost: the update is quantized (block-wise dynamic quantization; it tracks fp32 AdamW closely, see
-    the tests for the measured gap); on CPU bitsandbytes dequantizes a tensor's state into fp32
-    temporaries for the update (transient 8 B per element of the largest tensor being stepped).
+    Memory saved: Adam/AdamW's two fp32 moments (8 B per parameter) become 1 B each plus one fp32 absmax per 256
+    values, about 2.03 B per parameter: 75 % of the optimizer state (Lion: 4 B -> ~1.02 B). Tensors with fewer than
+    ``min_8bit_size`` elements keep 32-bit state. Cost: the update is quantized (it tracks fp32 AdamW closely); on
+    CPU each tensor's state is dequantized into fp32 temporaries for the update (8 B per element of the largest).
 
-    The swap happens in ``on_fit_start``: after ``configure_optimizers`` built the optimizer, before
-    Lightning restores a checkpoint, so ``Trainer.fit(ckpt_path=...)`` loads the 8-bit state. Param
-    groups (their params, ``lr``, ``betas``, ``eps``, ``weight_decay`` and any other keys such as a
-    scheduler's ``initial_lr``) are kept; LR schedulers are re-pointed at the new optimizer.
-    Under ``strategy="lowmem_offload"`` the optimizer's groups hold the host fp32 masters, so the
-    8-bit state is allocated on the host next to them (and marked as host memory).
+    The swap happens in ``on_fit_start``, before Lightning restores a checkpoint (``fit(ckpt_path=...)`` loads the
+    8-bit state); param groups and their keys are kept, LR schedulers re-pointed. Under ``lowmem_offload`` the state
+    is on the host, next to the fp32 masters.
 
     Args:
-        kind: the bitsandbytes optimizer to use. ``"adamw8bit"`` and ``"adam8bit"`` replace a
-            ``torch.optim.AdamW``/``Adam`` (bitsandbytes applies weight decay decoupled, as AdamW does,
-            so an ``Adam`` with L2 ``weight_decay > 0`` is refused); ``"paged_adamw8bit"`` is the same
-            with CUDA unified-memory paging (on CPU bitsandbytes falls back to non-paged, with a warning);
+        kind: ``"adamw8bit"``/``"adam8bit"`` replace a ``torch.optim.AdamW``/``Adam`` (decoupled weight decay: an
+            ``Adam`` with L2 ``weight_decay > 0`` is refused); ``"paged_adamw8bit"`` adds CUDA unified-memory paging;
             ``"lion8bit"`` replaces a Lion optimizer.
         min_8bit_size: tensors with fewer elements keep 32-bit state (bitsandbytes' default 4096).
-        stable_embedding: keep the optimizer state of every ``nn.Embedding`` weight (tied LM heads
-            included) in 32 bit, the optimizer half of bitsandbytes' ``StableEmbedding``. The module is
-            left as it is (no extra LayerNorm, no re-initialisation, which would change a pretrained
-            model); use ``bitsandbytes.nn.StableEmbedding`` in your model for those.
+        stable_embedding: keep every ``nn.Embedding`` weight's state in 32 bit (the optimizer half of bitsandbytes'
+            ``StableEmbedding``; the module is left as it is).
 
     Raises:
-        ValueError: an unknown ``kind``, a negative ``min_8bit_size``; at fit start, an optimizer with no
-            8-bit equivalent of ``kind``, or options bitsandbytes cannot honour (``amsgrad``,
-            ``maximize``, L2 weight decay); a strategy that builds its own optimizer (DeepSpeed) or
-            shards parameters (FSDP).
+        ValueError: an unknown ``kind``, a negative ``min_8bit_size``; at fit start, an optimizer with no 8-bit
+            equivalent, options bitsandbytes cannot honour, a DeepSpeed or FSDP strategy.
         ModuleNotFoundError: bitsandbytes is not installed (says ``pip install 'lightning-lowmem[bnb]'``).
 
     Example (the demo module's ``configure_optimizers()`` returns ``torch.optim.AdamW(...)``):
@@ -106,8 +94,7 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         self.kind = kind
         self.min_8bit_size = min_8bit_size
         self.stable_embedding = stable_embedding
-        # NOTE: bitsandbytes' override registry is a process-wide singleton keyed by id(param); the ids we
-        # register are removed in teardown so that a later optimizer cannot inherit them through id reuse.
+        # NOTE: bitsandbytes' override registry is process-wide, by id(param): ours are removed in teardown
         self._override_ids: list[int] = []
         self._n_state_marked: dict[int, int] = {}
 
@@ -140,8 +127,7 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # NOTE: runs after `Strategy.setup` built the optimizers and before `restore_training_state`,
-        # so a checkpoint's optimizer state is loaded into the 8-bit optimizer, never into the original.
+        # NOTE: before `restore_training_state`: a checkpoint's optimizer state loads into the 8-bit optimizer
         strategy = trainer.strategy
         new_optimizers = [self.convert(opt) for opt in strategy.optimizers]
         for old, new in zip(strategy.optimizers, new_optimizers):
@@ -172,10 +158,7 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         return getattr(bnb.optim, _TARGETS[self.kind][0])
 
     def convert(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Build the 8-bit equivalent of ``optimizer`` over the same param groups and hyper-parameters.
-
-        Returns ``optimizer`` itself when it already is an instance of the target class.
-        """
+        """The 8-bit equivalent of ``optimizer`` over the same param groups (``optimizer`` itself if it is one)."""
         cls = self.target_class()
         if type(optimizer) is cls:
             return optimizer
@@ -186,9 +169,7 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
                 "optimizer, which starts from zero moments.",
                 stacklevel=2,
             )
-        # NOTE: every key is kept (not only lr/betas/eps/weight_decay): schedulers store `initial_lr` and momentum
-        # schedules in the groups, and `params` is the same list object's contents, so under lowmem_offload the groups
-        # keep pointing at the host masters.
+        # NOTE: every key is kept: schedulers store `initial_lr` and momentums in the groups
         groups = [{k: v for k, v in group.items() if k not in _TORCH_ONLY_KEYS} for group in optimizer.param_groups]
         defaults = {k: optimizer.defaults[k] for k in _DEFAULT_KEYS if k in optimizer.defaults}
         if _TARGETS[self.kind][1] == "lion":
@@ -244,8 +225,7 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
     def _keep_embeddings_32bit(self, pl_module: L.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
         manager = require("bitsandbytes", "LowBitOptimizer").optim.GlobalOptimManager.get_instance()
         embeddings = {id(m.weight) for m in pl_module.modules() if isinstance(m, torch.nn.Embedding)}
-        # NOTE: under lowmem_offload the optimizer steps host masters, not the module's parameters; a
-        # strategy that keeps masters says which module parameter each one stands for (`master_of`).
+        # NOTE: under lowmem_offload the optimizer steps host masters (`module_param_of` maps them)
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 for p in group["params"]:

@@ -6,16 +6,9 @@ import lightning as L
 
 
 class OOMRecovery(L.Callback):
-    """Removed: it split a batch that ran out of memory by replacing the strategy's ``training_step`` and ``backward``.
-
-    Lightning has no hook around a failing ``training_step`` (the error ends ``fit``), so no callback can retry a step
-    without patching another object. Lower the batch instead (``lowmem estimate`` predicts a batch's peak;
-    ``AccumulationScheduler(effective_batch_size=B, micro_batch_size=b)`` keeps the optimizer's batch), and add
-    Lightning's ``OnExceptionCheckpoint`` to resume from the last step after an error.
-
-    Raises:
-        ValueError: always, with the above.
-    """
+    """Removed: it split a batch that ran out of memory by replacing the strategy's ``training_step`` and ``backward``
+    (Lightning has no hook around a failing step). Raises ``ValueError`` with the fix (a lower batch through
+    ``AccumulationScheduler``, Lightning's ``OnExceptionCheckpoint``)."""
 
     def __init__(self, loss_normalization: str = "samples", regrow_after: int | None = None) -> None:
         raise ValueError(

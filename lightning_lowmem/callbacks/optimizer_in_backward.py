@@ -28,25 +28,17 @@ class OptimizerInBackward(Reproducible, Callback):
     and sets its ``.grad`` to ``None``. Lightning's own ``optimizer.step()`` then finds no gradient
     and changes nothing, so its loops, schedulers, logging and checkpoints work unchanged.
 
-    Memory saved: the gradients of all parameters but the few in flight, about 4 B per parameter in
-    fp32: at every phase peak the gradients held are at most the largest parameter's, and the forward
-    and optimizer peaks drop by the gradient bytes. Where backward binds the step's peak, it drops by
-    less (the gradients of the first layers to finish would have coexisted with the activations still
-    alive; ``tests/callbacks/test_memory_savings.py`` measures both; figures in
-    ``benchmarks/results/low_bit_optimizer.md``). Cost: the optimizer runs one parameter at a
-    time (no multi-tensor kernels) and scans the optimizer's parameter list once per parameter, a
-    Python overhead that grows with the square of the number of parameter tensors (~600 for GPT-2-XL).
-    The weights are bit-identical to the normal step for SGD and AdamW (tested).
+    Memory saved: the gradients of all parameters but the few in flight, about 4 B per parameter in fp32 (where
+    backward binds the step's peak it drops by less; ``tests/callbacks/test_memory_savings.py`` measures both).
+    Cost: the optimizer runs one parameter at a time (no multi-tensor kernels) and scans its parameter list once per
+    parameter (quadratic in the number of tensors). Bit-identical to the normal step for SGD and AdamW (tested).
 
-    Refused at fit start, with the reason (details in ``docs/techniques/optimizer-in-backward.md``):
-    accumulation (``accumulate_grad_batches > 1``, a ``GradientAccumulationScheduler`` factor above 1; checked again
-    at every batch start), ``StochasticWeightAveraging`` on a module with BatchNorm, clipping by norm (the global
-    norm needs every gradient first; clipping by **value** is applied in the hook), an overridden ``optimizer_step``
-    or ``configure_gradient_clipping``, manual optimization, several optimizers, fp16 loss scaling, and every
-    strategy but a single device (DDP reduces after the hook fires; under ``lowmem_offload`` use
-    ``OffloadStrategy(optimizer_in_backward=True)``). Parameters added to the optimizer or made trainable during the
-    fit (``BackboneFinetuning``) are hooked at the next batch start. Gradients are ``None`` in
-    ``on_after_backward`` and ``on_before_optimizer_step``.
+    Refused at fit start (``docs/techniques/optimizer-in-backward.md``): accumulation, SWA on a module with
+    BatchNorm, clipping by norm (by value is applied in the hook), an overridden ``optimizer_step`` or
+    ``configure_gradient_clipping``, manual optimization, several optimizers, fp16 loss scaling, every strategy but a
+    single device (under ``lowmem_offload``: ``OffloadStrategy(optimizer_in_backward=True)``). Parameters made
+    trainable during the fit are hooked at the next batch start. Gradients are ``None`` in ``on_after_backward``
+    and ``on_before_optimizer_step``.
 
     Example (any optimizer; combine with ``LowBitOptimizer`` for 8-bit state as well):
 
@@ -81,9 +73,7 @@ class OptimizerInBackward(Reproducible, Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # NOTE: after Strategy.setup built the optimizer (and after any LowBitOptimizer swap listed before
-        # this callback). The hook reads `trainer.optimizers[0]` at call time, so a swap at any point of
-        # on_fit_start is followed either way.
+        # NOTE: the hook reads `trainer.optimizers[0]` at call time: a LowBitOptimizer swap is followed either way
         if len(trainer.optimizers) != 1:
             raise ValueError(
                 f"OptimizerInBackward needs exactly one optimizer; `configure_optimizers` returned "
@@ -93,15 +83,12 @@ class OptimizerInBackward(Reproducible, Callback):
         clip = trainer.gradient_clip_val
         self._clip_value = float(clip) if clip else None
         if self._clip_value is not None:
-            # NOTE: value clipping moves into the hook. Lightning's own clipping would then run on parameters
-            # that all have `grad=None`, where torch's clip_grad_value_ fails on the empty list; the Trainer's
-            # flag is lifted for the fit and put back in `teardown`.
+            # NOTE: value clipping moves into the hook (torch's would fail on all-None gradients); back in teardown
             self._saved_clip_val = clip
             trainer.gradient_clip_val = None
         self._remove_hooks()
         self._hook_params(trainer)
-        # NOTE: a gradient left from before fit (or zeroed with set_to_none=False) would be stepped again by
-        # the first hook's optimizer.step(); every trainable gradient must be None when backward starts.
+        # NOTE: a gradient left from before fit would be stepped again by the first hook's optimizer.step()
         for group in trainer.optimizers[0].param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -116,10 +103,8 @@ class OptimizerInBackward(Reproducible, Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        # NOTE: after every callback's `on_train_epoch_start`: a param group added there (BackboneFinetuning unfreezing
-        # the backbone) or a parameter made trainable is hooked before its first backward. Unhooked, its gradient would
-        # be stepped by the hook of the next parameter to finish (the whole optimizer steps every parameter holding a
-        # gradient) and again by Lightning's step.
+        # NOTE: a parameter made trainable in `on_train_epoch_start` (BackboneFinetuning) is hooked before its first
+        # backward; unhooked, the next hook's step and Lightning's would both step it
         self._check_accumulation(trainer)
         self._hook_params(trainer)
 
@@ -165,14 +150,8 @@ class OptimizerInBackward(Reproducible, Callback):
         self._stepped.add(id(p))
         if self._clip_value is not None:
             p.grad.clamp_(-self._clip_value, self._clip_value)
-        # NOTE: the whole optimizer is stepped, and it updates only `p`: every other parameter's gradient
-        # is None here (not produced yet in this backward, or already stepped and freed), and torch and
-        # bitsandbytes optimizers skip parameters without a gradient. Stepping the user's own optimizer
-        # object (not one optimizer per parameter) keeps its param-group hyper-parameters, the LR the
-        # scheduler set, and its state_dict for checkpoints exactly as in the normal step.
-        # NOTE: updating `p` in place here is safe: autograd calls this hook after the last use of `p` in
-        # the graph has produced its gradient, and those nodes have released what they saved. Not under reentrant
-        # checkpointing of a block used twice: each segment's inner backward calls it (refused above).
+        # NOTE: the user's whole optimizer steps only `p` (every other gradient is None here), so its groups, LR and
+        # state_dict are the normal step's; updating `p` in place is safe: its graph uses are done
         trainer.optimizers[0].step()
         p.grad = None
 

@@ -1,14 +1,8 @@
-"""What one micro-batch of ``AccumulationScheduler`` counts: its samples (what the loader says) and its tokens.
+"""What one micro-batch of ``AccumulationScheduler`` counts (its samples and tokens), read before its forward: no hook
+sees ``training_step``'s output before the window's last micro-batch steps.
 
-Both are read in ``on_train_batch_start``, before the micro-batch's forward: the last micro-batch of a window runs its
-backward and the optimizer step inside Lightning's closure, and no hook sees ``training_step``'s output between its
-return and the step, so a count the step needs cannot come from that output.
-
-NOTE: [samples from the loader] A batch's first tensor is not always its sample dimension: a graph batch's is its
-nodes (chemprop's ``TrainingBatch``: 4 molecules, 16 atoms), a packed batch's its tokens, a dict's first key may
-be anything. The loader's ``batch_sampler`` says how many samples each batch holds (its ``batch_size``, and its
-sampler's length for the short last batch); Lightning's ``extract_batch_size`` (the first tensor's length) is used
-only for a loader that does not say (``batch_size=None``, a batch sampler without a ``batch_size``).
+NOTE: [samples from the loader] a batch's first tensor need not be its samples (a graph's nodes, packed tokens): the
+loader's batch sampler says; ``extract_batch_size`` only for a loader that names no batch size.
 """
 
 from __future__ import annotations
@@ -45,11 +39,8 @@ def count_samples(loader: Any, batch: Any, batch_idx: int) -> int:
 
 
 def labelled_tokens(batch: Any) -> torch.Tensor:
-    """The tokens a causal-LM loss sums over: ``batch["labels"][..., 1:]`` not ``-100`` (``input_ids`` without labels).
-
-    NOTE: next-token labels are shifted by one inside the model (Hugging Face, ``CausalLMModule``, ``ChunkedLMLoss``):
-    the first position of each sequence predicts nothing.
-    """
+    """The tokens a causal-LM loss sums over: ``batch["labels"][..., 1:]`` not ``-100`` (``input_ids`` without labels;
+    the labels are shifted inside the model)."""
     labels = batch.get("labels", batch.get("input_ids")) if isinstance(batch, Mapping) else None
     if not isinstance(labels, torch.Tensor):
         raise TypeError(

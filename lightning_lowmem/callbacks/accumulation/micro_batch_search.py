@@ -1,10 +1,6 @@
 """The search behind ``AccumulationScheduler(micro_batch_size="auto", measure=...)``: the largest micro-batch whose
-measured peak fits the budget.
-
-NOTE: [no trial steps] The measurement is the caller's: a function of the micro-batch returning the peak bytes of a
-training step (``None``: it does not run). The scheduler does not run ``training_step`` outside Lightning's loop
-(such a trial changes the module, its RNG, its metrics and logs, which would then have to be undone one by one);
-a dry run of the run on a fake copy of the model (``lightning_lowmem.dry_run``) measures without touching it.
+measured peak fits the budget. NOTE: [no trial steps] the caller measures (a dry run on a fake copy); a trial
+``training_step`` would change the module, its RNG, metrics and logs.
 """
 
 from __future__ import annotations
@@ -17,13 +13,8 @@ from lightning_lowmem.core.units import fmt_bytes
 def largest_fitting(
     candidates: list[int], budget: int, measure: Callable[[int], int | None]
 ) -> tuple[int, dict[int, int | None]]:
-    """Binary search over ``candidates`` (ascending; the peak assumed to grow with the micro-batch).
-
-    Returns the largest that fits and the peaks measured (``None``: it does not run).
-
-    Raises:
-        RuntimeError: even ``candidates[0]`` does not fit, naming what to switch on.
-    """
+    """Binary search over ascending ``candidates``: the largest that fits, and the peaks measured (``None``: fails).
+    ``RuntimeError`` when even the first does not fit."""
     peaks: dict[int, int | None] = {}
 
     def fits(m: int) -> bool:

@@ -65,36 +65,22 @@ class AccumulationScheduler(Reproducible, L.Callback):
     activation memory while the optimizer still steps on ``effective_batch_size`` samples. Cost: ``k`` times more
     forward/backward launches per step; under DDP one ``all_reduce`` of two scalars per optimizer step.
 
-    The callback sets the loader's micro-batch through the ``batch_size`` attribute of the LightningModule or
-    LightningDataModule (``BatchSizeFinder``'s convention) and ``trainer.accumulate_grad_batches`` to
-    effective / (micro * world size), and keeps what it chose in :attr:`choice`.
+    It sets the loader's micro-batch through the ``batch_arg_name`` attribute of the LightningModule or DataModule
+    (``BatchSizeFinder``'s convention) and ``trainer.accumulate_grad_batches``; :attr:`choice` says what it chose.
+    The loss is normalised exactly, also for uneven micro-batches and an epoch's short last window (Lightning #19987;
+    docs/techniques/accumulation.md): ``"samples"``: ``training_step`` returns the micro-batch's mean loss (samples
+    as the loader's batch sampler says); ``"tokens"``: it returns ``{"loss": sum_of_token_losses, "num_tokens": n}``
+    (tokens counted before the forward by ``count_tokens``; by default ``batch["labels"][..., 1:] != -100``). Equal
+    micro-batches of a full window train bit for bit as ``Trainer(accumulate_grad_batches=...)``. Callbacks that read
+    gradients in ``on_before_optimizer_step`` must come after this one (refused at setup otherwise).
 
-    Loss normalisation, exact for micro-batches of any size and the short last window of an epoch (Lightning divides
-    that one by the full window, Lightning #19987), from counts taken before each micro-batch's forward
-    (see :mod:`~lightning_lowmem.callbacks.accumulation.window` and ``counts``):
-
-    - ``"samples"``: ``training_step`` returns its micro-batch's mean loss; the step gets the mean over every sample
-      of the window. A micro-batch's samples are what the loader's batch sampler says, not its first tensor's length.
-    - ``"tokens"``: ``training_step`` returns ``{"loss": sum_of_token_losses, "num_tokens": n}``; the step gets the
-      mean over every token of the window. Tokens are counted from the batch (``count_tokens``; by default
-      ``batch["labels"][..., 1:] != -100``), and the first micro-batch's count is checked against its ``num_tokens``.
-
-    Equal micro-batches of a full window train bit for bit as ``Trainer(accumulate_grad_batches=...)``, and what other
-    code sees is plain Lightning's (``outputs["loss"]`` divided by the accumulation, Lightning's progress bar counting
-    micro-batches). Callbacks that read gradients in ``on_before_optimizer_step`` must come after this one in
-    ``callbacks`` (refused at setup otherwise; the list is never reordered).
-
-    ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step (or epoch) ``k``; the micro-batch and
-    the learning rate stay. ``micro_batch_size="auto"``: the largest divisor of effective / world size whose peak, as
-    ``measure(trainer, pl_module, m)`` says, fits ``memory_budget`` (default on CUDA: 90% of the device); a dry run on a
-    fake copy of the model measures without touching it. No trial step runs on the model.
-
-    Strategies: single device, DDP, ``lowmem_offload`` (scales the gradients the optimizer steps), DeepSpeed (its
-    ``gradient_accumulation_steps`` set before the engine is built; only ``"samples"``, an int micro-batch, no
-    schedule). Refused: manual optimization; ``on_oom="split"`` (removed: Lightning has no hook around a failing
-    ``training_step``). A checkpoint written inside a window holds it (counts and gradients; not under DeepSpeed or
-    several processes, said when written). Logged at each step: ``accumulation/micro_batches``,
-    ``accumulation/samples`` and with ``"tokens"`` ``accumulation/tokens`` (all processes; also :attr:`last_window`).
+    ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step (or epoch) ``k``.
+    ``micro_batch_size="auto"``: the largest divisor of effective / world size whose peak, as ``measure`` says, fits
+    ``memory_budget`` (default on CUDA: 90% of the device); no trial step runs on the model. Strategies: single
+    device, DDP, ``lowmem_offload``, DeepSpeed (only ``"samples"``, an int micro-batch, no schedule). Refused: manual
+    optimization, ``on_oom="split"`` (removed). A checkpoint written inside a window holds it (not under DeepSpeed or
+    several processes: a warning). Logged at each step: ``accumulation/micro_batches``, ``accumulation/samples`` and
+    with ``"tokens"`` ``accumulation/tokens`` (all processes; also :attr:`last_window`).
 
     Args:
         effective_batch_size: samples per optimizer step, summed over processes.
@@ -119,21 +105,13 @@ class AccumulationScheduler(Reproducible, L.Callback):
         (2, 2)
     """
 
-    def __init__(
-        self,
-        effective_batch_size: int = 64,
-        micro_batch_size: MicroBatch = "auto",
-        schedule: dict[int, int] | None = None,
-        schedule_interval: Interval = "step",
-        loss_normalization: Normalization = "samples",
-        memory_budget: int | str | None = None,
-        batch_arg_name: str = "batch_size",
-        on_oom: Literal["raise"] | None = None,
-        measure: Measure | None = None,
-        count_tokens: Callable[[Any], Any] | None = None,
-    ) -> None:
+    def __init__(self, effective_batch_size: int = 64, micro_batch_size: MicroBatch = "auto",
+                 schedule: dict[int, int] | None = None, schedule_interval: Interval = "step",
+                 loss_normalization: Normalization = "samples", memory_budget: int | str | None = None,
+                 batch_arg_name: str = "batch_size", on_oom: Literal["raise"] | None = None,
+                 measure: Measure | None = None, count_tokens: Callable[[Any], Any] | None = None) -> None:
         super().__init__()
-        # NOTE: a wrong type is a TypeError, a right type with a bad value a ValueError; either message names all
+        # NOTE: a wrong type is a TypeError, a bad value a ValueError; either message names all
         problems: list[str] = []
         wrong_type: list[str] = []
         if not _positive_int(effective_batch_size):
@@ -312,9 +290,16 @@ class AccumulationScheduler(Reproducible, L.Callback):
             self.choice = dataclasses.replace(self.choice, memory_budget=budget, peaks=peaks)  # type: ignore[arg-type]
         elif self.choice is None:  # "auto" resumed from a checkpoint: the micro-batch it chose then
             self._apply(trainer, pl_module, self._micro)
-        if self._engine:
-            self._check_engine(trainer)
         c = self.choice
+        if self._engine:
+            config = getattr(trainer.strategy, "config", None) or {}
+            want = {"gradient_accumulation_steps": c.accumulation, "train_micro_batch_size_per_gpu": self._micro}
+            wrong = {k: config.get(k) for k, v in want.items() if config.get(k) not in (None, v)}
+            if wrong:
+                raise ValueError(
+                    f"AccumulationScheduler: the DeepSpeed config has {wrong}, but the callback needs {want}. Remove "
+                    "these keys from the DeepSpeed config; they follow the callback."
+                )
         rank_zero_info(
             f"AccumulationScheduler: micro-batch {c.micro_batch_size} x accumulation {c.accumulation} x "
             f"{c.world_size} process(es) = effective batch {c.effective_batch_size}"
@@ -339,16 +324,6 @@ class AccumulationScheduler(Reproducible, L.Callback):
         self.choice = Choice(e, micro, e // (micro * world), world)
         if not self.window.tokens:
             self.window.reference = micro
-
-    def _check_engine(self, trainer: L.Trainer) -> None:
-        config = getattr(trainer.strategy, "config", None) or {}
-        want = {"gradient_accumulation_steps": self.choice.accumulation, "train_micro_batch_size_per_gpu": self._micro}
-        wrong = {k: config.get(k) for k, v in want.items() if config.get(k) not in (None, v)}
-        if wrong:
-            raise ValueError(
-                f"AccumulationScheduler: the DeepSpeed config has {wrong}, but the callback needs {want}. Remove "
-                "these keys from the DeepSpeed config; they follow the callback."
-            )
 
     def _warn_batch_norm(self, pl_module: L.LightningModule) -> None:
         norms = {type(m).__name__ for m in pl_module.modules() if isinstance(m, torch_internals.BatchNormBase)}
@@ -391,10 +366,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
         value, zero_here = w.advance(size, batch_idx, ready, epoch_end, (samples, count))
         if self._engine:  # NOTE: DeepSpeed's engine keeps its own window
             return
-        # NOTE: Lightning decides zero_grad by `batch_idx % N == 0` and the step by `ready % N == 0`; after a schedule
-        # change a window need not start at a multiple of its size, so N is chosen per batch to give exactly this
-        # window's edges. Only a change is written: StochasticWeightAveraging's forward-only epoch raises N to keep
-        # Lightning from stepping, and an aligned window leaves that alone.
+        # NOTE: N is chosen per batch to give this window's edges (see `lightning_accumulation`); only a change is
+        # written: SWA's forward-only epoch raises N to keep Lightning from stepping, and an aligned window leaves it
         if value != self._trainer_accumulation:
             self._trainer_accumulation = trainer.accumulate_grad_batches = value
         if zero_here:
@@ -402,11 +375,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
                 pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
 
     def _check_loader(self, loader: Any, batch: Any) -> None:
-        """On an epoch's first batch: the loader gives the micro-batch the callback chose (see ``counts``).
-
-        NOTE: ``lightning_setattr`` also sets ``hparams.batch_size`` when only the hyper-parameters have one; a loader
-        built with a fixed size then ignores it, and the run would accumulate the wrong effective batch.
-        """
+        """On an epoch's first batch: the loader gives the micro-batch the callback chose (a loader built with a
+        fixed size ignores the attribute set, and the run would accumulate the wrong effective batch)."""
         said = loader_batch_size(loader)
         size = said or extract_batch_size(batch)
         if size == self._micro:
@@ -437,9 +407,8 @@ class AccumulationScheduler(Reproducible, L.Callback):
             return
         n, size = trainer.accumulate_grad_batches, w.size
         if self._engine:
-            # NOTE: weights relative to a full micro-batch. Lightning's loop divides the loss by n; Lightning's stock
-            # DeepSpeedStrategy divides it by n again in `engine.backward` (so n is undone), our ZeroStrategy
-            # (`loss_divided_once`) does not.
+            # NOTE: Lightning's loop divides the loss by n, stock DeepSpeedStrategy again (so n is undone), our
+            # ZeroStrategy (`loss_divided_once`) does not
             n, size = (1 if getattr(trainer.strategy, "loss_divided_once", False) else n), 1
         h = w.weigh(n, size, lambda t: trainer.strategy.reduce(t, reduce_op="mean"))
         if h is not None:
@@ -491,8 +460,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         w = self.window
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        # NOTE: at a window edge there is nothing to keep; inside a batch (`OnExceptionCheckpoint`) the gradients
-        # hold part of it, and such a checkpoint resumes without the window
+        # NOTE: nothing to keep at a window edge; inside a batch (`OnExceptionCheckpoint`) it resumes without it
         if w.pos == 0 or progress.ready != progress.processed or self.state_key not in checkpoint.get("callbacks", {}):
             return
         reason = "engine" if self._engine else "world" if trainer.world_size > 1 else None
@@ -509,8 +477,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume_window = state_dict.get("window")
-        # NOTE: a resumed run keeps the micro-batch it chose, so the loader's batches (and a mid-epoch position)
-        # stay what they were; "auto" does not search again.
+        # NOTE: a resumed run keeps the micro-batch it chose (the loader's batches, a mid-epoch position); no search
         if self.micro_batch_size == "auto" and state_dict.get("micro_batch_size"):
             self._micro = int(state_dict["micro_batch_size"])
         if self.window.tokens and state_dict.get("n_ref") is not None:

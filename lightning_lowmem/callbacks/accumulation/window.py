@@ -1,24 +1,12 @@
-"""The accumulation window of ``AccumulationScheduler``: its edges, its counts, the weight of each micro-batch's
-gradient and the factor of the optimizer step.
+"""The accumulation window of ``AccumulationScheduler``: its edges, counts, micro-batch weights and step factor.
 
-NOTE: [exact normalisation] The step must get the gradient of the mean over every sample (``"samples"``: each
-micro-batch's mean loss weighted by its samples) or every token (``"tokens"``: each micro-batch's sum of token
-losses) of the window, over every process. Lightning divides each micro-batch's loss by
-``trainer.accumulate_grad_batches`` (``N``) and DDP averages the gradients over the ``P`` processes. A tensor hook on
-the loss Lightning hands to ``on_before_backward`` multiplies the gradient flowing from it by
-``h = N * u / (reference * size)`` (``u``: the micro-batch's samples, 1 for tokens; ``reference``: the samples of one
-micro-batch, or the power of two nearest its mean tokens; ``size``: the window's micro-batches), and before the step the accumulated
-gradients take ``F = reference * size * P / total`` (``total``: the window's samples or tokens, every process). Equal
-micro-batches in a full window make both exactly 1, and nothing is multiplied: the step is plain Lightning's
-``accumulate_grad_batches``, bit for bit. A short or uneven window (the epoch's last), or token counts, is exact up to
-the rounding of one more multiply. The forward values (``outputs["loss"]``, what ``self.log`` records) are untouched.
-Hazard: ``on_before_optimizer_step`` of a callback listed before the scheduler would see the gradients before ``F``
-(the scheduler refuses that order at setup).
+NOTE: [exact normalisation] (docs/techniques/accumulation.md) a hook on each micro-batch's loss multiplies its
+gradient by ``h = N * u / (reference * size)`` and the step's gradients take ``F = reference * size * P / total``;
+both are exactly 1 for equal micro-batches of a full window (plain Lightning, bit for bit). Hazard: a callback's
+``on_before_optimizer_step`` listed before the scheduler sees the gradients before ``F`` (refused at setup).
 
-NOTE: [mid-window checkpoint] A checkpoint can be written inside a window (``ModelCheckpoint(train_time_interval=
-...)``, a validation off the window's edge, a SLURM requeue). Lightning keeps no gradients in a checkpoint, so the
-scheduler saves the window (:meth:`Window.state_dict`, and the gradients so far, copied to the host) and puts it back
-before the resumed run's first batch, so its step is the uninterrupted one's.
+NOTE: [mid-window checkpoint] Lightning keeps no gradients in a checkpoint: the scheduler saves the window and its
+gradients (on the host) and puts them back before the resumed run's first batch.
 """
 
 from __future__ import annotations
@@ -42,13 +30,9 @@ class WindowStats:
 def lightning_accumulation(
     batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool, window: int
 ) -> tuple[int, bool]:
-    """The ``trainer.accumulate_grad_batches`` that makes Lightning zero and step exactly at this window's edges.
-
-    Lightning zeroes the gradients before a batch when ``batch_idx % N == 0`` and steps after it when
-    ``ready % N == 0`` or the epoch ends. Returns ``(N, zero_here)``: ``zero_here`` says the caller must zero
-    the gradients itself (a window's first batch where no ``N`` makes Lightning do it without breaking the rest).
-    ``N`` is ``window`` whenever that gives the right edges (windows aligned with ``batch_idx``).
-    """
+    """``(N, zero_here)``: the ``accumulate_grad_batches`` that makes Lightning zero (``batch_idx % N == 0``) and step
+    (``ready % N == 0`` or the epoch's end) exactly at this window's edges (``window`` where that works), and whether
+    the caller must zero the gradients itself (a window's first batch that no ``N`` zeroes)."""
     for n in (window, ready, ready + 1):
         zeroes = batch_idx % n == 0
         steps = ready % n == 0 or epoch_end
@@ -83,8 +67,7 @@ class Window:
         self.reset()
 
     def advance(self, size: int, batch_idx: int, ready: int, epoch_end: bool, counts: tuple[int, Any]) -> tuple[int, bool]:
-        """Place the next micro-batch and hold its ``(samples, count)`` for its backward; ``size``: the micro-batches
-        of the window it opens, if it does. Returns :func:`lightning_accumulation`'s ``(N, zero_here)``."""
+        """Place the next micro-batch, hold its counts for its backward; :func:`lightning_accumulation`'s result."""
         if self.pos == 0:
             self.size = size
         first, self.last = self.pos == 0, self.pos == self.size - 1 or epoch_end
@@ -135,26 +118,23 @@ class Window:
 def _power_of_two(mean: torch.Tensor) -> torch.Tensor:
     """The power of two nearest ``mean`` (on its device, no sync).
 
-    NOTE: the tokens' reference: ``h = N / (reference * size)`` is then exact in any float dtype of the loss (``N ==
-    size`` in an aligned window), so ``F`` divides out exactly the factor the gradients took (bf16-true: a mean
-    token count would round in bf16 and scale the step by up to 2^-9).
+    NOTE: the tokens' reference: ``h`` is then exact in any float dtype (bf16: a mean count would round, up to 2^-9).
     """
     return torch.exp2(torch.round(torch.log2(mean)))
 
 
-def optimized_params(optimizers: list[Any]) -> list[torch.Tensor]:
-    """What the optimizers step (under ``lowmem_offload`` the host masters), in order."""
+def _optimized_params(optimizers: list[Any]) -> list[torch.Tensor]:
     return [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
 
 
 def saved_gradients(optimizers: list[Any]) -> list[torch.Tensor | None]:
     """The window's gradients so far, copied to the host (a mid-window checkpoint holds them)."""
-    return [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in optimized_params(optimizers)]
+    return [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in _optimized_params(optimizers)]
 
 
 def restore_gradients(optimizers: list[Any], grads: list[torch.Tensor | None]) -> None:
     """Put :func:`saved_gradients` back (after the optimizers and their state are restored)."""
-    params = optimized_params(optimizers)
+    params = _optimized_params(optimizers)
     if len(grads) != len(params) or any(g is not None and g.shape != p.shape for g, p in zip(grads, params)):
         raise ValueError(
             f"AccumulationScheduler: the checkpoint was written inside an accumulation window and holds its gradients "

@@ -1,8 +1,4 @@
-"""``ActivationCheckpointing``: recompute the repeated blocks' activations in backward instead of keeping them.
-
-``callback`` is the callback; ``segments`` the checkpointed segments, ``probe`` the measurement of what each block
-keeps (the ``selective`` and ``budget`` policies).
-"""
+"""``ActivationCheckpointing``: recompute the repeated blocks' activations in backward instead of keeping them."""
 
 from lightning_lowmem.callbacks.activation_checkpointing.callback import (
     ActivationCheckpointing,

@@ -52,42 +52,30 @@ class ActivationCheckpointing(Reproducible, Callback):
     """Recompute the activations of chosen blocks in backward instead of keeping them: a policy for any model.
 
     Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward work in
-    backward. Blocks are found automatically (the longest ``nn.ModuleList`` of same-class modules: GPT-2, LLaMA,
-    BERT, T5, ViT, ``nn.TransformerEncoder``) or named with ``blocks``. A model with no such list (an MLP, a CNN, an
-    autoencoder) gets as blocks the largest submodules whose checkpointing frees memory, measured on the first
-    training batch, any holding more than half of all activations split into its children
-    (:attr:`chosen_by_measurement`; none: a warning, and it trains unchanged). Measuring (this, and ``"budget"``)
-    runs ``training_step`` once on a fake copy of the module (``probe``): the run is untouched; a step that cannot
-    run there (manual optimization, a read of ``self.trainer``) is refused, asking for ``blocks``.
+    backward (docs/techniques/activation-checkpointing.md). Blocks are found (the longest ``nn.ModuleList`` of
+    same-class modules) or named with ``blocks``; a model with no such list gets as blocks the largest submodules
+    whose checkpointing frees memory, measured on the first training batch (:attr:`chosen_by_measurement`).
+    Measuring (this, and ``"budget"``) runs ``training_step`` once on a fake copy of the module: the run is
+    untouched; a step that cannot run there is refused, asking for ``blocks``.
 
-    Checkpointing is torch's non-reentrant one with the RNG state preserved, so gradients are bit-identical to
-    training without it, dropout included. It is applied at the first training batch through each block's forward
-    hooks (the module tree and ``state_dict`` keys do not change) and removed at the end of ``fit``. Each recompute
-    runs on a copy of the buffers its forward found (``BatchNorm`` statistics are updated once; a copy of the block's
-    buffers per call until its backward, none for Hugging Face blocks).
+    Torch's non-reentrant checkpoint with the RNG state preserved: gradients are bit-identical, dropout included.
+    Applied at the first training batch through each block's forward hooks (module tree and ``state_dict`` keys
+    unchanged), removed at the end of ``fit``. Each recompute runs on a copy of the buffers its forward found.
 
     Policies (``policy=``):
         - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
         - ``"every_n"`` with ``n``: blocks 0, n, 2n, ... are recomputed (``n=1`` is ``"all"``).
         - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only the
-          segment inputs. Not under FSDP or ZeRO-3. NOTE: a transformer block's input is ~1/50 of its activations, so
-          there ``"all"`` keeps less for about the same recompute.
+          segment inputs. Not under FSDP or ZeRO-3.
         - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap element-wise ops
-          are recomputed. Blocks holding a recurrent layer are recomputed whole; an in-place change of a kept output
-          is refused (see ``selective``).
+          are recomputed (blocks holding a recurrent layer whole; an in-place change of a kept output is refused).
         - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings the
           activations under the budget, as measured. Below the minimum possible it raises, naming the minimum.
         - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
 
-    ``torch.compile``-d modules, the modules inside them and those holding them are not checkpointed (a warning names
-    them; refused when they are all there is): inside a compiled region the checkpoint changes inductor's kernels,
-    and around one torch's recompute can save other tensors.
-
-    Works with models built in ``__init__`` or in ``configure_model``, under single-device, DDP, FSDP /
-    ModelParallel (blocks found or named), ``lowmem_offload`` and DeepSpeed ZeRO (under stage 3 every policy but
-    ``"sqrt"``): the strategies' hooks that gather or stream a block's weights run around its checkpointed forward,
-    once. Hugging Face models: their own activation checkpointing is turned off (with a warning) and
-    ``config.use_cache`` is False while fitting (a KV cache cannot be recomputed).
+    ``torch.compile``-d modules (and those inside or holding them) are not checkpointed, with a warning. Strategies:
+    single device, DDP, FSDP / ModelParallel, ``lowmem_offload``, DeepSpeed ZeRO (stage 3: not ``"sqrt"``). Hugging
+    Face models: their own checkpointing is turned off (a warning), ``config.use_cache`` False while fitting.
 
     Example:
         >>> from lightning_lowmem import ActivationCheckpointing
@@ -106,13 +94,8 @@ class ActivationCheckpointing(Reproducible, Callback):
             frees}`` of the modules chosen on the first batch (``None`` otherwise).
     """
 
-    def __init__(
-        self,
-        policy: PolicyName | Sequence[str | type] = "all",
-        n: int | None = None,
-        budget: int | str | None = None,
-        blocks: str | Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, policy: PolicyName | Sequence[str | type] = "all", n: int | None = None,
+                 budget: int | str | None = None, blocks: str | Sequence[str] | None = None) -> None:
         self.targets: list[str | type] | None = None
         if isinstance(policy, str):
             if policy not in POLICIES:
@@ -165,7 +148,6 @@ class ActivationCheckpointing(Reproducible, Callback):
         self.chosen_by_measurement: dict[str, int] | None = None
 
     # --- Lightning hooks ------------------------------------------------------------------------
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -179,10 +161,8 @@ class ActivationCheckpointing(Reproducible, Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        # NOTE: at the first training batch, not in setup: a model built in `configure_model` exists, and every hook
-        # the strategy puts on the blocks (ZeRO-3's gather, FSDP2's unshard, parameter streaming's fetch, which
-        # `lowmem_offload` registers again at `on_train_start`) is registered before ours, so it runs outside the
-        # checkpointed region, once, as without checkpointing (the recompute calls the block's forward)
+        # NOTE: at the first batch, not in setup: a model built in `configure_model` exists, and the strategy's hooks
+        # on the blocks (gather, unshard, fetch) are registered before ours, so they run outside the region, once
         if self._root is None:
             self._apply(pl_module)
             if self._measures(pl_module) and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
@@ -237,14 +217,13 @@ class ActivationCheckpointing(Reproducible, Callback):
         return count
 
     # --- applying the policy --------------------------------------------------------------------
-
     def _check_strategy(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
         problems = []
-        # NOTE: DeepSpeed composes: a block's checkpoint region is its forward, inside its module hooks, so ZeRO-3's
-        # fetch hooks run around the forward, again around the recompute's submodule calls, and its pre-backward
-        # fetch has gathered the block's own parameters before the recompute
-        stage = _zero_stage(strategy) if isinstance(strategy, DeepSpeedStrategy) else 0
+        # NOTE: DeepSpeed composes: the region is the block's forward, inside ZeRO-3's fetch hooks
+        config = getattr(strategy, "config", None) if isinstance(strategy, DeepSpeedStrategy) else None
+        zero = config.get("zero_optimization") if isinstance(config, dict) else None
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
         if self.policy == "sqrt" and stage == 3:
             problems.append(
                 f"policy='sqrt' replays several blocks at once in backward without their module hooks, and under "
@@ -322,11 +301,8 @@ class ActivationCheckpointing(Reproducible, Callback):
             size = max(1, round(math.sqrt(L)))
             self._wrap_segments([blocks[i : i + size] for i in range(0, L, size)])
             return
-        if self.policy == "every_n":
-            chosen = [i for i in range(L) if i % self.n == 0]  # type: ignore[operator]
-        else:
-            chosen = list(range(L))
-        self._wrap_blocks(chosen, selective=self.policy == "selective")
+        step = self.n if self.policy == "every_n" else 1
+        self._wrap_blocks(list(range(0, L, step)), selective=self.policy == "selective")  # type: ignore[arg-type]
 
     def _wrap_blocks(self, indices: list[int], selective: bool = False) -> None:
         for segment, i in enumerate(indices):
@@ -358,11 +334,8 @@ class ActivationCheckpointing(Reproducible, Callback):
     def _log(self, segments: list[int] | None = None) -> None:
         kinds = sorted({type(m).__name__ for _, m in self._block_list})
         how = f" in {len(segments)} segments of {segments}" if segments else ""
-        msg = (
-            f"ActivationCheckpointing(policy={self.policy!r}): checkpointing {len(self.wrapped)} of "
-            f"{len(self._block_list)} blocks ({', '.join(kinds)}){how}: {', '.join(self.wrapped) or 'none'}"
-        )
-        rank_zero_info(msg)
+        rank_zero_info(f"ActivationCheckpointing(policy={self.policy!r}): checkpointing {len(self.wrapped)} of "
+                       f"{len(self._block_list)} blocks ({', '.join(kinds)}){how}: {', '.join(self.wrapped) or 'none'}")
 
     def _prepare_hf(self, root: nn.Module) -> None:
         """Hugging Face models: no double checkpointing, no KV cache while training."""
@@ -370,8 +343,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             config = getattr(module, "config", None)
             # NOTE: transformers 5 renamed gradient_* to activation_* (the old names warn); accept both.
             is_on = getattr(module, "is_activation_checkpointing", None)
-            if is_on is None:
-                is_on = getattr(module, "is_gradient_checkpointing", False)
+            is_on = getattr(module, "is_gradient_checkpointing", False) if is_on is None else is_on
             disable = getattr(module, "activation_checkpointing_disable", None) or getattr(
                 module, "gradient_checkpointing_disable", None
             )
@@ -386,7 +358,6 @@ class ActivationCheckpointing(Reproducible, Callback):
                 config.use_cache = False
 
     # --- models without repeated blocks ----------------------------------------------------------
-
     def _choose_by_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         """Blocks for a model with no repeated blocks: the largest submodules whose checkpointing frees memory."""
         self._pending_choice = False
@@ -409,7 +380,6 @@ class ActivationCheckpointing(Reproducible, Callback):
             self._apply_policy()
 
     # --- budget ---------------------------------------------------------------------------------
-
     def _measure_and_choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._block_list:
             self.measured = {}
@@ -450,14 +420,6 @@ def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]], chose
     rank_zero_warn(f"ActivationCheckpointing: not checkpointing inside torch.compile-d modules ({names}): {why}. "
                    f"To checkpoint them: {fix}.")
     return kept
-
-
-def _zero_stage(strategy: Any) -> int:
-    """The ZeRO stage of a DeepSpeed strategy's config (0 when it has none)."""
-    config = getattr(strategy, "config", None)
-    zero = config.get("zero_optimization") if isinstance(config, dict) else None
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    return stage if isinstance(stage, int) else 0
 
 
 def choose_for_budget(outside: int, blocks: list[int], inputs: list[int], budget: int) -> tuple[list[int] | None, int]:

@@ -1,18 +1,10 @@
 """Checkpointing a module through its forward hooks: the module tree, parameter names and ``state_dict`` keys unchanged.
 
-A block checkpointed on its own gets a :class:`BlockCheckpoint`: its forward pre-hook (the module's last) enters
-torch's non-reentrant checkpoint and its forward hook (the module's first) leaves it, so the checkpointed region is
-exactly the module's ``forward``, as ``torch.utils.checkpoint.checkpoint(module.forward, ...)`` around it would make
-it (torch's composable ``checkpoint`` works the same way). The recompute calls ``module.forward``: hooks that other
-techniques registered on the module itself (ZeRO-3's gather, parameter streaming's fetch, FSDP2's unshard) run
-outside the region, once, as they do without checkpointing; the callback registers its hooks at ``on_fit_start``,
-after the strategy registered those.
-
-Each recompute runs on a copy of the buffers its forward found (:class:`RecomputeBuffers`), and every tensor the
-forward saved keeps autograd's in-place check (``core.saved_versions.CheckedSaves``).
-
-For other techniques: :func:`checkpoint_info` tells whether a module is checkpointed and whether it is a *boundary*
-(the tensors passed to it are what the checkpoint keeps for backward); :func:`checkpointed_modules` lists them.
+A :class:`BlockCheckpoint`'s pre-hook (the module's last) enters torch's non-reentrant checkpoint and its forward
+hook (the module's first) leaves it: the region is exactly ``module.forward``, so other techniques' hooks on the
+module (ZeRO-3's gather, parameter streaming's fetch, FSDP2's unshard) run outside it, once. Each recompute runs on a
+copy of the buffers its forward found (:class:`RecomputeBuffers`); :func:`checkpoint_info` and
+:func:`checkpointed_modules` tell other techniques what is checkpointed.
 """
 
 from __future__ import annotations
@@ -34,21 +26,13 @@ from lightning_lowmem.core.saved_versions import CheckedSaves
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """How a module is checkpointed.
+    """How a module is checkpointed."""
 
-    Attributes:
-        kind: ``"block"`` (recomputed on its own) or ``"segment"`` (recomputed with its segment's other blocks).
-        segment: index of the segment (blocks checkpointed on their own each form a segment of one).
-        position: position of the module inside its segment (0 for the first).
-        is_boundary: True when the module's inputs are kept for backward (the first block of each segment).
-        selective: True when matmul outputs are kept too (selective activation checkpointing).
-    """
-
-    kind: Literal["block", "segment"]
-    segment: int
-    position: int
-    is_boundary: bool
-    selective: bool = False
+    kind: Literal["block", "segment"]  # recomputed on its own, or with its segment's other blocks
+    segment: int  # index of the segment (a block checkpointed on its own is a segment of one)
+    position: int  # position inside its segment
+    is_boundary: bool  # its inputs are kept for backward (the first block of each segment)
+    selective: bool = False  # matmul outputs are kept too
 
 
 class CheckpointHooks:
@@ -66,8 +50,7 @@ class CheckpointHooks:
         """Register on ``module``; False (and nothing changed) when it is checkpointed already."""
         if checkpoint_info(module) is not None:
             return False
-        # NOTE: the last pre-hook and the first forward hook: the region is the forward alone, inside every other
-        # technique's hooks (a saved-tensor hook pair pushed by a pre-hook is popped by its forward hook, in order)
+        # NOTE: the last pre-hook and the first forward hook: the region is the forward alone, inside other hooks
         module.register_forward_pre_hook(self.pre, with_kwargs=True)
         module.register_forward_hook(self.post, prepend=True, always_call=True)
         return True
@@ -118,16 +101,9 @@ def refuse_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 class RecomputeBuffers:
-    """A checkpointed call's buffers: copied before its forward, handed (copied again) to each recompute.
-
-    A block that updates buffers in forward (``BatchNorm``'s running statistics and ``num_batches_tracked``, a
-    module's own counters) would update them a second time in its recompute, and recompute on the updated values
-    (other gradients). Each recompute runs on fresh copies of the buffers the forward found; the tensors the forward
-    left are put back after it (the same objects: references held elsewhere, such as DDP's, stay valid).
-
-    NOTE: BatchNorm's kernel writes its statistics without bumping their version counter, so whether a forward
-    changed a buffer cannot be told cheaply: every buffer of the block is copied, the copies held until its
-    backward. Blocks without buffers (Hugging Face transformer blocks) cost nothing.
+    """A checkpointed call's buffers: copied before its forward, handed (copied again) to each recompute, so that a
+    recompute neither updates ``BatchNorm`` statistics twice nor runs on updated values; the forward's tensors are put
+    back after it (the same objects). NOTE: BatchNorm writes without bumping the version, so every buffer is copied.
     """
 
     __slots__ = ("_before", "_left", "module")
@@ -178,22 +154,15 @@ class _Around:
 
 
 def checkpoint_contexts(buffers: RecomputeBuffers, inner: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:
-    """``torch.utils.checkpoint``'s ``context_fn``: the buffers' forward and recompute contexts around ``inner``'s
-    (selective checkpointing's), the forward's saves checked for in-place changes (``CheckedSaves``).
-
-    NOTE: the buffer copies are made outside ``inner``'s contexts (selective checkpointing's dispatch modes), so they
-    are not operations of the block that those modes would count or cache.
-    """
+    """``torch.utils.checkpoint``'s ``context_fn``: the buffers' contexts around ``inner``'s (selective checkpointing's
+    dispatch modes, which then do not see the copies), the forward's saves checked for in-place changes."""
     forward, recompute = inner() if inner is not None else (None, contextlib.nullcontext())
     return (_Around(buffers.snapshot, lambda: None, CheckedSaves("ActivationCheckpointing", forward)),
             _Around(buffers.swap_in, buffers.swap_out, recompute))
 
 
 class BlockCheckpoint(CheckpointHooks):
-    """The hooks of a module checkpointed on its own (picklable and deep-copyable with it, as its hooks are).
-
-    ``context_fn``: ``torch.utils.checkpoint``'s (selective checkpointing), or None.
-    """
+    """The hooks of a module checkpointed on its own (picklable, deep-copyable); ``context_fn``: selective's or None."""
 
     def __init__(self, info: CheckpointInfo, context_fn: Callable[[], tuple[Any, Any]] | None = None) -> None:
         self.info, self.context_fn = info, context_fn
@@ -206,8 +175,7 @@ class BlockCheckpoint(CheckpointHooks):
             return
         refuse_kv_cache(module, args, kwargs)
         contexts = functools.partial(checkpoint_contexts, RecomputeBuffers(module), self.context_fn)
-        # NOTE: the positional tensors are the checkpoint's saved inputs (ActivationOffload(boundaries_only=True)
-        # moves them to the host); keyword arguments are held by reference, as `torch.utils.checkpoint` holds them
+        # NOTE: positional tensors are the saved inputs (ActivationOffload(boundaries_only=True)); kwargs by reference
         region = torch_internals.checkpoint_region(module.forward, contexts, *args, **kwargs)
         next(region)
         self._open.append(region)

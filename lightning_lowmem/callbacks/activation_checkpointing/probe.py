@@ -1,16 +1,9 @@
 """What blocks save for backward, measured by one ``training_step`` on a fake copy of the module: the run is untouched.
 
-``policy="budget"`` needs the bytes each block saves, and a model without repeated blocks the bytes each submodule
-saves, on the first training batch. Both run ``training_step`` once on a copy of the LightningModule whose
-parameters, buffers and tensor attributes are fake tensors (``FakeTensorMode``: shapes, dtypes and storage sizes, no
-bytes), detached from the Trainer (``self.log`` does nothing there) and without the hooks other techniques registered
-on the module, while a ``saved_tensors_hooks`` pair records what is saved. The user's module, its buffers, metric
-states and parameters, the Trainer and the logs never see it; the RNGs (torch, Python, NumPy) are put back.
-
-Ops on real tensors only (the batch, masks, positions) run for real, so values the model branches on exist; an op
-the fake mode cannot size without values runs on zeros of its inputs' sizes. A step that cannot run on a fake copy
-(it reads ``self.trainer``, steps its optimizers, or needs real values of the weights) is refused with the fix: name
-the blocks. In a dry run (the module is fake already) the step runs on a copy sharing its fake tensors.
+The copy's parameters, buffers and tensor attributes are fake tensors (``FakeTensorMode``), it has no Trainer and no
+hooks of other techniques, and a ``saved_tensors_hooks`` pair records what is saved; the RNGs are put back. Ops on
+real tensors only (the batch) run for real; an op the fake mode cannot size runs on zeros. A step that cannot run
+there is refused with the fix (name the blocks). See docs/techniques/activation-checkpointing.md.
 """
 
 from __future__ import annotations
@@ -129,11 +122,8 @@ def _rng_kept(device: torch.device) -> Iterator[None]:
 def run_on_fake_copy(pl_module: pl.LightningModule, batch: Any, batch_idx: int,
                      attach: Callable[[pl.LightningModule, set[tuple[str, int]]], tuple[Pack, list[Any]]]) -> None:
     """``training_step`` once on a fake copy of ``pl_module``, its saves given to the ``pack`` that ``attach(copy,
-    keys of the copy's parameters and buffers)`` returns with the hook handles it registered on the copy.
-
-    Raises:
-        ValueError: the step cannot run on a fake copy (the cause chained), with the fix.
-    """
+    keys of the copy's parameters and buffers)`` returns with its hooks' handles; ``ValueError`` (the cause chained,
+    with the fix) when the step cannot run there."""
     fake = not any(torch_internals.is_fake(p) for p in pl_module.parameters())
     fake_mode = torch_internals.FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     try:
@@ -168,6 +158,16 @@ def run_on_fake_copy(pl_module: pl.LightningModule, batch: Any, batch_idx: int,
         ) from err
 
 
+def _hook(modules: list[tuple[Any, nn.Module]], pre: Callable[[Any, Any, Any], None],
+          post: Callable[[], None]) -> list[Any]:
+    """A pre-hook ``pre(key, args, kwargs)`` and a forward hook ``post()`` on each ``(key, module)``; their handles."""
+    handles = []
+    for key, module in modules:
+        handles.append(module.register_forward_pre_hook(lambda m, a, k, key=key: pre(key, a, k), with_kwargs=True))
+        handles.append(module.register_forward_hook(lambda m, a, o: post(), always_call=True))
+    return handles
+
+
 def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[str], batch: Any, batch_idx: int) -> dict[str, Any]:
     """Bytes of distinct storages saved for backward outside the blocks, inside each block (by qualified name), and of
     each block's input (its first floating-point tensor argument); parameters and buffers are not counted."""
@@ -192,24 +192,18 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[str], batch:
                 seen_outside.add(key)
                 outside += nbytes
 
-        def pre(module: nn.Module, args: Any, kwargs: Any, index: int) -> None:
+        def pre(index: int, args: Any, kwargs: Any) -> None:
             current.append(index)
             seen_block.clear()
             first = next((t for t in tensors_in(args) if t.is_floating_point()), None)
             inputs[index] = 0 if first is None else first.untyped_storage().nbytes()
 
-        def post(module: nn.Module, args: Any, output: Any) -> None:
+        def post() -> None:
             if current:
                 current.pop()
             seen_block.clear()
 
-        handles = []
-        for index, name in enumerate(blocks):
-            block = replica.get_submodule(name)
-            handles.append(block.register_forward_pre_hook(
-                lambda m, a, k, index=index: pre(m, a, k, index), with_kwargs=True))
-            handles.append(block.register_forward_hook(post, always_call=True))
-        return pack, handles
+        return pack, _hook([(i, replica.get_submodule(name)) for i, name in enumerate(blocks)], pre, post)
 
     run_on_fake_copy(pl_module, batch, batch_idx, attach)
     return {"outside": outside, "blocks": per_block, "block_inputs": inputs}
@@ -217,7 +211,7 @@ def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[str], batch:
 
 @dataclasses.dataclass
 class ModuleActivations:
-    """What one submodule's forward calls save for backward, from :func:`measure_submodules`."""
+    """What one submodule's forward calls save for backward (:func:`measure_submodules`)."""
 
     name: str
     order: int  # position of its first call in the forward
@@ -231,11 +225,8 @@ class ModuleActivations:
 
 
 def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> tuple[dict[str, ModuleActivations], int]:
-    """Activation bytes saved for backward inside each called submodule (inclusive of its children), and in total.
-
-    A storage counts for every module running when it is *first* saved: a module's input saved again inside it
-    belongs to whoever saved it first.
-    """
+    """Activation bytes saved for backward inside each called submodule (children included), and in total; a storage
+    counts for every module running when it is *first* saved."""
     stack: list[ModuleActivations] = []
     found: dict[str, ModuleActivations] = {}
     seen: set[tuple[str, int]] = set()
@@ -253,7 +244,7 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
             for entry in {id(e): e for e in stack}.values():
                 entry.saved += nbytes
 
-        def pre(module: nn.Module, args: Any, kwargs: Any, name: str) -> None:
+        def pre(name: str, args: Any, kwargs: Any) -> None:
             entry = found.get(name)
             if entry is None:
                 entry = found[name] = ModuleActivations(name, len(found), 0, 0)
@@ -261,30 +252,20 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
             entry.inputs += sum(t.untyped_storage().nbytes() for k, t in kept.items() if k not in states)
             stack.append(entry)
 
-        def post(module: nn.Module, args: Any, output: Any) -> None:
+        def post() -> None:
             if stack:
                 stack.pop()
 
-        handles = []
-        for name, module in replica.named_modules():
-            if name:
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, k, name=name: pre(m, a, k, name), with_kwargs=True))
-                handles.append(module.register_forward_hook(post, always_call=True))
-        return pack, handles
+        return pack, _hook([(n, m) for n, m in replica.named_modules() if n], pre, post)
 
     run_on_fake_copy(pl_module, batch, batch_idx, attach)
     return found, total
 
 
 def choose_submodules(root: nn.Module, measured: dict[str, ModuleActivations], total: int) -> list[str]:
-    """The blocks for a model without repeated blocks: the largest submodules whose checkpointing frees memory.
-
-    From the top of the module tree, each called submodule is a block if checkpointing it frees at least 1% of all
-    activations, unless it saves more than half of them and has called submodules: then (recomputing it would bring
-    most of the peak back in backward) the blocks are looked for among its children first, and it is taken itself
-    only if none qualifies. Returns names in call order.
-    """
+    """The blocks for a model without repeated blocks, in call order: from the top, each called submodule whose
+    checkpointing frees at least 1% of all activations; one saving more than half of them is split into its children
+    first (recomputing it would bring most of the peak back), and taken itself only if none qualifies."""
     names = set(measured)
     least = max(1, total // 100)  # NOTE: a wrapper that frees less is not worth its recompute
 

@@ -1,18 +1,10 @@
-"""Checkpointing a *segment* of consecutive blocks as one unit, without changing the model's code.
+"""Checkpointing a *segment* of consecutive blocks as one unit (``policy="sqrt"``), without changing the model's code.
 
-``torch.utils.checkpoint`` needs one function that runs the whole region, but a model's ``forward`` calls its
-blocks one by one (``for block in self.h: x = block(x, ...)``). Here each block of a segment gets forward hooks
-(:class:`SegmentBlock`) that record its call: the first block's pre-hook opens torch's non-reentrant checkpoint
-(``checkpoint_region``: the segment's input is what it keeps), the last block's forward hook closes it, and the
-recompute replays the recorded block calls (block k's output feeding block k+1 as in forward, each call on the RNG
-state and the buffers its forward found). Only each segment's input stays alive: the O(sqrt L) trade of
-``policy="sqrt"``.
-
-Tensors saved by the model's own code *between* two blocks of a segment are kept as usual (a saved-tensor hook pair
-that keeps them, with autograd's in-place check, is on top there), so any code between the blocks is allowed and
-the replay saves what the blocks saved. A segment is closed early (still correct, less saving) if blocks are called
-out of order, and in all cases when the module that owns the blocks returns or raises. The replay calls each block's
-``forward``, not its module hooks: segments must not span FSDP units.
+Each block gets forward hooks (:class:`SegmentBlock`) that record its call: the first block's pre-hook opens torch's
+non-reentrant checkpoint (the segment's input is what it keeps), the last block's forward hook closes it, and the
+recompute replays the recorded calls (each on the RNG state and buffers its forward found). The model's own saves
+between two blocks are kept as usual. A segment closes early if blocks run out of order, and always when the module
+owning the blocks returns. The replay calls ``forward``, not module hooks: segments must not span FSDP units.
 """
 
 from __future__ import annotations

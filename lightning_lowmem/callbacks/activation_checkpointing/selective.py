@@ -1,12 +1,8 @@
-"""Selective activation checkpointing's policy: which ops' outputs a checkpointed block keeps for backward.
+"""Selective activation checkpointing's policy: keep matmul-like outputs (``SELECTIVE_SAVE_OPS``), recompute the rest.
 
-The policy keeps the outputs of matmul-like ops (``SELECTIVE_SAVE_OPS``) and recomputes everything else. A kept
-output is an alias of the forward's tensor, so an op that later modifies it in place (its storage) changes what
-backward reads: torch's check then fails in backward with an unexplained "has been mutated", or, through views that
-do not share a version counter (``unsafe_chunk``, as in the CPU GRU kernel), backward silently reads the modified
-value. Recurrent layers do exactly that (the CPU kernels add to the ``addmm`` of the gates in place), so blocks that
-hold one are recomputed whole (:func:`holds_recurrent_layer`); any other in-place change of a kept output is refused
-in the forward that makes it (before the optimizer step), naming the op and the fix (:class:`SelectivePolicy`).
+A kept output is an alias of the forward's tensor, so an in-place change of it changes what backward reads (torch's
+check fails, or through ``unsafe_chunk`` views backward silently reads the new value). Recurrent layers do that, so
+blocks holding one are recomputed whole; any other in-place change of a kept output is refused in its forward.
 """
 
 from __future__ import annotations
@@ -55,7 +51,6 @@ def holds_recurrent_layer(module: nn.Module) -> str | None:
 
 def _written(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an in-place op writes (its arguments whose schema says ``Tensor(a!)``)."""
-    # NOTE: `OpOverload._schema` (torch's own way to tell written arguments; no public equivalent)
     written = []
     for i, arg in enumerate(torch_internals.op_arguments(op)):
         if arg.alias_info is None or not arg.alias_info.is_write:
@@ -66,12 +61,8 @@ def _written(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class SelectivePolicy:
-    """The policy of one checkpointed call: keep matmul-like outputs, refuse an in-place change of one of them.
-
-    One instance per call (:func:`selective_contexts`): it remembers, by storage (the StorageImpl, fake-tensor
-    safe), the outputs it kept in this forward. A kept storage stays alive until backward consumes it, so a key
-    cannot be reused by another tensor meanwhile.
-    """
+    """The policy of one checkpointed call: keep matmul-like outputs, refuse an in-place change of one of them (kept
+    storages, by key, stay alive until backward: a key is not reused meanwhile)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[str, int], str] = {}

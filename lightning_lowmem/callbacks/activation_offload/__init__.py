@@ -1,7 +1,4 @@
-"""``ActivationOffload``: saved activations to host memory in forward, back in backward.
-
-``callback`` is the callback; ``engine`` the saved-tensor hooks, ``copiers`` the device-host copies.
-"""
+"""``ActivationOffload``: saved activations to host memory in forward, back in backward."""
 
 from lightning_lowmem.callbacks.activation_offload.callback import METRIC_KEYS, ActivationOffload
 

@@ -31,8 +31,7 @@ from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.streams import CudaOps, cpu_ops
 from lightning_lowmem.core.tensors import tensors_in
 
-# NOTE: leave this share of the machine's RAM free; the host copies of one step are all alive at the end of
-# the forward pass, and running the host out of memory kills the process (or every rank of a node) outright.
+# NOTE: leave this share of the machine's RAM free: running the host out of memory kills the process outright
 _HOST_RAM_RESERVE = 0.10
 
 METRIC_KEYS = (
@@ -68,28 +67,20 @@ class ActivationOffload(Reproducible, Callback):
 
     Saves: the activations of the training step on the compute device, down to the tensors kept in place
     (smaller than ``min_bytes``, parameters, buffers, the batch). With ``boundaries_only=True`` and activation
-    checkpointing, only the inputs of the checkpointed blocks go to the host and everything inside is
-    recomputed, so the device keeps one block's activations plus the boundary being worked on: the smallest
-    activation footprint of the suite.
+    checkpointing only the checkpointed blocks' inputs go to the host: the smallest activation footprint of the suite.
     Costs: host RAM for every offloaded byte, a device-to-host copy in forward and a host-to-device copy in
-    backward. On CUDA both run on a side stream into pinned buffers and backward prefetches the next
-    ``prefetch`` tensors, so copies hide behind compute when it is long enough; on the CPU the same logic runs
-    with plain copies (host copies are marked with :func:`~lightning_lowmem.core.accounting.mark_host`, so
-    trackers count them in the host role). Evaluation and prediction are left alone.
+    backward (on CUDA on a side stream into pinned buffers, with ``prefetch``, so copies hide behind long enough
+    compute). Evaluation and prediction are left alone (docs/techniques/activation-offload.md).
 
     Args:
         min_bytes: saved tensors smaller than this many bytes stay on the device (their copies cost more in
             launch overhead than they free). Default: 1024.
-        pin_memory: host copies in pinned memory (fast asynchronous copies; pinned RAM is a limited resource).
-            ``None``: pin when training on CUDA. If pinning is impossible (no CUDA device, or the OS refuses
-            locked memory), copies fall back to pageable memory with one warning.
-        prefetch: how many copies may be in flight ahead of compute: backward restores this many saved tensors
-            before they are asked for, and forward lets this many device-to-host copies run before compute
-            waits for the oldest. More overlap costs that many tensors of device memory. 0: restore on demand.
-        boundaries_only: offload only the inputs that ``torch.utils.checkpoint`` saves for checkpointed blocks
-            (with :class:`~lightning_lowmem.ActivationCheckpointing`'s per-block policies, a model's own gradient
-            checkpointing, or ``torch.utils.checkpoint`` called directly); everything else saved stays on the
-            device. The ``"sqrt"`` policy's segments keep their inputs by reference, out of reach of the hooks.
+        pin_memory: host copies in pinned memory (fast asynchronous copies). ``None``: pin when training on CUDA;
+            where pinning is impossible, pageable memory with one warning.
+        prefetch: copies in flight ahead of compute (backward restores, forward device-to-host copies); each costs a
+            tensor of device memory. 0: restore on demand.
+        boundaries_only: offload only the inputs ``torch.utils.checkpoint`` saves for checkpointed blocks (not the
+            ``"sqrt"`` policy's segments, which keep theirs by reference); everything else stays on the device.
 
     Logged once per optimizer step (``on_step``), summed over the micro-batches of the step:
 
@@ -113,13 +104,8 @@ class ActivationOffload(Reproducible, Callback):
         tensor(True)
     """
 
-    def __init__(
-        self,
-        min_bytes: int = 1024,
-        pin_memory: bool | None = None,
-        prefetch: int = 2,
-        boundaries_only: bool = False,
-    ) -> None:
+    def __init__(self, min_bytes: int = 1024, pin_memory: bool | None = None, prefetch: int = 2,
+                 boundaries_only: bool = False) -> None:
         wrong_type, wrong_value = [], []
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
             wrong_type.append(f"Passed `min_bytes={min_bytes!r}`; expected an int number of bytes (0 or more).")
@@ -150,7 +136,6 @@ class ActivationOffload(Reproducible, Callback):
         self._checked_boundaries = False
 
     # -- setup ----------------------------------------------------------------------------------------------
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer of ActivationOffload")
@@ -163,14 +148,9 @@ class ActivationOffload(Reproducible, Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
-        self.engine = SavedTensorOffloader(
-            device,
-            self._make_copier(device),
-            min_bytes=self.min_bytes,
-            prefetch=self.prefetch,
-            boundaries_only=self.boundaries_only,
-            before_host_alloc=self._watch_host_ram,
-        )
+        self.engine = SavedTensorOffloader(device, self._make_copier(device), min_bytes=self.min_bytes,
+                                           prefetch=self.prefetch, boundaries_only=self.boundaries_only,
+                                           before_host_alloc=self._watch_host_ram)
 
     def _make_copier(self, device: torch.device) -> SyncCopier:
         if device.type != "cuda":
@@ -195,7 +175,6 @@ class ActivationOffload(Reproducible, Callback):
         return StreamCopier(device, CudaOps(device, pin_memory=pin))
 
     # -- the training batch ----------------------------------------------------------------------------------
-
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         engine = self._require_engine()
@@ -224,7 +203,7 @@ class ActivationOffload(Reproducible, Callback):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # NOTE: with manual optimization a training_step may run another forward after `manual_backward`.
+        # NOTE: with manual optimization a training_step may run another forward after `manual_backward`
         if not pl_module.automatic_optimization:
             self._enter()
 
@@ -235,9 +214,8 @@ class ActivationOffload(Reproducible, Callback):
             self._stepped = True
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self._exit()
         if not self._stepped:
             return  # accumulating: the counts go on summing over the next micro-batch
@@ -260,7 +238,6 @@ class ActivationOffload(Reproducible, Callback):
         self._exit()
 
     # -- reporting -------------------------------------------------------------------------------------------
-
     def memory_breakdown(self) -> MemoryBreakdown:
         """Host-role activations: the host RAM the copies held in the current step, else the last (the most bytes alive
         at once; on CUDA as the pinned allocator holds them: rounded to powers of two and cached)."""
@@ -270,7 +247,6 @@ class ActivationOffload(Reproducible, Callback):
         return out
 
     # -- helpers ---------------------------------------------------------------------------------------------
-
     def _require_engine(self) -> SavedTensorOffloader:
         if self.engine is None:  # a hook called outside `fit` (e.g. a test driving hooks by hand)
             raise RuntimeError("ActivationOffload: `on_train_start` has not run; use the callback through `Trainer.fit`.")

@@ -1,9 +1,5 @@
-"""The copy seam of the saved-tensor offload engine (``callbacks.activation_offload.engine``): where the bytes actually move.
-
-:class:`SyncCopier` makes plain synchronous copies (the CPU path, fully tested); :class:`StreamCopier` copies on a
-side stream into host buffers (pinned where the ops pin), synchronised with events: on CUDA through
-:class:`~lightning_lowmem.core.streams.CudaOps`, in the CPU tests through :class:`~lightning_lowmem.core.streams.DeferredOps`.
-"""
+"""The copy seam of the offload engine: :class:`SyncCopier` (plain copies, the CPU path) and :class:`StreamCopier`
+(a side stream and events: ``CudaOps`` on CUDA, ``DeferredOps`` in the CPU tests)."""
 
 from __future__ import annotations
 
@@ -19,11 +15,8 @@ from lightning_lowmem.core.units import fmt_bytes
 
 
 def host_buffer(allocate: Callable[[], torch.Tensor], nbytes: int, pinned: bool) -> torch.Tensor:
-    """``allocate()``, with a failure reported as host RAM (:class:`HostMemoryError`), not as a device OOM.
-
-    NOTE: a failed ``cudaHostAlloc`` raises "CUDA error: out of memory", which Lightning's ``is_oom_error`` (and so
-    a batch splitter) takes for device memory; a smaller batch would not cure it.
-    """
+    """``allocate()``, with a failure reported as host RAM (:class:`HostMemoryError`): a failed ``cudaHostAlloc``
+    raises "CUDA error: out of memory", which Lightning takes for device memory."""
     try:
         return allocate()
     except RuntimeError as err:
@@ -65,11 +58,8 @@ class SyncCopier:
 
 
 class StreamCopier(SyncCopier):
-    """Copies on a side stream, into host buffers (pinned where the ops pin), synchronised with events.
-
-    ``ops``: :class:`~lightning_lowmem.core.streams.CudaOps` on CUDA; the CPU tests run this same class on
-    :class:`~lightning_lowmem.core.streams.DeferredOps`, whose copies land only when the host or compute must see them.
-    """
+    """Copies on a side stream, into host buffers (pinned where the ops pin), synchronised with events (``ops``:
+    ``CudaOps`` on CUDA, ``DeferredOps`` in the CPU tests)."""
 
     def __init__(self, device: torch.device, ops: StreamOps) -> None:
         self.device = device
@@ -84,16 +74,14 @@ class StreamCopier(SyncCopier):
     @override
     def to_host_into(self, src_bytes: torch.Tensor, host: torch.Tensor) -> Any:
         ops = self.ops
-        # NOTE: the source was written by kernels queued on the compute stream; without this wait the side
-        # stream could copy it before they ran (a read-before-write race).
+        # NOTE: the source was written on the compute stream: the side stream waits for it (read-before-write race)
         ops.wait_stream(self.side, ops.compute_stream())
         ops.copy(host, src_bytes, self.side)
         return ops.record_event(self.side)
 
     @override
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
-        # NOTE: the destination is allocated from the side stream's pool and the host buffer was written on the
-        # side stream, so no wait on the compute stream is needed here; the consumer waits on the event.
+        # NOTE: all on the side stream, so no wait on compute here; the consumer waits on the event
         restored = self.ops.to_device(host, device, self.side)
         return restored, self.ops.record_event(self.side)
 
@@ -109,9 +97,7 @@ class StreamCopier(SyncCopier):
             # NOTE: a GPU-side wait, not a host sync: compute kernels queued from now on start after the copy.
             ops.wait_event(compute, event)
         if tensor is not None:
-            # NOTE: ``tensor`` was allocated on the side stream; when we and autograd drop it, the allocator
-            # could hand its block to the next side-stream copy while compute kernels still read it.
-            # ``record_stream`` defers that reuse until the compute work queued so far has finished.
+            # NOTE: allocated on the side stream: ``record_stream`` keeps its block from reuse while compute reads it
             ops.record_stream(tensor, compute)
 
 

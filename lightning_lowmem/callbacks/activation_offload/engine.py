@@ -1,22 +1,9 @@
-"""The saved-tensor offload engine behind :class:`~lightning_lowmem.callbacks.activation_offload.callback.ActivationOffload`.
+"""The saved-tensor offload engine behind ``ActivationOffload``: the pack/unpack hooks, one host copy per
+(storage, version), the backward's prefetch queue and the byte counts; the copies go through ``copiers``.
 
-:class:`SavedTensorOffloader` holds the pack/unpack logic of a ``saved_tensors_hooks`` pair: which saved
-tensors go to the host, one host copy per storage, the prefetch queue of the backward pass, and the byte
-counts. The copies themselves go through a small seam: :class:`SyncCopier` (plain copies; the CPU path,
-fully tested) or :class:`StreamCopier` (a side stream, pinned host buffers, events; on CUDA, or on the CPU
-stand-in :class:`~lightning_lowmem.core.streams.DeferredOps` in tests). Both run the same bookkeeping, so the CPU
-tests exercise every decision the CUDA path makes.
-
-A saved tensor is packed as a :class:`_Packed` handle pointing at a :class:`_StorageEntry`: the whole
-storage behind the tensor is copied once per (storage, version), and every tensor saved from it (views,
-the same tensor saved by two ops) is restored in backward as a view of one restored storage.
-
-The version counter does not always tell that a storage changed: views made without autograd's view tracking
-(``unsafe_chunk``/``unsafe_split``, which the recurrent cells of ``nn.GRU``/``nn.LSTM`` use for their gates, or
-``.data``) have version counters of their own, so one gate is written in place *after* another gate of the same
-storage was saved, with no version the engine could see change. What stays true (autograd relies on it) is that
-the elements of a saved tensor do not change between its save and its backward. So a save that hits an existing
-copy has its own bytes copied again unless they lie within saves made densely before (:meth:`_StorageEntry.covers`).
+Every tensor saved from one storage (views, repeats) is restored as a view of one restored storage. Views made
+without autograd's view tracking (``unsafe_chunk``, as ``nn.GRU``'s gates) change a storage without a version
+change, so a save that hits an existing copy has its bytes copied again unless dense saves cover them.
 """
 
 from __future__ import annotations
@@ -42,7 +29,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter, torch_internals.FakeTensor)
 
 
 # --- bookkeeping -----------------------------------------------------------------------------------------------
-
 
 @dataclass
 class OffloadStats:
@@ -82,11 +68,8 @@ class _StorageEntry:
         self.covered: list[tuple[int, int]] = []  # sorted, disjoint byte ranges of saves that fill their extent
 
     def covers(self, start: int, end: int) -> bool:
-        """Whether bytes ``[start, end)`` lie within the ranges of dense saves of this copy.
-
-        NOTE: those bytes belong to saved tensors, whose elements do not change until backward, so the host copy
-        holds their current values; any other byte of the storage may have changed through an untracked alias.
-        """
+        """Whether bytes ``[start, end)`` lie within dense saves of this copy (saved elements do not change until
+        backward; other bytes may, through an untracked alias)."""
         for lo, hi in self.covered:
             if lo <= start < hi:
                 return end <= hi
@@ -103,8 +86,7 @@ class _StorageEntry:
         self.covered = merged
 
     def __del__(self) -> None:
-        # NOTE: the host copy lives as long as a saved-tensor handle refers to it (autograd frees the handles
-        # node by node in backward, or with the graph); host byte accounting follows that lifetime.
+        # NOTE: the host copy lives as long as a saved-tensor handle refers to it; the accounting follows
         owner = self.owner
         if owner is not None:
             owner._host_bytes_live -= self.nbytes
@@ -151,32 +133,15 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class SavedTensorOffloader:
-    """Pack/unpack hooks that move saved activations to host memory in forward and back in backward.
+    """Pack/unpack hooks that move saved activations to host memory in forward and back in backward; :meth:`hooks`
+    around the forward, :meth:`begin_step` with the tensors never offloaded (parameters, buffers, batch) per step.
 
-    Args:
-        device: the compute device; saved tensors elsewhere are left alone.
-        copier: :class:`SyncCopier` (CPU, plain copies) or :class:`StreamCopier`.
-        min_bytes: saved tensors smaller than this stay where they are.
-        prefetch: forward: host copies allowed in flight before compute waits for the oldest (CUDA);
-            backward: restores issued ahead of need, in reverse pack order. 0 restores on demand only.
-        boundaries_only: offload only the inputs ``torch.utils.checkpoint`` saves for its blocks.
-        before_host_alloc: called before each host copy with the new host RAM it takes (0 where the pinned cache
-            serves it) and the RAM the copies hold already (the host-RAM watch of the callback).
-
-    Use :meth:`hooks` as a context manager around the forward pass; call :meth:`begin_step` with the storages
-    that must never be offloaded (parameters, buffers, the batch) before each training batch.
+    ``device``: the compute device (saved tensors elsewhere stay); ``min_bytes``, ``prefetch``, ``boundaries_only``
+    as ``ActivationOffload``'s; ``before_host_alloc(new host bytes, bytes held)`` before each host copy.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        copier: SyncCopier,
-        *,
-        min_bytes: int = 1024,
-        prefetch: int = 2,
-        boundaries_only: bool = False,
-        before_host_alloc: Callable[[int, int], None] | None = None,
-    ) -> None:
+    def __init__(self, device: torch.device, copier: SyncCopier, *, min_bytes: int = 1024, prefetch: int = 2,
+                 boundaries_only: bool = False, before_host_alloc: Callable[[int, int], None] | None = None) -> None:
         self.device = torch.device(device)
         self.copier = copier
         self.min_bytes = min_bytes
@@ -198,7 +163,6 @@ class SavedTensorOffloader:
         self._cursor = -1
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -222,8 +186,7 @@ class SavedTensorOffloader:
 
     def _begin_forward(self) -> None:
         if self._phase == "backward":
-            # NOTE: the last backward did not finish (an OOM raised inside it: autograd runs queued callbacks only
-            # on success), so `_end_backward` never ran: drop the device copies it held before this forward.
+            # NOTE: the last backward raised (an OOM), so `_end_backward` never ran: drop its device copies now
             self._end_backward()
         self._phase = "forward"
         self._by_storage.clear()
@@ -258,13 +221,11 @@ class SavedTensorOffloader:
         inflight = self._fwd_inflight
         while inflight and (len(inflight) > limit or self.copier.done(inflight[0][1])):
             src, event = inflight.popleft()
-            # NOTE: the side stream may still be reading ``src``; once we drop it the allocator can hand its
-            # block to the next compute-stream kernel, so compute must wait for the copy first.
+            # NOTE: the side stream may still read ``src``: compute waits for the copy before its block is reused
             self.copier.compute_waits(event)
             del src
 
     # -- pack -----------------------------------------------------------------------------------------------
-
     def _keep(self, t: torch.Tensor, caller: Any) -> bool:
         """Whether a saved tensor stays in place; counts the kept bytes."""
         if type(t) not in _PLAIN or t.layout != torch.strided or t.device != self.device:
@@ -287,9 +248,8 @@ class SavedTensorOffloader:
         if self._keep(t, frames.caller_frame()):
             return SavedVersion(t, keep=True)  # NOTE: autograd's in-place check, which our hooks turn off (see unpack)
         storage = t.untyped_storage()
-        # NOTE: keyed by storage *and* version: a storage changed in place after one save and saved again needs
-        # a second copy. The weak storage ref keeps the StorageImpl address from being reused by another
-        # storage while the key is in the map (its memory is still freed when the last tensor on it dies).
+        # NOTE: keyed by storage *and* version (changed in place, saved again: a second copy); the weak storage ref
+        # keeps the StorageImpl address from being reused while the key is in the map
         key = (torch_internals.storage_key(storage), torch_internals.tensor_version(t))
         hit = self._by_storage.get(key)
         start, end, dense = _extent(t)
@@ -324,20 +284,14 @@ class SavedTensorOffloader:
         stats.storages_offloaded += 1
         stats.host_bytes_peak = max(stats.host_bytes_peak, self._host_bytes_live)
         stats.host_bytes_reserved = max(stats.host_bytes_reserved, cache.reserved)
-        # NOTE: on CUDA the device source must outlive the side-stream copy; on CPU the copy is done already
-        # and the source is dropped here, so the compute-role copy is freed once autograd lets go of it.
+        # NOTE: on CUDA the device source must outlive the side-stream copy
         self._fwd_inflight.append((src, event))
         self._drain_forward(limit=max(self.prefetch, 1))
         return entry
 
     def _recopy(self, entry: _StorageEntry, t: torch.Tensor, start: int, end: int) -> None:
-        """Copy the bytes ``t`` spans into the existing host copy ``entry``: they may have changed since it was made.
-
-        NOTE: without this, ``nn.GRU`` trained wrong: its cell writes one gate in place (through an ``unsafe_chunk``
-        view with a version counter of its own) after another gate of the same storage was saved, and the second
-        gate's save came back from the first save's copy. Bytes of other saves that the range overlaps are written
-        again with the values they still hold.
-        """
+        """Copy the bytes ``t`` spans into the existing host copy ``entry``: they may have changed since it was made
+        (``nn.GRU`` writes a gate through an ``unsafe_chunk`` view after another gate of its storage was saved)."""
         src = _storage_bytes(t)[start:end]
         event = self.copier.to_host_into(src, entry.host[start:end])
         self.stats.bytes_recopied += end - start
@@ -345,7 +299,6 @@ class SavedTensorOffloader:
         self._drain_forward(limit=max(self.prefetch, 1))
 
     # -- unpack ---------------------------------------------------------------------------------------------
-
     def unpack(self, packed: Any) -> torch.Tensor:
         # NOTE: [in-place check] autograd does not check the version of tensors packed by hooks: a module that
         # changed a saved tensor in place would train on other values here, where plain PyTorch raises
@@ -372,8 +325,7 @@ class SavedTensorOffloader:
             out.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         entry.pending -= 1
         if entry.pending <= 0:
-            # NOTE: every save of this storage has been handed to autograd, which keeps what it still needs;
-            # holding it longer would keep device memory alive. A second backward (retain_graph) restores again.
+            # NOTE: every save of this storage is with autograd now; a second backward (retain_graph) restores again
             entry.pending = 0
             entry.restored = None
             self._held.discard(entry)
@@ -388,12 +340,8 @@ class SavedTensorOffloader:
             self.stats.prefetched += 1
 
     def _prefetch_before(self, index: int) -> None:
-        """Restore, up to ``prefetch`` ahead, what backward is expected to ask for next.
-
-        Backward meets saved tensors roughly in reverse pack order, but one node unpacks its own saves in pack
-        order (attention saves q, k, v, out and asks for them in that order). So when backward jumps below the
-        frontier, the entries it skipped over are restored first, then the frontier walks down.
-        """
+        """Restore, up to ``prefetch`` ahead, what backward asks for next: roughly reverse pack order, but one node
+        unpacks its saves in pack order, so after a jump below the frontier the skipped entries come first."""
         frontier = self._cursor
         if index < frontier:
             self._cursor = index

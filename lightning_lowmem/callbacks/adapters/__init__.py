@@ -1,7 +1,4 @@
-"""``Adapters``: LoRA/DoRA adapters (PEFT) on a frozen base, optionally quantized with bitsandbytes.
-
-``callback`` is the callback; ``quantize_base`` replaces the frozen base's linears by 4-/8-bit ones.
-"""
+"""``Adapters``: LoRA/DoRA adapters (PEFT) on a frozen base, optionally quantized with bitsandbytes."""
 
 from lightning_lowmem.callbacks.adapters.callback import Adapters
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
 from lightning_lowmem.callbacks.adapters.quantize_base import QUANT_TYPES, quantize_linears
+from lightning_lowmem.core.atomic import replace_dir, temp_path
 from lightning_lowmem.core.hooks import check_lightning_object
 from lightning_lowmem.core.optional import require
 from lightning_lowmem.core.reproducible import Reproducible
@@ -67,8 +70,6 @@ def _validate(kind: Any, r: Any, alpha: Any, dropout: Any, target_modules: Any, 
 
 def _is_peft(model: nn.Module) -> bool:
     """``model`` is, or holds, PEFT adapter layers (checked through ``sys.modules``: peft is loaded if it does)."""
-    import sys
-
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     peft_model = sys.modules.get("peft.peft_model")
     if peft_model is not None and isinstance(model, peft_model.PeftModel):
@@ -93,22 +94,16 @@ class Adapters(Reproducible, Callback):
     """Train LoRA or DoRA adapters (Hugging Face PEFT) on a frozen base model, which can be 4-bit or 8-bit.
 
     In ``setup`` (before the strategy moves, casts or copies any parameter) the model at ``pl_module.<attribute>``
-    is replaced by ``peft.get_peft_model(model, LoraConfig(...))``: every base
-    parameter is frozen (``requires_grad=False``) and each targeted linear layer gets two rank-``r`` matrices
-    (DoRA: and a magnitude vector). Your ``training_step`` and ``configure_optimizers`` stay as they are: an
-    optimizer built over ``self.parameters()`` keeps no state for the frozen base (its gradients stay None).
+    is replaced by ``peft.get_peft_model(model, LoraConfig(...))``: the base is frozen and each targeted linear gets
+    two rank-``r`` matrices (DoRA: and a magnitude vector); ``training_step`` and ``configure_optimizers`` stay.
 
-    Memory saved: the gradients and the optimizer state of the base (Adam: 4 + 8 B per fp32 parameter, or 2 + 12 B
-    with bf16 weights and fp32 masters) are gone; the adapters' parameters, gradients and state are
-    ``r * (in + out)`` per targeted layer (LLaMA-7B, r=16, all-linear: 40 M parameters, 0.6 % of the base).
-    ``quantize_base="nf4"``/``"fp4"`` stores each frozen base linear (all but the output head, as Hugging Face's
-    ``BitsAndBytesConfig`` does) in 4 bits plus one fp32 absmax per 64 values (about 0.56 B per parameter),
-    ``"int8"`` in 1 byte plus one fp32 scale per row (bitsandbytes' ``Linear4bit``/``Linear8bitLt``).
-    Cost: the activations are those of the full model (the backward still runs through every layer, to the
-    adapters' inputs); each adapted layer runs two small extra matmuls (DoRA: also the norm of its weight per
-    step); a quantized base is dequantized in each forward and backward (slower, and its weights are rounded:
-    the model trained on is the quantized one). The checkpoint holds the whole module (the frozen base
-    included, as your checkpoints always do), so it restores with the same callback attached.
+    Memory saved: the base's gradients and optimizer state (Adam: 4 + 8 B per fp32 parameter); the adapters are
+    ``r * (in + out)`` per targeted layer (LLaMA-7B, r=16, all-linear: 0.6 % of the base). ``quantize_base="nf4"``/
+    ``"fp4"`` stores each frozen base linear but the output head in about 0.56 B per parameter, ``"int8"`` in 1 B
+    plus a scale per row. Cost: the activations are the full model's; each adapted layer runs two small extra
+    matmuls (DoRA: also its weight's norm); a quantized base is dequantized in each forward and backward (slower,
+    and the model trained on is the rounded one). The checkpoint holds the whole module: resume with the callback.
+    See docs/techniques/adapters.md.
 
     Args:
         kind: ``"lora"`` or ``"dora"`` (weight-decomposed LoRA, ``LoraConfig(use_dora=True)``).
@@ -122,16 +117,12 @@ class Adapters(Reproducible, Callback):
             global RNG, so the run's dropout masks and data order are those of the same run without adapters;
             None draws it from the global RNG.
 
-    A model built in ``configure_model`` does not exist yet in ``setup``, and Lightning calls ``configure_model``
-    and then ``configure_optimizers`` with no callback hook between: end your ``configure_model`` with
-    ``adapters.apply(self)`` (this callback object; ``setup`` then leaves the model to it). A model without adapters
-    when the fit (validation, test, predict) starts is refused with that fix.
+    A model built in ``configure_model`` (after ``setup``, right before ``configure_optimizers``): end your
+    ``configure_model`` with ``adapters.apply(self)``; a model without adapters when a stage starts is refused.
 
     Raises:
-        ValueError/TypeError: in the constructor, every bad argument at once; in ``setup``, a model that already
-            holds PEFT adapters (yours: remove this callback, the strategies work with your PEFT model as it is),
-            or no model at ``attribute``; when a stage starts, a model built in ``configure_model`` without
-            ``adapters.apply(self)``.
+        ValueError/TypeError: every bad argument at once; a model that already holds PEFT adapters, or none at
+            ``attribute``; a model built in ``configure_model`` without ``adapters.apply(self)``.
         ModuleNotFoundError: peft (or bitsandbytes, for ``quantize_base``) is not installed, with the pip line.
 
     Example (the demo module's model is ``self.model``; its ``configure_optimizers`` is left as it is):
@@ -145,17 +136,10 @@ class Adapters(Reproducible, Callback):
         ['lora_A', 'lora_B']
     """
 
-    def __init__(
-        self,
-        kind: Kind = "lora",
-        r: int = 16,
-        alpha: float = 32,
-        dropout: float = 0.05,
-        target_modules: str | list[str] = "all-linear",
-        quantize_base: Literal["nf4", "fp4", "int8"] | None = None,
-        attribute: str = "model",
-        seed: int | None = 0,
-    ) -> None:
+    def __init__(self, kind: Kind = "lora", r: int = 16, alpha: float = 32, dropout: float = 0.05,
+                 target_modules: str | list[str] = "all-linear",
+                 quantize_base: Literal["nf4", "fp4", "int8"] | None = None, attribute: str = "model",
+                 seed: int | None = 0) -> None:
         problems, wrong_type = _validate(kind, r, alpha, dropout, target_modules, quantize_base, attribute, seed)
         if problems:
             raise (TypeError if wrong_type else ValueError)("Adapters: passed " + "; passed ".join(problems) + ".")
@@ -185,18 +169,15 @@ class Adapters(Reproducible, Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer of Adapters")
-        if self.quantize_base is not None:
-            from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
-            if isinstance(trainer.strategy, (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)):
-                raise ValueError(
-                    f"Passed `{self!r}` with `{type(trainer.strategy).__name__}`: bitsandbytes' packed weights "
-                    "cannot be sharded or partitioned here. Use a single device, `strategy='ddp'` or "
-                    "`strategy='lowmem_offload'`, or `quantize_base=None`."
-                )
-        # NOTE: every stage, not only fit: `trainer.validate(ckpt_path=...)` restores a state_dict with the adapters'
-        # names. A `*-true` half precision computes with half weights: the base is quantized from them (see
-        # `quantize_linears`); the precision plugin converts the module after this hook
+        sharded = (DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy)
+        if self.quantize_base is not None and isinstance(trainer.strategy, sharded):
+            raise ValueError(
+                f"Passed `{self!r}` with `{type(trainer.strategy).__name__}`: bitsandbytes' packed weights "
+                "cannot be sharded or partitioned here. Use a single device, `strategy='ddp'` or "
+                "`strategy='lowmem_offload'`, or `quantize_base=None`."
+            )
+        # NOTE: every stage: `trainer.validate(ckpt_path=...)` restores the adapters' names. A `*-true` half precision
+        # computes with half weights: the base is quantized from them (the plugin converts the module after this)
         self._dtype = _HALF_TRUE.get(str(trainer.precision))
         builds_later = type(pl_module).configure_model is not L.LightningModule.configure_model
         if isinstance(getattr(pl_module, self.attribute, None), nn.Module) or not builds_later:
@@ -206,25 +187,11 @@ class Adapters(Reproducible, Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._check_applied(pl_module)
 
-    @override
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_applied(pl_module)
-
-    @override
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_applied(pl_module)
-
-    @override
-    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_applied(pl_module)
+    on_validation_start = on_test_start = on_predict_start = on_fit_start
 
     def _check_applied(self, pl_module: L.LightningModule) -> None:
-        """Refuse a model that ``configure_model`` built (or replaced) after ``setup`` and left without adapters.
-
-        NOTE: Lightning calls ``configure_model`` after the callbacks' ``setup`` and ``configure_optimizers`` right
-        after it, inside the strategy's setup, with no callback hook between: adapters added now would be missing
-        from the optimizer (and from a checkpoint restored before). Only the module's own code can add them there.
-        """
+        """Refuse a model that ``configure_model`` built (or replaced) after ``setup`` and left without adapters (added
+        now, they would be missing from the optimizer: only the module's own code can add them there)."""
         model = getattr(pl_module, self.attribute, None)
         if getattr(model, _MARK, False):
             return
@@ -276,19 +243,14 @@ class Adapters(Reproducible, Callback):
 
     @staticmethod
     def export_merged(pl_module: nn.Module, path: str | os.PathLike, safe_serialization: bool = True) -> str:
-        """Write the adapted model, adapters merged into the base weights, as a Hugging Face directory.
-
-        ``AutoModelForCausalLM.from_pretrained(path)`` (or the model's own class) loads it without peft; its
-        logits are the adapted model's, up to the rounding of ``W + s * B @ A`` against ``W x + s * B (A x)``.
-        The merge runs on a copy (the training model keeps its adapters: one more copy of the model in host
-        memory while it runs); the directory appears whole or not at all.
+        """Write the adapted model, adapters merged into the base weights, as a Hugging Face directory (loaded
+        without peft by ``from_pretrained(path)``). The merge runs on a copy (one more copy of the model in memory);
+        the directory appears whole or not at all.
 
         Raises:
-            ValueError: no (or more than one) PEFT model in ``pl_module``; a quantized base (a merged 4-bit/8-bit
-                layer would be re-quantized, rounding the adapters away: export the base in full precision).
+            ValueError: no (or more than one) PEFT model in ``pl_module``; a quantized base (merging would
+                re-quantize the adapters away).
         """
-        from lightning_lowmem.core.atomic import replace_dir, temp_path
-
         peft_model = find_peft_model(pl_module)
         quantized = [n for n, m in peft_model.named_modules() if _is_bnb(m)]
         if quantized:
@@ -312,7 +274,5 @@ class Adapters(Reproducible, Callback):
 
 
 def _is_bnb(module: nn.Module) -> bool:
-    import sys
-
     bnb_nn = sys.modules.get("bitsandbytes.nn")
     return bnb_nn is not None and isinstance(module, (bnb_nn.Linear4bit, bnb_nn.Linear8bitLt))

@@ -1,9 +1,6 @@
-"""Quantize a frozen base model's linear layers with bitsandbytes (the base of a QLoRA fine-tune).
-
-Each ``nn.Linear`` but the output head (Hugging Face's ``BitsAndBytesConfig`` skips it too: the logits are the
-most precision-sensitive product) becomes a ``bitsandbytes.nn.Linear4bit`` (``"nf4"``/``"fp4"``, bitsandbytes'
-defaults: blocks of 64 values, double-quantized absmax) or ``Linear8bitLt`` (``"int8"``, row-wise scales, no
-outlier threshold), whose weight is quantized at once from the layer's current values on the layer's device.
+"""Quantize a frozen base model's linear layers with bitsandbytes (the base of a QLoRA fine-tune): each ``nn.Linear``
+but the output head (as ``BitsAndBytesConfig``) becomes a ``Linear4bit`` (``"nf4"``/``"fp4"``, bitsandbytes' defaults)
+or ``Linear8bitLt`` (``"int8"``), quantized at once from its current values on its device.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ def _quantized(linear: nn.Linear, quant_type: str, bnb: Any, dtype: torch.dtype 
             f"Passed `quantize_base={quant_type!r}` for a model whose weights are not loaded (on the meta device): "
             "bitsandbytes quantizes real values. Load the weights before `setup` (in `__init__` or `configure_model`)."
         )
-    if _fake(weight):
+    if torch_internals.is_fake(weight):
         if quant_type == "int8":
             # NOTE: `Int8Params` is a tensor subclass built with `Tensor._make_subclass`, which cannot wrap a
             # FakeTensor, and `Linear8bitLt` keeps its own references to the int8 matrix (`state.CB`)
@@ -68,20 +65,15 @@ def _quantized(linear: nn.Linear, quant_type: str, bnb: Any, dtype: torch.dtype 
 
 
 def _fake_4bit(linear: nn.Linear, quant_type: str, bnb: Any, dtype: torch.dtype | None) -> nn.Module:
-    """The dry run's ``Linear4bit``: bitsandbytes' layer and quantize op on a fake weight; only the parameter's class
-    differs (a frozen ``uint8`` parameter carrying its ``quant_state``, as ``Params4bit`` does).
-
-    NOTE: ``Params4bit`` is built with ``Tensor._make_subclass``, which cannot wrap a FakeTensor. The layer's
-    forward (``matmul_4bit``: dequantize, then multiply) reads only the packed data and ``weight.quant_state``, and
-    bitsandbytes' ops have fake kernels: the dry run runs the same ops on the same sizes as the real layer.
-    """
+    """The dry run's ``Linear4bit``: bitsandbytes' layer and quantize op on a fake weight, held by a frozen ``uint8``
+    parameter carrying its ``quant_state`` (NOTE: ``Params4bit``'s ``Tensor._make_subclass`` cannot wrap a fake; the
+    forward reads only the packed data and ``weight.quant_state``, and bitsandbytes' ops have fake kernels)."""
     with torch_internals.unset_fake_temporarily():
         # NOTE: built outside the fake mode, on the meta device (the layer's `Params4bit` could not wrap a fake)
         q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                               quant_type=quant_type, device="meta")
-        # NOTE: bitsandbytes caches its 8-bit code book (for the double quantization of the absmax) in a module
-        # dictionary at first use: filled here with the real CPU map it would build, or a fake one would stay there
-        # and poison every later real quantization
+        # NOTE: bitsandbytes caches its 8-bit code book at first use: filled with the real map here, or a fake one
+        # would stay there and poison every later real quantization
         bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
     like = q.weight  # a meta `Params4bit`: the layer's own blocksize, statistics compression and storage dtype
     packed, state = bnb.functional.quantize_4bit(linear.weight.detach().to(dtype), blocksize=like.blocksize,
@@ -107,18 +99,9 @@ def move_quant_state(p: torch.Tensor) -> None:
         state.to(p.device)
 
 
-def _fake(t: torch.Tensor) -> bool:
-    return torch_internals.is_fake(t)
-
-
 def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """Restore a 4-bit layer's quantization state from the entries its ``state_dict`` wrote beside its weight.
-
-    NOTE: ``Linear4bit`` saves its quantization state as extra keys (``weight.absmax``, ``weight.quant_map``, ...)
-    but has no loader for them (Hugging Face's quantizer reads them when it builds the model): without this a
-    strict ``load_state_dict`` (Lightning's resume) refuses them as unexpected. Rebuilt by bitsandbytes' own
-    ``QuantState.from_dict``; the packed weight itself then loads as any parameter.
-    """
+    """Restore a 4-bit layer's quantization state from the entries its ``state_dict`` wrote beside its weight
+    (``Linear4bit`` has no loader for them: a strict ``load_state_dict`` would refuse them as unexpected)."""
     import bitsandbytes as bnb
 
     start = prefix + "weight."
@@ -132,15 +115,9 @@ def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: A
 def quantize_linears(model: nn.Module, quant_type: str, dtype: torch.dtype | None = None) -> list[str]:
     """Replace every ``nn.Linear`` of ``model`` but its output head by its bitsandbytes quantized layer, in place.
 
-    ``dtype``: quantize the weights as rounded to it (the compute dtype of a ``*-true`` half precision run, as
-    ``from_pretrained(torch_dtype=...)`` loads them): the layer then dequantizes to it. NOTE: quantized from fp32,
-    each 4-bit layer dequantizes to fp32 and casts to the input's dtype in every forward and backward, 6 B per
-    value of the largest layer at once instead of 2 (1.4 GB at LLaMA-70B's MLP).
-
-    Returns the names of the layers replaced.
-
-    Raises:
-        ValueError: no ``nn.Linear`` to quantize (GPT-2's ``Conv1D`` layers are not linears), or weights on meta.
+    ``dtype``: quantize the weights as rounded to it (a ``*-true`` half precision's compute dtype): the layer then
+    dequantizes to it (from fp32 it would dequantize to fp32 and cast, 6 B per value at once instead of 2). Returns
+    the names replaced; ``ValueError`` when there is no ``nn.Linear`` to quantize or the weights are on meta.
     """
     bnb = require("bitsandbytes", f"Adapters(quantize_base={quant_type!r})")
     head = _head(model)
@@ -163,10 +140,7 @@ def quantize_linears(model: nn.Module, quant_type: str, dtype: torch.dtype | Non
 
 
 def packed_bytes(module: nn.Module) -> int:
-    """Bytes of a quantized layer's weight as stored: the packed values and their quantization state.
-
-    Counted by storage (a quantization map that layers share is counted once per layer here).
-    """
+    """Bytes of a quantized layer's weight as stored, by storage: the packed values and their quantization state."""
     weight = module.weight
     tensors = [weight.data]
     tensors += _state_tensors(getattr(weight, "quant_state", None))

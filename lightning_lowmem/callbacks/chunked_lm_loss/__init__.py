@@ -1,7 +1,4 @@
-"""``ChunkedLMLoss``: a causal LM's cross-entropy computed chunk by chunk, never building the whole logits.
-
-``callback`` is the callback and the loss functions; ``chunked_ce`` the chunked cross-entropy itself.
-"""
+"""``ChunkedLMLoss``: a causal LM's cross-entropy computed chunk by chunk, never building the whole logits."""
 
 from lightning_lowmem.callbacks.chunked_lm_loss.callback import (
     ChunkedLMLoss,

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -30,39 +31,28 @@ IGNORE_INDEX = -100
 _PROBE = (-30.0, -4.0, -1.0, -0.25, 0.0, 0.5, 2.0, 7.0, 30.0)
 
 
-def _validate(chunk_tokens: Any, backend: Any, reduction: Any = "mean", ignore_index: Any = IGNORE_INDEX) -> list[str]:
+def _validate(chunk_tokens: Any, backend: Any, ignore_index: Any = IGNORE_INDEX) -> list[str]:
     problems = []
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         problems.append(f"`chunk_tokens={chunk_tokens!r}`; expected a positive int (rows of logits per chunk)")
     if backend not in BACKENDS:
         problems.append(f"`backend={backend!r}`; expected one of {', '.join(map(repr, BACKENDS))}")
-    if reduction not in ("mean", "sum"):
-        problems.append(f"`reduction={reduction!r}`; expected 'mean' or 'sum'")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         problems.append(f"`ignore_index={ignore_index!r}`; expected an int")
     return problems
 
 
 def chunked_causal_lm_loss_sum(
-    hidden: torch.Tensor,
-    head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    head_bias: torch.Tensor | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    chunk_tokens: int = 1024,
-    shift: bool = True,
-    logit_scale: float | None = None,
-    logit_softcap: float | None = None,
-    backend: Backend = "auto",
-    recompute: bool = True,
+    hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *, head_bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX, chunk_tokens: int = 1024, shift: bool = True, logit_scale: float | None = None,
+    logit_softcap: float | None = None, backend: Backend = "auto", recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed next-token cross-entropy and the number of tokens it sums over: ``(loss_sum, num_tokens)``.
 
     What ``AccumulationScheduler(loss_normalization="tokens")`` reads from ``training_step``:
     ``return {"loss": loss_sum, "num_tokens": num_tokens}``. Arguments as :func:`chunked_causal_lm_loss`.
     """
-    problems = _validate(chunk_tokens, backend, "mean", ignore_index)
+    problems = _validate(chunk_tokens, backend, ignore_index)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         problems.append(f"`hidden` of shape {tuple(getattr(hidden, 'shape', ()))}; expected [..., tokens, hidden_size]")
     elif not isinstance(head_weight, torch.Tensor) or head_weight.dim() != 2 or head_weight.size(1) != hidden.size(-1):
@@ -80,8 +70,7 @@ def chunked_causal_lm_loss_sum(
     if problems:
         raise ValueError("chunked_causal_lm_loss: passed " + "; ".join(problems) + ".")
     if shift:
-        # NOTE: as Hugging Face's ForCausalLMLoss: position t predicts label t+1, the last position predicts nothing.
-        # Shifting the labels (a pad) instead of the hidden states keeps `hidden` a view: no copy of the activations.
+        # NOTE: as Hugging Face's ForCausalLMLoss; shifting the labels keeps `hidden` a view (no activation copy)
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = labels.reshape(-1).to(hidden.device)
     rows = hidden.reshape(-1, hidden.size(-1))
@@ -93,19 +82,10 @@ def chunked_causal_lm_loss_sum(
 
 
 def chunked_causal_lm_loss(
-    hidden: torch.Tensor,
-    head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    head_bias: torch.Tensor | None = None,
-    ignore_index: int = IGNORE_INDEX,
-    chunk_tokens: int = 1024,
-    reduction: Literal["mean", "sum"] = "mean",
-    shift: bool = True,
-    logit_scale: float | None = None,
-    logit_softcap: float | None = None,
-    backend: Backend = "auto",
-    recompute: bool = True,
+    hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *, head_bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX, chunk_tokens: int = 1024, reduction: Literal["mean", "sum"] = "mean",
+    shift: bool = True, logit_scale: float | None = None, logit_softcap: float | None = None,
+    backend: Backend = "auto", recompute: bool = True,
 ) -> torch.Tensor:
     """Next-token cross-entropy of ``hidden @ head_weight^T`` computed ``chunk_tokens`` rows at a time.
 
@@ -172,12 +152,10 @@ class _Call:
 class _ChunkedHooks:
     """The forward hooks of one causal LM and of its output embeddings (picklable, deep-copyable with the model).
 
-    The model's pre-hook takes ``labels`` (and ``shift_labels``, ``num_items_in_batch``, ``ignore_index``) out of a
-    training call, so the model computes no loss of its own; the head's pre-hook computes the chunked loss from its
-    input (the final hidden states, after the model's final norm) and its weight, and hands the head an empty input
-    (no logits); the head's forward hook returns a small probe of known values instead, which the model post-processes
-    as its logits (checked once against the softcap/scale the loss applied); the model's forward hook returns the
-    output with ``loss``, ``loss_sum`` and ``num_tokens``, and ``logits`` None.
+    The model's pre-hook takes the labels out of a training call; the head's pre-hook computes the chunked loss from
+    its input and weight and hands the head an empty input; the head's forward hook returns a probe of known values,
+    whose post-processing by the model is checked once; the model's forward hook returns the output with ``loss``,
+    ``loss_sum`` and ``num_tokens``, and ``logits`` None.
     """
 
     def __init__(self, settings: _Settings, transform: tuple[float | None, float | None]) -> None:
@@ -252,8 +230,8 @@ class _ChunkedHooks:
 
 
 def _take_labels(bound: inspect.BoundArguments) -> tuple[_Call | None, tuple[tuple, dict] | None]:
-    """A training call's labels taken out of its arguments: the call and the arguments without them, or (None, None)
-    when there are no labels or ``logits_to_keep`` asks for a part of the logits (the model runs untouched)."""
+    """A training call's labels taken out of its arguments: the call and the arguments without them; (None, None)
+    without labels or with ``logits_to_keep`` (the model runs untouched)."""
     arguments = bound.arguments
     extra_name = next((n for n, p in bound.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     extra = dict(arguments.get(extra_name, {})) if extra_name else {}
@@ -333,11 +311,8 @@ def _causal_lm_classes() -> frozenset[str]:
 
 
 def find_causal_lms(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost Hugging Face causal LMs under ``root`` (a class of, or derived from, an ``AutoModelForCausalLM``).
-
-    NOTE: causal only: a masked LM's or a seq2seq model's ``labels`` are not shifted, and a masked LM's head is
-    more than its output embeddings.
-    """
+    """The outermost Hugging Face causal LMs under ``root`` (a class of, or derived from, an ``AutoModelForCausalLM``;
+    a masked LM's or seq2seq model's ``labels`` are not shifted)."""
     from transformers import PreTrainedModel
 
     causal = _causal_lm_classes()
@@ -366,19 +341,14 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
     1.5 x ``chunk_tokens x vocab x 4`` bytes at the loss's peak: 128 tokens keep GPT-2-XL's loss under 64 MiB).
     Cost: the head's matmul runs once more, in backward (each chunk's logits are recomputed there).
 
-    How: the model's own ``forward`` runs (so every input it takes keeps working); forward hooks on the model take
-    the labels out of the call and hand them to its output embedding's (``lm_head``), which computes the chunked loss
-    from the head's input (the final hidden states) and its weight instead of the logits. Same
-    result as the model's ``labels=`` loss: labels shifted inside, ``-100`` ignored, mean over the labelled tokens,
-    ``num_items_in_batch`` and ``shift_labels`` honoured; the head's bias, Gemma's logit soft-capping and Cohere's /
-    Granite's logit scale applied (in fp32; checked once per model against the model's own post-processing).
+    How: the model's own ``forward`` runs; forward hooks hand the labels to its output embeddings (``lm_head``), which
+    compute the chunked loss from the final hidden states and the head's weight instead of the logits: the model's
+    ``labels=`` loss (shift, ``-100``, ``num_items_in_batch``, ``shift_labels``, bias, Gemma's soft-capping, Cohere's
+    and Granite's logit scale; checked once per model). See docs/techniques/chunked-lm-loss.md.
 
-    In training (``model.training`` and a ``labels`` or ``shift_labels`` argument) the output has
-    ``loss``, ``loss_sum`` and ``num_tokens`` (for ``AccumulationScheduler(loss_normalization="tokens")``:
-    ``return {"loss": out.loss_sum, "num_tokens": out.num_tokens}``) and **``logits`` is ``None``**.
-    Validation, test and predict (eval mode) and calls without labels, or with ``logits_to_keep``, run the model
-    untouched. ``CausalLMModule`` uses it in its training step by itself. The hooks are added at ``on_fit_start``
-    (a model built in ``configure_model`` exists then) and removed at the end of ``fit``.
+    In training (``model.training`` and ``labels`` or ``shift_labels``) the output has ``loss``, ``loss_sum`` and
+    ``num_tokens`` (for ``AccumulationScheduler(loss_normalization="tokens")``) and **``logits`` is ``None``**. Eval
+    mode, calls without labels or with ``logits_to_keep`` run untouched. Hooks from ``on_fit_start`` to fit's end.
 
     Args:
         chunk_tokens: rows of logits per chunk (smaller: less memory, more, smaller matmuls).
@@ -386,13 +356,10 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
             installed (``pip install 'lightning-lowmem[kernels]'``) and on CUDA; our chunked loss otherwise.
             ``"chunked"``, ``"liger"`` or ``"cce"`` force one.
         recompute: our loss recomputes each chunk's logits in backward (one more head matmul). ``False``
-            computes the gradients in the loss's forward instead, from the logits it has, and holds them (the head
-            weight's gradient and the hidden states') until backward, which follows at once: no extra matmul
-            (where the head dominates the step, e.g. a large vocabulary on a small model), about the same peak.
+            computes the gradients in the loss's forward and holds them until backward: no extra matmul, about the
+            same peak.
 
-    Composes with ``lowmem_offload``, DDP, ``ActivationCheckpointing``, ``ActivationOffload``,
-    ``AccumulationScheduler`` and ``LowBitOptimizer``. Not with DeepSpeed ZeRO stage 3 (refused: the head's
-    partitioned weight is not re-gathered for the loss's backward).
+    Not under DeepSpeed ZeRO stage 3 (refused: the head's partitioned weight is not re-gathered for the loss).
 
     Example (the demo module's ``training_step`` computes ``self.model(input_ids=ids, labels=ids).loss``):
 
@@ -429,8 +396,6 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
         if stage != "fit":
             return
         check_lightning_object(trainer, "the Trainer of ChunkedLMLoss")
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
         strategy = trainer.strategy
         if isinstance(strategy, DeepSpeedStrategy) and (strategy.config or {}).get("zero_optimization", {}).get("stage") == 3:
             raise ValueError(

@@ -1,10 +1,5 @@
-"""The LM head's cross-entropy over chunks of tokens: never more than one chunk's logits alive.
-
-:func:`linear_cross_entropy_sum` returns ``sum_i CE(softcap(scale * (hidden_i @ W^T + b)), target_i)`` over the
-targets that are not ``ignore_index``. Our backend is :class:`_ChunkedLinearCrossEntropy` (any device, fake tensors
-included); ``"liger"`` and ``"cce"`` call Liger Kernel's fused linear cross-entropy or Apple's Cut Cross-Entropy
-(Triton, CUDA only; the ``kernels`` extra).
-"""
+"""The LM head's cross-entropy over chunks of tokens (never more than one chunk's logits alive): ours (any device),
+or Liger Kernel's / Apple's Cut Cross-Entropy (Triton, CUDA only; the ``kernels`` extra)."""
 
 from __future__ import annotations
 
@@ -92,16 +87,10 @@ def _logit_grad_(p: torch.Tensor, safe: torch.Tensor, coef: torch.Tensor, dcap: 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Sum of the cross-entropies of ``hidden @ W^T`` over chunks of rows; logits recomputed per chunk in backward.
 
-    Saved for backward: ``hidden``, ``weight``, ``bias`` (references, no copies), the targets and one float per row
-    (its log-sum-exp). Gradient of the weight: accumulated over chunks in the *compute* dtype (each chunk's matmul
-    accumulates in fp32 inside cuBLAS/oneDNN, so there is one extra rounding per chunk in half precision), then cast
-    to the weight's dtype. NOTE: an fp32 accumulator would be a V x H fp32 buffer (300 MiB for GPT-2-XL), more than
-    the chunked logits save; the weight's own gradient is that size in its dtype anyway.
-
-    ``recompute=False`` (Liger's schedule): the gradients are computed in forward, from the chunk's logits already
-    there, and held until backward scales them by the incoming gradient: no second head matmul, at the price of
-    holding d hidden and d weight from the loss's forward to its backward. The loss is a scalar, so its gradients
-    are that incoming scalar times these.
+    Saved: ``hidden``, ``weight``, ``bias`` (references), the targets and each row's log-sum-exp. The weight's
+    gradient accumulates over chunks in the compute dtype (NOTE: an fp32 accumulator would be V x H fp32, more than
+    the chunking saves). ``recompute=False`` (Liger's schedule): the gradients are computed in forward and held until
+    backward scales them by the incoming scalar: no second head matmul.
     """
 
     @staticmethod
@@ -175,10 +164,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def resolve_backend(backend: str, device: torch.device, *, bias: bool = False,
                     dtype: torch.dtype | None = None) -> str:
-    """``"auto"``: Liger, else Cut Cross-Entropy, where installed, on CUDA and able to take the head; else ours.
-
-    Cut Cross-Entropy is skipped under ``"auto"`` where it cannot compute this head's loss (:func:`cce_limits`).
-    """
+    """``"auto"``: Liger, else Cut Cross-Entropy, where installed, on CUDA and able to take the head; else ours."""
     if backend != "auto":
         return backend
     if device.type == "cuda":
@@ -215,10 +201,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
                              bias: torch.Tensor | None = None, ignore_index: int = -100, chunk_tokens: int = 1024,
                              scale: float | None = None, softcap: float | None = None,
                              backend: str = "chunked", recompute: bool = True) -> torch.Tensor:
-    """Sum over rows of ``CE(softcap(scale * (hidden @ weight^T + bias)), targets)``, rows ``[N, H]``, targets ``[N]``.
-
-    The sum is in fp32 (fp64 for a fp64 compute dtype) for ``"chunked"``; the kernels return their own dtype.
-    """
+    """Sum over rows of ``CE(softcap(scale * (hidden @ weight^T + bias)), targets)``, rows ``[N, H]``, targets ``[N]``
+    (ours sums in fp32, fp64 for fp64; the kernels return their own dtype)."""
     dtype = compute_dtype(hidden, weight)
     name = resolve_backend(backend, hidden.device, bias=bias is not None, dtype=dtype)
     if name == "chunked":
@@ -245,7 +229,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     if name == "liger":
         out = kernels.liger_fused_linear_cross_entropy(h.contiguous(), w, targets.contiguous(), **kwargs)
     else:
-        # NOTE: Cut Cross-Entropy's default `filter_eps` skips the gradient entries of logits whose softmax is below
-        # a threshold: other gradients than the cross-entropy's. None turns the filter off (exact within precision).
+        # NOTE: Cut Cross-Entropy's default `filter_eps` drops small softmax entries' gradients; None: exact
         out = kernels.linear_cross_entropy(h, w, targets, filter_eps=None, **kwargs)
     return out[0] if isinstance(out, tuple) else out

@@ -1,10 +1,5 @@
-"""The lean optimizers' parameter-group rules and builders: which weights are projected, and the package's optimizer
-over the groups ``configure_optimizers`` made.
-
-Every builder returns ``(optimizer, sources)``: ``sources[j]`` is the index of the configured param group that the
-new group ``j`` came from (GaLore/APOLLO split each group in two, Adam-mini has one group per tensor). An LR
-scheduler built on the configured optimizer is given one entry per new group, its source's
-(:func:`expand_scheduler`), so every group is scheduled as the group it came from.
+"""The lean optimizers' parameter-group rules and builders. Every builder returns ``(optimizer, sources)``:
+``sources[j]`` is the configured param group new group ``j`` came from (for the LR schedulers).
 """
 
 from __future__ import annotations
@@ -48,13 +43,8 @@ def import_package(kind: str, feature: str) -> Any:
 
 # --- which weights are projected ------------------------------------------------------------------------------------
 def projectable_weights(module: torch.nn.Module) -> tuple[dict[int, str], set[int]]:
-    """The 2-D weights GaLore/APOLLO may project, by ``id``, with their names; and the ids of those ruled out.
-
-    Projected: the ``weight`` of every ``nn.Linear`` (and transformers' ``Conv1D``, GPT-2's linear layers), as the
-    packages' own training scripts choose them (the attention and MLP projections). Ruled out: a weight shared with
-    an ``nn.Embedding`` (a tied LM head) and the model's output head (``get_output_embeddings()`` of a Hugging Face
-    model): the packages keep both full rank.
-    """
+    """The 2-D weights GaLore/APOLLO may project (every ``nn.Linear``/``Conv1D`` weight), by ``id``, with their names;
+    and the ids ruled out (a weight tied to an ``nn.Embedding``, the output head), as the packages' scripts choose."""
     conv1d = loaded_class("transformers.pytorch_utils", "Conv1D")
     linear_types: tuple[type, ...] = (torch.nn.Linear, conv1d) if conv1d is not None else (torch.nn.Linear,)
     excluded = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
@@ -73,12 +63,8 @@ def projectable_weights(module: torch.nn.Module) -> tuple[dict[int, str], set[in
 
 def projection_plan(optimizer: Optimizer, module_param: Callable[[Tensor], Tensor], module: torch.nn.Module,
                     rank: int, call: str) -> set[int]:
-    """Ids of ``optimizer``'s params to project at ``rank``; ``ValueError`` when there are none.
-
-    ``module_param(p)`` is the module parameter ``p`` stands for (``p`` itself, or the one a lowmem_offload host
-    master is the master of). A weight whose smaller side is not above ``rank`` is kept full rank: projecting it
-    would keep as much state as Adam.
-    """
+    """Ids of ``optimizer``'s params to project at ``rank`` (those whose smaller side is above it); ``ValueError`` when
+    there are none. ``module_param(p)``: the module parameter ``p`` stands for (a lowmem_offload master's)."""
     candidates, _ = projectable_weights(module)
     chosen, too_small = set(), []
     for group in optimizer.param_groups:
@@ -108,6 +94,10 @@ def _plain(group: dict[str, Any], params: list[Tensor]) -> dict[str, Any]:
     return {**{k: v for k, v in group.items() if k not in _TORCH_ONLY}, "params": params}
 
 
+def _defaults(optimizer: Optimizer) -> dict[str, Any]:
+    return {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in optimizer.defaults}
+
+
 def build_projected(kind: str, optimizer: Optimizer, projected: set[int], options: dict[str, Any],
                     feature: str) -> tuple[Optimizer, list[int]]:
     """GaLore's or APOLLO's AdamW over ``optimizer``'s groups: each group's other params first, its projected ones
@@ -115,8 +105,7 @@ def build_projected(kind: str, optimizer: Optimizer, projected: set[int], option
     ``proj``/``scale_type``), as the packages' READMEs lay the groups out."""
     package = import_package(kind, feature)
     cls = package.GaLoreAdamW if kind == "galore" else package.APOLLOAdamW
-    low_rank = {"rank": options["rank"], "update_proj_gap": options["update_proj_gap"], "scale": options["scale"],
-                "proj_type": options["proj_type"]}
+    low_rank = dict(options)  # rank, update_proj_gap, scale, proj_type
     if kind != "galore":
         low_rank.update(proj="random", scale_type="tensor" if kind == "apollo_mini" else "channel")
     groups, sources, split = [], [], []
@@ -128,8 +117,7 @@ def build_projected(kind: str, optimizer: Optimizer, projected: set[int], option
             split.append((i, {**_plain(group, mine), **low_rank}))
     groups += [g for _, g in split]
     sources += [i for i, _ in split]
-    defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in optimizer.defaults}
-    return cls(groups, **defaults, no_deprecation_warning=True), sources
+    return cls(groups, **_defaults(optimizer), no_deprecation_warning=True), sources
 
 
 def build_adam_mini(optimizer: Optimizer, names: Callable[[Tensor], str], shape: dict[str, int | None],
@@ -163,38 +151,30 @@ def build_torchao(kind: str, optimizer: Optimizer, block_size: int | None, featu
     package = import_package(kind, feature)
     cls = package.AdamW4bit if kind == "adamw4bit" else package.AdamW8bit
     groups = [{**_plain(g, list(g["params"])), "amsgrad": False} for g in optimizer.param_groups]
-    defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in optimizer.defaults}
     extra = {"block_size": block_size} if block_size is not None else {}
-    return cls(groups, **defaults, **extra), list(range(len(groups)))
+    return cls(groups, **_defaults(optimizer), **extra), list(range(len(groups)))
 
 
 def eager_on_fake_tensors(optimizer: Optimizer) -> list[Any]:
     """Step hooks that run torchao's compiled step eagerly when its params are fake tensors (the dry run).
 
-    NOTE: torchao's ``step`` calls ``torch.compile(single_param_adam, fullgraph=True)``, which finds no frame to compile
-    under the dry run's fake-tensor mode; ``torch.compiler.set_stance("force_eager")`` runs the same function
-    uncompiled: the same state tensors (their bytes are exact), the update's temporaries those of eager mode (not the
-    fused kernel's). Real tensors are stepped as torchao does.
+    NOTE: torchao's ``torch.compile(..., fullgraph=True)`` finds no frame under the fake-tensor mode; ``force_eager``
+    runs the same function uncompiled (the same state tensors; eager mode's temporaries).
     """
 
-    def before(opt: Optimizer, args: Any, kwargs: Any) -> None:
-        if any(isinstance(p, torch_internals.FakeTensor) for g in opt.param_groups for p in g["params"]):
-            torch.compiler.set_stance("force_eager")
+    def stance(name: str) -> Callable[..., None]:
+        def hook(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            if any(isinstance(p, torch_internals.FakeTensor) for g in opt.param_groups for p in g["params"]):
+                torch.compiler.set_stance(name)
+        return hook
 
-    def after(opt: Optimizer, args: Any, kwargs: Any) -> None:
-        if any(isinstance(p, torch_internals.FakeTensor) for g in opt.param_groups for p in g["params"]):
-            torch.compiler.set_stance("default")
-
-    return [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+    return [optimizer.register_step_pre_hook(stance("force_eager")),
+            optimizer.register_step_post_hook(stance("default"))]
 
 
 def expand_scheduler(scheduler: Any, sources: Sequence[int]) -> None:
-    """Give ``scheduler`` (and every scheduler it chains) one entry per new group: that of the group's source.
-
-    NOTE: torch's schedulers keep per-group lists (``base_lrs``, ``LambdaLR``'s ``lr_lambdas``, ``ReduceLROnPlateau``'s
-    ``min_lrs``, ``CyclicLR``'s ``max_lrs``/momentums) and zip them with the groups strictly; a split-off group gets its
-    source's entries, so it is scheduled exactly as its source. Lists of another length are left alone.
-    """
+    """Give ``scheduler`` (and every scheduler it chains) one entry per new group in its per-group lists (``base_lrs``,
+    ``lr_lambdas``, ...): that of the group's source. Lists of another length are left alone."""
     for child in torch_internals.chained_schedulers(scheduler):
         expand_scheduler(child, sources)
     n_old = max(sources) + 1
@@ -207,11 +187,8 @@ def expand_scheduler(scheduler: Any, sources: Sequence[int]) -> None:
 def compact_projections(optimizer: Optimizer, args: Any = None, kwargs: Any = None) -> None:
     """``step`` post-hook: a projection matrix that is a slice of a larger SVD factor gets its own storage.
 
-    NOTE: GaLore's projector (galore-torch 1.0, and APOLLO's SVD one) keeps ``Vh[:rank, :]`` / ``U[:, :rank]`` of
-    ``torch.linalg.svd`` of an fp32 gradient: a view, which keeps the whole factor alive (``min(m, n)`` rows or
-    columns instead of ``rank``: for a square weight as many values as the weight itself). The copy holds the same
-    values (the update is unchanged); only the storage shrinks to the rank's. Runs after a step that made a new
-    projection; a no-op otherwise.
+    NOTE: GaLore's projector keeps ``Vh[:rank, :]`` / ``U[:, :rank]`` of the SVD, a view that keeps the whole factor
+    alive (for a square weight as many values as the weight); the copy holds the same values.
     """
     for state in optimizer.state.values():
         proj = state.get("projector")
@@ -255,8 +232,7 @@ def projectors_to_plain(optimizer: Optimizer, state_dict: dict[str, Any]) -> dic
         fields = dict(vars(proj))
         if isinstance(fields.get("ortho_matrix"), list):  # proj_type="full" keeps two matrices
             fields["ortho_matrix"] = tuple(fields["ortho_matrix"])
-        # NOTE: `Optimizer.load_state_dict` rebuilds every iterable value of the state with `type(v)(generator)`, which
-        # turns a str into "<generator object ...>"; strings travel as their UTF-8 codes
+        # NOTE: `Optimizer.load_state_dict` rebuilds iterables with `type(v)(generator)`: strings travel as UTF-8 codes
         fields = {k: {_STR: tuple(v.encode())} if isinstance(v, str) else v for k, v in fields.items()}
         state_dict["state"][key] = {**state, "projector": {_PROJECTOR_KEY: index, **fields}}
     return state_dict

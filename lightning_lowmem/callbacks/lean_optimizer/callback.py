@@ -3,6 +3,7 @@ Adam-mini, torchao's 4-/8-bit AdamW), by flag."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, get_args
 
 import lightning as L
@@ -45,11 +46,9 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
     Adam state in the same optimizer. Cost: the maths changes (a low-rank or shared second moment, quantized
     state); GaLore runs an SVD per projected weight every ``update_proj_gap`` steps; torchao compiles its step.
 
-    The swap happens in ``on_fit_start`` (after ``configure_optimizers``, before a checkpoint is restored), over
-    the configured param groups and hyper-parameters; LR schedulers are re-pointed and drive the new groups. Under
-    ``strategy="lowmem_offload"`` the optimizer steps the host fp32 masters: its state is on the host.
-    Projected weights (GaLore/APOLLO): the 2-D weights of ``nn.Linear`` (and transformers' ``Conv1D``) layers,
-    except a weight tied to an embedding and the model's output head, whose smaller side is above ``rank``.
+    The swap happens in ``on_fit_start`` (before a checkpoint is restored), over the configured param groups; LR
+    schedulers are re-pointed. Under ``lowmem_offload`` the state is on the host. Projected (GaLore/APOLLO): the
+    ``nn.Linear``/``Conv1D`` weights but a tied embedding and the output head, whose smaller side is above ``rank``.
 
     Args:
         kind: the optimizer (its package is an extra: ``galore``, ``apollo``, ``adam-mini``, ``torchao``).
@@ -145,14 +144,11 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
             )
         others = [cb for cb in trainer.callbacks if isinstance(cb, (LowBitOptimizerSwap, LeanOptimizer)) and cb is not self]
         if others:
-            raise ValueError(
-                f"{self!r} and {others[0]!r} both replace the configured optimizer; keep one of them."
-            )
+            raise ValueError(f"{self!r} and {others[0]!r} both replace the configured optimizer; keep one of them.")
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # NOTE: after `Strategy.setup` built the optimizers and before `restore_training_state`, so a checkpoint's
-        # optimizer state is loaded into the lean optimizer.
+        # NOTE: before `restore_training_state`: a checkpoint's optimizer state loads into the lean optimizer
         strategy = trainer.strategy
         converted = [self.convert(opt, pl_module) for opt in strategy.optimizers]
         for old, (new, sources) in zip(strategy.optimizers, converted):
@@ -160,8 +156,7 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
                 if config.scheduler.optimizer is old:
                     build.expand_scheduler(config.scheduler, sources)
                 repoint_scheduler(config.scheduler, old, new)
-        new_optimizers = [new for new, _ in converted]
-        strategy.optimizers = new_optimizers
+        strategy.optimizers = [new for new, _ in converted]
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -187,9 +182,7 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
         """Build the lean optimizer over ``optimizer``'s param groups (the module's, or lowmem_offload's masters);
         with, for each of its groups, the index of the configured group it came from."""
         self.check_convertible(optimizer)
-        def module_param(p: torch.Tensor) -> torch.Tensor:
-            return module_param_of(pl_module, p)
-
+        module_param = functools.partial(module_param_of, pl_module)
         if self.kind in PROJECTED:
             rank = int(self.rank or 1)  # NOTE: never None here: set from the kind's defaults
             projected = build.projection_plan(optimizer, module_param, pl_module, rank, repr(self))

@@ -1,20 +1,7 @@
 """Bytes of the state a ``LeanOptimizer`` kind will keep, before it exists (the host-RAM check of ``lowmem_offload``).
 
-Per parameter tensor of ``n`` values (fp32 masters: ``param_bytes=4``), as each package lays its state out (read from
-their code, checked against their real state after a step in ``tests/strategies/test_offload_host_ram_optimizers.py``):
-
-* GaLore / APOLLO / APOLLO-Mini, a projected ``m x n`` weight at rank ``r``: Adam's two moments of the projected
-  gradient (``r`` times the side the projection keeps) and the projection matrix (``r`` times the other side);
-  APOLLO also keeps a scalar ``scaled_grad``. ``proj_type="std"`` keeps the longer side (right projection when
-  ``m >= n``), ``"reverse_std"`` the shorter, ``"right"`` ``m``, ``"left"`` ``n``. Other parameters: Adam's
-  two moments.
-* Adam-mini: the first moment (``n`` values) and at most one second moment per row of a 2-D weight (per token,
-  head or neuron; one per tensor where its names match none of its rules); a 1-D tensor keeps a full second
-  moment (biases) or one value (norms): counted as full, an upper bound.
-* torchao AdamW8bit/AdamW4bit: a tensor of at least 4096 values whose size divides the block (256 / 128) keeps each
-  moment as codes (1 B / 0.5 B per value), one scale per block and its quantization map (256 / 16 values), both fp32
-  whatever the parameter's dtype (``OptimState8bit.zeros``); other tensors keep both moments in the parameter's
-  dtype; every tensor a 0-d fp32 step.
+As each package lays its state out, per tensor (fp32 masters: ``param_bytes=4``); checked against the real state
+after a step in ``tests/strategies/test_offload_host_ram_optimizers.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +20,8 @@ _TORCHAO_MIN = 4096
 
 
 def projected_bytes(shape: tuple[int, ...], rank: int, proj_type: str, kind: str, param_bytes: int = 4) -> int:
-    """GaLore's/APOLLO's state of one projected 2-D weight of ``shape`` (see the module docstring)."""
+    """GaLore's/APOLLO's state of a projected ``m x n`` weight: Adam's two moments of the projected gradient (``rank``
+    times the side kept: ``"std"`` the longer) and the projection (``rank`` times the other side)."""
     m, n = shape
     right = {"std": m >= n, "reverse_std": m < n, "right": True, "left": False}[proj_type]
     kept, other = (m, n) if right else (n, m)
@@ -42,7 +30,8 @@ def projected_bytes(shape: tuple[int, ...], rank: int, proj_type: str, kind: str
 
 
 def torchao_bytes(numel: int, kind: str, block_size: int | None, param_bytes: int = 4) -> int:
-    """torchao's AdamW8bit/AdamW4bit state of one tensor of ``numel`` values (see the module docstring)."""
+    """torchao's AdamW8bit/AdamW4bit state of one tensor: codes, one fp32 scale per block and the quantization map for
+    a tensor of at least 4096 values dividing the block; else both moments in the parameter's dtype; a 0-d step."""
     bits, default_block, qmap = _TORCHAO[kind]
     block = block_size or default_block
     step = 4
@@ -52,7 +41,7 @@ def torchao_bytes(numel: int, kind: str, block_size: int | None, param_bytes: in
 
 
 def adam_mini_bytes(shape: tuple[int, ...], param_bytes: int = 4) -> int:
-    """Adam-mini's state of one tensor, at most (see the module docstring)."""
+    """Adam-mini's state of one tensor, at most: the first moment and one second moment per row (1-D: full)."""
     numel = 1
     for s in shape:
         numel *= s
