@@ -86,7 +86,8 @@ class DynamicLossScaler:
             self.growth_tracker = 0
 
     def state_dict(self) -> dict[str, Any]:
-        keys = ("scale", "growth_tracker", "overflows", "growth_factor", "backoff_factor", "growth_interval", "min_scale")
+        keys = ("scale", "growth_tracker", "overflows", "growth_factor", "backoff_factor", "growth_interval",
+                "min_scale")
         return {key: getattr(self, key) for key in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from lightning_lowmem.strategies.offload import hf_weights
 
 
 def _holders(buf: Tensor) -> tuple[int, int]:
-    """Python references to ``buf``, and holders of its storage (a view or ``detach()`` of it holds the storage only)."""
+    """Python references to ``buf``, and holders of its storage (a view or ``detach()`` holds the storage only)."""
     return sys.getrefcount(buf), torch_internals.storage_use_count(buf.untyped_storage())
 
 
@@ -143,7 +143,8 @@ class HostMasters:
         return their indices (see [resumed after an unfreeze])."""
         def fp32(name: str, p: Parameter) -> Tensor | None:
             value = state.get(name)
-            return value if isinstance(value, Tensor) and value.dtype == torch.float32 and p.dtype != torch.float32 else None
+            fp32 = isinstance(value, Tensor) and value.dtype == torch.float32 and p.dtype != torch.float32
+            return value if fp32 else None
 
         return self._master_frozen(fp32)
 
@@ -189,7 +190,7 @@ class HostMasters:
     def note_device(self, indices: Iterable[int] | None = None) -> None:
         """Remember the version counter and storage of compute weights ``indices`` (all) that now match their masters.
 
-        NOTE: ``Tensor._version`` (private torch API) counts in-place writes through the parameter, not through ``.data``.
+        NOTE: ``Tensor._version`` (private torch API) counts in-place writes through the parameter, not ``.data``.
         """
         for i in range(len(self.p_device)) if indices is None else indices:
             if id(self.p_device[i]) in self.streamed:

@@ -345,7 +345,7 @@ class ParamStream:
             host.copy_(master)
 
     def _settle_host(self) -> None:
-        """Release every block and wait for the last queued fetch (still reading the host copies about to be written)."""
+        """Release every block and wait for the last queued fetch (it reads the host copies about to be written)."""
         self.release_all()
         if self._last_event is not None and self.ops is not None:
             self.ops.synchronize(self._last_event)

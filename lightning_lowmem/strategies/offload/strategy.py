@@ -86,7 +86,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         nonfinite: what an inf/nan fp32 master gradient does in bf16 and fp32 (fp16 skips through its loss scaler).
             ``"skip"`` (default): skip that step, log ``lowmem/skipped_steps``, warn once, raise
             :class:`NonFiniteGradientError` after ``max_consecutive_skips`` in a row; ``"raise"``: raise at the first;
-            ``"ignore"``: step anyway (the masters become nan). Cost: one vectorised norm over the host gradients a step.
+            ``"ignore"``: step anyway (the masters become nan). Cost: one vectorised norm of the host gradients a step.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
             block from host copies (+2 B/param of host memory in bf16; on the device ``prefetch + 1`` blocks at a time;
@@ -132,9 +132,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         checks.check_flags(
-            optimizer_in_backward=optimizer_in_backward, host_optimizer=host_optimizer, check_host_memory=check_host_memory,
-            nonfinite=nonfinite, max_consecutive_skips=max_consecutive_skips, offload_params=offload_params,
-            prefetch=prefetch, device_budget=device_budget, load_weights=load_weights,
+            optimizer_in_backward=optimizer_in_backward, host_optimizer=host_optimizer,
+            check_host_memory=check_host_memory, nonfinite=nonfinite, max_consecutive_skips=max_consecutive_skips,
+            offload_params=offload_params, prefetch=prefetch, device_budget=device_budget, load_weights=load_weights,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
@@ -322,9 +322,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool = True, callbacks: Sequence[Any] = ()
     ) -> dict[str, int]:
         """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part (``"total"`` included):
-        ``masters``, ``gradient_buffers``, ``optimizer_state`` (of the optimizer that will step, 8-bit when ``callbacks``
-        hold a ``LowBitOptimizer``), ``staging_or_compute_weights`` (pinned staging on CUDA, the compute weights on the
-        CPU) and ``streamed_weights``."""
+        ``masters``, ``gradient_buffers``, ``optimizer_state`` (of the optimizer that will step, 8-bit when
+        ``callbacks`` hold a ``LowBitOptimizer``), ``staging_or_compute_weights`` (pinned staging on CUDA, the compute
+        weights on the CPU) and ``streamed_weights``."""
         precision = self.precision_plugin
         frozen = frozen_without_master(module, precision, self._loading)
         params = [p for _, p in HostMasters.unique_params(module)]

@@ -14,8 +14,8 @@ from typing import Any, Literal
 OffloadDevice = Literal["cpu", "nvme"]
 
 # fp16 dynamic loss scaling of the reference JSON (loss_scale 0 = dynamic; Hugging Face's DeepSpeed docs' values)
-FP16_REFERENCE: dict[str, Any] = {"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
-                                  "min_loss_scale": 1}
+FP16_REFERENCE: dict[str, Any] = {"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                                  "hysteresis": 2, "min_loss_scale": 1}
 _HALF_PRECISIONS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
 

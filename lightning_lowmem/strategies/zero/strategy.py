@@ -1,5 +1,6 @@
-"""``ZeroStrategy``: the ``lowmem_zero*`` DeepSpeed ZeRO presets, with the reference settings of Hugging Face's DeepSpeed
-integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed), on CUDA or the CPU (docs/techniques/zero.md).
+"""``ZeroStrategy``: the ``lowmem_zero*`` DeepSpeed ZeRO presets, with the reference settings of Hugging Face's
+DeepSpeed integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed), on CUDA or the CPU
+(docs/techniques/zero.md).
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self._offload_optimizer = offload_optimizer
         preset = zc.reference_config(
             stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
-            offload_device=offload_device, nvme_path=None if nvme_path is None else str(nvme_path), pin_memory=pin_memory,
-            overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
+            offload_device=offload_device, nvme_path=None if nvme_path is None else str(nvme_path),
+            pin_memory=pin_memory, overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
             reduce_bucket_size=int(reduce_bucket_size) if reduce_bucket_size else ("auto" if stage == 3 else int(2e8)),
             allgather_bucket_size=int(allgather_bucket_size), sub_group_size=int(sub_group_size),
             gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save, zero_force_ds_cpu_optimizer=True,
