@@ -141,12 +141,12 @@ class HostMasters:
     def master_from_checkpoint(self, state: Mapping[str, Any]) -> list[int]:
         """Give a master to every parameter kept without one whose checkpoint value is fp32 and its compute weight half;
         return their indices (see [resumed after an unfreeze])."""
-        def fp32(name: str, p: Parameter) -> Tensor | None:
+        def fp32_value(name: str, p: Parameter) -> Tensor | None:
             value = state.get(name)
-            fp32 = isinstance(value, Tensor) and value.dtype == torch.float32 and p.dtype != torch.float32
-            return value if fp32 else None
+            wanted = isinstance(value, Tensor) and value.dtype == torch.float32 and p.dtype != torch.float32
+            return value if wanted else None
 
-        return self._master_frozen(fp32)
+        return self._master_frozen(fp32_value)
 
     def keep_buffers(self, module: torch.nn.Module, precision: Any) -> None:
         """Keep the fp32 originals of the buffers that the cast to the compute dtype will round."""
@@ -203,7 +203,8 @@ class HostMasters:
         its master; return their indices.
 
         NOTE: [writes outside the hooks] code that clamps or re-initialises the parameters writes the compute weights;
-        the strategy adopts them before every read of the masters. A half one is upcast (a warning says so once).
+        the strategy adopts them before every read of the masters. A half one is upcast (warned once); in-place writes
+        through ``p.data`` and streamed weights are not seen.
         """
         seen, p_device = self.seen, self.p_device
         changed = [i for i in range(len(p_device)) if i in seen and (

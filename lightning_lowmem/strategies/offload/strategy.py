@@ -300,9 +300,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             self._repoint()
 
     def _repoint(self) -> None:
-        """Point every optimizer's param groups at the masters, making masters for the parameters unfrozen since setup
-        and for those a group holds that had none (a group added with ``add_param_group``); move any state an
-        optimizer has to the host; choose its host kernel."""
+        """Point every optimizer's param groups at the masters (making masters for the parameters unfrozen since setup),
+        its state to the host; choose its host kernel."""
         self._masters_added(self._masters.master_unfrozen(stream_values.value_of(self._stream)))
         for optimizer in self.optimizers:
             self._masters.repoint(optimizer)

@@ -21,8 +21,7 @@ MIN_RESERVE = 2 * 2**30
 
 def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, prefetch: int, released: int = 0) -> int:
     """How many blocks (the first ones) stay resident under ``budget`` bytes of compute weights, beside the non-block
-    weights and ``prefetch + 1`` streamed blocks (+ ``released`` ones the GPU may still read). ValueError names the
-    smallest budget when not even that minimum fits."""
+    weights and ``prefetch + 1 + released`` streamed blocks (a ValueError names the least budget if they do not fit)."""
     n = len(block_bytes)
     largest = max(block_bytes, default=0)
     if other_bytes + sum(block_bytes) <= budget:

@@ -24,8 +24,7 @@ _RUNNING_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNo
 
 
 def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
-    """Every reason ``strategy`` (a ``ZeroStrategy``) cannot run ``trainer``'s fit with the DeepSpeed ``config`` it
-    is about to use, as sentences."""
+    """Every reason ``strategy`` (a ``ZeroStrategy``) cannot fit ``trainer`` with DeepSpeed ``config``, as sentences."""
     module = trainer.lightning_module
     problems = []
     if precision.startswith("16") and not isinstance(strategy.accelerator, CUDAAccelerator):
@@ -73,8 +72,8 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str
 
 
 def module_problems(strategy: Any, module: nn.Module, precision: str, config: dict[str, Any]) -> list[str]:
-    """The reasons of :func:`setup_problems` that depend on the module's layers (checked again once
-    ``configure_model`` has built them)."""
+    """The reasons of :func:`setup_problems` that depend on the module's layers (checked again after
+    ``configure_model``)."""
     problems = []
     if strategy.zero_stage_3:
         problems += _compiled_submodules(module) + _input_jitter(module)
