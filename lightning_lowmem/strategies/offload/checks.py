@@ -1,11 +1,5 @@
-"""What ``lowmem_offload`` refuses, and why (private helper of :mod:`~lightning_lowmem.strategies.offload.strategy`).
-
-Every check collects all the problems it can see and the strategy raises them together, each naming what was passed
-and what to do: the constructor's flags (:func:`check_flags`), the Trainer, module and precision at setup
-(:func:`trainer_problems`; the parts check their own: ``stream_plan.stream_problems``,
-``step_schedule.in_backward_problems``, ``hf_weights.loading_problems``), the optimizers the host cannot step
-(:func:`check_host_can_run`) and the Trainer's precision plugin (:func:`to_master_precision`).
-"""
+"""What ``lowmem_offload`` refuses, and why: each check collects every problem it sees (naming what was passed and what
+to do), and the strategy raises them together."""
 
 from __future__ import annotations
 
@@ -50,8 +44,7 @@ def trainer_problems(accelerator: Accelerator | None, devices: list[torch.device
         )
     wide = [n for n, p in module.named_parameters() if p.dtype == torch.float64]
     if wide and precision.weight_dtype == torch.float32:
-        # NOTE: its masters are fp32: the update would be rounded to fp32 where plain Lightning keeps float64 (under
-        # "*-true" half precision plain Lightning casts the parameter itself, and the fp32 master holds more)
+        # NOTE: fp32 masters would round a float64 update (under "*-true" plain Lightning casts the parameter too)
         names = ", ".join(f"`{n}`" for n in wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")
         problems.append(
             f"float64 parameters ({names}) would be trained through fp32 masters and given back as fp32, where "
@@ -70,8 +63,6 @@ def trainer_problems(accelerator: Accelerator | None, devices: list[torch.device
     for callback in trainer.callbacks if fitting else ():  # type: ignore[attr-defined]
         name = type(callback).__name__
         if isinstance(callback, BaseFinetuning):
-            # NOTE: its hooks look the optimizer's parameters up among `pl_module.named_parameters()`; here the
-            # optimizer holds the host masters (a KeyError), and it adds the module's parameters as new groups
             problems.append(
                 f"`{name}` (a `BaseFinetuning`) matches the optimizer's parameters to the module's, and under "
                 "lowmem_offload the optimizer holds the fp32 host masters; unfreeze in your own hook instead "
@@ -139,9 +130,10 @@ def check_flags(**flags: Any) -> None:
     if not any(flags["offload_params"] is v or (isinstance(v, str) and flags["offload_params"] == v) for v in OFFLOAD_PARAMS):
         problems.append(f"`offload_params={flags['offload_params']!r}`; expected False, True or 'auto'")
     prefetch = flags["prefetch"]
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+    not_int = isinstance(prefetch, bool) or not isinstance(prefetch, int)
+    if not_int or prefetch < 0:
         problems.append(f"`prefetch={prefetch!r}`; expected an int >= 0 (how many blocks to copy ahead)")
-        type_error |= isinstance(prefetch, bool) or not isinstance(prefetch, int)
+        type_error |= not_int
     if flags["load_weights"] is not None and not isinstance(flags["load_weights"], (str, os.PathLike)):
         problems.append(f"`load_weights={flags['load_weights']!r}`; expected a directory (str or os.PathLike)")
         type_error = True
@@ -165,10 +157,9 @@ def check_flags(**flags: Any) -> None:
                     UserWarning, stacklevel=3,
                 )
     skips = flags["max_consecutive_skips"]
-    if isinstance(skips, bool) or not isinstance(skips, int):
+    not_int = isinstance(skips, bool) or not isinstance(skips, int)
+    if not_int or skips < 1:
         problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
-        type_error = True
-    elif skips < 1:
-        problems.append(f"`max_consecutive_skips={skips!r}`; expected an int >= 1")
+        type_error |= not_int
     if problems:
         raise (TypeError if type_error else ValueError)("OffloadStrategy: passed " + "; passed ".join(problems) + ".")

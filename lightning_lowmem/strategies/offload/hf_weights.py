@@ -1,14 +1,8 @@
-"""Weights from a local Hugging Face safetensors directory, read tensor by tensor straight into ``lowmem_offload``'s masters.
+"""``OffloadStrategy(load_weights=...)``: a local Hugging Face safetensors directory read tensor by tensor straight into
+the masters of a module built without weights (docs/techniques/param-streaming.md).
 
-``OffloadStrategy(load_weights="path/to/model")`` (with ``offload_params`` or without) starts from the weights of a
-``save_pretrained`` directory (``model.safetensors``, or shards listed by ``model.safetensors.index.json``) for a
-module built without weights: on the ``meta`` device (``with torch.device("meta"):``) or under
-``trainer.init_module(empty_init=True)``. Each tensor is read from its memory-mapped shard and copied into its fp32
-master, so the host holds the masters plus one tensor being read (no fp32 module beside the masters: the masters of
-an ``empty_init`` module reuse its fp32 storage), then the compute weights are rounded from the masters.
-
-Memory: host peak while loading = masters (4 B/param) + the compute-dtype weights (2 B/param in bf16; on the
-host for streamed blocks anyway) + one tensor. Cost: one read of each shard (page cache).
+Memory: host peak while loading = masters (4 B/param) + the compute-dtype weights + one tensor. Cost: one read of each
+shard (page cache).
 """
 
 from __future__ import annotations
@@ -58,11 +52,8 @@ def match_prefix(keys: Iterable[str], names: Iterable[str]) -> str:
 
 
 def materialize_meta(module: torch.nn.Module) -> None:
-    """Give meta parameters uninitialized fp32 host storage (``to_empty``), keeping tied weights tied.
-
-    NOTE: ``to_empty`` builds a new Parameter per owning module (meta and CPU tensors cannot share a TensorImpl), so a
-    weight two modules hold (GPT-2's ``wte``/``lm_head``) would come back as two: the first new one is given to all.
-    """
+    """Give meta parameters uninitialized fp32 host storage (``to_empty``), keeping tied weights tied (``to_empty``
+    makes one new Parameter per owning module: the first is given to all)."""
     if not any(p.is_meta for p in module.parameters()):
         return
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
@@ -79,10 +70,8 @@ def materialize_meta(module: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def load_into(targets: Mapping[str, torch.Tensor], directory: str | Path) -> dict[str, int]:
-    """Copy every checkpoint tensor into ``targets[module name]`` (converting its dtype); returns counts.
-
-    Raises ValueError naming the module tensors the checkpoint lacks (and, with them, keys it has that match none).
-    """
+    """Copy every checkpoint tensor into ``targets[module name]`` (converting its dtype); returns counts. ValueError
+    names the module tensors the checkpoint lacks."""
     from safetensors import safe_open
 
     files = shard_files(directory)

@@ -1,15 +1,7 @@
-"""The fast host Adam/AdamW path of ``OffloadStrategy``: torch's fused CPU kernel, inside the user's optimizer.
-
-The user's ``torch.optim.Adam``/``AdamW`` object is kept (so its LR schedulers, param groups and
-state-dict format stay exactly as they were); only its groups' ``fused``/``foreach`` flags are set,
-which makes ``step()`` call ``torch._fused_adam(w)_``: one pass over parameter, gradient and both
-moments, vectorised and multithreaded. Same update rule and hyperparameters; the rounding differs
-from the for-loop/foreach kernels by a few ulp per step (measured in
-``tests/strategies/test_offload.py::test_fused_host_adamw_matches_foreach_to_rounding``).
-
-``DeepSpeedCPUAdam`` was measured against it on this project's benchmark machine and was not faster
-(``benchmarks/results/offload.md``), so it is not wired in: it would also need its own state format
-and a JIT-built C++ op.
+"""The fast host Adam/AdamW path of ``OffloadStrategy``: torch's fused CPU kernel, inside the user's optimizer (only
+its groups' ``fused``/``foreach`` flags change; same rule, a few ulp of rounding apart, measured in
+``tests/strategies/test_offload.py::test_fused_host_adamw_matches_foreach_to_rounding``). ``DeepSpeedCPUAdam`` was not
+faster (``benchmarks/results/offload.md``).
 """
 
 from __future__ import annotations
@@ -34,9 +26,7 @@ def why_not_fused(optimizer: Optimizer) -> str | None:
         if group.get("capturable"):
             return f"param group {i} has `capturable=True`"
         for p in group["params"]:
-            # NOTE: a frozen parameter kept without a master (`masters.frozen_without_master`) stays in its group in
-            # the compute dtype; it never has a gradient, so no kernel steps it. Counting it made the choice depend
-            # on when the module was cast (fused in the run, for-loop in its dry run: +10% predicted at the step).
+            # NOTE: a frozen parameter without a master (compute dtype, never stepped) must not change the choice
             if not p.requires_grad:
                 continue
             if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64):
@@ -54,9 +44,8 @@ def enable_fused(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class HostKernel:
-    """The kernel each optimizer steps the masters with: ``"auto"`` switches torch's Adam/AdamW to the fused CPU kernel
-    where it applies (:func:`why_not_fused`), ``"torch_fused"`` refuses an optimizer it cannot fuse, ``"as_is"`` leaves
-    every optimizer as configured. The groups' flags are given back at :meth:`restore` (teardown).
+    """The kernel each optimizer steps the masters with (``mode`` as ``OffloadStrategy(host_optimizer=...)``); the
+    groups' flags are given back at :meth:`restore` (teardown). Memory: none; saves ~5x the for-loop kernel's time.
 
     Example:
         >>> opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
@@ -86,8 +75,7 @@ class HostKernel:
                              f"swapped in after setup: {reason}. Use 'auto' or 'as_is'.")
 
     def reloaded(self, optimizer: Optimizer) -> None:
-        """``optimizer.load_state_dict`` restored the groups' saved flags: keep the kernel this run chose, so a resumed
-        run steps exactly like an uninterrupted one."""
+        """``optimizer.load_state_dict`` restored the groups' saved flags: keep the kernel this run chose."""
         if id(optimizer) in self._saved:
             enable_fused(optimizer.param_groups)
 

@@ -1,23 +1,7 @@
 """Dynamic loss scaling for fp16 training whose gradients are unscaled on fp32 host masters.
 
-Not ``torch.amp.GradScaler``, although its unscale would do: it groups gradients by device and dtype
-(``GradScaler._unscale_grads_``), so it can unscale the masters' fp32 gradients on the host, where
-``lowmem_offload``'s gradient fold has added the fp16 device gradients of every micro-batch (an inf or
-nan survives that fp32 sum, so one check after the fold sees every overflow). What it cannot do here:
-
-* give the overflow answer before the step. ``MasterHalfPrecision.optimizer_step`` needs it as a Python
-  bool to skip clipping, to skip the strategy's host step (``step_fn``, which the strategy follows by
-  copying the masters back into the compute weights) and to drop the masters' gradients.
-  ``GradScaler.step`` calls ``optimizer.step()`` itself and keeps the answer in private per-optimizer
-  state (``_per_optimizer_states``);
-* keep a floor: ``min_scale`` (DeepSpeed's ``min_loss_scale``). ``GradScaler.update`` backs off below 1
-  without limit (its documentation warns of it);
-* keep the scale off the device: ``GradScaler.scale`` creates its scale tensor on the loss's device,
-  so logging ``lowmem/loss_scale`` every step (``get_scale()``) would be a device sync; here the scale
-  is a Python number, as is the rest of the state (checkpointed by
-  :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision` with the skipped-step count
-  ``overflows``, which GradScaler does not keep).
-
+Not ``torch.amp.GradScaler``: the overflow answer is needed as a bool before the step (to skip it and drop the
+masters' gradients), the scale has a floor (``min_scale``) and stays a Python number (no device sync to log it).
 Above ``min_scale`` the unscaled gradients and the scale schedule are GradScaler's, bit for bit (tested).
 """
 
@@ -34,10 +18,8 @@ from lightning_lowmem._internals import torch as torch_internals
 class DynamicLossScaler:
     """Multiply the loss by ``scale``; on an inf/nan gradient skip the step and lower the scale.
 
-    The schedule is the one of ``torch.amp.GradScaler`` and DeepSpeed's fp16 scaler: after an overflow
-    the scale is multiplied by ``backoff_factor``; after ``growth_interval`` overflow-free steps in a
-    row it is multiplied by ``growth_factor``. Scales are powers of two by default, so scaling and
-    unscaling are exact in floating point.
+    ``torch.amp.GradScaler``'s schedule: an overflow multiplies the scale by ``backoff_factor``, ``growth_interval``
+    clean steps in a row by ``growth_factor``. Memory and cost: a few Python numbers; one sync per ``unscale_``.
 
     Args:
         init_scale: the first scale. Default ``2**16``.
@@ -53,14 +35,8 @@ class DynamicLossScaler:
         (True, None, 4.0)
     """
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_scale: float = 1.0,
-    ) -> None:
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, min_scale: float = 1.0) -> None:
         if not init_scale > 0:
             raise ValueError(f"Passed `init_scale={init_scale}`; it must be positive.")
         if not growth_factor > 1:
@@ -84,10 +60,7 @@ class DynamicLossScaler:
 
     @torch.no_grad()
     def unscale_(self, grads: Sequence[torch.Tensor]) -> bool:
-        """Divide ``grads`` in place by the scale; return whether any of them holds an inf or nan.
-
-        NOTE: sync point: the answer is read back as a Python bool (on the host this costs nothing).
-        """
+        """Divide ``grads`` in place by the scale; return whether any of them holds an inf or nan (a sync point)."""
         found_inf = False
         inv_scale = 1.0 / self.scale
         by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -113,15 +86,9 @@ class DynamicLossScaler:
             self.growth_tracker = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "growth_tracker": self.growth_tracker,
-            "overflows": self.overflows,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "min_scale": self.min_scale,
-        }
+        keys = ("scale", "growth_tracker", "overflows", "growth_factor", "backoff_factor", "growth_interval",
+                "min_scale")
+        return {key: getattr(self, key) for key in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"scale", "growth_tracker"} - set(state)

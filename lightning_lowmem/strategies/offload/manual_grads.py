@@ -1,33 +1,14 @@
-"""Manual optimization under ``lowmem_offload``: the gradients between ``manual_backward`` and the step (private helper).
+"""Manual optimization under ``lowmem_offload``: the masters' gradients on ``p.grad`` between ``manual_backward`` and
+the step, as plain Lightning leaves them (fp16: still scaled, as ``GradScaler`` leaves them).
 
-Plain Lightning's manual optimization leaves every gradient on ``p.grad`` after ``self.manual_backward(loss)``, and
-code in ``training_step`` reads, clips and changes it before ``opt.step()``: ``clip_grad_norm_(self.parameters(), 1.0)``,
-a gradient norm logged, ``p.grad.mul_(0.5)``, gradients accumulated over several ``manual_backward`` calls. Under
-``lowmem_offload`` the gradients the optimizer steps are the fp32 host masters' (each device gradient leaves as soon as
-it is ready), so :class:`ManualGrads` opens a :class:`~lightning_lowmem.strategies.offload.masters_view.MastersView` with the
-gradients at the end of every ``manual_backward``, after the strategy drained the copies in flight (on CUDA the
-gradients reach the host asynchronously), and again after every step (``opt.step()``: plain Lightning's parameters
-are the stepped weights then, with their gradients until ``zero_grad``, and code writes them there: WGAN's critic
-clamps ``p.data`` after its step). It closes the view as soon as the compute weights are needed again:
+:class:`ManualGrads` opens a :class:`~lightning_lowmem.strategies.offload.masters_view.MastersView` with the gradients
+after every (drained) ``manual_backward`` and every step, and closes it at the step, the next backward, the forward of
+a module holding parameters, and the end of ``training_step``; a step's masters reach the compute weights at that close.
 
-* the step (``OffloadStrategy.optimizer_step``), which steps the masters;
-* the next backward (``manual_backward`` again: the gradients keep accumulating on the masters);
-* the forward of a module that holds parameters (a pre-hook ahead of every other, so a streamed block is fetched after
-  it); a module without parameters (a metric, a loss) leaves the view open;
-* the end of ``training_step`` (callbacks and validation see the compute weights, as in automatic optimization).
+NOTE: [stray backward] a backward Lightning does not run opens no view and, on CUDA, is not drained:
+:meth:`ManualGrads.before_step` refuses the step it would feed.
 
-The copy of a step's masters into the compute weights waits for that close, so what code wrote into the stepped
-weights after the step reaches the compute weights too, for no extra copy.
-
-Inside, the parameters are the masters (fp32, on the host) as plain Lightning's parameters are its fp32 weights, so
-what the code writes into a gradient (or a weight) is what the optimizer steps. fp16 (``"16-mixed"``): the gradients
-there are still multiplied by the loss scale, as plain Lightning's ``GradScaler`` leaves them until its step unscales.
-
-NOTE: [stray backward] a backward Lightning does not run (``loss.backward()`` in ``training_step``) opens no view and,
-on CUDA, is not drained before the step; :meth:`ManualGrads.before_step` refuses the step it would feed.
-
-NOTE: [direct use] a parameter read outside a module's forward (``self.scale * x``, ``torch.randn(...).type_as(p)``)
-while the view is open is its master: on CUDA that fails (a host tensor), on the CPU it computes in fp32.
+NOTE: [direct use] a parameter read outside a module's forward while the view is open is its master (a host tensor).
 """
 
 from __future__ import annotations
@@ -47,7 +28,7 @@ class ManualGrads:
     """The masters' gradients on the module's parameters from each ``manual_backward`` to the step that uses them.
 
     Memory: none (the masters' own tensors are shown). Cost: a few attribute assignments per parameter at each
-    ``manual_backward`` and at each close, and one Python call per forward of a module holding parameters.
+    ``manual_backward`` and close, one Python call per forward of a module holding parameters.
 
     Example:
         >>> import torch
@@ -82,8 +63,7 @@ class ManualGrads:
         owned = {id(p) for p in view.masters.p_device} | {id(p) for _, p, _ in unmastered(view.stream, view.masters)}
         for sub in module.modules():
             if any(id(p) in owned for p in sub.parameters()):
-                # NOTE: prepend: ahead of the hooks registered so far (and of the parameter stream's, registered at
-                # `on_train_start`, after this): the view must be closed before a streamed block is fetched
+                # NOTE: prepend: the view must be closed before the parameter stream's hook fetches a block
                 self._handles.append(sub.register_forward_pre_hook(self._before_forward, prepend=True))
 
     @property
@@ -107,8 +87,7 @@ class ManualGrads:
         self._open = stack
 
     def close(self) -> None:
-        """The parameters hold the compute weights again (what code wrote into a gradient stays on the master), then
-        the stepped masters are copied into them."""
+        """The parameters hold the compute weights again, then the stepped masters are copied into them."""
         if self._open is None or (self._view is not None and self._view.depth > 1):
             return  # NOTE: a view the user opened inside this one (`masters_view()`) is still open: it closes first
         stack, self._open = self._open, None

@@ -1,12 +1,4 @@
-"""The fp32 host masters of ``lowmem_offload`` (private helper of :mod:`~lightning_lowmem.strategies.offload.strategy`).
-
-:class:`HostMasters` holds, for every floating-point parameter of the module (tied weights once), the pair
-(module parameter in the compute dtype on the device, fp32 master on the host), its name, the fp32 host
-gradient buffer that gradients are folded into, and the fp32 originals of the buffers that the cast to the
-compute dtype rounded. It builds the masters, points optimizers at them, folds gradients into them, reads and
-writes them in checkpoints, and hands them back to the module after training. Moving gradients and weights
-across the link is :mod:`~lightning_lowmem.strategies.offload.transfer`'s; the step is the strategy's.
-"""
+"""The fp32 host masters of ``lowmem_offload``: :class:`HostMasters` (docs/design.md, "The offload core")."""
 
 from __future__ import annotations
 
@@ -28,17 +20,12 @@ from lightning_lowmem.strategies.offload import hf_weights
 
 
 def _holders(buf: Tensor) -> tuple[int, int]:
-    """Python references to ``buf``, and holders of its storage (a view or ``detach()`` of it holds the storage only).
-
-    NOTE: no public torch API counts a storage's holders (``_internals.torch.storage_use_count``); both counts hold
-    for fake tensors too.
-    """
+    """Python references to ``buf``, and holders of its storage (a view or ``detach()`` holds the storage only)."""
     return sys.getrefcount(buf), torch_internals.storage_use_count(buf.untyped_storage())
 
 
 def _unheld() -> tuple[int, int]:
-    """:func:`_holders` of a buffer held as :meth:`HostMasters.fold` holds one (a list, a local), measured once: the
-    counts differ between Python versions."""
+    """:func:`_holders` of a buffer held as :meth:`HostMasters.fold` holds one (counts differ between Pythons)."""
     held = [torch.empty(1)]
     buf = held[0]
     return _holders(buf)
@@ -48,23 +35,14 @@ _UNHELD = _unheld()
 
 
 def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, resuming: bool = False) -> set[int]:
-    """Ids of the frozen (``requires_grad=False``) parameters of ``module`` that need no fp32 host master.
+    """Ids of the frozen parameters of ``module`` that need no fp32 host master: their compute weight holds their
+    whole value (none when ``loading`` weights into the masters).
 
-    A frozen weight never changes: it needs no master, no gradient buffer, no optimizer state, because its compute
-    weight holds its whole value (fp32 under ``32-true`` and ``*-mixed``; the compute dtype under ``*-true``, where plain
-    Lightning holds that weight in the compute dtype too). Loading weights into the masters (``load_weights``) keeps
-    every master.
+    NOTE: [streamed without a master] a streamed frozen weight's value is its host copy in the stream (see
+    ``stream_values``); packed 4-bit/8-bit weights are not floating point and never have a master.
 
-    NOTE: [streamed without a master] under ``offload_params`` a streamed block's frozen weight follows the same rule:
-    its host copy in the stream is its value, and the view, the checkpoint, an unfreeze and the module given back read
-    that copy, never the parameter (a placeholder while its block is released): see
-    :mod:`~lightning_lowmem.strategies.offload.stream_values`. bitsandbytes' packed 4-bit/8-bit weights are not
-    floating point: they never have a master, streamed or not.
-
-    NOTE: [resumed after an unfreeze] ``resuming`` (Lightning restored a checkpoint into the fp32 module before
-    setup): a frozen weight whose value its half compute weight cannot hold exactly came from a master (saved after
-    an unfreeze; a frozen weight is saved in its compute dtype): it keeps its master, so the run continues as the
-    uninterrupted one. One comparison per weight, on resume only.
+    NOTE: [resumed after an unfreeze] ``resuming``: a frozen weight whose fp32 value its half compute weight cannot
+    hold came from a master (saved after an unfreeze): it keeps its master, so the run continues as uninterrupted.
     """
     if loading or precision is None:
         return set()
@@ -108,15 +86,13 @@ class HostMasters:
         if not loading:
             return p.detach().to("cpu", torch.float32, copy=True)
         if p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta and precision.weight_dtype != torch.float32:
-            # NOTE: an empty_init module's fp32 storage becomes the master (no second fp32 copy on the host); the
-            # cast to the compute dtype right after gives the module parameter a storage of its own.
+            # NOTE: an empty_init module's fp32 storage becomes the master (the cast gives the parameter its own)
             return p.detach()
         return torch.empty(p.shape, dtype=torch.float32)
 
     def build(self, module: torch.nn.Module, loading: bool, precision: Any, grad_buffers: bool,
               frozen: Collection[int] = ()) -> None:
-        """One master per parameter of ``module`` (and an fp32 gradient buffer each with ``grad_buffers``), but those
-        whose id is in ``frozen`` (see :func:`frozen_without_master`): they are kept aside, without a master."""
+        """One master (and with ``grad_buffers`` an fp32 gradient buffer) per parameter not in ``frozen``."""
         for name, p in self.unique_params(module):
             if id(p) in frozen:
                 self.frozen[id(p)] = (name, p)
@@ -137,19 +113,20 @@ class HostMasters:
     def master_unfrozen(self, value_of: Callable[[Parameter], Tensor]) -> list[int]:
         """Give a master to every parameter kept without one that is trainable now; return their indices.
 
-        NOTE: [unfrozen later] (Lightning's ``BackboneFinetuning``, or code setting ``requires_grad``) the master
-        is the exact value the forward used: ``value_of(p)`` (the compute weight, or a streamed block's host copy)
-        upcast to fp32. Only parameters whose compute weight is their whole value are kept without a master (see
-        :func:`frozen_without_master`), so nothing is rounded here.
+        NOTE: [unfrozen later] the master is ``value_of(p)`` (the exact value the forward used) upcast: nothing rounds.
         """
+        return self._master_frozen(lambda name, p: value_of(p) if p.requires_grad else None)
+
+    def _master_frozen(self, value: Callable[[str, Parameter], Tensor | None]) -> list[int]:
+        """Give every parameter kept without a master whose ``value(name, p)`` is not None an fp32 copy of it as one."""
         new = []
         for key, (name, p) in list(self.frozen.items()):
-            if not p.requires_grad:
-                continue
-            del self.frozen[key]
-            p_host = Parameter(value_of(p).detach().to("cpu", torch.float32, copy=True), requires_grad=True)
-            mark_host(p_host)
-            new.append(self._add(name, p, p_host, None))
+            v = value(name, p)
+            if v is not None:
+                del self.frozen[key]
+                p_host = Parameter(v.detach().to("cpu", torch.float32, copy=True), requires_grad=p.requires_grad)
+                mark_host(p_host)
+                new.append(self._add(name, p, p_host, None))
         return new
 
     def load(self, path: str | os.PathLike) -> dict[str, int]:
@@ -162,25 +139,14 @@ class HostMasters:
         return report
 
     def master_from_checkpoint(self, state: Mapping[str, Any]) -> list[int]:
-        """Give a master to every parameter kept without one whose checkpoint value its compute weight cannot hold
-        (an fp32 value for a half compute weight); return their indices.
-
-        NOTE: [resumed after an unfreeze] a checkpoint saved after ``BackboneFinetuning`` unfroze the backbone holds
-        its fp32 masters; resumed, the backbone is frozen again at setup and would keep only the rounding of them,
-        so the run would not continue as the uninterrupted one. Such a weight keeps its checkpoint value as a master.
-        """
-        new = []
-        for key, (name, p) in list(self.frozen.items()):
+        """Give a master to every parameter kept without one whose checkpoint value is fp32 and its compute weight half;
+        return their indices (see [resumed after an unfreeze])."""
+        def fp32_value(name: str, p: Parameter) -> Tensor | None:
             value = state.get(name)
-            if isinstance(value, Tensor) and value.dtype == torch.float32 and p.dtype != torch.float32:
-                del self.frozen[key]
-                p_host = Parameter(value.detach().to("cpu", torch.float32, copy=True), requires_grad=p.requires_grad)
-                mark_host(p_host)
-                new.append(self._add(name, p, p_host, None))
-        return new
+            wanted = isinstance(value, Tensor) and value.dtype == torch.float32 and p.dtype != torch.float32
+            return value if wanted else None
 
-    def mark_host(self) -> None:
-        mark_host(*self.p_host, *(g for g in self.grad_host if g is not None))
+        return self._master_frozen(fp32_value)
 
     def keep_buffers(self, module: torch.nn.Module, precision: Any) -> None:
         """Keep the fp32 originals of the buffers that the cast to the compute dtype will round."""
@@ -220,13 +186,11 @@ class HostMasters:
                 state[key] = {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in s.items()}
             optimizer.state = state
 
-    # --- writes into the compute weights by other code (see `OffloadStrategy.adopt_device_writes`) ---------------
+    # --- writes into the compute weights by other code ---------------------------------------------------------
     def note_device(self, indices: Iterable[int] | None = None) -> None:
         """Remember the version counter and storage of compute weights ``indices`` (all) that now match their masters.
 
-        NOTE: `Tensor._version` is a private torch API (the counter autograd checks saved tensors with; no public
-        reader): every in-place write through the parameter bumps it (``torch.no_grad(): p.clamp_()``, ``nn.init``,
-        ``p.copy_()``, ``load_state_dict``), a write through ``p.data`` does not (torch does not track it).
+        NOTE: ``Tensor._version`` (private torch API) counts in-place writes through the parameter, not ``.data``.
         """
         for i in range(len(self.p_device)) if indices is None else indices:
             if id(self.p_device[i]) in self.streamed:
@@ -234,26 +198,17 @@ class HostMasters:
             p = self.p_device[i]
             self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
 
-    def device_writes(self, indices: Iterable[int] | None = None) -> list[int]:
-        """The compute weights ``indices`` (all) written (in place through the parameter, or ``p.data`` replaced) since
-        they were noted."""
-        seen, p_device = self.seen, self.p_device
-        return [i for i in (range(len(p_device)) if indices is None else indices)
-                if i in seen and (seen[i][0] != torch_internals.tensor_version(p_device[i])
-                                  or seen[i][1] != storage_key(p_device[i]))]
-
     def adopt_writes(self) -> list[int]:
-        """Copy every compute weight written by other code into its master (:meth:`adopt`); return their indices.
+        """Copy every compute weight written by other code (in place, or ``p.data`` replaced) since it was noted into
+        its master; return their indices.
 
-        NOTE: [writes outside the hooks] plain Lightning's parameters are the weights the optimizer steps, so a
-        callback's ``on_train_batch_end`` or ``training_step`` that clamps them (``with torch.no_grad(): p.clamp_()``)
-        or re-initialises a layer changes what is trained (weight averaging writes its average into them). Under
-        ``lowmem_offload`` that code writes the compute weights; without this the next step would overwrite them from
-        the unchanged masters. The strategy calls it before every read of the masters (the step, a view, a checkpoint,
-        the module given back). Exact for fp32 compute weights; a half one is upcast, and a warning says so once. Not
-        seen: in-place writes through ``p.data`` (torch does not track them) and the weights of streamed blocks.
+        NOTE: [writes outside the hooks] code that clamps or re-initialises the parameters writes the compute weights;
+        the strategy adopts them before every read of the masters. A half one is upcast (warned once); in-place writes
+        through ``p.data`` and streamed weights are not seen.
         """
-        changed = self.device_writes()
+        seen, p_device = self.seen, self.p_device
+        changed = [i for i in range(len(p_device)) if i in seen and (
+            seen[i][0] != torch_internals.tensor_version(p_device[i]) or seen[i][1] != storage_key(p_device[i]))]
         for i in changed:
             self.adopt(i)
         self.note_device(changed)
@@ -275,10 +230,8 @@ class HostMasters:
     def adopt_untracked_writes(self) -> list[int]:
         """Copy into their masters the compute weights whose value differs from their master's rounding; return them.
 
-        NOTE: [untracked writes] a write through ``p.data`` bumps no version counter (:meth:`adopt_writes` misses it):
-        Lightning's ``WeightAveraging`` copies the average into the module that way at the end of fit. One comparison
-        of every compute weight with its master (a device-to-host read of the compute weights on CUDA), so it runs once,
-        when the module is given back.
+        NOTE: [untracked writes] a ``p.data`` write (``WeightAveraging``'s at fit end) bumps no version counter; one
+        comparison of every weight (a device-to-host read on CUDA), so it runs once, when the module is given back.
         """
         changed = [i for i, (p, p_host) in enumerate(zip(self.p_device, self.p_host))
                    if id(p) not in self.streamed and not p.is_meta
@@ -292,20 +245,22 @@ class HostMasters:
         """Copy compute weight ``i`` (written by other code) into its master; give it back its dtype and device."""
         p, p_host = self.p_device[i], self.p_host[i]
         _, _, dtype, device = self.seen[i]
+        self.check_shape(i)
+        p_host.copy_(p.detach())  # NOTE: a half compute weight is upcast: the low fp32 bits of the master are lost
+        if p.dtype != dtype or p.device != device:
+            p.data = p.data.to(device=device, dtype=dtype)
+
+    def check_shape(self, i: int) -> None:
+        """Refuse a compute weight ``i`` given a tensor of another shape than its master's."""
+        p, p_host = self.p_device[i], self.p_host[i]
         if p.shape != p_host.shape:
             raise RuntimeError(
                 f"lowmem_offload: `{self.names[i]}` was given a tensor of shape {tuple(p.shape)} (its weight has shape "
                 f"{tuple(p_host.shape)}); a parameter's shape cannot change during training under lowmem_offload. "
                 "Write its values in place instead (`with torch.no_grad(): p.copy_(new)`)."
             )
-        p_host.copy_(p.detach())  # NOTE: a half compute weight is upcast: the low fp32 bits of the master are lost
-        if p.dtype != dtype or p.device != device:
-            p.data = p.data.to(device=device, dtype=dtype)
 
     # --- reading -----------------------------------------------------------------------------------------
-    def as_dict(self) -> dict[str, Parameter]:
-        return dict(zip(self.names, self.p_host))
-
     def master_of(self, p_host: Tensor) -> Parameter | None:
         """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
         i = self.host_index.get(id(p_host))
@@ -320,9 +275,8 @@ class HostMasters:
             buf = self.grad_host[i]
             assert buf is not None
             if _holders(buf) != _UNHELD:
-                # NOTE: [kept gradient] code kept the last window's gradient (`self.prev = p.grad`, or a view of it, in
-                # a hook or `training_step`): plain Lightning's backward makes a new tensor after `zero_grad()`, so the
-                # kept one still holds the old values, and must here too. The old buffer is left to that code.
+                # NOTE: [kept gradient] code kept the last window's gradient (`self.prev = p.grad`): as after plain
+                # Lightning's `zero_grad()`, it keeps the old values and the new gradient gets a new tensor
                 buf = self.grad_host[i] = torch.empty_like(buf)
                 mark_host(buf)
             buf.copy_(grad)
@@ -352,8 +306,7 @@ class HostMasters:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return None
-        # NOTE: one vectorised pass (an L2 norm per tensor) instead of an isfinite mask per tensor; a norm that
-        # overflows fp32 (|g| ~ 1e19) counts as non-finite too, which AdamW's g*g would have turned into inf state.
+        # NOTE: one vectorised norm pass; a norm that overflows fp32 counts too (AdamW's g*g would be inf)
         if bool(torch.stack(torch_internals.foreach_norm(grads)).isfinite().all()):
             return None
         bad = [

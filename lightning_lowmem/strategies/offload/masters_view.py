@@ -1,28 +1,9 @@
-"""Code written for a plain fp32 module, run against the fp32 masters of ``lowmem_offload`` (private helper).
+"""The fp32 masters of ``lowmem_offload`` shown through the module's own parameters (``.data`` and ``.grad`` swapped,
+the ``Parameter`` objects kept, so references user code holds stay valid), for the gradient hooks, manual optimization
+and ``trainer.strategy.masters_view()``.
 
-Under ``lowmem_offload`` the module's parameters are the compute weights (half precision on the device under
-``*-true``; a streamed block's weights are empty placeholders between uses) and hold no ``.grad``: the fp32 weights and
-their gradients are the host masters (:class:`~lightning_lowmem.strategies.offload.masters.HostMasters`). Inside a
-:class:`MastersView` the module's own parameters show the masters, for the code that must read them:
-
-* the gradient hooks (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``), which
-  the strategy runs inside a view with the masters' gradients, so ``clip_grad_value_(self.encoder.parameters(), ...)``
-  clips what the optimizer steps;
-* manual optimization: ``training_step`` from each ``manual_backward`` and each step to the next forward
-  (:mod:`~lightning_lowmem.strategies.offload.manual_grads`);
-* the user's own code: ``with trainer.strategy.masters_view(grads=True):``.
-
-Design: a view swaps each parameter's ``.data`` for its master (and ``.grad`` for the master's gradient), the same
-``Parameter`` objects staying in the module. Chosen over putting the master ``Parameter`` objects into the modules
-because references user code keeps (a list of parameters made in ``__init__``, tensor hooks, a callback's dict keyed
-by parameter) stay valid, tied weights need no table of owners, and ``.grad`` may be assigned (a parameter accepts a
-gradient of its own dtype and device only: inside the view that is the master's). The cost is a few attribute
-assignments per parameter and view; no tensor is copied on entry. A frozen weight without a master shows its value:
-its compute weight, or a streamed block's host copy (:mod:`~lightning_lowmem.strategies.offload.stream_values`).
-
-NOTE: [views are not tracked] writes through ``.data`` bypass autograd's version counters, so a view cannot see
-whether its code wrote the weights through ``.data``: a view made with ``write_back=True`` copies every master into its
-compute weight on exit; the gradient hooks' views do not, as the optimizer step that follows copies the masters it steps.
+NOTE: [views are not tracked] ``.data`` writes bump no version counter: a ``write_back=True`` view copies every master
+into its compute weight on exit; the gradient hooks' views do not (the step that follows copies what it steps).
 """
 
 from __future__ import annotations
@@ -85,9 +66,8 @@ class MastersView:
     def view(self, *, grads: bool = False, buffers: bool = False, write_back: bool = False) -> Iterator[MastersView]:
         """Show the masters (``grads``: with their gradients; ``buffers``: the fp32 values of rounded buffers).
 
-        ``write_back``: on exit, copy every master (and every shown buffer) into the compute tensors. A view inside a
-        view shows what the outer one shows and passes its ``write_back`` to it. Before the masters are shown, compute
-        weights other code wrote are adopted into them (``HostMasters.adopt_writes``).
+        ``write_back``: on exit, copy every master (and shown buffer) into the compute tensors. A nested view passes its
+        ``write_back`` to the outer one.
         """
         if not self.masters.p_host and not stream_values.unmastered(self.stream, self.masters):
             yield self
@@ -108,9 +88,8 @@ class MastersView:
         streamed = stream.shapes if stream is not None else {}
         if stream is not None:
             stream.release_all()  # NOTE: a released block is refetched where needed (a pending backward included)
-        # NOTE: a streamed weight's placeholder is not read back from the parameter (`.data` of it is an op the dry
-        # run's fake mode refuses on a real placeholder): it is rebuilt, here, before any parameter shows its master
-        # (in its compute dtype; no op runs while only some parameters are put back on exit)
+        # NOTE: a streamed weight's placeholder is rebuilt, not read from the parameter (the dry run's fake mode
+        # refuses `.data` of a real placeholder)
         data = [stream.released(p) if id(p) in streamed else p.data for p in masters.p_device]  # type: ignore[union-attr]
         self._compute = data
         # NOTE: [streamed without a master] (masters.py) a frozen streamed weight's value is its host copy: shown here
@@ -147,18 +126,12 @@ class MastersView:
         its master (an in-place write reached the master already)."""
         for i, (p, p_host) in enumerate(zip(self.masters.p_device, self.masters.p_host)):
             if storage_key(p) != storage_key(p_host):
-                if p.shape != p_host.shape:
-                    raise RuntimeError(
-                        f"lowmem_offload: `{self.masters.names[i]}` was given a tensor of shape {tuple(p.shape)} (its "
-                        f"weight has shape {tuple(p_host.shape)}); a parameter's shape cannot change during training "
-                        "under lowmem_offload. Write its values in place instead (`with torch.no_grad(): p.copy_(new)`)."
-                    )
+                self.masters.check_shape(i)
                 p_host.copy_(p.detach())
 
     @contextlib.contextmanager
     def hidden(self) -> Iterator[None]:
-        """Inside a view: put the compute weights back for a while, without gradients (what is on the device, for a
-        memory breakdown taken in a hook that shows the masters); elsewhere: nothing."""
+        """Inside a view: put the compute weights back for a while, without gradients (for a memory breakdown)."""
         if not self._depth:
             yield
             return
@@ -168,7 +141,8 @@ class MastersView:
             for p, d in zip(params, self._compute):
                 p.grad = None
                 p.data = d
-            stream_values.hide(self.stream, self._copies)
+            for _, p, _ in self._copies:  # the streamed weights without a master: their placeholders
+                p.data = self.stream.released(p)  # type: ignore[union-attr]
         try:
             yield
         finally:
@@ -176,11 +150,12 @@ class MastersView:
                 for p, (d, g) in zip(params, kept):
                     p.data = d
                     p.grad = g
-                stream_values.unhide(self._copies)
+                for _, p, h in self._copies:
+                    p.data = h
 
     def sync_grads(self) -> None:
-        """Inside a view with ``grads``: after code replaced (or dropped) a parameter's ``.grad`` or its master's, make
-        both the same tensor again (the parameter's side wins if both changed)."""
+        """Inside a view with ``grads``: make a parameter's ``.grad`` and its master's the same tensor again after code
+        replaced one (the parameter's side wins)."""
         if self._shown is None:
             return
         for i, (p, p_host) in enumerate(zip(self.masters.p_device, self.masters.p_host)):

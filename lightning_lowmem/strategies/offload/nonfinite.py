@@ -14,11 +14,8 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 class NonFiniteGuard:
-    """Counts the optimizer steps skipped for inf/nan gradients; warns once; raises per ``mode``.
-
-    ``"skip"``: the step is skipped (its gradients dropped, so the masters and the optimizer state are untouched), and
-    ``max_consecutive_skips`` skips in a row raise :class:`NonFiniteGradientError`; ``"raise"``: the first raises;
-    ``"ignore"``: the guard is off (plain Lightning's behaviour: the masters become nan for good).
+    """Counts the optimizer steps skipped for inf/nan gradients; warns once; raises per ``mode`` (``"skip"``: after
+    ``max_consecutive_skips`` in a row; ``"raise"``: at the first). Memory: none; cost: a few Python numbers.
 
     Example:
         >>> guard = NonFiniteGuard("raise", max_consecutive_skips=10)

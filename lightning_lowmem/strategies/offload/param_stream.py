@@ -1,36 +1,13 @@
-"""Parameter streaming for ``lowmem_offload``: the compute weights of repeated blocks live on the host and visit the device.
+"""Parameter streaming for ``lowmem_offload``: repeated blocks' compute weights live on the host and visit the device
+(docs/techniques/param-streaming.md). A streamed parameter stays the same object; its ``.data`` is a NaN placeholder
+while released, a device copy fetched on the side stream ``prefetch`` blocks ahead while its block runs.
 
-``OffloadStrategy(offload_params=True)`` (``strategy="lowmem_offload_params"``) keeps, for every streamed block
-(:func:`~lightning_lowmem.core.blocks.find_repeated_blocks`: GPT-2's ``transformer.h``, LLaMA's
-``model.layers``), one host copy of each weight in the compute dtype (pinned on CUDA; on the CPU a separate
-tensor, so every fetch is a real copy). The module's parameters stay the same objects (names, ``state_dict``
-keys, gradient hooks, optimizers are untouched); only their ``.data`` changes:
+NOTE: [saved weights] autograd's saved views of a weight would keep the fetched storage alive: inside a streamed block
+a ``saved_tensors_hooks`` pair saves ``(block, index, size, stride, offset)`` instead and rebuilds the view on the
+weight's current data at unpack (fetching the block if needed); other saved tensors go to the outer hooks.
 
-* released: a one-element NaN expanded to the parameter's shape (its shape and dtype, no memory);
-* fetched: a device tensor filled from the host copy by a copy queued on the side stream of the transfer seam
-  (:mod:`lightning_lowmem.core.streams`), ``prefetch`` blocks ahead, the compute stream waiting on its event.
-
-Forward: a block's pre-hook waits for the block and queues the next ``prefetch`` streamed blocks; its post-hook
-releases it (the last ``prefetch + 1`` streamed blocks stay: backward starts with them). Backward: a hook on the
-block's output gradient (it fires before the block's backward, and before a checkpointed block recomputes)
-releases the blocks after it, waits for it and queues the ``prefetch`` blocks before it.
-
-NOTE: [saved weights] autograd keeps views of the weights for backward (``linear`` saves ``weight.t()``): such a view
-holds the fetched storage alive, so swapping ``.data`` alone would free nothing. While a streamed block runs forward, a
-``saved_tensors_hooks`` pair replaces every saved tensor on a fetched weight's storage by ``(parameter, size, stride,
-offset)`` and rebuilds the view on the weight's *current* data when backward unpacks it (fetching the block first if it
-is not on the device: correct even when a hook did not run). Saved tensors that are not weights go to the hooks that
-were active outside the block (``ActivationOffload``), or are kept. Chosen over an autograd Function at block
-boundaries because it leaves the module's forward, the checkpoint wrappers and the hooks of other techniques as they
-are. A checkpointed block saves nothing of its weights in forward (the checkpoint's own hooks are innermost) and
-recomputes after the output-gradient hook fetched it. bitsandbytes' 4-bit matmul keeps its weight out of the hooks'
-reach: see ``packed_weights``.
-
-NOTE: [in-place changes] The hooks turn off autograd's check that a saved tensor was not changed in place; the unpack
-makes it (``core.saved_versions``). A block's forward that changes one of its streamed weights in place (a clamp, a
-renormalisation) is refused when it returns: the fetched copy it changed is dropped at release, so the change would be
-lost. A change through ``.data`` bumps no version counter: neither plain PyTorch nor this check sees it, and under
-streaming it is lost.
+NOTE: [in-place changes] the hooks turn off autograd's saved-version check; the unpack makes it. A forward that changes
+a streamed weight in place is refused when the block returns (the change would be lost at release).
 """
 
 from __future__ import annotations
@@ -55,7 +32,8 @@ from lightning_lowmem.strategies.offload.packed_weights import (
     quant_state_param,
     streamable,
 )
-from lightning_lowmem.strategies.offload.transfer import _bucket_sizes
+from lightning_lowmem.strategies.offload.stream_check import ReleasedReadCheck
+from lightning_lowmem.strategies.offload.transfer import staged_views
 
 OffloadParams = Literal[False, True, "auto"]
 OFFLOAD_PARAMS: tuple[Any, ...] = (False, True, "auto")
@@ -66,11 +44,8 @@ _FREES_IN_FLIGHT = 1
 
 
 def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[list[nn.Parameter]], list[nn.Parameter]]:
-    """The repeated blocks, the streamable parameters only each block holds (``packed_weights``), and all others.
-
-    A parameter shared between two blocks or with a module outside the blocks (tied weights) is not a block's:
-    it stays resident.
-    """
+    """The repeated blocks, the streamable parameters only each block holds (shared ones stay resident), and all
+    others."""
     blocks = called_blocks(find_repeated_blocks(module))
     owners: dict[int, set[int]] = {}
     for b, (_, block) in enumerate(blocks):
@@ -102,12 +77,9 @@ def streamed_host_bytes(offload_params: Any, module: nn.Module, dtype: torch.dty
 class ParamStream:
     """Moves the compute weights of streamed blocks between their host copies and the device, block by block.
 
-    Memory on the device: the compute weights of the resident blocks and of the non-block parameters, plus at most
-    ``prefetch + 2`` streamed blocks at any instant (``prefetch + 1`` fetched, and one released block the GPU may
-    still be reading: see [bounded streaming]). On the host: one copy of each streamed weight in the compute
-    dtype (2 B/param in bf16; pinned on CUDA). Cost: each streamed block crosses PCIe once in forward and once in
-    backward (a checkpointed block recomputes on the backward copy), on a side stream ``prefetch`` blocks ahead of
-    compute; on the CPU each crossing is a host copy.
+    Memory on the device: the resident weights plus at most ``prefetch + 2`` streamed blocks (see [bounded
+    streaming]). On the host: one copy of each streamed weight in the compute dtype (pinned on CUDA). Cost: each
+    streamed block crosses PCIe once in forward and once in backward, on a side stream ahead of compute.
 
     Built by :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy`; example:
 
@@ -147,23 +119,15 @@ class ParamStream:
         self._compiled = any(torch_internals.is_compiled_module(m) for m in module.modules())
 
     # --- setup ---------------------------------------------------------------------------------------------------
-    def streamed_numel(self) -> int:
-        return sum(p.numel() for ps in self.params for p in ps)
-
     @torch.no_grad()
     def detach_weights(self) -> None:
         """Make the host copies from the current compute weights, and leave the parameters empty (before moving)."""
         flat = [p for ps in self.params for p in ps]
         if self.ops is not None:
-            copies: list[torch.Tensor | None] = [None] * len(flat)
-            for sizes, slots, idx in _bucket_sizes([(p.numel(), p.dtype) for p in flat]):
-                buckets = [self.ops.empty_host(n, torch.uint8) for n in sizes]
-                for i, (b, offset) in zip(idx, slots):
-                    p = flat[i]
-                    view = buckets[b][offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-                    view.copy_(p.detach())
-                    copies[i] = view
-                self._buckets += buckets
+            buckets, copies = staged_views(flat, self.ops)
+            for view, p in zip(copies, flat):
+                view.copy_(p.detach())
+            self._buckets += buckets
             it = iter(copies)
         else:
             it = iter([p.detach().to("cpu", copy=True) for p in flat])  # NOTE: a separate tensor: fetches really copy
@@ -178,18 +142,14 @@ class ParamStream:
         """After the module moved to the device: placeholders there, and the hooks."""
         for ps in self.params:
             for p in ps:
-                p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+                p.data = self.released(p)
         self._quant_states.repoint()
         self._matmul.__enter__()
         self.hook_blocks()
 
     def hook_blocks(self) -> None:
-        """(Re-)register the block hooks, after every hook registered so far.
-
-        NOTE: ``OffloadStrategy.on_train_start`` calls it again, after the callbacks' ``on_train_start``: a hook a
-        callback puts on the first block then (the dry run's depth windows, which cut the step at the first block's
-        pre-hook) runs before the fetch, so the fetch is counted inside the blocks, at every depth alike.
-        """
+        """(Re-)register the block hooks, after every hook registered so far (called again at ``on_train_start``, so
+        a callback's hook on the first block, the dry run's depth windows, runs before the fetch)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -197,29 +157,27 @@ class ParamStream:
             self._handles.append(block.register_forward_pre_hook(lambda m, a, b=b: self._pre(b)))
             self._handles.append(block.register_forward_hook(lambda m, a, o, b=b: self._post(b, o), always_call=True))
 
-    def _placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        key = (dtype, str(self.device))
+    def released(self, p: nn.Parameter) -> torch.Tensor:
+        """What streamed parameter ``p``'s ``.data`` is while its block is released (built here, never read from ``p``):
+        a NaN (0 for packed weights) expanded to its shape."""
+        key = (p.dtype, str(self.device))
         base = self._placeholders.get(key)
         if base is None:
-            fill = float("nan") if dtype.is_floating_point else 0
-            base = self._placeholders[key] = torch.full((), fill, dtype=dtype, device=self.device)
-        return base.expand(shape)
+            fill = float("nan") if p.dtype.is_floating_point else 0
+            base = self._placeholders[key] = torch.full((), fill, dtype=p.dtype, device=self.device)
+        return base.expand(self.shapes[id(p)])
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._matmul.__exit__(None, None, None)
-        self.release_all()
-        if self._last_event is not None and self.ops is not None:
-            self.ops.synchronize(self._last_event)
+        self._settle_host()
 
     def first_use_check(self, kind: str) -> contextlib.AbstractContextManager:
         """On the first ``kind`` step: refuse any op that reads a released streamed weight (see ``stream_check``)."""
         if kind in self._checked or not any(self.params) or self._compiled:
             return contextlib.nullcontext()
-        from lightning_lowmem.strategies.offload.stream_check import ReleasedReadCheck
-
         self._checked.add(kind)
         names = {id(p): f"{self.names[b]}.{n}" for b, block in enumerate(self.blocks)
                  for n, p in block.named_parameters() if id(p) in self.shapes}
@@ -230,12 +188,10 @@ class ParamStream:
         if b in self._fetched or not self.streamed[b]:
             return
         ops = self.ops
-        if ops is not None:
-            self._limit_frees(ops)
         if ops is None:
-            tensors = [h.to(self.device, copy=True) for h in self.host[b]]
-            event = None
+            tensors, event = [h.to(self.device, copy=True) for h in self.host[b]], None
         else:
+            self._limit_frees(ops)
             tensors = [ops.to_device(h, self.device, self.stream) for h in self.host[b]]
             event = self._last_event = ops.record_event(self.stream)
         for j, (p, t) in enumerate(zip(self.params[b], tensors)):
@@ -257,8 +213,7 @@ class ParamStream:
             compute = ops.compute_stream()
             ops.wait_event(compute, entry[1])
             for t in entry[0]:
-                # NOTE: [fetched lifetime] allocated for the side stream, read on the compute stream: the allocator
-                # must not hand the block to the next fetch before compute is done with it.
+                # NOTE: [fetched lifetime] not reused by the allocator before compute is done with it
                 ops.record_stream(t, compute)
             entry[2] = True
 
@@ -268,7 +223,7 @@ class ParamStream:
             return
         for p, t in zip(self.params[b], entry[0]):
             self._by_storage.pop(storage_key(t), None)
-            p.data = self._placeholder(p.dtype, self.shapes[id(p)])
+            p.data = self.released(p)
         read_by_compute = entry[2] and self.ops is not None
         entry = t = None  # NOTE: the buffers are freed here (to the allocator, which waits for compute: record_stream)
         if read_by_compute:
@@ -277,13 +232,8 @@ class ParamStream:
     def _limit_frees(self, ops: StreamOps) -> None:
         """Wait (host) until at most ``_FREES_IN_FLIGHT`` released blocks may still be read by compute.
 
-        NOTE: [bounded streaming] a released block's buffers go back to CUDA's caching allocator, which hands them out
-        again only when the compute stream has passed the release (``record_stream``). The host queues kernels far
-        ahead of the GPU, so without back-pressure every fetch of a forward would take new memory while the released
-        blocks wait: the reserved memory grows toward the whole model (FSDP's ``limit_all_gathers`` solves the same
-        problem the same way). An event recorded on the compute stream after each release tells when its buffers are
-        reusable; before a fetch the host waits for the oldest beyond the limit, so the device holds at most the
-        ``prefetch + 1`` fetched blocks and ``_FREES_IN_FLIGHT`` released ones.
+        NOTE: [bounded streaming] the host runs ahead of the GPU: without this back-pressure (as FSDP's
+        ``limit_all_gathers``) every fetch would take new memory while released blocks wait for compute.
         """
         frees = self._frees
         while frees and (len(frees) > _FREES_IN_FLIGHT or ops.query(frees[0])):
@@ -299,7 +249,7 @@ class ParamStream:
 
     # --- hooks ---------------------------------------------------------------------------------------------------
     def _pre(self, b: int) -> None:
-        if _in_backward():  # a recompute that calls the block's __call__ (reentrant or HF checkpointing)
+        if torch_internals.in_backward():  # a recompute that calls the block's __call__ (reentrant or HF checkpointing)
             self._ready(b)
             self._push(b)
             return
@@ -315,7 +265,7 @@ class ParamStream:
         pushed = self._pushed.pop() if self._pushed else None
         if pushed is not None:
             pushed.__exit__()
-        if _in_backward() or output is None:
+        if torch_internals.in_backward() or output is None:
             return
         self._check_unchanged(b)
         grad = torch.is_grad_enabled()
@@ -395,10 +345,7 @@ class ParamStream:
             host.copy_(master)
 
     def _settle_host(self) -> None:
-        """Release every block and wait for the last queued fetch: the host copies are about to be written.
-
-        NOTE: a fetch queued on the side stream still reads its host copies; written now, it would copy half-old bytes.
-        """
+        """Release every block and wait for the last queued fetch (it reads the host copies about to be written)."""
         self.release_all()
         if self._last_event is not None and self.ops is not None:
             self.ops.synchronize(self._last_event)
@@ -415,11 +362,7 @@ class ParamStream:
         finally:
             for ps in self.params:
                 for p in ps:
-                    p.data = self._placeholder(p.dtype, self.shapes[id(p)])
-
-    def released(self, p: nn.Parameter) -> torch.Tensor:
-        """What streamed parameter ``p``'s ``.data`` is while its block is released (built here, never read from ``p``)."""
-        return self._placeholder(p.dtype, self.shapes[id(p)])
+                    p.data = self.released(p)
 
     def host_of(self) -> dict[int, torch.Tensor]:
         """``{id(parameter): host copy}`` for every streamed parameter."""
@@ -430,7 +373,3 @@ class ParamStream:
             assert self.ops is not None
             return sum(self.ops.host_bytes(b.numel()) for b in self._buckets)
         return sum(h.numel() * h.element_size() for hs in self.host for h in hs)
-
-
-def _in_backward() -> bool:
-    return torch_internals.in_backward()

@@ -1,11 +1,4 @@
-"""The precision side of ``lowmem_offload``: Lightning's half and mixed precision, stepping fp32 host masters.
-
-:class:`MasterHalfPrecision` is Lightning's ``HalfPrecision`` (``*-true``) or ``MixedPrecision`` (``*-mixed``) with one
-difference: the optimizer it steps holds the fp32 masters that
-:class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy` keeps on the host, so ``main_params(optimizer)``
-are the masters, the fp16 loss scale is unscaled on their fp32 gradients, and the clip applies to them. It keeps no
-state of its own but the fp16 loss scaler.
-"""
+"""The precision side of ``lowmem_offload``: Lightning's half and mixed precision, stepping fp32 host masters."""
 
 from __future__ import annotations
 
@@ -41,8 +34,7 @@ _SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor
 
 
 def _grads_view(module: pl.LightningModule, *hooks: str) -> AbstractContextManager:
-    """While Lightning runs ``hooks``, the module's parameters show the masters and their gradients (the strategy's
-    public view), when the module or one of its callbacks overrides one of them."""
+    """The strategy's view of the masters with their gradients, when the module or a callback overrides ``hooks``."""
     trainer = lightning_internals.attached_trainer(module)
     strategy = trainer.strategy if trainer is not None else None
     if not isinstance(strategy, HostMastersStrategy):
@@ -58,14 +50,11 @@ class MasterHalfPrecision(Reproducible, Precision):
     * ``"bf16-true"`` / ``"16-true"``: the module (weights, buffers, inputs) in that dtype, as Lightning's
       ``HalfPrecision``: 2 B/param of device weights. The fp32 masters keep every update (an update below half a bf16
       ulp is lost by plain ``bf16-true``).
-    * ``"bf16-mixed"`` / ``"16-mixed"``: Lightning's ``MixedPrecision``: the fp32 module under ``torch.autocast``, which
-      casts per op. The compute weights stay fp32 on the device (4 B/param) and every gradient is plain mixed
-      precision's, bit for bit; only the optimizer state and the step leave the device. Use ``*-true`` to halve the
-      device weights.
+    * ``"bf16-mixed"`` / ``"16-mixed"``: Lightning's ``MixedPrecision`` (``torch.autocast``): the compute weights stay
+      fp32 on the device (4 B/param), gradients bit for bit plain mixed precision's.
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
-    * fp16 (``"16-*"``): the loss is multiplied by a dynamic scale; an overflow (an inf or nan in any master gradient
-      after accumulation) skips the step, multiplies the scale by ``backoff_factor`` and is logged; the masters never
-      see an inf or nan. The scaler's state is saved in the checkpoint and restored on resume.
+    * fp16 (``"16-*"``): dynamic loss scaling; an overflow in any master gradient skips the step, multiplies the scale
+      by ``backoff_factor`` and is logged. The scaler's state is checkpointed.
 
     Memory: none of its own (the strategy keeps the masters). Cost: fp16 checks every master gradient for inf/nan at
     each step (one vectorised pass on the host).
@@ -103,8 +92,7 @@ class MasterHalfPrecision(Reproducible, Precision):
         self.mixed = precision.endswith("-mixed")
         self.scaler: DynamicLossScaler | None = (
             DynamicLossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
-            if self.compute_dtype == torch.float16
-            else None
+            if self.compute_dtype == torch.float16 else None
         )
         given = {k: v for k, v in (("init_scale", init_scale), ("growth_factor", growth_factor),
                                    ("backoff_factor", backoff_factor), ("growth_interval", growth_interval))
@@ -145,8 +133,7 @@ class MasterHalfPrecision(Reproducible, Precision):
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
-        # NOTE: modules are built in fp32 on purpose: the masters are copied from them, and a model
-        # initialised in half precision would give masters that already lost their low bits.
+        # NOTE: modules are built in fp32: masters copied from a half-precision init would have lost their low bits
         return nullcontext()
 
     @override
@@ -185,17 +172,10 @@ class MasterHalfPrecision(Reproducible, Precision):
 
     @override
     def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Optimizer,
-        model: pl.LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
+        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        """Run the closure, unscale and check (fp16), call ``on_before_optimizer_step`` and clip, then step.
-
-        As Lightning's ``MixedPrecision``: an overflow or a skipped backward (``training_step`` returned None) skips the
-        step; an overflow also drops the masters' gradients, so no inf or nan reaches them or the optimizer state.
-        """
+        """Run the closure, unscale and check (fp16), call ``on_before_optimizer_step`` and clip, then step (an overflow
+        or a skipped backward skips the step, as Lightning's ``MixedPrecision``)."""
         closure_result = closure()
         found_inf = self.scaler is not None and self.scaler.unscale_(
             [p.grad for p in self.main_params(optimizer) if p.grad is not None])
@@ -218,8 +198,7 @@ class MasterHalfPrecision(Reproducible, Precision):
 
     @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:  # type: ignore[override]
-        # NOTE: `on_before_optimizer_step` and `configure_gradient_clipping` run here: user code in them reads and
-        # clips `p.grad` of the module's parameters, which must be the gradients the optimizer steps (the masters')
+        # NOTE: user code in `on_before_optimizer_step`/`configure_gradient_clipping` must see the masters' gradients
         with _grads_view(model, "on_before_optimizer_step", "configure_gradient_clipping") as view:
             self._view = view
             try:
@@ -232,8 +211,7 @@ class MasterHalfPrecision(Reproducible, Precision):
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if self._view is not None:
             self._view.sync_grads()  # NOTE: a gradient a hook dropped or replaced through the module's parameter
-        # NOTE: nothing to clip when no master holds a gradient (``optimizer_in_backward`` stepped and freed each one),
-        # where torch's foreach clip refuses an empty list
+        # NOTE: no gradient left (``optimizer_in_backward``): torch's foreach clip refuses an empty list
         if any(p.grad is not None for p in self.main_params(optimizer)):
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 

@@ -1,10 +1,5 @@
 """When ``lowmem_offload``'s host step runs: after backward (:class:`SerialStep`) or as each gradient lands
-(:class:`StepInBackward`, ``optimizer_in_backward=True``).
-
-Both are parts of :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy` behind one interface: the
-gradient sink (:meth:`on_grad`, handed each gradient on the host by the transfer), :meth:`before_backward`,
-:meth:`drain` (backward is over), :meth:`after_closure` (the non-finite guard), :meth:`step` (the optimizer step of a
-Lightning ``optimizer_step``), and what each keeps on the host (:attr:`grad_buffers`).
+(:class:`StepInBackward`, ``optimizer_in_backward=True``); their one interface is in docs/design.md, "The offload core".
 """
 
 from __future__ import annotations
@@ -120,13 +115,9 @@ class SerialStep:
 class StepInBackward:
     """Each master steps alone, with the user's optimizer, as soon as its gradient reaches the host; no gradient buffers.
 
-    On the CPU path the step runs in the gradient hook; on CUDA the gradients cross to pinned staging on a side stream
-    during backward and each master steps as its copy is handed over after backward (in the order they landed): the
-    host keeps no fp32 gradient buffer (4 B/param less than :class:`SerialStep`), at the cost of one optimizer call per
-    parameter. A half-precision gradient is widened into one reused fp32 buffer (its largest parameter's size).
-
-    The non-finite guard checks the loss before backward (a non-finite loss skips every update) and each gradient
-    before its master steps (only those updates are skipped).
+    Memory: no fp32 gradient buffer (4 B/param less than :class:`SerialStep`; one reused fp32 buffer widens half
+    gradients). Cost: one optimizer call per parameter. The non-finite guard checks the loss before backward and each
+    gradient before its master steps.
     """
 
     grad_buffers = False
@@ -145,8 +136,7 @@ class StepInBackward:
 
     def before_backward(self, loss: Tensor) -> None:
         self._bad = []
-        # NOTE: each parameter steps inside backward: a non-finite loss must be caught before the first one does (one
-        # scalar; a device sync on CUDA)
+        # NOTE: a non-finite loss must be caught before the first parameter steps (a device sync on CUDA)
         self._skip_all = self.guard is not None and not bool(torch.isfinite(loss.detach()).all())
 
     @torch.no_grad()
@@ -170,8 +160,7 @@ class StepInBackward:
             p_host.grad.clamp_(-self.clip_value, self.clip_value)  # what clip_grad_value_ does, per parameter
         optimizer, group = self._owner(p_host)
         params = group["params"]
-        # NOTE: torch optimizers step every parameter of a group that has a gradient; giving the group this one
-        # parameter for the call makes the update (state, hyperparameters, schedulers) exactly the usual one.
+        # NOTE: the group holds this one parameter for the call: the update is exactly the usual one
         group["params"] = [p_host]
         try:
             optimizer.step()
@@ -184,8 +173,7 @@ class StepInBackward:
                 mark_host(optimizer.state[p_host][k])
 
     def _widened(self, grad: Tensor) -> Tensor:
-        """``grad`` in fp32, in the reused buffer (a fresh fp32 tensor per parameter and step costs page faults that take
-        longer than the widening itself)."""
+        """``grad`` in fp32, in the reused buffer (a fresh tensor each time costs page faults)."""
         if self._fp32.numel() < grad.numel():
             self._fp32 = torch.empty(grad.numel(), dtype=torch.float32)
             mark_host(self._fp32)
@@ -222,8 +210,7 @@ class StepInBackward:
 
     def step(self, precision: Precision, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any],
              **kwargs: Any) -> Any:
-        """The closure (forward and backward: every master steps in it), then ``on_before_optimizer_step`` (the masters
-        hold no gradient now; value clipping happened per parameter, norm clipping is refused at setup)."""
+        """The closure (every master steps in its backward), then ``on_before_optimizer_step``."""
         out = closure()
         lightning_internals.precision_after_closure(precision, model, optimizer)
         return out

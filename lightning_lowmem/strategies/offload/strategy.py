@@ -1,8 +1,4 @@
-"""``lowmem_offload``: compute weights on the accelerator; fp32 masters, gradients and optimizer on the host.
-
-:class:`OffloadStrategy` is Lightning glue over its parts (docs/design.md, "The offload core", draws them and the flow
-of one step; docs/techniques/offload.md is the user's page).
-"""
+"""``lowmem_offload``: :class:`OffloadStrategy`, Lightning glue over its parts (docs/design.md, "The offload core")."""
 
 from __future__ import annotations
 
@@ -68,21 +64,13 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     staging buffers in the compute weights' dtype. Cost: the weights' bytes over PCIe each way per step and the host
     optimizer step (memory-bandwidth bound, ~28 B touched per parameter for AdamW).
 
-    Precision is the Trainer's ``precision`` flag (see
-    :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`; fp16 uses dynamic loss scaling that
-    skips overflowing steps). Any torch optimizer and LR scheduler from ``configure_optimizers`` keeps working; gradient
-    clipping (norm and value) and gradient accumulation work on the masters. The gradient hooks
-    (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) and, in manual optimization,
-    ``training_step`` from each ``manual_backward`` or ``opt.step()`` to the next forward, see the fp32 masters and
-    their gradients through the module's own parameters; your own code: ``with trainer.strategy.masters_view():``.
-    Elsewhere the parameters hold the compute weights and no ``.grad``. Writes into the compute weights outside
-    those places (a callback clamping weights, ``StochasticWeightAveraging``) are copied into the masters before the
-    next step.
-
-    Not supported (refused at setup, each with its fix): Lightning's ``BaseFinetuning`` callbacks
-    (``BackboneFinetuning`` matches the optimizer's parameters, the masters, to the module's); weight averaging
-    (``StochasticWeightAveraging``, ``WeightAveraging``) with ``offload_params``, whose released weights are
-    placeholders.
+    Precision is the Trainer's ``precision`` flag (fp16: dynamic loss scaling, see
+    :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`). Any torch optimizer and LR scheduler,
+    clipping and accumulation work on the masters. The gradient hooks and, in manual optimization, ``training_step``
+    from each ``manual_backward``/``opt.step()`` to the next forward see the fp32 masters and their gradients through
+    the module's own parameters (your own code: ``with trainer.strategy.masters_view():``); elsewhere the parameters
+    hold the compute weights. Other writes into the compute weights are copied into the masters before the next step.
+    Refused at setup: ``BaseFinetuning`` callbacks; weight averaging with ``offload_params``.
 
     Args:
         optimizer_in_backward: step each master on the host as soon as its gradient reaches the host, and keep no
@@ -90,39 +78,25 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             :class:`~lightning_lowmem.strategies.offload.step_schedule.StepInBackward`). Needs
             ``accumulate_grad_batches=1``, no norm clipping (value clipping works), bf16 or fp32, and automatic
             optimization.
-        host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel (same update
-            rule, rounding differs by a few ulp; ~5x the for-loop kernel on the host); ``"as_is"`` runs the user's
-            optimizer bit for bit as configured; ``"torch_fused"`` is ``"auto"`` but refuses optimizers it cannot fuse.
-        check_host_memory: refuse to start when the host lacks the RAM for masters, gradient buffers, the state of the
-            optimizer actually configured (8-bit under ``LowBitOptimizer``, none for SGD without momentum, ...) and
-            pinned staging, instead of being killed mid-setup. The RAM counted is what this process may allocate: the
-            least of the machine's available memory, its cgroup (container) limit and ``ulimit -v``/``-d``.
-        nonfinite: what a non-finite (inf/nan) fp32 master gradient does in bf16 and fp32 (fp16 always skips through
-            its loss scaler). ``"skip"`` (default): skip that optimizer step (masters and optimizer state untouched,
-            gradients dropped), log ``lowmem/skipped_steps``, warn once, and raise :class:`NonFiniteGradientError` after
-            ``max_consecutive_skips`` skips in a row; ``"raise"``: raise at the first; ``"ignore"``: step anyway (plain
-            Lightning's behaviour: the masters become nan for good). Cost: one vectorised norm over the host gradients
-            per step. With ``optimizer_in_backward`` the loss is checked before backward (a non-finite loss skips the
-            whole step) and each gradient before its parameter steps.
+        host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel (same rule, a few
+            ulp of rounding apart, ~5x faster); ``"as_is"`` runs the optimizer as configured; ``"torch_fused"`` is
+            ``"auto"`` but refuses optimizers it cannot fuse.
+        check_host_memory: refuse to start when the RAM this process may allocate (available memory, cgroup limit,
+            ``ulimit -v``/``-d``) cannot hold masters, gradient buffers, the configured optimizer's state and staging.
+        nonfinite: what an inf/nan fp32 master gradient does in bf16 and fp32 (fp16 skips through its loss scaler).
+            ``"skip"`` (default): skip that step, log ``lowmem/skipped_steps``, warn once, raise
+            :class:`NonFiniteGradientError` after ``max_consecutive_skips`` in a row; ``"raise"``: raise at the first;
+            ``"ignore"``: step anyway (the masters become nan). Cost: one vectorised norm of the host gradients a step.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
-            block (GPT-2's ``transformer.h``, LLaMA's ``model.layers``) from host copies in the compute dtype (pinned on
-            CUDA, +2 B/param of host memory in bf16): on the device only the non-block weights (embeddings, LM head,
-            final norm) and ``prefetch + 1`` blocks at a time (on CUDA one more, released, that the GPU may still read).
-            Cost: each block's weights cross PCIe once in forward and once in backward, overlapped with compute on a
-            side stream (see :class:`~lightning_lowmem.strategies.offload.param_stream.ParamStream`). ``"auto"``: the
-            first blocks stay resident as far as ``device_budget`` allows, the rest stream (the choice is logged).
-            ``False``: all resident.
+            block from host copies (+2 B/param of host memory in bf16; on the device ``prefetch + 1`` blocks at a time;
+            cost: each block crosses PCIe twice a step, overlapped with compute); ``"auto"``: the first blocks stay
+            resident as far as ``device_budget`` allows. See docs/techniques/param-streaming.md.
         prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
-        device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or a size
-            such as ``"6GiB"``): the non-block weights, ``prefetch + 1`` streamed blocks (+ 1 on CUDA) and the resident
-            blocks must fit; activations need room beside it. Default on CUDA: the free memory minus 25 % (at least
-            2 GiB); required on the CPU.
-        load_weights: a local Hugging Face ``save_pretrained`` directory in safetensors: its tensors are read one at a
-            time straight into the fp32 masters of a module built without weights (on the ``meta`` device, or under
-            ``trainer.init_module(empty_init=True)``, whose fp32 storage becomes the masters), so the host never holds
-            a second fp32 copy (see :mod:`~lightning_lowmem.strategies.offload.hf_weights`). Not read when resuming from
-            ``ckpt_path`` (the checkpoint's weights win).
+        device_budget: with ``offload_params="auto"``, the device bytes the compute weights may take (an int or
+            ``"6GiB"``; default on CUDA: free memory minus 25 %, at least 2 GiB; required on the CPU).
+        load_weights: a local Hugging Face ``save_pretrained`` safetensors directory read straight into the fp32
+            masters of a module built without weights (no second fp32 copy on the host; not read when resuming).
 
     Example:
         >>> import lightning as L
@@ -158,15 +132,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         checks.check_flags(
-            optimizer_in_backward=optimizer_in_backward,
-            host_optimizer=host_optimizer,
-            check_host_memory=check_host_memory,
-            nonfinite=nonfinite,
-            max_consecutive_skips=max_consecutive_skips,
-            offload_params=offload_params,
-            prefetch=prefetch,
-            device_budget=device_budget,
-            load_weights=load_weights,
+            optimizer_in_backward=optimizer_in_backward, host_optimizer=host_optimizer,
+            check_host_memory=check_host_memory, nonfinite=nonfinite, max_consecutive_skips=max_consecutive_skips,
+            offload_params=offload_params, prefetch=prefetch, device_budget=device_budget, load_weights=load_weights,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
@@ -181,8 +149,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
         self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
         self._guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
-        # NOTE: Lightning fills `parallel_devices` (the accelerator's device) only on strategies that have the
-        # attribute; without it a strategy picked by name stays on "cpu" even with accelerator="cuda".
+        # NOTE: Lightning fills `parallel_devices` only on strategies that have it (else "cpu" even on CUDA)
         self.parallel_devices: list[torch.device] | None = None
         self._loading = False
         self._reset()
@@ -221,9 +188,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # NOTE: the Trainer's connector assigns its own plugin (HalfPrecision, MixedPrecision, Precision) to a
-        # strategy picked by name; translating it here, at assignment, also makes `configure_model` build the
-        # module in fp32 (the masters' source) and reports an unsupported precision when the Trainer is built.
+        # NOTE: translated at assignment (the connector's own plugin for a strategy picked by name): `configure_model`
+        # builds the module in fp32 and an unsupported precision is reported when the Trainer is built.
         self._precision_plugin = checks.to_master_precision(plugin, self._name)
 
     @property  # type: ignore[override]
@@ -253,8 +219,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         precision.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            # NOTE: configure_optimizers sees the fp32 module (still on the host); the param groups are
-            # re-pointed at the masters below, matching the parameters by identity.
+            # NOTE: configure_optimizers sees the fp32 module; the groups are re-pointed at the masters below
             self.setup_optimizers(trainer)
             for opt in self.optimizers:
                 checks.check_host_can_run(opt, self.host_optimizer)
@@ -325,7 +290,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self._masters.build(module, self._loading, precision, grad_buffers=grad_buffers, frozen=frozen)
         if self._loading:
             self.load_report = self._masters.load(self.load_weights)  # type: ignore[arg-type]
-        self._masters.mark_host()
+        mark_host(*self._masters.p_host, *(g for g in self._masters.grad_host if g is not None))
         self._masters.keep_buffers(module, precision)
 
     @override
@@ -335,9 +300,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             self._repoint()
 
     def _repoint(self) -> None:
-        """Point every optimizer's param groups at the masters, making masters for the parameters unfrozen since setup
-        and for those a group holds that had none (a group added with ``add_param_group``); move any state an
-        optimizer has to the host; choose its host kernel."""
+        """Point every optimizer's param groups at the masters (making masters for the parameters unfrozen since setup),
+        its state to the host; choose its host kernel."""
         self._masters_added(self._masters.master_unfrozen(stream_values.value_of(self._stream)))
         for optimizer in self.optimizers:
             self._masters.repoint(optimizer)
@@ -356,16 +320,10 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     def host_bytes_needed(
         self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool = True, callbacks: Sequence[Any] = ()
     ) -> dict[str, int]:
-        """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part (``"total"`` included).
-
-        ``masters``: fp32 masters (none for frozen parameters, see ``frozen_without_master``); ``gradient_buffers``:
-        fp32 gradient buffers (none with ``optimizer_in_backward``); ``optimizer_state``: the state of the optimizer
-        that will step (``optimizers`` as configured, the bitsandbytes 8-bit one when ``callbacks`` hold a
-        ``LowBitOptimizer``, or a ``LeanOptimizer``'s own figure; see
-        :func:`lightning_lowmem.core.optimizer_state.expected_state_bytes`); ``staging_or_compute_weights``: the pinned
-        staging on CUDA (the compute weights themselves on the CPU); ``streamed_weights``: the host copies of the
-        streamed blocks.
-        """
+        """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part (``"total"`` included):
+        ``masters``, ``gradient_buffers``, ``optimizer_state`` (of the optimizer that will step, 8-bit when
+        ``callbacks`` hold a ``LowBitOptimizer``), ``staging_or_compute_weights`` (pinned staging on CUDA, the compute
+        weights on the CPU) and ``streamed_weights``."""
         precision = self.precision_plugin
         frozen = frozen_without_master(module, precision, self._loading)
         params = [p for _, p in HostMasters.unique_params(module)]
@@ -412,11 +370,10 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     @property
     def masters(self) -> dict[str, Parameter]:
         """``{parameter name: fp32 host master}`` (empty outside ``fit``/``validate``/``test``)."""
-        return self._masters.as_dict()
+        return dict(zip(self._masters.names, self._masters.p_host))
 
     @override
     def master_of(self, p_host: Tensor) -> Parameter | None:
-        """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
         return self._masters.master_of(p_host)
 
     @override
@@ -427,8 +384,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         return self._view.view(grads=grads, buffers=True, write_back=write_back) if self._view else nullcontext()
 
     def _follow_trainable(self) -> None:
-        """Hook the gradient of every trainable parameter that has no hook yet (made trainable after setup, e.g. by a
-        user's own unfreezing), with a master that takes gradients and a host buffer for them."""
+        """Hook the gradient of every trainable parameter that has no hook yet (e.g. unfrozen after setup)."""
         self._repoint()
         masters = self._masters
         for i, p in enumerate(masters.p_device):
@@ -449,9 +405,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             return
         self._manual.grad_ready()
         if not self._masters.p_host[i].requires_grad:
-            # NOTE: `LightningModule.toggle_optimizer` (manual optimization, e.g. a GAN) turns off `requires_grad`
-            # on the parameters of the *optimizers*, i.e. on the masters, not on these device weights; plain Lightning
-            # would compute no gradient for them, so the one backward produced here must not reach the master.
+            # NOTE: `toggle_optimizer` (manual optimization) froze the master, not this weight: plain Lightning
+            # would compute no gradient for it, so none reaches the master.
             p_device.grad = None
             return
         assert self._transfer is not None
@@ -478,18 +433,15 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self._schedule.before_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._drain()  # NOTE: [drain before user code] every gradient is on the masters before `on_after_backward`
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self._manual.after_backward()  # manual optimization: `p.grad` is the master's until the step
-        return closure_loss
-
-    def _drain(self) -> None:
-        """Hand every gradient queued by the backwards so far to the step schedule (a sync point on CUDA)."""
+        # NOTE: [drain before user code] every gradient is on the masters before `on_after_backward`
         if self._transfer is not None:
             self._transfer.synchronize()
         self._schedule.drain()
         if self._stream is not None:
             self._stream.release_all()  # NOTE: backward is over: the next forward fetches from the first block
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self._manual.after_backward()  # manual optimization: `p.grad` is the master's until the step
+        return closure_loss
 
     @override
     def optimizer_step(
@@ -521,8 +473,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         return out
 
     def _adopt_writes(self) -> None:
-        """Copy compute weights other code wrote into their masters (see [writes outside the hooks] in masters.py);
-        inside a view the parameters show the masters, which code writes directly."""
+        """Copy compute weights other code wrote into their masters (outside a view, which shows the masters)."""
         if self._view is None or not self._view.depth:
             self._masters.adopt_writes()
 
@@ -551,9 +502,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         module = self.lightning_module
         if (module is not None and module.trainer.state.fn == TrainerFn.FITTING
                 and not is_overridden("on_validation_model_zero_grad", module, pl.LightningModule)):
-            # NOTE: Lightning's default `on_validation_model_zero_grad` (before validation inside fit) clears the
-            # parameters' gradients; here the gradients are the masters'. A step without backward after it
-            # (`StochasticWeightAveraging`'s BatchNorm epoch) must find none, as under plain Lightning.
+            # NOTE: Lightning's default `on_validation_model_zero_grad` clears the parameters' gradients: here the
+            # masters' (a step without backward after it, SWA's BatchNorm epoch, must find none).
             for p_host in self._masters.p_host:
                 p_host.grad = None
 
@@ -566,9 +516,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self._adopt_writes()
         state = self._masters.state_dict(module)
         if self._stream is not None:
-            # NOTE: streamed weights without a master (packed 4-bit ones, frozen) are saved from their host copies.
-            # Not through the stream's host view: leaving it releases every block, and a checkpoint taken in a hook
-            # mid-fit would leave the blocks fetched for the next forward released (NaN).
+            # NOTE: streamed weights without a master are saved from their host copies, not through `host_view`
+            # (leaving it releases every block: a checkpoint taken mid-fit would leave the next forward's NaN).
             host = self._stream.host_of()
             for key, value in module.state_dict(keep_vars=True).items():
                 if id(value) in host and id(value) not in self._masters.device_index:
@@ -591,8 +540,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # NOTE: unlike Strategy's, no `_optimizer_to_device(root_device)`: torch puts the state next to its
-        # parameters, which are the host masters (a group a callback added since setup is re-pointed first).
+        # NOTE: no `_optimizer_to_device(root_device)`: torch puts the state next to its parameters, the masters
         self._repoint()
         for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
             _resume_checks.load_optimizer(optimizer, opt_state, _resume_checks.where(self.lightning_module.trainer))
@@ -622,11 +570,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         return out
 
     def host_bytes_per_param(self) -> dict[str, float]:
-        """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included).
-
-        ``weights`` is the streamed blocks' compute copies (``offload_params``), ``optimizer_state`` the fp32 masters
-        plus the optimizer's state, ``other`` the pinned staging (CUDA).
-        """
+        """Host bytes per parameter of the module, by part of :meth:`memory_breakdown` (``"total"`` included)."""
         numel = sum(p.numel() for p in self._masters.p_host)
         host = self.memory_breakdown().host
         out = {k: v / numel for k, v in host.items() if v} if numel else {}

@@ -1,21 +1,9 @@
-"""The first-use check of parameter streaming: no operation may read a released streamed weight.
+"""The first-use check of parameter streaming: no operation may read a released streamed weight (its NaN placeholder),
+as a model does that calls a block's sub-layers itself or uses a block's weight outside the block.
 
-A streamed weight is on the device only between its block's forward pre-hook and post-hook (and in backward, from
-the output-gradient hook); elsewhere its ``.data`` is the released placeholder (NaN, no memory). A model that reads
-it elsewhere trains on NaN: its steps are skipped or its weights become NaN, silently wrong. It happens when:
-
-* the module whose hooks stream the weights is not the one the model calls (a block list the model walks itself,
-  a block's sub-layer called directly);
-* a weight of a block is used outside the block (``F.linear(x, self.layers[0].weight)`` elsewhere in the model).
-
-A block called twice in a step, or blocks called out of their order, are correct (each call fetches; backward
-rebuilds every saved weight on the fetched copy) and pass.
-
-NOTE: a ``TorchDispatchMode`` on the first training (and validation) step only: every non-view op's tensor arguments
-are compared with the placeholders' storages (by storage identity, fake-tensor safe); views of a released weight
-are followed to name the weight. Metadata (``.shape``, ``.dtype``) does not dispatch and is allowed. Not run on a
-model holding ``torch.compile``-d modules: under a dispatch mode a compiled region runs another path (another
-rounding), so the check would change the first step; such a model is not checked.
+NOTE: a ``TorchDispatchMode`` on the first training (and validation) step only, comparing every non-view op's tensor
+arguments with the placeholders' storages (views are followed to name the weight; metadata ops pass). Not run on a
+model holding ``torch.compile``-d modules (a compiled region runs another path under a dispatch mode).
 """
 
 from __future__ import annotations

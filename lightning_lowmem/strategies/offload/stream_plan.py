@@ -14,19 +14,14 @@ from lightning_lowmem.strategies.offload.param_stream import _FREES_IN_FLIGHT, O
 
 log = logging.getLogger(__name__)
 
-# NOTE: the default budget of "auto" on CUDA keeps this share of the free memory (at least 2 GiB) for activations,
-# the CUDA context, gradients in flight and allocator slack: the budget itself covers the compute weights only.
+# NOTE: the default budget of "auto" on CUDA leaves this share of the free memory (at least 2 GiB) to all but weights
 ACTIVATION_SHARE = 0.25
 MIN_RESERVE = 2 * 2**30
 
 
 def plan_resident(block_bytes: Sequence[int], other_bytes: int, budget: int, prefetch: int, released: int = 0) -> int:
-    """How many blocks (the first ones) stay resident under ``budget`` bytes of compute weights.
-
-    The rule: the non-block weights, ``prefetch + 1`` streamed blocks in flight (plus ``released`` blocks the GPU
-    may still be reading: ``_FREES_IN_FLIGHT`` on CUDA, see [bounded streaming]), and the resident blocks must fit.
-    Raises ValueError (naming the smallest budget that works) when not even the streamed minimum fits.
-    """
+    """How many blocks (the first ones) stay resident under ``budget`` bytes of compute weights, beside the non-block
+    weights and ``prefetch + 1 + released`` streamed blocks (a ValueError names the least budget if they do not fit)."""
     n = len(block_bytes)
     largest = max(block_bytes, default=0)
     if other_bytes + sum(block_bytes) <= budget:

@@ -26,9 +26,8 @@ def is_partitioned(p: torch.Tensor) -> bool:
 
 
 class PartitionWarning:
-    """``state_dict`` pre-hooks on every module of :meth:`watch`'s module that owns parameters: warn once, the first
-    time partitioned weights are taken, except while :meth:`quiet` (the strategy's own checkpoint path, whose
-    state dicts DeepSpeed and Lightning take)."""
+    """``state_dict`` pre-hooks on :meth:`watch`'s module: warn once when partitioned weights are taken, except while
+    :meth:`quiet` (the strategy's own checkpoint path)."""
 
     def __init__(self) -> None:
         self.warned = False
@@ -62,11 +61,9 @@ class PartitionWarning:
 
 @torch.no_grad()
 def gather_full_weights(module: nn.Module) -> None:
-    """Give every parameter of a ZeRO-3 ``module`` its full value: the fp32 master (frozen ones: their gathered
-    16-bit value, upcast), and upcast floating buffers, as the fp32 module the user built.
+    """Give every parameter of a ZeRO-3 ``module`` its full fp32 value (the master, or a frozen one's gathered value)
+    and upcast floating buffers; the partitions are kept, so the engine still works.
 
-    The partitions are left as they are, so the engine still works (``trainer.save_checkpoint`` after fit, another
-    ``validate``/``fit``); the next forward under DeepSpeed gathers into the parameters and frees them again.
     NOTE: collective: every rank walks the parameters in the same order.
     """
     import deepspeed

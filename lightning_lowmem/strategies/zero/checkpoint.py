@@ -1,21 +1,6 @@
-"""DeepSpeed directory checkpoints: written atomically, checked before they are read (helpers of ``ZeroStrategy``).
-
-DeepSpeed's ``engine.save_checkpoint(dir)`` rewrites ``dir/checkpoint/*.pt`` and ``dir/latest`` in place,
-so a kill while ``last.ckpt/`` is rewritten leaves a directory whose ``latest`` names a tag holding a
-0-byte or truncated ``mp_rank_00_model_states.pt``, and the only copy of the previous checkpoint is
-gone. ``ZeroStrategy.save_checkpoint`` therefore has DeepSpeed write ``.NAME.tmp-PID/`` beside the target,
-fsyncs it, and swaps it into place (:func:`lightning_lowmem.core.atomic.replace_dir`); the previous
-checkpoint stays complete until the new one is.
-
-:func:`zero_checkpoint_problem` says what is wrong with a directory before DeepSpeed opens it, naming the
-file, so that resume and ``lowmem consolidate`` fail with that instead of ``EOFError``.
-
-Integrity and disk-full (:func:`recorded_saves`): DeepSpeed writes every file through its checkpoint engine, which
-``ZeroStrategy`` makes a ``checkpoint_engine.CheckedCheckpointEngine``: each file goes through :func:`write_hashed`,
-so its SHA-256 is computed as it is written (each rank its own shards; a ``.NAME.lowmem-sha256`` note beside each
-file hands it to the rank that writes ``lowmem_manifest.json`` last). A full disk is named (``core.disk_full``)
-instead of torch's ``unexpected pos ...``, and the temporary directory is removed so that the space is given back.
-Loads go through the same engine: weights-only, each file checked against the manifest first.
+"""DeepSpeed directory checkpoints of ``ZeroStrategy``: written to ``.NAME.tmp-PID/``, hashed as written
+(:func:`recorded_saves`, a full disk named), swapped into place, and checked before they are read
+(:func:`zero_checkpoint_problem`, naming the damaged file instead of DeepSpeed's ``EOFError``).
 """
 
 from __future__ import annotations
@@ -44,13 +29,8 @@ _FIX = (
 
 
 def zero_checkpoint_problem(path: str | os.PathLike, tag: str | None = None, stage: int | None = None) -> str | None:
-    """What is wrong with ``path`` as a DeepSpeed checkpoint directory (for a ZeRO-``stage`` run), or None.
-
-    Checks: a directory; ``latest`` (or ``tag``) names a folder; that folder holds a
-    ``*model_states.pt``; every ``.pt`` in it is a complete ``torch.save`` file (its first bytes and zip
-    directory; the tensors are not read); the digest manifest; the stage that wrote the shards (DeepSpeed cannot
-    read one stage's shards into the other, and says so with a bare ``AssertionError``).
-    """
+    """What is wrong with ``path`` as a DeepSpeed checkpoint directory (for a ZeRO-``stage`` run), or None: its tag
+    folder, a ``*model_states.pt``, complete ``torch.save`` files (headers only), the digest manifest, the stage."""
     p = Path(path)
     if not p.exists():
         return f"{str(path)!r} does not exist."
@@ -138,12 +118,8 @@ def _tree_bytes(root: Path) -> int:
 
 @contextlib.contextmanager
 def recorded_saves(engine: Any, tmp: str | os.PathLike, target: str | os.PathLike) -> Iterator[None]:
-    """While DeepSpeed writes ``tmp`` through ``engine`` (a ``CheckedCheckpointEngine``): each file hashed as written,
-    a full disk named, ``tmp`` removed on failure.
-
-    On any error ``tmp`` is removed (every rank; it is only ever a temporary) and a full disk becomes
-    ``DiskFullError`` ("no space left on DEVICE while writing PATH (needed ~N, free M)").
-    """
+    """While DeepSpeed writes ``tmp`` through ``engine`` (a ``CheckedCheckpointEngine``): each file hashed as written;
+    on any error ``tmp`` removed, and a full disk raised as ``DiskFullError``."""
     tmp, target = Path(tmp).absolute(), Path(target).absolute()
     try:
         with engine.writing_into(tmp):

@@ -1,14 +1,6 @@
-"""The checkpoint engine of the ``lowmem_zero*`` presets: DeepSpeed's torch engine with hashed writes and checked reads.
-
-``DeepSpeedEngine.save_checkpoint`` and ``load_checkpoint`` write and read every shard through
-``engine.checkpoint_engine`` (DeepSpeed's seam for storage back ends); ``ZeroStrategy`` gives each engine it
-builds a :class:`CheckedCheckpointEngine`:
-
-- while :meth:`~CheckedCheckpointEngine.writing_into` a save's temporary directory, each file is written by
-  ``checkpoint.write_hashed`` (its SHA-256 computed as written, a note beside it for the rank that writes the
-  manifest; a full disk raised with what was left to write);
-- every read is weights-only (``core.trusted_load``) unless :meth:`~CheckedCheckpointEngine.reading` says the
-  caller opted in, and files of the directory being read are checked against its digest manifest first.
+"""The checkpoint engine of the ``lowmem_zero*`` presets: DeepSpeed's torch engine with hashed writes (while
+:meth:`~CheckedCheckpointEngine.writing_into` a save's temporary directory) and weights-only reads checked against the
+digest manifest (unless :meth:`~CheckedCheckpointEngine.reading` opts in).
 
 NOTE: imports DeepSpeed (slow): ``ZeroStrategy`` imports this module when it builds an engine.
 """
@@ -70,12 +62,8 @@ class CheckedCheckpointEngine(TorchCheckpointEngine):
 
 
 def install(engine: Any) -> CheckedCheckpointEngine:
-    """Give DeepSpeed's ``engine`` a :class:`CheckedCheckpointEngine` in place of the torch engine it built.
-
-    Raises:
-        ValueError: the DeepSpeed config chose another checkpoint engine or universal-checkpoint loading, whose
-            writes are not atomic and hashed, or whose reads unpickle fully.
-    """
+    """Give DeepSpeed's ``engine`` a :class:`CheckedCheckpointEngine` in place of the torch engine it built
+    (ValueError when the config chose another engine or universal-checkpoint loading)."""
     built = engine.checkpoint_engine  # NOTE: None on a ZeRO-3 engine without optimizer (DeepSpeed's loader makes one)
     if (built is not None and not isinstance(built, TorchCheckpointEngine)) or engine.load_universal_checkpoint():
         what = "universal-checkpoint loading" if engine.load_universal_checkpoint() else f"`{type(built).__name__}`"

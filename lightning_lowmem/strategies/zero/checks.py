@@ -1,8 +1,5 @@
-"""What the ``lowmem_zero*`` presets refuse at setup, before DeepSpeed builds its engine (private helper).
-
-Each check names a combination that would otherwise train differently from plain Lightning without a word, or fail
-inside DeepSpeed or torch after the engine exists; the message names the cause and the way out.
-"""
+"""What the ``lowmem_zero*`` presets refuse at setup, before DeepSpeed builds its engine: combinations that would
+train differently from plain Lightning without a word, or fail inside DeepSpeed later."""
 
 from __future__ import annotations
 
@@ -20,18 +17,14 @@ from torch.utils.data import DataLoader
 from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.optional import require
 
-# NOTE: the modules whose running statistics (fp32 buffers) meet the activations in one kernel: DeepSpeed's bf16/fp16
-# casts parameters only (data_types.buffer_dtype unset), so `F.batch_norm` gets bf16 weights with fp32 statistics.
+# NOTE: modules whose fp32 running statistics meet the bf16/fp16 weights DeepSpeed casts in one kernel
 _RUNNING_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d,
                   nn.LazyBatchNorm2d, nn.LazyBatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
                   nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
 
 
-# NOTE: our own AccumulationScheduler checks DeepSpeed itself (a fixed window only) and composes; Lightning's
-# GradientAccumulationScheduler is refused below.
 def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str, Any]) -> list[str]:
-    """Every reason ``strategy`` (a ``ZeroStrategy``) cannot run ``trainer``'s fit with the DeepSpeed ``config`` it
-    is about to use, as sentences."""
+    """Every reason ``strategy`` (a ``ZeroStrategy``) cannot fit ``trainer`` with DeepSpeed ``config``, as sentences."""
     module = trainer.lightning_module
     problems = []
     if precision.startswith("16") and not isinstance(strategy.accelerator, CUDAAccelerator):
@@ -47,8 +40,7 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str
             "`gradient_clip_algorithm='norm'`"
         )
     if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
-        # NOTE: Lightning's DeepSpeedStrategy only warns; its precision plugin makes `clip_gradients` a no-op, so the
-        # override's clipping silently never happens (DeepSpeed clips inside its step from `gradient_clipping`).
+        # NOTE: Lightning's DeepSpeedStrategy only warns, and the override's clipping silently never happens
         problems.append(
             f"`{type(module).__name__}.configure_gradient_clipping` is overridden, but DeepSpeed clips the gradients "
             "itself inside its step (by norm, from `Trainer(gradient_clip_val=...)`), so the override's "
@@ -80,8 +72,8 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str
 
 
 def module_problems(strategy: Any, module: nn.Module, precision: str, config: dict[str, Any]) -> list[str]:
-    """The reasons of :func:`setup_problems` that depend on the module's layers (checked again once
-    ``configure_model`` has built them)."""
+    """The reasons of :func:`setup_problems` that depend on the module's layers (checked again after
+    ``configure_model``)."""
     problems = []
     if strategy.zero_stage_3:
         problems += _compiled_submodules(module) + _input_jitter(module)
@@ -94,8 +86,7 @@ def module_problems(strategy: Any, module: nn.Module, precision: str, config: di
 
 
 def _partitions_some(module: nn.Module, config: dict[str, Any]) -> bool:
-    """Whether ZeRO-3 partitions any of ``module``'s parameters: DeepSpeed keeps a tensor whole (persistent) when it
-    has at most ``stage3_param_persistence_threshold`` elements."""
+    """Whether ZeRO-3 partitions any of ``module``'s parameters (above ``stage3_param_persistence_threshold``)."""
     threshold = config.get("zero_optimization", {}).get("stage3_param_persistence_threshold")
     if not isinstance(threshold, int) or isinstance(threshold, bool):
         return True
@@ -109,8 +100,7 @@ def _names(found: list[str]) -> str:
 def _running_statistics(module: nn.Module, precision: str) -> list[str]:
     found = [name or type(module).__name__ for name, m in module.named_modules()
              if isinstance(m, _RUNNING_STATS) and getattr(m, "running_mean", None) is not None]
-    # NOTE: a parametrization that computes with buffers of its own (spectral norm's power iteration: `torch.mv` of
-    # the weight and its fp32 `_u`) meets the cast parameter in one kernel too
+    # NOTE: a parametrization with buffers of its own (spectral norm's fp32 `_u`) meets the cast parameter too
     found += [f"{name}.parametrizations.{tensor}" if name else f"parametrizations.{tensor}"
               for name, m in module.named_modules() if parametrize.is_parametrized(m)
               for tensor, chain in m.parametrizations.items()
@@ -142,8 +132,7 @@ def _compiled_submodules(module: nn.Module) -> list[str]:
     )]
 
 
-# NOTE: Hugging Face's MoE routers/blocks that multiply their input by uniform noise in place while training
-# (Switch Transformers, NLLB-MoE, GPTSan: `jitter_noise`; Mixtral-style blocks: `jitter_noise`; DBRX: `moe_jitter_eps`).
+# NOTE: Hugging Face's MoE routers that multiply their input by noise in place (Switch, NLLB-MoE, Mixtral; DBRX)
 _JITTER_ATTRIBUTES = ("jitter_noise", "moe_jitter_eps")
 
 
@@ -153,9 +142,6 @@ def _input_jitter(module: nn.Module) -> list[str]:
                     for a in _JITTER_ATTRIBUTES)]
     if not found:
         return []
-    # NOTE: ZeRO-3's forward pre-hook on every submodule passes its tensor inputs through DeepSpeed's own autograd
-    # function (`input.detach()` inside it): an alias. An in-place multiply of that alias changes the values the caller
-    # goes on using (Switch's experts read the router's input) while the caller's autograd graph lacks the multiply.
     return [(
         f"ZeRO-3 on a module whose submodules multiply their input by jitter noise in place while training "
         f"({_names(found)}; Hugging Face's `router_jitter_noise`): ZeRO-3 hands every submodule an alias of its inputs "
@@ -168,9 +154,7 @@ def _input_jitter(module: nn.Module) -> list[str]:
 
 def _pinned_compute_dtype(module: nn.Module, precision: str) -> list[str]:
     half = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-    # NOTE: a plain attribute (HF's `PreTrainedModel.dtype` is a property, not in `vars`): Switch's router keeps
-    # `self.dtype = router_dtype` and calls `self.classifier.to(self.dtype)` in forward. Under ZeRO-3 that cast meets
-    # the partitioned (empty) parameter; DeepSpeed then fetches it in the half dtype: a dtype error in its linear.
+    # NOTE: a plain attribute (HF's `PreTrainedModel.dtype` is a property, not in `vars`): Switch's `router_dtype`
     found = [name or type(module).__name__ for name, m in module.named_modules()
              if isinstance(d := vars(m).get("dtype"), torch.dtype) and d.is_floating_point and d != half
              and any(True for _ in m.parameters())]
@@ -185,9 +169,8 @@ def _pinned_compute_dtype(module: nn.Module, precision: str) -> list[str]:
 
 
 def batching_loader(loader: Any) -> type | None:
-    """The class of ``loader`` when it is a ``DataLoader`` subclass that batches in its sampler (``batch_size=None``,
-    each sampler item a list of indices): Lightning's distributed sampler rebuilds it through that class's
-    ``__init__``, which may read ``batch_size`` and ``sampler`` its own way (see :func:`loader_problem`)."""
+    """The class of ``loader`` when it is a ``DataLoader`` subclass that batches in its sampler (``batch_size=None``):
+    Lightning's distributed sampler rebuilds it through that class's ``__init__`` (see :func:`loader_problem`)."""
     if not isinstance(loader, DataLoader) or type(loader) is DataLoader:
         return None
     return type(loader) if loader.batch_size is None and loader.batch_sampler is None else None

@@ -1,11 +1,6 @@
-"""DeepSpeed config building for :class:`~lightning_lowmem.strategies.zero.strategy.ZeroStrategy` (private helper).
-
-Three layers, later ones winning where they overlap: the preset's reference settings (:func:`reference_config`, after
-Hugging Face's DeepSpeed integration docs), the Trainer's flags (:func:`trainer_settings`) and the user's DeepSpeed
-JSON/dict (``config=``, :func:`merge`). Where the JSON contradicts the Trainer, :func:`conflicts` decides: settings
-only DeepSpeed applies (``gradient_clipping``, ``train_micro_batch_size_per_gpu``) follow the JSON with a warning;
-those Lightning's loop applies as well (``gradient_accumulation_steps``, ``fp16``/``bf16``) are errors naming the
-Trainer flag to set.
+"""DeepSpeed config building for ``ZeroStrategy``: the preset (:func:`reference_config`) <- the Trainer's flags
+(:func:`trainer_settings`) <- the user's JSON (:func:`merge`); :func:`conflicts` decides where the JSON contradicts the
+Trainer (docs/techniques/zero.md).
 """
 
 from __future__ import annotations
@@ -19,13 +14,8 @@ from typing import Any, Literal
 OffloadDevice = Literal["cpu", "nvme"]
 
 # fp16 dynamic loss scaling of the reference JSON (loss_scale 0 = dynamic; Hugging Face's DeepSpeed docs' values)
-FP16_REFERENCE: dict[str, Any] = {
-    "loss_scale": 0,
-    "loss_scale_window": 1000,
-    "initial_scale_power": 16,
-    "hysteresis": 2,
-    "min_loss_scale": 1,
-}
+FP16_REFERENCE: dict[str, Any] = {"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                                  "hysteresis": 2, "min_loss_scale": 1}
 _HALF_PRECISIONS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
 
@@ -51,22 +41,12 @@ def load_user_config(config: str | os.PathLike | dict[str, Any] | None) -> dict[
 
 
 def reference_config(
-    *,
-    stage: int,
-    offload_optimizer: bool,
-    offload_parameters: bool,
-    offload_device: OffloadDevice,
-    nvme_path: str | None,
-    pin_memory: bool,
-    overlap_comm: bool,
-    contiguous_gradients: bool,
-    reduce_bucket_size: int | Literal["auto"],
-    allgather_bucket_size: int,
-    sub_group_size: int,
-    gather_16bit_weights_on_model_save: bool,
-    zero_force_ds_cpu_optimizer: bool,
+    *, stage: int, offload_optimizer: bool, offload_parameters: bool, offload_device: OffloadDevice,
+    nvme_path: str | None, pin_memory: bool, overlap_comm: bool, contiguous_gradients: bool,
+    reduce_bucket_size: int | Literal["auto"], allgather_bucket_size: int, sub_group_size: int,
+    gather_16bit_weights_on_model_save: bool, zero_force_ds_cpu_optimizer: bool,
 ) -> dict[str, Any]:
-    """The preset's DeepSpeed config: the reference ZeRO-2 and ZeRO-3 offload JSON settings (module docstring)."""
+    """The preset's DeepSpeed config: the reference ZeRO-2 and ZeRO-3 offload JSON settings."""
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": overlap_comm,
@@ -89,14 +69,13 @@ def reference_config(
         zero["offload_optimizer"] = {"device": offload_device, "pin_memory": pin_memory, **nvme}
     if offload_parameters:
         zero["offload_param"] = {"device": offload_device, "pin_memory": pin_memory, **nvme}
-    cfg: dict[str, Any] = {
+    return {
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": zero_force_ds_cpu_optimizer,
         "steps_per_print": 2**31 - 1,  # NOTE: DeepSpeed's own step logging; Lightning logs
         "wall_clock_breakdown": False,
     }
-    return cfg
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -110,14 +89,8 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trainer_settings(
-    *,
-    accumulate_grad_batches: int,
-    gradient_clip_val: float | None,
-    precision: str,
-    micro_batch_size: int,
-    fp16: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def trainer_settings(*, accumulate_grad_batches: int, gradient_clip_val: float | None, precision: str,
+                     micro_batch_size: int, fp16: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the Trainer's flags mean in DeepSpeed's config."""
     cfg: dict[str, Any] = {
         "gradient_accumulation_steps": int(accumulate_grad_batches),
@@ -235,8 +208,7 @@ def check_nvme_path(nvme_path: str | os.PathLike | None) -> str:
 
 _SIZES = {"reduce_bucket_size": "elements reduced per bucket", "allgather_bucket_size": "elements gathered per bucket",
           "sub_group_size": "elements per optimizer sub-group (stage 3)"}
-# `zero_optimization` keys that are sizes or counts (ints; `"auto"` where HF's integration allows it). NOTE: 0 is
-# meaningful for the others (no prefetch, partition every parameter, ...), not for the two bucket sizes (a division)
+# `zero_optimization` keys that are counts (`"auto"` where HF allows it); 0 is meaningful but for the bucket sizes
 _CONFIG_SIZES = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
                  "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
 _POSITIVE = {"reduce_bucket_size", "allgather_bucket_size"}
@@ -253,10 +225,8 @@ def _size(value: Any, least: int = 1) -> int | None:
 
 
 def size_arguments(stage: Any, sizes: dict[str, Any], defaults: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
-    """Check ``ZeroStrategy``'s bucket/sub-group arguments: ``(wrong types, bad values, settings ignored)``.
-
-    DeepSpeed checks these only when the engine is built (at ``fit``), and accepts some it then ignores.
-    """
+    """Check ``ZeroStrategy``'s bucket/sub-group arguments (DeepSpeed would at ``fit``): ``(wrong types, bad values,
+    settings ignored)``."""
     wrong, bad, ignored = [], [], []
     for name, value in sizes.items():
         if value is None and name == "reduce_bucket_size":

@@ -1,13 +1,7 @@
 """``consolidate``: a DeepSpeed ZeRO directory checkpoint -> one plain fp32 state dict (also ``lowmem consolidate``).
 
-Re-exported by :mod:`lightning_lowmem.strategies.zero.strategy` and :mod:`lightning_lowmem.zero`. The directory is checked
-first (``checkpoint.zero_checkpoint_problem``), then each file DeepSpeed will read: against the digest manifest the
-save wrote, and (unless ``trusted=True``) by a weights-only read that runs nothing from it.
-
-NOTE: DeepSpeed's ``zero_to_fp32`` reads the files with ``torch.load(weights_only=False)`` itself and has no seam
-to read through (no checkpoint engine), so the weights-only read is a check before DeepSpeed's own read, not a
-replacement of it: a file replaced between the two (by another process writing the directory meanwhile) is not
-covered. Consolidate a directory nobody else writes to while it runs.
+NOTE: DeepSpeed's ``zero_to_fp32`` unpickles the files itself (no seam to read through): the weights-only read is a
+check before it, so a file replaced between the two is not covered. Consolidate a directory nobody else writes to.
 """
 
 from __future__ import annotations
@@ -35,16 +29,12 @@ def consolidate(
 ) -> dict[str, torch.Tensor]:
     """Merge a DeepSpeed ZeRO directory checkpoint into one fp32 state dict and write it to ``out_file``.
 
-    ``checkpoint_dir`` is what ``Trainer.save_checkpoint(path)`` / ``ModelCheckpoint`` wrote with a
-    ``lowmem_zero*`` strategy (a directory holding ``latest`` and ``checkpoint/``). The keys are the
-    LightningModule's (``module.load_state_dict(torch.load(out_file))``); ``strip_prefix="model."`` gives
-    the keys of the wrapped model (a Hugging Face model built from the same config loads them).
-    A ``.safetensors`` ``out_file`` is written with safetensors, anything else with ``torch.save``; the
-    file is written to a temporary name and renamed, so a crash never leaves half a file.
+    ``checkpoint_dir`` is what ``Trainer.save_checkpoint(path)`` / ``ModelCheckpoint`` wrote with a ``lowmem_zero*``
+    strategy. The keys are the LightningModule's; ``strip_prefix="model."`` gives the wrapped model's. A
+    ``.safetensors`` ``out_file`` is written with safetensors, anything else with ``torch.save``, atomically.
 
-    The checkpoint's files are read weights-only: a file holding anything else (a forged checkpoint can carry
-    code that a full unpickling runs) is refused, naming it; ``trusted=True`` (the directory is yours) lifts
-    that. Files listed in the directory's ``lowmem_manifest.json`` must match their recorded SHA-256.
+    The files are read weights-only (a forged checkpoint's code is refused; ``trusted=True`` lifts that) and must match
+    the SHA-256 recorded in ``lowmem_manifest.json``.
 
     Returns:
         the state dict that was written.

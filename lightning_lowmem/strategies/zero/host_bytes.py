@@ -1,31 +1,18 @@
-"""Host RAM that DeepSpeed ZeRO-Offload allocates, per process, read off DeepSpeed 0.19's code (private helper).
+"""Host RAM that DeepSpeed ZeRO-Offload allocates, per process, read off DeepSpeed 0.19's code: checked before
+DeepSpeed allocates anything, so a model too large for the host is an error naming the need, not the OOM killer.
 
-``ZeroStrategy`` checks this against :func:`lightning_lowmem.core.host_memory.available_host_memory` before
-DeepSpeed allocates anything, so that a model too large for the host is an error naming the need instead
-of the kernel's OOM killer taking the machine. Per process, ``N`` data-parallel processes, a parameter
-group of ``n`` trainable elements partitioned into ``p = ceil(n / N)`` (``w``: 2 B for fp16/bf16, 4 for fp32):
+Per process (``N`` processes, partition ``p = ceil(n / N)`` of a group of ``n`` elements, ``w`` = 2 B or 4 B):
 
-ZeRO-1/2, ``offload_optimizer.device="cpu"`` (``runtime/zero/stage_1_and_2.py``)
-    pinned: the fp32 master partition (4p, ``single_partition_of_fp32_groups``), a 16-bit copy of it
-    (``w p``, ``param_buffer_of_bit16_for_cpu_offload_groups``), the fp32 gradient partition (4p,
-    ``initialize_optimizer_states``), one ``w x largest parameter`` gradient staging buffer
-    (``temp_grad_buffer_for_cpu_offload``) and, with gradient accumulation, a ``w x numel`` buffer per
-    parameter of the partition (``accumulated_grads_in_cpu``); pageable: the optimizer state
-    (``DeepSpeedCPUAdam``: exp_avg + exp_avg_sq, 8p), and while each pinned buffer is made, its pageable
-    source (``pin_memory(tensor)`` copies).
-ZeRO-3, ``offload_optimizer.device="cpu"`` (``runtime/zero/stage3.py``)
-    pinned: the flat gradient partitions (``grad_partitions_flat_buffer``, p in the gradient-accumulation
-    dtype) and one fp32 gradient buffer per sub-group (4p); pageable: the fp32 partitions (4p), the
-    optimizer state (8p), and during ``initialize_optimizer_states`` a 4 B buffer of the largest
-    sub-group's *full* size (``gradient_buffer``).
-ZeRO-3, ``offload_param.device="cpu"``: the 16-bit parameter partitions, pinned (``w p``).
-NVMe: the optimizer swapper's ``buffer_count`` fp32 buffers of the largest sub-group, the parameter
-    swapper's ``buffer_count x buffer_size`` 16-bit buffers, up to ``max_in_cpu`` parameters kept in RAM,
-    the gradient partitions and the ``gradient_buffer`` above (all page-locked by DeepSpeed's aio).
+ZeRO-1/2, optimizer on the CPU (``stage_1_and_2.py``): pinned ``single_partition_of_fp32_groups`` (4p),
+    ``param_buffer_of_bit16_for_cpu_offload_groups`` (w p), the fp32 gradient partition (4p),
+    ``temp_grad_buffer_for_cpu_offload`` (w x largest parameter), with accumulation ``accumulated_grads_in_cpu``;
+    pageable: the optimizer state (8p for Adam) and each pinned buffer's pageable source while it is made.
+ZeRO-3, optimizer on the CPU (``stage3.py``): pinned ``grad_partitions_flat_buffer`` and an fp32 gradient buffer per
+    sub-group; pageable: the fp32 partitions (4p), the state (8p), and the largest sub-group's full ``gradient_buffer``.
+ZeRO-3, parameters on the CPU: the pinned 16-bit partitions (w p). NVMe: the swappers' buffers (page-locked by aio).
 
-On CUDA, torch rounds every pinned buffer up to a power of two (:func:`~lightning_lowmem.core.host_memory.pinned_bytes`);
-on the CPU accelerator nothing is pinned, but DeepSpeed's "device" buffers are host RAM too: the flat 16-bit
-copy of the model (ZeRO-1/2), the gradient staging buffer, the reduce bucket.
+On CUDA every pinned buffer is rounded up to a power of two; on the CPU accelerator DeepSpeed's "device" buffers (the
+flat 16-bit model copy, the gradient staging, the reduce bucket) are host RAM too.
 """
 
 from __future__ import annotations
@@ -52,15 +39,8 @@ def zero_offload_host_bytes(
     cuda: bool,
     state_bytes_per_element: float = 8.0,
 ) -> dict[str, int]:
-    """Host bytes one process of a ZeRO-offload run allocates, by part (empty without offload).
-
-    Args:
-        config: the final DeepSpeed config (``zero_optimization``, ``fp16``/``bf16``, ``gradient_accumulation_steps``).
-        groups: the element counts of the trainable parameters, one sequence per optimizer param group.
-        world_size: data-parallel processes (the partitions are ``1/world_size`` of each group).
-        cuda: CUDA accelerator (pinned buffers rounded up to powers of two) or CPU (device buffers in RAM).
-        state_bytes_per_element: optimizer state per fp32 element (8 for Adam, 4 for Adagrad/Lion).
-    """
+    """Host bytes one process of a ZeRO-offload run allocates, by part (empty without offload), for the final DeepSpeed
+    ``config``, the trainable element counts per param group, and ``state_bytes_per_element`` (8 for Adam)."""
     zero = config.get("zero_optimization", {}) or {}
     stage = int(zero.get("stage", 0))
     off_opt = zero.get("offload_optimizer") or {}
@@ -94,8 +74,7 @@ def zero_offload_host_bytes(
             if pinned and cuda:
                 parts["pageable copy while pinning"] = 4 * max(partitions, default=0)
             if not cuda:
-                # NOTE: the flat copy replaces the module's own tensors (a transient of one model copy); the reduce
-                # buckets (two with overlap_comm) are `torch.empty`, so only the part gradients fill becomes RAM.
+                # NOTE: the reduce buckets (two with overlap_comm) are `torch.empty`: only what gradients fill is RAM
                 bucket = zero.get("reduce_bucket_size", int(5e8))
                 bucket = min(bucket if isinstance(bucket, int) else int(5e8), sum(all_params))
                 buckets = 2 if zero.get("overlap_comm", False) else 1
@@ -127,9 +106,7 @@ def zero_offload_host_bytes(
             parts["fp32 partitions"] = 4 * p_total
             parts["optimizer state"] = state_bytes_per_element * p_total
         if opt_device in ("cpu", "nvme"):
-            # NOTE: two transients at different moments: the fp32 conversion copy of a sub-group while the
-            # partitions are built, then `gradient_buffer` (the largest sub-group's full size) while the state is
-            # initialised; the larger one counts.
+            # NOTE: two transients at different moments (a sub-group's fp32 copy, `gradient_buffer`): the larger counts
             parts["init transient (largest sub-group)"] = 4 * max(largest_sub_full, largest_sub_partition)
         elif opt_device == "nvme":
             count = int(off_opt.get("buffer_count", 4))
@@ -150,11 +127,8 @@ def zero_offload_host_bytes(
 
 
 def check_zero_host_memory(strategy: Any, optimizer: Any) -> None:
-    """Refuse (``HostMemoryError``) when the host RAM that ``strategy``'s offload will allocate is not available.
-
-    ``strategy`` is a ``ZeroStrategy`` before its engine exists; ``optimizer`` the one ``configure_optimizers``
-    returned. Rank 0 decides for every process (broadcast), so that all of them stop and none waits in a collective.
-    """
+    """Refuse (``HostMemoryError``) when the host RAM that ``strategy``'s offload will allocate is not available
+    (before its engine exists; rank 0 decides for every process, so none waits in a collective)."""
     groups = [[p.numel() for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     # NOTE: the one optimizer-state table (DeepSpeedCPUAdam keeps Adam's two fp32 moments, its Adagrad and Lion one)
     per_element = expected_state_bytes(optimizer) / max(1, sum(map(sum, groups)))

@@ -1,8 +1,5 @@
-"""Optimizer swap for ZeRO-Offload: ``torch.optim.Adam``/``AdamW`` -> ``DeepSpeedCPUAdam`` (private helper).
-
-DeepSpeed refuses a client optimizer that is not one of its CPU optimizers under optimizer offload
-(``zero_force_ds_cpu_optimizer``), and a torch Adam stepping fp32 masters on the host would be several
-times slower than the vectorised C++ kernel anyway.
+"""Optimizer swap for ZeRO-Offload: ``torch.optim.Adam``/``AdamW`` -> ``DeepSpeedCPUAdam`` (DeepSpeed refuses other
+client optimizers under ``zero_force_ds_cpu_optimizer``).
 
 NOTE: imports DeepSpeed (slow): ``ZeroStrategy`` imports this module when an offload preset builds its optimizer.
 """
@@ -26,9 +23,7 @@ _TORCH_ONLY = {"params", "foreach", "fused", "capturable", "differentiable", "ma
 class Adam(DeepSpeedCPUAdam):
     """``DeepSpeedCPUAdam`` standing in for ``torch.optim.Adam``, under its name.
 
-    NOTE: Lightning names what it logs after the optimizer's class (``LearningRateMonitor``'s ``lr-Adam``; a monitor,
-    a dashboard or a checkpoint filename built from it): the swap must not rename the user's metrics. DeepSpeed checks
-    its CPU optimizers with ``isinstance`` (a subclass passes).
+    NOTE: Lightning names what it logs after the optimizer's class (``lr-Adam``): the swap must not rename metrics.
     """
 
 
@@ -37,14 +32,8 @@ class AdamW(DeepSpeedCPUAdam):
 
 
 def to_cpu_optimizer(optimizer: Optimizer, config: dict[str, Any]) -> tuple[Optimizer, str]:
-    """``DeepSpeedCPUAdam`` with ``optimizer``'s parameter groups and hyper-parameters, and a log line.
-
-    Returns ``optimizer`` itself when it already is a DeepSpeed CPU optimizer, or when the user set
-    ``zero_force_ds_cpu_optimizer: false`` in the DeepSpeed config.
-
-    Raises:
-        ValueError: any other optimizer, or an Adam flag ``DeepSpeedCPUAdam`` does not implement.
-    """
+    """``DeepSpeedCPUAdam`` with ``optimizer``'s parameter groups and hyper-parameters, and a log line (``optimizer``
+    itself when it is a DeepSpeed CPU optimizer, or under ``zero_force_ds_cpu_optimizer: false``; else ValueError)."""
     if isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion)):
         return optimizer, ""
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"

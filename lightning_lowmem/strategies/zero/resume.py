@@ -1,13 +1,4 @@
-"""What a ZeRO resume needs beyond DeepSpeed's checkpoint (private helper of ``zero.py``).
-
-- :func:`replay_cpu_adam_steps`: ``DeepSpeedCPUAdam`` keeps Adam's bias-correction powers ``beta**t`` in its C++
-  object, not in the checkpoint. An uninterrupted run multiplies them by ``beta`` once per step (float32); a fresh
-  process resuming at step ``t`` computes ``pow(beta, t)`` in one go (``IncrementStep`` in DeepSpeed's
-  ``csrc/includes/cpu_adam.h``). The two differ in the last bit from about the fifth step on, so every weight of a
-  resumed run drifts from the uninterrupted one. Replaying the step counter (no tensors touched) rebuilds the
-  product exactly as the uninterrupted run built it.
-- :func:`load_error`: a checkpoint of another model shape or optimizer, named.
-"""
+"""What a ZeRO resume needs beyond DeepSpeed's checkpoint: :func:`replay_cpu_adam_steps` and :func:`load_error`."""
 
 from __future__ import annotations
 
@@ -29,25 +20,19 @@ def _innermost(optimizer: Any) -> Any:
     return optimizer
 
 
-def cpu_adam_of(optimizer: Any) -> Any:
-    """The ``DeepSpeedCPUAdam`` inside DeepSpeed's ZeRO optimizer wrapper(s), or None."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    inner = _innermost(optimizer)
-    return inner if isinstance(inner, DeepSpeedCPUAdam) else None
-
-
 @torch.no_grad()
 def replay_cpu_adam_steps(optimizer: Any) -> int:
-    """Bring a freshly loaded ``DeepSpeedCPUAdam``'s C++ step state to where the uninterrupted run had it.
+    """Bring a freshly loaded ``DeepSpeedCPUAdam``'s C++ step state to where the uninterrupted run had it; return the
+    step count ``t`` replayed (0: nothing to do).
 
-    Calls the C++ update with empty tensors for steps ``1..t`` (``t``: the loaded ``state["step"]``), once per
-    parameter group in the order DeepSpeed steps them, as the uninterrupted run did. Returns ``t`` (0: nothing to do).
-    NOTE: exact when every state holds the same step count and the betas did not change during the run (the
-    usual case); a parameter group that skipped steps, or betas changed by a scheduler, cannot be replayed exactly.
+    NOTE: the C++ object keeps the bias-correction powers ``beta**t`` as a product built step by step (not
+    checkpointed); a fresh ``pow(beta, t)`` differs in the last bit, so the update is replayed with empty tensors for
+    steps ``1..t``, per group. Exact unless a group skipped steps or a scheduler changed the betas.
     """
-    adam = cpu_adam_of(optimizer)
-    if adam is None:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    adam = _innermost(optimizer)
+    if not isinstance(adam, DeepSpeedCPUAdam):
         return 0
     steps = max((int(s["step"]) for s in adam.state.values() if isinstance(s, dict) and "step" in s), default=0)
     empty = torch.empty(0, dtype=torch.float32)

@@ -1,11 +1,6 @@
-"""DeepSpeed ZeRO presets that run on GPU clusters and on the CPU accelerator (gloo), and ``consolidate``.
-
-``Trainer(strategy="lowmem_zero3_offload")`` and its siblings are :class:`ZeroStrategy` with the reference
-settings of the ZeRO-2/ZeRO-3 offload JSON files in
-https://blog.csdn.net/weixin_42486623/article/details/132761712, which follow Hugging Face's DeepSpeed
-integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed).
-``consolidate(checkpoint_dir, out_file)`` (also ``lowmem consolidate DIR FILE``)
-turns the directory checkpoint DeepSpeed writes into one fp32 state dict a plain model loads.
+"""``ZeroStrategy``: the ``lowmem_zero*`` DeepSpeed ZeRO presets, with the reference settings of Hugging Face's
+DeepSpeed integration docs (https://huggingface.co/docs/transformers/main/en/deepspeed), on CUDA or the CPU
+(docs/techniques/zero.md).
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 
 
 class ZeroStrategy(Reproducible, DeepSpeedStrategy):
-    """DeepSpeed ZeRO with the reference settings (module docstring), Trainer flags flowing in, on CUDA or the CPU.
+    """DeepSpeed ZeRO with Hugging Face's reference settings, Trainer flags flowing in, on CUDA or the CPU.
 
     Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
     fp32 masters, Adam moments and gradients (``16P -> 2P + 14P/N`` bytes of model state on the device);
@@ -60,10 +55,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     cross to the host and weights back every step, and the step runs on the CPU (see the benchmark).
 
     The Trainer's accumulation, clipping, precision and batch size go into the DeepSpeed config; ``config=`` is
-    deep-merged over it and wins, except where Lightning applies the setting too (a contradiction is an error).
-    Offload presets swap ``torch.optim.Adam``/``AdamW`` for ``DeepSpeedCPUAdam`` (logged); checkpoints are written
-    atomically and read weights-only; skipped inf/nan steps are logged as ``lowmem/skipped_steps``. The settings and
-    their reasons: ``docs/techniques/zero.md``.
+    deep-merged over it (a contradiction with what Lightning applies too is an error). Offload presets swap
+    ``torch.optim.Adam``/``AdamW`` for ``DeepSpeedCPUAdam``; checkpoints are atomic and read weights-only; skipped
+    inf/nan steps are logged as ``lowmem/skipped_steps``.
 
     Example:
         >>> trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
@@ -85,14 +79,11 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             ``hidden_size**2`` (stage 3, as Hugging Face's ``"auto"``).
         gather_16bit_weights_on_model_save: ``stage3_gather_16bit_weights_on_model_save``.
         cpu_optimizer: with offload, replace ``torch.optim.Adam``/``AdamW`` by ``DeepSpeedCPUAdam``.
-        check_host_memory: with offload, refuse to start when the host RAM DeepSpeed will allocate on this
-            machine (every local process's pinned and pageable buffers and optimizer state, see
-            ``strategies.zero.host_bytes``) is more than this process may use (available RAM, cgroup limit, ``ulimit -v``).
-        gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value (the master)
-            back into the module, so ``module.state_dict()`` and plain-PyTorch use see the trained weights. Without
-            it the parameters stay partitioned (empty) after fit, and the first ``state_dict()`` of them warns,
-            pointing to this option and to ``lowmem consolidate``. The partitions are kept either way
-            (``trainer.save_checkpoint`` after fit works); a later forward under DeepSpeed partitions them again.
+        check_host_memory: with offload, refuse to start when the host RAM DeepSpeed will allocate on this machine
+            (every local process's buffers and optimizer state) is more than this process may use.
+        gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value back into the
+            module, so ``module.state_dict()`` sees the trained weights (without it they stay partitioned, and the
+            first ``state_dict()`` warns). The partitions are kept either way.
         config: a DeepSpeed config dict or JSON path merged over everything above.
         **kwargs: any other ``lightning.pytorch.strategies.DeepSpeedStrategy`` argument
             (``parallel_devices``, ``cluster_environment``, ``process_group_backend``, ``timeout``,
@@ -132,8 +123,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
                 f"Passed `gather_on_fit_end=True` with `stage={stage}`; only stage 3 partitions the module's "
                 "parameters (remove it, or use stage=3)."
             )
-        # NOTE: LightningCLI (jsonargparse) follows **kwargs into DeepSpeedStrategy's signature and passes every
-        # parent default; those are dropped, a real value for a config-building argument we replace is refused.
+        # NOTE: LightningCLI passes every DeepSpeedStrategy default through **kwargs: those are dropped
         kwargs = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH or _PARENT_DEFAULTS.get(k, _MISSING) != v}
         if stage not in (1, 2, 3):
             problems.append(f"Passed `stage={stage!r}`; expected 1, 2 or 3.")
@@ -173,22 +163,14 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self.check_host_memory = check_host_memory
         self._offload_optimizer = offload_optimizer
         preset = zc.reference_config(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            offload_device=offload_device,
-            nvme_path=None if nvme_path is None else str(nvme_path),
-            pin_memory=pin_memory,
-            overlap_comm=overlap_comm,
-            contiguous_gradients=contiguous_gradients,
+            stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
+            offload_device=offload_device, nvme_path=None if nvme_path is None else str(nvme_path),
+            pin_memory=pin_memory, overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
             reduce_bucket_size=int(reduce_bucket_size) if reduce_bucket_size else ("auto" if stage == 3 else int(2e8)),
-            allgather_bucket_size=int(allgather_bucket_size),
-            sub_group_size=int(sub_group_size),
-            gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save,
-            zero_force_ds_cpu_optimizer=True,
+            allgather_bucket_size=int(allgather_bucket_size), sub_group_size=int(sub_group_size),
+            gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save, zero_force_ds_cpu_optimizer=True,
         )
-        # NOTE: the parent gets the preset merged with the user's JSON so that `zero_stage_3` and
-        # `model_sharded_context` (called before `setup`) already see the final ZeRO section.
+        # NOTE: merged now: `zero_stage_3` and `model_sharded_context` (before `setup`) see the final ZeRO section
         super().__init__(config=zc.merge(preset, self._user_config), **kwargs)
 
     # ---- the three CPU obstacles of Lightning's DeepSpeedStrategy -----------------------------------------
@@ -207,8 +189,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     def setup(self, trainer: Any) -> None:
         self._partition_warning.remove()
         if self.config is not None and self.lightning_module is not None:
-            # NOTE: the config was checked when it was formatted, before Lightning called `configure_model`: the
-            # layers a module builds there (BatchNorm, compiled submodules) are checked now, before the engine
+            # NOTE: the layers `configure_model` built (after the config was checked) are checked now
             self._refuse(module_problems(self, self.lightning_module, str(self.precision_plugin.precision), self.config))
         super().setup(trainer)
 
@@ -232,8 +213,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # NOTE: Lightning's checkpoint dict; DeepSpeed drops its "state_dict" and writes the partitions itself, so
-        # the partition warning (meant for the user's own `state_dict()`) stays quiet here.
+        # NOTE: Lightning's checkpoint dict (DeepSpeed writes the partitions itself): no partition warning
         with self._partition_warning.quiet():
             return super().lightning_module_state_dict()
 
@@ -288,8 +268,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
     def _initialize(self, model: Module, config: Any, optimizer: Any = None, lr_scheduler: Any = None,
                     params: list[Any] | None = None) -> tuple[Any, Any]:
-        """``deepspeed.initialize`` as the parent calls it, the engine reading and writing checkpoints through a
-        :class:`~lightning_lowmem.strategies.zero.checkpoint_engine.CheckedCheckpointEngine`."""
+        """``deepspeed.initialize`` as the parent calls it, with a ``CheckedCheckpointEngine``."""
         import deepspeed
 
         from lightning_lowmem.strategies.zero import checkpoint_engine  # NOTE: imports DeepSpeed
@@ -312,11 +291,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: lightning_internals.PATH, storage_options: Any | None = None) -> None:
-        """DeepSpeed's directory checkpoint, written to ``.NAME.tmp-PID/`` beside ``filepath``, fsync-ed, swapped in.
-
-        The previous checkpoint at ``filepath`` stays complete until the new one is; a process killed midway
-        leaves at most the temp directory, removed at the next save.
-        """
+        """DeepSpeed's directory checkpoint, written to ``.NAME.tmp-PID/`` beside ``filepath``, fsync-ed, swapped in
+        (a process killed midway leaves the previous checkpoint and at most the temp directory)."""
         if storage_options is not None or not lightning_internals.is_local_file_protocol(filepath):
             with self._partition_warning.quiet():
                 super().save_checkpoint(checkpoint, filepath, storage_options)  # the parent refuses storage_options
@@ -384,10 +360,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         loader = source.dataloader() if source.is_defined() else None  # NOTE: as given, before Lightning rebuilds it
         self._batching_loader = batching_loader(loader)
         trainer_cfg = zc.trainer_settings(
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-            gradient_clip_val=trainer.gradient_clip_val,
-            precision=precision,
-            micro_batch_size=_micro_batch_size(loader),
+            accumulate_grad_batches=trainer.accumulate_grad_batches, gradient_clip_val=trainer.gradient_clip_val,
+            precision=precision, micro_batch_size=_micro_batch_size(loader),
             fp16={k: getattr(self, k) for k in zc.FP16_REFERENCE},
         )
         errors, warnings = zc.conflicts(trainer_cfg, self._user_config, precision)
@@ -425,8 +399,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # NOTE: Lightning's loop already divides the loss by `accumulate_grad_batches`; DeepSpeed's
-        # `engine.backward` would divide it again (gradients 1/k^2 of the right value).
+        # NOTE: Lightning's loop already divides the loss by `accumulate_grad_batches` (not again: 1/k^2)
         kwargs.setdefault("scale_wrt_gas", False)
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -442,9 +415,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # NOTE: DeepSpeed skips a step whose gradients hold inf/nan (`engine.skipped_steps`); under fp16 its loss scaler
-        # logs it, under bf16 and fp32 nothing is said, and a run whose every step is skipped does not train. As under
-        # `lowmem_offload`, the count is logged as `lowmem/skipped_steps` and the first skip of a bf16/fp32 run warns.
+        # NOTE: DeepSpeed skips inf/nan steps silently under bf16/fp32: logged, and the first one warns
         engine = self.deepspeed_engine
         before = int(getattr(engine, "skipped_steps", 0) or 0)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
