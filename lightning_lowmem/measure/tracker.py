@@ -223,9 +223,8 @@ class MemoryTracker:
             raise TypeError(f"Passed `module` of type {type(module).__name__}; expected a `torch.nn.Module` or None.")
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        optimizers = list(optimizers or [])
         # NOTE: Lightning's LightningOptimizer wraps the optimizer; accept it and track the inner one.
-        optimizers = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers]
+        optimizers = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers or []]
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(
@@ -703,11 +702,8 @@ class MemoryTracker:
         "<category>": [bytes per event], ..., "host_total": [bytes per event]}``.
         """
         cols = list(zip(*self._timeline)) if self._timeline else [()] * 7
-        out: dict[str, Any] = {"phases": list(self._phase_order), "phase": list(cols[0])}
-        for i, cat in enumerate(CATEGORIES):
-            out[cat] = list(cols[i + 1])
-        out["host_total"] = list(cols[6])
-        return out
+        return {"phases": list(self._phase_order), "phase": list(cols[0]),
+                **{cat: list(cols[i + 1]) for i, cat in enumerate(CATEGORIES)}, "host_total": list(cols[6])}
 
     def report(self) -> dict[str, Any]:
         """A JSON-able summary: peaks (overall and per phase, both roles), the binding phase, live bytes."""

@@ -143,8 +143,4 @@ def downsample(tl: dict[str, Any]) -> dict[str, Any]:
     stride = math.ceil(n / _MAX_TIMELINE_POINTS)
     totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(n)]
     keep = [max(range(s, min(s + stride, n)), key=totals.__getitem__) for s in range(0, n, stride)]
-    out = {"phases": tl["phases"]}
-    for k, v in tl.items():
-        if k != "phases":
-            out[k] = [v[i] for i in keep]
-    return out
+    return {k: v if k == "phases" else [v[i] for i in keep] for k, v in tl.items()}
