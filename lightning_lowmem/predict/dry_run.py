@@ -269,9 +269,8 @@ def dry_run(
             ``"lowmem_offload"``, strategy and callback objects: unused ones are copied, never run themselves).
         target: ``"cpu"`` predicts the traced run as is; ``"cuda"`` applies the CPU-vs-CUDA differences, each listed
             in ``result.corrections`` (uncalibrated: no GPU run yet).
-        extrapolate: trace the model cut to 3, 4 and 5 repeated blocks (per checkpointing unit) and extrapolate
-            each phase, role and category linearly, used only when the third depth confirms the line (within
-            0.01 %); otherwise every block is traced (noted in the result). ``None``: try it for models of more
+        extrapolate: trace 3, 4 and 5 repeated blocks (per checkpointing unit) and extrapolate when the third depth
+            confirms the line (within 0.01 %), else trace every block (noted). ``None``: try it for models of more
             than 8 units whose techniques repeat per block. ``False``: always trace every block.
         steps: optimizer steps traced (2: the first creates the optimizer state, the second is steady state).
         upcast_half: give bf16/fp16 floating parameters fp32 fakes (the module as built, before a
@@ -291,12 +290,11 @@ def dry_run(
         raise ValueError(f"Passed `target={target!r}`; expected 'cpu' or 'cuda'.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"Passed `steps={steps!r}`; expected a positive integer.")
+    token_data = None
     if batch is None and data is None and (batch_size or seq_len):
         if not (batch_size and seq_len):
             raise ValueError(f"Passed `batch_size={batch_size!r}`, `seq_len={seq_len!r}`; a token batch needs both.")
         token_data = (batch_size, seq_len)
-    else:
-        token_data = None
     is_factory = callable(module) and not isinstance(module, torch.nn.Module)
     if not is_factory and not isinstance(module, L.LightningModule):
         raise TypeError(

@@ -165,13 +165,8 @@ def estimate_memory(
     if zero_stage and optimizer_in_backward:
         raise ValueError("Passed `zero_stage` and `optimizer_in_backward=True`; DeepSpeed runs its own optimizer step.")
     if used:
-        run = RunSpec.from_flags(precision=precision, offload=offload, offload_params=offload_params,
-                                 checkpointing=checkpointing,
-                                 checkpointing_every_n=checkpointing_every_n, activation_offload=activation_offload,
-                                 batch_size=batch_size, micro_batch_size=micro_batch_size, optimizer=optimizer,
-                                 optimizer_in_backward=optimizer_in_backward, zero_stage=zero_stage,
-                                 world_size=world_size, chunked_loss=chunked_loss, adapters=adapters,
-                                 adapter_r=adapter_r, quantize_base=quantize_base)
+        run = RunSpec.from_flags(precision=precision, checkpointing_every_n=checkpointing_every_n,
+                                 batch_size=batch_size, world_size=world_size, **flags)
     else:
         run = RunSpec(strategy=strategy, precision=precision, callbacks=list(callbacks),
                       accumulate_grad_batches=accumulate_grad_batches, world_size=world_size)

@@ -282,11 +282,6 @@ def fake_execution() -> Iterator[FakeExecution]:
             lg.setLevel(level)
 
 
-def _param_subclass(t: torch.Tensor) -> bool:
-    """``t``'s class derives from ``nn.Parameter`` (a fake parameter is a FakeTensor that only passes ``isinstance``)."""
-    return type(t) is not torch.nn.Parameter and issubclass(type(t), torch.nn.Parameter)
-
-
 class _FakeCopies(TorchFunctionMode):
     """Inside :func:`fake_copy`: ``copy.deepcopy`` gets each tensor's fake (``Tensor.__deepcopy__`` asks the torch
     function modes first); a stray parameter's ``.data.clone()`` (one no module registers) gets it too."""
@@ -324,7 +319,7 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
         f = execution.fake(t if shape is None else torch.empty(shape, device="meta"), dtype)
         if isinstance(t, torch.nn.Parameter):
             f = torch.nn.Parameter(f, requires_grad=t.requires_grad)
-            if _param_subclass(t):
+            if type(t) is not torch.nn.Parameter and issubclass(type(t), torch.nn.Parameter):
                 # NOTE: a parameter subclass (bitsandbytes' `Params4bit`) cannot wrap a fake tensor: its copy is a
                 # parameter carrying its attributes (the quantization state, with fake tensors)
                 memo[id(t)] = f

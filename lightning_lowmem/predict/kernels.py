@@ -157,12 +157,6 @@ def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
     return tuple(sig)
 
 
-def _zeros_like_storage(t: torch.Tensor) -> torch.Tensor:
-    n = t.untyped_storage().nbytes() // max(t.element_size(), 1)
-    return torch.zeros(max(n, t.storage_offset() + 1 if t.numel() else 0), dtype=t.dtype).as_strided(
-        t.shape, t.stride(), t.storage_offset())
-
-
 class KernelMatch:
     """Corrects the fake outputs of the ops in :data:`PROBED` to what the real CPU kernel returns.
 
@@ -280,11 +274,10 @@ class KernelMatch:
             if not isinstance(x, torch.Tensor):
                 return x
             key = torch_internals.storage_key(x.untyped_storage())
-            if key not in bases:
-                bases[key] = _zeros_like_storage(x)
-                return bases[key]
-            base = bases[key]
-            return base.as_strided(x.shape, x.stride(), x.storage_offset())
+            if key not in bases:  # zeros of the whole storage, so that aliasing arguments stay aliased
+                n = x.untyped_storage().nbytes() // max(x.element_size(), 1)
+                bases[key] = torch.zeros(max(n, x.storage_offset() + 1 if x.numel() else 0), dtype=x.dtype)
+            return bases[key].as_strided(x.shape, x.stride(), x.storage_offset())
 
         with torch_internals.disable_current_modes(), torch_internals.unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
             real_args, real_kwargs = torch_internals.tree_map(real, (args, kwargs))
