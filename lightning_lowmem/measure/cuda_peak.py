@@ -47,9 +47,6 @@ class CudaPeakWindow:
         reset_cuda_peak_stats(self.device)
         CudaPeakWindow._open.add(self)
 
-    def _fold(self, peaks: CudaPeaks) -> None:
-        self._folded = CudaPeaks(*map(max, self._folded, peaks))
-
     def read(self) -> CudaPeaks:
         """The peaks since the last lap, without starting a new one."""
         return CudaPeaks(*map(max, self._folded, _current_peaks(self.device)))
@@ -96,5 +93,5 @@ def reset_cuda_peak_stats(device: torch.device | int | str | None = None) -> Non
     peaks = _current_peaks(device)
     for window in list(CudaPeakWindow._open):
         if window.device == device:
-            window._fold(peaks)
+            window._folded = CudaPeaks(*map(max, window._folded, peaks))
     torch.cuda.reset_peak_memory_stats(device)

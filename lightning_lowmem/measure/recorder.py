@@ -208,16 +208,9 @@ def phase_maxima(steps: list[dict[str, Any]], scopes: Any = PHASES) -> dict[str,
 
 def reporters(trainer: pl.Trainer, exclude: Any = None) -> list[tuple[str, ReportsMemory]]:
     """The strategy, precision plugin and callbacks of ``trainer`` that implement ``memory_breakdown()``."""
-    out = []
     candidates = [trainer.strategy, getattr(trainer.strategy, "precision_plugin", None), *trainer.callbacks]
-    seen: set[int] = set()
-    for obj in candidates:
-        if obj is None or obj is exclude or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, ReportsMemory):
-            out.append((type(obj).__name__, obj))
-    return out
+    unique = {id(obj): obj for obj in candidates if obj is not None and obj is not exclude}  # first seen first
+    return [(type(obj).__name__, obj) for obj in unique.values() if isinstance(obj, ReportsMemory)]
 
 
 __all__ = ["PHASES", "StepMemoryRecorder", "phase_maxima", "reporters"]

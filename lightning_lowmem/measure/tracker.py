@@ -1,12 +1,10 @@
 """Measured memory: live tensor-storage bytes over a training step, by phase, category and role.
 
-:class:`MemoryTracker` is a ``TorchDispatchMode`` that sees every aten op's outputs, registers each
-new untyped storage once (views, in-place ops and tied weights share a storage and add nothing) and
-drops it through a weakref finaliser when the storage is freed. It keeps the live bytes and their
-peak, overall and per phase, in the five categories of :mod:`lightning_lowmem.core.accounting`,
-for the ``device`` role and the ``host`` role. It runs on real CPU/CUDA tensors and under
-``torch._subclasses.fake_tensor.FakeTensorMode`` (fake tensors allocate nothing; their storage
-``nbytes`` are counted, so a dry run measures a model too big to build).
+:class:`MemoryTracker` is a ``TorchDispatchMode`` that registers each new untyped storage once (views, in-place ops
+and tied weights add nothing) and drops it through a weakref finaliser when it is freed. It keeps live bytes and
+peaks, overall and per phase, in the five categories of :mod:`lightning_lowmem.core.accounting` and the ``device``
+and ``host`` roles, on real CPU/CUDA tensors and under ``FakeTensorMode`` (storage ``nbytes`` are counted). Docs:
+``docs/techniques/memory-report.md``.
 
 Example:
     >>> model = torch.nn.Linear(64, 64)      # 16,640 bytes of fp32 weights
@@ -32,58 +30,23 @@ Example:
     >>> sorted(tracker.report())                 # everything above as a JSON-able dict
     ['device', 'live_at_end', 'peak', 'peak_bytes', 'peak_bytes_host', 'peak_phase', 'phases']
 
-The rest of the API (see each method): ``track`` (tensors made before ``with tracker:``, the batch), ``set_phase``
-(phases from hooks; a name may repeat, its peak is the maximum), ``set_window``, ``breakdown``, ``peak_breakdown``,
-``live_bytes``, ``num_ops``, ``timeline()`` (with ``timeline=True``), ``peaks[name]`` (a :class:`PhasePeak`);
-``CudaPeakWindow`` and ``reset_cuda_peak_stats`` (:mod:`~lightning_lowmem.measure.cuda_peak`, re-exported here): CUDA
-peaks that several consumers can read.
+Under a fake mode, enter the tracker *inside* it: a dispatch mode only sees the ops of the modes entered after it.
 
-Under a fake mode, enter the tracker *inside* it (``with FakeTensorMode(): ... with tracker: ...``):
-a dispatch mode only sees the ops of the modes entered after it.
+Categories: ``weights`` (parameters and buffers of ``module``); ``gradients`` (their ``.grad``, re-tagged when autograd
+accumulates them and at every phase boundary); ``optimizer_state`` (``optimizer.state`` and optimizer parameters the
+module does not hold: masters); ``activations`` (storages created in a ``"forward"`` phase and alive at its end; they
+become ``other`` at the end of a ``"backward"`` phase); ``other`` (everything else: inputs given to
+:meth:`MemoryTracker.track`, forward and backward temporaries, optimizer temporaries, recomputation). Re-tagging is
+retroactive for the recorded peaks (the breakdown at a peak names what the bytes were); a peak *total* never changes
+through a category re-tag.
 
-How a storage gets its category:
+Roles: ``host`` for storages marked with :func:`~lightning_lowmem.core.accounting.mark_host` and for CPU storages while
+the module computes on an accelerator; ``device`` otherwise.
 
-* ``weights``: parameters and buffers of ``module`` (and parameters the optimizers hold that the
-  module does not: fp32 masters of a CPU-master strategy are ``optimizer_state``, see below).
-* ``gradients``: ``.grad`` of those parameters, re-tagged by ``register_post_accumulate_grad_hook``
-  when autograd accumulates them and re-checked at every phase boundary.
-* ``optimizer_state``: every tensor in ``optimizer.state`` and optimizer parameters that are not
-  module parameters (masters), re-tagged after every ``optimizer.step()`` and at phase boundaries.
-* ``activations``: storages created in a phase named ``"forward"`` and still alive at its end (what
-  autograd saved for backward, plus the forward's outputs such as logits and loss). A storage created
-  in forward and freed before the forward phase ends was a temporary and counts as ``other``.
-  Saved tensors that are views of parameters (``linear`` saves ``weight.t()``) share the parameter's
-  storage and stay ``weights``. Forward storages still alive at the end of a ``"backward"`` phase are
-  no longer held for backward and become ``other`` from then on.
-* ``other``: everything else: inputs registered with :meth:`MemoryTracker.track`, backward
-  temporaries (before autograd hands a gradient to its parameter), optimizer temporaries,
-  recomputation inside backward under activation checkpointing.
-
-Re-tagging is retroactive for the recorded peaks: a storage that becomes a gradient or optimizer
-state (or turns out to be a forward temporary) is moved to its category in every peak snapshot taken
-while it was alive, so the breakdown at the peak names what the bytes were, not what they looked like
-when they were created. The peak *total* never changes through a category re-tag.
-
-How a storage gets its role: ``host`` when a tensor on it was marked with
-:func:`~lightning_lowmem.core.accounting.mark_host` (before or while tracking; marks made while
-tracking re-tag at once), or when it is a CPU storage while the tracked module computes on an
-accelerator; ``device`` otherwise.
-
-What it does not see: tensors alive before ``__enter__`` that are not parameters, buffers, gradients
-or optimizer state of the given objects (pass them to :meth:`MemoryTracker.track`, e.g. the batch);
-memory outside tensor storages (allocator slack and fragmentation, the CUDA context, cuBLAS
-workspaces, kernels' internal scratch, Python objects) and storages resized outside dispatch
-(``untyped_storage().resize_()``). On CPU this is the right figure: process RSS overshoots the live
-tensor bytes by 13-18 % with glibc's default allocator and never comes back down, so RSS is *not*
-what this module measures. On CUDA, each phase also records ``torch.cuda.max_memory_allocated`` /
-``max_memory_reserved`` through :func:`reset_cuda_peak_stats`, the project's wrapper around
-``torch.cuda.reset_peak_memory_stats`` that keeps every open :class:`CudaPeakWindow` correct.
-
-Cost: ~30 µs per aten op on 2 CPU cores (a 4-layer GPT-2 step: 1.35x untracked on a 128-wide model, 1.15x on a
-384-wide one), of which ~16 µs is PyTorch's own floor for calling any Python dispatch mode. torch's
-``MemTracker`` adds ~10x more per step on the same model (it loops over every tracked module on each op) and
-reports the same peak to the byte (``benchmarks/results/memory_report_overhead.md``,
-``tests/memory/test_measure.py``).
+Not seen: tensors alive before ``__enter__`` other than the given objects' (pass them to :meth:`MemoryTracker.track`),
+memory outside tensor storages (allocator slack, CUDA context, workspaces; process RSS is *not* what this measures) and
+storages resized outside dispatch. On CUDA each phase also records CUDA's own peaks through
+:func:`reset_cuda_peak_stats`. Cost: ~30 µs per aten op on 2 CPU cores (``benchmarks/results/memory_report_overhead.md``).
 """
 
 from __future__ import annotations
@@ -104,13 +67,7 @@ from lightning_lowmem.core.accounting import CATEGORIES, ROLES, MemoryBreakdown,
 from lightning_lowmem.core.tensors import tensors_in
 from lightning_lowmem.measure.cuda_peak import CudaPeaks, CudaPeakWindow, reset_cuda_peak_stats
 
-__all__ = [
-    "CudaPeakWindow",
-    "CudaPeaks",
-    "MemoryTracker",
-    "PhasePeak",
-    "reset_cuda_peak_stats",
-]
+__all__ = ["CudaPeakWindow", "CudaPeaks", "MemoryTracker", "PhasePeak", "reset_cuda_peak_stats"]
 
 _FORWARD = "forward"
 _BACKWARD = "backward"
@@ -128,12 +85,8 @@ class _Mode(torch_internals.TorchDispatchMode):
     @classmethod
     @override
     def ignore_compile_internals(cls) -> bool:
-        # NOTE: [compiled regions] False (torch's default) makes dynamo skip every frame it would compile while the
-        # mode is on the stack: a `torch.compile`d submodule would run eagerly in the sampled steps only, and eager
-        # kernels round otherwise than inductor's fused ones (the run would differ from one without the tracker).
-        # True: the compiled code runs as it does untracked; the mode is off while dynamo traces and compiles and on
-        # while the compiled artifact runs, so it sees the artifact's allocations (its outputs and buffers), not the
-        # fused ops inside it.
+        # NOTE: [compiled regions] False (torch's default) would run a `torch.compile`d submodule eagerly in sampled
+        # steps only (rounding otherwise than inductor); True: it sees the compiled artifact's allocations, not its ops.
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -152,16 +105,13 @@ class _Mode(torch_internals.TorchDispatchMode):
             # device peak. Inside a phase a view of an untracked storage is still counted (as it always was).
             return out
         see = tracker._see
-        if isinstance(out, torch.Tensor):
-            see(out, mutates)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    see(o, mutates)
-                elif isinstance(o, (tuple, list)):
-                    for oo in o:
-                        if isinstance(oo, torch.Tensor):
-                            see(oo, mutates)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                see(o, mutates)
+            elif isinstance(o, (tuple, list)):
+                for oo in o:
+                    if isinstance(oo, torch.Tensor):
+                        see(oo, mutates)
         return out
 
 
@@ -184,30 +134,26 @@ def _exit_mode(mode: torch_internals.TorchDispatchMode, exc: tuple[Any, ...]) ->
         torch_internals.push_dispatch_mode(m)
 
 
+@dataclass(slots=True, eq=False)
 class _Snap:
     """Bytes by category at the moment a role's total was highest (within a scope: overall, one phase, one window)."""
 
-    __slots__ = ("cats", "phase", "seq", "total")
-
-    def __init__(self) -> None:
-        self.seq = -1
-        self.total = -1
-        self.cats = [0, 0, 0, 0, 0]
-        self.phase: str | None = None
+    seq: int = -1
+    total: int = -1
+    cats: list[int] = field(default_factory=lambda: [0, 0, 0, 0, 0])
+    phase: str | None = None
 
 
+@dataclass(slots=True, eq=False)
 class _Rec:
     """One tracked storage: its bytes, category, role, creation sequence number and forward epoch."""
 
-    __slots__ = ("cat", "fwd", "nbytes", "ref", "role", "seq")
-
-    def __init__(self, nbytes: int, cat: int, role: int, seq: int, fwd: int) -> None:
-        self.nbytes = nbytes
-        self.cat = cat
-        self.role = role
-        self.seq = seq
-        self.fwd = fwd  # forward-phase epoch that created it (0: not created in forward)
-        self.ref: weakref.ref | None = None
+    nbytes: int
+    cat: int
+    role: int
+    seq: int
+    fwd: int  # forward-phase epoch that created it (0: not created in forward)
+    ref: weakref.ref | None = None
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -248,10 +194,7 @@ class PhasePeak:
 class MemoryTracker:
     """Live tensor-storage bytes by phase, category and role, with peaks (see the module docstring).
 
-    One record per storage (bytes, category, role, when it was created, whether a forward created it), the live
-    bytes by role and category, and snapshots of the bytes by category at the highest moment of each scope
-    (overall, each phase, each window); re-tagging a storage moves its bytes in every snapshot taken while it was
-    alive.
+    It saves nothing: it measures, at ~30 µs per aten op while active (see the module docstring).
 
     Args:
         module: the model whose parameters and buffers are ``weights`` (and their ``.grad``
@@ -280,9 +223,8 @@ class MemoryTracker:
             raise TypeError(f"Passed `module` of type {type(module).__name__}; expected a `torch.nn.Module` or None.")
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        optimizers = list(optimizers or [])
         # NOTE: Lightning's LightningOptimizer wraps the optimizer; accept it and track the inner one.
-        optimizers = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers]
+        optimizers = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers or []]
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(
@@ -463,7 +405,7 @@ class MemoryTracker:
         return best
 
     # --- classification from the objects we know -----------------------------------------------------
-    def _tag(self, t: torch.Tensor | None, cat: int, *, retro: bool = True) -> None:
+    def _tag(self, t: torch.Tensor | None, cat: int) -> None:
         if t is None or not isinstance(t, torch.Tensor):
             return
         st = _storage(t)
@@ -478,7 +420,7 @@ class MemoryTracker:
         if n != rec.nbytes:
             self._resize(rec, n)
         if rec.cat != cat:
-            self._retag(rec, cat, rec.role, retro=retro)
+            self._retag(rec, cat, rec.role, retro=True)
 
     def _scan(self) -> None:
         """Re-tag everything the module and the optimizers hold (on enter and exit)."""
@@ -578,7 +520,7 @@ class MemoryTracker:
             self._extra_params += extra
             self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in extra if p.requires_grad]
             self._handles.append(opt.register_step_post_hook(self._scan_optimizer))
-        if self._cuda_enabled():
+        if self.device.type == "cuda" and torch.cuda.is_available():
             self._cuda_window = CudaPeakWindow(self.device)
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -608,9 +550,6 @@ class MemoryTracker:
     @property
     def active(self) -> bool:
         return self._mode is not None
-
-    def _cuda_enabled(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_available()
 
     def set_phase(self, name: str | None) -> None:
         """End the current phase (if any) and start ``name`` (None: outside every phase).
@@ -669,12 +608,9 @@ class MemoryTracker:
     def set_window(self, name: str | None, events: bool = False) -> None:
         """Also keep the peaks of a part of the current phase, reported as ``peaks[f"{phase}@{name}"]``.
 
-        A window changes nothing of the phase (its category rules, its own peak); it only adds snapshots.
-        The dry run cuts a phase into the part before the repeated blocks, the blocks and the part after
-        them, whose peaks each grow linearly with depth (the phase's peak may switch between them).
-        ``events``: also keep the live bytes by category (device, host) after every increase during the
-        window's last occurrence, in :attr:`window_events` (the parts of a step that run the same ops at any
-        depth are extrapolated event by event).
+        A window only adds snapshots (the dry run's parts of a phase: before, in and after the repeated blocks).
+        ``events``: also keep the live bytes by category (device, host) after every increase during the window's
+        last occurrence, in :attr:`window_events`.
         """
         if self._phase is None:
             raise RuntimeError("`set_window` needs a current phase: call `set_phase` first.")
@@ -766,11 +702,8 @@ class MemoryTracker:
         "<category>": [bytes per event], ..., "host_total": [bytes per event]}``.
         """
         cols = list(zip(*self._timeline)) if self._timeline else [()] * 7
-        out: dict[str, Any] = {"phases": list(self._phase_order), "phase": list(cols[0])}
-        for i, cat in enumerate(CATEGORIES):
-            out[cat] = list(cols[i + 1])
-        out["host_total"] = list(cols[6])
-        return out
+        return {"phases": list(self._phase_order), "phase": list(cols[0]),
+                **{cat: list(cols[i + 1]) for i, cat in enumerate(CATEGORIES)}, "host_total": list(cols[6])}
 
     def report(self) -> dict[str, Any]:
         """A JSON-able summary: peaks (overall and per phase, both roles), the binding phase, live bytes."""

@@ -1,16 +1,10 @@
 """Closed-form memory bounds for decoder-only transformers: the sanity check beside the dry run.
 
-These formulas are the published rules, generalised to the element sizes of the run, and nothing
-more: per-parameter model states (4 B weights + 4 B gradients + 8 B AdamW moments in fp32,
-bitsandbytes' 8-bit state at 2 B/param plus one fp32 absmax per 256 values, 4 B SGD momentum) and
-Korthikanti et al. 2022 (arXiv 2205.05198) for saved activations, ``sbh(34 + 5as/h)`` per layer at
-2-byte activations and 1-byte dropout masks, with the logits / cross-entropy terms of the LM head.
-
-On Hugging Face models they come out low (up to 21 % below the peak measured on the CPU for GPT-2 and
-LLaMA shapes: ``benchmarks/results/estimate.md``, column ``analytic_error_%``): they miss HF's Python
-GELU intermediates, fp32 dropout masks on CPU, view-vs-copy effects and optimizer temporaries. They are therefore used
-only as a bound printed beside the traced figure, and as the fallback when a model cannot be
-traced (an op with no fake implementation); :func:`analytic_estimate` says so in its notes.
+The published rules at the run's element sizes: per-parameter model states (AdamW, bitsandbytes' 8-bit state, SGD
+momentum) and Korthikanti et al. 2022 (arXiv 2205.05198) for saved activations, with the LM head's logits terms. On
+Hugging Face models they come out up to 21 % low (``benchmarks/results/estimate.md``): they miss HF's Python GELU
+intermediates, fp32 dropout masks on CPU, view-vs-copy effects and optimizer temporaries. So they are only a bound
+beside the traced figure, and the fallback when a model cannot be traced (the estimate's notes say so).
 """
 
 from __future__ import annotations
@@ -136,29 +130,17 @@ def layer_activation_bytes(shape: TransformerShape, b: int, s: int, act_bytes: i
 
 
 def analytic_phases(
-    config: Any,
-    batch_size: int,
-    seq_len: int,
-    *,
-    precision: str = "32-true",
-    optimizer: str = "adamw",
-    checkpointing: str | None = None,
-    checkpointing_every_n: int = 2,
-    num_params: int | None = None,
-    largest_param: int | None = None,
-    flash_attention: bool | None = None,
-    offload: bool = False,
+    config: Any, batch_size: int, seq_len: int, *, precision: str = "32-true", optimizer: str = "adamw",
+    checkpointing: str | None = None, checkpointing_every_n: int = 2, num_params: int | None = None,
+    largest_param: int | None = None, flash_attention: bool | None = None, offload: bool = False,
 ) -> dict[str, MemoryBreakdown]:
     """Peak bytes per phase (forward, backward, optimizer) by category, device role, in closed form.
 
-    Phase model (Lightning's automatic-optimization order): the forward ends with weights, last
-    step's gradients, optimizer state, saved activations and the fp32 logits; backward starts with
-    gradients freed but the head's 2 x fp32 ``b s V`` transient on top of every saved activation;
-    the optimizer step holds weights + gradients + state (+ 2 x the largest parameter of
-    temporaries for single-tensor AdamW). ``flash_attention``: no s^2 scores kept (CUDA's SDPA kernels,
-    CPU's without dropout); default: the CPU kernel choice (math path, scores kept, when dropout is on).
-    ``offload``: CPU-master offload: the device keeps the compute weights and one gradient at a time; fp32
-    masters, gradients and the optimizer state are on the host.
+    Phases: the forward ends with weights, last step's gradients, optimizer state, saved activations and the fp32
+    logits; backward has gradients freed and the head's 2 x fp32 ``b s V`` transient on top; the optimizer step holds
+    weights + gradients + state (+ 2 x the largest parameter for single-tensor AdamW). ``flash_attention``: no s^2
+    scores kept (default: the CPU's choice, scores kept when dropout is on). ``offload``: CPU-master offload (the
+    device keeps the compute weights and one gradient; masters, gradients and state on the host).
     """
     if precision not in _PARAM_BYTES:
         raise ValueError(f"Passed `precision={precision!r}`; expected one of {sorted(_PARAM_BYTES)}.")
@@ -218,14 +200,10 @@ def analytic_phases(
 def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: int | None) -> None:
     """Replace a single-device trace's model states by DeepSpeed ZeRO's partitioned ones, in place.
 
-    DeepSpeed's engine cannot run on fake tensors, so a ``lowmem_zero*`` run is traced on one device in the
-    same compute precision, with the same callbacks, and its weights, gradients and optimizer state are then
-    replaced by the closed form of DeepSpeed's partitioning (exact arithmetic; its reduce/all-gather buckets
-    are not modelled). Per rank, P parameters, N ranks, h = 2 B (half precision) or 4 B (fp32): weights hP
-    (stage 3: hP/N), gradients hP/N, optimizer state (fp32 masters 4P when h = 2, plus Adam's 8P) over N.
-    ``offload_optimizer``: state, its step and fp32 gradients on the host; device gradients leave as they are
-    reduced. ``offload_parameters`` (stage 3): the device holds the gathered parameters of the module in use
-    and the next one (``2 x gathered_params``), the host the partitioned half-precision weights.
+    Per rank, P parameters, N ranks, h = 2 B (half precision) or 4 B (fp32): weights hP (stage 3: hP/N), gradients
+    hP/N, optimizer state (fp32 masters 4P when h = 2, plus Adam's 8P) over N; reduce/all-gather buckets not modelled.
+    ``offload_optimizer``: state and fp32 gradients on the host. ``offload_parameters`` (stage 3): the device holds
+    two modules' gathered parameters (``2 x gathered_params``), the host the partitioned half-precision weights.
     """
     P, N = estimate.num_params or 0, plan.world_size
     h = 4 if precision == "32-true" else 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 from pathlib import Path
@@ -75,11 +76,8 @@ def _with_overrides(config: Any, overrides: dict[str, Any], rebuild: Any) -> Any
     NOTE: rebuilt, not set on the built config: fields derived in a config's ``__init__`` (LLaMA's ``head_dim``
     from ``hidden_size``) would keep their old values.
     """
-    import difflib
-
     if not overrides:
         return config
-
     known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
     problems = []
     for key, value in overrides.items():

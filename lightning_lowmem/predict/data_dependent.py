@@ -1,27 +1,10 @@
 """Ops whose output size depends on values (``nonzero``, ``unique``, ``bincount``, boolean indexing...) in a dry run.
 
-A fake tensor has no values, so the fake mode refuses these ops. Here they run anyway, each size taken from what
-is known, and every assumption is recorded (:attr:`DataDependent.bounds`, listed in the estimate's notes and
-``bounds``):
-
-* The inputs that decide the size are real (a mask or labels from the batch, torchmetrics' states derived from
-  it): the size is computed from their real values; exact, nothing to record. ``x[mask]`` with a fake ``x`` and a
-  real ``mask`` takes ``mask``'s real ``nonzero`` and indexes with it.
-* Selections of fake values (``nonzero``, ``masked_select``, ``x[mask]``, ``x[mask] = v``): every element is taken
-  as selected: the largest output, an upper bound of the memory. ``nonzero``'s indices (of every element) are then
-  known values and are given as a real tensor, so code that indexes modules by them runs (a mixture of experts'
-  ``self.experts[f"expert_{i}"]`` over the hit experts: every expert is taken as hit).
-* ``unique`` of fake values (``_unique2``, ``unique_dim``, ``unique_consecutive``): one distinct value, the
-  answer that passes value-range validations (torchmetrics checks ``len(torch.unique(preds)) <= num_classes``);
-  the output's storage is counted at its upper bound (every element distinct), so the memory stays a bound.
-* ``pack_padded_sequence`` of fake inputs with real lengths (from the batch): exact, and its ``batch_sizes`` stay
-  real (the RNN kernels and ``pad_packed_sequence`` read them).
-* ``bincount`` of fake values: ``minlength`` bins (values assumed below it, as confusion-matrix counts are); with
-  ``minlength=0`` its length is the largest value + 1, which nothing bounds: refused.
-
-Anything else whose size depends on fake values (``repeat_interleave`` of fake repeats, an op raising the fake
-mode's data-dependence errors) raises :class:`~lightning_lowmem.predict.fake.DryRunUnsupportedError` naming the op
-and the line of the model's code.
+Each size is taken from what is known, and every assumption is recorded (:attr:`DataDependent.bounds`): exact where
+the deciding inputs are real (from the batch); selections of fake values take every element as selected (``nonzero``'s
+indices are then real, so code indexing modules by them runs); ``unique`` of fake values is one distinct value with
+its storage counted at the upper bound; ``bincount`` of fake values has ``minlength`` bins (refused without it).
+Anything else raises :class:`~lightning_lowmem.predict.fake.DryRunUnsupportedError`. See ``docs/estimate.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Deep models from shallow traces: the parts of a step whose peaks grow linearly with depth, and their lines.
 
-A dry run of a deep model traces it cut to 3, 4 and 5 repeated blocks (``fake_copy(..., blocks=n)``), with each
-forward and backward cut into the part before the blocks, the blocks and the part after them
-(:class:`DepthWindows`). Each part's peak grows linearly with depth, but a phase's peak may move from one part
-to another as the model deepens; the parts outside the blocks run the same ops at every depth and are
-extrapolated event by event (a transient that grows with depth, such as a KV cache dropped with the model's
-output, can move the peak inside them). The third depth must confirm every line (:data:`AGREEMENT`).
+A deep model is traced cut to 3, 4 and 5 repeated blocks, each forward and backward cut into the part before the
+blocks, the blocks and the part after them (:class:`DepthWindows`); each part is extrapolated linearly (the parts
+outside the blocks event by event), and the third depth must confirm every line (:data:`AGREEMENT`).
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ from lightning_lowmem.measure.recorder import PHASES, StepMemoryRecorder, phase_
 
 #: extrapolation is used when the third depth lands this close to the line through the first two (per value)
 AGREEMENT = 1e-4
-
-
 #: the cut models keep at least this many blocks (the first depth traced): the blocks before may differ
 KEPT = 3
 
@@ -38,10 +33,9 @@ def _signature(block: torch.nn.Module) -> tuple[Any, ...]:
 def _interchangeable(blocks: torch.nn.ModuleList) -> bool:
     """Whether every block a cut may end on (from the ``KEPT``-th on) is like every later one.
 
-    NOTE: a cut model feeds the output of its last kept block to the part after the list; one class of blocks need
-    not have one shape (MobileNetV2's inverted-residual layers change their channels from stage to stage: a model cut
-    to 3 of them fed 8 channels where 80 were expected). Blocks before the ``KEPT``-th are always kept (T5's first
-    block alone holds the relative position bias).
+    NOTE: a cut model feeds its last kept block's output to the part after the list: one class of blocks may change
+    shape (MobileNetV2's channels, stage by stage). Blocks before the ``KEPT``-th are always kept (T5's first holds
+    the relative position bias).
     """
     later = list(blocks)[KEPT - 1:]
     first = _signature(later[0]) if later else None
@@ -82,9 +76,8 @@ LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 def keep_every_layer(module: torch.nn.Module) -> list[str]:
     """Turn LayerDrop off in ``module`` (a dry run's copy); the settings turned off.
 
-    NOTE: a step that skips layers keeps fewer activations; which are skipped depends on the draws, so a dry run that
-    drew at another point of the random stream than the real step predicted another step (wav2vec2: 17 % low).
-    The largest step is the one that skips none, and the dry run predicts that one.
+    NOTE: which layers a step skips depends on the draws (a dry run predicted wav2vec2 17 % low); the dry run predicts
+    the largest step, the one that skips none.
     """
     changed = []
     for sub in module.modules():
@@ -100,9 +93,8 @@ def keep_every_layer(module: torch.nn.Module) -> list[str]:
 class DepthWindows(L.Callback):
     """Cuts forward and backward into the part before the repeated blocks, the blocks and the part after them.
 
-    NOTE: each part's peak grows linearly with depth, but the phase's peak may move from one part to another as the
-    model deepens (a shallow GPT-2's backward peaks at the LM head, a deep one's at the last block, when gradients
-    outgrow the head's transient): extrapolated per part, the deep model's peak is the largest part's.
+    NOTE: each part grows linearly with depth, but the phase's peak may move between parts as the model deepens (a
+    shallow GPT-2's backward peaks at the LM head, a deep one's at the last block).
     """
 
     def __init__(self, recorder: StepMemoryRecorder) -> None:
@@ -256,18 +248,5 @@ def depth_unit(spec: Any) -> int | None:
     return unit
 
 
-__all__ = [
-    "AGREEMENT",
-    "DepthWindows",
-    "depth_unit",
-    "disagreement",
-    "event_values",
-    "events",
-    "fewer_layers",
-    "find_blocks",
-    "keep_every_layer",
-    "line",
-    "non_negative",
-    "phases_of",
-    "values_of",
-]
+__all__ = ["AGREEMENT", "DepthWindows", "depth_unit", "disagreement", "event_values", "events", "fewer_layers",
+           "find_blocks", "keep_every_layer", "line", "non_negative", "phases_of", "values_of"]

@@ -1,26 +1,12 @@
 """The dry run: a real ``Trainer.fit`` of the user's module and data in which every weight is a fake tensor.
 
-:func:`dry_run` runs the run a :class:`~lightning_lowmem.predict.run_spec.RunSpec` describes (strategy, precision,
-technique callbacks, accumulation, clipping) for two optimizer steps, with Lightning's own loop,
-``configure_optimizers`` with the trainer attached, the data's first batches (whatever their
-structure) and the techniques' own code: nothing of a technique is written twice. The parameters are
-fake (``FakeTensorMode``: sizes and dtypes, no bytes; see :mod:`lightning_lowmem.predict.fake`), so a model
-far larger than this machine is predicted at no memory cost. The step is measured by the same
-:class:`~lightning_lowmem.measure.recorder.StepMemoryRecorder` that ``MemoryReport`` measures real runs with.
-
-What is not traced, and so predicted in closed form and labelled as such in the result:
-
-* DeepSpeed ZeRO: its engine cannot run on fake tensors. The run is traced on one device with the
-  same callbacks (after the callbacks' own checks against the real ``ZeroStrategy``, so a
-  combination DeepSpeed refuses is refused here too) and DeepSpeed's partitioned model states replace
-  the traced ones (:func:`~lightning_lowmem.predict.analytic.zero_states`).
-* A CUDA target (``target="cuda"``): the trace runs on fake CPU tensors (fake CUDA tensors abort a
-  CPU-only build at the first autograd edge) with CUDA's kernel choices emulated (1-byte dropout masks,
-  flash attention, foreach optimizers) and the CUDA context and pinned staging added; each is listed in
-  ``result.corrections``, uncalibrated until a GPU run confirms it.
-
-Deep models are traced at three depths (3, 4, 5 blocks) and extrapolated when every per-block increment agrees (see
-:func:`dry_run`'s ``extrapolate``); otherwise, and with ``extrapolate=False``, every block is traced.
+:func:`dry_run` runs what a :class:`~lightning_lowmem.predict.run_spec.RunSpec` describes for two optimizer steps with
+Lightning's own loop and the techniques' own code, on fake parameters (:mod:`lightning_lowmem.predict.fake`), measured
+by the same :class:`~lightning_lowmem.measure.recorder.StepMemoryRecorder` as ``MemoryReport``. DeepSpeed ZeRO is
+traced on one device with its partitioned model states in closed form
+(:func:`~lightning_lowmem.predict.analytic.zero_states`); a CUDA target is traced on CPU with CUDA's kernel choices
+emulated, each listed in ``result.corrections``. Deep models are traced at 3, 4 and 5 blocks and extrapolated when
+the lines agree. See ``docs/estimate.md``.
 
 Example (GPT-2 XL's shape is ``n_layer=48, n_embd=1600, n_head=25``: the same call, about 10 s):
 
@@ -45,6 +31,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning_utilities import apply_to_collection
 from typing_extensions import override
 
@@ -106,11 +93,9 @@ class _TokenBatches(L.LightningDataModule):
 
 @contextlib.contextmanager
 def _data_kept(kwargs: dict[str, Any]) -> Iterator[None]:
-    """Put back what a traced run changes on the user's own data module: the micro-batch an
-    ``AccumulationScheduler`` sets, and its ``trainer``.
+    """Put back the micro-batch an ``AccumulationScheduler`` sets on the user's data module, and its ``trainer``.
 
-    NOTE: without it, the next trace of the same data module (a planner traces many) would start from the last
-    trace's micro-batch.
+    NOTE: otherwise the next trace of the same data module (a planner traces many) starts from this one's micro-batch.
     """
     dm = kwargs.get("datamodule")
     saved = {k: v for k, v in vars(dm).items() if k in ("batch_size", "trainer", "_trainer")} if dm is not None else {}
@@ -182,8 +167,6 @@ def _trainer(spec: RunSpec, extra: list[Any], root: str, zero: ZeroPlan | None) 
         kwargs["precision"] = {"bf16-mixed": "bf16-true", "16-mixed": "16-true"}.get(spec.precision, spec.precision)
     strategy = kwargs["strategy"]
     if isinstance(strategy, str) and zero is None and strategy.lower() in STRATEGIES:
-        from lightning.pytorch.strategies import StrategyRegistry
-
         kwargs["strategy"] = strategy = StrategyRegistry.get(strategy.lower())  # NOTE: so its host check can be off
     if hasattr(strategy, "check_host_memory"):
         # NOTE: the run being predicted is not this machine's: its host RAM is reported, not checked
@@ -286,9 +269,8 @@ def dry_run(
             ``"lowmem_offload"``, strategy and callback objects: unused ones are copied, never run themselves).
         target: ``"cpu"`` predicts the traced run as is; ``"cuda"`` applies the CPU-vs-CUDA differences, each listed
             in ``result.corrections`` (uncalibrated: no GPU run yet).
-        extrapolate: trace the model cut to 3, 4 and 5 repeated blocks (per checkpointing unit) and extrapolate
-            each phase, role and category linearly, used only when the third depth confirms the line (within
-            0.01 %); otherwise every block is traced (noted in the result). ``None``: try it for models of more
+        extrapolate: trace 3, 4 and 5 repeated blocks (per checkpointing unit) and extrapolate when the third depth
+            confirms the line (within 0.01 %), else trace every block (noted). ``None``: try it for models of more
             than 8 units whose techniques repeat per block. ``False``: always trace every block.
         steps: optimizer steps traced (2: the first creates the optimizer state, the second is steady state).
         upcast_half: give bf16/fp16 floating parameters fp32 fakes (the module as built, before a
@@ -308,12 +290,11 @@ def dry_run(
         raise ValueError(f"Passed `target={target!r}`; expected 'cpu' or 'cuda'.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"Passed `steps={steps!r}`; expected a positive integer.")
+    token_data = None
     if batch is None and data is None and (batch_size or seq_len):
         if not (batch_size and seq_len):
             raise ValueError(f"Passed `batch_size={batch_size!r}`, `seq_len={seq_len!r}`; a token batch needs both.")
         token_data = (batch_size, seq_len)
-    else:
-        token_data = None
     is_factory = callable(module) and not isinstance(module, torch.nn.Module)
     if not is_factory and not isinstance(module, L.LightningModule):
         raise TypeError(

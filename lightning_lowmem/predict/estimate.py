@@ -1,12 +1,9 @@
-"""``estimate_memory``: the predicted peak memory of a run, before any training.
+"""``estimate_memory``: the predicted peak memory of a run, before any training (``docs/estimate.md``).
 
-It answers "will this model fit my card, and with which flags?" from a dry run
-(:func:`~lightning_lowmem.predict.dry_run.dry_run`: the real ``Trainer.fit`` on fake tensors) of the run
-described the way the Trainer is given it: ``strategy`` and ``callbacks`` are what ``Trainer`` accepts, or
-a LightningCLI YAML (the file ``lowmem fit --config`` runs). Keyword shorthands (``offload=True``,
-``checkpointing="all"``, ...) name the suite's techniques for quick tables; they build the same run
-description. Closed forms (:mod:`~lightning_lowmem.predict.analytic`) are printed beside the figure as a
-bound, and used alone only with ``method="analytic"`` or when the model cannot be traced (the result says why).
+A dry run (:func:`~lightning_lowmem.predict.dry_run.dry_run`) of the run described as the Trainer is given it
+(``strategy``, ``callbacks``), or by a LightningCLI YAML, or by keyword shorthands (``offload=True``,
+``checkpointing="all"``, ...); closed forms (:mod:`~lightning_lowmem.predict.analytic`) are a bound beside it, and
+used alone only with ``method="analytic"`` or when the model cannot be traced (the result says why).
 
 Example (a tiny GPT-2 shape here; ``"gpt2-xl"`` and the other shipped names are given the same way, and
 ``estimate_memory("configs/demo.yaml")`` predicts the run a YAML describes, with its own data):
@@ -22,9 +19,13 @@ Example (a tiny GPT-2 shape here; ``"gpt2-xl"`` and the other shipped names are 
 from __future__ import annotations
 
 import copy
+import importlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
+
+import lightning as L
 
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
 from lightning_lowmem.callbacks.adapters.callback import Adapters
@@ -164,13 +165,8 @@ def estimate_memory(
     if zero_stage and optimizer_in_backward:
         raise ValueError("Passed `zero_stage` and `optimizer_in_backward=True`; DeepSpeed runs its own optimizer step.")
     if used:
-        run = RunSpec.from_flags(precision=precision, offload=offload, offload_params=offload_params,
-                                 checkpointing=checkpointing,
-                                 checkpointing_every_n=checkpointing_every_n, activation_offload=activation_offload,
-                                 batch_size=batch_size, micro_batch_size=micro_batch_size, optimizer=optimizer,
-                                 optimizer_in_backward=optimizer_in_backward, zero_stage=zero_stage,
-                                 world_size=world_size, chunked_loss=chunked_loss, adapters=adapters,
-                                 adapter_r=adapter_r, quantize_base=quantize_base)
+        run = RunSpec.from_flags(precision=precision, checkpointing_every_n=checkpointing_every_n,
+                                 batch_size=batch_size, world_size=world_size, **flags)
     else:
         run = RunSpec(strategy=strategy, precision=precision, callbacks=list(callbacks),
                       accumulate_grad_batches=accumulate_grad_batches, world_size=world_size)
@@ -196,26 +192,24 @@ def estimate_memory(
             raise ValueError(f"Passed `seq_len={seq_len}`, beyond the {positions} positions of the model; "
                              f"use at most {positions} or set `n_positions`/`max_position_embeddings`.")
     target = target or "cuda"
-    adapted = next((c for c in run.callbacks if isinstance(c, Adapters)), None)
-    if adapted is not None and method == "analytic":
-        raise ValueError(f"Passed `method='analytic'` with `{adapted!r}`: the closed form does not model adapters "
-                         "(a frozen base, adapters' gradients and state only); use method='dry_run'.")
-    lean = next((c for c in run.callbacks if isinstance(c, LeanOptimizer)), None)
-    if lean is not None and method == "analytic":
-        raise ValueError(f"Passed `method='analytic'` with `{lean!r}`: the closed form does not model lean optimizers "
-                         "(AdamW's state only); use method='dry_run'.")
     # NOTE: no closed-form fallback for an adapter run or a lean optimizer: it would be the full fine-tune's AdamW
     # figure under their name
-    bound = None if config is None or adapted is not None or lean is not None else _analytic_bound(
+    unmodelled = False
+    for kind, what in ((Adapters, "adapters (a frozen base, adapters' gradients and state only)"),
+                       (LeanOptimizer, "lean optimizers (AdamW's state only)")):
+        found = next((c for c in run.callbacks if isinstance(c, kind)), None)
+        unmodelled = unmodelled or found is not None
+        if found is not None and method == "analytic":
+            raise ValueError(f"Passed `method='analytic'` with `{found!r}`: the closed form does not model {what}; "
+                             "use method='dry_run'.")
+    bound = None if config is None or unmodelled else _analytic_bound(
         config, batch_size, micro_batch_size, seq_len, run, target)
-    fallback = None
-    est = None
+    fallback = est = None
     floor = None if bound is None or skip_above is None else _states_floor(bound, run)
     if floor is not None and floor > skip_above:  # type: ignore[operator]
         method, fallback = "analytic", (f"not traced: the model states alone need {fmt_size(floor)} on the device "
                                         f"(closed form), more than the budget of {fmt_size(skip_above)}")
     if method == "dry_run":
-
         try:
             factory = module if module is not None else causal_lm_factory(config)
         except ValueError as err:
@@ -250,10 +244,6 @@ def module_class(name: Any, given: str = "model=") -> Any:
         ValueError: a class path whose module does not import, or that names no LightningModule: what was given
             (as ``given``: ``"model="`` or ``"--model "``), what failed and what to do.
     """
-    import importlib
-    import os
-
-    import lightning as L
     from transformers import PretrainedConfig
 
     if not isinstance(name, str) or "." not in name or not all(p.isidentifier() for p in name.split(".")):
@@ -279,8 +269,6 @@ def module_class(name: Any, given: str = "model=") -> Any:
 
 
 def is_module(obj: Any) -> bool:
-    import lightning as L
-
     return isinstance(obj, L.LightningModule) or (
         callable(obj) and not isinstance(obj, (str, Path, dict)) and not hasattr(obj, "model_type")
     )

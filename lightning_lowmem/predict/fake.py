@@ -1,35 +1,18 @@
-"""Real code on fake tensors: the environment a dry run executes the user's training in.
+"""Real code on fake tensors: the environment a dry run executes the user's training in (``docs/estimate.md``).
 
-Inside :func:`fake_execution`, every tensor made from a parameter is a ``FakeTensor`` (shape, dtype
-and storage size, no bytes), so the real ``Trainer``, strategy, precision plugin, callbacks and
-``training_step`` run on a model far larger than this machine's memory. What makes real code run
-there, each item named because without it a real run and its dry run part ways:
+Inside :func:`fake_execution`, every tensor made from a parameter is a ``FakeTensor`` (shape, dtype and storage size,
+no bytes). What makes real code run there:
 
-* Values where they exist. Ops whose tensor inputs are all real (the batch, ``torch.arange``
-  positions, Lightning's scalars) run for real (inside a training step only when their outputs are
-  small), so data set-up keeps its values, and masks, token counts and Hugging Face's "is this
-  attention mask all ones?" checks get the answer the real run gets.
-* Stand-ins where they do not. A data-dependent read of a fake tensor (``.item()``, ``bool(t)``,
-  ``aten._local_scalar_dense``, ``torch.equal``) gets the value a healthy run gives where the op that made
-  it says so (``isfinite(x)`` is all True, ``isnan(x)``/``isinf(x)`` all False, through ``all``/``any``/``~``:
-  a non-finite guard or ``if not torch.isfinite(loss): return None`` does not skip the predicted step),
-  ``torch.equal`` True, and otherwise ``0.0`` for a float (a logged loss; "no overflow" for an fp16 found-inf
-  flag), ``1`` for an integer (a count you may divide by) and ``False`` for a bool.
-  :attr:`FakeExecution.stand_ins` counts them; the dry run lists them in its notes.
-* Module conversions. ``module.to(dtype)`` / ``.to(device)`` on fake parameters would go through
-  ``torch.utils.swap_tensors``, which refuses tensors that have weak references (every fake tensor
-  does); here the parameter's ``.data`` is replaced instead, keeping the ``Parameter`` object (and so
-  every optimizer and hook holding it).
-* ``self.log``/``self.log_dict`` do nothing: the dry run's Trainer is ``barebones`` (Lightning's result collection
-  would move the logged values with storage swaps that a fake tensor cannot take; they are a few bytes).
-* Ops whose output size depends on values (``nonzero``, ``unique``, ``bincount``, boolean indexing): exact
-  where the values deciding the size are real (a mask or labels from the batch), otherwise a stated bound
-  (:mod:`lightning_lowmem.predict.data_dependent`; :attr:`FakeExecution.bounds`, listed in the estimate).
-* Fake kernels that allocate less than the real CPU kernel (the workspace of ``nn.LSTM``'s oneDNN kernel, the
-  unreduced buffer CPU's ``mse_loss`` returns its 0-d loss as a view of): corrected from the real kernel
-  (:mod:`lightning_lowmem.predict.kernels`; :attr:`FakeExecution.kernels`).
-* Ops that truly cannot run on fake tensors (no fake kernel, a size no bound covers) raise
-  :class:`DryRunUnsupportedError`, naming the op and the line of the model's code that called it.
+* Values where they exist: ops whose tensor inputs are all real run for real (in a training step only when their
+  outputs are small), so masks, token counts and "is this mask all ones?" checks get the real run's answer.
+* Stand-ins where they do not: a data-dependent read of a fake tensor gets the value a healthy run gives where the op
+  that made it says so (``isfinite`` all True, ``isnan``/``isinf`` all False, ``torch.equal`` True), else ``0.0``,
+  ``1`` or ``False``; :attr:`FakeExecution.stand_ins` counts them.
+* Module conversions replace a fake parameter's ``.data`` (``swap_tensors`` refuses weakly referenced tensors).
+* ``self.log`` does nothing: the dry run's Trainer is ``barebones``.
+* Data-dependent sizes: :mod:`lightning_lowmem.predict.data_dependent`; fake kernels that allocate less than the real
+  CPU kernel: :mod:`lightning_lowmem.predict.kernels`.
+* Ops that cannot run on fake tensors raise :class:`DryRunUnsupportedError`, naming the op and the model's line.
 """
 
 from __future__ import annotations
@@ -273,11 +256,11 @@ def _apply_on_fake(original: Any) -> Any:
 
 
 @contextlib.contextmanager
-def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
+def fake_execution() -> Iterator[FakeExecution]:
     """Run the block with fake tensors from parameters on, real values where they exist (see module docstring).
 
-    ``quiet``: Python warnings ignored and Lightning's (and this package's) loggers at ``ERROR`` inside: a dry run's
-    warnings and info lines would describe the simulation, not the user's run.
+    Python warnings are ignored and Lightning's (and this package's) loggers at ``ERROR`` inside: a dry run's warnings
+    and info lines would describe the simulation, not the user's run.
 
     Raises:
         DryRunUnsupportedError: an op of the model cannot run on fake tensors.
@@ -288,21 +271,15 @@ def fake_execution(quiet: bool = True) -> Iterator[FakeExecution]:
     try:
         with warnings.catch_warnings(), torch_internals.module_apply_replaced(_apply_on_fake), execution.mode, \
                 _Values(execution), _HealthyChecks(execution):
-            if quiet:
-                warnings.simplefilter("ignore")
-                for lg in loggers:
-                    lg.setLevel(logging.ERROR)
+            warnings.simplefilter("ignore")
+            for lg in loggers:
+                lg.setLevel(logging.ERROR)
             yield execution
     except FAKE_ERRORS as err:
         raise unsupported(err) from err
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-
-
-def _param_subclass(t: torch.Tensor) -> bool:
-    """``t``'s class derives from ``nn.Parameter`` (a fake parameter is a FakeTensor that only passes ``isinstance``)."""
-    return type(t) is not torch.nn.Parameter and issubclass(type(t), torch.nn.Parameter)
 
 
 class _FakeCopies(TorchFunctionMode):
@@ -342,7 +319,7 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
         f = execution.fake(t if shape is None else torch.empty(shape, device="meta"), dtype)
         if isinstance(t, torch.nn.Parameter):
             f = torch.nn.Parameter(f, requires_grad=t.requires_grad)
-            if _param_subclass(t):
+            if type(t) is not torch.nn.Parameter and issubclass(type(t), torch.nn.Parameter):
                 # NOTE: a parameter subclass (bitsandbytes' `Params4bit`) cannot wrap a fake tensor: its copy is a
                 # parameter carrying its attributes (the quantization state, with fake tensors)
                 memo[id(t)] = f

@@ -1,35 +1,19 @@
-"""Fake kernels that allocate what the real CPU kernels allocate.
+"""Fake kernels that allocate what the real CPU kernels allocate (``docs/estimate.md``).
 
-A fake kernel (a meta function) gives an op's outputs their sizes from the sizes of its inputs. For most ops
-that is exactly what the real kernel returns; for a few it is not, and a dry run of a module using them
-predicts too little. Each entry of :data:`PROBED` names such an op and what differs; a test
-(``tests/memory/test_kernels.py``) runs every entry's real and fake kernel side by side, so an entry that stops
-being needed, or a new difference, shows up there. Found by comparing the real run's per-storage ledger with the
-fake run's for the same module and batch:
+For a few ops torch's fake kernel (meta function) returns less than the real CPU kernel; each entry of :data:`PROBED`
+names one and what differs, and ``tests/memory/test_kernels.py`` runs every entry's real and fake kernel side by side:
 
-* ``aten.mkldnn_rnn_layer`` (``nn.LSTM`` on CPU in float32/bfloat16, through oneDNN): the real kernel returns a
-  workspace (gates, states, for backward) whose size only oneDNN knows (it pads and page-aligns its parts, and
-  depends on the CPU's instruction set and on grad mode); the fake kernel returns an empty one. 176 KiB for a
-  10-step, 8-sequence, 32-unit layer: 60 % of that LSTM's step peak. The size is asked of the real kernel: it
-  runs once per input signature on zeros of the same sizes. When that costs more than :data:`PROBE_BYTES`, it
-  runs at three shorter sequence lengths congruent to the full one modulo 64 and the sizes are extrapolated along
-  the sequence: exact where the three lie on one line (every shape tried whose batch and hidden sizes are
-  multiples of 8), else the larger increment is taken (an upper bound, said in the note).
-* ``aten.mkldnn_rnn_layer_backward``: the fake kernel returns one tensor for the input-hidden and the
-  hidden-hidden bias gradients; the real kernel two (one more bias-sized gradient alive until accumulated).
-* ``aten.mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss``, ``binary_cross_entropy`` with a mean or sum
-  reduction: the real kernel returns the 0-d loss as a view of the unreduced loss, so a buffer of the input's
-  size stays alive with the loss (as long as the loss); the fake kernel allocates 4 bytes. Probed the same
-  way, shortened along the input's largest dimension.
+* ``aten.mkldnn_rnn_layer`` (``nn.LSTM`` on CPU through oneDNN): the real kernel's workspace, whose size only oneDNN
+  knows (60 % of a small LSTM's step peak). Asked of the real kernel once per input signature on zeros; above
+  :data:`PROBE_BYTES`, at three shorter lengths congruent modulo 64 and extrapolated (an upper bound where they are
+  not on one line, said in the note).
+* ``aten.mkldnn_rnn_layer_backward``: two bias gradients where the fake kernel returns one.
+* ``aten.mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss``, ``binary_cross_entropy``: the 0-d loss is a view of
+  the unreduced loss, which stays alive with it; probed the same way.
 
-* ``aten._grouped_mm`` (Hugging Face's mixture-of-experts layers): torch's meta function checks the CUDA kernel's
-  dtypes (bf16 only) and raises on the fp32 inputs the CPU kernel takes; :data:`REPLACED` gives the CPU kernel's
-  output (contiguous, the meta function's shape) instead.
-* ``aten._embedding_bag`` (``nn.EmbeddingBag``, ``mode="sum"``, bf16 weights): the CPU kernel's fast path leaves
-  ``offset2bag`` empty; the meta function takes that path for fp32/fp16 only and allocates one index per lookup.
-
-Ops not listed run their fake kernels unchanged. A correction is counted in :attr:`KernelMatch.corrections`,
-which the dry run lists in its notes.
+:data:`REPLACED` gives the CPU kernel's outputs where the meta function refuses what it takes (``aten._grouped_mm`` at
+fp32) or allocates what it does not (``aten._embedding_bag``'s bf16 ``offset2bag``). Corrections are counted in
+:attr:`KernelMatch.corrections`.
 """
 
 from __future__ import annotations
@@ -173,12 +157,6 @@ def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
     return tuple(sig)
 
 
-def _zeros_like_storage(t: torch.Tensor) -> torch.Tensor:
-    n = t.untyped_storage().nbytes() // max(t.element_size(), 1)
-    return torch.zeros(max(n, t.storage_offset() + 1 if t.numel() else 0), dtype=t.dtype).as_strided(
-        t.shape, t.stride(), t.storage_offset())
-
-
 class KernelMatch:
     """Corrects the fake outputs of the ops in :data:`PROBED` to what the real CPU kernel returns.
 
@@ -296,11 +274,10 @@ class KernelMatch:
             if not isinstance(x, torch.Tensor):
                 return x
             key = torch_internals.storage_key(x.untyped_storage())
-            if key not in bases:
-                bases[key] = _zeros_like_storage(x)
-                return bases[key]
-            base = bases[key]
-            return base.as_strided(x.shape, x.stride(), x.storage_offset())
+            if key not in bases:  # zeros of the whole storage, so that aliasing arguments stay aliased
+                n = x.untyped_storage().nbytes() // max(x.element_size(), 1)
+                bases[key] = torch.zeros(max(n, x.storage_offset() + 1 if x.numel() else 0), dtype=x.dtype)
+            return bases[key].as_strided(x.shape, x.stride(), x.storage_offset())
 
         with torch_internals.disable_current_modes(), torch_internals.unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
             real_args, real_kwargs = torch_internals.tree_map(real, (args, kwargs))

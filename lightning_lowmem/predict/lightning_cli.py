@@ -56,10 +56,8 @@ class LowMemCLI(LightningCLI):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import_public_classes()
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("subclass_mode_model", True)
-        kwargs.setdefault("subclass_mode_data", True)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"save_config_kwargs": {"overwrite": True}, "subclass_mode_model": True,
+                                   "subclass_mode_data": True, **kwargs})
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -72,7 +70,6 @@ class LowMemCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # NOTE: LightningCLI torch.loads `--ckpt_path` itself (for the hyperparameters) before any strategy sees it;
         # a damaged file must be named here, not surface as a bare EOFError.
-
         ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
         if ckpt_path and os.path.isfile(ckpt_path):
             reason = torch_file_problem(ckpt_path) or file_problem(ckpt_path)

@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import torch
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator
 
 from lightning_lowmem._internals import lightning as lightning_internals
 
@@ -52,7 +53,10 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
     for lg in quiet:  # NOTE: the Trainer is only described here ("GPU available: ..." would be about nothing)
         lg.setLevel(logging.WARNING)
     try:
-        cli = _load(RunConfig, path)
+        with warnings.catch_warnings():
+            # NOTE: LightningCLI warns that `args=` is meant for Python use whenever sys.argv is not empty: it is
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            cli = RunConfig(run=False, args=["--config", str(path)], save_config_callback=None)
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
@@ -66,9 +70,6 @@ def run_target(accelerator: Any) -> tuple[str, str]:
 
     ``auto`` (Lightning's default) is CUDA when this machine has it, else the CPU, as the Trainer decides.
     """
-    import torch
-    from lightning.pytorch.accelerators import Accelerator, CPUAccelerator
-
     if isinstance(accelerator, Accelerator):
         name = type(accelerator).__name__
         return ("cpu" if isinstance(accelerator, CPUAccelerator) else "cuda"), f"trainer.accelerator: {name}"
@@ -77,13 +78,6 @@ def run_target(accelerator: Any) -> tuple[str, str]:
         found = "cuda" if torch.cuda.is_available() else "cpu"
         return found, f"trainer.accelerator: auto, {'a CUDA device' if found == 'cuda' else 'no CUDA device'} here"
     return ("cpu" if name == "cpu" else "cuda"), f"trainer.accelerator: {name}"
-
-
-def _load(cls: Any, path: str | os.PathLike) -> Any:
-    with warnings.catch_warnings():
-        # NOTE: LightningCLI warns that `args=` is meant for Python use whenever sys.argv is not empty: it is
-        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
-        return cls(run=False, args=["--config", str(path)], save_config_callback=None)
 
 
 __all__ = ["load_run_config", "run_target"]

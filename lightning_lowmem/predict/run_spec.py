@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelSummary, ProgressBar, Timer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
 from lightning_lowmem._registry import STRATEGIES, builds
 from lightning_lowmem.callbacks.accumulation.scheduler import AccumulationScheduler
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
@@ -136,8 +139,6 @@ class RunSpec:
         strategies are predicted as one device (DDP's gradient buckets are not modelled); other callbacks are
         left out (named in :attr:`notes`).
         """
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
         notes: list[str] = []
         strategy = trainer.strategy
         if isinstance(strategy, Reproducible):
@@ -151,8 +152,6 @@ class RunSpec:
                 f"The run uses `{type(strategy).__name__}`, which the dry run does not model; the suite's strategies "
                 "(lowmem_offload, lowmem_zero*) and Lightning's single-device and DDP strategies are predicted."
             )
-        from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ModelSummary, ProgressBar, Timer
-
         callbacks, left_out = [], []
         for cb in trainer.callbacks:
             # NOTE: Lightning's bookkeeping callbacks hold no tensors of the step
@@ -182,27 +181,13 @@ class RunSpec:
 
     @classmethod
     def from_flags(
-        cls,
-        *,
-        precision: str = "32-true",
-        offload: bool = False,
-        offload_params: bool = False,
-        checkpointing: str | None = None,
-        checkpointing_every_n: int = 2,
-        activation_offload: bool = False,
-        batch_size: int | None = None,
-        micro_batch_size: int | None = None,
-        optimizer: str | None = None,
-        optimizer_in_backward: bool = False,
-        zero_stage: int = 0,
-        world_size: int = 1,
-        chunked_loss: int | None = None,
-        adapters: str | None = None,
-        adapter_r: int | None = None,
-        quantize_base: str | None = None,
+        cls, *, precision: str = "32-true", offload: bool = False, offload_params: bool = False,
+        checkpointing: str | None = None, checkpointing_every_n: int = 2, activation_offload: bool = False,
+        batch_size: int | None = None, micro_batch_size: int | None = None, optimizer: str | None = None,
+        optimizer_in_backward: bool = False, zero_stage: int = 0, world_size: int = 1, chunked_loss: int | None = None,
+        adapters: str | None = None, adapter_r: int | None = None, quantize_base: str | None = None,
     ) -> RunSpec:
         """The run that :func:`~lightning_lowmem.estimate_memory`'s keyword shorthands name."""
-
         callbacks: list[Any] = []
         if adapters is not None:
             # NOTE: first, as a user lists it: the other techniques see the model with its adapters (the Adapters

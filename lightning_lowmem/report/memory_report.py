@@ -32,32 +32,18 @@ _PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 class MemoryReport(StepMemoryRecorder):
     """Measure peak memory of sampled training steps by phase and category; log, tabulate, save and plot it.
 
-    For every sampled optimizer step (all its accumulation micro-batches), a
-    :class:`~lightning_lowmem.measure.tracker.MemoryTracker` counts live tensor storage by category
-    (weights, gradients, optimizer_state, activations, other) and role (device: the compute role; host: what
-    the strategy or callbacks keep on the host), with the peak of each phase: ``forward`` (from
-    ``on_train_batch_start``), ``backward`` (``on_before_backward`` to ``on_after_backward``) and ``optimizer``
-    (``on_before_optimizer_step`` to ``on_train_batch_end``). Strategies and callbacks implementing
-    ``memory_breakdown()`` are asked too. When the fit ends, it prints one table: the measured step with the
-    highest device peak; the prediction of the same run (:func:`~lightning_lowmem.dry_run` of this module, this
-    run's strategy, precision, technique callbacks and accumulation, on the run's first batch: the very code
-    that just ran, on fake tensors); and plain fp32 training of the same module (your optimizer, no technique,
-    the same data, the effective batch in one go), predicted the same way, with the saving against it. It
-    writes ``memory_report.json`` and draws ``memory_step.png`` (bytes by category over the sampled step with
-    the highest peak) into ``save_dir``. On CUDA, every step's peak is also read from CUDA's own statistics.
+    For every sampled optimizer step (all its micro-batches) a :class:`~lightning_lowmem.measure.tracker.MemoryTracker`
+    counts live tensor storage by category and role, with the peak of each phase (``forward``, ``backward``,
+    ``optimizer``); strategies and callbacks implementing ``memory_breakdown()`` are asked too. At the end of fit it
+    prints one table: the measured step with the highest device peak, the dry-run prediction of the same run, and plain
+    fp32 training of the same module predicted the same way, with the saving against it; it writes
+    ``memory_report.json`` and ``memory_step.png`` into ``save_dir`` (``docs/techniques/memory-report.md``).
 
-    Sampled steps: ``global_step % every_n_steps == 0``, plus the second optimizer step (the first creates the
-    optimizer state; the second is the first steady-state step and usually the real peak). The host column lists
-    each sampled step and the steady state (the highest host peak from the second step on).
+    Sampled steps: ``global_step % every_n_steps == 0``, plus the second optimizer step (the first steady-state step).
 
-    Overhead (``benchmarks/results/memory_report_overhead.md``, 4-layer 128-wide GPT-2, batch 4 x 128 tokens,
-    2 CPU cores): an unsampled step costs what a step without the callback costs (a few Python hook calls); a
-    sampled step ~1.3x (~23 µs per aten op for the dispatch-level tracking). The end of fit runs two dry runs
-    (``predict=True``): about as long as two traced steps of the model on fake tensors.
-
-    What it measures: tensor storage (shared storage once), not process RSS, which overshoots the tensor peak by
-    13-18 % on CPU with glibc's allocator. Memory outside tensor storages (CUDA context, allocator slack) shows
-    only in the CUDA statistics.
+    It saves nothing; cost (``benchmarks/results/memory_report_overhead.md``): an unsampled step costs what a step
+    without it costs; a sampled step ~1.3x (~23 µs per aten op); the end of fit runs two dry runs (``predict=True``).
+    It measures tensor storage, not process RSS; memory outside tensor storages shows only in CUDA's statistics.
 
     Metric keys logged to every logger of the Trainer, at the sampled step (bytes):
         - ``memory/peak_bytes``: device-role peak of the step.

@@ -26,29 +26,21 @@ def table(steps: list[dict[str, Any]], predicted: dict[str, Any] | None, baselin
     def row(name: str, device: dict[str, int], host_total: int) -> list[str]:
         return [name, fmt_mib(device["total"]), *(fmt_mib(device[c]) for c in CATEGORIES), fmt_mib(host_total)]
 
-    def estimate_rows(label: str, est: dict[str, Any]) -> None:
-        if phases:
-            for phase in PHASES:
-                p = est["phases"].get(phase)
-                if p is not None:
-                    rows.append(row(f"{label} {phase}", p["device"], p["host"]["total"]))
-        binding = est["binding_phase"]
-        rows.append(row(f"{label} step peak ({binding})", est["phases"][binding]["device"], est["peak_host"]))
-
-    if phases:
-        for phase in PHASES:
-            p = worst["phases"].get(phase)
+    def phase_rows(label: str, record: dict[str, Any]) -> None:
+        for phase in PHASES if phases else ():
+            p = record["phases"].get(phase)
             if p is not None:
-                rows.append(row(f"measured {phase}", p["device"], p["host"]["total"]))
+                rows.append(row(f"{label} {phase}", p["device"], p["host"]["total"]))
+
+    phase_rows("measured", worst)
     rows.append(row(f"measured step peak ({worst['peak_phase']})", worst["peak"]["device"], worst["peak_bytes_host"]))
-    if predicted and "phases" in predicted:
-        estimate_rows("predicted", predicted)
-    if baseline and "phases" in baseline:
-        estimate_rows("plain fp32", baseline)
     gpu_run, gpu_plain = (gpu or {}).get("run"), (gpu or {}).get("plain_fp32")
-    for label, est in ((f"GPU {(gpu_run or {}).get('run', {}).get('precision', '')}", gpu_run),
-                       ("GPU plain fp32", gpu_plain)):
+    for label, est, per_phase in (("predicted", predicted, True), ("plain fp32", baseline, True),
+                                  (f"GPU {(gpu_run or {}).get('run', {}).get('precision', '')}", gpu_run, False),
+                                  ("GPU plain fp32", gpu_plain, False)):
         if est and "phases" in est:
+            if per_phase:
+                phase_rows(label, est)
             binding = est["binding_phase"]
             rows.append(row(f"{label} step peak ({binding})", est["phases"][binding]["device"], est["peak_host"]))
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
@@ -151,8 +143,4 @@ def downsample(tl: dict[str, Any]) -> dict[str, Any]:
     stride = math.ceil(n / _MAX_TIMELINE_POINTS)
     totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(n)]
     keep = [max(range(s, min(s + stride, n)), key=totals.__getitem__) for s in range(0, n, stride)]
-    out = {"phases": tl["phases"]}
-    for k, v in tl.items():
-        if k != "phases":
-            out[k] = [v[i] for i in keep]
-    return out
+    return {k: v if k == "phases" else [v[i] for i in keep] for k, v in tl.items()}
