@@ -1,11 +1,8 @@
 """The ``lowmem_*`` strategy names, registered with the ``StrategyRegistry`` of both Lightning packages on import.
 
-Each name maps to a small factory that imports its strategy module only when a Trainer asks for
-it, so ``import lightning_lowmem`` stays light and works without the optional extras (deepspeed is
-imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then). When
-Lightning itself is not imported yet, the names are registered the moment it is (a one-shot import
-hook), so ``import lightning_lowmem`` costs nothing and ``lowmem --help`` answers at once. A
-``pytorch_lightning.Trainer`` gets the same names, built by ``lightning_lowmem.pl`` (:mod:`._internals.twin`).
+Each name's factory imports its strategy module only when a Trainer asks for it; when Lightning is not imported
+yet, a one-shot import hook registers the names the moment it is. ``lightning_lowmem.pl`` (:mod:`._internals.twin`)
+gives a ``pytorch_lightning.Trainer`` the same names.
 """
 
 from __future__ import annotations

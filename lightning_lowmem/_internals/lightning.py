@@ -1,11 +1,8 @@
-"""Private Lightning APIs: the only module of the package that touches them.
+"""Private Lightning APIs: the only module of the package that touches them, each with a NOTE on why.
 
-Each one is wrapped or re-exported here with a NOTE on why no public API does the job. :data:`PRIVATE_SYMBOLS`
-(module-level names), :data:`INSTANCE_ATTRIBUTES` (attributes of Lightning objects), :data:`OVERRIDDEN` (private
-hooks of Lightning classes that the package's subclasses override: the only way in) and :data:`INHERITED`
-(private attributes of Lightning base classes that those subclasses read or set through ``self``) list every one;
-``tests/test_internals.py`` asserts that each exists in the installed Lightning, and ``tests/test_package.py`` that
-no other module uses a private Lightning name it does not list.
+:data:`PRIVATE_SYMBOLS`, :data:`INSTANCE_ATTRIBUTES`, :data:`OVERRIDDEN` and :data:`INHERITED` list every one;
+``tests/test_internals.py`` checks they exist in the installed Lightning, ``tests/test_package.py`` that no other
+module uses an unlisted one.
 """
 
 from __future__ import annotations
@@ -84,42 +81,24 @@ def is_local_file_protocol(path: Any) -> bool:
 
 # --- LightningModule and Trainer state -------------------------------------------------------------------------------
 def attached_trainer(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or None.
-
-    NOTE: the public ``module.trainer`` raises when there is none; code that runs both inside and outside a fit
-    (a module's own check, a precision plugin used alone) asks without raising.
-    """
+    """The Trainer ``module`` is attached to, or None (NOTE: the public ``module.trainer`` raises when there is none)."""
     return getattr(module, "_trainer", None)
 
 
 def current_hook(module: Any) -> str | None:
-    """The name of the hook Lightning is running ``module``'s code from (None outside every hook).
-
-    NOTE: ``self.log`` refuses outside the hooks Lightning allows; code that logs for the module checks first.
-    """
+    """The hook Lightning is running ``module``'s code from (None outside every hook: ``self.log`` would refuse)."""
     return getattr(module, "_current_fx_name", None)
 
 
-def set_current_hook(module: Any, name: str | None) -> None:
-    """Make ``self.log`` take the calls that follow as made from hook ``name`` (see :func:`current_hook`)."""
-    module._current_fx_name = name
-
-
 def fit_data_source(trainer: Any) -> Any:
-    """The fit loop's data source (``.instance``: the datamodule or module giving the loaders; ``.dataloader()``).
-
-    NOTE: the only place the loader's batch size can be read before the loop starts (the planner of ``lowmem_auto``,
-    ZeRO's micro-batch size for DeepSpeed's config).
-    """
+    """The fit loop's data source (``.instance``, ``.dataloader()``): the only place the loader's batch size can be
+    read before the loop starts (the planner of ``lowmem_auto``, ZeRO's micro-batch size)."""
     return trainer.fit_loop._data_source
 
 
 def replace_strategy(trainer: Any, strategy: Any) -> None:
-    """Make ``strategy`` (with its precision plugin) the Trainer's from now on.
-
-    NOTE: ``lowmem_auto`` plans when the fit starts (it needs the module and the data) and hands over to the chosen
-    strategy then; the Trainer reads both through its accelerator connector, which has no public setter.
-    """
+    """Make ``strategy`` (with its precision plugin) the Trainer's from now on (``lowmem_auto``'s hand-over at fit
+    start; the accelerator connector has no public setter)."""
     connector = trainer._accelerator_connector
     connector.strategy = strategy
     connector.precision_plugin = strategy.precision_plugin
@@ -131,11 +110,8 @@ def keep_strategy(trainer: Any, strategy: Any) -> None:
 
 
 def setup_model(strategy: Any, model: Any) -> Any:
-    """``Strategy._setup_model(model)``: the strategy's wrapping of the module (none for a single device).
-
-    NOTE: the step of ``Strategy.setup`` between moving the module and setting up the precision plugin; a strategy
-    that overrides ``setup`` (``OffloadStrategy``) calls it to keep Lightning's order.
-    """
+    """``Strategy._setup_model(model)``: the step of ``Strategy.setup`` that ``OffloadStrategy.setup`` calls to keep
+    Lightning's order (the strategy's wrapping of the module; none for a single device)."""
     return strategy._setup_model(model)
 
 
@@ -157,9 +133,6 @@ def cli_add_configure_optimizers(cli: Any, subcommand: str | None) -> None:
 
 
 def fsdp_checkpointing_policy(strategy: Any) -> Any:
-    """``FSDPStrategy``'s own activation-checkpointing setting (empty when it has none).
-
-    NOTE: kept private by Lightning after the constructor; ``ActivationCheckpointing`` refuses to checkpoint the same
-    blocks twice.
-    """
+    """``FSDPStrategy``'s own activation-checkpointing setting (empty when it has none; private after the
+    constructor): ``ActivationCheckpointing`` refuses to checkpoint the same blocks twice."""
     return getattr(strategy, "_activation_checkpointing_kwargs", None)
