@@ -1,15 +1,8 @@
 """Streams, events and asynchronous copies for the host<->device transfers: CUDA's, or a CPU stand-in that defers them.
 
-The transfers of ``lowmem_offload`` and ``ActivationOffload`` are written once, against :class:`StreamOps`.
-:class:`CudaOps` calls ``torch.cuda``; :class:`DeferredOps` runs the *same* logic on the CPU, where a copy queued on
-a side stream lands only when the host must see it (an event it synchronizes, a stream the compute stream waits
-on) or a test advances the stream; until then its destination keeps its old bytes (a fresh device buffer is
-``0xFF``: NaN in every float dtype). So the ordering bugs a GPU shows only sometimes (a host read before the copy
-landed, a buffer rewritten while a copy into it is queued, a source changed before it was copied) show every time
-in CPU tests. It fakes no CUDA call: the CPU "compute stream" is the host thread (CPU kernels run when called), and
-CUDA-only calls without a CPU counterpart (pinning, ``record_stream``) are skipped.
-
-Use :func:`cpu_stand_in` to make the CPU path of both techniques use :class:`DeferredOps` (tests, benchmarks)::
+The transfers are written once against :class:`StreamOps`; :class:`DeferredOps` runs them on the CPU with copies
+that land only when the host must see them, so ordering bugs a GPU shows sometimes show every time (docs/design.md,
+"The stream seam")::
 
     with cpu_stand_in(lambda: DeferredOps(progress="run_ahead")):
         trainer.fit(model)
