@@ -1,10 +1,8 @@
 """One-line explanations of bad ``lowmem fit`` input (private helper of ``cli/main.py``).
 
-jsonargparse reports a bad value with the whole usage text (60+ lines) and a nested "Does not validate
-against any of the Union subtypes" tree. ``LowMemCLI`` makes it raise instead (``exit_on_error=False``)
-and :func:`explain` turns the error into one sentence naming the key, the value and what is expected:
-first by checking the config files' ``class_path`` entries and our classes' ``init_args`` against their
-signatures (with a did-you-mean), else by condensing jsonargparse's chain of causes.
+``LowMemCLI`` makes jsonargparse raise (``exit_on_error=False``) and :func:`explain` turns the error into one sentence:
+first by checking the config files' ``class_path`` and ``init_args`` (with a did-you-mean), else by condensing
+jsonargparse's chain of causes.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The ``lowmem`` command: Lightning's LightningCLI with the ``lowmem_*`` names registered.
+"""The ``lowmem`` command: Lightning's LightningCLI with the ``lowmem_*`` names registered (docs/cli.md).
 
-    lowmem fit --config configs/demo.yaml      # any LightningCLI subcommand: fit, validate, test, predict
-    lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB
-    lowmem plan --config run.yaml --device-memory 12GB --write plan.yaml   # the fastest recipe that fits
-    lowmem consolidate CHECKPOINT_DIR OUT_FILE  # DeepSpeed directory checkpoint -> plain fp32 state dict
-    lowmem build-ops                           # compile DeepSpeed's CPU ops once, ahead of the runs
-
-A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in
-``class_path:`` form, and callbacks by their short names (``class_path: ActivationCheckpointing``).
-Modules in the current directory are importable (``class_path: my_module.MyModel``), after every installed one.
-Bad input ends with one ``lowmem: error: ...`` line naming the value and the fix; set
-``LOWMEM_TRACEBACK=1`` to see the full traceback instead.
+Modules in the current directory are importable after every installed one. Bad input ends with one
+``lowmem: error: ...`` line; ``LOWMEM_TRACEBACK=1`` shows the full traceback instead.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""``plan``: the fastest recipe of the suite that fits a device (and host) memory budget.
+"""``plan``: the fastest recipe of the suite that fits a device (and host) memory budget (docs/planner.md).
 
-Every candidate (:func:`~lightning_lowmem.plan.recipes.candidates`) is priced by the cost model
-(:func:`~lightning_lowmem.plan.cost.step_cost`, no tracing), then the candidates are taken fastest first and
-each is predicted by the dry run (the real ``Trainer.fit`` on fake tensors) until one fits both budgets. Traces
-are saved two ways:
-
-* a base's floors (every technique on, the smallest micro-batch) are traced when its first candidate comes up: a
-  base whose floors do not fit is out as a whole (bases slower than the chosen recipe are never traced), and the
-  floors give the smallest memory any recipe needs when none fits;
-* a candidate that saves no more than one already traced and too big (:meth:`Recipe.saves_at_least`) is taken
-  to be too big as well, without a trace;
-* a candidate whose techniques were traced at another micro-batch is scaled from that trace (model states kept,
-  the rest scaled with the micro-batch) and not traced when that puts it over 110 % of the budget.
+Candidates are priced by the cost model, then dry-run fastest first until one fits. A base's floors are traced
+first (a base whose floors do not fit is out), and a candidate that saves no more than one too big, or whose trace
+at another micro-batch scales over 110 % of the budget, is not traced.
 
 Example (a tiny GPT-2 shape here, planned in seconds; ``"gpt2-xl"`` and the other shipped names take a minute):
 
