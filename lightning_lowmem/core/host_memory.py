@@ -6,7 +6,6 @@ page cache counted as free) and ``ulimit -v``/``-d`` (docs/reliability.md). Used
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +96,10 @@ def cgroup_limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/c
 
 def rlimit_limits() -> dict[str, int]:
     """Bytes left under ``RLIMIT_AS`` (``ulimit -v``) and ``RLIMIT_DATA`` (``ulimit -d``) for this process."""
+    try:
+        import resource  # NOTE: guarded: POSIX only
+    except ImportError:
+        return {}
     out: dict[str, int] = {}
     info = psutil.Process().memory_info()
     for name, flag, used, shell in (
