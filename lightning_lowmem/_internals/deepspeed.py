@@ -30,7 +30,6 @@ SOURCE_ATTRIBUTES = (
 
 def drop_stale_process_groups() -> None:
     """Forget DeepSpeed's cached communication backend and process groups when torch.distributed is down.
-
     NOTE: DeepSpeed keeps ``deepspeed.comm.comm.cdb`` and ``deepspeed.utils.groups._*_GROUP`` after
     ``destroy_process_group``; a second fit in the process would use the dead groups. It has no public reset.
     """
@@ -48,9 +47,8 @@ def drop_stale_process_groups() -> None:
 def cpu_adam_update(adam: Any, step: int, group: dict[str, Any], *tensors: Any) -> None:
     """One call of ``DeepSpeedCPUAdam``'s C++ ``adam_update`` for param group ``group`` at ``step``.
 
-    NOTE: the C++ optimizer keeps its own step count and bias corrections, which ``load_state_dict`` does not
-    restore; replaying the steps with empty tensors (``tensors``) brings a resumed run to where the uninterrupted one
-    was. Only the op handle (``ds_opt_adam``) and the optimizer's id in it (``opt_id``) reach that state.
+    NOTE: ``load_state_dict`` does not restore the C++ step count and bias corrections; replaying the steps with empty
+    ``tensors`` does, and only ``ds_opt_adam`` and ``opt_id`` reach that state.
     """
     beta1, beta2 = group["betas"]
     adam.ds_opt_adam.adam_update(
@@ -61,7 +59,6 @@ def cpu_adam_update(adam: Any, step: int, group: dict[str, Any], *tensors: Any) 
 
 def undo_zero3_linear() -> None:
     """Put back the ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced process-wide.
-
     NOTE: DeepSpeed never puts it back (the original stays in a class attribute of ``zero.Init``): every linear layer
     run after ``fit`` would round differently. The package's only write to a torch module attribute.
     """
@@ -76,10 +73,7 @@ def undo_zero3_linear() -> None:
 
 def reduced_twice(err: AssertionError) -> str | None:
     """What DeepSpeed asserted when it refused a gradient reduced twice in one backward (ZeRO-1/2's message, or the
-    line of ZeRO-3's bare ``assert`` that a reduce bucket holds each parameter once), or None for another assertion.
-
-    NOTE: ZeRO-3's assertion has no message; it is told by the source line that raised it (:data:`SOURCE_LINES`).
-    """
+    source line of ZeRO-3's bare ``assert``: :data:`SOURCE_LINES`), or None for another assertion."""
     if "already been reduced" in str(err):
         return " ".join(str(err).split())
     frame = traceback.extract_tb(err.__traceback__)[-1]

@@ -66,22 +66,17 @@ PATH = _PATH
 WrappingCheckpointIO = _WrappingCheckpointIO
 #: ``with DtypeContextManager(dtype):`` sets torch's default dtype, as Lightning's ``HalfPrecision`` does
 DtypeContextManager = _DtypeContextManager
-
-
-def convert_fp_tensor(tensor: Any, dst_type: Any) -> Any:
-    """A floating-point tensor cast to ``dst_type`` (others unchanged): how Lightning's ``HalfPrecision`` casts
-    inputs, so ``MasterHalfPrecision`` casts them the same way."""
-    return _convert_fp_tensor(tensor, dst_type)
-
-
-def is_local_file_protocol(path: Any) -> bool:
-    """Whether ``path`` is on the local file system (no ``s3://``...): Lightning's own test before it writes."""
-    return _is_local_file_protocol(path)
+#: ``convert_fp_tensor(tensor, dst_type)``: a floating-point tensor cast (others unchanged), as ``HalfPrecision`` does
+convert_fp_tensor = _convert_fp_tensor
+#: ``is_local_file_protocol(path)``: not ``s3://``... (Lightning's own test before it writes)
+is_local_file_protocol = _is_local_file_protocol
+#: ``Precision._after_closure(plugin, model, optimizer)``: ``on_before_optimizer_step``, then the gradient clipping
+precision_after_closure = Precision._after_closure
 
 
 # --- LightningModule and Trainer state -------------------------------------------------------------------------------
 def attached_trainer(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or None (NOTE: the public ``module.trainer`` raises when there is none)."""
+    """The Trainer ``module`` is attached to, or None (NOTE: the public ``module.trainer`` raises without one)."""
     return getattr(module, "_trainer", None)
 
 
@@ -113,11 +108,6 @@ def setup_model(strategy: Any, model: Any) -> Any:
     """``Strategy._setup_model(model)``: the step of ``Strategy.setup`` that ``OffloadStrategy.setup`` calls to keep
     Lightning's order (the strategy's wrapping of the module; none for a single device)."""
     return strategy._setup_model(model)
-
-
-def precision_after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
-    """Lightning's ``Precision._after_closure``: ``on_before_optimizer_step``, then the gradient clipping."""
-    Precision._after_closure(plugin, model, optimizer)
 
 
 # --- LightningCLI ----------------------------------------------------------------------------------------------------

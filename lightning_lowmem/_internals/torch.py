@@ -17,16 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-# NOTE: fake tensors (the dry run, MemoryTracker under a fake mode) have no public module: torch's own users
-# (torch.compile, torch.export, FSDP's meta init) import them from here too.
+# NOTE: fake tensors have no public module: torch's own users (torch.compile, torch.export) import them from here too
 from torch._subclasses import fake_tensor as _fake_tensor
 
-# NOTE: `_BatchNorm` is the one base of every batch-norm layer (BatchNorm1d/2d/3d, their lazy forms, SyncBatchNorm and
-# user subclasses of it); no public class covers them all.
+# NOTE: `_BatchNorm` is the one base of every batch-norm layer (SyncBatchNorm, lazy forms...); no public class is
 from torch.nn.modules.batchnorm import _BatchNorm
 
-# NOTE: dispatch modes and pytrees are private torch modules with no public home; every TorchDispatchMode user
-# (FlopCounterMode, torch's MemTracker, torchao) imports them from here.
+# NOTE: dispatch modes and pytrees have no public home; every TorchDispatchMode user imports them from here
 from torch.utils import _python_dispatch, _pytree
 
 # NOTE: the non-reentrant checkpoint's two halves (see `checkpoint_region`)
@@ -130,20 +127,12 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
     return out
 
 
-def dispatch_mode_stack() -> list[Any]:
-    """The dispatch modes entered now, outermost first."""
-    return _python_dispatch._get_current_dispatch_mode_stack()
-
-
-def pop_dispatch_mode() -> Any:
-    """Take the innermost dispatch mode off the stack (without its ``__exit__``); see :func:`push_dispatch_mode`."""
-    return _python_dispatch._pop_mode()
-
-
-def push_dispatch_mode(mode: Any) -> None:
-    """Put back a mode :func:`pop_dispatch_mode` took off (NOTE: a mode can only leave from the top of the stack;
-    MemoryTracker lifts later ones off to leave while two callbacks' modes interleave)."""
-    _python_dispatch._push_mode(mode)
+#: ``dispatch_mode_stack()``: the dispatch modes entered now, outermost first
+dispatch_mode_stack = _python_dispatch._get_current_dispatch_mode_stack
+#: ``pop_dispatch_mode()`` takes the innermost mode off the stack (without its ``__exit__``), ``push_dispatch_mode(m)``
+#: puts it back. NOTE: a mode can only leave from the top; MemoryTracker lifts later ones off while two modes interleave
+pop_dispatch_mode = _python_dispatch._pop_mode
+push_dispatch_mode = _python_dispatch._push_mode
 
 
 # --- storages, versions, ops ---------------------------------------------------------------------------------------
@@ -207,16 +196,12 @@ ATEN = SimpleNamespace(
 PAD_PACKED_SEQUENCE = torch._C._VariableFunctions._pad_packed_sequence
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, in one vectorised pass (NOTE: no public per-tensor form; ``get_total_norm``
-    rounds and overflows differently from what the non-finite guard of ``lowmem_offload`` reads)."""
-    return torch._foreach_norm(tensors)
-
-
-def non_finite_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` to 1 if any value is inf/nan: the kernel
-    of ``GradScaler.unscale_``, so ``lowmem_offload``'s fp16 scaler unscales the host masters exactly as it would."""
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+#: ``foreach_norm(tensors)``: the L2 norm of each tensor, in one pass (NOTE: no public per-tensor form;
+#: ``get_total_norm`` rounds and overflows differently from what the non-finite guard of ``lowmem_offload`` reads)
+foreach_norm = torch._foreach_norm
+#: ``non_finite_check_and_unscale_(grads, found_inf, inv_scale)``: the kernel of ``GradScaler.unscale_``, so
+#: ``lowmem_offload``'s fp16 scaler unscales the host masters exactly as GradScaler would
+non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
 # --- autograd ----------------------------------------------------------------------------------------------------
@@ -226,10 +211,8 @@ def in_backward() -> bool:
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the backward running now ends (call only when :func:`in_backward`).
-
-    NOTE: the engine's own callback queue (FSDP and DDP use it for the same purpose); no public API ends a backward.
-    """
+    """Run ``callback`` when the backward running now ends (call only when :func:`in_backward`; NOTE: the engine's
+    own queue, as FSDP and DDP use it: no public API ends a backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
@@ -252,7 +235,6 @@ _FUNCTION_FILE = torch.autograd.function.__file__
 
 def saved_by_checkpoint(frame: FrameType | None) -> bool:
     """Whether a pack hook called from ``frame`` packs an input that ``torch.utils.checkpoint`` saves for recompute.
-
     NOTE: every form of checkpointing saves the block's inputs from ``torch/utils/checkpoint.py`` itself, outside its
     own hooks, so a pack call whose nearest caller past ``torch/autograd/function.py`` lives there is a block
     boundary. This reads torch's file layout: ``ActivationOffload`` warns when ``boundaries_only=True`` sees none.
@@ -277,10 +259,9 @@ def saved_by_checkpoint(frame: FrameType | None) -> bool:
 def checkpoint_region(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]], *args: Any,
                       **kwargs: Any) -> Generator[None, None, None]:
     """Non-reentrant ``torch.utils.checkpoint`` of what runs between this generator's first and second ``next()``:
-    ``fn(*args, **kwargs)`` (the recompute), the RNG state preserved, ``context_fn`` as ``checkpoint``'s.
-
-    NOTE: what ``checkpoint(fn, use_reentrant=False)`` runs around one call of ``fn``; a forward pre-hook and forward
-    hook need its halves apart (as torch's composable ``checkpoint`` does), and no public API gives them.
+    ``fn(*args, **kwargs)`` (the recompute), the RNG state preserved, ``context_fn`` as ``checkpoint``'s. NOTE: what
+    ``checkpoint(fn, use_reentrant=False)`` runs around one call of ``fn``; a forward pre-hook and forward hook need its
+    halves apart (as torch's composable ``checkpoint`` does), and no public API gives them.
     """
     return _checkpoint_generator(fn, True, context_fn, "default", False, True, *args, **kwargs)
 

@@ -65,10 +65,8 @@ def package_for(module_name: str) -> str:
 
 
 def find_spec(fullname: str) -> Any:
-    """The spec of ``lightning_lowmem.pl[.X]``: the rewritten file of ``lightning_lowmem[.X]`` (None for no such file).
-
-    Called by the finder of :mod:`lightning_lowmem._registry` (on ``sys.meta_path`` from ``import lightning_lowmem``).
-    """
+    """The spec of ``lightning_lowmem.pl[.X]`` for :mod:`lightning_lowmem._registry`'s finder: the rewritten file of
+    ``lightning_lowmem[.X]`` (None for no such file)."""
     if not _under(fullname, PREFIX) or real_name(fullname) in SHARED:
         return None
     parts = fullname.split(".")[2:]
