@@ -74,17 +74,8 @@ def storage_key_or_none(t: torch.Tensor) -> tuple[str, int] | None:
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
-            continue
-        key = storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total
+    unique = {storage_key(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(t.untyped_storage().nbytes() for t in unique.values())
 
 
 def quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:
@@ -158,12 +149,7 @@ def mark_host_weights(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Non
 def host_weight_copies(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The live host copies marked with :func:`mark_host_weights` of any of ``params``."""
     ids = {id(p) for p in params}
-    out = []
-    for host, ref in list(_HOST_WEIGHTS.items()):
-        p = ref()
-        if p is not None and id(p) in ids:
-            out.append(host)
-    return out
+    return [host for host, ref in list(_HOST_WEIGHTS.items()) if (p := ref()) is not None and id(p) in ids]
 
 
 def host_tensors() -> list[torch.Tensor]:

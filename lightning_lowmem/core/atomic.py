@@ -66,10 +66,8 @@ def atomic_write(
     digest: bool = False,
     needed: int | None = None,
 ) -> str | None:
-    """Write ``path`` through ``write(file)`` atomically: temp file beside it, fsync, ``os.replace``, fsync the dir.
-
-    Orphans beside ``path`` are removed first (:func:`clean_orphans`); ``mode`` overrides the umask's permissions.
-    ``digest=True`` appends the SHA-256 as the zip comment (``core.digest``) and returns it. A full disk raises
+    """Write ``path`` through ``write(file)`` atomically (orphans beside it removed first; ``mode`` overrides the
+    umask's permissions). ``digest=True`` appends the SHA-256 as the zip comment and returns it. A full disk raises
     ``DiskFullError`` naming ``needed`` (an estimate of the bytes to write), after removing the temp file.
     """
     path = Path(path)
@@ -180,9 +178,8 @@ def clean_orphans(target: str | os.PathLike, *, keep: str | os.PathLike | None =
     """Remove the ``.NAME.tmp-PID`` / ``.NAME.old-PID`` leftovers of dead processes in ``target``'s directory.
 
     A ``.NAME.old-PID`` whose ``NAME`` is missing (a directory swap interrupted) is renamed back instead. ``keep`` is
-    never touched (another rank's save in progress). Returns the paths removed or restored.
-
-    NOTE: liveness is judged by PID on *this* machine: two machines must not save into one directory at once.
+    never touched (another rank's save in progress). Returns the paths removed or restored. NOTE: liveness is judged
+    by PID on *this* machine: two machines must not save into one directory at once.
     """
     directory = Path(target).parent
     keep_name = Path(keep).name if keep is not None else None

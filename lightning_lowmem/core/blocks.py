@@ -20,12 +20,8 @@ def find_repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     Every list of the maximal length is taken (an encoder-decoder has two), lists nested in a chosen block skipped
     (GPT-2's ``transformer.h``, LLaMA's ``model.layers``, T5's two ``block``...). ``[]`` when none has two or more.
     """
-    candidates: list[tuple[str, nn.ModuleList]] = []
-    for name, module in root.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2:
-            classes = {type(child) for child in module}
-            if len(classes) == 1:
-                candidates.append((name, module))
+    candidates = [(name, m) for name, m in root.named_modules()
+                  if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(child) for child in m}) == 1]
     if not candidates:
         return []
     longest = max(len(m) for _, m in candidates)
@@ -42,11 +38,8 @@ def find_repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def called_blocks(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its children.
-
-    NOTE: a container's hooks never run (the model walks its layers itself): streamed, its weights would be read
-    released (NaN).
-    """
+    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its
+    children (NOTE: its hooks never run: streamed, its weights would be read released)."""
     out: list[tuple[str, nn.Module]] = []
     for name, block in blocks:
         if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
@@ -57,11 +50,8 @@ def called_blocks(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn
 
 
 def select_modules(root: nn.Module, targets: Sequence[str | type]) -> list[tuple[str, nn.Module]]:
-    """Modules named by ``targets``: classes, class names, or ``fnmatch`` patterns on qualified names.
-
-    A name matching an ``nn.ModuleList`` selects its children. Modules nested inside an already selected
-    module are skipped (checkpointing the outer one covers them).
-    """
+    """Modules named by ``targets``: classes, class names, or ``fnmatch`` patterns on qualified names (an
+    ``nn.ModuleList`` selects its children; modules nested in a selected one are skipped)."""
     chosen: list[tuple[str, nn.Module]] = []
 
     def covered(name: str) -> bool:

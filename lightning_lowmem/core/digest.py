@@ -111,9 +111,8 @@ def recorded_digest(path: str | os.PathLike) -> str | None:
         f.seek(size - _EOCD_BYTES - _COMMENT_BYTES)
         tail = f.read()
     record, comment = tail[:_EOCD_BYTES], tail[_EOCD_BYTES:]
-    if not record.startswith(_EOCD) or record[-2:] != struct.pack("<H", _COMMENT_BYTES):
-        return None
-    if not comment.startswith(_PREFIX):
+    if (not record.startswith(_EOCD) or record[-2:] != struct.pack("<H", _COMMENT_BYTES)
+            or not comment.startswith(_PREFIX)):
         return None
     return comment[len(_PREFIX):].decode("ascii", "replace")
 
@@ -135,11 +134,8 @@ def file_problem(path: str | os.PathLike) -> str | None:
 
 # ---- directories --------------------------------------------------------------------------------------------
 def write_manifest(root: str | os.PathLike, known: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Write ``root/lowmem_manifest.json``: every file under ``root`` with its size and SHA-256.
-
-    ``known`` maps relative paths to digests already computed while writing (``{"bytes": n, "sha256": hex}``);
-    the other files are read. Call it last, once every other file is complete.
-    """
+    """Write ``root/lowmem_manifest.json`` (call it last): every file under ``root`` with its size and SHA-256, from
+    ``known`` (relative path -> ``{"bytes": n, "sha256": hex}`` computed while writing) or read."""
     root = Path(root)
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):

@@ -27,8 +27,5 @@ def check_lightning_object(obj: Any, what: str) -> None:
 
 def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
     """The positional arguments Lightning's loop gives ``step`` (a ``training_step``): ``batch``, and ``batch_idx``
-    only when the signature takes it (``training_step(self, batch)`` is allowed).
-
-    NOTE: Lightning's ``_build_kwargs`` rule, so code running a module's step itself calls it as the Trainer would.
-    """
+    only when the signature takes it (Lightning's ``_build_kwargs`` rule)."""
     return (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)

@@ -33,14 +33,8 @@ class HostMemory:
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text().strip())  # NOTE: v2 writes "max" for "no limit"
+    except (OSError, ValueError):
         return None
     return None if value >= _UNLIMITED else value
 

@@ -61,11 +61,10 @@ def _eight_bit_state(optimizer: Optimizer) -> bool:
 def expected_state_bytes(
     optimizer: Optimizer, low_bit: Any | None = None, keep_32bit: set[int] | frozenset[int] = frozenset()
 ) -> int:
-    """Host bytes of the state ``optimizer`` will create for its fp32 masters (before its first step).
-
-    ``low_bit``: a ``LowBitOptimizer`` that will swap an Adam/Lion optimizer for its 8-bit version (tensors under
-    its ``min_8bit_size``, and ``keep_32bit`` ids with ``stable_embedding``, keep 32-bit state). Unknown optimizer
-    classes count as Adam (8 B/param).
+    """Host bytes of the state ``optimizer`` will create for its fp32 masters (before its first step). ``low_bit``: a
+    ``LowBitOptimizer`` that will swap an Adam/Lion optimizer for its 8-bit version (tensors under its
+    ``min_8bit_size``, and ``keep_32bit`` ids with ``stable_embedding``, keep 32-bit state). Unknown optimizer classes
+    count as Adam (8 B/param).
     """
     eight_bit = _eight_bit_state(optimizer)
     min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)

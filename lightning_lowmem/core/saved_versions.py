@@ -57,9 +57,7 @@ class SavedVersion:
 class CheckedSaves:
     """Around the forward of a ``torch.utils.checkpoint`` region: each save still goes to the checkpoint's hooks,
     wrapped with a :class:`SavedVersion` that backward checks first. ``inner``: a context entered first and left last.
-
-    NOTE: non-reentrant checkpointing never checks versions: a tensor changed in place after it was saved would come
-    back recomputed where plain PyTorch raises.
+    NOTE: non-reentrant checkpointing never checks versions (a tensor changed in place would come back recomputed).
     """
 
     __slots__ = ("_hooks", "inner", "who")

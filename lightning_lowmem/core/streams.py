@@ -159,26 +159,17 @@ class DeferredOps(StreamOps):
     """The CPU stand-in for :class:`CudaOps`: copies queued on a side stream land only when progress says so.
 
     Args:
-        progress: when queued copies run.
-            ``"lazy"``: only when the host must see them, and only up to what it waits for.
-            ``"run_ahead"``: only when the host must see them, and then everything queued so far (the GPU ran ahead
-            of the host: a slot written twice holds the second copy when the host reads it after the first).
-            ``"eager"``: at once (what plain CPU code does).
-            ``"random"``: at each query and wait, a seeded random number of queued copies of a random stream run
-            (completion out of order across streams), at least what the host waits for.
+        progress: when queued copies run: ``"lazy"``, when the host must see them and only up to what it waits for;
+            ``"run_ahead"``, then everything queued so far (the GPU ran ahead); ``"eager"``, at once; ``"random"``, a
+            seeded random number of a random stream's at each query and wait (at least what the host waits for).
         seed: the seed of ``"random"``.
-        pins: count host buffers as CUDA's pinned allocator takes them (rounded up to a power of two); nothing is
-            page-locked on the CPU.
-        device_lags: the device runs behind the host, as a GPU does behind the thread that queues its kernels: the
-            compute stream counts as having finished the work queued before a compute-stream event only once the
-            host synchronizes on that event (otherwise at once). Device buffers made by :meth:`to_device` are then
-            reused as CUDA's caching allocator reuses them: a freed buffer that :meth:`record_stream` tied to the
-            compute stream serves a new request only once the compute stream has finished the work queued before
-            the free; :attr:`reserved` / :attr:`reserved_peak` count the bytes the allocator would hold (best fit of
-            a reusable cached buffer, else new), :attr:`device_live` the buffers alive.
+        pins: count host buffers as CUDA's pinned allocator takes them (rounded up to a power of two).
+        device_lags: the compute stream finishes the work before a compute-stream event only when the host
+            synchronizes on it, and a freed :meth:`to_device` buffer tied to it by :meth:`record_stream` is reused
+            only after that, as CUDA's caching allocator does (:attr:`reserved`, :attr:`reserved_peak`,
+            :attr:`device_live` count the bytes).
 
-    ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` (host time spent doing the device's
-    copies) count what happened.
+    ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` count what happened.
     """
 
     def __init__(self, progress: Progress = "run_ahead", *, seed: int = 0, pins: bool = True,
@@ -245,8 +236,7 @@ class DeferredOps(StreamOps):
 
     @override
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Nothing to do on the CPU (the queued copy holds its source); with ``device_lags``, a buffer of
-        :meth:`to_device` read by the compute stream is reused only after the compute stream passes its free."""
+        """With ``device_lags``, a :meth:`to_device` buffer read by the compute stream is reused only after it."""
         if stream is _COMPUTE:
             self._compute_used.add(id(tensor))
 
@@ -285,8 +275,7 @@ class DeferredOps(StreamOps):
         weakref.finalize(out, self._freed, id(out), nbytes)
 
     def _freed(self, key: int, nbytes: int) -> None:
-        # NOTE: freed now, but the compute kernels queued so far may still read it: with record_stream the allocator
-        # hands it out again only after the compute stream passes an event recorded after this point.
+        # NOTE: the compute kernels queued so far may still read it: reused only after the compute stream passes here
         used = key in self._compute_used
         self._compute_used.discard(key)
         self.device_live -= nbytes
@@ -358,10 +347,8 @@ def cpu_ops() -> StreamOps | None:
 
 @contextlib.contextmanager
 def cpu_stand_in(factory: Callable[[], StreamOps] | None) -> Iterator[None]:
-    """Inside, transfers built for a CPU device (``lowmem_offload``, ``ActivationOffload``) run on ``factory()``'s ops.
-
-    For tests and benchmarks: the CUDA transfer logic runs on the CPU, with copies deferred by :class:`DeferredOps`.
-    """
+    """Inside, transfers built for a CPU device (``lowmem_offload``, ``ActivationOffload``) run on ``factory()``'s ops
+    (tests and benchmarks: the CUDA transfer logic on the CPU, with :class:`DeferredOps`)."""
     global _stand_in
     before, _stand_in = _stand_in, factory
     try:

@@ -91,11 +91,8 @@ def weights_only_load(f: Any, opt_in: str, **kwargs: Any) -> Any:
 
 
 class ManifestCheck:
-    """Checks files of ``directory`` against its ``lowmem_manifest.json`` before they are read (each hashed once).
-
-    A listed file must have its recorded size and SHA-256; a file of ``directory`` the manifest does not list is
-    refused too. Without a manifest (DeepSpeed's own checkpoints) nothing is checked.
-    """
+    """Checks files of ``directory`` against its ``lowmem_manifest.json`` (size and SHA-256; an unlisted file is
+    refused) before they are read, each hashed once. Without a manifest (DeepSpeed's own) nothing is checked."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = str(directory)
