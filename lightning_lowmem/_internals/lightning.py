@@ -44,13 +44,9 @@ OVERRIDDEN = {
     "lightning.pytorch.cli.LightningCLI": ("_parse_ckpt_path",),
     # NOTE: `ZeroStrategy` runs DeepSpeed on the CPU accelerator (gloo), swaps in DeepSpeed's CPU Adam and refuses
     # configurations DeepSpeed would get wrong: each is a step of DeepSpeedStrategy with no public hook
-    "lightning.pytorch.strategies.DeepSpeedStrategy": (
-        "_format_config",
-        "_init_deepspeed_distributed",
-        "_init_optimizers",
-        "_initialize_deepspeed_inference",
-        "_setup_model_and_optimizer",
-    ),
+    "lightning.pytorch.strategies.DeepSpeedStrategy": ("_format_config", "_init_deepspeed_distributed",
+                                                       "_init_optimizers", "_initialize_deepspeed_inference",
+                                                       "_setup_model_and_optimizer"),
 }
 #: private attributes of Lightning base classes that the package's subclasses read or set through ``self``
 INHERITED = {

@@ -42,15 +42,11 @@ def glue_values(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     """``--flag -5GB`` as ``--flag=-5GB``, so that a negative size reaches our check instead of argparse's "expected one
     argument" (argparse takes a value starting with ``-`` for an option unless it looks like a plain number)."""
     out: list[str] = []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        if args[i] in flags and i + 1 < len(args) and args[i + 1].startswith("-") and args[i + 1][1:2].isdigit():
-            out.append(f"{args[i]}={args[i + 1]}")
-            i += 2
-            continue
-        out.append(args[i])
-        i += 1
+    for arg in argv:
+        if out and out[-1] in flags and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
     return out
 
 

@@ -186,9 +186,7 @@ class DeferredOps(StreamOps):
         self._compute_used: set[int] = set()  # ids of live buffers tied to the compute stream (record_stream)
         self._rng = random.Random(seed)
         self.streams: list[DeferredStream] = []
-        self.copies_queued = 0
-        self.copies_run = 0
-        self.most_in_flight = 0
+        self.copies_queued = self.copies_run = self.most_in_flight = 0
         self.copy_seconds = 0.0
 
     # -- streams and events ---------------------------------------------------------------------------------------
