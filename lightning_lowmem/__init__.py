@@ -1,10 +1,8 @@
 """lightning_lowmem: train and fine-tune models larger than your GPU's memory, by Lightning flags.
 
-``import lightning_lowmem`` registers the ``lowmem_*`` strategy names with Lightning, so that
-``Trainer(strategy="lowmem_offload")`` and ``strategy: lowmem_offload`` in LightningCLI YAML work.
-Public classes are imported lazily, so importing the package does not import the optional extras.
-A ``pytorch_lightning.Trainer`` (the standalone package) takes the same names from ``lightning_lowmem.pl``, this
-package built for it from the same source (:mod:`lightning_lowmem._internals.twin`); the strategy names work with both.
+``import lightning_lowmem`` registers the ``lowmem_*`` strategy names with Lightning (``Trainer(strategy=
+"lowmem_offload")``, also in LightningCLI YAML); public classes are imported lazily, the optional extras never. A
+``pytorch_lightning.Trainer`` takes the same names from ``lightning_lowmem.pl`` (docs/lightning-packages.md).
 """
 
 from __future__ import annotations

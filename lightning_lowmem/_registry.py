@@ -1,11 +1,8 @@
 """The ``lowmem_*`` strategy names, registered with the ``StrategyRegistry`` of both Lightning packages on import.
 
-Each name maps to a small factory that imports its strategy module only when a Trainer asks for
-it, so ``import lightning_lowmem`` stays light and works without the optional extras (deepspeed is
-imported the first time a ``lowmem_zero*`` name is used, and a missing extra is named then). When
-Lightning itself is not imported yet, the names are registered the moment it is (a one-shot import
-hook), so ``import lightning_lowmem`` costs nothing and ``lowmem --help`` answers at once. A
-``pytorch_lightning.Trainer`` gets the same names, built by ``lightning_lowmem.pl`` (:mod:`._internals.twin`).
+Each name's factory imports its strategy module only when a Trainer asks for it; when Lightning is not imported
+yet, a one-shot import hook registers the names the moment it is. ``lightning_lowmem.pl`` (:mod:`._internals.twin`)
+gives a ``pytorch_lightning.Trainer`` the same names.
 """
 
 from __future__ import annotations
@@ -18,55 +15,26 @@ from collections.abc import Callable
 from typing import Any
 
 # name -> (module, class, description, preset keyword arguments)
+_OFFLOAD = ("lightning_lowmem.strategies.offload.strategy", "OffloadStrategy")
+_ZERO = ("lightning_lowmem.strategies.zero.strategy", "ZeroStrategy")
 STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
-    "lowmem_offload": (
-        "lightning_lowmem.strategies.offload.strategy",
-        "OffloadStrategy",
-        "CPU-master half precision: compute weights on the accelerator, fp32 masters, gradients and optimizer on the host",
-        {},
-    ),
-    "lowmem_offload_params": (
-        "lightning_lowmem.strategies.offload.strategy",
-        "OffloadStrategy",
-        "lowmem_offload with the repeated blocks' compute weights on the host too, streamed to the device block by block",
-        {"offload_params": True},
-    ),
-    "lowmem_auto": (
-        "lightning_lowmem.plan.auto",
-        "AutoStrategy",
-        "the fastest recipe of the suite that fits the device, planned at fit start from dry runs (`lowmem plan`)",
-        {},
-    ),
-    "lowmem_zero2": (
-        "lightning_lowmem.strategies.zero.strategy",
-        "ZeroStrategy",
-        "DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), also on CPU",
-        {"stage": 2},
-    ),
-    "lowmem_zero2_offload": (
-        "lightning_lowmem.strategies.zero.strategy",
-        "ZeroStrategy",
-        "DeepSpeed ZeRO stage 2 with the optimizer state and step on the CPU (DeepSpeedCPUAdam)",
-        {"stage": 2, "offload_optimizer": True},
-    ),
-    "lowmem_zero3": (
-        "lightning_lowmem.strategies.zero.strategy",
-        "ZeroStrategy",
-        "DeepSpeed ZeRO stage 3 (parameters sharded as well), also on CPU",
-        {"stage": 3},
-    ),
-    "lowmem_zero3_offload": (
-        "lightning_lowmem.strategies.zero.strategy",
-        "ZeroStrategy",
-        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to the CPU",
-        {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-    ),
-    "lowmem_zero3_nvme": (
-        "lightning_lowmem.strategies.zero.strategy",
-        "ZeroStrategy",
-        "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to NVMe (`nvme_path=` or the LOWMEM_NVME_PATH variable)",
-        {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "offload_device": "nvme"},
-    ),
+    "lowmem_offload": (*_OFFLOAD, ("CPU-master half precision: compute weights on the accelerator, fp32 masters, "
+                       "gradients and optimizer on the host"), {}),
+    "lowmem_offload_params": (*_OFFLOAD, ("lowmem_offload with the repeated blocks' compute weights on the host too, "
+                              "streamed to the device block by block"), {"offload_params": True}),
+    "lowmem_auto": ("lightning_lowmem.plan.auto", "AutoStrategy", ("the fastest recipe of the suite that fits the "
+                    "device, planned at fit start from dry runs (`lowmem plan`)"), {}),
+    "lowmem_zero2": (*_ZERO, "DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), also on CPU",
+                     {"stage": 2}),
+    "lowmem_zero2_offload": (*_ZERO, ("DeepSpeed ZeRO stage 2 with the optimizer state and step on the CPU "
+                             "(DeepSpeedCPUAdam)"), {"stage": 2, "offload_optimizer": True}),
+    "lowmem_zero3": (*_ZERO, "DeepSpeed ZeRO stage 3 (parameters sharded as well), also on CPU", {"stage": 3}),
+    "lowmem_zero3_offload": (*_ZERO, "DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to the CPU",
+                             {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+    "lowmem_zero3_nvme": (*_ZERO, ("DeepSpeed ZeRO stage 3 with optimizer state and parameters offloaded to NVMe "
+                          "(`nvme_path=` or the LOWMEM_NVME_PATH variable)"),
+                          {"stage": 3, "offload_optimizer": True, "offload_parameters": True,
+                           "offload_device": "nvme"}),
 }
 
 
@@ -80,11 +48,10 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
 
 
 def builds(name: str, cls: type) -> bool:
-    """Whether the registered name ``name`` builds exactly ``cls``, of either Lightning package's build (False for a
-    name not ours).
+    """Whether the registered name ``name`` builds exactly ``cls``, of either build (False for a name not ours).
 
-    NOTE: compared with the class's own module and name, which the table holds so that registering imports nothing;
-    importing the entry's module to compare classes would import every strategy (and the planner) on first use.
+    NOTE: compared by module and name, as the table holds them: importing the entry's module would import every
+    strategy (and the planner) on first use.
     """
     from lightning_lowmem._internals.twin import real_name
 
@@ -101,8 +68,7 @@ _PACKAGES = {"lightning.pytorch.strategies": "lightning_lowmem", "pytorch_lightn
 def register_strategies() -> None:
     """Register every ``lowmem_*`` name with both Lightning packages, now or as soon as each is imported. Idempotent.
 
-    NOTE: never imports Lightning itself (seconds of start-up): before a package's strategies are imported, a
-    one-shot import hook registers the names right after they are, whatever the import order of the packages.
+    NOTE: never imports Lightning itself (seconds of start-up): a one-shot import hook registers them later.
     """
     for registry_module, build in _PACKAGES.items():
         module = sys.modules.get(registry_module)
@@ -125,8 +91,7 @@ def serve_pytorch_lightning_build() -> None:
 class _BuildFinder(importlib.abc.MetaPathFinder):
     """Finds ``lightning_lowmem.pl[.X]`` with :func:`._internals.twin.find_spec` (imported then); nothing else.
 
-    NOTE: first on ``sys.meta_path``: a package of the build has the real folder as ``__path__`` (for its data
-    files), where the path finder would otherwise find a submodule's file and execute it unrewritten.
+    NOTE: first on ``sys.meta_path``: the path finder would find a submodule's real file and execute it unrewritten.
     """
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
@@ -143,22 +108,6 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
         sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
-def _find_with_the_others(fullname: str, path: Any, target: Any) -> Any:
-    """The spec the import system would find without :class:`_AfterImport`: the first of the other meta-path finders.
-
-    NOTE: not ``PathFinder`` alone: editable installs and zipapps put their own finder on ``sys.meta_path``, and a
-    module only they find would be imported without the callback (the ``lowmem_*`` names never registered).
-    """
-    for finder in list(sys.meta_path):
-        find_spec = getattr(finder, "find_spec", None)
-        if find_spec is None:
-            continue
-        spec = find_spec(fullname, path, target)
-        if spec is not None:
-            return spec
-    return None
-
-
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the loader of one module to run a callback after the module is executed."""
 
@@ -169,7 +118,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder again
-        spec = _find_with_the_others(fullname, path, target)
+        # NOTE: the first of the other meta-path finders, not `PathFinder` alone: editable installs and zipapps put
+        # their own finder there, and a module only they find would be imported without the callback
+        finders = (f.find_spec for f in list(sys.meta_path) if getattr(f, "find_spec", None) is not None)
+        spec = next((s for s in (find(fullname, path, target) for find in finders) if s is not None), None)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader, callback = spec.loader, self.callback

@@ -1,8 +1,5 @@
-"""bitsandbytes internals: the only module of the package that touches bitsandbytes' private modules.
-
-:data:`PRIVATE_SYMBOLS` lists them; ``tests/test_internals.py`` asserts they exist in the installed bitsandbytes.
-bitsandbytes is optional: it is imported inside each function.
-"""
+"""bitsandbytes internals: the only module that touches its private modules (:data:`PRIVATE_SYMBOLS`, checked by
+``tests/test_internals.py``). bitsandbytes is optional: it is imported inside each function."""
 
 from __future__ import annotations
 
@@ -23,12 +20,8 @@ def matmul_4bit_function() -> type:
 
 @contextlib.contextmanager
 def applied_matmul_4bit(function: Any) -> Iterator[None]:
-    """Within the block, ``bitsandbytes.matmul_4bit`` (``Linear4bit``'s forward) applies ``function``, a subclass of
-    bitsandbytes' ``MatMul4Bit``.
-
-    NOTE: ``matmul_4bit`` looks the autograd function up in its private module at each call; bitsandbytes offers no
-    public way to choose it. The previous one is restored on exit, even on an error.
-    """
+    """Within the block, ``bitsandbytes.matmul_4bit`` applies ``function``, a subclass of ``MatMul4Bit`` (NOTE: it looks
+    the function up in its private module at each call; no public way to choose it). Restored on exit."""
     from bitsandbytes.autograd import _functions
 
     previous = _functions.MatMul4Bit

@@ -1,13 +1,12 @@
 """DeepSpeed internals: the only module of the package that touches DeepSpeed's module globals and private state.
 
-Each one is wrapped here with a NOTE on why DeepSpeed's public API does not do the job. :data:`PRIVATE_SYMBOLS`
-lists the module-level names and :data:`SOURCE_ATTRIBUTES` the attributes DeepSpeed sets in a method (checked in its
-source: building ``cpu_adam`` takes minutes); ``tests/test_internals.py`` asserts they exist in the installed
-DeepSpeed. DeepSpeed is optional and slow to import: it is imported inside each function (NOTE: import cost).
+:data:`PRIVATE_SYMBOLS`, :data:`SOURCE_LINES` and :data:`SOURCE_ATTRIBUTES` are checked by ``tests/test_internals.py``.
+DeepSpeed is optional and slow to import: each function imports it (NOTE: import cost).
 """
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 #: DeepSpeed module globals used here (dotted), checked by tests/test_internals.py
@@ -31,11 +30,8 @@ SOURCE_ATTRIBUTES = (
 
 def drop_stale_process_groups() -> None:
     """Forget DeepSpeed's cached communication backend and process groups when torch.distributed is down.
-
-    NOTE: DeepSpeed caches its backend object (``deepspeed.comm.comm.cdb``) and its process groups in module globals
-    (``deepspeed.utils.groups._*_GROUP``) and keeps them after ``destroy_process_group``; a second fit in the same
-    process (notebooks, tests) would use the dead groups ("Group ... is not registered"). Dropping them makes
-    DeepSpeed build fresh ones; DeepSpeed has no public reset.
+    NOTE: DeepSpeed keeps ``deepspeed.comm.comm.cdb`` and ``deepspeed.utils.groups._*_GROUP`` after
+    ``destroy_process_group``; a second fit in the process would use the dead groups. It has no public reset.
     """
     import deepspeed.comm.comm as ds_comm
     import torch
@@ -51,9 +47,8 @@ def drop_stale_process_groups() -> None:
 def cpu_adam_update(adam: Any, step: int, group: dict[str, Any], *tensors: Any) -> None:
     """One call of ``DeepSpeedCPUAdam``'s C++ ``adam_update`` for param group ``group`` at ``step``.
 
-    NOTE: the C++ optimizer keeps its own step count and bias corrections, which ``load_state_dict`` does not
-    restore; replaying the steps with empty tensors (``tensors``) brings a resumed run to where the uninterrupted one
-    was. Only the op handle (``ds_opt_adam``) and the optimizer's id in it (``opt_id``) reach that state.
+    NOTE: ``load_state_dict`` does not restore the C++ step count and bias corrections; replaying the steps with empty
+    ``tensors`` does, and only ``ds_opt_adam`` and ``opt_id`` reach that state.
     """
     beta1, beta2 = group["betas"]
     adam.ds_opt_adam.adam_update(
@@ -64,12 +59,8 @@ def cpu_adam_update(adam: Any, step: int, group: dict[str, Any], *tensors: Any) 
 
 def undo_zero3_linear() -> None:
     """Put back the ``torch.nn.functional.linear`` that ZeRO stage 3's ``zero.Init`` replaced process-wide.
-
-    NOTE: DeepSpeed swaps ``torch.nn.functional.linear`` for its ``zero3_linear_wrap`` and never puts it back ("this
-    will persist unless manually reset"), keeping the original in a class attribute of its ``zero.Init`` context:
-    every linear layer run after ``fit`` (a plain model under autocast, another Trainer) would go through DeepSpeed's
-    autograd function and round differently. Undoing DeepSpeed's own patch is the package's only write to a torch
-    module attribute.
+    NOTE: DeepSpeed never puts it back (the original stays in a class attribute of ``zero.Init``): every linear layer
+    run after ``fit`` would round differently. The package's only write to a torch module attribute.
     """
     import torch
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
@@ -82,12 +73,7 @@ def undo_zero3_linear() -> None:
 
 def reduced_twice(err: AssertionError) -> str | None:
     """What DeepSpeed asserted when it refused a gradient reduced twice in one backward (ZeRO-1/2's message, or the
-    line of ZeRO-3's bare ``assert`` that a reduce bucket holds each parameter once), or None for another assertion.
-
-    NOTE: ZeRO-3's assertion has no message; it is told by the source line that raised it (:data:`SOURCE_LINES`).
-    """
-    import traceback
-
+    source line of ZeRO-3's bare ``assert``: :data:`SOURCE_LINES`), or None for another assertion."""
     if "already been reduced" in str(err):
         return " ".join(str(err).split())
     frame = traceback.extract_tb(err.__traceback__)[-1]

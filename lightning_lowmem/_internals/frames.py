@@ -1,8 +1,5 @@
-"""Python frame inspection: the only module of the package that walks the call stack or a traceback's frames.
-
-``sys._getframe`` is CPython's (documented as an implementation detail); a frame's ``f_locals``, ``f_globals`` and
-``f_back`` are documented, but reading who called us is fragile enough to live in one place. Each use says why.
-"""
+"""Python frame inspection: the only module of the package that walks the call stack or a traceback's frames
+(``sys._getframe`` is a CPython implementation detail; reading who called us is fragile enough to live in one place)."""
 
 from __future__ import annotations
 
@@ -20,11 +17,8 @@ def caller_frame(depth: int = 1) -> FrameType:
 
 
 def raising_instances(err: BaseException) -> list[Any]:
-    """The ``self`` of each frame ``err`` was raised through, outermost first (None where a frame has none).
-
-    NOTE: the planner finds which technique refused a run by the object whose method raised (an object, not its
-    message): the dry run traces copies of the callbacks, so only their class is known beforehand.
-    """
+    """The ``self`` of each frame ``err`` was raised through, outermost first (None where a frame has none): how the
+    planner finds which technique refused a run (by object, not by message)."""
     out = []
     tb = err.__traceback__
     while tb is not None:

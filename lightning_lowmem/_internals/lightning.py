@@ -1,11 +1,8 @@
-"""Private Lightning APIs: the only module of the package that touches them.
+"""Private Lightning APIs: the only module of the package that touches them, each with a NOTE on why.
 
-Each one is wrapped or re-exported here with a NOTE on why no public API does the job. :data:`PRIVATE_SYMBOLS`
-(module-level names), :data:`INSTANCE_ATTRIBUTES` (attributes of Lightning objects), :data:`OVERRIDDEN` (private
-hooks of Lightning classes that the package's subclasses override: the only way in) and :data:`INHERITED`
-(private attributes of Lightning base classes that those subclasses read or set through ``self``) list every one;
-``tests/test_internals.py`` asserts that each exists in the installed Lightning, and ``tests/test_package.py`` that
-no other module uses a private Lightning name it does not list.
+:data:`PRIVATE_SYMBOLS`, :data:`INSTANCE_ATTRIBUTES`, :data:`OVERRIDDEN` and :data:`INHERITED` list every one;
+``tests/test_internals.py`` checks they exist in the installed Lightning, ``tests/test_package.py`` that no other
+module uses an unlisted one.
 """
 
 from __future__ import annotations
@@ -47,13 +44,9 @@ OVERRIDDEN = {
     "lightning.pytorch.cli.LightningCLI": ("_parse_ckpt_path",),
     # NOTE: `ZeroStrategy` runs DeepSpeed on the CPU accelerator (gloo), swaps in DeepSpeed's CPU Adam and refuses
     # configurations DeepSpeed would get wrong: each is a step of DeepSpeedStrategy with no public hook
-    "lightning.pytorch.strategies.DeepSpeedStrategy": (
-        "_format_config",
-        "_init_deepspeed_distributed",
-        "_init_optimizers",
-        "_initialize_deepspeed_inference",
-        "_setup_model_and_optimizer",
-    ),
+    "lightning.pytorch.strategies.DeepSpeedStrategy": ("_format_config", "_init_deepspeed_distributed",
+                                                       "_init_optimizers", "_initialize_deepspeed_inference",
+                                                       "_setup_model_and_optimizer"),
 }
 #: private attributes of Lightning base classes that the package's subclasses read or set through ``self``
 INHERITED = {
@@ -69,57 +62,34 @@ PATH = _PATH
 WrappingCheckpointIO = _WrappingCheckpointIO
 #: ``with DtypeContextManager(dtype):`` sets torch's default dtype, as Lightning's ``HalfPrecision`` does
 DtypeContextManager = _DtypeContextManager
-
-
-def convert_fp_tensor(tensor: Any, dst_type: Any) -> Any:
-    """A floating-point tensor cast to ``dst_type`` (others unchanged): how Lightning's ``HalfPrecision`` casts
-    inputs, so ``MasterHalfPrecision`` casts them the same way."""
-    return _convert_fp_tensor(tensor, dst_type)
-
-
-def is_local_file_protocol(path: Any) -> bool:
-    """Whether ``path`` is on the local file system (no ``s3://``...): Lightning's own test before it writes."""
-    return _is_local_file_protocol(path)
+#: ``convert_fp_tensor(tensor, dst_type)``: a floating-point tensor cast (others unchanged), as ``HalfPrecision`` does
+convert_fp_tensor = _convert_fp_tensor
+#: ``is_local_file_protocol(path)``: not ``s3://``... (Lightning's own test before it writes)
+is_local_file_protocol = _is_local_file_protocol
+#: ``Precision._after_closure(plugin, model, optimizer)``: ``on_before_optimizer_step``, then the gradient clipping
+precision_after_closure = Precision._after_closure
 
 
 # --- LightningModule and Trainer state -------------------------------------------------------------------------------
 def attached_trainer(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or None.
-
-    NOTE: the public ``module.trainer`` raises when there is none; code that runs both inside and outside a fit
-    (a module's own check, a precision plugin used alone) asks without raising.
-    """
+    """The Trainer ``module`` is attached to, or None (NOTE: the public ``module.trainer`` raises without one)."""
     return getattr(module, "_trainer", None)
 
 
 def current_hook(module: Any) -> str | None:
-    """The name of the hook Lightning is running ``module``'s code from (None outside every hook).
-
-    NOTE: ``self.log`` refuses outside the hooks Lightning allows; code that logs for the module checks first.
-    """
+    """The hook Lightning is running ``module``'s code from (None outside every hook: ``self.log`` would refuse)."""
     return getattr(module, "_current_fx_name", None)
 
 
-def set_current_hook(module: Any, name: str | None) -> None:
-    """Make ``self.log`` take the calls that follow as made from hook ``name`` (see :func:`current_hook`)."""
-    module._current_fx_name = name
-
-
 def fit_data_source(trainer: Any) -> Any:
-    """The fit loop's data source (``.instance``: the datamodule or module giving the loaders; ``.dataloader()``).
-
-    NOTE: the only place the loader's batch size can be read before the loop starts (the planner of ``lowmem_auto``,
-    ZeRO's micro-batch size for DeepSpeed's config).
-    """
+    """The fit loop's data source (``.instance``, ``.dataloader()``): the only place the loader's batch size can be
+    read before the loop starts (the planner of ``lowmem_auto``, ZeRO's micro-batch size)."""
     return trainer.fit_loop._data_source
 
 
 def replace_strategy(trainer: Any, strategy: Any) -> None:
-    """Make ``strategy`` (with its precision plugin) the Trainer's from now on.
-
-    NOTE: ``lowmem_auto`` plans when the fit starts (it needs the module and the data) and hands over to the chosen
-    strategy then; the Trainer reads both through its accelerator connector, which has no public setter.
-    """
+    """Make ``strategy`` (with its precision plugin) the Trainer's from now on (``lowmem_auto``'s hand-over at fit
+    start; the accelerator connector has no public setter)."""
     connector = trainer._accelerator_connector
     connector.strategy = strategy
     connector.precision_plugin = strategy.precision_plugin
@@ -131,17 +101,9 @@ def keep_strategy(trainer: Any, strategy: Any) -> None:
 
 
 def setup_model(strategy: Any, model: Any) -> Any:
-    """``Strategy._setup_model(model)``: the strategy's wrapping of the module (none for a single device).
-
-    NOTE: the step of ``Strategy.setup`` between moving the module and setting up the precision plugin; a strategy
-    that overrides ``setup`` (``OffloadStrategy``) calls it to keep Lightning's order.
-    """
+    """``Strategy._setup_model(model)``: the step of ``Strategy.setup`` that ``OffloadStrategy.setup`` calls to keep
+    Lightning's order (the strategy's wrapping of the module; none for a single device)."""
     return strategy._setup_model(model)
-
-
-def precision_after_closure(plugin: Precision, model: Any, optimizer: Any) -> None:
-    """Lightning's ``Precision._after_closure``: ``on_before_optimizer_step``, then the gradient clipping."""
-    Precision._after_closure(plugin, model, optimizer)
 
 
 # --- LightningCLI ----------------------------------------------------------------------------------------------------
@@ -157,9 +119,6 @@ def cli_add_configure_optimizers(cli: Any, subcommand: str | None) -> None:
 
 
 def fsdp_checkpointing_policy(strategy: Any) -> Any:
-    """``FSDPStrategy``'s own activation-checkpointing setting (empty when it has none).
-
-    NOTE: kept private by Lightning after the constructor; ``ActivationCheckpointing`` refuses to checkpoint the same
-    blocks twice.
-    """
+    """``FSDPStrategy``'s own activation-checkpointing setting (empty when it has none; private after the
+    constructor): ``ActivationCheckpointing`` refuses to checkpoint the same blocks twice."""
     return getattr(strategy, "_activation_checkpointing_kwargs", None)

@@ -18,16 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-# NOTE: fake tensors (the dry run, MemoryTracker under a fake mode) have no public module: torch's own users
-# (torch.compile, torch.export, FSDP's meta init) import them from here too.
+# NOTE: fake tensors have no public module: torch's own users (torch.compile, torch.export) import them from here too
 from torch._subclasses import fake_tensor as _fake_tensor
 
-# NOTE: `_BatchNorm` is the one base of every batch-norm layer (BatchNorm1d/2d/3d, their lazy forms, SyncBatchNorm and
-# user subclasses of it); no public class covers them all.
+# NOTE: `_BatchNorm` is the one base of every batch-norm layer (SyncBatchNorm, lazy forms...); no public class is
 from torch.nn.modules.batchnorm import _BatchNorm
 
-# NOTE: dispatch modes and pytrees are private torch modules with no public home; every TorchDispatchMode user
-# (FlopCounterMode, torch's MemTracker, torchao) imports them from here.
+# NOTE: dispatch modes and pytrees have no public home; every TorchDispatchMode user imports them from here
 from torch.utils import _python_dispatch, _pytree
 
 # NOTE: the non-reentrant checkpoint's two halves (see `checkpoint_region`)
@@ -116,12 +113,11 @@ tree_leaves = _pytree.tree_leaves
 
 
 def inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
-    """The tensors a wrapper tensor subclass holds (torchao's quantized optimizer state: codes and scales), or None
-    for a tensor that has its own storage.
+    """The tensors a wrapper tensor subclass holds (torchao's quantized optimizer state), or None for a tensor with
+    its own storage.
 
-    NOTE: a wrapper subclass (``_make_wrapper_subclass``) reports a storage of its nominal size (a 4-bit moment of
-    an fp32 parameter reads 4 B/value) that holds no data; its bytes are those of the tensors it wraps, which
-    ``__tensor_flatten__`` names (the protocol torch.compile relies on). No public API tells the two kinds apart.
+    NOTE: a wrapper subclass reports a storage of its nominal size that holds no data; its bytes are those of the
+    tensors ``__tensor_flatten__`` names. No public API tells the two kinds apart.
     """
     if not _python_dispatch.is_traceable_wrapper_subclass(t):
         return None
@@ -133,31 +129,17 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
     return out
 
 
-def dispatch_mode_stack() -> list[Any]:
-    """The dispatch modes entered now, outermost first."""
-    return _python_dispatch._get_current_dispatch_mode_stack()
-
-
-def pop_dispatch_mode() -> Any:
-    """Take the innermost dispatch mode off the stack (without its ``__exit__``); see :func:`push_dispatch_mode`."""
-    return _python_dispatch._pop_mode()
-
-
-def push_dispatch_mode(mode: Any) -> None:
-    """Put back a mode :func:`pop_dispatch_mode` took off.
-
-    NOTE: a dispatch mode can only leave from the top of the stack; MemoryTracker lifts the later ones off and puts
-    them back to leave while two callbacks' modes interleave. No public API reorders the stack.
-    """
-    _python_dispatch._push_mode(mode)
+#: ``dispatch_mode_stack()``: the dispatch modes entered now, outermost first
+dispatch_mode_stack = _python_dispatch._get_current_dispatch_mode_stack
+#: ``pop_dispatch_mode()`` takes the innermost mode off the stack (without its ``__exit__``), ``push_dispatch_mode(m)``
+#: puts it back. NOTE: a mode can only leave from the top; MemoryTracker lifts later ones off while two modes interleave
+pop_dispatch_mode = _python_dispatch._pop_mode
+push_dispatch_mode = _python_dispatch._push_mode
 
 
 # --- storages, versions, ops ---------------------------------------------------------------------------------------
 def storage_key(storage: torch.UntypedStorage) -> int:
-    """The identity of a storage: its StorageImpl (``_cdata``), shared by every Python wrapper of it.
-
-    NOTE: not ``data_ptr()``: every fake storage of a dry run, and every empty one, has address 0.
-    """
+    """The identity of a storage: its StorageImpl (``_cdata``; NOTE: not ``data_ptr()``, 0 for fake and empty ones)."""
     return storage._cdata
 
 
@@ -243,22 +225,12 @@ ATEN = SimpleNamespace(
 PAD_PACKED_SEQUENCE = torch._C._VariableFunctions._pad_packed_sequence
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, in one vectorised pass.
-
-    NOTE: ``torch.nn.utils.get_total_norm`` reduces them to one norm (a different rounding and overflow point than
-    the per-tensor ones the non-finite guard of ``lowmem_offload`` reads); no public per-tensor form exists.
-    """
-    return torch._foreach_norm(tensors)
-
-
-def non_finite_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` to 1 if any value is inf/nan.
-
-    NOTE: the kernel ``torch.amp.GradScaler.unscale_`` runs (it is private to it); the fp16 loss scaler of
-    ``lowmem_offload`` unscales the host masters' gradients exactly as GradScaler would.
-    """
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+#: ``foreach_norm(tensors)``: the L2 norm of each tensor, in one pass (NOTE: no public per-tensor form;
+#: ``get_total_norm`` rounds and overflows differently from what the non-finite guard of ``lowmem_offload`` reads)
+foreach_norm = torch._foreach_norm
+#: ``non_finite_check_and_unscale_(grads, found_inf, inv_scale)``: the kernel of ``GradScaler.unscale_``, so
+#: ``lowmem_offload``'s fp16 scaler unscales the host masters exactly as GradScaler would
+non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
 # --- autograd ----------------------------------------------------------------------------------------------------
@@ -268,10 +240,8 @@ def in_backward() -> bool:
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the backward running now ends (call only when :func:`in_backward`).
-
-    NOTE: the engine's own callback queue (FSDP and DDP use it for the same purpose); no public API ends a backward.
-    """
+    """Run ``callback`` when the backward running now ends (call only when :func:`in_backward`; NOTE: the engine's
+    own queue, as FSDP and DDP use it: no public API ends a backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
@@ -283,11 +253,8 @@ def current_autograd_node_name() -> str | None:
 
 
 def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The (pack, unpack) saved-tensor hooks innermost now, or None: the hooks a new pair would wrap.
-
-    NOTE: ``torch.autograd.graph.saved_tensors_hooks`` enters a pair publicly, but nothing public reads the pair
-    below it (a checkpoint's): parameter streaming and the in-place check inside checkpointed blocks need it.
-    """
+    """The (pack, unpack) saved-tensor hooks innermost now, or None (NOTE: nothing public reads the pair below a
+    new one, a checkpoint's, which parameter streaming and the in-place check inside checkpointed blocks need)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
@@ -297,14 +264,9 @@ _FUNCTION_FILE = torch.autograd.function.__file__
 
 def saved_by_checkpoint(frame: FrameType | None) -> bool:
     """Whether a pack hook called from ``frame`` packs an input that ``torch.utils.checkpoint`` saves for recompute.
-
-    NOTE: checkpointing (reentrant or not, called directly, through Hugging Face's gradient checkpointing or through
-    ``checkpoint_wrapper``) saves the inputs of the checkpointed block from ``torch/utils/checkpoint.py`` itself
-    (``_CheckpointFrame.save_inputs`` / ``CheckpointFunction.apply``), outside its own hooks; everything the block
-    saves inside is caught by checkpoint's own (innermost) hooks and never reaches ours. So a pack call whose
-    nearest Python caller, past ``torch/autograd/function.py``, lives in ``torch/utils/checkpoint.py`` is a block
-    boundary. This reads torch's file layout: ``ActivationOffload`` warns when ``boundaries_only=True`` sees no
-    boundary in a training step, which is how a torch change here would show.
+    NOTE: every form of checkpointing saves the block's inputs from ``torch/utils/checkpoint.py`` itself, outside its
+    own hooks, so a pack call whose nearest caller past ``torch/autograd/function.py`` lives there is a block
+    boundary. This reads torch's file layout: ``ActivationOffload`` warns when ``boundaries_only=True`` sees none.
     """
     global _CHECKPOINT_FILE
     if _CHECKPOINT_FILE is None:
@@ -326,11 +288,9 @@ def saved_by_checkpoint(frame: FrameType | None) -> bool:
 def checkpoint_region(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]], *args: Any,
                       **kwargs: Any) -> Generator[None, None, None]:
     """Non-reentrant ``torch.utils.checkpoint`` of what runs between this generator's first and second ``next()``:
-    ``fn(*args, **kwargs)`` (the recompute), the RNG state preserved, ``context_fn`` as ``checkpoint``'s.
-
-    NOTE: ``checkpoint(fn, use_reentrant=False)`` runs this same generator around one call of ``fn``; a module's
-    forward pre-hook and forward hook need its two halves apart (torch's composable ``checkpoint`` in
-    ``torch.distributed._composable.checkpoint_activation`` does the same), and no public API gives them.
+    ``fn(*args, **kwargs)`` (the recompute), the RNG state preserved, ``context_fn`` as ``checkpoint``'s. NOTE: what
+    ``checkpoint(fn, use_reentrant=False)`` runs around one call of ``fn``; a forward pre-hook and forward hook need its
+    halves apart (as torch's composable ``checkpoint`` does), and no public API gives them.
     """
     return _checkpoint_generator(fn, True, context_fn, "default", False, True, *args, **kwargs)
 
@@ -350,11 +310,8 @@ BatchNormBase = _BatchNorm
 
 
 def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    """``module``'s own buffer table (the live dict, ``None`` entries included).
-
-    NOTE: read and written in place to swap a buffer's tensor for a while (the masters' view, ZeRO's fp32 gather):
-    ``setattr`` would run the global buffer-registration hooks, and ``named_buffers`` skips ``None`` entries.
-    """
+    """``module``'s own buffer table (the live dict, ``None`` entries included), to swap a buffer's tensor for a
+    while (NOTE: ``setattr`` would run the global buffer-registration hooks)."""
     return module._buffers  # type: ignore[return-value]
 
 
@@ -381,12 +338,8 @@ def remove_forward_pre_hook(module: nn.Module, key: int) -> None:
 
 
 def hook_tables(module: nn.Module) -> list[dict[Any, Any]]:
-    """``module``'s own hook tables (forward, backward, state-dict hooks...: the live dicts): a copy of the module
-    that must run none of the hooks other techniques registered, nor copy what they hold, gets empty ones instead.
-
-    NOTE: found by their names' ending (``_forward_pre_hooks``, ``_forward_hooks_with_kwargs``...), so a table torch
-    adds is emptied too; tests/test_internals.py checks the ones named in :data:`INSTANCE_ATTRIBUTES` are found.
-    """
+    """``module``'s own hook tables (the live dicts), found by their names' ending so a table torch adds is found too:
+    a copy of the module that must run none of the other techniques' hooks gets empty ones instead."""
     return [v for k, v in vars(module).items()
             if isinstance(v, dict) and k.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called"))]
 
@@ -404,11 +357,8 @@ def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], 
 
 @contextlib.contextmanager
 def module_apply_replaced(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    """Inside, ``nn.Module._apply`` is ``make(original)`` for every module.
-
-    NOTE: the dry run makes ``.to()``/``.cuda()`` of a module on fake tensors go through ``.data`` (the one hook into
-    every device and dtype move of a module; no public API wraps it).
-    """
+    """Inside, ``nn.Module._apply`` is ``make(original)`` for every module (NOTE: the one hook into every device and
+    dtype move of a module, which the dry run makes go through ``.data`` on fake tensors)."""
     original = nn.Module._apply
     nn.Module._apply = make(original)  # type: ignore[method-assign]
     try:
@@ -426,9 +376,7 @@ def chained_schedulers(scheduler: Any) -> tuple[Any, ...]:
 def track_step_called(optimizer: torch.optim.Optimizer) -> None:
     """Wrap ``optimizer.step`` the way ``LRScheduler.__init__`` does (torch's own wrapper is a local function).
 
-    NOTE: torch schedulers wrap ``optimizer.step`` at construction to warn when ``scheduler.step()`` runs before
-    ``optimizer.step()``; without the same wrapper on the new optimizer every re-pointed scheduler would warn
-    "optimizer.step() has been overridden" at its first step.
+    NOTE: without it every re-pointed scheduler would warn "optimizer.step() has been overridden" at its first step.
     """
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return
@@ -446,9 +394,6 @@ def track_step_called(optimizer: torch.optim.Optimizer) -> None:
 
 
 def device_module_initialized(device_module: Any) -> bool:
-    """Whether a device module (``torch.cuda``) has started, i.e. has RNG states worth saving.
-
-    NOTE: the test ``torch.utils.checkpoint`` itself makes before ``get_device_states`` (it reads the same private
-    flag); a replay of a checkpointed segment saves the RNG states exactly when torch's checkpoint would.
-    """
+    """Whether a device module (``torch.cuda``) has started, i.e. has RNG states worth saving: the private flag
+    ``torch.utils.checkpoint`` reads, so a replay saves the RNG states exactly when torch's checkpoint would."""
     return bool(getattr(device_module, "_initialized", False))

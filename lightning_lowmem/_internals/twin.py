@@ -1,17 +1,8 @@
-"""``lightning_lowmem.pl``: this package for the standalone ``pytorch_lightning`` package, built from the same source.
+"""``lightning_lowmem.pl``: this package for the standalone ``pytorch_lightning`` package (docs/lightning-packages.md).
 
-``lightning`` and ``pytorch_lightning`` are released in lockstep from one source but keep separate class hierarchies
-and registries: a callback or strategy subclassing ``lightning.pytorch``'s classes means nothing to a
-``pytorch_lightning.Trainer`` (which libraries such as neuralforecast build themselves). Lightning builds
-``lightning.pytorch`` from ``pytorch_lightning``'s sources by rewriting imports; this module (the names and the
-finder) and :mod:`.twin_source` (the compiler) do the reverse at import time. Module ``lightning_lowmem.pl.X`` is the file of ``lightning_lowmem.X`` compiled with its imports (and
-the module paths it names in strings, e.g. the lazy tables) rewritten: ``lightning.pytorch`` to
-``pytorch_lightning``, ``lightning.fabric`` to ``lightning_fabric``, ``lightning`` to ``pytorch_lightning``,
-``lightning_lowmem`` to ``lightning_lowmem.pl``. One implementation, nothing to keep in step; nothing but this
-package's own files is compiled. The modules of :data:`SHARED` hold no Lightning class and are one copy for both.
-
-NOTE: not imported by ``import lightning_lowmem`` (that imports no module more than before): the registry's finder
-imports this module when ``lightning_lowmem.pl`` is first imported, the hooks when a callback is set up.
+Module ``lightning_lowmem.pl.X`` is the file of ``lightning_lowmem.X`` compiled (:mod:`.twin_source`) with its imports,
+and the module paths its strings name, rewritten (:data:`_RENAMES`). The modules of :data:`SHARED` are one copy for
+both. NOTE: not imported by ``import lightning_lowmem``: the registry's finder imports it on first use of the build.
 """
 
 from __future__ import annotations
@@ -74,10 +65,8 @@ def package_for(module_name: str) -> str:
 
 
 def find_spec(fullname: str) -> Any:
-    """The spec of ``lightning_lowmem.pl[.X]``: the rewritten file of ``lightning_lowmem[.X]`` (None for no such file).
-
-    Called by the finder of :mod:`lightning_lowmem._registry` (on ``sys.meta_path`` from ``import lightning_lowmem``).
-    """
+    """The spec of ``lightning_lowmem.pl[.X]`` for :mod:`lightning_lowmem._registry`'s finder: the rewritten file of
+    ``lightning_lowmem[.X]`` (None for no such file)."""
     if not _under(fullname, PREFIX) or real_name(fullname) in SHARED:
         return None
     parts = fullname.split(".")[2:]

@@ -1,8 +1,7 @@
 """The compiler of ``lightning_lowmem.pl`` (:mod:`.twin`): a file of this package with its imports, and the module
 paths its strings name, rewritten for the standalone ``pytorch_lightning`` package (:func:`.twin.twin_name`).
 
-NOTE: apart from :mod:`.twin` so that ``import lightning_lowmem`` does not import ``ast`` and ``typing_extensions``
-(tens of milliseconds): the finder imports this module when the first module of the build is imported.
+NOTE: apart from :mod:`.twin` so that ``import lightning_lowmem`` does not import ``ast`` (tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -53,11 +52,8 @@ class Rewrite(ast.NodeTransformer):
 
 
 class Loader(importlib.abc.SourceLoader):
-    """Compiles a file of this package with :class:`Rewrite`, in memory.
-
-    NOTE: no bytecode cache: the real module's ``__pycache__`` entry is keyed by the same source path, and a cache
-    of our own would be a second build to keep in step (``path_stats`` is not defined, so none is read or written).
-    """
+    """Compiles a file of this package with :class:`Rewrite`, in memory (NOTE: no bytecode cache: ``path_stats`` is not
+    defined, so the real module's ``__pycache__`` entry, keyed by the same path, is neither read nor written)."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -1,8 +1,6 @@
 """The ``lowmem`` command (``lowmem = lightning_lowmem.cli:main``): the top layer, importing any layer below.
 
-``main`` dispatches: ``fit``/``validate``/``test``/``predict`` run :class:`LowMemCLI` (LightningCLI with the suite's
-short names), ``estimate``/``plan``/``consolidate``/``build-ops`` their modules here. Importing this package
-imports neither Lightning nor torch (``lowmem --help`` answers at once); ``LowMemCLI``,
+Importing this package imports neither Lightning nor torch (``lowmem --help`` answers at once); ``LowMemCLI``,
 ``check_strategy_name`` and ``import_public_classes`` are loaded on first use.
 """
 

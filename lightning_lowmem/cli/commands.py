@@ -1,7 +1,4 @@
-"""The ``lowmem`` subcommands: what ``lowmem --help`` lists, and the modules that run the extra ones.
-
-Imports nothing, so ``lowmem --help`` answers without importing Lightning or torch.
-"""
+"""The ``lowmem`` subcommands: what ``lowmem --help`` lists, and the modules that run the extra ones (no imports)."""
 
 # extra subcommands: name -> (module, function taking argv and returning an exit code)
 TOOLS = {

@@ -1,10 +1,8 @@
 """One-line explanations of bad ``lowmem fit`` input (private helper of ``cli/main.py``).
 
-jsonargparse reports a bad value with the whole usage text (60+ lines) and a nested "Does not validate
-against any of the Union subtypes" tree. ``LowMemCLI`` makes it raise instead (``exit_on_error=False``)
-and :func:`explain` turns the error into one sentence naming the key, the value and what is expected:
-first by checking the config files' ``class_path`` entries and our classes' ``init_args`` against their
-signatures (with a did-you-mean), else by condensing jsonargparse's chain of causes.
+``LowMemCLI`` makes jsonargparse raise (``exit_on_error=False``) and :func:`explain` turns the error into one sentence:
+first by checking the config files' ``class_path`` and ``init_args`` (with a did-you-mean), else by condensing
+jsonargparse's chain of causes.
 """
 
 from __future__ import annotations
@@ -69,11 +67,8 @@ def check_config_files(args: Sequence[str]) -> None:
 
 # --- explaining an ArgumentError -----------------------------------------------------------------------------
 def one_line(err: BaseException, args: Sequence[str], root: BaseException) -> str:
-    """The one line ``lowmem`` prints for ``err`` (``root``: the innermost bad-input error behind it).
-
-    jsonargparse's errors (an ``ArgumentError``, or the ``ValueError`` of a class that refused its ``init_args``
-    inside a union such as ``trainer.strategy``) are explained (:func:`explain`); anything else is ``root``'s text.
-    """
+    """The one line ``lowmem`` prints for ``err`` (``root``: the innermost bad-input error behind it): jsonargparse's
+    errors (also a class's refusal inside a union) explained (:func:`explain`), anything else ``root``'s text."""
     if isinstance(err, ArgumentError) or any(_UNION in str(e) for e in _chain(err)):
         return explain(err, args)
     return explain(root, args) if isinstance(root, ArgumentError) else str(root)
@@ -81,21 +76,14 @@ def one_line(err: BaseException, args: Sequence[str], root: BaseException) -> st
 
 def explain(err: BaseException, args: Sequence[str]) -> str:
     """One line for a jsonargparse ``ArgumentError``."""
-    subcommand = _unknown_subcommand(err)
-    if subcommand is not None:
-        return subcommand
+    m = re.search(r"argument subcommand: invalid choice: '([^']*)'", str(err))
+    if m is not None:
+        return _subcommand_message(m.group(1))
     try:
         found = list(_check_class_paths(args))
     except Exception:  # noqa: BLE001  NOTE: the diagnosis must never hide the original error
         found = []
     return " ".join(found) if found else _condense(err, args)
-
-
-def _unknown_subcommand(err: BaseException) -> str | None:
-    m = re.search(r"argument subcommand: invalid choice: '([^']*)'", str(err))
-    if m is None:
-        return None
-    return _subcommand_message(m.group(1))
 
 
 def _subcommand_message(given: str) -> str:
@@ -209,13 +197,10 @@ _SIMPLE = {bool: "True or False", int: "an int", float: "a number", str: "a stri
 
 
 def _fits(kind: type, value: Any) -> bool:
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, str)
+    """Whether ``value`` is a ``kind`` of :data:`_SIMPLE` (a bool is no number; an int is a float)."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
 
 
 def _is_container(annotation: Any) -> bool:
@@ -224,10 +209,8 @@ def _is_container(annotation: Any) -> bool:
 
 
 def _mismatch(annotation: Any, value: Any) -> str | None:
-    """What ``annotation`` expects, when ``value`` clearly is not it (Literal choices, bool/int/float/str); else None.
-
-    Anything this cannot judge (classes, callables, nested types) is left to jsonargparse.
-    """
+    """What ``annotation`` expects, when ``value`` clearly is not it (Literal choices, bool/int/float/str); else None
+    (what this cannot judge is left to jsonargparse)."""
     if annotation is None:
         return None
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
@@ -268,11 +251,8 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
 
 
 def _union_summary(text: str) -> str | None:
-    """One sentence for jsonargparse's "does not validate against any of the Union subtypes" block, or None.
-
-    A class that refused its arguments (its constructor's own message) wins over "Expected a <class 'str'>"; else the
-    alternatives are listed as one "expected" with the value given and a did-you-mean among the choices.
-    """
+    """One sentence for jsonargparse's "does not validate against any of the Union subtypes" block, or None: a class's
+    own refusal wins over "Expected a <class 'str'>"; else the alternatives as one "expected" with a did-you-mean."""
     if _UNION not in text:
         return None
     bullets = [line.strip()[2:].strip() for line in text.splitlines() if line.strip().startswith("- ")]

@@ -2,10 +2,8 @@
 
     lowmem estimate --config configs/demo.yaml --budget 6GB          # exactly the run `lowmem fit` would do
     lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB   # the suite's combinations
-    lowmem estimate --model llama --set num_hidden_layers=8 --set hidden_size=1024 --batch-size 2 --seq-len 256
-    lowmem estimate --model llama-7b --batch-size 1 --seq-len 2048 --adapters lora --adapter-r 16 --only bf16-true
-    lowmem estimate --model llama-7b --batch-size 1 --seq-len 512 --optimizer galore --only bf16-true
-    lowmem estimate --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 4
+
+More examples in docs/cli.md.
 """
 
 from __future__ import annotations
@@ -44,28 +42,20 @@ def glue_values(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     """``--flag -5GB`` as ``--flag=-5GB``, so that a negative size reaches our check instead of argparse's "expected one
     argument" (argparse takes a value starting with ``-`` for an option unless it looks like a plain number)."""
     out: list[str] = []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        if args[i] in flags and i + 1 < len(args) and args[i + 1].startswith("-") and args[i + 1][1:2].isdigit():
-            out.append(f"{args[i]}={args[i + 1]}")
-            i += 2
-            continue
-        out.append(args[i])
-        i += 1
+    for arg in argv:
+        if out and out[-1] in flags and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
     return out
 
 
-_SIZE_FLAGS = ("--budget",)
 _DATA_ARG = "--data.init_args."
 
 
 def split_data_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """``argv`` without its ``--data.init_args.KEY VALUE`` (or ``=VALUE``) pairs, and those as a dict.
-
-    NOTE: as LightningCLI spells a data module's arguments (``lowmem fit --data.init_args.batch_size 4``); a value
-    is read as JSON where it parses (``4``, ``true``, ``[1, 2]``), else kept as a string.
-    """
+    """``argv`` without its ``--data.init_args.KEY VALUE`` (or ``=VALUE``) pairs, as LightningCLI spells them, and
+    those as a dict (a value read as JSON where it parses, else kept as a string)."""
     rest: list[str] = []
     found: dict[str, Any] = {}
     args = list(argv)
@@ -209,14 +199,11 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
     """Every problem with the arguments at once, before anything is traced."""
     from lightning_lowmem.predict.estimate import COMBINATIONS, module_class
 
-    problems: list[str] = []
-    cls = None
     try:
         cls = module_class(args.model, "--model ") if args.model else None
     except ValueError as err:  # NOTE: a class path that does not import: said, not taken for a model shape
         raise ValueError("\n- ".join(["the arguments do not describe an estimate:", str(err)])) from None
-    data, data_issues = data_problems(args, init_args, cls)
-    problems += data_issues
+    data, problems = data_problems(args, init_args, cls)
     budget = None
     if args.budget is not None:
         budget, problem = size_problem("--budget", args.budget)
@@ -246,15 +233,13 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
             value = getattr(args, flag)
             if (value is None and cls is None) or (value is not None and value < 1):
                 problems.append(f"Passed `--{flag.replace('_', '-')} {value}`; --model needs a positive integer")
-        if args.micro_batch_size is not None and args.batch_size and (
-            args.micro_batch_size < 1 or args.batch_size % args.micro_batch_size
-        ):
+        if args.micro_batch_size is not None and args.batch_size and (args.micro_batch_size < 1
+                                                                     or args.batch_size % args.micro_batch_size):
             problems.append(f"Passed `--micro-batch-size {args.micro_batch_size}`; it must divide `--batch-size "
                             f"{args.batch_size}` (AccumulationScheduler steps on whole micro-batches)")
         if args.world_size < 1:
             problems.append(f"Passed `--world-size {args.world_size}`; expected a positive integer")
-        problems += adapter_problems(args)
-        problems += optimizer_problems(args)
+        problems += [*adapter_problems(args), *optimizer_problems(args)]
         combos = [(n, kw) for n, kw in COMBINATIONS if not args.only or any(o.lower() in n.lower() for o in args.only)]
         if args.optimizer:  # NOTE: one optimizer for every row: the rows that choose their own are another question
             combos = [(n, kw) for n, kw in combos if "optimizer" not in kw]
@@ -276,6 +261,8 @@ def adapter_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with ``--adapters``, ``--adapter-r`` and ``--quantize-base`` (named as given), all at once."""
     from lightning_lowmem.callbacks.adapters.callback import KINDS
     from lightning_lowmem.callbacks.adapters.quantize_base import QUANT_TYPES
+    from lightning_lowmem.core.optional import require
+
     problems = []
     if args.adapters is None:
         given = [f"`--{f.replace('_', '-')} {getattr(args, f)}`" for f in ("adapter_r", "quantize_base")
@@ -294,8 +281,6 @@ def adapter_problems(args: argparse.Namespace) -> list[str]:
                         "(or leave it out: the base keeps its dtype)")
     if getattr(args, "analytic", False):
         problems.append(f"Passed {call} with `--analytic`: the closed form does not model adapters; drop --analytic")
-    from lightning_lowmem.core.optional import require
-
     for package, needed in (("peft", True), ("bitsandbytes", args.quantize_base is not None)):
         try:
             if needed:
@@ -345,12 +330,6 @@ def _model_config(args: argparse.Namespace) -> Any:
     return config
 
 
-def budget_line(given: str, budget: int) -> str:
-    """The budget in bytes and in the tables' GiB, naming the unit it was given in (a GPU's "12 GB" is 12 GiB)."""
-    return (f"budget {given} = {budget:,} B = {fmt_size(budget)} (GB = 10^9 B, GiB = 2^30 B: the sizes below are "
-            "GiB; a GPU sold as 12 GB holds 12 GiB: give it as 12GiB)")
-
-
 class _Rows:
     """A table printed row by row, as each row is computed (fixed widths; the last column as long as it is)."""
 
@@ -391,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest, init_args = split_data_args(sys.argv[1:] if argv is None else argv)
     except ValueError as err:
         parser.exit(2, f"lowmem estimate: error: {err}\n")
-    args = parser.parse_args(glue_values(rest, _SIZE_FLAGS))
+    args = parser.parse_args(glue_values(rest, ("--budget",)))
     from lightning_lowmem.core.accounting import CATEGORIES  # NOTE: after parsing: `--help` imports no torch
     from lightning_lowmem.predict.estimate import estimate_memory
 
@@ -404,7 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload: list[dict[str, Any]] = []
     given = "" if budget is None else f"{args.budget} ({fmt_size(budget)})"  # NOTE: as given, and in the table's unit
     fits_header = f"fits {given}".rstrip()
-    unit = "" if budget is None else f"; {budget_line(args.budget, budget)}"
+    # NOTE: the budget in bytes and in the tables' GiB, naming the unit it was given in (a GPU's "12 GB" is 12 GiB)
+    unit = "" if budget is None else (f"; budget {args.budget} = {budget:,} B = {fmt_size(budget)} (GB = 10^9 B, "
+                                      "GiB = 2^30 B: the sizes below are GiB; a GPU sold as 12 GB holds 12 GiB: give "
+                                      "it as 12GiB)")
     target = args.target or "cuda"
     if args.config:
         t0 = time.perf_counter()

@@ -1,16 +1,7 @@
-"""The ``lowmem`` command: Lightning's LightningCLI with the ``lowmem_*`` names registered.
+"""The ``lowmem`` command: Lightning's LightningCLI with the ``lowmem_*`` names registered (docs/cli.md).
 
-    lowmem fit --config configs/demo.yaml      # any LightningCLI subcommand: fit, validate, test, predict
-    lowmem estimate --model gpt2-xl --batch-size 4 --seq-len 1024 --budget 12GB
-    lowmem plan --config run.yaml --device-memory 12GB --write plan.yaml   # the fastest recipe that fits
-    lowmem consolidate CHECKPOINT_DIR OUT_FILE  # DeepSpeed directory checkpoint -> plain fp32 state dict
-    lowmem build-ops                           # compile DeepSpeed's CPU ops once, ahead of the runs
-
-A YAML file may name strategies as registered strings (``strategy: lowmem_offload``) or in
-``class_path:`` form, and callbacks by their short names (``class_path: ActivationCheckpointing``).
-Modules in the current directory are importable (``class_path: my_module.MyModel``), after every installed one.
-Bad input ends with one ``lowmem: error: ...`` line naming the value and the fix; set
-``LOWMEM_TRACEBACK=1`` to see the full traceback instead.
+Modules in the current directory are importable after every installed one. Bad input ends with one
+``lowmem: error: ...`` line; ``LOWMEM_TRACEBACK=1`` shows the full traceback instead.
 """
 
 from __future__ import annotations
@@ -37,20 +28,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from lightning_lowmem.core.preflight import LaunchError
     from lightning_lowmem.strategies.offload.strategy import NonFiniteGradientError
 
-    return (
-        ValueError,
-        TypeError,
-        FileNotFoundError,
-        IsADirectoryError,
-        ModuleNotFoundError,
-        MisconfigurationException,
-        HostMemoryError,
-        NonFiniteGradientError,
-        DiskFullError,
-        StaleBuildLockError,
-        LaunchError,
-        ArgumentError,  # jsonargparse's, raised instead of printing the usage text (see `cli.errors`)
-    )
+    return (ValueError, TypeError, FileNotFoundError, IsADirectoryError, ModuleNotFoundError, MisconfigurationException,
+            HostMemoryError, NonFiniteGradientError, DiskFullError, StaleBuildLockError, LaunchError,
+            ArgumentError)  # jsonargparse's, raised instead of printing the usage text (see `cli.errors`)
 
 
 def print_help() -> None:
@@ -63,12 +43,8 @@ def print_help() -> None:
 
 
 def print_loop_help(subcommand: str) -> None:
-    """``lowmem fit --help``: what a user of the suite needs, without importing Lightning or torch.
-
-    NOTE: LightningCLI's own help (every argument of the Trainer, the model and the data: 500+ lines) imports
-    torch and Lightning and builds the whole parser, which takes seconds to a minute; it stays one flag away
-    (``--help-all``).
-    """
+    """``lowmem fit --help``: what a user of the suite needs, without importing Lightning or torch (LightningCLI's
+    own 500+ lines, which take seconds to build, stay one flag away: ``--help-all``)."""
     from lightning_lowmem._registry import STRATEGIES
 
     print(f"usage: lowmem {subcommand} --config run.yaml [--config more.yaml] [--SECTION.KEY VALUE ...]\n")
@@ -118,24 +94,14 @@ def _root_cause(err: BaseException) -> BaseException:
 def _current_directory_importable() -> None:
     """Put the working directory LAST on ``sys.path``, so that a YAML file's ``class_path: my_module.MyModel`` imports.
 
-    NOTE: a console script's ``sys.path[0]`` is its ``bin`` folder, so ``my_module.py`` next to the YAML file
-    would fail with "No module named 'my_module'". Last, not first: a file in the current directory named like
-    a module that ``lowmem`` itself imports (``jsonargparse.py``, ``yaml.py``, ``torch.py``) must not replace it
-    (code from a downloaded project's folder would run in place of the library). ``python -P`` /
-    ``PYTHONSAFEPATH`` (the user asked for no such entry) is respected.
+    NOTE: last, so a file named like a module ``lowmem`` imports (``yaml.py``, ``torch.py``) never replaces it;
+    ``python -P`` / ``PYTHONSAFEPATH`` is respected.
     """
     if sys.flags.safe_path:
         return
     cwd = os.getcwd()
     if not any(entry in ("", ".", cwd) for entry in sys.path):
         sys.path.append(cwd)
-
-
-def _message(err: BaseException, args: list[str]) -> str:
-    """The one line for ``err``: jsonargparse's errors explained (``_cli_errors.one_line``), others' root cause."""
-    from lightning_lowmem.cli import errors as _cli_errors  # NOTE: imports Lightning: only on an error
-
-    return _cli_errors.one_line(err, args, _root_cause(err))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
             LowMemCLI(args=argv)
     except Exception as err:
-        if not isinstance(err, _user_errors()):
+        if not isinstance(err, _user_errors()) or os.environ.get("LOWMEM_TRACEBACK"):
             raise
-        if os.environ.get("LOWMEM_TRACEBACK"):
-            raise
-        print(f"lowmem: error: {_message(err, args)}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
+        from lightning_lowmem.cli import errors as _cli_errors  # NOTE: imports Lightning: only on an error
+
+        line = _cli_errors.one_line(err, args, _root_cause(err))
+        print(f"lowmem: error: {line}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
         return 2
     return 0
 

@@ -1,12 +1,9 @@
 """``lowmem plan``: the fastest recipe of the suite that fits your GPU, as a YAML ``lowmem fit`` runs.
 
     lowmem plan --config run.yaml --device-memory 12GB --host-memory 64GB --write plan.yaml
-    lowmem plan --model gpt2-xl --batch-size 4 --seq-len 1024 --hardware rtx3060-12gb
-    lowmem plan --model llama-7b --batch-size 1 --seq-len 2048 --hardware rtx4090-24gb --adapters none,lora
-    lowmem plan --model llama-7b --batch-size 1 --seq-len 512 --hardware rtx4090-24gb --optimizers adamw,galore
-    lowmem plan --model my_project.MyModule --data my_project.MyDataModule --data.init_args.batch_size 8 \
-        --device-memory 12GB
     lowmem fit --config plan.yaml
+
+More examples in docs/cli.md.
 """
 
 from __future__ import annotations
@@ -94,20 +91,19 @@ def _check(args: argparse.Namespace) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowmem plan``: rank the suite's recipes for a run and a budget; write the fastest that fits."""
     parser = _parser()
-    from lightning_lowmem.cli.estimate import data_problems, glue_values, split_data_args
+    from lightning_lowmem.cli.estimate import _model_config, data_problems, glue_values, split_data_args
 
     try:
         rest, init_args = split_data_args(sys.argv[1:] if argv is None else argv)
     except ValueError as err:
         parser.exit(2, f"lowmem plan: error: {err}\n")
     args = parser.parse_args(glue_values(rest, ("--device-memory", "--host-memory")))
+    from lightning_lowmem.plan.recipes import adapter_variants, optimizer_choices
     from lightning_lowmem.plan.search import NoRecipeFitsError, plan
     from lightning_lowmem.predict.estimate import module_class as _module_class
 
     problems = _check(args)
     adapters, quantize_base = args.adapters.split(","), args.quantize_base.split(",")
-    from lightning_lowmem.plan.recipes import adapter_variants, optimizer_choices
-
     adapter_variants(adapters, quantize_base, args.adapter_r, (), problems, cli=True)  # NOTE: the flags', up front
     optimizers = args.optimizers.split(",")
     optimizer_choices(optimizers, (), problems, cli=True)
@@ -122,8 +118,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if module_class is not None:
         model = module_class  # your LightningModule, built on the meta device, on --data or its own dataloader
     elif args.model:
-        from lightning_lowmem.cli.estimate import _model_config
-
         try:
             model = _model_config(args)
         except (ValueError, FileNotFoundError, TypeError) as err:

@@ -1,10 +1,7 @@
-"""The five memory categories every report and benchmark of this project speaks in.
+"""The five memory categories every report and benchmark speaks in, in bytes per role (``device``, ``host``).
 
-``weights``, ``gradients``, ``optimizer_state`` (fp32 masters included), ``activations`` (tensors
-autograd saves for backward) and ``other`` (temporaries, buffers, allocator slack), each counted in
-bytes per role: ``device`` (the accelerator, the compute role) and ``host`` (CPU memory a technique
-offloads to). On a CPU-only machine both roles are the same memory; the split then says which
-tensors a technique keeps in the compute role.
+On a CPU-only machine both roles are the same memory; the split then says which tensors a technique keeps in the
+compute role (docs/design.md, "Memory categories").
 """
 
 from __future__ import annotations
@@ -57,21 +54,13 @@ class MemoryBreakdown:
 
 @runtime_checkable
 class ReportsMemory(Protocol):
-    """Implemented by strategies and callbacks that know where they keep their tensors.
-
-    ``MemoryReport`` and the benchmarks ask every strategy and callback of the Trainer that
-    implements it, and add the answers.
-    """
+    """Implemented by strategies and callbacks that know where they keep their tensors (``MemoryReport`` adds them)."""
 
     def memory_breakdown(self) -> MemoryBreakdown: ...
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of a tensor's storage: two views of one storage have the same key.
-
-    NOTE: the StorageImpl (``_cdata``), not ``data_ptr``: the storages of fake tensors (a dry run) and empty
-    ones all have address 0.
-    """
+    """Identity of a tensor's storage: two views of one storage have the same key."""
     return (str(t.device), torch_internals.storage_key(t.untyped_storage()))
 
 
@@ -85,26 +74,13 @@ def storage_key_or_none(t: torch.Tensor) -> tuple[str, int] | None:
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
-            continue
-        key = storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total
+    unique = {storage_key(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(t.untyped_storage().nbytes() for t in unique.values())
 
 
 def quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors of a quantized weight's quantization state (bitsandbytes' ``Params4bit.quant_state``: the
-    absmax per block, the code book, and the nested state of double quantization): part of the weight's bytes.
-
-    NOTE: they are attributes of an object the parameter holds, not parameters or buffers: a scan of the module's
-    tensors misses them, and a tracker that meets them first in the forward counts them as activations.
-    """
+    """The tensors of a quantized weight's quantization state (bitsandbytes' ``Params4bit.quant_state``, nested
+    state included): part of the weight's bytes (NOTE: neither parameters nor buffers, so a module scan misses them)."""
     found: list[torch.Tensor] = []
     state = getattr(p, "quant_state", None)
     while state is not None and hasattr(state, "__dict__") and not isinstance(state, (type, torch.nn.Module)):
@@ -144,10 +120,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # --- host-role marking ---------------------------------------------------------------------------
-# NOTE: on a CPU-only machine a tensor "offloaded to the host" lives in the same memory as one kept
-# in the compute role, so the device alone cannot tell the roles apart. Techniques that keep tensors
-# on the host (fp32 masters, host gradients, offloaded activations) mark them here, and trackers
-# count marked storages in the host role. Marks are weak (by identity): a freed tensor drops out by itself.
+# NOTE: on a CPU-only machine the device cannot tell the roles apart: techniques mark what they keep on the host and
+# trackers count marked storages there. Marks are weak (by identity): a freed tensor drops out by itself.
 _HOST_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _HOST_LISTENERS: list[Callable[[torch.Tensor], None]] = []
 
@@ -165,12 +139,8 @@ _HOST_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # host copy -> weakr
 
 
 def mark_host_weights(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Mark ``(parameter, host copy)`` pairs: host copies of a module's weights (parameter streaming's), in the host
-    role, counted as ``weights`` by a tracker of that module entered after they were made.
-
-    NOTE: a tracker counts what it sees made, plus what the module and the optimizers hold when it starts; a host copy
-    made before (at setup) that only the technique holds would be missed.
-    """
+    """Mark ``(parameter, host copy)`` pairs (parameter streaming's) in the host role, counted as ``weights`` by a
+    tracker of that module entered after they were made (NOTE: it would not see them made)."""
     for p, host in pairs:
         mark_host(host)
         _HOST_WEIGHTS[host] = weakref.ref(p)
@@ -179,12 +149,7 @@ def mark_host_weights(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Non
 def host_weight_copies(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The live host copies marked with :func:`mark_host_weights` of any of ``params``."""
     ids = {id(p) for p in params}
-    out = []
-    for host, ref in list(_HOST_WEIGHTS.items()):
-        p = ref()
-        if p is not None and id(p) in ids:
-            out.append(host)
-    return out
+    return [host for host, ref in list(_HOST_WEIGHTS.items()) if (p := ref()) is not None and id(p) in ids]
 
 
 def host_tensors() -> list[torch.Tensor]:

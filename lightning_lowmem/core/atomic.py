@@ -1,23 +1,9 @@
-"""Crash-safe writes: a file or a directory is at its final path complete, or not at all.
+"""Crash-safe writes: a file or a directory is at its final path complete, or not at all (docs/reliability.md).
 
-One protocol for every checkpoint and report the package writes (``AtomicCheckpointIO``, the ZeRO
-directory checkpoints of ``ZeroStrategy``, ``consolidate``):
-
-1. write to a temp name in the *same directory* as the target, ``.NAME.tmp-PID``;
-2. ``fsync`` every file written, then the directories holding them;
-3. rename into place: ``os.replace`` for a file; for a directory an atomic exchange
-   (``renameat2(RENAME_EXCHANGE)``) with the previous one, which is removed only afterwards;
-4. ``fsync`` the parent directory, so that the rename itself survives a power loss.
-
-A process killed at any point leaves the previous version at the target and, at most, a
-``.NAME.tmp-PID`` (or ``.NAME.old-PID``) orphan beside it; :func:`clean_orphans` removes those of
-dead processes (and puts back a previous version that a kill left only under its ``.old`` name) at
-the next save.
-
-Why not Lightning's ``_atomic_save`` (what ``TorchCheckpointIO`` uses): it serializes into an in-memory ``BytesIO``
-first (a second copy of every tensor in host RAM, when the host is fullest), "moves" a temp file from the system temp
-directory (a copy when ``/tmp`` is another filesystem, and a kill leaves the orphan there), fsyncs nothing, and
-writes single files only (DeepSpeed's checkpoints are directories, rewritten in place).
+Write to ``.NAME.tmp-PID`` in the target's directory, fsync the files and directories, rename into place
+(``os.replace``; for a directory an atomic ``renameat2(RENAME_EXCHANGE)`` with the previous one), fsync the parent.
+A kill leaves the previous version and at most a ``.tmp-PID``/``.old-PID`` orphan, which :func:`clean_orphans`
+removes at the next save. Lightning's ``_atomic_save`` buffers in RAM, fsyncs nothing and writes single files only.
 """
 
 from __future__ import annotations
@@ -80,15 +66,10 @@ def atomic_write(
     digest: bool = False,
     needed: int | None = None,
 ) -> str | None:
-    """Write ``path`` through ``write(file)`` atomically: temp file beside it, fsync, ``os.replace``, fsync the dir.
-
-    Stale temp files of dead processes beside ``path`` are removed first (:func:`clean_orphans`). The file's
-    permissions follow the process's umask, as ``open`` gives them (``mode`` forces others).
-    ``digest=True`` appends the SHA-256 of what ``write`` wrote as the zip comment of a ``torch.save`` archive
-    (``core.digest``; checked at load) and returns it. A full disk raises ``DiskFullError`` naming the device,
-    the file, ``needed`` (an estimate of the bytes to write) and the free space, after removing the temp file.
+    """Write ``path`` through ``write(file)`` atomically (orphans beside it removed first; ``mode`` overrides the
+    umask's permissions). ``digest=True`` appends the SHA-256 as the zip comment and returns it. A full disk raises
+    ``DiskFullError`` naming ``needed`` (an estimate of the bytes to write), after removing the temp file.
     """
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_orphans(path)
@@ -145,10 +126,8 @@ def _libc() -> Any:
 def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
     """Put the complete directory ``new`` at ``target``, keeping the previous ``target`` until ``new`` is in place.
 
-    ``new`` must be on the same filesystem (a sibling, see :func:`temp_path`) and already fsync-ed. With
-    ``RENAME_EXCHANGE`` there is no instant at which ``target`` is missing; without it (other kernels and
-    filesystems) the previous version is first renamed to ``.NAME.old-PID``, which :func:`clean_orphans`
-    puts back if a kill lands between the two renames.
+    ``new`` must be a sibling, already fsync-ed. Without ``RENAME_EXCHANGE`` the previous version is first renamed
+    to ``.NAME.old-PID``, which :func:`clean_orphans` puts back if a kill lands between the two renames.
     """
     new, target = Path(new), Path(target)
     if not os.path.lexists(target):
@@ -198,12 +177,9 @@ def pid_alive(pid: int) -> bool:
 def clean_orphans(target: str | os.PathLike, *, keep: str | os.PathLike | None = None) -> list[Path]:
     """Remove the ``.NAME.tmp-PID`` / ``.NAME.old-PID`` leftovers of dead processes in ``target``'s directory.
 
-    A ``.NAME.old-PID`` whose ``NAME`` is missing is the previous version of a directory swap that a kill
-    interrupted between its two renames: it is renamed back to ``NAME`` instead. ``keep`` is never touched
-    (the temp name of a save in progress on another rank). Returns the paths removed or restored.
-
-    NOTE: liveness is judged by PID on *this* machine: two machines writing one shared checkpoint
-    directory at once must not both save (they would overwrite each other's checkpoints anyway).
+    A ``.NAME.old-PID`` whose ``NAME`` is missing (a directory swap interrupted) is renamed back instead. ``keep`` is
+    never touched (another rank's save in progress). Returns the paths removed or restored. NOTE: liveness is judged
+    by PID on *this* machine: two machines must not save into one directory at once.
     """
     directory = Path(target).parent
     keep_name = Path(keep).name if keep is not None else None

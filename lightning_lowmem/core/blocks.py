@@ -13,23 +13,15 @@ from torch import nn
 
 from lightning_lowmem._internals import torch as torch_internals
 
-# --- discovery ------------------------------------------------------------------------------------
-
 
 def find_repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks of a model: the children of its longest ``nn.ModuleList`` of same-class modules.
 
-    Every such list of the maximal length is taken (an encoder-decoder has two), and lists nested inside an
-    already chosen block are skipped. Covers GPT-2 (``transformer.h``), LLaMA (``model.layers``), BERT
-    (``encoder.layer``), T5 (``encoder.block``, ``decoder.block``), ViT and ``nn.TransformerEncoder``
-    (``layers``). Returns ``[]`` when no list of at least two same-class modules exists.
+    Every list of the maximal length is taken (an encoder-decoder has two), lists nested in a chosen block skipped
+    (GPT-2's ``transformer.h``, LLaMA's ``model.layers``, T5's two ``block``...). ``[]`` when none has two or more.
     """
-    candidates: list[tuple[str, nn.ModuleList]] = []
-    for name, module in root.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2:
-            classes = {type(child) for child in module}
-            if len(classes) == 1:
-                candidates.append((name, module))
+    candidates = [(name, m) for name, m in root.named_modules()
+                  if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(child) for child in m}) == 1]
     if not candidates:
         return []
     longest = max(len(m) for _, m in candidates)
@@ -46,12 +38,8 @@ def find_repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def called_blocks(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its children.
-
-    NOTE: a container has no ``forward``: the model walks its layers itself (Funnel's ``encoder.blocks.0``,
-    PoolFormer's ``encoder.block.0``), so the hooks of a streamed container never run and its weights would be read
-    released (NaN). Its children are called: they are the streamed blocks.
-    """
+    """The modules whose ``forward`` runs: a container (``nn.ModuleList``, ``nn.ModuleDict``) is replaced by its
+    children (NOTE: its hooks never run: streamed, its weights would be read released)."""
     out: list[tuple[str, nn.Module]] = []
     for name, block in blocks:
         if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
@@ -62,11 +50,8 @@ def called_blocks(blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn
 
 
 def select_modules(root: nn.Module, targets: Sequence[str | type]) -> list[tuple[str, nn.Module]]:
-    """Modules named by ``targets``: classes, class names, or ``fnmatch`` patterns on qualified names.
-
-    A name matching an ``nn.ModuleList`` selects its children. Modules nested inside an already selected
-    module are skipped (checkpointing the outer one covers them).
-    """
+    """Modules named by ``targets``: classes, class names, or ``fnmatch`` patterns on qualified names (an
+    ``nn.ModuleList`` selects its children; modules nested in a selected one are skipped)."""
     chosen: list[tuple[str, nn.Module]] = []
 
     def covered(name: str) -> bool:
@@ -105,11 +90,9 @@ def outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> tup
     """``found`` without the ``torch.compile``-d modules, the modules inside them and those holding them; and
     ``{compiled module name: the names dropped}``.
 
-    NOTE: no checkpointing composes with a compiled region bit for bit. Inside it, the checkpoint is traced into the
-    graph, which inductor partitions and fuses otherwise (|diff|/|update| ~3e-6 after 3 fp32 steps with
-    ``backend="inductor"``, bit-identical with ``"aot_eager"``), and a segment closed by a forward hook inside it fails
-    in the compiled backward (a saved weight's strides). Around it, the recompute of a compiled module saves other
-    tensors than its forward did at ``bf16-true`` (torch's ``CheckpointError``, plain Lightning alike).
+    NOTE: no checkpointing composes with a compiled region bit for bit: inside it inductor fuses the recompute
+    otherwise (~3e-6 off after 3 fp32 steps) or the compiled backward fails; around it the recompute saves other
+    tensors at ``bf16-true`` (torch's ``CheckpointError``).
     """
     compiled = compiled_names(root)
     kept: list[tuple[str, nn.Module]] = []

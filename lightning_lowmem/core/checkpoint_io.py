@@ -1,19 +1,8 @@
 """A ``TorchCheckpointIO`` whose local writes are atomic and whose loads say what is wrong with a bad file.
 
-Writes go through :func:`lightning_lowmem.core.atomic.atomic_write` (temp file in the same directory, fsync,
-``os.replace``, fsync of the directory; see there why Lightning's ``_atomic_save`` is not enough): a
-crash or a full disk mid-write leaves the previous checkpoint intact, and the ``.NAME.tmp-PID`` orphans
-of killed processes are removed at the next save. Remote (fsspec) paths use Lightning's own writer.
-
-Each saved file carries its SHA-256 as the zip comment (``core.digest``; computed while it is written), and a
-full disk is named (``core.disk_full``) instead of torch's ``unexpected pos ...``.
-
-Loads check the file before ``torch.load`` reads it, so that an empty, truncated, damaged (digest mismatch)
-or foreign file, or a DeepSpeed checkpoint directory, is an error naming the file and what to do instead of an
-``EOFError``, an ``OSError`` without the file's name, or a silently wrong resume. The load itself is
-weights-only unless the caller passed ``weights_only=False`` (Lightning's flag: ``trainer.fit(...,
-weights_only=False)``), whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` or Lightning's remote-URL default say; a
-refusal names the file, what it holds and that opt-in.
+Writes go through :func:`~lightning_lowmem.core.atomic.atomic_write` and carry their SHA-256 (``core.digest``); a
+full disk is named (``core.disk_full``). Loads check the file first and are weights-only unless the caller passed
+``weights_only=False`` (Lightning's flag). See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -77,7 +66,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"{first}): the file is damaged. {_FIX}"
             ) from err
 
-
     def _load(self, path: lightning_internals.PATH, kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
             return super().load_checkpoint(path, **kwargs)
@@ -94,10 +82,7 @@ _FIX = (
 
 
 def single_file_problem(path: lightning_internals.PATH) -> str | None:
-    """What is wrong with ``path`` as a single-file Lightning checkpoint, or None if it looks like one.
-
-    Cheap: reads the first bytes and the zip directory at the end of the file, never the tensors.
-    """
+    """What is wrong with ``path`` as a single-file Lightning checkpoint, or None (reads no tensors)."""
     p = Path(path)
     if not os.path.lexists(p):
         return f"The checkpoint {str(path)!r} does not exist. Check `ckpt_path` (relative paths start at {os.getcwd()!r})."
@@ -121,11 +106,8 @@ _LEGACY_MAGIC = b"\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
 
 
 def torch_file_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be a complete ``torch.save`` file (``"is empty (0 bytes)..."``), or None.
-
-    Reads the first 4 bytes and, for a zip archive, its central directory at the end: a file cut short
-    (a killed save, a full disk) has lost that directory.
-    """
+    """Why ``path`` cannot be a complete ``torch.save`` file (``"is empty (0 bytes)..."``), or None: reads its first
+    bytes and a zip archive's central directory, which a file cut short has lost."""
     size = os.path.getsize(path)
     if size == 0:
         return "is empty (0 bytes): its save was interrupted or the disk was full"

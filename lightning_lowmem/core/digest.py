@@ -1,21 +1,8 @@
-"""SHA-256 digests of the checkpoints the package writes, checked when they are read back.
+"""SHA-256 digests of the checkpoints the package writes, checked when they are read back (docs/reliability.md).
 
-Two forms, both written by the atomic writers (:mod:`lightning_lowmem.core.atomic`, the ZeRO directory save):
-
-- a single ``torch.save`` file carries its digest **inside** itself, as the zip archive's comment
-  (``lowmem-sha256:<64 hex>``, the last 78 bytes of the file). The digest covers every byte before the
-  comment-length field, so it is computed while the file is streamed out (no second read) and there is no
-  sidecar that a crash could leave out of step with the file. ``torch.load``, Lightning and Python's
-  ``zipfile`` ignore a zip comment: the file stays a plain checkpoint;
-- a directory (DeepSpeed's) gets ``lowmem_manifest.json``, written last, listing every file's size and
-  digest.
-
-A file or directory without a digest (plain Lightning's, DeepSpeed's own) is read as before. The digest
-finds damage (flipped bits on disk, a copy that went wrong), not tampering: whoever can rewrite a
-checkpoint can rewrite its digest; what a load may execute is limited separately (``core.trusted_load``).
-
-Cost: hashing runs at about 1.2 GiB/s on one core of the 2-core CI machine (``hashlib.sha256``), paid once
-per save (while writing) and once per load (a read before ``torch.load``'s, usually from the page cache).
+A single ``torch.save`` file carries its digest as the zip comment (``lowmem-sha256:<64 hex>``, the last 78 bytes,
+computed while it is written); a directory (DeepSpeed's) gets ``lowmem_manifest.json``, written last. A file without
+a digest is read as before. The digest finds damage, not tampering (that is ``core.trusted_load``'s job).
 """
 
 from __future__ import annotations
@@ -42,12 +29,8 @@ class DigestMismatchError(ValueError):
 class HashingWriter:
     """The file object a writer function gets: passes bytes on, hashes them, counts them, keeps the OSError.
 
-    ``torch.save`` turns an ``OSError`` of ``write`` into a ``RuntimeError`` without the errno ("unexpected
-    pos ..."); ``error`` keeps the original so that a full disk can be named (``core.disk_full``). The hash
-    leaves out the last 2 bytes seen (a zip archive's comment length, rewritten by :meth:`seal`).
-
-    NOTE: only ``write`` and ``flush`` are offered: a writer that seeks would make the streamed hash wrong,
-    so it fails loudly (``AttributeError``) instead.
+    ``error`` keeps the ``OSError`` that ``torch.save`` loses (``core.disk_full``). The hash leaves out the last 2
+    bytes seen (the zip comment length, rewritten by :meth:`seal`). NOTE: no ``seek``: it would make the hash wrong.
     """
 
     def __init__(self, file: IO[bytes], digest: bool = True) -> None:
@@ -128,18 +111,15 @@ def recorded_digest(path: str | os.PathLike) -> str | None:
         f.seek(size - _EOCD_BYTES - _COMMENT_BYTES)
         tail = f.read()
     record, comment = tail[:_EOCD_BYTES], tail[_EOCD_BYTES:]
-    if not record.startswith(_EOCD) or record[-2:] != struct.pack("<H", _COMMENT_BYTES):
-        return None
-    if not comment.startswith(_PREFIX):
+    if (not record.startswith(_EOCD) or record[-2:] != struct.pack("<H", _COMMENT_BYTES)
+            or not comment.startswith(_PREFIX)):
         return None
     return comment[len(_PREFIX):].decode("ascii", "replace")
 
 
 def file_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path``'s bytes are not those it was written with (its embedded digest differs), or None.
-
-    None as well for a file without a digest (plain Lightning's). Reads the whole file once.
-    """
+    """Why ``path``'s bytes are not those it was written with (its embedded digest differs), or None (also for a
+    file without a digest). Reads the whole file once."""
     expected = recorded_digest(path)
     if expected is None:
         return None
@@ -153,14 +133,9 @@ def file_problem(path: str | os.PathLike) -> str | None:
 
 
 # ---- directories --------------------------------------------------------------------------------------------
-
-
 def write_manifest(root: str | os.PathLike, known: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Write ``root/lowmem_manifest.json``: every file under ``root`` with its size and SHA-256.
-
-    ``known`` maps relative paths to digests already computed while writing (``{"bytes": n, "sha256": hex}``);
-    the other files are read. Call it last, once every other file is complete.
-    """
+    """Write ``root/lowmem_manifest.json`` (call it last): every file under ``root`` with its size and SHA-256, from
+    ``known`` (relative path -> ``{"bytes": n, "sha256": hex}`` computed while writing) or read."""
     root = Path(root)
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):

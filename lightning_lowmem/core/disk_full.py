@@ -1,9 +1,7 @@
 """A full disk during a save, said in one line: which device, which file, how much was needed, how much is free.
 
-``torch.save`` reports a failed write as ``RuntimeError: ... unexpected pos N vs M`` (the errno is lost);
-the atomic writers keep the ``OSError`` of the write itself (``_digest.HashingWriter.error``) and turn an
-``ENOSPC`` / ``EDQUOT`` into :class:`DiskFullError`, after removing their temporary file or directory so that
-the space is given back.
+The atomic writers keep the write's own ``OSError`` (``torch.save`` loses the errno) and turn ``ENOSPC``/``EDQUOT``
+into :class:`DiskFullError`, after removing their temporary files.
 """
 
 from __future__ import annotations
@@ -66,19 +64,13 @@ def device_of(path: str | os.PathLike) -> str:
     return f"{source} (mounted at {mount})" if source else f"the filesystem mounted at {mount}"
 
 
-def free_bytes(path: str | os.PathLike) -> int | None:
-    try:
-        return shutil.disk_usage(_existing(path)).free
-    except OSError:
-        return None
-
-
 def disk_full_error(cause: OSError, path: str | os.PathLike, needed: int | None, part: str = "") -> DiskFullError:
-    """The error to raise for ``cause`` (ENOSPC/EDQUOT) while writing ``path`` (``part``: which file of it).
-
-    Call it after the cleanup, so that the free space it reports is what the user has now.
-    """
-    free = free_bytes(path)
+    """The error to raise for ``cause`` (ENOSPC/EDQUOT) while writing ``path`` (``part``: which file of it); call it
+    after the cleanup, so that the free space it reports is what the user has now."""
+    try:
+        free: int | None = shutil.disk_usage(_existing(path)).free
+    except OSError:
+        free = None
     what = "no space left on" if cause.errno == errno.ENOSPC else "the disk quota is exceeded on"
     amounts = ", ".join(
         x for x in (f"needed ~{fmt_bytes(needed)}" if needed else "", f"free {fmt_bytes(free)}" if free is not None else "") if x
@@ -98,5 +90,4 @@ def disk_full_error(cause: OSError, path: str | os.PathLike, needed: int | None,
 
 def tensor_bytes(obj: object) -> int:
     """The bytes of the distinct tensor storages in a (nested) checkpoint: about what ``torch.save`` writes."""
-
     return unique_storage_bytes(tensors_in(obj))

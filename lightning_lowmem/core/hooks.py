@@ -11,12 +11,8 @@ from lightning_lowmem._internals.twin import BUILDS, package_for, package_of
 
 
 def check_lightning_object(obj: Any, what: str) -> None:
-    """Refuse an object of the other Lightning package than this build's, saying which build to import.
-
-    ``lightning`` and the standalone ``pytorch_lightning`` keep separate class hierarchies and registries:
-    ``lightning_lowmem`` works with the first, ``lightning_lowmem.pl`` (the same source, see
-    :mod:`lightning_lowmem._internals.twin`) with the second, and their objects cannot be mixed.
-    """
+    """Refuse an object of the other Lightning package than this build's, saying which build to import
+    (``lightning_lowmem`` or ``lightning_lowmem.pl``, :mod:`lightning_lowmem._internals.twin`)."""
     ours, theirs = package_for(__name__), package_of(obj)
     if theirs is None or theirs == ours:
         return
@@ -31,9 +27,5 @@ def check_lightning_object(obj: Any, what: str) -> None:
 
 def training_step_args(step: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
     """The positional arguments Lightning's loop gives ``step`` (a ``training_step``): ``batch``, and ``batch_idx``
-    only when the signature takes it (``training_step(self, batch)`` is allowed).
-
-    NOTE: the same rule as Lightning's ``_build_kwargs`` (decorators unwrapped through ``__wrapped__``), so code
-    that runs a module's step itself (trials, probes) calls it as the Trainer would.
-    """
+    only when the signature takes it (Lightning's ``_build_kwargs`` rule)."""
     return (batch, batch_idx) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)

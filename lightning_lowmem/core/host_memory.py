@@ -1,15 +1,7 @@
 """How much host RAM this process may still allocate, and the refusal when a strategy needs more.
 
-``psutil.virtual_memory().available`` is the machine's figure; a process can have much less:
-
-- a cgroup memory limit (containers, Kubernetes pods, Slurm jobs, systemd slices): v2 ``memory.max``
-  minus ``memory.current``, v1 ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes``, the smallest over
-  the process's cgroup and its ancestors; reclaimable page cache (``inactive_file``) counts as free,
-  as the kernel reclaims it before it OOM-kills;
-- ``ulimit -v`` (``RLIMIT_AS``: address space, compared with the process's virtual size) and
-  ``ulimit -d`` (``RLIMIT_DATA``: its data segment), past which allocations fail.
-
-Used by ``lowmem_offload`` and the ``lowmem_zero*`` offload presets before they allocate.
+The least of the machine's available RAM, the cgroup v1/v2 limits of the process and its ancestors (reclaimable
+page cache counted as free) and ``ulimit -v``/``-d`` (docs/reliability.md). Used by the offload strategies.
 """
 
 from __future__ import annotations
@@ -26,10 +18,8 @@ _UNLIMITED = 1 << 60  # cgroup v1 writes 0x7FFFFFFFFFFFF000 for "no limit"
 
 
 class HostMemoryError(MemoryError):
-    """Host RAM, not device memory: a strategy refused to start (it would allocate more than this process may use),
-    or a host buffer (pinned or not) could not be allocated. Not a ``RuntimeError``: the out-of-memory splitters
-    (``OOMRecovery``, ``AccumulationScheduler(on_oom="split")``) do not take it for a device OOM that a smaller
-    batch would cure."""
+    """Host RAM, not device memory: a strategy refused to start, or a host buffer could not be allocated. Not a
+    ``RuntimeError``, so the OOM splitters (``OOMRecovery``, ``on_oom="split"``) do not take it for a device OOM."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +33,8 @@ class HostMemory:
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text().strip())  # NOTE: v2 writes "max" for "no limit"
+    except (OSError, ValueError):
         return None
     return None if value >= _UNLIMITED else value
 
@@ -107,8 +91,8 @@ def cgroup_limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/c
 def rlimit_limits() -> dict[str, int]:
     """Bytes left under ``RLIMIT_AS`` (``ulimit -v``) and ``RLIMIT_DATA`` (``ulimit -d``) for this process."""
     try:
-        import resource
-    except ImportError:  # not POSIX
+        import resource  # NOTE: guarded: POSIX only
+    except ImportError:
         return {}
     out: dict[str, int] = {}
     info = psutil.Process().memory_info()
@@ -132,11 +116,8 @@ def available_host_memory() -> HostMemory:
 
 
 def check_host_memory(need: Mapping[str, int], *, who: str, fixes: Sequence[str]) -> HostMemory:
-    """Raise :class:`HostMemoryError` when ``sum(need.values())`` is more than :func:`available_host_memory`.
-
-    ``need`` names the parts (``{"fp32 masters": bytes, ...}``); the message gives the total, the parts,
-    the available figure and the limit that decided it, and ``fixes`` (what to change).
-    """
+    """Raise :class:`HostMemoryError` naming the parts of ``need`` (``{"fp32 masters": bytes, ...}``), the limit and
+    ``fixes`` when their sum is more than :func:`available_host_memory`."""
     total = sum(need.values())
     host = available_host_memory()
     if total > host.available:
@@ -149,12 +130,8 @@ def check_host_memory(need: Mapping[str, int], *, who: str, fixes: Sequence[str]
 
 
 def pinned_bytes(nbytes: int, *, cuda: bool = True) -> int:
-    """Host bytes a page-locked buffer of ``nbytes`` takes.
-
-    NOTE: torch's ``CachingHostAllocator`` (behind ``pin_memory=True`` and ``Tensor.pin_memory()`` on CUDA)
-    rounds every request up to the next power of two (``pinned_max_round_threshold`` is unlimited by default):
-    a 5 GiB pinned buffer takes 8 GiB of RAM. Nothing is pinned on the CPU accelerator (``cuda=False``).
-    """
+    """Host bytes a page-locked buffer of ``nbytes`` takes (NOTE: torch's ``CachingHostAllocator`` rounds every
+    request up to a power of two: 5 GiB pinned takes 8 GiB). Nothing is pinned on the CPU (``cuda=False``)."""
     if not cuda or nbytes <= 0:
         return max(0, nbytes)
     return 1 << (int(nbytes) - 1).bit_length()
@@ -163,12 +140,9 @@ def pinned_bytes(nbytes: int, *, cuda: bool = True) -> int:
 class PinnedHostCache:
     """The host RAM a set of host buffers holds from the OS, as torch's allocators hold it.
 
-    On CUDA (``cuda=True``) buffers are page-locked through torch's ``CachingHostAllocator``: each request is rounded
-    up to a power of two, and a freed block goes back to the allocator's cache, not to the OS, to serve a later
-    request of the same size class. So the RAM taken (:attr:`reserved`) is, per size class, the most blocks of that
-    class alive at once; it never shrinks. Without pinning (``cuda=False``) it follows the live bytes.
-
-    NOTE: the allocator's cache is per process and shared with every pinned user; this counts the blocks of one owner.
+    On CUDA a freed pinned block stays in the allocator's cache for its size class, so :attr:`reserved` is, per size
+    class, the most blocks alive at once and never shrinks; without pinning it follows the live bytes. NOTE: the
+    allocator's cache is shared per process; this counts the blocks of one owner.
     """
 
     def __init__(self, *, cuda: bool) -> None:

@@ -1,17 +1,8 @@
 """DeepSpeed's C++ ops on the CPU: stale build locks found before they hang a run, and ``lowmem build-ops``.
 
-DeepSpeed compiles ``cpu_adam`` (the optimizer of every ``lowmem_zero*_offload`` preset) and, for several CPU
-processes, ``deepspeed_shm_comm`` the first time they are used, with ``torch.utils.cpp_extension.load``.
-That build takes a ``lock`` file in ``TORCH_EXTENSIONS_DIR/<op>/`` (default
-``~/.cache/torch_extensions/py311_cpu/<op>/``) and every other process waits, polling, until the file is
-gone. A build that is interrupted (Ctrl-C, a kill, a job's time limit) leaves the file behind, and every later
-run waits on it forever, silently, at "initializing deepspeed distributed" or at the optimizer's creation.
-
-:func:`stale_locks` finds those: a ``lock`` that no process on this machine holds open (the builder keeps
-the file descriptor it created it with until it removes it) and beside which nothing has changed for
-:data:`QUIET_S` seconds (a build on another machine sharing the directory keeps writing object files).
-``ZeroStrategy`` refuses to start on one, naming it; ``lowmem build-ops`` removes stale locks and builds
-the ops ahead of time (an install step for CI images and clusters: run it once, before the jobs).
+An interrupted build of ``cpu_adam`` or ``deepspeed_shm_comm`` leaves a ``lock`` in ``TORCH_EXTENSIONS_DIR/<op>/``
+that every later run waits on forever. :func:`stale_locks` finds those nobody holds open and beside which nothing
+changed for :data:`QUIET_S` seconds; ``ZeroStrategy`` refuses to start on one, ``lowmem build-ops`` removes them.
 """
 
 from __future__ import annotations

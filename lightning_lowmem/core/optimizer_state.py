@@ -1,11 +1,5 @@
-"""Bytes of optimizer state: the one per-parameter table and the per-optimizer estimate built on it.
-
-:func:`optimizer_state_bytes_per_param` is the table (Adam/AdamW: two moments; bitsandbytes 8-bit Adam:
-2 B/param plus one fp32 absmax per 256 values, 32-bit state under 4096 values; SGD momentum: one tensor).
-:func:`expected_state_bytes` applies it, tensor by tensor, to an optimizer object before its first step
-(torch's other optimizers, Lion, a ``LowBitOptimizer`` swap). The analytic bound
-(:mod:`lightning_lowmem.predict.analytic`), the host-RAM check of ``lowmem_offload`` and ZeRO's host-RAM
-check all read it here; it imports only ``core.optional``, so any of them can.
+"""Bytes of optimizer state: the per-parameter table (:func:`optimizer_state_bytes_per_param`) and the estimate for an
+optimizer object before its first step (:func:`expected_state_bytes`); imports only ``core.optional``.
 """
 
 from __future__ import annotations
@@ -45,11 +39,8 @@ _BNB_BASE = ("bitsandbytes.optim.optimizer", "Optimizer8bit")  # every bitsandby
 
 
 def optimizer_family(optimizer: Optimizer) -> str | None:
-    """The algorithm family of ``optimizer`` that an 8-bit equivalent exists for: ``"adam"``, ``"lion"`` or None.
-
-    The one answer to "can ``LowBitOptimizer`` swap it": torch's Adam/AdamW, bitsandbytes' Adam and Lion optimizers
-    (they say it themselves: ``optimizer_name``) and ``lion_pytorch``'s Lion.
-    """
+    """The family of ``optimizer`` that an 8-bit equivalent exists for (can ``LowBitOptimizer`` swap it):
+    ``"adam"``, ``"lion"`` or None."""
     name = getattr(optimizer, "optimizer_name", None)  # bitsandbytes optimizers say it themselves
     if name in ("adam", "lion"):
         return name
@@ -70,12 +61,10 @@ def _eight_bit_state(optimizer: Optimizer) -> bool:
 def expected_state_bytes(
     optimizer: Optimizer, low_bit: Any | None = None, keep_32bit: set[int] | frozenset[int] = frozenset()
 ) -> int:
-    """Host bytes of the state ``optimizer`` will create for its fp32 masters (before its first step).
-
-    ``low_bit``: a ``LowBitOptimizer`` callback that will swap an Adam/Lion optimizer for its bitsandbytes
-    8-bit version in ``on_fit_start`` (tensors under its ``min_8bit_size``, and ``keep_32bit`` ids with
-    ``stable_embedding``, keep 32-bit state). The per-tensor rules are
-    :func:`optimizer_state_bytes_per_param`'s; unknown optimizer classes count as Adam (8 B/param).
+    """Host bytes of the state ``optimizer`` will create for its fp32 masters (before its first step). ``low_bit``: a
+    ``LowBitOptimizer`` that will swap an Adam/Lion optimizer for its 8-bit version (tensors under its
+    ``min_8bit_size``, and ``keep_32bit`` ids with ``stable_embedding``, keep 32-bit state). Unknown optimizer classes
+    count as Adam (8 B/param).
     """
     eight_bit = _eight_bit_state(optimizer)
     min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)

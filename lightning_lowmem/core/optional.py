@@ -61,9 +61,8 @@ def require(name: str, feature: str) -> ModuleType:
 def loaded_class(module: str, name: str) -> type | None:
     """Class ``name`` of ``module`` when that module is imported already, else None; never imports it.
 
-    NOTE: an object of an optional package's class (DeepSpeed's CPU Adam, a bitsandbytes optimizer, transformers'
-    ``Conv1D``) exists only once its module is imported, so a type check against it needs no import: ``isinstance``
-    against what this returns, never a class-name string (a subclass or a look-alike would be judged by its name).
+    NOTE: an object of an optional package's class exists only once its module is imported, so ``isinstance`` against
+    this needs no import (never a class-name string: a subclass or a look-alike would be judged by its name).
     """
     loaded = sys.modules.get(module)
     cls = getattr(loaded, name, None) if loaded is not None else None

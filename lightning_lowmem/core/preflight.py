@@ -1,13 +1,7 @@
-"""Checks before the first step that would otherwise fail after it, or wait forever (private helper of the strategies).
+"""Checks before the first step of what would otherwise fail after it, or wait forever (private helper of strategies).
 
-- :func:`checkpoint_dir_problems`: a ``ModelCheckpoint`` directory that cannot be written (read-only, a file in
-  the way, no permission) fails at the first save, after a step or an epoch of work; found at setup instead,
-  by creating and removing a file there (``os.access`` says yes to root even on a read-only mount).
-- :func:`launch_problem`: ``LOCAL_RANK`` in the environment without ``WORLD_SIZE`` makes Lightning take it that
-  a launcher started the processes, so it starts none, and rank 0 waits forever for its peers at "initializing
-  deepspeed distributed".
-- :class:`SlowStartNotice`: what a start-up step (DeepSpeed's rendezvous, an op build) that takes long is
-  waiting for, printed every ``LOWMEM_WAIT_NOTICE_S`` seconds (60 by default) instead of silence.
+An unwritable ``ModelCheckpoint`` directory (:func:`checkpoint_dir_problems`), ``LOCAL_RANK`` without
+``WORLD_SIZE`` (:func:`launch_problem`), and :class:`SlowStartNotice` for a slow start-up step.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ from typing_extensions import Self
 
 from lightning_lowmem._internals import lightning as lightning_internals
 from lightning_lowmem.core import ops_build as _ops_build
-from lightning_lowmem.core.ops_build import build_locks
 
 
 def writable_problem(directory: str | os.PathLike) -> str | None:
@@ -85,11 +78,8 @@ def launch_problem(strategy: Any) -> str | None:
 
 
 class SlowStartNotice:
-    """``with SlowStartNotice("DeepSpeed's distributed start-up", hint):`` prints what it waits for while it waits.
-
-    Every ``LOWMEM_WAIT_NOTICE_S`` seconds (default 60) a line on stderr: the step, the time so far, the torch
-    extension build locks present (with their holders and age) and ``hint``.
-    """
+    """``with SlowStartNotice("DeepSpeed's distributed start-up", hint):`` prints, every ``LOWMEM_WAIT_NOTICE_S``
+    seconds (default 60), the step, the time so far, the build locks present and ``hint`` on stderr."""
 
     def __init__(self, step: str, hint: str = "") -> None:
         self.step, self.hint = step, hint
@@ -109,7 +99,7 @@ class SlowStartNotice:
     def _run(self) -> None:
         start = time.monotonic()
         while not self._done.wait(self.interval):
-            locks = build_locks()
+            locks = _ops_build.build_locks()
             waiting = (
                 " Build locks present: " + "; ".join(lock.describe() for lock in locks) + " (a lock held by no process "
                 "and unchanged for minutes is left by an interrupted build: remove it, then `lowmem build-ops`)."

@@ -1,9 +1,7 @@
 """The fix every technique names for a gradient that arrives twice in one backward.
 
-A weight shared by two reentrant-checkpointed segments (one block applied twice under
-``torch.utils.checkpoint(..., use_reentrant=True)``, ALBERT-style sharing under older Hugging Face checkpointing)
-has its gradient hooks called once in each segment's inner backward. A technique that acts when a gradient lands
-(a step in backward, an upload in backward, DeepSpeed's reduction) refuses it with this text.
+A weight shared by two reentrant-checkpointed segments has its gradient hooks called once in each; a technique that
+acts when a gradient lands (a step or upload in backward, DeepSpeed's reduction) refuses it with this text.
 
 Example:
     >>> reentrant_fix("remove the callback").endswith("or remove the callback.")

@@ -7,11 +7,8 @@ from typing import Any
 
 
 class Reproducible:
-    """Remembers its constructor arguments, so that an unused copy can be made: :meth:`fresh`.
-
-    A dry run (``lightning_lowmem.dry_run``, ``MemoryReport``'s prediction) runs a technique's own
-    object on fake tensors; it must get one that no Trainer has touched yet, built as the user built theirs.
-    """
+    """Remembers its constructor arguments, so that an unused copy can be made (:meth:`fresh`): a dry run needs a
+    technique object no Trainer has touched yet, built as the user built theirs."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         obj = super().__new__(cls)

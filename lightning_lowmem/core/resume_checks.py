@@ -1,8 +1,5 @@
-"""A checkpoint of another model or optimizer, resumed: one error naming the file, what differs and what to do.
-
-torch says ``KeyError: 'step'`` deep in ``Adam.__setstate__`` when an SGD state is loaded into AdamW (and
-nothing at all the other way round: SGD ignores Adam's moments), and lists every ``size mismatch`` of a model of
-another shape without naming the checkpoint. The strategies call these before (or around) the load.
+"""A checkpoint of another model or optimizer, resumed: one error naming the file, what differs and what to do
+(instead of torch's ``KeyError: 'step'`` or a list of size mismatches without the file's name).
 """
 
 from __future__ import annotations
@@ -33,10 +30,8 @@ def where(trainer: Any) -> str:
 
 
 def expected_state_keys(optimizer: torch.optim.Optimizer) -> set[str] | None:
-    """The per-parameter state keys ``optimizer``'s class writes, from one step of a twin on a 1-element tensor.
-
-    None when the twin cannot be built or stepped (an optimizer whose constructor takes more than param groups).
-    """
+    """The per-parameter state keys ``optimizer``'s class writes, from one step of a twin on a 1-element tensor
+    (None when the twin cannot be built or stepped)."""
     probe = torch.zeros(1, requires_grad=True)
     group = {k: v for k, v in optimizer.param_groups[0].items() if k not in ("params", "initial_lr")}
     try:

@@ -1,8 +1,7 @@
 """Roles a technique declares, so that code in another part of the package recognises it by type, never by name.
 
-The strategies (``strategies/``) and the callbacks (``callbacks/``) never import each other. Where one must know
-what the other is, it asks ``isinstance(obj, Role)`` for a role defined here, which the technique's class
-inherits: a subclass keeps the role, a renamed class keeps it, and a look-alike of another package never has it.
+The strategies and the callbacks never import each other: one asks ``isinstance(obj, Role)`` for a role defined here,
+which the other's class inherits (a subclass or a renamed class keeps it; a look-alike never has it).
 """
 
 from __future__ import annotations
@@ -19,10 +18,8 @@ class HostMastersStrategy:
     """A strategy whose optimizers step fp32 master weights on the host, not the module's parameters
     (``OffloadStrategy``, ``strategy="lowmem_offload"``).
 
-    A callback that steps or replaces the optimizer itself (``OptimizerInBackward``) refuses it and names the
-    strategy's own option instead; one that holds per-parameter state keyed by the module's parameters
-    (``LowBitOptimizer``) finds them through :meth:`master_of`; ``MasterHalfPrecision`` runs the gradient hooks
-    inside :meth:`masters_view`.
+    ``OptimizerInBackward`` refuses it; ``LowBitOptimizer`` finds the module's parameters through :meth:`master_of`;
+    ``MasterHalfPrecision`` runs the gradient hooks inside :meth:`masters_view`.
     """
 
     def master_of(self, p_host: object) -> object | None:
@@ -46,9 +43,7 @@ class LowBitOptimizerSwap:
     """A callback that replaces the configured optimizer by a bitsandbytes 8-bit one at fit start
     (``LowBitOptimizer``).
 
-    A strategy that counts the host RAM of the optimizer state before the swap counts the 8-bit state instead
-    (:func:`~lightning_lowmem.core.optimizer_state.expected_state_bytes` reads :attr:`min_8bit_size` and
-    :attr:`stable_embedding`).
+    A strategy sizing the host RAM of the optimizer state before the swap counts the 8-bit state instead.
     """
 
     #: the bitsandbytes optimizer swapped in (``"adamw8bit"``, ``"paged_adamw8bit"``, ...)
@@ -63,8 +58,7 @@ class LeanOptimizerSwap:
     """A callback that replaces the configured optimizer at fit start by one whose state it sizes itself
     (``LeanOptimizer``: GaLore, APOLLO, Adam-mini, torchao's 4-/8-bit AdamW).
 
-    A strategy that counts the host RAM of the optimizer state before the swap asks it (:meth:`expected_state_bytes`)
-    instead of sizing the configured optimizer's.
+    A strategy sizing the host RAM of the optimizer state before the swap asks it (:meth:`expected_state_bytes`).
     """
 
     def expected_state_bytes(self, optimizer: object, module: object) -> int:

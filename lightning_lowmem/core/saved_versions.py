@@ -1,20 +1,11 @@
 """Autograd's in-place check, kept for tensors that saved-tensor hooks take over (private helper).
 
-Plain PyTorch refuses a backward that needs a tensor which was modified in place after an operation saved it
-(``y = x.sigmoid(); z = y * w; y.add_(1)``: "one of the variables needed for gradient computation has been
-modified by an inplace operation"), comparing the tensor's version counter with the version it had when saved.
-Autograd skips that check for every tensor packed by ``saved_tensors_hooks``: under ``ActivationOffload``, the
-checkpointing of ``ActivationCheckpointing`` and the segments of its ``"sqrt"`` policy, such a module would train
-on the saved-time values (offload) or on recomputed ones (checkpointing) instead of failing. Each of those hooks
-records a :class:`SavedVersion` at pack time and calls :meth:`SavedVersion.check` at unpack, which raises the
-error plain PyTorch raises, saying which technique checked it and what to change in the module.
+Autograd skips its version check for tensors packed by ``saved_tensors_hooks`` (``ActivationOffload``,
+``ActivationCheckpointing``); each such hook records a :class:`SavedVersion` at pack time and calls
+:meth:`SavedVersion.check` at unpack, which raises the error plain PyTorch raises.
 
-NOTE: [the counter without the memory] A tensor that is offloaded or recomputed must not be kept alive (that is
-the memory the technique frees). ``t.detach()`` shares ``t``'s version counter (views share their base's), and
-assigning it an empty ``.data`` drops its reference to the storage but keeps that counter: a storage-less alias
-whose ``_version`` follows every in-place change of ``t`` and of every alias of it, even after ``t`` itself is
-gone. Views made without autograd's view tracking (``unsafe_chunk``, ``.data``) have counters of their own,
-exactly as autograd sees them, so the check raises where plain PyTorch raises and nowhere else.
+NOTE: the counter is kept through a storage-less ``detach()`` alias (it shares ``t``'s version counter), so the
+check keeps no memory alive; views made without autograd's view tracking have counters of their own, as autograd's.
 """
 
 from __future__ import annotations
@@ -33,11 +24,8 @@ _HINT = (
 
 
 class SavedVersion:
-    """The version a saved tensor had when it was saved, and a handle on its live version counter.
-
-    ``counter``: the saved tensor itself when the hooks keep it anyway (it is what unpack returns); otherwise a
-    storage-less alias sharing its version counter (see the module's note), which holds no memory.
-    """
+    """The version a saved tensor had when it was saved, and its live version counter (``counter``: the tensor when
+    ``keep``, else a storage-less alias sharing its counter)."""
 
     __slots__ = ("counter", "dtype", "shape", "version")
 
@@ -67,15 +55,9 @@ class SavedVersion:
 
 
 class CheckedSaves:
-    """Around the forward of a ``torch.utils.checkpoint`` region: each save still goes to the hooks below (the
-    checkpoint's, which keep nothing and recompute in backward), wrapped with a :class:`SavedVersion` that backward
-    checks before asking them for the value. ``inner``: a context entered first and left last (selective
-    checkpointing's dispatch mode).
-
-    NOTE: non-reentrant ``torch.utils.checkpoint`` never checks versions: a tensor saved inside the region and
-    changed in place afterwards comes back as recomputed (the change undone, or replayed), where plain PyTorch
-    raises. The check compares the *original* tensor's counter, as autograd does. It reads the hooks below with
-    ``_internals.torch.top_saved_tensors_hooks`` (private torch API, as parameter streaming does).
+    """Around the forward of a ``torch.utils.checkpoint`` region: each save still goes to the checkpoint's hooks,
+    wrapped with a :class:`SavedVersion` that backward checks first. ``inner``: a context entered first and left last.
+    NOTE: non-reentrant checkpointing never checks versions (a tensor changed in place would come back recomputed).
     """
 
     __slots__ = ("_hooks", "inner", "who")

@@ -1,9 +1,5 @@
-"""Re-pointing LR schedulers at an optimizer that replaced the one they were built on.
-
-Used wherever an optimizer is swapped after ``configure_optimizers`` (``LowBitOptimizer``'s 8-bit optimizer,
-``ZeroStrategy``'s ``DeepSpeedCPUAdam``): the new optimizer holds the same param-group dicts' contents, so a
-scheduler only has to be told which object to write the learning rates into.
-"""
+"""Re-pointing LR schedulers at an optimizer that replaced the one they were built on (``LowBitOptimizer``,
+``ZeroStrategy``'s ``DeepSpeedCPUAdam``): the new one holds the same param groups' contents."""
 
 from __future__ import annotations
 
@@ -17,9 +13,8 @@ from lightning_lowmem._internals import torch as torch_internals
 def repoint_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
     """Point ``scheduler``, and every scheduler it chains, from ``old`` to ``new``.
 
-    ``SequentialLR`` and ``ChainedScheduler`` hold their own ``optimizer`` and inner schedulers (``_schedulers``)
-    that each hold one too; all of them are re-pointed, recursively. A scheduler built on another optimizer is left
-    alone. Any object with an ``optimizer`` attribute is handled (``ReduceLROnPlateau`` included).
+    The inner schedulers of ``SequentialLR``/``ChainedScheduler`` too; one built on another optimizer is left alone.
+    Any object with an ``optimizer`` attribute is handled (``ReduceLROnPlateau`` included).
 
     Example:
         >>> model = torch.nn.Linear(2, 2)

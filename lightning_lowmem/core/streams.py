@@ -1,15 +1,8 @@
 """Streams, events and asynchronous copies for the host<->device transfers: CUDA's, or a CPU stand-in that defers them.
 
-The transfers of ``lowmem_offload`` and ``ActivationOffload`` are written once, against :class:`StreamOps`.
-:class:`CudaOps` calls ``torch.cuda``; :class:`DeferredOps` runs the *same* logic on the CPU, where a copy queued on
-a side stream lands only when the host must see it (an event it synchronizes, a stream the compute stream waits
-on) or a test advances the stream; until then its destination keeps its old bytes (a fresh device buffer is
-``0xFF``: NaN in every float dtype). So the ordering bugs a GPU shows only sometimes (a host read before the copy
-landed, a buffer rewritten while a copy into it is queued, a source changed before it was copied) show every time
-in CPU tests. It fakes no CUDA call: the CPU "compute stream" is the host thread (CPU kernels run when called), and
-CUDA-only calls without a CPU counterpart (pinning, ``record_stream``) are skipped.
-
-Use :func:`cpu_stand_in` to make the CPU path of both techniques use :class:`DeferredOps` (tests, benchmarks)::
+The transfers are written once against :class:`StreamOps`; :class:`DeferredOps` runs them on the CPU with copies
+that land only when the host must see them, so ordering bugs a GPU shows sometimes show every time (docs/design.md,
+"The stream seam")::
 
     with cpu_stand_in(lambda: DeferredOps(progress="run_ahead")):
         trainer.fit(model)
@@ -166,26 +159,17 @@ class DeferredOps(StreamOps):
     """The CPU stand-in for :class:`CudaOps`: copies queued on a side stream land only when progress says so.
 
     Args:
-        progress: when queued copies run.
-            ``"lazy"``: only when the host must see them, and only up to what it waits for.
-            ``"run_ahead"``: only when the host must see them, and then everything queued so far (the GPU ran ahead
-            of the host: a slot written twice holds the second copy when the host reads it after the first).
-            ``"eager"``: at once (what plain CPU code does).
-            ``"random"``: at each query and wait, a seeded random number of queued copies of a random stream run
-            (completion out of order across streams), at least what the host waits for.
+        progress: when queued copies run: ``"lazy"``, when the host must see them and only up to what it waits for;
+            ``"run_ahead"``, then everything queued so far (the GPU ran ahead); ``"eager"``, at once; ``"random"``, a
+            seeded random number of a random stream's at each query and wait (at least what the host waits for).
         seed: the seed of ``"random"``.
-        pins: count host buffers as CUDA's pinned allocator takes them (rounded up to a power of two); nothing is
-            page-locked on the CPU.
-        device_lags: the device runs behind the host, as a GPU does behind the thread that queues its kernels: the
-            compute stream counts as having finished the work queued before a compute-stream event only once the
-            host synchronizes on that event (otherwise at once). Device buffers made by :meth:`to_device` are then
-            reused as CUDA's caching allocator reuses them: a freed buffer that :meth:`record_stream` tied to the
-            compute stream serves a new request only once the compute stream has finished the work queued before
-            the free; :attr:`reserved` / :attr:`reserved_peak` count the bytes the allocator would hold (best fit of
-            a reusable cached buffer, else new), :attr:`device_live` the buffers alive.
+        pins: count host buffers as CUDA's pinned allocator takes them (rounded up to a power of two).
+        device_lags: the compute stream finishes the work before a compute-stream event only when the host
+            synchronizes on it, and a freed :meth:`to_device` buffer tied to it by :meth:`record_stream` is reused
+            only after that, as CUDA's caching allocator does (:attr:`reserved`, :attr:`reserved_peak`,
+            :attr:`device_live` count the bytes).
 
-    ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` (host time spent doing the device's
-    copies) count what happened.
+    ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` count what happened.
     """
 
     def __init__(self, progress: Progress = "run_ahead", *, seed: int = 0, pins: bool = True,
@@ -202,9 +186,7 @@ class DeferredOps(StreamOps):
         self._compute_used: set[int] = set()  # ids of live buffers tied to the compute stream (record_stream)
         self._rng = random.Random(seed)
         self.streams: list[DeferredStream] = []
-        self.copies_queued = 0
-        self.copies_run = 0
-        self.most_in_flight = 0
+        self.copies_queued = self.copies_run = self.most_in_flight = 0
         self.copy_seconds = 0.0
 
     # -- streams and events ---------------------------------------------------------------------------------------
@@ -252,8 +234,7 @@ class DeferredOps(StreamOps):
 
     @override
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Nothing to do on the CPU (the queued copy holds its source); with ``device_lags``, a buffer of
-        :meth:`to_device` read by the compute stream is reused only after the compute stream passes its free."""
+        """With ``device_lags``, a :meth:`to_device` buffer read by the compute stream is reused only after it."""
         if stream is _COMPUTE:
             self._compute_used.add(id(tensor))
 
@@ -292,8 +273,7 @@ class DeferredOps(StreamOps):
         weakref.finalize(out, self._freed, id(out), nbytes)
 
     def _freed(self, key: int, nbytes: int) -> None:
-        # NOTE: freed now, but the compute kernels queued so far may still read it: with record_stream the allocator
-        # hands it out again only after the compute stream passes an event recorded after this point.
+        # NOTE: the compute kernels queued so far may still read it: reused only after the compute stream passes here
         used = key in self._compute_used
         self._compute_used.discard(key)
         self.device_live -= nbytes
@@ -365,10 +345,8 @@ def cpu_ops() -> StreamOps | None:
 
 @contextlib.contextmanager
 def cpu_stand_in(factory: Callable[[], StreamOps] | None) -> Iterator[None]:
-    """Inside, transfers built for a CPU device (``lowmem_offload``, ``ActivationOffload``) run on ``factory()``'s ops.
-
-    For tests and benchmarks: the CUDA transfer logic runs on the CPU, with copies deferred by :class:`DeferredOps`.
-    """
+    """Inside, transfers built for a CPU device (``lowmem_offload``, ``ActivationOffload``) run on ``factory()``'s ops
+    (tests and benchmarks: the CUDA transfer logic on the CPU, with :class:`DeferredOps`)."""
     global _stand_in
     before, _stand_in = _stand_in, factory
     try:

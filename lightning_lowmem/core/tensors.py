@@ -11,9 +11,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in a nested batch, module input or output, in order.
 
-    Walks what Lightning's ``apply_to_collection`` walks to move a batch to its device: mappings (dicts, Hugging
-    Face ``BatchEncoding`` and ``ModelOutput``), lists, tuples, namedtuples and dataclasses. A batch Lightning
-    could move is a batch whose tensors are all found here.
+    Walks what Lightning's ``apply_to_collection`` walks to move a batch to its device (mappings, lists, tuples,
+    namedtuples, dataclasses): a batch Lightning could move is a batch whose tensors are all found here.
 
     Example:
         >>> from collections import UserDict

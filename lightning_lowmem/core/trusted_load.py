@@ -1,20 +1,9 @@
 """Checkpoint loads that run no code from the file: ``torch.load(weights_only=True)``, opt-in to anything else.
 
-A pickle can call any importable function while it is read, so a checkpoint from elsewhere (a download, a
-shared directory) can run code the moment it is loaded. ``torch.load(weights_only=True)`` allows only tensors,
-containers, primitives and an allow-list of classes. DeepSpeed 0.19 reads its own checkpoints with
-``weights_only=False``; the ``lowmem_zero*`` presets read them through :func:`checked_load` instead (their
-checkpoint engine, ``strategies.zero.checkpoint_engine``; ``lowmem consolidate`` before DeepSpeed's reader), after
-:class:`ManifestCheck` has checked each file against the directory's digest manifest (``core.digest``).
-
-What DeepSpeed's files need beyond torch's own allow-list (found by writing real ZeRO-1/2/3 checkpoints, with
-and without optimizer/parameter offload, fp32 and bf16, on the CPU with DeepSpeed 0.19.8, and listing what
-``torch.serialization.get_unsafe_globals_in_checkpoint`` reports) is :data:`DEEPSPEED_GLOBALS`: plain data
-classes whose unpickling only sets attributes. ``DynamicLossScaler`` is not among what was observed (fp16 needs a
-GPU here); it is the fp16 counterpart that DeepSpeed's fp16 optimizers pickle in the same place.
-
-Opting in (the checkpoint is yours): ``trainer.fit(..., ckpt_path=..., weights_only=False)`` (Lightning's own
-flag, passed to the strategy) or ``consolidate(..., trusted=True)`` / ``lowmem consolidate --trusted``.
+The ``lowmem_zero*`` presets read DeepSpeed's checkpoints through :func:`checked_load` (after :class:`ManifestCheck`)
+instead of DeepSpeed's ``weights_only=False``. :data:`DEEPSPEED_GLOBALS` is what DeepSpeed's files need beyond
+torch's allow-list (found with ``get_unsafe_globals_in_checkpoint`` on real ZeRO-1/2/3 checkpoints; plain data
+classes). Opt-in: Lightning's ``weights_only=False`` or ``consolidate(..., trusted=True)``. See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -102,11 +91,8 @@ def weights_only_load(f: Any, opt_in: str, **kwargs: Any) -> Any:
 
 
 class ManifestCheck:
-    """Checks files of ``directory`` against its ``lowmem_manifest.json`` before they are read (each hashed once).
-
-    A listed file must have its recorded size and SHA-256; a file of ``directory`` the manifest does not list is
-    refused too. Without a manifest (DeepSpeed's own checkpoints) nothing is checked.
-    """
+    """Checks files of ``directory`` against its ``lowmem_manifest.json`` (size and SHA-256; an unlisted file is
+    refused) before they are read, each hashed once. Without a manifest (DeepSpeed's own) nothing is checked."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = str(directory)

@@ -1,9 +1,5 @@
-"""Narrow warning filters for what our dependencies warn about on the user's behalf, for as long as we run them.
-
-Each filter names the message, the category and the module that issues the warning, and is installed only while
-the strategy that makes the dependency warn is set up (removed in its ``teardown``). Warnings from anywhere else,
-a user's own included, are untouched.
-"""
+"""Narrow warning filters (message, category and issuing module) for what our dependencies warn about on the user's
+behalf, installed only while the strategy that makes them warn is set up; other warnings are untouched."""
 
 from __future__ import annotations
 

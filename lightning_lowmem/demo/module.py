@@ -87,16 +87,13 @@ def build_causal_lm(
         # NOTE: e.g. `n_head` not dividing `n_embd`: the model's own message, with the config that produced it
         raise ValueError(
             f"Could not build the `{model_type}` model from `config={dict(config or {})!r}`: {str(err).rstrip('.')}. "
-            "Check the sizes "
-            "(layers, hidden size, heads dividing it, positions)."
+            "Check the sizes (layers, hidden size, heads dividing it, positions)."
         ) from err
 
 
 # NOTE: config keys that are counts or sizes (a negative one fails deep in torch, e.g. "__len__() should return >= 0")
 _SIZE_KEY = re.compile(r"^(n_|num_)|_(size|layers|heads|positions|embd|dim)$|^(hidden|intermediate)_size$")
 _EXAMPLE = {"n_layer": 4, "num_hidden_layers": 4, "n_embd": 256, "hidden_size": 256, "n_head": 4}
-
-
 _COMMON = {"gpt2", "gpt_neox", "llama", "mistral", "opt", "qwen2", "phi", "gemma", "falcon", "bloom"}
 
 
@@ -143,10 +140,7 @@ class CausalLMModule(L.LightningModule):
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence the model can embed, for models with learned absolute position embeddings.
-
-        None for rotary/relative positions (LLaMA, ...), which have no hard limit.
-        """
+        """The longest sequence the model can embed with learned absolute positions (None for rotary/relative ones)."""
         cached = self.__dict__.get("_max_positions")
         if cached is not None and cached[0] is self.model:
             return cached[1]
@@ -233,10 +227,8 @@ class CausalLMModule(L.LightningModule):
         for name, p in self.named_parameters():
             if p.requires_grad:
                 (no_decay if p.ndim < 2 or "norm" in name.lower() or "ln_" in name else decay).append(p)
-        groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
         if not self.hparams.warmup_steps:
             return optimizer

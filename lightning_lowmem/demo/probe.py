@@ -1,12 +1,9 @@
-"""The demo's precision and threads, from a quick probe of this machine: bf16 where it is fast, fp32 where it is
-emulated; torch's threads where they speed the demo's matmuls up, one where they wait on each other.
+"""The demo's precision and threads, from a quick probe of this machine (``make demo`` passes the answers).
 
     python -m lightning_lowmem.demo.probe     # prints e.g. "bf16-true 1" (stdout), and why (stderr)
 
-A CPU without native bf16 (no AVX-512 BF16 or AMX) emulates it: a bf16 matmul there runs about 10x slower than an
-fp32 one, and the demo's bf16 training would take over an hour instead of minutes. On a busy shared machine (CI, a
-laptop compiling), torch's threads spin waiting for each other: the demo's small matmuls ran 5x slower on 2 cores
-than on one. ``make demo`` passes the probe's answers as ``--trainer.precision`` and ``OMP_NUM_THREADS``.
+bf16 where the CPU has it natively (emulated it is ~10x slower than fp32); torch's threads only where they speed the
+demo's small matmuls up (on a busy machine they spin waiting for each other).
 """
 
 from __future__ import annotations

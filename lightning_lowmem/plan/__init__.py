@@ -1,8 +1,4 @@
-"""The planner: the fastest recipe of the suite that fits a device and host memory budget.
-
-``plan`` (search), ``Recipe`` and ``candidates`` (what is considered), ``step_cost`` (the cost model),
-``HardwareProfile`` and ``PROFILES`` (the rates it prices with), ``AutoStrategy`` (``strategy="lowmem_auto"``).
-"""
+"""The planner: the fastest recipe of the suite that fits a device and host memory budget (docs/planner.md)."""
 
 from __future__ import annotations
 

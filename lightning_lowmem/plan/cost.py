@@ -1,31 +1,8 @@
 """The planner's cost model: predicted seconds of one optimizer step of a recipe, on a hardware profile.
 
-One step is priced from four quantities, each from the model's shape and the recipe's techniques:
-
-* **compute**: the step's FLOPs, ``6 N T`` for the weights' matmuls plus ``12 L S T d`` for attention over ``T``
-  tokens (Kaplan et al. 2020; Korthikanti et al. 2022), plus the forward that activation checkpointing runs
-  again (``2 N_blocks T + 4 L S T d`` per recomputed block fraction) and the LM head's matmul that the chunked
-  loss runs again in backward; at the profile's 16-bit or fp32 rate times its efficiency. Each micro-batch adds
-  a launch cost per block.
-* **link**: bytes over the host link: ``lowmem_offload`` sends the half weights once per step and the half
-  gradients once per micro-batch; ZeRO-2 offload the same; ``lowmem_offload_params`` fetches the blocks' weights in
-  forward, in backward and for every recomputed forward of every micro-batch; ZeRO-3 offload fetches the weights in forward and in
-  backward of every micro-batch, and the blocks' weights again for every recomputed forward; activation offload sends what each block keeps for backward out and back.
-  Transfers overlap compute (side streams): the step takes ``max(compute, link)``, except the weights' copy
-  after the optimizer step, which the next forward waits for.
-* **host optimizer**: AdamW over the fp32 masters on the host, ``28 B/param`` read and written (16 with 8-bit
-  state), at the host's memory bandwidth; with the optimizer in backward it overlaps the backward pass.
-* **device optimizer**: the same bytes at the device's memory bandwidth when the optimizer state is on the device.
-
-* **adapters** (a recipe with ``Adapters``): the frozen base computes no weight gradients (``4 N T`` instead of
-  ``6 N T``); gradients, optimizer state and the weights sent back after the step are the adapters' alone,
-  ``r (in + out)`` per targeted linear, taken as ``18 r d`` per block (the attention projections and the MLP
-  of a GPT-2 or LLaMA block, all-linear) or 1 % of the parameters where the shape does not say; a quantized base
-  is dequantized (read packed, write 16-bit) in every forward, backward and recomputed forward, at the device's
-  memory bandwidth.
-
-Only ratios between recipes rank them; ``benchmarks/results/plan_cost.md`` compares the model with measured
-CPU step times.
+Compute (``6 N T`` plus attention, recomputation included), bytes over the host link (overlapping compute), the
+host and device optimizer steps at memory bandwidth, and the adapters' smaller gradients and dequantized base.
+Only ratios between recipes rank them; ``benchmarks/results/plan_cost.md`` compares it with measured step times.
 """
 
 from __future__ import annotations
@@ -52,7 +29,8 @@ _DEQUANT_BYTES = {"nf4": 0.5 + 2, "fp4": 0.5 + 2, "int8": 1 + 2}
 
 
 def trainable_params(recipe: Recipe, shape: ModelShape) -> int:
-    """Parameters the optimizer updates: all of them, or the adapters' (see the module's docstring)."""
+    """Parameters the optimizer updates: all of them, or the adapters': ``18 r d`` per block (DoRA: plus a magnitude
+    per output feature), 1 % of the parameters where the shape does not say."""
     if recipe.adapters is None:
         return shape.num_params
     if shape.num_blocks and shape.hidden:

@@ -1,15 +1,7 @@
-"""Hardware profiles: the rates the planner's cost model prices a step with.
+"""Hardware profiles: the rates the planner's cost model prices a step with (docs/planner.md).
 
-A profile names a device (its memory, its dense matmul rate in fp32 and in 16-bit, its memory bandwidth) and
-the host it sits in (the host link's bandwidth, the host memory bandwidth the CPU optimizer step runs at).
-Shipped profiles carry the vendor's figures, with their source; ``measure_host()`` measures this machine
-(the CPU as the "device": what the CPU benchmarks run on). A profile can be overridden from YAML::
-
-    base: rtx3060-12gb     # a shipped profile (optional)
-    link_gbps: 12          # e.g. a card in a PCIe 3.0 slot
-
-Only ratios between recipes are used for ranking; absolute seconds are printed as "predicted", uncalibrated
-until a GPU run has been compared (see docs/planner.md, "Limits").
+Shipped profiles carry the vendor's figures with their source; ``measure_host()`` measures this machine. A YAML
+file overrides a profile (``base: rtx3060-12gb`` then the fields to change, e.g. ``link_gbps: 12``).
 """
 
 from __future__ import annotations

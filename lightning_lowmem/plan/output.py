@@ -34,7 +34,6 @@ def _changed_arguments(obj: Any) -> dict[str, Any]:
 def _strategy_yaml(strategy: Any) -> Any:
     if isinstance(strategy, str):
         return strategy
-
     changed = _changed_arguments(strategy)
     for name, (_, _, _, preset) in STRATEGIES.items():  # a registered name says it shortest
         if builds(name, type(strategy)) and preset == changed:
@@ -42,18 +41,11 @@ def _strategy_yaml(strategy: Any) -> Any:
     return {"class_path": f"{type(strategy).__module__}.{type(strategy).__name__}", "init_args": changed}
 
 
-def _callback_yaml(callback: Any) -> dict[str, Any]:
-    entry: dict[str, Any] = {"class_path": type(callback).__name__}
-    changed = _changed_arguments(callback)
-    if changed:
-        entry["init_args"] = changed
-    return entry
-
-
 def trainer_yaml(run: RunSpec) -> dict[str, Any]:
     """The ``trainer:`` keys of a run (strategy, precision, technique callbacks)."""
     return {"strategy": _strategy_yaml(run.strategy), "precision": run.precision,
-            "callbacks": [_callback_yaml(c) for c in run.callbacks]}
+            "callbacks": [{"class_path": type(c).__name__, **({"init_args": a} if (a := _changed_arguments(c)) else {})}
+                          for c in run.callbacks]}
 
 
 def trainer_arguments(run: RunSpec) -> str:

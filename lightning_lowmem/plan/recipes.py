@@ -1,9 +1,7 @@
 """Candidate recipes: every combination of the suite's techniques the planner considers, and how they compare.
 
-A :class:`Recipe` is one way of running the same training (same model, same effective batch): a base
-(precision and where the model states live) and the techniques on top of it. It becomes the run description
-the dry run traces and the Trainer runs (:meth:`Recipe.run`, the same ``RunSpec.from_flags`` that
-``estimate_memory``'s shorthands use), YAML for ``lowmem fit`` and Python ``Trainer`` arguments.
+A :class:`Recipe` is a base (precision, where the model states live) and the techniques on it, for the same training;
+:meth:`Recipe.run` makes it the run the dry run traces and the Trainer runs (``RunSpec.from_flags``).
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ _DEEPSPEED = ("zero2_offload", "zero3_offload")
 _CKPT_RANK = {None: 0, "every_n": 1, "all": 2}
 #: the chunk of ``ChunkedLMLoss`` the planner uses (GPT-2-XL's loss under 64 MiB)
 CHUNK_TOKENS = 128
-#: the technique callbacks a recipe switches on -> the recipe field that switches each on (a user's own callback of
-#: one of these types fixes that field: ``lowmem_auto`` keeps it and plans around it)
+#: the technique callbacks a recipe switches on -> the recipe field that switches each on (a user's own fixes it)
 TECHNIQUE_FIELDS: tuple[tuple[type, str], ...] = (
     (ActivationCheckpointing, "checkpointing"),
     (ActivationOffload, "activation_offload"),
@@ -76,13 +73,11 @@ class Recipe:
     checkpointing: Checkpointing | None = None
     activation_offload: bool = False
     chunked_loss: bool = False
-    #: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)``: a different training (the base frozen),
-    #: considered only where the user allows it (``plan(adapters=...)``); None: the full fine-tune
+    #: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)``, where allowed; None: the full fine-tune
     adapters: str | None = None
     adapter_r: int = 16
     quantize_base: str | None = None
-    #: ``LowBitOptimizer`` (``"adamw8bit"``) or ``LeanOptimizer`` by its ``estimate_memory`` shorthand (``"galore"``,
-    #: ...): another optimizer (other maths), considered only where the user allows it (``plan(optimizers=...)``);
+    #: ``LowBitOptimizer`` (``"adamw8bit"``) or a ``LeanOptimizer`` shorthand (``"galore"``, ...), where allowed;
     #: None: the module's own
     optimizer: str | None = None
 
@@ -143,10 +138,8 @@ class Recipe:
             scheduler: dict[str, Any] | None = None) -> RunSpec:
         """The run description the dry run traces and ``lowmem fit`` runs.
 
-        ``loader_batch``: what the data loader yields now (a YAML's data module at its micro-batch); when it is not
-        this recipe's micro-batch, an ``AccumulationScheduler`` sets it, even for a micro-batch of the whole batch.
-        ``scheduler``: the run's own ``AccumulationScheduler`` arguments besides the batch sizes (its
-        ``loss_normalization``: the maths of the run), given to the plan's.
+        ``loader_batch``: what the data loader yields now; when it is not this recipe's micro-batch, an
+        ``AccumulationScheduler`` sets it. ``scheduler``: the run's own scheduler arguments, given to the plan's.
         """
         flags = self.flags(batch_size, half)
         micro = flags.pop("micro_batch_size", None)
@@ -161,11 +154,9 @@ class Recipe:
     def saves_at_least(self, other: Recipe) -> bool:
         """Every technique of ``other`` is on here too, at least as strongly, with a micro-batch no larger.
 
-        NOTE: the planner's pruning rests on this order: a recipe that saves at least as much as one that does
-        not fit is taken not to fit either (each technique lowers the device peak, or leaves it where it is).
+        NOTE: the planner's pruning rests on this order (each technique lowers the device peak or leaves it); only
+        within one training (adapters and a lean optimizer change the maths, they are no saving to rank by).
         """
-        # NOTE: only within one training (adapter variant and optimizer): adapters and a lean optimizer change the
-        # maths, they are not a saving to rank by
         return (self.base == other.base and self.training == other.training
                 and self.micro_batch_size <= other.micro_batch_size
                 and _CKPT_RANK[self.checkpointing] >= _CKPT_RANK[other.checkpointing]
@@ -213,13 +204,10 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
                optimizers: Sequence[str | None] = (None,)) -> list[Recipe]:
     """Every recipe considered, for an effective batch of ``batch_size`` on one device.
 
-    DeepSpeed bases take the checkpointing callback (per-block policies compose with ZeRO's parameter fetching) but
-    no activation offload or optimizer of ours (``ActivationOffload`` refuses DeepSpeed, and its engine runs its own
-    optimizer), and pairs the real run refuses (:meth:`Recipe.conflict`) are left out; ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only the bases named.
-    ``adapters``: the adapter variants the user allows, ``(kind, quantized base)`` with ``(None, None)`` the full
-    fine-tune (the default, alone: a plan never turns a full fine-tune into an adapter run by itself); every
-    recipe is considered with each, at rank ``adapter_r``. ``optimizers``: the same for the optimizers allowed (None:
-    the module's own; ``"adamw8bit"``: ``LowBitOptimizer``; ``LeanOptimizer`` shorthands): none is added unasked.
+    DeepSpeed bases take no activation offload; pairs the real run refuses (:meth:`Recipe.conflict`) are left out;
+    ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only those named. Every recipe is considered
+    with each of ``adapters`` (``(kind, quantized base)``, ``(None, None)`` the full fine-tune, at rank ``adapter_r``)
+    and of ``optimizers`` (None: the module's own).
     """
     if bases is not None:
         unknown = [b for b in bases if b not in BASES]
@@ -248,9 +236,8 @@ OPTIMIZERS = ("adamw", "adamw8bit", *LEAN_OPTIMIZERS)
 
 def optimizer_choices(optimizers: Any, own_callbacks: Sequence[Any], problems: list[str],
                       cli: bool = False) -> tuple[tuple[str | None, ...], bool]:
-    """The optimizers ``plan``'s ``optimizers`` allows, in the order given (None: the module's own, ``"adamw"``), and
-    whether a wrong type was given; what is wrong (an unknown name, a missing package, the run's own optimizer
-    swap in ``own_callbacks``) is added to ``problems``, as ``plan`` spells it (``cli``: ``--optimizers a,b``)."""
+    """The optimizers ``plan``'s ``optimizers`` allows, in order (None: the module's own, ``"adamw"``), and whether a
+    wrong type was given; what is wrong is added to ``problems``, as ``plan`` spells it (``cli``: ``--optimizers``)."""
     from lightning_lowmem.predict.estimate import lean_extra_problem
 
     names = [optimizers] if isinstance(optimizers, str) else list(optimizers) if isinstance(optimizers, Sequence) else None
@@ -274,11 +261,9 @@ QUANTIZED_BASES = ("none", "nf4", "fp4", "int8")
 
 def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_callbacks: Sequence[Any],
                      problems: list[str], cli: bool = False) -> tuple[tuple[AdapterVariant, ...], bool]:
-    """The ``(kind, quantized base)`` pairs ``plan``'s ``adapters`` and ``quantize_base`` allow, in the order given
-    (kinds first, then bases), and whether a wrong
-    type was given; what is wrong with them (or with ``adapter_r``, or ``own_callbacks``: the run's own callbacks,
-    which may hold an ``Adapters`` already) is added to ``problems``, as ``plan``'s arguments are spelled (``cli``:
-    as ``lowmem plan``'s ``--adapters a,b`` are)."""
+    """The ``(kind, quantized base)`` pairs ``plan``'s ``adapters`` and ``quantize_base`` allow, in the order given,
+    and whether a wrong type was given; what is wrong with them (or ``adapter_r``, or an ``Adapters`` among
+    ``own_callbacks``) is added to ``problems``, spelled as ``plan``'s arguments (``cli``: as ``lowmem plan``'s)."""
     wrong_type = not isinstance(adapters, (str, Sequence)) or not isinstance(quantize_base, (str, Sequence))
     kinds = [adapters] if isinstance(adapters, str) else list(adapters) if isinstance(adapters, Sequence) else None
     quants = ([quantize_base] if isinstance(quantize_base, str) else list(quantize_base)

@@ -67,7 +67,7 @@ class Plan:
         """The traced candidates (and the chosen one), fastest first; the rest counted by why they were not traced."""
         fastest = min(r.cost.total_s for r in self.rows)
         shown = [r for r in self.rows if r.estimate is not None or r.status == "refused"]
-        body = [("*" if r is self.chosen else "", r.name, r.status, _size(r.peak_device), _size(r.peak_host),
+        body = [("*" if r is self.chosen else "", r.name, r.status, fmt_size(r.peak_device), fmt_size(r.peak_host),
                  f"{r.cost.total_s / fastest:.2f}x", r.why) for r in shown]
         header = ("", "recipe", "verdict", "device peak", "host peak", "step time", "why")
         widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
@@ -92,8 +92,8 @@ class Plan:
 
     def summary(self) -> str:
         r = self.chosen
-        return (f"chosen: {r.name}: device peak {_size(r.peak_device)} of {fmt_size(self.device_budget)}, host peak "
-                f"{_size(r.peak_host)}" + (f" of {fmt_size(self.host_budget)}" if self.host_budget else "")
+        return (f"chosen: {r.name}: device peak {fmt_size(r.peak_device)} of {fmt_size(self.device_budget)}, host peak "
+                f"{fmt_size(r.peak_host)}" + (f" of {fmt_size(self.host_budget)}" if self.host_budget else "")
                 + f"; predicted step {r.cost.total_s:.3g} s on {self.hardware.name} (uncalibrated)")
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,10 +105,6 @@ class Plan:
                       "peak_host": r.peak_host, **{k: round(v, 6) for k, v in r.cost.to_dict().items()}}
                      for r in self.rows if r.status != "not traced" or r is self.chosen],
         }
-
-
-def _size(n: int | None) -> str:
-    return "-" if n is None else fmt_size(n)
 
 
 __all__ = ["Plan", "Row", "Status"]

@@ -1,17 +1,8 @@
-"""``plan``: the fastest recipe of the suite that fits a device (and host) memory budget.
+"""``plan``: the fastest recipe of the suite that fits a device (and host) memory budget (docs/planner.md).
 
-Every candidate (:func:`~lightning_lowmem.plan.recipes.candidates`) is priced by the cost model
-(:func:`~lightning_lowmem.plan.cost.step_cost`, no tracing), then the candidates are taken fastest first and
-each is predicted by the dry run (the real ``Trainer.fit`` on fake tensors) until one fits both budgets. Traces
-are saved two ways:
-
-* a base's floors (every technique on, the smallest micro-batch) are traced when its first candidate comes up: a
-  base whose floors do not fit is out as a whole (bases slower than the chosen recipe are never traced), and the
-  floors give the smallest memory any recipe needs when none fits;
-* a candidate that saves no more than one already traced and too big (:meth:`Recipe.saves_at_least`) is taken
-  to be too big as well, without a trace;
-* a candidate whose techniques were traced at another micro-batch is scaled from that trace (model states kept,
-  the rest scaled with the micro-batch) and not traced when that puts it over 110 % of the budget.
+Candidates are priced by the cost model, then dry-run fastest first until one fits. A base's floors are traced
+first (a base whose floors do not fit is out), and a candidate that saves no more than one too big, or whose trace
+at another micro-batch scales over 110 % of the budget, is not traced.
 
 Example (a tiny GPT-2 shape here, planned in seconds; ``"gpt2-xl"`` and the other shipped names take a minute):
 
@@ -81,10 +72,8 @@ def plan(
         model: a shipped shape name / config (the demo causal-LM step, with ``batch_size`` and ``seq_len``), a
             LightningModule or a callable building one (with ``data``, or its own dataloader), or a LightningCLI
             YAML path (its model and data; the YAML's own techniques are replaced by the plan's).
-        batch_size: the effective batch (samples per optimizer step); default with a YAML: its
-            ``AccumulationScheduler``'s effective batch, or the data's ``batch_size`` x ``accumulate_grad_batches``;
-            with a module: the data's ``batch_size`` (the micro-batches the plan considers set it, as
-            ``AccumulationScheduler`` does).
+        batch_size: the effective batch (samples per optimizer step); default: a YAML's effective batch, or the
+            data's ``batch_size``.
         device_memory: bytes or a size (``"12GB"``); default: the hardware profile's memory.
         host_memory: bytes or a size; default: no host check (the host peak is still reported).
         hardware: a profile name (see ``lightning_lowmem.plan.PROFILES``), ``"measure"``, a YAML path or a dict;
@@ -92,28 +81,18 @@ def plan(
         pure_half: also consider half weights without fp32 masters (``bf16-true``: numerics change).
         fixed_callbacks: technique callbacks the run keeps whatever the plan (``lowmem_auto``: the user's own);
             every candidate is traced with them, and none adds a technique of the same kind.
-        bases: consider only these bases (``lightning_lowmem.plan.recipes.BASES``: ``"fp32"``, ``"mixed"``, ``"half"``,
-            ``"offload"``, ``"offload_obw"``, ``"offload_params"``, ``"zero2_offload"``, ``"zero3_offload"``); default:
-            all but ``"half"``.
-        target: the device predicted, as ``estimate_memory``'s: default a YAML's ``trainer.accelerator`` (``auto``:
-            CUDA where this machine has it, else the CPU), ``"cuda"`` for everything else; the plan's notes say which.
+        bases: consider only these bases (``lightning_lowmem.plan.recipes.BASES``); default: all but ``"half"``.
+        target: the device predicted, as ``estimate_memory``'s: default a YAML's ``trainer.accelerator``, else
+            ``"cuda"``; the plan's notes say which.
         cache: a dict reused across calls: dry runs keyed by model (a shape's config; a module and data object by
             identity), batch and recipe are not repeated.
-        adapters, quantize_base, adapter_r: the trainings you allow: ``adapters`` lists ``"none"`` (the full
-            fine-tune), ``"lora"``, ``"dora"``; each adapter kind is considered on each base of ``quantize_base``
-            (``"none"``: the base keeps its dtype; ``"nf4"``, ``"fp4"``, ``"int8"``: bitsandbytes) at rank
-            ``adapter_r`` (``Adapters``' defaults otherwise). The order is your preference: a training is planned only
-            when no recipe of the ones listed before it fits (``("none", "lora")``: LoRA only where the full
-            fine-tune does not fit). Default: the full fine-tune alone: the plan never turns a full fine-tune into an
-            adapter run (another training) unless you list it. A run that has its own ``Adapters`` callback (in
-            ``fixed_callbacks`` or the YAML) keeps it.
+        adapters, quantize_base, adapter_r: the trainings you allow, in order of preference (docs/planner.md):
+            ``adapters`` of ``"none"`` (the full fine-tune, the default alone), ``"lora"``, ``"dora"``, each on each
+            base of ``quantize_base`` (``"none"``, ``"nf4"``, ``"fp4"``, ``"int8"``) at rank ``adapter_r``; a training
+            is planned only when none listed before it fits. A run's own ``Adapters`` callback is kept.
         optimizers: the optimizers you allow, in order of preference, as ``adapters`` are: ``"adamw"`` (the module's
-            own), ``"adamw8bit"`` (``LowBitOptimizer``, bitsandbytes) and ``LeanOptimizer`` kinds by
-            ``estimate_memory``'s shorthands (``"galore"``, ``"apollo"``, ``"apollo_mini"``, ``"adam_mini"``,
-            ``"adamw4bit"``, ``"torchao_adamw8bit"``, at the callback's defaults): ``("adamw", "adamw8bit")`` plans
-            8-bit AdamW only where no recipe with the module's own fits. Default: the module's own alone (another
-            optimizer changes the maths; the plan never swaps it unasked). A kind whose package is missing is refused
-            up front, naming the extra.
+            own, the default alone), ``"adamw8bit"`` (``LowBitOptimizer``) and ``LeanOptimizer`` kinds
+            (``"galore"``, ``"apollo"``, ...); a kind whose package is missing is refused up front.
         progress: called with one line after each dry run (the candidate, its verdict, its time), as it comes.
 
     Raises:
@@ -136,10 +115,8 @@ def plan(
     judge = Judge(source, budgets, fixed_callbacks, fixed, loader, budgets.target, {} if cache is None else cache,
                   progress)
     rows_floors = floors(rows)
-    # NOTE: the trainings the user listed, in the order given: another training is a preference, not a speed-up, so
-    # the next one is planned only when no recipe of the one before fits (a full fine-tune that fits is never
-    # traded for faster adapters)
-    # (a lean optimizer likewise: the optimizers listed vary within each adapter variant)
+    # NOTE: the trainings (adapter variant, optimizer) in the order listed: another training is a preference, not a
+    # speed-up, so the next one is planned only when no recipe of the one before fits
     trainings = list(dict.fromkeys((r.recipe.adapters, r.recipe.quantize_base, r.recipe.optimizer) for r in rows))
     trainings.sort(key=lambda v: (budgets.adapters.index(v[:2]) if v[:2] in budgets.adapters else -1,
                                   budgets.optimizers.index(v[2]) if v[2] in budgets.optimizers else -1))
@@ -196,20 +173,15 @@ class Budgets:
         the problems at once."""
         problems: list[str] = []
         type_error = False
-        device_budget = host_budget = None
+        parsed: dict[str, int] = {}
         for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
-            if value is None:
-                continue
             try:
-                parsed = parse_bytes(value, f"`{name}`")
+                if value is not None:
+                    parsed[name] = parse_bytes(value, f"`{name}`")
             except (TypeError, ValueError) as err:
                 problems.append(str(err))
                 type_error |= isinstance(err, TypeError)
-                continue
-            if name == "device_memory":
-                device_budget = parsed
-            else:
-                host_budget = parsed
+        device_budget, host_budget = parsed.get("device_memory"), parsed.get("host_memory")
         if target not in ("cpu", "cuda", None):
             problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
         source = Source.of(model, batch_size, seq_len, data, problems)
@@ -235,25 +207,19 @@ class Budgets:
         optimizers, wrong_type = optimizer_choices(trainings[4] if len(trainings) > 4 else ("adamw",), own, problems)
         type_error |= wrong_type
         if problems or source is None or device_budget is None:
-            # NOTE: one exception for every problem at once; a TypeError when one of them is a wrong type
-            raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:",
+                raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:",
                                                                          *problems]))
         if profile is None:
             profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
         return cls(source, profile, device_budget, host_budget, variants, optimizers, target, why)
 
 
-
 def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: frozenset[str], *, pure_half: bool,
                    bases: Sequence[str] | None, keep_deepspeed: bool = True,
                    adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16,
                    optimizers: Sequence[str | None] = (None,)) -> list[Row]:
-    """Every candidate recipe for ``source``, priced by the cost model, fastest first.
-
-    ``fixed``: the recipe fields (:func:`~lightning_lowmem.plan.recipes.technique_field`) the user's own callbacks
-    fix: no candidate switches those techniques on. ``keep_deepspeed=False`` (the user's own callbacks) leaves out the
-    DeepSpeed bases, unless nothing else is left.
-    """
+    """Every candidate recipe for ``source``, priced by the cost model, fastest first. None switches on a technique of
+    ``fixed`` (the user's own); ``keep_deepspeed=False`` leaves out the DeepSpeed bases, unless nothing else is left."""
     b = source.batch_size
     rows = [Row(r, r.name(half), step_cost(r, source.shape, b or 1, profile))
             for r in candidates(b or 1, pure_half=pure_half, deepspeed=package_available("deepspeed"),
@@ -287,8 +253,8 @@ class Judge:
     progress: Callable[[str], None] | None = None
     #: how many dry runs this judge ran (cache hits not counted)
     traces: int = 0
-    #: (base, training, recipe field) -> why: a technique that refused this module under a base refuses it in every candidate of
-    #: the base (LowBitOptimizer refuses a module's SGD whatever else is on), so those are not traced again
+    #: (base, training, recipe field) -> why: a technique that refused this module under a base refuses it in every
+    #: candidate of the base, so those are not traced again
     refusals: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def __call__(self, row: Row) -> None:
@@ -348,12 +314,8 @@ def floors(rows: list[Row]) -> list[Row]:
 
 
 def search(rows: list[Row], rows_floors: list[Row], judge: Judge) -> Row | None:
-    """The first of ``rows`` (fastest first) that fits, judging as few as it can; None when none fits.
-
-    A base's floors are judged when the first candidate of the base comes up: a base whose floors are all too big is
-    out whatever else is switched on (a refused floor, techniques that do not compose, says nothing); bases slower
-    than the chosen recipe are never traced.
-    """
+    """The first of ``rows`` (fastest first) that fits, judging as few as it can; None when none fits. A base's
+    floors are judged when its first candidate comes up: if all are too big (a refused one says nothing), so is it."""
     too_big: list[Row] = []
     floored: set[Any] = set()
     for row in rows:
@@ -399,10 +361,8 @@ def _ruled_out(row: Row, rows: list[Row], too_big: list[Row], judge: Judge) -> b
 def refusing_technique(err: BaseException, run: RunSpec | None) -> Any:
     """The technique callback of the run whose code raised ``err`` (the innermost such frame), if one did.
 
-    NOTE: found by the raising frames' ``self`` being an instance of one of the run's technique callbacks (an object,
-    not its message; the dry run traces copies of the callbacks, hence the type), so a refusal by the module, the
-    strategy or the data is not taken for a technique's. The accumulation scheduler's refusals are not counted (a
-    micro-batch is a recipe of its own).
+    NOTE: by the type of the raising frames' ``self`` (the dry run traces copies of the callbacks), never by the
+    message; the accumulation scheduler's refusals are not counted (a micro-batch is a recipe of its own).
     """
     if run is None:
         return None
