@@ -166,3 +166,36 @@ def test_after_import_runs_for_a_module_another_meta_path_finder_finds():
     finally:
         sys.meta_path.remove(finder)
         sys.modules.pop(name, None)
+
+
+# what a function may import lazily outside cli/ (docs/design.md): optional extras and libraries costly to import
+_LAZY = {"deepspeed", "bitsandbytes", "peft", "torchao", "galore_torch", "apollo_torch", "adam_mini", "liger_kernel",
+         "cut_cross_entropy", "matplotlib", "safetensors", "transformers", "yaml", "psutil",
+         # NOTE: Unix-only; torch's compiler, C++ builder and checkpointing (a second each to import); torch.distributed's
+         # wrappers (not on every build); our modules that import DeepSpeed as they load
+         "resource", "torch._dynamo", "torch.utils.cpp_extension", "torch.utils.checkpoint", "torch.distributed",
+         "lightning_lowmem.strategies.zero.checkpoint_engine", "lightning_lowmem.strategies.zero.optim"}
+# modules whose own imports are lazy by design: the import hooks (they must not import Lightning or the package early)
+_LAZY_MODULES = {"lightning_lowmem/_registry.py", "lightning_lowmem/_internals/twin.py"}
+
+
+def test_function_level_imports_are_the_documented_ones():
+    import ast
+    from pathlib import Path
+
+    root = Path(lightning_lowmem.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        if rel.startswith("lightning_lowmem/cli/") or rel in _LAZY_MODULES:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) \
+                        else [a.name for a in node.names]
+                    found += [f"{rel}:{node.lineno} {name}" for name in names
+                              if not any(name == lazy or name.startswith(lazy + ".") for lazy in _LAZY)]
+    assert not found, "import these at the module top, or say in docs/design.md why they are lazy:\n" + "\n".join(found)

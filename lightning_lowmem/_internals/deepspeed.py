@@ -9,6 +9,8 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
+import torch
+
 #: DeepSpeed module globals used here (dotted), checked by tests/test_internals.py
 PRIVATE_SYMBOLS = (
     "deepspeed.comm.comm.cdb",
@@ -34,7 +36,6 @@ def drop_stale_process_groups() -> None:
     ``destroy_process_group``; a second fit in the process would use the dead groups. It has no public reset.
     """
     import deepspeed.comm.comm as ds_comm
-    import torch
     from deepspeed.utils import groups
 
     if ds_comm.cdb is not None and not torch.distributed.is_initialized():
@@ -62,7 +63,6 @@ def undo_zero3_linear() -> None:
     NOTE: DeepSpeed never puts it back (the original stays in a class attribute of ``zero.Init``): every linear layer
     run after ``fit`` would round differently. The package's only write to a torch module attribute.
     """
-    import torch
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 

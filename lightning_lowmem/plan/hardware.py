@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 GB = 1e9
 
 
@@ -85,7 +87,6 @@ def measure_host(seconds: float = 0.5) -> HardwareProfile:
     optimizer steps' rates (fused AdamW for the host step, torch's default for a plain run), the per-block cost of a
     micro-batch, and its RAM. Takes about ``7 * seconds``."""
     import psutil
-    import torch
 
     def calls_per_s(fn: Any) -> float:
         """How often ``fn`` runs in a second (after one warm-up call), timed for ``seconds``."""

@@ -19,6 +19,7 @@ from lightning_lowmem.callbacks.chunked_lm_loss.callback import ChunkedLMLoss
 from lightning_lowmem.callbacks.lean_optimizer import LeanOptimizer
 from lightning_lowmem.callbacks.low_bit_optimizer import LowBitOptimizer
 from lightning_lowmem.core.optional import package_available
+from lightning_lowmem.predict.estimate import lean_extra_problem
 from lightning_lowmem.predict.run_spec import LEAN_OPTIMIZERS, RunSpec
 
 Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"]
@@ -238,8 +239,6 @@ def optimizer_choices(optimizers: Any, own_callbacks: Sequence[Any], problems: l
                       cli: bool = False) -> tuple[tuple[str | None, ...], bool]:
     """The optimizers ``plan``'s ``optimizers`` allows, in order (None: the module's own, ``"adamw"``), and whether a
     wrong type was given; what is wrong is added to ``problems``, as ``plan`` spells it (``cli``: ``--optimizers``)."""
-    from lightning_lowmem.predict.estimate import lean_extra_problem
-
     names = [optimizers] if isinstance(optimizers, str) else list(optimizers) if isinstance(optimizers, Sequence) else None
     call = (f"`--optimizers {','.join(names or [])}`" if cli else f"`optimizers={optimizers!r}`")
     if not names or any(n not in OPTIMIZERS for n in names):
