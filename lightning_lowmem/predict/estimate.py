@@ -1,9 +1,7 @@
 """``estimate_memory``: the predicted peak memory of a run, before any training (``docs/estimate.md``).
 
-A dry run (:func:`~lightning_lowmem.predict.dry_run.dry_run`) of the run described as the Trainer is given it
-(``strategy``, ``callbacks``), or by a LightningCLI YAML, or by keyword shorthands (``offload=True``,
-``checkpointing="all"``, ...); closed forms (:mod:`~lightning_lowmem.predict.analytic`) are a bound beside it, and
-used alone only with ``method="analytic"`` or when the model cannot be traced (the result says why).
+A dry run (:func:`~lightning_lowmem.predict.dry_run.dry_run`) of the run as the Trainer, a LightningCLI YAML or keyword
+shorthands describe it; closed forms (:mod:`~lightning_lowmem.predict.analytic`) are a bound beside it.
 
 Example (a tiny GPT-2 shape here; ``"gpt2-xl"`` and the other shipped names are given the same way, and
 ``estimate_memory("configs/demo.yaml")`` predicts the run a YAML describes, with its own data):
