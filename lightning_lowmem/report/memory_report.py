@@ -135,8 +135,7 @@ class MemoryReport(StepMemoryRecorder):
         if stage != "fit":
             return
         if self.save_dir is None:
-            root = trainer.log_dir or trainer.default_root_dir
-            self.save_dir = Path(root) / "memory_report"
+            self.save_dir = Path(trainer.log_dir or trainer.default_root_dir) / "memory_report"
         if trainer.is_global_zero:
             self._check_writable(self.save_dir)
         self.steps, self.first_batch, self._windows = [], None, -1
@@ -233,7 +232,6 @@ class MemoryReport(StepMemoryRecorder):
                   ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
         """The dry run of this run and of plain fp32 training of the module (and both on a GPU at ``gpu_precision``);
         ``{"error": ...}`` where one fails."""
-
         batch = apply_to_collection(self.first_batch, torch.Tensor, lambda t: t.detach().to("cpu"))
         target = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         # NOTE: Lightning's half-precision plugin cast the module's weights in place; the run started from fp32
