@@ -74,7 +74,8 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
     ffn = _first(config, "intermediate_size", "ffn_dim", "n_inner", "d_ff") or 4 * hidden
     kv_heads = _first(config, "num_key_value_heads", default=heads)
     vocab = _first(config, "vocab_size", default=50257)
-    dropouts = [_first(config, n, default=0.0) or 0.0 for n in ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout")]
+    dropout = any((_first(config, n, default=0.0) or 0.0) > 0
+                  for n in ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout"))
     if num_params is None:
         num_params = _closed_form_params(model_type, int(layers), int(hidden), int(heads), int(kv_heads), int(ffn),
                                          int(vocab), gated, config)
@@ -82,7 +83,7 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
         largest_param = max(vocab * hidden, hidden * ffn)
     return TransformerShape(
         num_layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
-        vocab=int(vocab), gated_mlp=bool(gated), dropout=any(d > 0 for d in dropouts),
+        vocab=int(vocab), gated_mlp=bool(gated), dropout=dropout,
         num_params=int(num_params), largest_param=int(largest_param),
     )
 
