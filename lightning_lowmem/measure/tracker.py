@@ -97,9 +97,8 @@ class _Mode(torch_internals.TorchDispatchMode):
             kind = _KIND[func] = (torch_internals.op_is_mutable(func), torch_internals.op_is_view(func))
         mutates, view = kind
         if view and tracker._phase is None:
-            # NOTE: outside a phase a view of a storage made before tracking began (the loader's in-memory dataset,
-            # sliced into the next micro-batch) is not an allocation: counting it as `other` put host data in the
-            # device peak. Inside a phase a view of an untracked storage is still counted (as it always was).
+            # NOTE: outside a phase a view of a storage made before tracking (a loader's in-memory dataset sliced into a
+            # micro-batch) is no allocation: counted as `other` it put host data in the device peak. Inside, it counts.
             return out
         see = tracker._see
         for o in out if isinstance(out, (tuple, list)) else (out,):
