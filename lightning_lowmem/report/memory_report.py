@@ -39,8 +39,6 @@ class MemoryReport(StepMemoryRecorder):
     fp32 training of the same module predicted the same way, with the saving against it; it writes
     ``memory_report.json`` and ``memory_step.png`` into ``save_dir`` (``docs/techniques/memory-report.md``).
 
-    Sampled steps: ``global_step % every_n_steps == 0``, plus the second optimizer step (the first steady-state step).
-
     It saves nothing; cost (``benchmarks/results/memory_report_overhead.md``): an unsampled step costs what a step
     without it costs; a sampled step ~1.3x (~23 µs per aten op); the end of fit runs two dry runs (``predict=True``).
     It measures tensor storage, not process RSS; memory outside tensor storages shows only in CUDA's statistics.
@@ -61,7 +59,8 @@ class MemoryReport(StepMemoryRecorder):
         - ``memory/<phase>/cuda_max_allocated_bytes``, ``memory/<phase>/cuda_max_reserved_bytes``.
 
     Args:
-        every_n_steps: sample the optimizer steps whose ``global_step`` is a multiple of this (and step 1).
+        every_n_steps: sample the optimizer steps whose ``global_step`` is a multiple of this, and the second one
+            (step 1, the first steady-state step).
         phases: log and tabulate per-phase peaks (the step peak and categories are always reported).
         plot: draw ``memory_step.png`` (matplotlib, Agg backend) at the end of fit.
         save_dir: where ``memory_report.json`` and the PNG go. Default: ``<trainer.log_dir or
