@@ -24,10 +24,8 @@ class CudaPeaks(NamedTuple):
 class CudaPeakWindow:
     """The CUDA allocator's peak since this window's last :meth:`lap`, safe to use beside other windows.
 
-    ``torch.cuda.reset_peak_memory_stats`` is process-wide: one consumer resetting it (a phase of ``MemoryTracker``,
-    the memory recorder) hides the peak from every other. Every project component resets through
-    :func:`reset_cuda_peak_stats`, which first folds the current maxima into every open window, so each window still
-    reads its own peak.
+    ``torch.cuda.reset_peak_memory_stats`` is process-wide: one consumer's reset hides the peak from every other. The
+    project resets through :func:`reset_cuda_peak_stats`, which first folds the current maxima into every open window.
 
     Example::
 

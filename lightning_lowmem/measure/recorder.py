@@ -25,11 +25,10 @@ class StepMemoryRecorder(Callback):
     """Measure each sampled optimizer step (all its micro-batches) with a :class:`MemoryTracker`.
 
     Phases: ``forward`` from ``on_train_batch_start``, ``backward`` from ``on_before_backward`` to
-    ``on_after_backward``, ``optimizer`` from ``on_before_optimizer_step`` to ``on_train_batch_end``. A
-    step is sampled when ``global_step % every_n_steps == 0``, and the second step always (the first creates
-    the optimizer state; the second is the first steady-state step). Each sampled step appends one dict to
-    :attr:`steps` (see :meth:`record`). On CUDA, every step's peaks are also read from CUDA's own
-    statistics. Strategies and callbacks implementing ``memory_breakdown()`` are asked at each sampled step.
+    ``on_after_backward``, ``optimizer`` from ``on_before_optimizer_step`` to ``on_train_batch_end``. Sampled steps:
+    ``global_step % every_n_steps == 0``, and always the second (the first steady-state one); each appends one dict to
+    :attr:`steps` (see :meth:`record`), with what strategies and callbacks implementing ``memory_breakdown()`` report.
+    On CUDA every step's peaks are also read from CUDA's own statistics.
 
     Example:
         >>> from lightning_lowmem import StepMemoryRecorder

@@ -32,21 +32,18 @@ Example:
 
 Under a fake mode, enter the tracker *inside* it: a dispatch mode only sees the ops of the modes entered after it.
 
-Categories: ``weights`` (parameters and buffers of ``module``); ``gradients`` (their ``.grad``, re-tagged when autograd
-accumulates them and at every phase boundary); ``optimizer_state`` (``optimizer.state`` and optimizer parameters the
-module does not hold: masters); ``activations`` (storages created in a ``"forward"`` phase and alive at its end; they
-become ``other`` at the end of a ``"backward"`` phase); ``other`` (everything else: inputs given to
-:meth:`MemoryTracker.track`, forward and backward temporaries, optimizer temporaries, recomputation). Re-tagging is
-retroactive for the recorded peaks (the breakdown at a peak names what the bytes were); a peak *total* never changes
-through a category re-tag.
-
+Categories: ``weights`` (parameters and buffers of ``module``), ``gradients`` (their ``.grad``, re-tagged on
+accumulation and at every phase boundary), ``optimizer_state`` (``optimizer.state`` and optimizer parameters the module
+does not hold: masters), ``activations`` (created in a ``"forward"`` phase and alive at its end; ``other`` after a
+``"backward"`` phase), ``other`` (everything else: inputs given to :meth:`MemoryTracker.track`, temporaries,
+recomputation). Re-tags also correct the breakdowns at recorded peaks; a peak *total* never changes through one.
 Roles: ``host`` for storages marked with :func:`~lightning_lowmem.core.accounting.mark_host` and for CPU storages while
 the module computes on an accelerator; ``device`` otherwise.
 
 Not seen: tensors alive before ``__enter__`` other than the given objects' (pass them to :meth:`MemoryTracker.track`),
-memory outside tensor storages (allocator slack, CUDA context, workspaces; process RSS is *not* what this measures) and
-storages resized outside dispatch. On CUDA each phase also records CUDA's own peaks through
-:func:`reset_cuda_peak_stats`. Cost: ~30 µs per aten op on 2 CPU cores (``benchmarks/results/memory_report_overhead.md``).
+memory outside tensor storages (allocator slack, CUDA context, workspaces; not process RSS) and storages resized
+outside dispatch. On CUDA each phase also records CUDA's own peaks through :func:`reset_cuda_peak_stats`. Cost: ~30 µs
+per aten op on 2 CPU cores (``benchmarks/results/memory_report_overhead.md``).
 """
 
 from __future__ import annotations
@@ -100,9 +97,8 @@ class _Mode(torch_internals.TorchDispatchMode):
             kind = _KIND[func] = (torch_internals.op_is_mutable(func), torch_internals.op_is_view(func))
         mutates, view = kind
         if view and tracker._phase is None:
-            # NOTE: outside a phase a view of a storage made before tracking began (the loader's in-memory dataset,
-            # sliced into the next micro-batch) is not an allocation: counting it as `other` put host data in the
-            # device peak. Inside a phase a view of an untracked storage is still counted (as it always was).
+            # NOTE: outside a phase a view of a storage made before tracking (a loader's in-memory dataset sliced into a
+            # micro-batch) is no allocation: counted as `other` it put host data in the device peak. Inside, it counts.
             return out
         see = tracker._see
         for o in out if isinstance(out, (tuple, list)) else (out,):
@@ -571,9 +567,7 @@ class MemoryTracker:
             return
         self._phase = name
         self._phase_order.append(name)
-        snaps = self._phase_snaps.get(name)
-        if snaps is None:
-            snaps = self._phase_snaps[name] = (_Snap(), _Snap())
+        snaps = self._phase_snaps.setdefault(name, (_Snap(), _Snap()))
         self._cur = snaps
         if name == _FORWARD:
             self._in_fwd = True
@@ -621,9 +615,7 @@ class MemoryTracker:
         self._win_events = None
         if events:
             self._win_events = self.window_events[key] = []
-        snaps = self._phase_snaps.get(key)
-        if snaps is None:
-            snaps = self._phase_snaps[key] = (_Snap(), _Snap())
+        snaps = self._phase_snaps.setdefault(key, (_Snap(), _Snap()))
         self._win = snaps
         self._open(snaps)
 

@@ -74,8 +74,8 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
     ffn = _first(config, "intermediate_size", "ffn_dim", "n_inner", "d_ff") or 4 * hidden
     kv_heads = _first(config, "num_key_value_heads", default=heads)
     vocab = _first(config, "vocab_size", default=50257)
-    dropout_names = ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout")
-    dropouts = [_first(config, n, default=0.0) or 0.0 for n in dropout_names]
+    dropout = any((_first(config, n, default=0.0) or 0.0) > 0
+                  for n in ("resid_pdrop", "attn_pdrop", "dropout", "hidden_dropout"))
     if num_params is None:
         num_params = _closed_form_params(model_type, int(layers), int(hidden), int(heads), int(kv_heads), int(ffn),
                                          int(vocab), gated, config)
@@ -83,7 +83,7 @@ def transformer_shape(config: Any, num_params: int | None = None, largest_param:
         largest_param = max(vocab * hidden, hidden * ffn)
     return TransformerShape(
         num_layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
-        vocab=int(vocab), gated_mlp=bool(gated), dropout=any(d > 0 for d in dropouts),
+        vocab=int(vocab), gated_mlp=bool(gated), dropout=dropout,
         num_params=int(num_params), largest_param=int(largest_param),
     )
 
@@ -147,8 +147,7 @@ def analytic_phases(
     shape = transformer_shape(config, num_params, largest_param)
     p_bytes, a_bytes = _PARAM_BYTES[precision], _ACT_BYTES[precision]
     P = shape.num_params
-    weights = P * p_bytes
-    grads = P * p_bytes
+    weights = grads = P * p_bytes
     state = int(optimizer_state_bytes_per_param(optimizer, p_bytes, P))
     b, s, L = batch_size, seq_len, shape.num_layers
     keep_scores = shape.dropout if flash_attention is None else not flash_attention
@@ -215,9 +214,8 @@ def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: in
     offload = plan.offload_optimizer
     for phase, bd in estimate.phases.items():
         dev = bd.device
-        has_grads = dev["gradients"] > 0
         dev["weights"] = weights
-        dev["gradients"] = 0 if offload else (grads if has_grads else 0)
+        dev["gradients"] = grads if dev["gradients"] > 0 and not offload else 0
         dev["optimizer_state"] = 0 if offload else state // N
         if phase == "optimizer" and offload:
             dev["other"] = 0

@@ -98,10 +98,8 @@ class DataDependent:
             if not isinstance(idx, torch.Tensor) or idx.dtype not in _MASK_DTYPES or not idx.dim():
                 out.append(idx)
                 continue
-            if _is_fake(idx):
-                nz = self._nonzero(func, idx)
-            else:
-                nz = _real(lambda idx=idx: torch.nonzero(idx))  # NOTE: a real mask (from the batch): exact
+            # NOTE: a real mask (from the batch): exact
+            nz = self._nonzero(func, idx) if _is_fake(idx) else _real(lambda idx=idx: torch.nonzero(idx))
             out.extend(nz.unbind(1))
         return out
 

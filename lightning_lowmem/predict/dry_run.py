@@ -1,12 +1,8 @@
 """The dry run: a real ``Trainer.fit`` of the user's module and data in which every weight is a fake tensor.
 
-:func:`dry_run` runs what a :class:`~lightning_lowmem.predict.run_spec.RunSpec` describes for two optimizer steps with
-Lightning's own loop and the techniques' own code, on fake parameters (:mod:`lightning_lowmem.predict.fake`), measured
-by the same :class:`~lightning_lowmem.measure.recorder.StepMemoryRecorder` as ``MemoryReport``. DeepSpeed ZeRO is
-traced on one device with its partitioned model states in closed form
-(:func:`~lightning_lowmem.predict.analytic.zero_states`); a CUDA target is traced on CPU with CUDA's kernel choices
-emulated, each listed in ``result.corrections``. Deep models are traced at 3, 4 and 5 blocks and extrapolated when
-the lines agree. See ``docs/estimate.md``.
+:func:`dry_run` runs a :class:`~lightning_lowmem.predict.run_spec.RunSpec` for two optimizer steps on fake parameters
+(:mod:`lightning_lowmem.predict.fake`), measured by ``MemoryReport``'s recorder; how ZeRO, a CUDA target and deep
+models are handled: ``docs/estimate.md``.
 
 Example (GPT-2 XL's shape is ``n_layer=48, n_embd=1600, n_head=25``: the same call, about 10 s):
 

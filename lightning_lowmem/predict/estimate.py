@@ -1,9 +1,7 @@
 """``estimate_memory``: the predicted peak memory of a run, before any training (``docs/estimate.md``).
 
-A dry run (:func:`~lightning_lowmem.predict.dry_run.dry_run`) of the run described as the Trainer is given it
-(``strategy``, ``callbacks``), or by a LightningCLI YAML, or by keyword shorthands (``offload=True``,
-``checkpointing="all"``, ...); closed forms (:mod:`~lightning_lowmem.predict.analytic`) are a bound beside it, and
-used alone only with ``method="analytic"`` or when the model cannot be traced (the result says why).
+A dry run (:func:`~lightning_lowmem.predict.dry_run.dry_run`) of the run as the Trainer, a LightningCLI YAML or keyword
+shorthands describe it; closed forms (:mod:`~lightning_lowmem.predict.analytic`) are a bound beside it.
 
 Example (a tiny GPT-2 shape here; ``"gpt2-xl"`` and the other shipped names are given the same way, and
 ``estimate_memory("configs/demo.yaml")`` predicts the run a YAML describes, with its own data):
@@ -110,25 +108,22 @@ def estimate_memory(
         target: ``"cuda"`` applies the listed CPU-vs-GPU corrections; ``"cpu"`` predicts a CPU run as traced.
             Default: a YAML's ``trainer.accelerator`` (``auto``: CUDA where this machine has it, else the CPU);
             ``"cuda"`` for everything else. The result's ``target`` says which was used.
-        method: ``"analytic"`` skips the trace (closed form only; 21 % low to 6 % high against the measured peaks of benchmarks/results/estimate.md).
+        method: ``"analytic"`` skips the trace (closed form only; 21 % low to 6 % high against the measured peaks of
+            ``benchmarks/results/estimate.md``).
         extrapolate: see :func:`~lightning_lowmem.predict.dry_run.dry_run`.
-        offload, offload_params, checkpointing, checkpointing_every_n, activation_offload: shorthands for the
-            suite's techniques (``OffloadStrategy``, ``OffloadStrategy(offload_params=True)``,
-            ``ActivationCheckpointing``, ``ActivationOffload``); not together with ``strategy``/``callbacks``.
-        micro_batch_size, optimizer, optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands as well
-            (``AccumulationScheduler``, ``LowBitOptimizer``, ``OptimizerInBackward``, the ``lowmem_zero*`` presets,
-            the number of processes, ``ChunkedLMLoss(chunk_tokens=)``); not together with ``strategy``/``callbacks``.
-            ``optimizer``: ``"adamw8bit"`` is ``LowBitOptimizer`` (bitsandbytes); ``"galore"``, ``"apollo"``,
-            ``"apollo_mini"``, ``"adam_mini"``, ``"adamw4bit"``, ``"torchao_adamw8bit"`` are ``LeanOptimizer(kind)``
-            at its defaults (its own code runs in the dry run; the closed form does not model it: no analytic
-            fallback).
+        offload, offload_params, checkpointing, checkpointing_every_n, activation_offload, micro_batch_size: shorthands
+            for ``OffloadStrategy`` (with ``offload_params=True``), ``ActivationCheckpointing``, ``ActivationOffload``
+            and ``AccumulationScheduler``; not together with ``strategy``/``callbacks`` (nor are those below).
+        optimizer, optimizer_in_backward, zero_stage, world_size, chunked_loss: shorthands for ``LowBitOptimizer``
+            (``"adamw8bit"``: bitsandbytes') or ``LeanOptimizer(kind)`` at its defaults (the other names; no analytic
+            fallback), ``OptimizerInBackward``, the ``lowmem_zero*`` presets, the number of processes and
+            ``ChunkedLMLoss(chunk_tokens=)``.
         adapters, adapter_r, quantize_base: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)`` (LoRA or
             DoRA on a frozen, optionally 4-/8-bit base; the callback's own code runs in the dry run); not together
             with ``strategy``/``callbacks``. The closed form does not model adapters: no analytic fallback.
         skip_above: a device budget in bytes: a model shape whose model states alone (weights, optimizer state and,
             unless stepped in backward, gradients: exact per-parameter sizes in closed form) exceed it on the device
-            is not traced; the result is the closed form, ``fallback_reason`` says why (a table of estimates against
-            a budget skips what cannot fit).
+            is not traced; the result is the closed form, and ``fallback_reason`` says why.
 
     Raises:
         ValueError / TypeError: a bad argument (named, with the accepted values), or a combination the real run

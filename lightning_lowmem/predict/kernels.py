@@ -1,19 +1,12 @@
 """Fake kernels that allocate what the real CPU kernels allocate (``docs/estimate.md``).
 
-For a few ops torch's fake kernel (meta function) returns less than the real CPU kernel; each entry of :data:`PROBED`
-names one and what differs, and ``tests/memory/test_kernels.py`` runs every entry's real and fake kernel side by side:
-
-* ``aten.mkldnn_rnn_layer`` (``nn.LSTM`` on CPU through oneDNN): the real kernel's workspace, whose size only oneDNN
-  knows (60 % of a small LSTM's step peak). Asked of the real kernel once per input signature on zeros; above
-  :data:`PROBE_BYTES`, at three shorter lengths congruent modulo 64 and extrapolated (an upper bound where they are
-  not on one line, said in the note).
-* ``aten.mkldnn_rnn_layer_backward``: two bias gradients where the fake kernel returns one.
-* ``aten.mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss``, ``binary_cross_entropy``: the 0-d loss is a view of
-  the unreduced loss, which stays alive with it; probed the same way.
-
-:data:`REPLACED` gives the CPU kernel's outputs where the meta function refuses what it takes (``aten._grouped_mm`` at
-fp32) or allocates what it does not (``aten._embedding_bag``'s bf16 ``offset2bag``). Corrections are counted in
-:attr:`KernelMatch.corrections`.
+For a few ops torch's fake kernel (meta function) returns less than the real CPU kernel (the oneDNN LSTM's workspace,
+the unreduced buffer under an elementwise loss's 0-d result); each entry of :data:`PROBED` names one and what differs,
+and ``tests/memory/test_kernels.py`` runs every entry's real and fake kernel side by side. The real kernel is asked
+once per input signature on zeros; above :data:`PROBE_BYTES`, at three shorter lengths congruent modulo 64 and
+extrapolated (an upper bound where they are not on one line, said in the note). :data:`REPLACED` gives the CPU
+kernel's outputs where the meta function refuses what it takes (``aten._grouped_mm`` at fp32) or allocates what it
+does not (``aten._embedding_bag``'s bf16 ``offset2bag``). Corrections are counted in :attr:`KernelMatch.corrections`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``LowMemCLI``: LightningCLI whose YAML names the suite's strategies and callbacks by short name.
 
-The YAML dialect of a run: what ``lowmem fit`` (:mod:`lightning_lowmem.cli`) runs and what a dry run of a YAML
-(:mod:`lightning_lowmem.predict.run_config`) reads, so that one file means the same to both. Kept out of
-:mod:`lightning_lowmem.cli` so that ``lowmem --help`` (and ``lowmem estimate --help``) import neither Lightning nor
-torch.
+What ``lowmem fit`` runs and a dry run of a YAML (:mod:`lightning_lowmem.predict.run_config`) reads, so one file
+means the same to both. Kept out of :mod:`lightning_lowmem.cli` so that ``lowmem --help`` imports neither Lightning
+nor torch.
 """
 
 from __future__ import annotations

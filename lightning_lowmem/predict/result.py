@@ -31,14 +31,13 @@ class Correction:
 class MemoryEstimate:
     """Predicted peak bytes per phase (forward, backward, optimizer), role (device, host) and category.
 
-    ``phases[name].device`` is the device-role breakdown at that phase's device peak (the highest over the
-    traced steps), ``.host`` the host-role one at its host peak. ``method`` says how the figure was made:
-    ``"dry_run"`` (a traced run), ``"dry_run+zero_closed_form"`` (traced on one device, DeepSpeed's
-    partitioned model states in closed form) or ``"analytic"`` (closed form only; ``fallback_reason``
-    says why). ``run`` describes the run predicted; ``steps`` holds the traced steps' records (as
-    ``MemoryReport`` records measured ones; empty when extrapolated). ``bounds`` lists the sizes the dry run
-    could not know (an op whose output size depends on values computed from the weights) and what it assumed:
-    ``{"op", "where" (the model's line), "assumption", "calls"}``.
+    ``phases[name].device`` is the device-role breakdown at that phase's device peak (the highest over the traced
+    steps), ``.host`` the host-role one at its host peak. ``method``: ``"dry_run"`` (a traced run),
+    ``"dry_run+zero_closed_form"`` (traced on one device, DeepSpeed's partitioned model states in closed form) or
+    ``"analytic"`` (closed form only; ``fallback_reason`` says why). ``run`` describes the run predicted; ``steps``
+    holds the traced steps' records (as ``MemoryReport`` records measured ones; empty when extrapolated). ``bounds``
+    lists the sizes the dry run could not know (an output size that depends on values computed from the weights) and
+    what it assumed: ``{"op", "where" (the model's line), "assumption", "calls"}``.
     """
 
     phases: dict[str, MemoryBreakdown]

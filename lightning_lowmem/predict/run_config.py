@@ -39,8 +39,7 @@ def load_run_config(path: str | os.PathLike) -> tuple[Any, Any, RunSpec]:
             self.model = lightning_internals.cli_get(self, self.config_init, "model")
             lightning_internals.cli_add_configure_optimizers(self, self.subcommand)
             trainer_config = lightning_internals.cli_get(self, self.config_init, "trainer", default={})
-            accelerator = trainer_config.get("accelerator", "auto")
-            self.target, self.target_source = run_target(accelerator)
+            self.target, self.target_source = run_target(trainer_config.get("accelerator", "auto"))
             overrides: dict[str, Any] = {}
             if self.target == "cuda" and not torch.cuda.is_available():
                 # NOTE: a GPU run described on a machine without one (the laptop asking "will it fit my card?"):

@@ -39,8 +39,6 @@ class MemoryReport(StepMemoryRecorder):
     fp32 training of the same module predicted the same way, with the saving against it; it writes
     ``memory_report.json`` and ``memory_step.png`` into ``save_dir`` (``docs/techniques/memory-report.md``).
 
-    Sampled steps: ``global_step % every_n_steps == 0``, plus the second optimizer step (the first steady-state step).
-
     It saves nothing; cost (``benchmarks/results/memory_report_overhead.md``): an unsampled step costs what a step
     without it costs; a sampled step ~1.3x (~23 µs per aten op); the end of fit runs two dry runs (``predict=True``).
     It measures tensor storage, not process RSS; memory outside tensor storages shows only in CUDA's statistics.
@@ -61,7 +59,8 @@ class MemoryReport(StepMemoryRecorder):
         - ``memory/<phase>/cuda_max_allocated_bytes``, ``memory/<phase>/cuda_max_reserved_bytes``.
 
     Args:
-        every_n_steps: sample the optimizer steps whose ``global_step`` is a multiple of this (and step 1).
+        every_n_steps: sample the optimizer steps whose ``global_step`` is a multiple of this, and the second one
+            (step 1, the first steady-state step).
         phases: log and tabulate per-phase peaks (the step peak and categories are always reported).
         plot: draw ``memory_step.png`` (matplotlib, Agg backend) at the end of fit.
         save_dir: where ``memory_report.json`` and the PNG go. Default: ``<trainer.log_dir or
@@ -135,8 +134,7 @@ class MemoryReport(StepMemoryRecorder):
         if stage != "fit":
             return
         if self.save_dir is None:
-            root = trainer.log_dir or trainer.default_root_dir
-            self.save_dir = Path(root) / "memory_report"
+            self.save_dir = Path(trainer.log_dir or trainer.default_root_dir) / "memory_report"
         if trainer.is_global_zero:
             self._check_writable(self.save_dir)
         self.steps, self.first_batch, self._windows = [], None, -1
@@ -233,7 +231,6 @@ class MemoryReport(StepMemoryRecorder):
                   ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
         """The dry run of this run and of plain fp32 training of the module (and both on a GPU at ``gpu_precision``);
         ``{"error": ...}`` where one fails."""
-
         batch = apply_to_collection(self.first_batch, torch.Tensor, lambda t: t.detach().to("cpu"))
         target = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         # NOTE: Lightning's half-precision plugin cast the module's weights in place; the run started from fp32
