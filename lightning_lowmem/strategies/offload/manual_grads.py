@@ -1,13 +1,9 @@
 """Manual optimization under ``lowmem_offload``: the masters' gradients on ``p.grad`` between ``manual_backward`` and
-the step, as plain Lightning leaves them (fp16: still scaled, as ``GradScaler`` leaves them).
-
-:class:`ManualGrads` opens a :class:`~lightning_lowmem.strategies.offload.masters_view.MastersView` with the gradients
-after every (drained) ``manual_backward`` and every step, and closes it at the step, the next backward, the forward of
-a module holding parameters, and the end of ``training_step``; a step's masters reach the compute weights at that close.
+the step, as plain Lightning leaves them (fp16: still scaled). The view closes at the step, the next backward, a
+forward of a module holding parameters, or the end of ``training_step``; the stepped masters reach the compute weights.
 
 NOTE: [stray backward] a backward Lightning does not run opens no view and, on CUDA, is not drained:
 :meth:`ManualGrads.before_step` refuses the step it would feed.
-
 NOTE: [direct use] a parameter read outside a module's forward while the view is open is its master (a host tensor).
 """
 

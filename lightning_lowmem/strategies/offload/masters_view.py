@@ -1,6 +1,5 @@
-"""The fp32 masters of ``lowmem_offload`` shown through the module's own parameters (``.data`` and ``.grad`` swapped,
-the ``Parameter`` objects kept, so references user code holds stay valid), for the gradient hooks, manual optimization
-and ``trainer.strategy.masters_view()``.
+"""The fp32 masters of ``lowmem_offload`` shown through the module's own parameters (``.data``/``.grad`` swapped, the
+``Parameter`` objects kept), for the gradient hooks, manual optimization and ``trainer.strategy.masters_view()``.
 
 NOTE: [views are not tracked] ``.data`` writes bump no version counter: a ``write_back=True`` view copies every master
 into its compute weight on exit; the gradient hooks' views do not (the step that follows copies what it steps).

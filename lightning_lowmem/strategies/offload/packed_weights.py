@@ -1,13 +1,8 @@
-"""bitsandbytes' packed 4-bit weights (``Params4bit``, a QLoRA base) in ``lowmem_offload``'s parameter streaming.
+"""bitsandbytes' packed 4-bit weights (``Params4bit``) in ``lowmem_offload``'s parameter streaming: the packed bytes
+stream through ``p.data``, the absmax as a frozen parameter (:func:`quant_state_param`); never an fp32 master.
 
-The packed bytes stream like any block weight (through ``p.data``, which keeps the parameter and its ``quant_state``);
-the per-block absmax streams with them as a frozen parameter object (:func:`quant_state_param`); the code books stay.
-A packed weight never has an fp32 master.
-
-NOTE: [weight kept for backward] bitsandbytes' ``MatMul4Bit`` keeps a view of the packed weight in ``ctx.tensors``, out
-of reach of the saved-tensor hooks (every fetched block would stay until its backward): while blocks stream,
-``Linear4bit`` applies :func:`kept_by_hooks`' subclass, which keeps it with ``save_for_backward`` instead.
-
+NOTE: [weight kept for backward] ``MatMul4Bit`` keeps the packed weight in ``ctx.tensors``, out of the saved-tensor
+hooks' reach: while blocks stream, ``Linear4bit`` applies :func:`kept_by_hooks`' subclass (``save_for_backward``).
 NOTE: ``Int8Params`` is not streamed: ``Linear8bitLt`` keeps its own reference to the int8 matrix (``state.CB``).
 """
 
