@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -60,7 +59,7 @@ class ManualGrads:
         for sub in module.modules():
             if any(id(p) in owned for p in sub.parameters()):
                 # NOTE: prepend: the view must be closed before the parameter stream's hook fetches a block
-                self._handles.append(sub.register_forward_pre_hook(self._before_forward, prepend=True))
+                self._handles.append(sub.register_forward_pre_hook(lambda m, a: self.close(), prepend=True))
 
     @property
     def attached(self) -> bool:
@@ -91,9 +90,6 @@ class ManualGrads:
         pending, self._pending = self._pending, []
         for copy in pending:
             copy()
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self.close()
 
     # --- backward and step -----------------------------------------------------------------------------------------
     def before_backward(self) -> None:
