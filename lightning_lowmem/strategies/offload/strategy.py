@@ -80,7 +80,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             ``ulimit -v``/``-d``) cannot hold masters, gradient buffers, the configured optimizer's state and staging.
         nonfinite: on an inf/nan master gradient in bf16/fp32 (fp16 skips through its scaler): ``"skip"`` the step
             (logged as ``lowmem/skipped_steps``, warned once, :class:`NonFiniteGradientError` after
-            ``max_consecutive_skips`` in a row); ``"raise"``; ``"ignore"`` (the masters become nan). Cost: one norm a step.
+            ``max_consecutive_skips`` in a row); ``"raise"``; ``"ignore"`` (the masters become nan). Cost: a norm/step.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
             block from host copies (+2 B/param of host memory in bf16; on the device ``prefetch + 1`` blocks at a time;
