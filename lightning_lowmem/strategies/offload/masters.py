@@ -186,10 +186,9 @@ class HostMasters:
         """Remember the version counter (not bumped by ``.data`` writes) and storage of compute weights ``indices``
         (all) that now match their masters."""
         for i in range(len(self.p_device)) if indices is None else indices:
-            if id(self.p_device[i]) in self.streamed:
-                continue
             p = self.p_device[i]
-            self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
+            if id(p) not in self.streamed:
+                self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
 
     def adopt_writes(self) -> list[int]:
         """Copy every compute weight written by other code (in place, or ``p.data`` replaced) since it was noted into

@@ -229,9 +229,8 @@ class ParamStream:
     def _limit_frees(self, ops: StreamOps) -> None:
         """Wait (host) until at most ``_FREES_IN_FLIGHT`` released blocks may still be read by compute.
 
-        NOTE: [bounded streaming] the host runs ahead of the GPU: without this back-pressure (as FSDP's
-        ``limit_all_gathers``) every fetch would take new memory while released blocks wait for compute.
-        """
+        NOTE: [bounded streaming] back-pressure (as FSDP's ``limit_all_gathers``): a host running ahead of the GPU
+        would take new memory for every fetch while released blocks wait for compute."""
         frees = self._frees
         while frees and (len(frees) > _FREES_IN_FLIGHT or ops.query(frees[0])):
             ops.synchronize(frees.popleft())
