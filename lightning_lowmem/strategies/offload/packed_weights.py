@@ -64,14 +64,11 @@ def streamable(p: nn.Parameter) -> bool:
 def give_back_streamed(stream: Any, mastered: Mapping[int, int]) -> None:
     """After training: every streamed parameter without a master gets its host copy back as ``.data`` (cloned out of
     the pinned buckets on CUDA); a quantization state holds a plain absmax tensor again."""
-    pinned = stream.ops is not None
-    for p_id, h in stream.host_of().items():
-        if p_id in mastered:
-            continue
-        for ps in stream.params:
-            for p in ps:
-                if id(p) == p_id:
-                    p.data = h.clone() if pinned else h
+    pinned, host = stream.ops is not None, stream.host_of()
+    for ps in stream.params:
+        for p in ps:
+            if id(p) in host and id(p) not in mastered:
+                p.data = host[id(p)].clone() if pinned else host[id(p)]
     for ps in stream.params:
         for p in ps:
             if is_streamable_packed(p) and isinstance(p.quant_state.absmax, nn.Parameter):
