@@ -268,8 +268,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
 
     @property
     def _name(self) -> str:
-        """The registered name this configuration goes by, for messages."""
-        # NOTE: read before `offload_params` is set too (Strategy.__init__ assigns the precision plugin)
+        """The registered name, for messages (NOTE: read by ``Strategy.__init__`` before ``offload_params`` is set)."""
         return "lowmem_offload_params" if getattr(self, "offload_params", False) is True else "lowmem_offload"
 
     def _build_masters(self, trainer: pl.Trainer, fitting: bool) -> None:
