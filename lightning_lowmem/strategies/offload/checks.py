@@ -90,14 +90,11 @@ def to_master_precision(plugin: Precision | None, strategy: str = "lowmem_offloa
     )
 
 
-_CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
-
-
 def check_host_can_run(optimizer: Optimizer, host_optimizer: str) -> None:
     """Refuse optimizers that cannot step fp32 masters on the host, naming why and what to use instead."""
     problems = []
     name = type(optimizer).__name__
-    if isinstance(optimizer, _CLOSURE_OPTIMIZERS):
+    if isinstance(optimizer, torch.optim.LBFGS):
         problems.append(f"`{name}` re-evaluates the loss inside `step()`; `lowmem_offload` steps once per backward")
     if isinstance(optimizer, torch.optim.SparseAdam):
         problems.append("`SparseAdam` needs sparse gradients; host gradient buffers are dense (use `AdamW`)")

@@ -1,8 +1,6 @@
 """``OffloadStrategy(load_weights=...)``: a local Hugging Face safetensors directory read tensor by tensor straight into
-the masters of a module built without weights (docs/techniques/param-streaming.md).
-
-Memory: host peak while loading = masters (4 B/param) + the compute-dtype weights + one tensor. Cost: one read of each
-shard (page cache).
+the masters of a module built without weights (docs/techniques/param-streaming.md). Host peak while loading: masters
+(4 B/param) + the compute-dtype weights + one tensor; cost: one read of each shard.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The fast host Adam/AdamW path of ``OffloadStrategy``: torch's fused CPU kernel, inside the user's optimizer (only
-its groups' ``fused``/``foreach`` flags change; same rule, a few ulp of rounding apart, measured in
-``tests/strategies/test_offload.py::test_fused_host_adamw_matches_foreach_to_rounding``). ``DeepSpeedCPUAdam`` was not
-faster (``benchmarks/results/offload.md``).
+"""The fast host Adam/AdamW path of ``OffloadStrategy``: torch's fused CPU kernel inside the user's optimizer (only the
+groups' ``fused``/``foreach`` flags change; a few ulp apart, ``test_fused_host_adamw_matches_foreach_to_rounding``).
 """
 
 from __future__ import annotations

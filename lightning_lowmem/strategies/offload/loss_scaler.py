@@ -1,8 +1,6 @@
-"""Dynamic loss scaling for fp16 training whose gradients are unscaled on fp32 host masters.
-
-Not ``torch.amp.GradScaler``: the overflow answer is needed as a bool before the step (to skip it and drop the
-masters' gradients), the scale has a floor (``min_scale``) and stays a Python number (no device sync to log it).
-Above ``min_scale`` the unscaled gradients and the scale schedule are GradScaler's, bit for bit (tested).
+"""Dynamic loss scaling for fp16 training whose gradients are unscaled on fp32 host masters. Not ``GradScaler``: the
+overflow answer is a bool before the step, the scale has a floor (``min_scale``) and is a Python number (no device
+sync to log it); above ``min_scale`` gradients and schedule are GradScaler's, bit for bit (tested).
 """
 
 from __future__ import annotations

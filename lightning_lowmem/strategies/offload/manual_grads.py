@@ -1,13 +1,9 @@
 """Manual optimization under ``lowmem_offload``: the masters' gradients on ``p.grad`` between ``manual_backward`` and
-the step, as plain Lightning leaves them (fp16: still scaled, as ``GradScaler`` leaves them).
-
-:class:`ManualGrads` opens a :class:`~lightning_lowmem.strategies.offload.masters_view.MastersView` with the gradients
-after every (drained) ``manual_backward`` and every step, and closes it at the step, the next backward, the forward of
-a module holding parameters, and the end of ``training_step``; a step's masters reach the compute weights at that close.
+the step, as plain Lightning leaves them (fp16: still scaled). The view closes at the step, the next backward, a
+forward of a module holding parameters, or the end of ``training_step``; the stepped masters reach the compute weights.
 
 NOTE: [stray backward] a backward Lightning does not run opens no view and, on CUDA, is not drained:
 :meth:`ManualGrads.before_step` refuses the step it would feed.
-
 NOTE: [direct use] a parameter read outside a module's forward while the view is open is its master (a host tensor).
 """
 
@@ -15,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -64,7 +59,7 @@ class ManualGrads:
         for sub in module.modules():
             if any(id(p) in owned for p in sub.parameters()):
                 # NOTE: prepend: the view must be closed before the parameter stream's hook fetches a block
-                self._handles.append(sub.register_forward_pre_hook(self._before_forward, prepend=True))
+                self._handles.append(sub.register_forward_pre_hook(lambda m, a: self.close(), prepend=True))
 
     @property
     def attached(self) -> bool:
@@ -95,9 +90,6 @@ class ManualGrads:
         pending, self._pending = self._pending, []
         for copy in pending:
             copy()
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self.close()
 
     # --- backward and step -----------------------------------------------------------------------------------------
     def before_backward(self) -> None:

@@ -35,14 +35,12 @@ _UNHELD = _unheld()
 
 
 def frozen_without_master(module: torch.nn.Module, precision: Any, loading: bool, resuming: bool = False) -> set[int]:
-    """Ids of the frozen parameters of ``module`` that need no fp32 host master: their compute weight holds their
-    whole value (none when ``loading`` weights into the masters).
+    """Ids of ``module``'s frozen parameters whose compute weight holds their whole value (none when ``loading``).
 
-    NOTE: [streamed without a master] a streamed frozen weight's value is its host copy in the stream (see
-    ``stream_values``); packed 4-bit/8-bit weights are not floating point and never have a master.
-
+    NOTE: [streamed without a master] a streamed frozen weight's value is its host copy (``stream_values``); packed
+    4-bit/8-bit weights never have a master.
     NOTE: [resumed after an unfreeze] ``resuming``: a frozen weight whose fp32 value its half compute weight cannot
-    hold came from a master (saved after an unfreeze): it keeps its master, so the run continues as uninterrupted.
+    hold came from a master (saved after an unfreeze) and keeps it, so the run continues as uninterrupted.
     """
     if loading or precision is None:
         return set()
@@ -111,10 +109,7 @@ class HostMasters:
         return i
 
     def master_unfrozen(self, value_of: Callable[[Parameter], Tensor]) -> list[int]:
-        """Give a master to every parameter kept without one that is trainable now; return their indices.
-
-        NOTE: [unfrozen later] the master is ``value_of(p)`` (the exact value the forward used) upcast: nothing rounds.
-        """
+        """Give a master (``value_of(p)`` upcast: nothing rounds) to every masterless parameter now trainable."""
         return self._master_frozen(lambda name, p: value_of(p) if p.requires_grad else None)
 
     def _master_frozen(self, value: Callable[[str, Parameter], Tensor | None]) -> list[int]:
@@ -188,24 +183,17 @@ class HostMasters:
 
     # --- writes into the compute weights by other code ---------------------------------------------------------
     def note_device(self, indices: Iterable[int] | None = None) -> None:
-        """Remember the version counter and storage of compute weights ``indices`` (all) that now match their masters.
-
-        NOTE: ``Tensor._version`` (private torch API) counts in-place writes through the parameter, not ``.data``.
-        """
+        """Remember the version counter (not bumped by ``.data`` writes) and storage of compute weights ``indices``
+        (all) that now match their masters."""
         for i in range(len(self.p_device)) if indices is None else indices:
-            if id(self.p_device[i]) in self.streamed:
-                continue
             p = self.p_device[i]
-            self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
+            if id(p) not in self.streamed:
+                self.seen[i] = (torch_internals.tensor_version(p), storage_key(p), p.dtype, p.device)
 
     def adopt_writes(self) -> list[int]:
         """Copy every compute weight written by other code (in place, or ``p.data`` replaced) since it was noted into
-        its master; return their indices.
-
-        NOTE: [writes outside the hooks] code that clamps or re-initialises the parameters writes the compute weights;
-        the strategy adopts them before every read of the masters. A half one is upcast (warned once); in-place writes
-        through ``p.data`` and streamed weights are not seen.
-        """
+        its master (a half one upcast, warned once); return their indices. In-place ``p.data`` writes and streamed
+        weights are not seen."""
         seen, p_device = self.seen, self.p_device
         changed = [i for i in range(len(p_device)) if i in seen and (
             seen[i][0] != torch_internals.tensor_version(p_device[i]) or seen[i][1] != storage_key(p_device[i]))]
@@ -228,11 +216,8 @@ class HostMasters:
 
     @torch.no_grad()
     def adopt_untracked_writes(self) -> list[int]:
-        """Copy into their masters the compute weights whose value differs from their master's rounding; return them.
-
-        NOTE: [untracked writes] a ``p.data`` write (``WeightAveraging``'s at fit end) bumps no version counter; one
-        comparison of every weight (a device-to-host read on CUDA), so it runs once, when the module is given back.
-        """
+        """Copy into their masters the compute weights whose value differs from their master's rounding (``p.data``
+        writes, e.g. ``WeightAveraging``'s); one device-to-host read of every weight, so only when giving back."""
         changed = [i for i, (p, p_host) in enumerate(zip(self.p_device, self.p_host))
                    if id(p) not in self.streamed and not p.is_meta
                    and not torch.equal(p.detach().to("cpu"), p_host.detach().to(p.dtype))]

@@ -1,6 +1,5 @@
-"""The fp32 masters of ``lowmem_offload`` shown through the module's own parameters (``.data`` and ``.grad`` swapped,
-the ``Parameter`` objects kept, so references user code holds stay valid), for the gradient hooks, manual optimization
-and ``trainer.strategy.masters_view()``.
+"""The fp32 masters of ``lowmem_offload`` shown through the module's own parameters (``.data``/``.grad`` swapped, the
+``Parameter`` objects kept), for the gradient hooks, manual optimization and ``trainer.strategy.masters_view()``.
 
 NOTE: [views are not tracked] ``.data`` writes bump no version counter: a ``write_back=True`` view copies every master
 into its compute weight on exit; the gradient hooks' views do not (the step that follows copies what it steps).
@@ -64,11 +63,8 @@ class MastersView:
 
     @contextlib.contextmanager
     def view(self, *, grads: bool = False, buffers: bool = False, write_back: bool = False) -> Iterator[MastersView]:
-        """Show the masters (``grads``: with their gradients; ``buffers``: the fp32 values of rounded buffers).
-
-        ``write_back``: on exit, copy every master (and shown buffer) into the compute tensors. A nested view passes its
-        ``write_back`` to the outer one.
-        """
+        """Show the masters (``grads``: with their gradients; ``buffers``: the fp32 values of rounded buffers); with
+        ``write_back``, on exit (a nested view's: the outermost's) copy every master and buffer into the compute."""
         if not self.masters.p_host and not stream_values.unmastered(self.stream, self.masters):
             yield self
             return
@@ -83,13 +79,11 @@ class MastersView:
         self.masters.adopt_writes()
         self._write_back = write_back
         self._depth = 1
-        masters = self.masters
-        stream = self.stream
+        masters, stream = self.masters, self.stream
         streamed = stream.shapes if stream is not None else {}
         if stream is not None:
             stream.release_all()  # NOTE: a released block is refetched where needed (a pending backward included)
-        # NOTE: a streamed weight's placeholder is rebuilt, not read from the parameter (the dry run's fake mode
-        # refuses `.data` of a real placeholder)
+        # NOTE: a streamed weight's placeholder is rebuilt, not read (the dry run's fake mode refuses its `.data`)
         data = [stream.released(p) if id(p) in streamed else p.data for p in masters.p_device]  # type: ignore[union-attr]
         self._compute = data
         # NOTE: [streamed without a master] (masters.py) a frozen streamed weight's value is its host copy: shown here

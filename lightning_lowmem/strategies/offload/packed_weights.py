@@ -1,13 +1,8 @@
-"""bitsandbytes' packed 4-bit weights (``Params4bit``, a QLoRA base) in ``lowmem_offload``'s parameter streaming.
+"""bitsandbytes' packed 4-bit weights (``Params4bit``) in ``lowmem_offload``'s parameter streaming: the packed bytes
+stream through ``p.data``, the absmax as a frozen parameter (:func:`quant_state_param`); never an fp32 master.
 
-The packed bytes stream like any block weight (through ``p.data``, which keeps the parameter and its ``quant_state``);
-the per-block absmax streams with them as a frozen parameter object (:func:`quant_state_param`); the code books stay.
-A packed weight never has an fp32 master.
-
-NOTE: [weight kept for backward] bitsandbytes' ``MatMul4Bit`` keeps a view of the packed weight in ``ctx.tensors``, out
-of reach of the saved-tensor hooks (every fetched block would stay until its backward): while blocks stream,
-``Linear4bit`` applies :func:`kept_by_hooks`' subclass, which keeps it with ``save_for_backward`` instead.
-
+NOTE: [weight kept for backward] ``MatMul4Bit`` keeps the packed weight in ``ctx.tensors``, out of the saved-tensor
+hooks' reach: while blocks stream, ``Linear4bit`` applies :func:`kept_by_hooks`' subclass (``save_for_backward``).
 NOTE: ``Int8Params`` is not streamed: ``Linear8bitLt`` keeps its own reference to the int8 matrix (``state.CB``).
 """
 
@@ -69,14 +64,11 @@ def streamable(p: nn.Parameter) -> bool:
 def give_back_streamed(stream: Any, mastered: Mapping[int, int]) -> None:
     """After training: every streamed parameter without a master gets its host copy back as ``.data`` (cloned out of
     the pinned buckets on CUDA); a quantization state holds a plain absmax tensor again."""
-    pinned = stream.ops is not None
-    for p_id, h in stream.host_of().items():
-        if p_id in mastered:
-            continue
-        for ps in stream.params:
-            for p in ps:
-                if id(p) == p_id:
-                    p.data = h.clone() if pinned else h
+    pinned, host = stream.ops is not None, stream.host_of()
+    for ps in stream.params:
+        for p in ps:
+            if id(p) in host and id(p) not in mastered:
+                p.data = host[id(p)].clone() if pinned else host[id(p)]
     for ps in stream.params:
         for p in ps:
             if is_streamable_packed(p) and isinstance(p.quant_state.absmax, nn.Parameter):

@@ -1,11 +1,8 @@
-"""Parameter streaming for ``lowmem_offload``: repeated blocks' compute weights live on the host and visit the device
-(docs/techniques/param-streaming.md). A streamed parameter stays the same object; its ``.data`` is a NaN placeholder
-while released, a device copy fetched on the side stream ``prefetch`` blocks ahead while its block runs.
+"""Parameter streaming for ``lowmem_offload`` (docs/techniques/param-streaming.md): a streamed parameter's ``.data`` is
+a NaN placeholder while released, a device copy fetched ``prefetch`` blocks ahead on the side stream while in use.
 
-NOTE: [saved weights] autograd's saved views of a weight would keep the fetched storage alive: inside a streamed block
-a ``saved_tensors_hooks`` pair saves ``(block, index, size, stride, offset)`` instead and rebuilds the view on the
-weight's current data at unpack (fetching the block if needed); other saved tensors go to the outer hooks.
-
+NOTE: [saved weights] inside a streamed block, saved-tensor hooks save ``(block, index, size, stride, offset)`` instead
+of a weight's view (which would keep the fetched storage alive) and rebuild it on the current data at unpack.
 NOTE: [in-place changes] the hooks turn off autograd's saved-version check; the unpack makes it. A forward that changes
 a streamed weight in place is refused when the block returns (the change would be lost at release).
 """
@@ -232,9 +229,8 @@ class ParamStream:
     def _limit_frees(self, ops: StreamOps) -> None:
         """Wait (host) until at most ``_FREES_IN_FLIGHT`` released blocks may still be read by compute.
 
-        NOTE: [bounded streaming] the host runs ahead of the GPU: without this back-pressure (as FSDP's
-        ``limit_all_gathers``) every fetch would take new memory while released blocks wait for compute.
-        """
+        NOTE: [bounded streaming] back-pressure (as FSDP's ``limit_all_gathers``): a host running ahead of the GPU
+        would take new memory for every fetch while released blocks wait for compute."""
         frees = self._frees
         while frees and (len(frees) > _FREES_IN_FLIGHT or ops.query(frees[0])):
             ops.synchronize(frees.popleft())

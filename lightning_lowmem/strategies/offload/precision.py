@@ -53,13 +53,12 @@ class MasterHalfPrecision(Reproducible, Precision):
     * ``"bf16-mixed"`` / ``"16-mixed"``: Lightning's ``MixedPrecision`` (``torch.autocast``): the compute weights stay
       fp32 on the device (4 B/param), gradients bit for bit plain mixed precision's.
     * ``"32-true"``: no cast; only gradients and optimizer state leave the device.
-    * fp16 (``"16-*"``): dynamic loss scaling; an overflow in any master gradient skips the step, multiplies the scale
-      by ``backoff_factor`` and is logged. The scaler's state is checkpointed.
+    * fp16 (``"16-*"``): dynamic loss scaling; an overflow in any master gradient skips the step and multiplies the
+      scale by ``backoff_factor``. The scaler's state is checkpointed; ``lowmem/loss_scale`` and
+      ``lowmem/skipped_steps`` are logged every optimizer step.
 
     Memory: none of its own (the strategy keeps the masters). Cost: fp16 checks every master gradient for inf/nan at
     each step (one vectorised pass on the host).
-
-    Logged metrics (fp16 only, every optimizer step): ``lowmem/loss_scale``, ``lowmem/skipped_steps``.
 
     Args:
         precision: one of ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``.

@@ -64,29 +64,23 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     staging buffers in the compute weights' dtype. Cost: the weights' bytes over PCIe each way per step and the host
     optimizer step (memory-bandwidth bound, ~28 B touched per parameter for AdamW).
 
-    Precision is the Trainer's ``precision`` flag (fp16: dynamic loss scaling, see
-    :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`). Any torch optimizer and LR scheduler,
-    clipping and accumulation work on the masters. The gradient hooks and, in manual optimization, ``training_step``
-    from each ``manual_backward``/``opt.step()`` to the next forward see the fp32 masters and their gradients through
-    the module's own parameters (your own code: ``with trainer.strategy.masters_view():``); elsewhere the parameters
-    hold the compute weights. Other writes into the compute weights are copied into the masters before the next step.
-    Refused at setup: ``BaseFinetuning`` callbacks; weight averaging with ``offload_params``.
+    Precision is the Trainer's flag (fp16: dynamic loss scaling, see
+    :class:`~lightning_lowmem.strategies.offload.precision.MasterHalfPrecision`); any torch optimizer, scheduler,
+    clipping and accumulation work on the masters, which the gradient hooks (and your code, in
+    ``trainer.strategy.masters_view()``) see through the module's parameters (docs/techniques/offload.md). Refused at
+    setup: ``BaseFinetuning`` callbacks; weight averaging with ``offload_params``.
 
     Args:
-        optimizer_in_backward: step each master on the host as soon as its gradient reaches the host, and keep no
-            host gradient buffers (-4 B/param of host memory; see
-            :class:`~lightning_lowmem.strategies.offload.step_schedule.StepInBackward`). Needs
-            ``accumulate_grad_batches=1``, no norm clipping (value clipping works), bf16 or fp32, and automatic
-            optimization.
-        host_optimizer: ``"auto"`` runs ``torch.optim.Adam``/``AdamW`` with torch's fused CPU kernel (same rule, a few
-            ulp of rounding apart, ~5x faster); ``"as_is"`` runs the optimizer as configured; ``"torch_fused"`` is
-            ``"auto"`` but refuses optimizers it cannot fuse.
+        optimizer_in_backward: step each master as soon as its gradient reaches the host; no host gradient buffers
+            (-4 B/param; :class:`~lightning_lowmem.strategies.offload.step_schedule.StepInBackward`). Needs
+            ``accumulate_grad_batches=1``, no norm clipping, bf16 or fp32, and automatic optimization.
+        host_optimizer: ``"auto"``: Adam/AdamW with torch's fused CPU kernel (a few ulp apart, ~5x faster);
+            ``"as_is"``: as configured; ``"torch_fused"``: ``"auto"`` refusing optimizers it cannot fuse.
         check_host_memory: refuse to start when the RAM this process may allocate (available memory, cgroup limit,
             ``ulimit -v``/``-d``) cannot hold masters, gradient buffers, the configured optimizer's state and staging.
-        nonfinite: what an inf/nan fp32 master gradient does in bf16 and fp32 (fp16 skips through its loss scaler).
-            ``"skip"`` (default): skip that step, log ``lowmem/skipped_steps``, warn once, raise
-            :class:`NonFiniteGradientError` after ``max_consecutive_skips`` in a row; ``"raise"``: raise at the first;
-            ``"ignore"``: step anyway (the masters become nan). Cost: one vectorised norm of the host gradients a step.
+        nonfinite: on an inf/nan master gradient in bf16/fp32 (fp16 skips through its scaler): ``"skip"`` the step
+            (logged as ``lowmem/skipped_steps``, warned once, :class:`NonFiniteGradientError` after
+            ``max_consecutive_skips`` in a row); ``"raise"``; ``"ignore"`` (the masters become nan). Cost: a norm/step.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
             block from host copies (+2 B/param of host memory in bf16; on the device ``prefetch + 1`` blocks at a time;
@@ -274,8 +268,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
 
     @property
     def _name(self) -> str:
-        """The registered name this configuration goes by, for messages."""
-        # NOTE: read before `offload_params` is set too (Strategy.__init__ assigns the precision plugin)
+        """The registered name, for messages (NOTE: read by ``Strategy.__init__`` before ``offload_params`` is set)."""
         return "lowmem_offload_params" if getattr(self, "offload_params", False) is True else "lowmem_offload"
 
     def _build_masters(self, trainer: pl.Trainer, fitting: bool) -> None:

@@ -1,9 +1,7 @@
-"""The first-use check of parameter streaming: no operation may read a released streamed weight (its NaN placeholder),
-as a model does that calls a block's sub-layers itself or uses a block's weight outside the block.
+"""The first-use check of parameter streaming: no operation may read a released streamed weight (its NaN placeholder).
 
-NOTE: a ``TorchDispatchMode`` on the first training (and validation) step only, comparing every non-view op's tensor
-arguments with the placeholders' storages (views are followed to name the weight; metadata ops pass). Not run on a
-model holding ``torch.compile``-d modules (a compiled region runs another path under a dispatch mode).
+NOTE: a ``TorchDispatchMode`` on the first training (and validation) step only, matching non-view ops' tensor arguments
+against the placeholders' storages; skipped for models holding ``torch.compile``-d modules (another dispatch path).
 """
 
 from __future__ import annotations

@@ -55,8 +55,7 @@ def value_of(stream: ParamStream | None) -> Callable[[nn.Parameter], Tensor]:
 def show(stream: ParamStream | None, masters: HostMasters) -> Shown:
     """Give each floating-point streamed weight without a master its host copy as ``.data``; return them.
 
-    NOTE: [written in a view] code in a view may write these in place (SWA): the stream is settled first, or a queued
-    fetch would copy half-written bytes.
+    NOTE: code in a view may write these in place (SWA): the stream is settled first, or a fetch copies torn bytes.
     """
     shown = unmastered(stream, masters)
     if shown:
@@ -69,11 +68,9 @@ def show(stream: ParamStream | None, masters: HostMasters) -> Shown:
 
 @torch.no_grad()
 def restore(stream: ParamStream | None, shown: Shown) -> None:
-    """Leave the view: the weights :func:`show` showed are released again (a new tensor code gave one is copied into
-    its host copy first).
+    """Release the weights :func:`show` showed (a new tensor code gave one is copied into its host copy first).
 
-    NOTE: [fetched in a view] a block fetched inside the view is released, or the stream would count placeholders
-    fetched (the next forward would read NaN).
+    NOTE: a block fetched inside the view is released too, or the stream counts placeholders fetched (NaN next forward).
     """
     if not shown:
         return

@@ -138,7 +138,7 @@ class StreamTransfer(HostTransfer):
         if i in self._unread:
             # NOTE: [staging reuse] the hook fired twice in one backward (a weight shared by two reentrant-checkpointed
             # blocks): hand over everything queued up to the first copy before its slot is overwritten.
-            self._drain(until=i)
+            self.synchronize(until=i)
         ops.wait_stream(self.stream, ops.compute_stream())  # the gradient was written on the compute stream
         ops.copy(self._staging[i], grad, self.stream)
         event = ops.record_event(self.stream)
@@ -148,7 +148,8 @@ class StreamTransfer(HostTransfer):
         self._unread.add(i)
         # NOTE: [host work] no fold here: host work on the autograd thread would starve the GPU's queue
 
-    def _drain(self, until: int | None = None) -> None:
+    @override
+    def synchronize(self, until: int | None = None) -> None:
         while self._pending:
             event, i, sink = self._pending.popleft()
             self.ops.synchronize(event)  # NOTE: sync point: the host waits for this one copy only
@@ -156,10 +157,6 @@ class StreamTransfer(HostTransfer):
             self._unread.discard(i)
             if i == until:
                 return
-
-    @override
-    def synchronize(self) -> None:
-        self._drain()
 
     @torch.no_grad()
     @override
@@ -178,9 +175,5 @@ class StreamTransfer(HostTransfer):
 
 
 def transfer_for(device: torch.device, params: Sequence[torch.Tensor]) -> HostTransfer:
-    if device.type == "cuda":
-        return StreamTransfer(device, params, CudaOps(device))
-    ops = cpu_ops()
-    if ops is not None:
-        return StreamTransfer(device, params, ops)
-    return HostTransfer(device, params)
+    ops = CudaOps(device) if device.type == "cuda" else cpu_ops()
+    return HostTransfer(device, params) if ops is None else StreamTransfer(device, params, ops)

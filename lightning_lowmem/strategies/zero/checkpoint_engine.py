@@ -1,6 +1,5 @@
-"""The checkpoint engine of the ``lowmem_zero*`` presets: DeepSpeed's torch engine with hashed writes (while
-:meth:`~CheckedCheckpointEngine.writing_into` a save's temporary directory) and weights-only reads checked against the
-digest manifest (unless :meth:`~CheckedCheckpointEngine.reading` opts in).
+"""The checkpoint engine of the ``lowmem_zero*`` presets: DeepSpeed's torch engine with hashed writes and weights-only
+reads checked against the digest manifest (unless :meth:`~CheckedCheckpointEngine.reading` opts in).
 
 NOTE: imports DeepSpeed (slow): ``ZeroStrategy`` imports this module when it builds an engine.
 """

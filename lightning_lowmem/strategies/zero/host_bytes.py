@@ -1,18 +1,7 @@
-"""Host RAM that DeepSpeed ZeRO-Offload allocates, per process, read off DeepSpeed 0.19's code: checked before
-DeepSpeed allocates anything, so a model too large for the host is an error naming the need, not the OOM killer.
-
-Per process (``N`` processes, partition ``p = ceil(n / N)`` of a group of ``n`` elements, ``w`` = 2 B or 4 B):
-
-ZeRO-1/2, optimizer on the CPU (``stage_1_and_2.py``): pinned ``single_partition_of_fp32_groups`` (4p),
-    ``param_buffer_of_bit16_for_cpu_offload_groups`` (w p), the fp32 gradient partition (4p),
-    ``temp_grad_buffer_for_cpu_offload`` (w x largest parameter), with accumulation ``accumulated_grads_in_cpu``;
-    pageable: the optimizer state (8p for Adam) and each pinned buffer's pageable source while it is made.
-ZeRO-3, optimizer on the CPU (``stage3.py``): pinned ``grad_partitions_flat_buffer`` and an fp32 gradient buffer per
-    sub-group; pageable: the fp32 partitions (4p), the state (8p), and the largest sub-group's full ``gradient_buffer``.
-ZeRO-3, parameters on the CPU: the pinned 16-bit partitions (w p). NVMe: the swappers' buffers (page-locked by aio).
-
-On CUDA every pinned buffer is rounded up to a power of two; on the CPU accelerator DeepSpeed's "device" buffers (the
-flat 16-bit model copy, the gradient staging, the reduce bucket) are host RAM too.
+"""Host RAM that DeepSpeed ZeRO-Offload allocates, per process, read off DeepSpeed 0.19's code (``stage_1_and_2.py``,
+``stage3.py``): checked before DeepSpeed allocates anything, so a model too large for the host is an error naming the
+need, not the OOM killer. On CUDA pinned buffers round up to a power of two; on the CPU accelerator DeepSpeed's
+"device" buffers are host RAM too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Optimizer swap for ZeRO-Offload: ``torch.optim.Adam``/``AdamW`` -> ``DeepSpeedCPUAdam`` (DeepSpeed refuses other
-client optimizers under ``zero_force_ds_cpu_optimizer``).
-
-NOTE: imports DeepSpeed (slow): ``ZeroStrategy`` imports this module when an offload preset builds its optimizer.
+client optimizers under ``zero_force_ds_cpu_optimizer``). NOTE: imports DeepSpeed (slow): imported when needed.
 """
 
 from __future__ import annotations

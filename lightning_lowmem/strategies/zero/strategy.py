@@ -47,17 +47,15 @@ _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 class ZeroStrategy(Reproducible, DeepSpeedStrategy):
     """DeepSpeed ZeRO with Hugging Face's reference settings, Trainer flags flowing in, on CUDA or the CPU.
 
-    Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the
-    fp32 masters, Adam moments and gradients (``16P -> 2P + 14P/N`` bytes of model state on the device);
-    stage 3 shards the 16-bit weights too (``16P/N``). ``offload_optimizer`` moves the sharded fp32 state and
-    the Adam step to host memory (``DeepSpeedCPUAdam``), ``offload_parameters`` (stage 3) the weights as
-    well, fetched layer by layer; ``offload_device="nvme"`` puts both on a local SSD. The cost: gradients
-    cross to the host and weights back every step, and the step runs on the CPU (see the benchmark).
+    Memory saved (per process, ``N`` processes, ``P`` parameters, fp16/bf16 training): stage 2 shards the fp32 masters,
+    Adam moments and gradients (``16P -> 2P + 14P/N`` bytes of model state on the device); stage 3 shards the 16-bit
+    weights too (``16P/N``). ``offload_optimizer`` moves the sharded fp32 state and the Adam step to host memory,
+    ``offload_parameters`` (stage 3) the weights as well; ``offload_device="nvme"`` puts both on a local SSD. The
+    cost: gradients cross to the host and weights back every step, and the step runs on the CPU.
 
     The Trainer's accumulation, clipping, precision and batch size go into the DeepSpeed config; ``config=`` is
-    deep-merged over it (a contradiction with what Lightning applies too is an error). Offload presets swap
-    ``torch.optim.Adam``/``AdamW`` for ``DeepSpeedCPUAdam``; checkpoints are atomic and read weights-only; skipped
-    inf/nan steps are logged as ``lowmem/skipped_steps``.
+    deep-merged over it (a contradiction with what Lightning applies too is an error). Checkpoints are atomic and read
+    weights-only; skipped inf/nan steps are logged as ``lowmem/skipped_steps``.
 
     Example:
         >>> trainer = L.Trainer(strategy="lowmem_zero3_offload", precision="bf16-mixed", accumulate_grad_batches=4)
@@ -81,13 +79,11 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         cpu_optimizer: with offload, replace ``torch.optim.Adam``/``AdamW`` by ``DeepSpeedCPUAdam``.
         check_host_memory: with offload, refuse to start when the host RAM DeepSpeed will allocate on this machine
             (every local process's buffers and optimizer state) is more than this process may use.
-        gather_on_fit_end: stage 3 only. At the end of ``fit`` put each parameter's full fp32 value back into the
-            module, so ``module.state_dict()`` sees the trained weights (without it they stay partitioned, and the
-            first ``state_dict()`` warns). The partitions are kept either way.
+        gather_on_fit_end: stage 3 only: at the end of ``fit`` put each parameter's full fp32 value back into the
+            module for ``module.state_dict()`` (else they stay partitioned, and it warns); the partitions are kept.
         config: a DeepSpeed config dict or JSON path merged over everything above.
-        **kwargs: any other ``lightning.pytorch.strategies.DeepSpeedStrategy`` argument
-            (``parallel_devices``, ``cluster_environment``, ``process_group_backend``, ``timeout``,
-            ``load_full_weights``, ``exclude_frozen_parameters``, ``remote_device``, ``logging_level``, ...).
+        **kwargs: other ``DeepSpeedStrategy`` arguments (``parallel_devices``, ``cluster_environment``,
+            ``process_group_backend``, ``timeout``, ``load_full_weights``, ``remote_device``, ...).
     """
 
     strategy_name = "lowmem_zero"
@@ -174,7 +170,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         super().__init__(config=zc.merge(preset, self._user_config), **kwargs)
 
     # ---- the three CPU obstacles of Lightning's DeepSpeedStrategy -----------------------------------------
-
     @override
     def setup_environment(self) -> None:
         # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
@@ -281,7 +276,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         return engine, ds_optimizer
 
     # ---- checkpoints: atomic directory saves, checked loads (see `strategies.zero.checkpoint`) ---------------
-
     def _writes_shared_files(self) -> bool:
         """Whether this process writes the checkpoint's shared files (``latest``, the swap): DeepSpeed's rank 0."""
         engine = self.model
@@ -350,7 +344,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         return super().process_dataloader(dataloader)
 
     # ---- config: preset <- Trainer <- user JSON ------------------------------------------------------------
-
     @override
     def _format_config(self) -> None:
         assert self.lightning_module is not None and self.config is not None
@@ -375,7 +368,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self.config.update(merged)
 
     # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
-
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler_config = super()._init_optimizers()
