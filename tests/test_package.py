@@ -199,3 +199,33 @@ def test_function_level_imports_are_the_documented_ones():
                     found += [f"{rel}:{node.lineno} {name}" for name in names
                               if not any(name == lazy or name.startswith(lazy + ".") for lazy in _LAZY)]
     assert not found, "import these at the module top, or say in docs/design.md why they are lazy:\n" + "\n".join(found)
+
+
+def test_no_import_circle_inside_the_offload_strategy():
+    """Issue 44: `strategies/offload/` imports form no circle, imports under `TYPE_CHECKING` included."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(lightning_lowmem.__file__).parent / "strategies" / "offload"
+    pkg = "lightning_lowmem.strategies.offload"
+    names = {f"{pkg}.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__"}
+    graph = {}
+    for name in names:
+        deps = set()
+        for node in ast.walk(ast.parse((folder / f"{name.rsplit('.', 1)[1]}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = (deps & names) - {name}
+
+    def circle(start: str, path: list[str]) -> list[str] | None:
+        for nxt in graph[path[-1]]:
+            if nxt == start:
+                return [*path, nxt]
+            if nxt not in path and (found := circle(start, [*path, nxt])):
+                return found
+        return None
+
+    circles = [c for name in sorted(names) if (c := circle(name, [name]))]
+    assert not circles, circles
