@@ -97,7 +97,7 @@ def zero_offload_host_bytes(
         if opt_device in ("cpu", "nvme"):
             # NOTE: two transients at different moments (a sub-group's fp32 copy, `gradient_buffer`): the larger counts
             parts["init transient (largest sub-group)"] = 4 * max(largest_sub_full, largest_sub_partition)
-        elif opt_device == "nvme":
+        if opt_device == "nvme":
             count = int(off_opt.get("buffer_count", 4))
             parts["NVMe optimizer swap buffers"] = count * 4 * largest_sub_partition
         if param_device == "cpu":
