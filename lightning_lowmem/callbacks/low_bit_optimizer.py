@@ -64,10 +64,8 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         stable_embedding: keep every ``nn.Embedding`` weight's state in 32 bit (the optimizer half of bitsandbytes'
             ``StableEmbedding``; the module is left as it is).
 
-    Raises:
-        ValueError: an unknown ``kind``, a negative ``min_8bit_size``; at fit start, an optimizer with no 8-bit
-            equivalent, options bitsandbytes cannot honour, a DeepSpeed or FSDP strategy.
-        ModuleNotFoundError: bitsandbytes is not installed (says ``pip install 'lightning-lowmem[bnb]'``).
+    Refused at fit start: an optimizer with no 8-bit equivalent, options bitsandbytes cannot honour, a DeepSpeed or
+    FSDP strategy.
 
     Example (the demo module's ``configure_optimizers()`` returns ``torch.optim.AdamW(...)``):
 

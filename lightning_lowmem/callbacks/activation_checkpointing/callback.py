@@ -204,10 +204,8 @@ class ActivationCheckpointing(Reproducible, Callback):
 
     @staticmethod
     def remove(root: nn.Module) -> int:
-        """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many.
-
-        The end of ``fit`` does this; a copy of a module taken during a fit (a dry run's) starts from this.
-        """
+        """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many
+        (the end of ``fit`` does this; so does a copy of a module taken during a fit, a dry run's)."""
         count = 0
         for module in root.modules():
             count += remove_checkpointing(module)
@@ -309,8 +307,6 @@ class ActivationCheckpointing(Reproducible, Callback):
             name, module = self._block_list[i]
             whole = holds_recurrent_layer(module) if selective else None
             if whole is not None:
-                # NOTE: a recurrent layer's CPU kernel modifies its matmul outputs in place (see `selective`):
-                # the block is recomputed whole, as under policy="all"
                 rank_zero_info(f"ActivationCheckpointing(policy='selective'): `{name}` holds an {whole}, whose "
                                "kernel modifies its matmul outputs in place; it is recomputed whole instead.")
             keep = selective and whole is None

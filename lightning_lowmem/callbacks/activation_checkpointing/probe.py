@@ -1,9 +1,6 @@
 """What blocks save for backward, measured by one ``training_step`` on a fake copy of the module: the run is untouched.
-
-The copy's parameters, buffers and tensor attributes are fake tensors (``FakeTensorMode``), it has no Trainer and no
-hooks of other techniques, and a ``saved_tensors_hooks`` pair records what is saved; the RNGs are put back. Ops on
-real tensors only (the batch) run for real; an op the fake mode cannot size runs on zeros. A step that cannot run
-there is refused with the fix (name the blocks). See docs/techniques/activation-checkpointing.md.
+The copy is fake (``FakeTensorMode``), with no Trainer nor other techniques' hooks; the RNGs are put back. Ops on real
+tensors only (the batch) run for real. See docs/techniques/activation-checkpointing.md.
 """
 
 from __future__ import annotations

@@ -113,12 +113,9 @@ def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: A
 
 
 def quantize_linears(model: nn.Module, quant_type: str, dtype: torch.dtype | None = None) -> list[str]:
-    """Replace every ``nn.Linear`` of ``model`` but its output head by its bitsandbytes quantized layer, in place.
-
-    ``dtype``: quantize the weights as rounded to it (a ``*-true`` half precision's compute dtype): the layer then
-    dequantizes to it (from fp32 it would dequantize to fp32 and cast, 6 B per value at once instead of 2). Returns
-    the names replaced; ``ValueError`` when there is no ``nn.Linear`` to quantize or the weights are on meta.
-    """
+    """Replace every ``nn.Linear`` of ``model`` but its output head by its bitsandbytes quantized layer, in place;
+    returns the names replaced. ``dtype``: quantize the weights as rounded to it, so the layer dequantizes to it (a
+    ``*-true`` half precision's compute dtype; from fp32 it would dequantize to fp32 and cast, 6 B per value)."""
     bnb = require("bitsandbytes", f"Adapters(quantize_base={quant_type!r})")
     head = _head(model)
     skip = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)

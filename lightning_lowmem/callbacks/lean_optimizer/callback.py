@@ -60,11 +60,8 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
             not given).
         block_size: torchao's quantization block (its defaults: 256 for 8-bit, 128 for 4-bit).
 
-    Raises:
-        ValueError: in the constructor, every bad argument at once; at fit start, an optimizer other than
-            ``torch.optim.AdamW``/``Adam`` (or one with ``amsgrad``, ``maximize``, L2 weight decay), GaLore/APOLLO on
-            a model with no 2-D weight to project, a DeepSpeed or FSDP strategy, a ``LowBitOptimizer`` as well.
-        ModuleNotFoundError: the kind's package is not installed (names the extra to install).
+    Refused at fit start: an optimizer other than plain ``AdamW``/``Adam``, a DeepSpeed or FSDP strategy, a
+    ``LowBitOptimizer`` as well; a missing package raises ``ModuleNotFoundError`` naming the extra.
 
     Example (the demo module's ``configure_optimizers()`` returns ``torch.optim.AdamW(...)``):
 
