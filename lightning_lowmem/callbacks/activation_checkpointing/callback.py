@@ -58,9 +58,8 @@ class ActivationCheckpointing(Reproducible, Callback):
     Measuring (this, and ``"budget"``) runs ``training_step`` once on a fake copy of the module: the run is
     untouched; a step that cannot run there is refused, asking for ``blocks``.
 
-    Torch's non-reentrant checkpoint with the RNG state preserved: gradients are bit-identical, dropout included.
-    Applied at the first training batch through each block's forward hooks (module tree and ``state_dict`` keys
-    unchanged), removed at the end of ``fit``. Each recompute runs on a copy of the buffers its forward found.
+    Gradients are bit-identical, dropout included (the RNG state is preserved). Applied at the first training batch
+    through forward hooks (module tree and ``state_dict`` keys unchanged), removed at the end of ``fit``.
 
     Policies (``policy=``):
         - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.

@@ -97,12 +97,8 @@ class _Packed:
     __slots__ = ("dtype", "entry", "offset", "saved", "size", "stride")
 
     def __init__(self, entry: _StorageEntry, t: torch.Tensor) -> None:
-        self.entry = entry
-        self.saved = SavedVersion(t)
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.entry, self.saved, self.dtype = entry, SavedVersion(t), t.dtype
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int, bool]:
