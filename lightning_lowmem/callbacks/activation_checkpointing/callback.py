@@ -164,7 +164,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         # on the blocks (gather, unshard, fetch) are registered before ours, so they run outside the region, once
         if self._root is None:
             self._apply(pl_module)
-            if self._measures(pl_module) and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            if self._measures() and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
                 raise ValueError(
                     f"ActivationCheckpointing(policy={self.policy!r}) would measure `{type(pl_module).__name__}` on a "
                     f"fake copy, which `{type(trainer.strategy).__name__}`'s sharded parameters do not allow; name the "
@@ -247,10 +247,8 @@ class ActivationCheckpointing(Reproducible, Callback):
             found = select_modules(root, self.blocks)
             what = f"the blocks named by `blocks={self.blocks!r}`"
         else:
-            found = find_repeated_blocks(root)
-            if not found:
-                return []  # chosen by measurement on the first training batch (see `_choose_by_measurement`)
-            return _outside_compiled(root, found)
+            found = find_repeated_blocks(root)  # none: chosen by measurement (`_choose_by_measurement`)
+            return _outside_compiled(root, found) if found else []
         if not found:
             raise ValueError(
                 f"ActivationCheckpointing found none of {what} in `{type(root).__name__}`. Name the blocks to checkpoint: "
@@ -260,7 +258,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             )
         return _outside_compiled(root, found)
 
-    def _measures(self, pl_module: nn.Module) -> bool:
+    def _measures(self) -> bool:
         """Whether the first training batch measures (``"budget"``, or no repeated blocks found)."""
         return self._pending_choice or (self.policy == "budget" and bool(self._block_list))
 
@@ -277,7 +275,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             )
             return
         self._block_list, self._pending_choice = blocks, not blocks
-        if self._measures(pl_module) and not getattr(pl_module, "automatic_optimization", True):
+        if self._measures() and not getattr(pl_module, "automatic_optimization", True):
             children = [n for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
             what = "found no repeated blocks (no `nn.ModuleList` of at least two same-class modules)" if not blocks \
                 else "was given policy='budget'"
@@ -398,9 +396,9 @@ class ActivationCheckpointing(Reproducible, Callback):
         self._wrap_blocks(chosen)
 
 
-def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]], chosen: bool = False) -> list[tuple[str, nn.Module]]:
+def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """``found`` without the modules running ``torch.compile``-d code (``core.blocks.outside_compiled``): warned
-    about; refused when nothing is left of blocks found or named (``chosen``: picked by measurement, may be empty)."""
+    about; refused when nothing is left."""
     kept, dropped = outside_compiled(root, found)
     if not dropped:
         return kept
@@ -409,7 +407,7 @@ def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]], chose
            "around it torch's recompute of the compiled code can save other tensors (CheckpointError)")
     fix = ("compile the blocks one by one after checkpointing them (`torch.compile` each block, not their "
            "parent), or leave the compiled module's memory to torch.compile's own recomputation")
-    if not kept and not chosen:
+    if not kept:
         raise ValueError(f"ActivationCheckpointing cannot checkpoint the blocks it found: {names} (torch.compile-d); "
                          f"{why}. Fix: {fix}.")
     rank_zero_warn(f"ActivationCheckpointing: not checkpointing inside torch.compile-d modules ({names}): {why}. "
