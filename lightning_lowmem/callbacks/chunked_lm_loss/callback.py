@@ -266,15 +266,11 @@ def head_transform(model: nn.Module) -> tuple[float | None, float | None]:
     return scale, (float(softcap) if softcap else None)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    return torch_internals.is_fake(t) or t.device.type == "meta"
-
-
 def _verify(model: nn.Module, logits: Any, dtype: torch.dtype | None, scale: float | None,
             softcap: float | None) -> bool:
     """Whether the model's post-processing of the probe its head returned is what the loss applies (raises if not);
     False in a dry run (fake logits have no values to compare)."""
-    if torch.is_tensor(logits) and _is_fake(logits):
+    if torch.is_tensor(logits) and (torch_internals.is_fake(logits) or logits.device.type == "meta"):
         return False
     probe = torch.tensor(_PROBE, dtype=dtype)
     expected = probe.double()
@@ -297,19 +293,13 @@ def _verify(model: nn.Module, logits: Any, dtype: torch.dtype | None, scale: flo
     return True
 
 
-def _causal_lm_classes() -> frozenset[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-    return frozenset(n for v in names for n in ([v] if isinstance(v, str) else v))
-
-
 def find_causal_lms(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost Hugging Face causal LMs under ``root`` (a class of, or derived from, an ``AutoModelForCausalLM``;
     a masked LM's or seq2seq model's ``labels`` are not shifted)."""
     from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    causal = _causal_lm_classes()
+    causal = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ([v] if isinstance(v, str) else v)}
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         if any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
