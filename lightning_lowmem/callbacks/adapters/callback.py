@@ -177,15 +177,9 @@ class Adapters(Reproducible, Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_applied(pl_module)
-
-    on_validation_start = on_test_start = on_predict_start = on_fit_start
-
-    def _check_applied(self, pl_module: L.LightningModule) -> None:
-        """Refuse a model that ``configure_model`` built (or replaced) after ``setup`` and left without adapters (added
-        now, they would be missing from the optimizer: only the module's own code can add them there)."""
-        model = getattr(pl_module, self.attribute, None)
-        if getattr(model, _MARK, False):
+        # NOTE: a model `configure_model` built after `setup` is refused without adapters: added now, they would be
+        # missing from the optimizer (only the module's own code can add them there)
+        if getattr(getattr(pl_module, self.attribute, None), _MARK, False):
             return
         raise ValueError(
             f"Passed `{self!r}`, but `{type(pl_module).__name__}.{self.attribute}` has no adapters: it was built (or "
@@ -195,6 +189,8 @@ class Adapters(Reproducible, Callback):
             "`next(c for c in self.trainer.callbacks if isinstance(c, Adapters)).apply(self)`), or build the model "
             "in `__init__`."
         )
+
+    on_validation_start = on_test_start = on_predict_start = on_fit_start
 
     # --- the technique ---------------------------------------------------------------------------------
     def apply(self, pl_module: nn.Module) -> nn.Module:
