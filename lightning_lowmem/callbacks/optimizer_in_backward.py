@@ -65,18 +65,14 @@ class OptimizerInBackward(Reproducible, Callback):
             return
         problems = self.conflicts(trainer, pl_module)
         if problems:
-            raise ValueError(
-                "OptimizerInBackward cannot run with this Trainer:\n- " + "\n- ".join(problems)
-            )
+            raise ValueError("OptimizerInBackward cannot run with this Trainer:\n- " + "\n- ".join(problems))
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # NOTE: the hook reads `trainer.optimizers[0]` at call time: a LowBitOptimizer swap is followed either way
         if len(trainer.optimizers) != 1:
-            raise ValueError(
-                f"OptimizerInBackward needs exactly one optimizer; `configure_optimizers` returned "
-                f"{len(trainer.optimizers)}."
-            )
+            raise ValueError(f"OptimizerInBackward needs exactly one optimizer; `configure_optimizers` returned "
+                             f"{len(trainer.optimizers)}.")
         self._trainer = trainer
         clip = trainer.gradient_clip_val
         self._clip_value = float(clip) if clip else None
