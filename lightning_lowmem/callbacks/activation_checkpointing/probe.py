@@ -168,9 +168,7 @@ def _hook(modules: list[tuple[Any, nn.Module]], pre: Callable[[Any, Any, Any], N
 def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[str], batch: Any, batch_idx: int) -> dict[str, Any]:
     """Bytes of distinct storages saved for backward outside the blocks, inside each block (by qualified name), and of
     each block's input (its first floating-point tensor argument); parameters and buffers are not counted."""
-    outside = 0
-    per_block = [0] * len(blocks)
-    inputs = [0] * len(blocks)
+    outside, per_block, inputs = 0, [0] * len(blocks), [0] * len(blocks)
     current: list[int] = []
     seen_outside: set[tuple[str, int]] = set()
     seen_block: set[tuple[str, int]] = set()
