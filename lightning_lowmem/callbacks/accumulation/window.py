@@ -22,9 +22,8 @@ class WindowStats:
     tokens: torch.Tensor | None  # 0-dim, on the device (read it with ``int(...)``: a sync on CUDA)
 
 
-def lightning_accumulation(
-    batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool, window: int
-) -> tuple[int, bool]:
+def lightning_accumulation(batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool,
+                           window: int) -> tuple[int, bool]:
     """``(N, zero_here)``: the ``accumulate_grad_batches`` that makes Lightning zero (``batch_idx % N == 0``) and step
     (``ready % N == 0`` or the epoch's end) exactly at this window's edges (``window`` where that works), and whether
     the caller must zero the gradients itself (a window's first batch that no ``N`` zeroes)."""
