@@ -1,8 +1,5 @@
-"""The technique callbacks, one technique per module (or per folder when it has several parts).
-
-Each class is also importable from here, as ``lightning_lowmem.callbacks.ActivationCheckpointing`` (a YAML
-``class_path``); they are imported on first use, so importing one technique does not import the others.
-"""
+"""The technique callbacks, one per module or folder; each importable from here (a YAML ``class_path``) on first use,
+so importing one technique does not import the others."""
 
 from __future__ import annotations
 

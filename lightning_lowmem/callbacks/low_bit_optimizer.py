@@ -64,10 +64,8 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         stable_embedding: keep every ``nn.Embedding`` weight's state in 32 bit (the optimizer half of bitsandbytes'
             ``StableEmbedding``; the module is left as it is).
 
-    Raises:
-        ValueError: an unknown ``kind``, a negative ``min_8bit_size``; at fit start, an optimizer with no 8-bit
-            equivalent, options bitsandbytes cannot honour, a DeepSpeed or FSDP strategy.
-        ModuleNotFoundError: bitsandbytes is not installed (says ``pip install 'lightning-lowmem[bnb]'``).
+    Refused at fit start: an optimizer with no 8-bit equivalent, options bitsandbytes cannot honour, a DeepSpeed or
+    FSDP strategy.
 
     Example (the demo module's ``configure_optimizers()`` returns ``torch.optim.AdamW(...)``):
 
@@ -99,10 +97,8 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         self._n_state_marked: dict[int, int] = {}
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(kind={self.kind!r}, min_8bit_size={self.min_8bit_size}, "
-            f"stable_embedding={self.stable_embedding})"
-        )
+        return (f"{type(self).__name__}(kind={self.kind!r}, min_8bit_size={self.min_8bit_size}, "
+                f"stable_embedding={self.stable_embedding})")
 
     # --- Trainer hooks --------------------------------------------------------------------------------
     @override
@@ -218,8 +214,8 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
                 problems.append(f"param group {i} holds {wide} float64 parameter(s), which bitsandbytes' kernels do not "
                                 "step (float32, bfloat16 and float16 only): cast them to float32, or remove the callback")
         if problems:
-            what = f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}"
-            raise ValueError(f"{what}: " + "; ".join(problems) + ".")
+            raise ValueError(f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}: "
+                             + "; ".join(problems) + ".")
 
     # --- stable embedding -----------------------------------------------------------------------------
     def _keep_embeddings_32bit(self, pl_module: L.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:

@@ -22,11 +22,9 @@ from lightning_lowmem.core.roles import HostMastersStrategy
 class OptimizerInBackward(Reproducible, Callback):
     """Fuse the optimizer step into backward: gradients never all exist at once.
 
-    Each trainable parameter gets a ``register_post_accumulate_grad_hook``. When autograd has written
-    its gradient, the hook steps that one parameter with the optimizer your LightningModule configured
-    (the same object: same class, param groups, hyper-parameters, LR scheduler and checkpointed state)
-    and sets its ``.grad`` to ``None``. Lightning's own ``optimizer.step()`` then finds no gradient
-    and changes nothing, so its loops, schedulers, logging and checkpoints work unchanged.
+    A ``register_post_accumulate_grad_hook`` steps each parameter with the optimizer your LightningModule configured
+    (the same object) as soon as its gradient is written, then sets ``.grad`` to ``None``; Lightning's own
+    ``optimizer.step()`` finds no gradient, so its loops, schedulers, logging and checkpoints work unchanged.
 
     Memory saved: the gradients of all parameters but the few in flight, about 4 B per parameter in fp32 (where
     backward binds the step's peak it drops by less; ``tests/callbacks/test_memory_savings.py`` measures both).
@@ -67,18 +65,14 @@ class OptimizerInBackward(Reproducible, Callback):
             return
         problems = self.conflicts(trainer, pl_module)
         if problems:
-            raise ValueError(
-                "OptimizerInBackward cannot run with this Trainer:\n- " + "\n- ".join(problems)
-            )
+            raise ValueError("OptimizerInBackward cannot run with this Trainer:\n- " + "\n- ".join(problems))
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # NOTE: the hook reads `trainer.optimizers[0]` at call time: a LowBitOptimizer swap is followed either way
         if len(trainer.optimizers) != 1:
-            raise ValueError(
-                f"OptimizerInBackward needs exactly one optimizer; `configure_optimizers` returned "
-                f"{len(trainer.optimizers)}."
-            )
+            raise ValueError(f"OptimizerInBackward needs exactly one optimizer; `configure_optimizers` returned "
+                             f"{len(trainer.optimizers)}.")
         self._trainer = trainer
         clip = trainer.gradient_clip_val
         self._clip_value = float(clip) if clip else None

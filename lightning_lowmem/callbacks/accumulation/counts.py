@@ -1,8 +1,6 @@
-"""What one micro-batch of ``AccumulationScheduler`` counts (its samples and tokens), read before its forward: no hook
-sees ``training_step``'s output before the window's last micro-batch steps.
+"""The samples and tokens of one ``AccumulationScheduler`` micro-batch, counted before its forward.
 
-NOTE: [samples from the loader] a batch's first tensor need not be its samples (a graph's nodes, packed tokens): the
-loader's batch sampler says; ``extract_batch_size`` only for a loader that names no batch size.
+NOTE: [samples from the loader] a batch's first tensor need not be its samples: the loader's batch sampler says.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ from collections.abc import Callable
 from lightning_lowmem.core.units import fmt_bytes
 
 
-def largest_fitting(
-    candidates: list[int], budget: int, measure: Callable[[int], int | None]
-) -> tuple[int, dict[int, int | None]]:
+def largest_fitting(candidates: list[int], budget: int,
+                    measure: Callable[[int], int | None]) -> tuple[int, dict[int, int | None]]:
     """Binary search over ascending ``candidates``: the largest that fits, and the peaks measured (``None``: fails).
     ``RuntimeError`` when even the first does not fit."""
     peaks: dict[int, int | None] = {}

@@ -38,13 +38,6 @@ MicroBatch = int | Literal["auto"]
 #: ``measure(trainer, pl_module, micro_batch)``: the peak bytes of a training step at that micro-batch (None: it fails)
 Measure = Callable[[L.Trainer, L.LightningModule, int], int | None]
 
-#: NOTE: where the window's state cannot be written in one process's checkpoint
-_NOT_SAVED = {
-    "engine": "DeepSpeed keeps the window's gradients in its own buffers and does not checkpoint them",
-    "world": "each process holds its own part of the window's gradients until the step, and the checkpoint is "
-             "written by one of them",
-}
-
 
 @dataclass
 class Choice:
@@ -407,8 +400,7 @@ class AccumulationScheduler(Reproducible, L.Callback):
             return
         n, size = trainer.accumulate_grad_batches, w.size
         if self._engine:
-            # NOTE: Lightning's loop divides the loss by n, stock DeepSpeedStrategy again (so n is undone), our
-            # ZeroStrategy (`loss_divided_once`) does not
+            # NOTE: Lightning divides the loss by n, stock DeepSpeed again (n is undone), `loss_divided_once` does not
             n, size = (1 if getattr(trainer.strategy, "loss_divided_once", False) else n), 1
         h = w.weigh(n, size, lambda t: trainer.strategy.reduce(t, reduce_op="mean"))
         if h is not None:
@@ -463,11 +455,14 @@ class AccumulationScheduler(Reproducible, L.Callback):
         # NOTE: nothing to keep at a window edge; inside a batch (`OnExceptionCheckpoint`) it resumes without it
         if w.pos == 0 or progress.ready != progress.processed or self.state_key not in checkpoint.get("callbacks", {}):
             return
-        reason = "engine" if self._engine else "world" if trainer.world_size > 1 else None
+        # NOTE: where the window's state cannot be written in one process's checkpoint
+        reason = ("DeepSpeed keeps the window's gradients in its own buffers and does not checkpoint them"
+                  if self._engine else "each process holds its own part of the window's gradients until the step, "
+                  "and the checkpoint is written by one of them" if trainer.world_size > 1 else None)
         if reason is not None:
             rank_zero_warn(
                 f"AccumulationScheduler: a checkpoint is being written inside an accumulation window ({w.pos} of "
-                f"{w.size} micro-batches done), but {_NOT_SAVED[reason]}: a resume from it continues the window "
+                f"{w.size} micro-batches done), but {reason}: a resume from it continues the window "
                 "without them, so its next optimizer step differs from an uninterrupted run's. Save on window edges "
                 "(`ModelCheckpoint(every_n_train_steps=...)`)."
             )

@@ -1,12 +1,7 @@
-"""The accumulation window of ``AccumulationScheduler``: its edges, counts, micro-batch weights and step factor.
+"""``AccumulationScheduler``'s window: edges, counts, weights ``h``, factor ``F`` (docs/techniques/accumulation.md).
 
-NOTE: [exact normalisation] (docs/techniques/accumulation.md) a hook on each micro-batch's loss multiplies its
-gradient by ``h = N * u / (reference * size)`` and the step's gradients take ``F = reference * size * P / total``;
-both are exactly 1 for equal micro-batches of a full window (plain Lightning, bit for bit). Hazard: a callback's
-``on_before_optimizer_step`` listed before the scheduler sees the gradients before ``F`` (refused at setup).
-
-NOTE: [mid-window checkpoint] Lightning keeps no gradients in a checkpoint: the scheduler saves the window and its
-gradients (on the host) and puts them back before the resumed run's first batch.
+NOTE: [exact normalisation] ``h`` and ``F`` are exactly 1 for equal micro-batches of a full window; a callback's
+``on_before_optimizer_step`` listed before the scheduler sees gradients before ``F`` (refused at setup).
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ class WindowStats:
     tokens: torch.Tensor | None  # 0-dim, on the device (read it with ``int(...)``: a sync on CUDA)
 
 
-def lightning_accumulation(
-    batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool, window: int
-) -> tuple[int, bool]:
+def lightning_accumulation(batch_idx: int, ready: int, first: bool, last: bool, epoch_end: bool,
+                           window: int) -> tuple[int, bool]:
     """``(N, zero_here)``: the ``accumulate_grad_batches`` that makes Lightning zero (``batch_idx % N == 0``) and step
     (``ready % N == 0`` or the epoch's end) exactly at this window's edges (``window`` where that works), and whether
     the caller must zero the gradients itself (a window's first batch that no ``N`` zeroes)."""
@@ -116,10 +110,7 @@ class Window:
 
 
 def _power_of_two(mean: torch.Tensor) -> torch.Tensor:
-    """The power of two nearest ``mean`` (on its device, no sync).
-
-    NOTE: the tokens' reference: ``h`` is then exact in any float dtype (bf16: a mean count would round, up to 2^-9).
-    """
+    """The power of two nearest ``mean`` (no sync): the tokens' reference, so ``h`` is exact in any float dtype."""
     return torch.exp2(torch.round(torch.log2(mean)))
 
 

@@ -58,9 +58,8 @@ class ActivationCheckpointing(Reproducible, Callback):
     Measuring (this, and ``"budget"``) runs ``training_step`` once on a fake copy of the module: the run is
     untouched; a step that cannot run there is refused, asking for ``blocks``.
 
-    Torch's non-reentrant checkpoint with the RNG state preserved: gradients are bit-identical, dropout included.
-    Applied at the first training batch through each block's forward hooks (module tree and ``state_dict`` keys
-    unchanged), removed at the end of ``fit``. Each recompute runs on a copy of the buffers its forward found.
+    Gradients are bit-identical, dropout included (the RNG state is preserved). Applied at the first training batch
+    through forward hooks (module tree and ``state_dict`` keys unchanged), removed at the end of ``fit``.
 
     Policies (``policy=``):
         - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
@@ -165,7 +164,7 @@ class ActivationCheckpointing(Reproducible, Callback):
         # on the blocks (gather, unshard, fetch) are registered before ours, so they run outside the region, once
         if self._root is None:
             self._apply(pl_module)
-            if self._measures(pl_module) and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            if self._measures() and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
                 raise ValueError(
                     f"ActivationCheckpointing(policy={self.policy!r}) would measure `{type(pl_module).__name__}` on a "
                     f"fake copy, which `{type(trainer.strategy).__name__}`'s sharded parameters do not allow; name the "
@@ -204,10 +203,8 @@ class ActivationCheckpointing(Reproducible, Callback):
 
     @staticmethod
     def remove(root: nn.Module) -> int:
-        """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many.
-
-        The end of ``fit`` does this; a copy of a module taken during a fit (a dry run's) starts from this.
-        """
+        """Undo this callback's checkpointing on ``root`` (every block and segment, their hooks); returns how many
+        (the end of ``fit`` does this; so does a copy of a module taken during a fit, a dry run's)."""
         count = 0
         for module in root.modules():
             count += remove_checkpointing(module)
@@ -250,10 +247,8 @@ class ActivationCheckpointing(Reproducible, Callback):
             found = select_modules(root, self.blocks)
             what = f"the blocks named by `blocks={self.blocks!r}`"
         else:
-            found = find_repeated_blocks(root)
-            if not found:
-                return []  # chosen by measurement on the first training batch (see `_choose_by_measurement`)
-            return _outside_compiled(root, found)
+            found = find_repeated_blocks(root)  # none: chosen by measurement (`_choose_by_measurement`)
+            return _outside_compiled(root, found) if found else []
         if not found:
             raise ValueError(
                 f"ActivationCheckpointing found none of {what} in `{type(root).__name__}`. Name the blocks to checkpoint: "
@@ -263,7 +258,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             )
         return _outside_compiled(root, found)
 
-    def _measures(self, pl_module: nn.Module) -> bool:
+    def _measures(self) -> bool:
         """Whether the first training batch measures (``"budget"``, or no repeated blocks found)."""
         return self._pending_choice or (self.policy == "budget" and bool(self._block_list))
 
@@ -280,7 +275,7 @@ class ActivationCheckpointing(Reproducible, Callback):
             )
             return
         self._block_list, self._pending_choice = blocks, not blocks
-        if self._measures(pl_module) and not getattr(pl_module, "automatic_optimization", True):
+        if self._measures() and not getattr(pl_module, "automatic_optimization", True):
             children = [n for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
             what = "found no repeated blocks (no `nn.ModuleList` of at least two same-class modules)" if not blocks \
                 else "was given policy='budget'"
@@ -309,8 +304,6 @@ class ActivationCheckpointing(Reproducible, Callback):
             name, module = self._block_list[i]
             whole = holds_recurrent_layer(module) if selective else None
             if whole is not None:
-                # NOTE: a recurrent layer's CPU kernel modifies its matmul outputs in place (see `selective`):
-                # the block is recomputed whole, as under policy="all"
                 rank_zero_info(f"ActivationCheckpointing(policy='selective'): `{name}` holds an {whole}, whose "
                                "kernel modifies its matmul outputs in place; it is recomputed whole instead.")
             keep = selective and whole is None
@@ -403,9 +396,9 @@ class ActivationCheckpointing(Reproducible, Callback):
         self._wrap_blocks(chosen)
 
 
-def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]], chosen: bool = False) -> list[tuple[str, nn.Module]]:
+def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """``found`` without the modules running ``torch.compile``-d code (``core.blocks.outside_compiled``): warned
-    about; refused when nothing is left of blocks found or named (``chosen``: picked by measurement, may be empty)."""
+    about; refused when nothing is left."""
     kept, dropped = outside_compiled(root, found)
     if not dropped:
         return kept
@@ -414,7 +407,7 @@ def _outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]], chose
            "around it torch's recompute of the compiled code can save other tensors (CheckpointError)")
     fix = ("compile the blocks one by one after checkpointing them (`torch.compile` each block, not their "
            "parent), or leave the compiled module's memory to torch.compile's own recomputation")
-    if not kept and not chosen:
+    if not kept:
         raise ValueError(f"ActivationCheckpointing cannot checkpoint the blocks it found: {names} (torch.compile-d); "
                          f"{why}. Fix: {fix}.")
     rank_zero_warn(f"ActivationCheckpointing: not checkpointing inside torch.compile-d modules ({names}): {why}. "

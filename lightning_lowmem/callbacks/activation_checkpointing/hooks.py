@@ -1,10 +1,6 @@
 """Checkpointing a module through its forward hooks: the module tree, parameter names and ``state_dict`` keys unchanged.
-
-A :class:`BlockCheckpoint`'s pre-hook (the module's last) enters torch's non-reentrant checkpoint and its forward
-hook (the module's first) leaves it: the region is exactly ``module.forward``, so other techniques' hooks on the
-module (ZeRO-3's gather, parameter streaming's fetch, FSDP2's unshard) run outside it, once. Each recompute runs on a
-copy of the buffers its forward found (:class:`RecomputeBuffers`); :func:`checkpoint_info` and
-:func:`checkpointed_modules` tell other techniques what is checkpointed.
+The region is exactly ``module.forward`` (pre-hook last, forward hook first), so other techniques' hooks on the module
+(ZeRO-3's gather, parameter streaming's fetch, FSDP2's unshard) run outside it, once.
 """
 
 from __future__ import annotations

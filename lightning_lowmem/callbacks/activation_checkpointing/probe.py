@@ -1,9 +1,6 @@
 """What blocks save for backward, measured by one ``training_step`` on a fake copy of the module: the run is untouched.
-
-The copy's parameters, buffers and tensor attributes are fake tensors (``FakeTensorMode``), it has no Trainer and no
-hooks of other techniques, and a ``saved_tensors_hooks`` pair records what is saved; the RNGs are put back. Ops on
-real tensors only (the batch) run for real; an op the fake mode cannot size runs on zeros. A step that cannot run
-there is refused with the fix (name the blocks). See docs/techniques/activation-checkpointing.md.
+The copy is fake (``FakeTensorMode``), with no Trainer nor other techniques' hooks; the RNGs are put back. Ops on real
+tensors only (the batch) run for real. See docs/techniques/activation-checkpointing.md.
 """
 
 from __future__ import annotations
@@ -171,9 +168,7 @@ def _hook(modules: list[tuple[Any, nn.Module]], pre: Callable[[Any, Any, Any], N
 def measure_saved_bytes(pl_module: pl.LightningModule, blocks: list[str], batch: Any, batch_idx: int) -> dict[str, Any]:
     """Bytes of distinct storages saved for backward outside the blocks, inside each block (by qualified name), and of
     each block's input (its first floating-point tensor argument); parameters and buffers are not counted."""
-    outside = 0
-    per_block = [0] * len(blocks)
-    inputs = [0] * len(blocks)
+    outside, per_block, inputs = 0, [0] * len(blocks), [0] * len(blocks)
     current: list[int] = []
     seen_outside: set[tuple[str, int]] = set()
     seen_block: set[tuple[str, int]] = set()

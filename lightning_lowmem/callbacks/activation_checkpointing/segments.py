@@ -1,10 +1,6 @@
 """Checkpointing a *segment* of consecutive blocks as one unit (``policy="sqrt"``), without changing the model's code.
-
-Each block gets forward hooks (:class:`SegmentBlock`) that record its call: the first block's pre-hook opens torch's
-non-reentrant checkpoint (the segment's input is what it keeps), the last block's forward hook closes it, and the
-recompute replays the recorded calls (each on the RNG state and buffers its forward found). The model's own saves
-between two blocks are kept as usual. A segment closes early if blocks run out of order, and always when the module
-owning the blocks returns. The replay calls ``forward``, not module hooks: segments must not span FSDP units.
+The first block's pre-hook opens the checkpoint, the last block's forward hook closes it, and the recompute replays
+the recorded calls. NOTE: the replay calls ``forward``, not module hooks: segments must not span FSDP units.
 """
 
 from __future__ import annotations
@@ -194,10 +190,7 @@ class SegmentBlock(CheckpointHooks):
 
 
 def wrap_segment(modules: list[nn.Module], segment_index: int) -> tuple[Segment, bool]:
-    """Checkpoint ``modules`` (consecutive blocks, in call order) as one segment.
-
-    Returns the segment, and False when any of them is checkpointed already (then nothing is changed).
-    """
+    """Checkpoint ``modules`` (consecutive blocks, in call order) as one segment; False: one is already (no change)."""
     segment = Segment(len(modules))
     if any(checkpoint_info(m) is not None for m in modules):
         return segment, False

@@ -1,8 +1,6 @@
 """Selective activation checkpointing's policy: keep matmul-like outputs (``SELECTIVE_SAVE_OPS``), recompute the rest.
-
-A kept output is an alias of the forward's tensor, so an in-place change of it changes what backward reads (torch's
-check fails, or through ``unsafe_chunk`` views backward silently reads the new value). Recurrent layers do that, so
-blocks holding one are recomputed whole; any other in-place change of a kept output is refused in its forward.
+A kept output is an alias of the forward's tensor: blocks holding a recurrent layer (which changes them in place) are
+recomputed whole; any other in-place change of a kept output is refused in its forward.
 """
 
 from __future__ import annotations

@@ -82,18 +82,8 @@ class ActivationOffload(Reproducible, Callback):
         boundaries_only: offload only the inputs ``torch.utils.checkpoint`` saves for checkpointed blocks (not the
             ``"sqrt"`` policy's segments, which keep theirs by reference); everything else stays on the device.
 
-    Logged once per optimizer step (``on_step``), summed over the micro-batches of the step:
-
-    - ``activation_offload/bytes_per_step``: bytes copied to the host (one copy per distinct storage);
-    - ``activation_offload/tensors_per_step``: saved tensors answered from a host copy (views included);
-    - ``activation_offload/kept_bytes_per_step``: bytes of saved tensors left in place (under ``min_bytes``, not
-      a boundary with ``boundaries_only=True``); parameters, buffers and the batch are not counted;
-    - ``activation_offload/host_peak_bytes``: most bytes of host copies alive at once.
-
-    :meth:`memory_breakdown` reports ``host_peak_bytes`` as host-role activations (``ReportsMemory``).
-
-    Raises:
-        TypeError / ValueError: invalid arguments (constructor), or an unsupported strategy (``setup``).
+    Logs ``activation_offload/bytes_per_step``, ``tensors_per_step``, ``kept_bytes_per_step`` and ``host_peak_bytes``
+    once per optimizer step (the doc page says what each counts); :meth:`memory_breakdown` reports the host peak.
 
     Example:
         >>> from lightning_lowmem import ActivationCheckpointing, ActivationOffload

@@ -1,9 +1,7 @@
 """The saved-tensor offload engine behind ``ActivationOffload``: the pack/unpack hooks, one host copy per
 (storage, version), the backward's prefetch queue and the byte counts; the copies go through ``copiers``.
-
-Every tensor saved from one storage (views, repeats) is restored as a view of one restored storage. Views made
-without autograd's view tracking (``unsafe_chunk``, as ``nn.GRU``'s gates) change a storage without a version
-change, so a save that hits an existing copy has its bytes copied again unless dense saves cover them.
+NOTE: views made without autograd's view tracking (``unsafe_chunk``, ``nn.GRU``'s gates) change a storage without a
+version change, so a save that hits an existing copy has its bytes copied again unless dense saves cover them.
 """
 
 from __future__ import annotations
@@ -99,12 +97,8 @@ class _Packed:
     __slots__ = ("dtype", "entry", "offset", "saved", "size", "stride")
 
     def __init__(self, entry: _StorageEntry, t: torch.Tensor) -> None:
-        self.entry = entry
-        self.saved = SavedVersion(t)
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.entry, self.saved, self.dtype = entry, SavedVersion(t), t.dtype
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int, bool]:
@@ -135,9 +129,7 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 class SavedTensorOffloader:
     """Pack/unpack hooks that move saved activations to host memory in forward and back in backward; :meth:`hooks`
     around the forward, :meth:`begin_step` with the tensors never offloaded (parameters, buffers, batch) per step.
-
-    ``device``: the compute device (saved tensors elsewhere stay); ``min_bytes``, ``prefetch``, ``boundaries_only``
-    as ``ActivationOffload``'s; ``before_host_alloc(new host bytes, bytes held)`` before each host copy.
+    ``before_host_alloc(new host bytes, bytes held)`` runs before each host copy; the rest as ``ActivationOffload``'s.
     """
 
     def __init__(self, device: torch.device, copier: SyncCopier, *, min_bytes: int = 1024, prefetch: int = 2,

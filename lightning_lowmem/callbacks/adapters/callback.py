@@ -113,17 +113,9 @@ class Adapters(Reproducible, Callback):
         quantize_base: None, or ``"nf4"``, ``"fp4"`` (4-bit) or ``"int8"``: quantize the frozen base linears with
             bitsandbytes before the adapters are added (QLoRA). bitsandbytes 0.50 runs these on the CPU too.
         attribute: the name of your LightningModule's attribute holding the model.
-        seed: seeds the adapters' initialisation (LoRA's ``A`` is random, ``B`` zero) without touching the
-            global RNG, so the run's dropout masks and data order are those of the same run without adapters;
-            None draws it from the global RNG.
+        seed: seeds the adapters' initialisation without touching the global RNG (None: drawn from it).
 
-    A model built in ``configure_model`` (after ``setup``, right before ``configure_optimizers``): end your
-    ``configure_model`` with ``adapters.apply(self)``; a model without adapters when a stage starts is refused.
-
-    Raises:
-        ValueError/TypeError: every bad argument at once; a model that already holds PEFT adapters, or none at
-            ``attribute``; a model built in ``configure_model`` without ``adapters.apply(self)``.
-        ModuleNotFoundError: peft (or bitsandbytes, for ``quantize_base``) is not installed, with the pip line.
+    A model built in ``configure_model``: end your ``configure_model`` with ``adapters.apply(self)`` (else refused).
 
     Example (the demo module's model is ``self.model``; its ``configure_optimizers`` is left as it is):
 
@@ -185,15 +177,9 @@ class Adapters(Reproducible, Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_applied(pl_module)
-
-    on_validation_start = on_test_start = on_predict_start = on_fit_start
-
-    def _check_applied(self, pl_module: L.LightningModule) -> None:
-        """Refuse a model that ``configure_model`` built (or replaced) after ``setup`` and left without adapters (added
-        now, they would be missing from the optimizer: only the module's own code can add them there)."""
-        model = getattr(pl_module, self.attribute, None)
-        if getattr(model, _MARK, False):
+        # NOTE: a model `configure_model` built after `setup` is refused without adapters: added now, they would be
+        # missing from the optimizer (only the module's own code can add them there)
+        if getattr(getattr(pl_module, self.attribute, None), _MARK, False):
             return
         raise ValueError(
             f"Passed `{self!r}`, but `{type(pl_module).__name__}.{self.attribute}` has no adapters: it was built (or "
@@ -203,6 +189,8 @@ class Adapters(Reproducible, Callback):
             "`next(c for c in self.trainer.callbacks if isinstance(c, Adapters)).apply(self)`), or build the model "
             "in `__init__`."
         )
+
+    on_validation_start = on_test_start = on_predict_start = on_fit_start
 
     # --- the technique ---------------------------------------------------------------------------------
     def apply(self, pl_module: nn.Module) -> nn.Module:
@@ -245,12 +233,8 @@ class Adapters(Reproducible, Callback):
     def export_merged(pl_module: nn.Module, path: str | os.PathLike, safe_serialization: bool = True) -> str:
         """Write the adapted model, adapters merged into the base weights, as a Hugging Face directory (loaded
         without peft by ``from_pretrained(path)``). The merge runs on a copy (one more copy of the model in memory);
-        the directory appears whole or not at all.
-
-        Raises:
-            ValueError: no (or more than one) PEFT model in ``pl_module``; a quantized base (merging would
-                re-quantize the adapters away).
-        """
+        the directory appears whole or not at all. ``ValueError``: not one PEFT model in ``pl_module``, or a quantized
+        base (merging would re-quantize the adapters away)."""
         peft_model = find_peft_model(pl_module)
         quantized = [n for n, m in peft_model.named_modules() if _is_bnb(m)]
         if quantized:

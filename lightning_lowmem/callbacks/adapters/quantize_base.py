@@ -65,11 +65,10 @@ def _quantized(linear: nn.Linear, quant_type: str, bnb: Any, dtype: torch.dtype 
 
 
 def _fake_4bit(linear: nn.Linear, quant_type: str, bnb: Any, dtype: torch.dtype | None) -> nn.Module:
-    """The dry run's ``Linear4bit``: bitsandbytes' layer and quantize op on a fake weight, held by a frozen ``uint8``
-    parameter carrying its ``quant_state`` (NOTE: ``Params4bit``'s ``Tensor._make_subclass`` cannot wrap a fake; the
-    forward reads only the packed data and ``weight.quant_state``, and bitsandbytes' ops have fake kernels)."""
+    """The dry run's ``Linear4bit``: bitsandbytes' quantize op on a fake weight, held by a frozen ``uint8`` parameter
+    carrying its ``quant_state`` (the forward reads only those, and bitsandbytes' ops have fake kernels)."""
     with torch_internals.unset_fake_temporarily():
-        # NOTE: built outside the fake mode, on the meta device (the layer's `Params4bit` could not wrap a fake)
+        # NOTE: built outside the fake mode, on meta: `Params4bit`'s `Tensor._make_subclass` cannot wrap a fake
         q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                               quant_type=quant_type, device="meta")
         # NOTE: bitsandbytes caches its 8-bit code book at first use: filled with the real map here, or a fake one
@@ -113,12 +112,9 @@ def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: A
 
 
 def quantize_linears(model: nn.Module, quant_type: str, dtype: torch.dtype | None = None) -> list[str]:
-    """Replace every ``nn.Linear`` of ``model`` but its output head by its bitsandbytes quantized layer, in place.
-
-    ``dtype``: quantize the weights as rounded to it (a ``*-true`` half precision's compute dtype): the layer then
-    dequantizes to it (from fp32 it would dequantize to fp32 and cast, 6 B per value at once instead of 2). Returns
-    the names replaced; ``ValueError`` when there is no ``nn.Linear`` to quantize or the weights are on meta.
-    """
+    """Replace every ``nn.Linear`` of ``model`` but its output head by its bitsandbytes quantized layer, in place;
+    returns the names replaced. ``dtype``: quantize the weights as rounded to it, so the layer dequantizes to it (a
+    ``*-true`` half precision's compute dtype; from fp32 it would dequantize to fp32 and cast, 6 B per value)."""
     bnb = require("bitsandbytes", f"Adapters(quantize_base={quant_type!r})")
     head = _head(model)
     skip = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)

@@ -106,8 +106,7 @@ def chunked_causal_lm_loss(
         backend: ``"auto"`` (Liger Kernel, else Cut Cross-Entropy where installed and on CUDA, else ours),
             ``"chunked"`` (ours), ``"liger"``, ``"cce"``.
         recompute: ours recomputes each chunk's logits in backward. ``False``: computes the gradients in forward
-            from the logits it has (no second head matmul) and holds them (``[tokens, hidden]`` and
-            ``[vocab, hidden]`` in the compute dtype) until backward; no second backward through the loss.
+            (no second head matmul) and holds them (``[tokens, hidden]`` and ``[vocab, hidden]``) until backward.
 
     Example (``model`` a Hugging Face ``GPT2LMHeadModel``; the same loss as its ``labels=`` one):
 
@@ -150,13 +149,8 @@ class _Call:
 
 
 class _ChunkedHooks:
-    """The forward hooks of one causal LM and of its output embeddings (picklable, deep-copyable with the model).
-
-    The model's pre-hook takes the labels out of a training call; the head's pre-hook computes the chunked loss from
-    its input and weight and hands the head an empty input; the head's forward hook returns a probe of known values,
-    whose post-processing by the model is checked once; the model's forward hook returns the output with ``loss``,
-    ``loss_sum`` and ``num_tokens``, and ``logits`` None.
-    """
+    """The forward hooks of one causal LM and of its output embeddings (picklable, deep-copyable with the model): the
+    head computes the loss from its input, then returns a probe whose post-processing by the model is checked once."""
 
     def __init__(self, settings: _Settings, transform: tuple[float | None, float | None]) -> None:
         self.settings, self.transform = settings, transform  # (logit scale, logit softcap): `head_transform`
@@ -272,15 +266,11 @@ def head_transform(model: nn.Module) -> tuple[float | None, float | None]:
     return scale, (float(softcap) if softcap else None)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    return torch_internals.is_fake(t) or t.device.type == "meta"
-
-
 def _verify(model: nn.Module, logits: Any, dtype: torch.dtype | None, scale: float | None,
             softcap: float | None) -> bool:
     """Whether the model's post-processing of the probe its head returned is what the loss applies (raises if not);
     False in a dry run (fake logits have no values to compare)."""
-    if torch.is_tensor(logits) and _is_fake(logits):
+    if torch.is_tensor(logits) and (torch_internals.is_fake(logits) or logits.device.type == "meta"):
         return False
     probe = torch.tensor(_PROBE, dtype=dtype)
     expected = probe.double()
@@ -303,19 +293,13 @@ def _verify(model: nn.Module, logits: Any, dtype: torch.dtype | None, scale: flo
     return True
 
 
-def _causal_lm_classes() -> frozenset[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-    return frozenset(n for v in names for n in ([v] if isinstance(v, str) else v))
-
-
 def find_causal_lms(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost Hugging Face causal LMs under ``root`` (a class of, or derived from, an ``AutoModelForCausalLM``;
     a masked LM's or seq2seq model's ``labels`` are not shifted)."""
     from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    causal = _causal_lm_classes()
+    causal = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ([v] if isinstance(v, str) else v)}
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         if any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
@@ -341,10 +325,8 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
     1.5 x ``chunk_tokens x vocab x 4`` bytes at the loss's peak: 128 tokens keep GPT-2-XL's loss under 64 MiB).
     Cost: the head's matmul runs once more, in backward (each chunk's logits are recomputed there).
 
-    How: the model's own ``forward`` runs; forward hooks hand the labels to its output embeddings (``lm_head``), which
-    compute the chunked loss from the final hidden states and the head's weight instead of the logits: the model's
-    ``labels=`` loss (shift, ``-100``, ``num_items_in_batch``, ``shift_labels``, bias, Gemma's soft-capping, Cohere's
-    and Granite's logit scale; checked once per model). See docs/techniques/chunked-lm-loss.md.
+    How: the model's own ``forward`` runs; forward hooks make its ``lm_head`` compute the model's ``labels=`` loss,
+    chunked, from the hidden states and its weight (docs/techniques/chunked-lm-loss.md).
 
     In training (``model.training`` and ``labels`` or ``shift_labels``) the output has ``loss``, ``loss_sum`` and
     ``num_tokens`` (for ``AccumulationScheduler(loss_normalization="tokens")``) and **``logits`` is ``None``**. Eval

@@ -157,10 +157,7 @@ def build_torchao(kind: str, optimizer: Optimizer, block_size: int | None, featu
 
 def eager_on_fake_tensors(optimizer: Optimizer) -> list[Any]:
     """Step hooks that run torchao's compiled step eagerly when its params are fake tensors (the dry run).
-
-    NOTE: torchao's ``torch.compile(..., fullgraph=True)`` finds no frame under the fake-tensor mode; ``force_eager``
-    runs the same function uncompiled (the same state tensors; eager mode's temporaries).
-    """
+    NOTE: torchao's ``torch.compile(..., fullgraph=True)`` finds no frame under the fake-tensor mode."""
 
     def stance(name: str) -> Callable[..., None]:
         def hook(opt: Optimizer, args: Any, kwargs: Any) -> None:
@@ -186,10 +183,7 @@ def expand_scheduler(scheduler: Any, sources: Sequence[int]) -> None:
 
 def compact_projections(optimizer: Optimizer, args: Any = None, kwargs: Any = None) -> None:
     """``step`` post-hook: a projection matrix that is a slice of a larger SVD factor gets its own storage.
-
-    NOTE: GaLore's projector keeps ``Vh[:rank, :]`` / ``U[:, :rank]`` of the SVD, a view that keeps the whole factor
-    alive (for a square weight as many values as the weight); the copy holds the same values.
-    """
+    NOTE: GaLore's ``Vh[:rank, :]`` / ``U[:, :rank]`` view keeps the whole factor alive (a square weight's size)."""
     for state in optimizer.state.values():
         proj = state.get("projector")
         matrix = getattr(proj, "ortho_matrix", None)

@@ -60,11 +60,8 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
             not given).
         block_size: torchao's quantization block (its defaults: 256 for 8-bit, 128 for 4-bit).
 
-    Raises:
-        ValueError: in the constructor, every bad argument at once; at fit start, an optimizer other than
-            ``torch.optim.AdamW``/``Adam`` (or one with ``amsgrad``, ``maximize``, L2 weight decay), GaLore/APOLLO on
-            a model with no 2-D weight to project, a DeepSpeed or FSDP strategy, a ``LowBitOptimizer`` as well.
-        ModuleNotFoundError: the kind's package is not installed (names the extra to install).
+    Refused at fit start: an optimizer other than plain ``AdamW``/``Adam``, a DeepSpeed or FSDP strategy, a
+    ``LowBitOptimizer`` as well; a missing package raises ``ModuleNotFoundError`` naming the extra.
 
     Example (the demo module's ``configure_optimizers()`` returns ``torch.optim.AdamW(...)``):
 
@@ -228,10 +225,9 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
     def _adam_mini_shape(self, pl_module: L.LightningModule) -> dict[str, int | None]:
         shape = {"dim": self.dim, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads}
         config = next((m.config for m in pl_module.modules() if hasattr(getattr(m, "config", None), "hidden_size")), None)
-        if config is not None:
-            shape["dim"] = shape["dim"] or getattr(config, "hidden_size", None)
-            shape["n_heads"] = shape["n_heads"] or getattr(config, "num_attention_heads", None)
-            shape["n_kv_heads"] = shape["n_kv_heads"] or getattr(config, "num_key_value_heads", None)
+        names = {"dim": "hidden_size", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads"}
+        for key, attr in names.items():
+            shape[key] = shape[key] or getattr(config, attr, None)
         qk = [n for n, _ in pl_module.named_parameters() if any(k in n.lower() for k in _ADAM_MINI_QK)]
         if qk and (shape["dim"] is None or shape["n_heads"] is None):
             raise ValueError(
