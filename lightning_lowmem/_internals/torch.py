@@ -181,9 +181,8 @@ def eager_copies(module: nn.Module, memo: dict[int, Any], skip: set[int]) -> lis
     wrapper's copy (not those holding a parameter whose id is in ``skip``); return the modules whose
     ``nn.Module.compile()`` a copy must undo (:func:`uncompile`).
 
-    NOTE: a fake copy that runs a compiled region compiles it again (other module objects, fake inputs), and
-    dynamo's next compile of the user's module then differs (another graph, other fused kernels: |diff| ~1e-5 of
-    an update, tests/conformance/known/test_compiled_submodule.py): the copy runs it eagerly instead.
+    NOTE: a fake copy running a compiled region would compile it again, and dynamo's next compile of the user's module
+    would differ (~1e-5 of an update, tests/conformance/known/test_compiled_submodule.py): the copy runs it eagerly.
     """
     from torch._dynamo.eval_frame import OptimizedModule
 
@@ -264,9 +263,8 @@ _FUNCTION_FILE = torch.autograd.function.__file__
 
 def saved_by_checkpoint(frame: FrameType | None) -> bool:
     """Whether a pack hook called from ``frame`` packs an input that ``torch.utils.checkpoint`` saves for recompute.
-    NOTE: every form of checkpointing saves the block's inputs from ``torch/utils/checkpoint.py`` itself, outside its
-    own hooks, so a pack call whose nearest caller past ``torch/autograd/function.py`` lives there is a block
-    boundary. This reads torch's file layout: ``ActivationOffload`` warns when ``boundaries_only=True`` sees none.
+    NOTE: checkpointing saves a block's inputs from ``torch/utils/checkpoint.py`` itself (past ``autograd/function.py``):
+    this reads torch's file layout, and ``ActivationOffload`` warns when ``boundaries_only=True`` sees no boundary.
     """
     global _CHECKPOINT_FILE
     if _CHECKPOINT_FILE is None:
@@ -288,9 +286,8 @@ def saved_by_checkpoint(frame: FrameType | None) -> bool:
 def checkpoint_region(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]], *args: Any,
                       **kwargs: Any) -> Generator[None, None, None]:
     """Non-reentrant ``torch.utils.checkpoint`` of what runs between this generator's first and second ``next()``:
-    ``fn(*args, **kwargs)`` (the recompute), the RNG state preserved, ``context_fn`` as ``checkpoint``'s. NOTE: what
-    ``checkpoint(fn, use_reentrant=False)`` runs around one call of ``fn``; a forward pre-hook and forward hook need its
-    halves apart (as torch's composable ``checkpoint`` does), and no public API gives them.
+    ``fn(*args, **kwargs)`` (the recompute), the RNG state preserved, ``context_fn`` as ``checkpoint``'s. NOTE: a
+    forward pre-hook and forward hook need ``checkpoint``'s halves apart (as torch's composable one does): no public API.
     """
     return _checkpoint_generator(fn, True, context_fn, "default", False, True, *args, **kwargs)
 

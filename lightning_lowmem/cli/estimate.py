@@ -25,16 +25,20 @@ _EPILOG = (
 )
 
 
+def _json_or_text(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"Passed `--set {item}`; expected KEY=VALUE, e.g. `--set n_layer=6`.")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
+        out[key] = _json_or_text(raw)
     return out
 
 
@@ -71,10 +75,7 @@ def split_data_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             if i + 1 >= len(args):
                 raise ValueError(f"Passed `{arg}` without a value; e.g. `{_DATA_ARG}batch_size 4`")
             raw, i = args[i + 1], i + 1
-        try:
-            found[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            found[key] = raw
+        found[key] = _json_or_text(raw)
         i += 1
     return rest, found
 
@@ -284,8 +285,7 @@ def adapter_problems(args: argparse.Namespace) -> list[str]:
     for package, needed in (("peft", True), ("bitsandbytes", args.quantize_base is not None)):
         try:
             if needed:
-                require(package, f"`--adapters {args.adapters}`" + (
-                    f" `--quantize-base {args.quantize_base}`" if package == "bitsandbytes" else ""))
+                require(package, call + (f" `--quantize-base {args.quantize_base}`" if package == "bitsandbytes" else ""))
         except ModuleNotFoundError as err:
             problems.append(str(err))
     return problems
@@ -301,11 +301,10 @@ def optimizer_problems(args: argparse.Namespace) -> list[str]:
     if args.optimizer not in OPTIMIZERS:
         return [f"Passed {call}; expected one of {', '.join(OPTIMIZERS)}"]
     problems = []
-    if getattr(args, "analytic", False) and args.optimizer != "adamw" and args.optimizer != "adamw8bit":
+    if getattr(args, "analytic", False) and args.optimizer not in ("adamw", "adamw8bit"):
         problems.append(f"Passed {call} with `--analytic`: the closed form does not model lean optimizers; drop "
                         "--analytic")
-    missing = lean_extra_problem(args.optimizer, call)
-    return [*problems, missing] if missing else problems
+    return [*problems, missing] if (missing := lean_extra_problem(args.optimizer, call)) else problems
 
 
 def adapter_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -422,11 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       [max(len(n) for n, _ in combos), 11, 11, 9, len(fits_header), *(11,) * len(cats), 7])
         for name, kw in combos:
             t0 = time.perf_counter()
-            failed = _row_failure(estimate_memory, config, args, data, method, extrapolate, kw, budget)
-            if isinstance(failed, str):
-                table.print(name, *("-",) * (4 + len(cats)), "-", failed)
+            est = _row_failure(estimate_memory, config, args, data, method, extrapolate, kw, budget)
+            if isinstance(est, str):
+                table.print(name, *("-",) * (4 + len(cats)), "-", est)
                 continue
-            est = failed
             fits = "-" if budget is None else ("yes" if est.fits(budget) else "no")
             binding = est.phases[est.binding_phase].device
             table.print(name, fmt_size(est.peak_device), fmt_size(est.peak_host), est.binding_phase, fits,

@@ -92,11 +92,8 @@ def _root_cause(err: BaseException) -> BaseException:
 
 
 def _current_directory_importable() -> None:
-    """Put the working directory LAST on ``sys.path``, so that a YAML file's ``class_path: my_module.MyModel`` imports.
-
-    NOTE: last, so a file named like a module ``lowmem`` imports (``yaml.py``, ``torch.py``) never replaces it;
-    ``python -P`` / ``PYTHONSAFEPATH`` is respected.
-    """
+    """The working directory LAST on ``sys.path`` (so ``class_path: my_module.MyModel`` imports, but a local ``yaml.py``
+    never replaces the real one); ``python -P`` / ``PYTHONSAFEPATH`` is respected."""
     if sys.flags.safe_path:
         return
     cwd = os.getcwd()

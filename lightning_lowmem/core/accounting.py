@@ -42,11 +42,8 @@ class MemoryBreakdown:
         return sum(getattr(self, role).values())
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        out = MemoryBreakdown()
-        for role in ROLES:
-            for cat in CATEGORIES:
-                out.add(role, cat, getattr(self, role)[cat] + getattr(other, role)[cat])
-        return out
+        return MemoryBreakdown(**{role: {cat: int(getattr(self, role)[cat] + getattr(other, role)[cat])
+                                         for cat in CATEGORIES} for role in ROLES})
 
     def to_dict(self) -> dict[str, dict[str, int]]:
         return {role: {**getattr(self, role), "total": self.total(role)} for role in ROLES}

@@ -30,18 +30,13 @@ def temp_path(target: str | os.PathLike, pid: int | None = None) -> Path:
     return target.with_name(f".{target.name}.tmp-{os.getpid() if pid is None else pid}")
 
 
-def _old_path(target: Path, pid: int | None = None) -> Path:
-    return target.with_name(f".{target.name}.old-{os.getpid() if pid is None else pid}")
-
-
 def fsync_path(path: str | os.PathLike) -> None:
     """``fsync`` a file or a directory by path (directories: the entries in it, i.e. creations and renames)."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
     try:
         os.fsync(fd)
     except OSError as err:
-        # NOTE: some filesystems (and Windows for directories) refuse fsync on a directory; the data is then
-        # as durable as that filesystem makes renames, which is the best available.
+        # NOTE: some filesystems (and Windows) refuse fsync on a directory: renames are then as durable as they get
         if err.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
             raise
     finally:
@@ -136,7 +131,7 @@ def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
         fsync_path(target.parent)
         _remove(new)  # NOTE: `new` now names the previous version
     else:
-        old = _old_path(target)
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
         _remove(old)
         os.rename(target, old)
         os.rename(new, target)
@@ -183,7 +178,7 @@ def clean_orphans(target: str | os.PathLike, *, keep: str | os.PathLike | None =
     """
     directory = Path(target).parent
     keep_name = Path(keep).name if keep is not None else None
-    found: list[tuple[str, str, int, Path]] = []
+    found: list[tuple[str, str, Path]] = []
     try:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
@@ -191,9 +186,9 @@ def clean_orphans(target: str | os.PathLike, *, keep: str | os.PathLike | None =
     for entry in entries:
         m = _ORPHAN.match(entry.name)
         if m and entry.name != keep_name and not pid_alive(int(m["pid"])):
-            found.append((m["name"], m["kind"], int(m["pid"]), Path(entry.path)))
+            found.append((m["name"], m["kind"], Path(entry.path)))
     done: list[Path] = []
-    for name, kind, _, path in sorted(found, key=lambda t: t[1] != "old"):  # restores before removals
+    for name, kind, path in sorted(found, key=lambda t: t[1] != "old"):  # restores before removals
         final = directory / name
         if kind == "old" and not os.path.lexists(final):
             try:

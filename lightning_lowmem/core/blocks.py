@@ -98,8 +98,7 @@ def outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> tup
     kept: list[tuple[str, nn.Module]] = []
     dropped: dict[str, list[str]] = {}
     for name, module in found:
-        outer = in_compiled(name, compiled)
-        if outer is None:
+        if (outer := in_compiled(name, compiled)) is None:
             kept.append((name, module))
         else:
             dropped.setdefault(outer, []).append(name)
@@ -109,9 +108,5 @@ def outside_compiled(root: nn.Module, found: list[tuple[str, nn.Module]]) -> tup
 def owner_of(root: nn.Module, name: str) -> nn.Module:
     """The module whose ``forward`` calls the block ``name`` (the parent of its ``ModuleList``)."""
     parts = name.split(".")
-    parent_name = ".".join(parts[:-1])
-    parent = root.get_submodule(parent_name) if parent_name else root
-    if isinstance(parent, nn.ModuleList):
-        grand_name = ".".join(parts[:-2])
-        return root.get_submodule(grand_name) if grand_name else root
-    return parent
+    parent = root.get_submodule(".".join(parts[:-1]))  # NOTE: "" names `root` itself
+    return root.get_submodule(".".join(parts[:-2])) if isinstance(parent, nn.ModuleList) else parent

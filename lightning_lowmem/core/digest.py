@@ -90,15 +90,11 @@ class HashingWriter:
 
 def _sha256(path: str | os.PathLike, limit: int | None = None) -> str:
     h = hashlib.sha256()
-    remaining = limit
+    remaining = float("inf") if limit is None else limit
     with open(path, "rb") as f:
-        while remaining is None or remaining > 0:
-            chunk = f.read(_CHUNK if remaining is None else min(_CHUNK, remaining))
-            if not chunk:
-                break
+        while remaining > 0 and (chunk := f.read(min(_CHUNK, remaining))):
             h.update(chunk)
-            if remaining is not None:
-                remaining -= len(chunk)
+            remaining -= len(chunk)
     return h.hexdigest()
 
 

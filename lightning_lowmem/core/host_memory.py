@@ -45,13 +45,10 @@ def _stat_value(path: Path, *keys: str) -> int:
     except OSError:
         return 0
     values = dict(line.split(maxsplit=1) for line in lines if " " in line)
-    for key in keys:
-        if key in values:
-            try:
-                return int(values[key])
-            except ValueError:
-                return 0
-    return 0
+    try:
+        return int(next((values[key] for key in keys if key in values), 0))
+    except ValueError:
+        return 0
 
 
 def _ancestors(relative: str) -> list[str]:

@@ -82,10 +82,7 @@ def expected_state_bytes(
                 continue
             n = p.numel()
             if eight_bit:
-                if n < min_8bit or id(p) in keep_32bit:
-                    per = optimizer_state_bytes_per_param("adamw", 4, n)
-                else:
-                    per = optimizer_state_bytes_per_param("adamw8bit", 4, n)
+                per = optimizer_state_bytes_per_param("adamw" if n < min_8bit or id(p) in keep_32bit else "adamw8bit", 4, n)
                 total += per / 2 if lion else per  # NOTE: Lion keeps one moment, Adam two
             elif lion:
                 total += optimizer_state_bytes_per_param("sgd", 4, n)  # one fp32 moment

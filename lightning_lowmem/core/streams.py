@@ -220,8 +220,9 @@ class DeferredOps(StreamOps):
     def synchronize(self, event: DeferredEvent) -> None:
         if event.stream is _COMPUTE:
             self.compute_done = max(self.compute_done, event.position)
-            return
-        self._host_waits(event.stream, event.position)
+        elif event.stream is not None:
+            self._run(event.stream, event.stream.issued if self.progress == "run_ahead" else event.position)
+            self._progress()
 
     @override
     def wait_stream(self, waiter: DeferredStream, other: DeferredStream) -> None:
@@ -308,12 +309,6 @@ class DeferredOps(StreamOps):
             self._run(other, position)
         else:
             self._queue(waiter, (other, position))
-
-    def _host_waits(self, stream: DeferredStream | None, position: int) -> None:
-        if stream is None or stream is _COMPUTE:
-            return
-        self._run(stream, stream.issued if self.progress == "run_ahead" else position)
-        self._progress()
 
     def _progress(self) -> None:
         if self.progress != "random" or not self.streams:

@@ -198,9 +198,8 @@ class CausalLMModule(L.LightningModule):
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=labels)
             return out.loss_sum, out.num_tokens
         logits = self(batch["input_ids"], batch.get("attention_mask"))
-        # NOTE: the logits are upcast for the loss (as Hugging Face does): softmax in half precision loses
-        # the small probabilities. The fp32 copy is the LM head's memory spike in backward. A float64 model
-        # (precision="64-true", the reference runs of the tests) keeps float64.
+        # NOTE: logits upcast for the loss (as Hugging Face does: a half softmax loses small probabilities); the fp32
+        # copy is the LM head's memory spike in backward. A float64 model (precision="64-true") keeps float64.
         dtype = torch.promote_types(logits.dtype, torch.float32)
         shift_logits = logits[:, :-1, :].to(dtype).reshape(-1, logits.size(-1))
         shift_labels = labels[:, 1:].reshape(-1)

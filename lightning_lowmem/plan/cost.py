@@ -88,8 +88,8 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     block_params = max(n - head, 0)
     attention = 4 * layers * s * tokens * d  # forward: QK^T and AV
     trained = trainable_params(recipe, shape)
-    # NOTE: weight gradients only for what is trained (a frozen base still passes input gradients back)
-    flops = (4 * n + 2 * trained) * tokens + 3 * attention if recipe.adapters else 6 * n * tokens + 3 * attention
+    # NOTE: weight gradients only for what is trained (a frozen base still passes input gradients back): 6 N T in full
+    flops = (4 * n + 2 * trained) * tokens + 3 * attention
     recompute = {None: 0.0, "every_n": 0.5, "all": 1.0}[recipe.checkpointing]
     flops += recompute * (2 * block_params * tokens + attention)
     if recipe.chunked_loss:

@@ -17,11 +17,9 @@ from lightning_lowmem.core.atomic import atomic_write_text
 from lightning_lowmem.core.reproducible import init_arguments
 from lightning_lowmem.predict.run_spec import RunSpec
 
-#: the suite's technique callbacks: a plan replaces the ones a YAML already has
-TECHNIQUE_CLASSES = (ActivationCheckpointing, ActivationOffload, AccumulationScheduler, LowBitOptimizer,
-                     OptimizerInBackward, ChunkedLMLoss)
-#: their names, as a YAML's ``class_path`` gives them (short or full): what a YAML file has to compare with
-TECHNIQUES = tuple(cls.__name__ for cls in TECHNIQUE_CLASSES)
+#: the names of the suite's technique callbacks, which a plan replaces in a YAML (its ``class_path``, short or full)
+TECHNIQUES = tuple(cls.__name__ for cls in (ActivationCheckpointing, ActivationOffload, AccumulationScheduler,
+                                            LowBitOptimizer, OptimizerInBackward, ChunkedLMLoss))
 
 
 def _changed_arguments(obj: Any) -> dict[str, Any]:
@@ -68,11 +66,8 @@ def write_yaml(path: str | Path, run: RunSpec, *, header: str, base_yaml: str | 
     new file with ``model`` and ``data`` (``class_path``/``init_args`` dicts). Written atomically."""
     import yaml
 
-    config: dict[str, Any] = {}
-    if base_yaml is not None:
-        config = yaml.safe_load(Path(base_yaml).read_text()) or {}
-    trainer = config.setdefault("trainer", {}) or {}
-    config["trainer"] = trainer
+    config: dict[str, Any] = (yaml.safe_load(Path(base_yaml).read_text()) or {}) if base_yaml is not None else {}
+    trainer = config["trainer"] = config.get("trainer") or {}
     kept = [c for c in (trainer.get("callbacks") or [])
             if not (isinstance(c, dict) and str(c.get("class_path", "")).rsplit(".", 1)[-1] in TECHNIQUES)]
     planned = trainer_yaml(run)
@@ -81,10 +76,7 @@ def write_yaml(path: str | Path, run: RunSpec, *, header: str, base_yaml: str | 
     if any(isinstance(c, AccumulationScheduler) for c in run.callbacks):
         trainer.pop("accumulate_grad_batches", None)
     trainer.setdefault("max_steps", 100)
-    if model is not None:
-        config["model"] = model
-    if data is not None:
-        config["data"] = data
+    config.update({key: part for key, part in (("model", model), ("data", data)) if part is not None})
     text = "".join(f"# {line}\n" for line in header.splitlines()) + yaml.safe_dump(config, sort_keys=False)
     path = Path(path)
     atomic_write_text(path, text)

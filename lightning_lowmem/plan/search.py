@@ -204,7 +204,7 @@ class Budgets:
         own = [*trainings[3], *(source.fixed_callbacks if source is not None else [])]
         variants, wrong_type = adapter_variants(*trainings[:3], own, problems)
         type_error |= wrong_type
-        optimizers, wrong_type = optimizer_choices(trainings[4] if len(trainings) > 4 else ("adamw",), own, problems)
+        optimizers, wrong_type = optimizer_choices(trainings[4], own, problems)
         type_error |= wrong_type
         if problems or source is None or device_budget is None:
                 raise (TypeError if type_error else ValueError)("\n- ".join(["the arguments do not describe a plan:",
@@ -367,11 +367,7 @@ def refusing_technique(err: BaseException, run: RunSpec | None) -> Any:
     if run is None:
         return None
     ours = {type(c) for c in run.callbacks if technique_field(c) not in (None, "micro_batch_size")}
-    found = None
-    for owner in frames.raising_instances(err):
-        if type(owner) in ours:
-            found = owner
-    return found
+    return next((owner for owner in reversed(frames.raising_instances(err)) if type(owner) in ours), None)
 
 
 #: a candidate predicted this far over the budget from the trace of the same techniques at another micro-batch is
