@@ -123,3 +123,17 @@ def test_streaming_fetches_block_weights_per_pass():
     assert recomputed.link_bytes - streamed.link_bytes == pytest.approx(2 * blocks)
     run = Recipe("offload_params", 4, "all").run(4)
     assert run.strategy.offload_params is True and run.precision == "bf16-true"
+
+
+def test_measuring_the_host_leaves_the_global_generator_as_it_was():
+    """`lowmem_auto` measures a CPU before `configure_model` and the first batch: a draw from the global generator
+    there gave a module built in `configure_model` other initial weights than plain Lightning's (found by the sweep)."""
+    import torch
+
+    from lightning_lowmem.plan.hardware import measure_host
+
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    measure_host(seconds=0.01)
+    assert torch.equal(torch.rand(3), want)
