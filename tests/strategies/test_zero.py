@@ -231,3 +231,24 @@ def test_gather_on_fit_end_is_for_stage_3_only():
     with pytest.raises(TypeError, match=r"`gather_on_fit_end='yes'`; expected True or False"):
         ZeroStrategy(stage=3, gather_on_fit_end="yes")
     assert ZeroStrategy(stage=3, gather_on_fit_end=True).gather_on_fit_end is True
+
+
+@pytest.mark.parametrize("name", ["lowmem_zero2", "lowmem_zero3"])
+def test_a_0d_parameter_is_refused_before_deepspeed_starts(name):
+    """neuralforecast's PatchTST holds a trainable 0-d attention `scale`: DeepSpeed's byte view of the flat buffer
+    crashed on it ("self.dim() cannot be 0 to view Float as Byte"; found by the conformance sweep)."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Scaled(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"0-dimensional parameters \(`scale`.*torch.tensor\(\[value\]\)"):
+        trainer.fit(Scaled())

@@ -74,7 +74,7 @@ def setup_problems(strategy: Any, trainer: Any, precision: str, config: dict[str
 def module_problems(strategy: Any, module: nn.Module, precision: str, config: dict[str, Any]) -> list[str]:
     """The reasons of :func:`setup_problems` that depend on the module's layers (checked again after
     ``configure_model``)."""
-    problems = []
+    problems = _scalar_parameters(module)
     if strategy.zero_stage_3:
         problems += _compiled_submodules(module) + _input_jitter(module)
     if precision.startswith(("bf16", "16")):
@@ -115,6 +115,18 @@ def _running_statistics(module: nn.Module, precision: str) -> list[str]:
         f"dtypes at the first forward. Use `precision='32-true'`, or `strategy='lowmem_offload'` (whose "
         f"{precision} keeps the statistics fp32), or keep the statistics in {half} as `{half}-true` would with "
         f"`config={{'data_types': {{'buffer_dtype': '{half}'}}}}` (every floating buffer is cast)"
+    )]
+
+
+def _scalar_parameters(module: nn.Module) -> list[str]:
+    found = [name for name, p in module.named_parameters() if p.dim() == 0]
+    if not found:
+        return []
+    return [(
+        f"0-dimensional parameters ({_names(found)}; neuralforecast's PatchTST attention `scale` is one): DeepSpeed "
+        "flattens every parameter through a byte view, which a 0-d tensor cannot take ('self.dim() cannot be 0 to "
+        "view Float as Byte', at the engine's start). Give each one dimension (`nn.Parameter(torch.tensor([value]))`), "
+        "or use `strategy='lowmem_offload'`, which trains them"
     )]
 
 
