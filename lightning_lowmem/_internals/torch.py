@@ -176,30 +176,24 @@ def is_compiled_module(module: nn.Module) -> bool:
     return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
 
 
-def eager_copies(module: nn.Module, memo: dict[int, Any], skip: set[int]) -> list[nn.Module]:
-    """Enter into a ``copy.deepcopy`` ``memo`` the module each ``torch.compile(m)`` inside ``module`` wraps, as that
-    wrapper's copy (not those holding a parameter whose id is in ``skip``); return the modules whose
-    ``nn.Module.compile()`` a copy must undo (:func:`uncompile`).
+def eager_copies(module: nn.Module, memo: dict[int, Any], skip: set[int]) -> None:
+    """Enter into a ``copy.deepcopy`` ``memo`` an eager copy of each compiled module inside ``module`` (what
+    ``torch.compile(m)`` wraps; one whose ``nn.Module.compile()`` is undone), innermost first, except those holding a
+    parameter whose id is in ``skip``.
 
-    NOTE: a fake copy running a compiled region would compile it again, and dynamo's next compile of the user's module
-    would differ (~1e-5 of an update, tests/conformance/known/test_compiled_submodule.py): the copy runs it eagerly.
+    NOTE: dynamo skips for good a compiled frame it meets under a fake mode, and the user's module then trains
+    uncompiled (tests/conformance/known/test_compiled_submodule.py): a fake copy runs compiled regions eagerly.
     """
     from torch._dynamo.eval_frame import OptimizedModule
 
-    compiled = []
-    for m in module.modules():
+    for m in reversed(list(module.modules())):
         if skip and any(id(p) in skip for p in m.parameters()):
             continue
         if isinstance(m, OptimizedModule):
             memo[id(m)] = copy.deepcopy(m._orig_mod, memo)
         elif getattr(m, "_compiled_call_impl", None) is not None:
-            compiled.append(m)
-    return compiled
-
-
-def uncompile(module: nn.Module) -> None:
-    """Undo ``nn.Module.compile()`` on ``module`` (one this package copied: see :func:`eager_copies`)."""
-    module._compiled_call_impl = None
+            memo[id(m)] = eager = copy.deepcopy(m, memo)
+            eager._compiled_call_impl = None
 
 
 def op_returns(func: Any) -> list[Any]:

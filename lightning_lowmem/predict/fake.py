@@ -335,13 +335,11 @@ def fake_copy(module: torch.nn.Module, execution: FakeExecution, upcast_half: bo
         for _, p in module.named_parameters(remove_duplicate=False):
             if id(p) not in memo and id(p) not in dropped:  # NOTE: one tied to a kept part comes by `_FakeCopies`
                 memo[id(p)] = fake_of(p)
-        compiled = torch_internals.eager_copies(module, memo, dropped)  # NOTE: compiled regions run eagerly
+        torch_internals.eager_copies(module, memo, dropped)  # NOTE: compiled regions run eagerly (see its NOTE)
         if found is not None:
             kept = torch.nn.ModuleList([copy.deepcopy(b, memo) for b in list(found[2])[:blocks]])
             memo[id(found[2])] = kept
         out = copy.deepcopy(module, memo)
-        for m in compiled:
-            torch_internals.uncompile(memo[id(m)])
     if found is not None:
         fewer_layers(out, len(found[2]), blocks)  # type: ignore[arg-type]
     return out

@@ -92,13 +92,8 @@ def _fake_copy(pl_module: pl.LightningModule, fake_mode: Any | None) -> pl.Light
                 with fake_mode:
                     fake = torch.empty(shape, dtype=t.dtype, device=t.device)
             memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    # NOTE: compiled regions run eagerly in the copy: dynamo skips (for good) a frame it meets under the fake mode,
-    # and the user's compiled module then ran eagerly in training
-    compiled = torch_internals.eager_copies(pl_module, memo, set())
-    replica = copy.deepcopy(pl_module, memo)
-    for m in compiled:
-        torch_internals.uncompile(memo[id(m)])
-    return replica
+    torch_internals.eager_copies(pl_module, memo, set())  # NOTE: compiled regions run eagerly (see its NOTE)
+    return copy.deepcopy(pl_module, memo)
 
 
 @contextlib.contextmanager
