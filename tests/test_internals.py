@@ -122,6 +122,26 @@ def test_hook_tables_hold_every_hook_table():
     assert all(id(getattr(module, name)) in tables for name in names)
 
 
+def test_forget_fake_output_lets_swap_tensors_move_a_fake_parameter():
+    """The canary of pytorch#148977: torch's memo of a fake op's output holds a weak reference, which makes the
+    ``swap_tensors`` that ``module.to()`` runs on a fake parameter refuse it; dropping the entry lets the swap run."""
+    import weakref
+
+    with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):  # NOTE: a cache hit makes no memo entry
+        mode = torch_internals.FakeTensorMode()
+    with mode:
+        p = torch.nn.Parameter(torch.empty(2, 3))
+        q = torch.nn.Parameter(torch.empty(2, 3))
+    assert weakref.getweakrefcount(p) == 1  # fails once torch drops the memo entry itself: the workaround can go
+    with pytest.raises(RuntimeError, match="weakref"):
+        torch.utils.swap_tensors(p, q)
+    torch_internals.forget_fake_output(p)
+    torch_internals.forget_fake_output(q)
+    torch_internals.forget_fake_output(torch.zeros(1))  # a real tensor: nothing to drop
+    torch.utils.swap_tensors(p, q)
+    assert weakref.getweakrefcount(p) == 0
+
+
 def test_checkpoint_region_is_torch_checkpoint_in_two_halves():
     """``checkpoint_region`` around a call recomputes it in backward with the same gradients as
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and plain autograd (dropout: the RNG is kept)."""

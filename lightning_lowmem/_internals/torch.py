@@ -7,11 +7,10 @@ the installed torch, so an upgrade that removes one fails there, by name, instea
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from types import FrameType, SimpleNamespace
 from typing import Any
 
@@ -59,7 +58,7 @@ PRIVATE_SYMBOLS = (
     "torch._foreach_norm",
     "torch._amp_foreach_non_finite_check_and_unscale_",
     "torch.autograd.Variable._execution_engine",
-    "torch.nn.Module._apply",
+    "torch._subclasses.fake_tensor.FakeTensorConverter.tensor_memo",
     "torch.ops.aten._local_scalar_dense",
     "torch.ops.aten._unsafe_view",
     "torch.ops.aten._to_copy",
@@ -70,6 +69,7 @@ PRIVATE_SYMBOLS = (
     "torch.ops.aten._grouped_mm",
     "torch.ops.aten._embedding_bag",
     "torch.ops.aten._embedding_bag_forward_only",
+    "torch.ops.aten._safe_softmax",
     "torch.cuda._initialized",
     "torch._dynamo.eval_frame.OptimizedModule",
     "torch.utils.checkpoint._checkpoint_without_reentrant_generator",
@@ -213,6 +213,7 @@ ATEN = SimpleNamespace(
     grouped_mm=torch.ops.aten._grouped_mm,
     embedding_bag=torch.ops.aten._embedding_bag,
     embedding_bag_forward_only=torch.ops.aten._embedding_bag_forward_only,
+    safe_softmax=torch.ops.aten._safe_softmax,  # NOTE: only scaled_dot_product_attention's math kernel calls it
 )
 #: the C++ function behind ``nn.utils.rnn.pad_packed_sequence`` (it fills integer buffers the dry run keeps real)
 PAD_PACKED_SEQUENCE = torch._C._VariableFunctions._pad_packed_sequence
@@ -341,21 +342,19 @@ def remove_forward_hook(module: nn.Module, key: int) -> None:
     module._forward_hooks_always_called.pop(key, None)
 
 
-def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-    """``module._apply(fn)``: what ``.to()``, ``.cuda()``, ``.half()`` run on every parameter and buffer."""
-    return module._apply(fn, recurse)
+def forget_fake_output(t: torch.Tensor) -> None:
+    """Drop the fake mode's memo entry of ``t``, an op's output: the weak reference that makes ``swap_tensors`` refuse it.
 
-
-@contextlib.contextmanager
-def module_apply_replaced(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    """Inside, ``nn.Module._apply`` is ``make(original)`` for every module (NOTE: the one hook into every device and
-    dtype move of a module, which the dry run makes go through ``.data`` on fake tensors)."""
-    original = nn.Module._apply
-    nn.Module._apply = make(original)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module._apply = original  # type: ignore[method-assign]
+    NOTE: ``FakeTensorConverter.from_meta_and_device`` files each op's output under the id of a fresh meta tensor, a key
+    nothing looks up again; but ``nn.Module._apply`` moves a fake parameter with ``swap_tensors`` (also into the
+    ``Parameter`` it builds with ``detach()``), which refuses any weakly referenced tensor (pytorch#148977).
+    """
+    if not isinstance(t, FakeTensor):
+        return
+    memo = t.fake_mode.fake_tensor_converter.tensor_memo
+    for ref in weakref.getweakrefs(t):
+        if isinstance(ref, weakref.KeyedRef) and memo.get(ref.key) is t:
+            del memo[ref.key]
 
 
 # --- LR schedulers ----------------------------------------------------------------------------------------------------

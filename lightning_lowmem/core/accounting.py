@@ -6,7 +6,6 @@ compute role (docs/design.md, "Memory categories").
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -132,7 +131,10 @@ def mark_host(*tensors: torch.Tensor) -> None:
                 listener(t)
 
 
-_HOST_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # host copy -> weakref of the parameter it copies
+# host copy -> id of the parameter it copies. NOTE: an id, not a weakref: `module.to()` swaps a fake parameter in a dry
+# run, which `swap_tensors` refuses for a weakly referenced one (hazard: a stale entry matches a new parameter that
+# reuses the id only while its host copy outlives the parameter; the stream frees both together)
+_HOST_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def mark_host_weights(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -140,13 +142,13 @@ def mark_host_weights(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Non
     tracker of that module entered after they were made (NOTE: it would not see them made)."""
     for p, host in pairs:
         mark_host(host)
-        _HOST_WEIGHTS[host] = weakref.ref(p)
+        _HOST_WEIGHTS[host] = id(p)
 
 
 def host_weight_copies(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The live host copies marked with :func:`mark_host_weights` of any of ``params``."""
     ids = {id(p) for p in params}
-    return [host for host, ref in list(_HOST_WEIGHTS.items()) if (p := ref()) is not None and id(p) in ids]
+    return [host for host, i in list(_HOST_WEIGHTS.items()) if i in ids]
 
 
 def host_tensors() -> list[torch.Tensor]:

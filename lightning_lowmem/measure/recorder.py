@@ -41,15 +41,20 @@ class StepMemoryRecorder(Callback):
         (True, ['activations', 'gradients', 'optimizer_state', 'other', 'total', 'weights'])
     """
 
-    def __init__(self, every_n_steps: int = 1, timeline: bool = False) -> None:
+    def __init__(self, every_n_steps: int = 1, timeline: bool = False, bool_masks: bool = False) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
             raise TypeError(f"Passed `every_n_steps={every_n_steps!r}`; expected an integer >= 1 (1 samples every step).")
         if every_n_steps < 1:
             raise ValueError(f"Passed `every_n_steps={every_n_steps!r}`; expected an integer >= 1 (1 samples every step).")
-        if not isinstance(timeline, bool):
-            raise TypeError(f"Passed `timeline={timeline!r}`; expected True or False.")
+        for name, value in (("timeline", timeline), ("bool_masks", bool_masks)):
+            if not isinstance(value, bool):
+                raise TypeError(f"Passed `{name}={value!r}`; expected True or False.")
         self.every_n_steps = every_n_steps
         self.timeline_enabled = timeline
+        #: count dropout masks at 1 B per element (:class:`MemoryTracker`'s ``bool_masks``: a CPU trace of a CUDA run)
+        self.bool_masks = bool_masks
+        #: elements of those masks over the sampled steps
+        self.mask_elements = 0
         self.steps: list[dict[str, Any]] = []
         #: the first micro-batch of the run, as ``on_train_batch_start`` saw it (what a dry run of this run feeds)
         self.first_batch: Any = None
@@ -88,7 +93,8 @@ class StepMemoryRecorder(Callback):
                 else:
                     self._cuda_window.lap()
             if self.sampled(step):
-                self._tracker = MemoryTracker(pl_module, trainer.optimizers, device=device, timeline=self.timeline_enabled)
+                self._tracker = MemoryTracker(pl_module, trainer.optimizers, device=device, timeline=self.timeline_enabled,
+                                              bool_masks=self.bool_masks)
                 self._tracker.__enter__()
         self._micro_batches += 1
         if self._tracker is not None:
@@ -151,6 +157,7 @@ class StepMemoryRecorder(Callback):
         record = None
         if tracker is not None:
             tracker.__exit__(None, None, None)
+            self.mask_elements += tracker.mask_elements
             record = self.record(trainer, tracker, cuda_step)
             self.steps.append(record)
         self.step_closed(trainer, self._window_step, record, tracker, cuda_step)

@@ -96,6 +96,8 @@ class _Mode(torch_internals.TorchDispatchMode):
             # a storage we already count; the others' outputs that share a storage are views.
             kind = _KIND[func] = (torch_internals.op_is_mutable(func), torch_internals.op_is_view(func))
         mutates, view = kind
+        if func is _BERNOULLI and tracker.bool_masks:
+            tracker._as_mask(args[0])
         if view and tracker._phase is None:
             # NOTE: outside a phase a view of a storage made before tracking (a loader's in-memory dataset sliced into a
             # micro-batch) is no allocation: counted as `other` it put host data in the device peak. Inside, it counts.
@@ -112,6 +114,7 @@ class _Mode(torch_internals.TorchDispatchMode):
 
 
 _KIND: dict[Any, tuple[bool, bool]] = {}  # op -> (writes into an argument, returns a view)
+_BERNOULLI = torch.ops.aten.bernoulli_.float  # what CPU's dropout fills its mask with
 
 
 def _exit_mode(mode: torch_internals.TorchDispatchMode, exc: tuple[Any, ...]) -> None:
@@ -150,6 +153,7 @@ class _Rec:
     seq: int
     fwd: int  # forward-phase epoch that created it (0: not created in forward)
     ref: weakref.ref | None = None
+    mask: bool = False  # counted at 1 B per element (see `MemoryTracker.bool_masks`)
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -200,6 +204,9 @@ class MemoryTracker:
             Default: the device of ``module``'s first parameter (CPU without one).
         timeline: also record the bytes by category after every change (for a plot of one step);
             costs one tuple per allocation and free.
+        bool_masks: count each storage ``bernoulli_`` fills (a dropout mask) at 1 B per element, as CUDA's fused
+            dropout keeps it (CPU's keeps the input's dtype): for a CPU trace of a CUDA run (the dry run's
+            ``target="cuda"``). :attr:`mask_elements` counts their elements.
 
     Attributes (after or during tracking):
         peak_bytes: the device-role peak, bytes.
@@ -214,6 +221,7 @@ class MemoryTracker:
         *,
         device: torch.device | str | None = None,
         timeline: bool = False,
+        bool_masks: bool = False,
     ) -> None:
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"Passed `module` of type {type(module).__name__}; expected a `torch.nn.Module` or None.")
@@ -233,6 +241,8 @@ class MemoryTracker:
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.timeline_enabled = timeline
+        self.bool_masks = bool_masks
+        self.mask_elements = 0
         self._lock = threading.RLock()
         self._mode: _Mode | None = None
         self._reset()
@@ -275,7 +285,7 @@ class MemoryTracker:
         key = torch_internals.storage_key(st)
         rec = self._recs.get(key)
         if rec is not None:
-            if mutates:
+            if mutates and not rec.mask:
                 n = self._nbytes(st, t)
                 if n != rec.nbytes:  # resize_, set_, out= variants
                     self._resize(rec, n)
@@ -343,6 +353,15 @@ class MemoryTracker:
             self._seq += 1
             if delta > 0:
                 self._update_peaks(rec.role)
+
+    def _as_mask(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage (a mask ``bernoulli_`` fills) at 1 B per element (see ``bool_masks``)."""
+        st = _storage(t)
+        rec = None if st is None else self._recs.get(torch_internals.storage_key(st))
+        if rec is not None and not rec.mask:
+            rec.mask = True
+            self.mask_elements += t.numel()
+            self._resize(rec, t.numel())
 
     def _retag(self, rec: _Rec, cat: int, role: int, *, retro: bool) -> None:
         """Move ``rec`` to ``(cat, role)``; with ``retro``, also in every peak snapshot taken while it was alive."""
@@ -413,7 +432,7 @@ class MemoryTracker:
             self._add(st, t, key, cat)
             return
         n = self._nbytes(st, t)
-        if n != rec.nbytes:
+        if n != rec.nbytes and not rec.mask:
             self._resize(rec, n)
         if rec.cat != cat:
             self._retag(rec, cat, rec.role, retro=True)

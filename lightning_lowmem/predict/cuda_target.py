@@ -1,20 +1,19 @@
-"""What a dry run with ``target="cuda"`` changes: CUDA's kernel choices traced on CPU, and the corrections added.
+"""What a dry run with ``target="cuda"`` changes: CUDA's choices counted on a CPU trace, and the corrections added.
 
-The trace runs on fake CPU tensors (fake CUDA tensors abort a CPU-only build at the first autograd edge), with
-CUDA's kernel choices emulated (1-byte dropout masks, flash attention, foreach optimizers) and the CUDA context
-and pinned staging added; each is listed in the estimate's ``corrections``, uncalibrated until a GPU run
-confirms it.
+The trace runs CPU's kernels on fake CPU tensors (fake CUDA tensors abort a CPU-only build at the first autograd
+edge). Dropout masks are counted at CUDA's 1 B per element (``MemoryTracker(bool_masks=True)``), torch optimizers
+of the device role take CUDA's ``foreach`` default, and the CUDA context and pinned staging are added; each is
+listed in the estimate's ``corrections``, uncalibrated until a GPU run confirms it. Attention is traced with CPU's
+kernel (see ``sdpa_math_kernel``): CUDA's choice cannot be emulated without swapping ``F.scaled_dot_product_attention``
+(a torch function mode does not reach a checkpointed block's recompute).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_lowmem.core.accounting import host_storage_keys, storage_key
@@ -25,45 +24,6 @@ from lightning_lowmem.strategies.offload.transfer import pinned_staging_bytes
 
 #: CUDA context + cuBLAS workspace on a recent driver with lazy module loading (uncalibrated)
 CUDA_CONTEXT_BYTES = 512 * 2**20
-
-
-@contextlib.contextmanager
-def cuda_kernels(counts: dict[str, int]) -> Iterator[None]:
-    """Trace CUDA's kernel choices on CPU: fused dropout with a 1-byte mask, SDPA with O(s) saved state.
-
-    NOTE: one of the dry run's two global swaps (two ``torch.nn.functional`` attributes; the other is
-    ``nn.Module._apply`` in :func:`.fake.fake_execution`), where a ``TorchFunctionMode`` is the seam both functions
-    offer: the autograd engine does not carry torch function modes into backward, so a checkpointed block's
-    recompute (``torch.utils.checkpoint``, ours and Hugging Face's) would take CPU's kernels and save other tensors
-    than the forward did (``CheckpointError``; tried again 2026-12-02 on torch 2.13). Hazard: another thread calling these functions during a ``target="cuda"`` dry run
-    (a ``MemoryReport`` or ``lowmem_auto`` inside a fit) gets the emulation; no thread of this package does.
-    """
-    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
-
-    def cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-        if training and 0.0 < p < 1.0 and input.numel():
-            # NOTE: CUDA's at::dropout runs native_dropout (bool mask); CPU's keeps a float mask of 4 B/elem
-            if torch.is_grad_enabled() and input.requires_grad:
-                counts["dropout_mask_elements"] += input.numel()
-            return torch.ops.aten.native_dropout(input, p, True)[0]
-        return dropout(input, p, training, inplace)
-
-    def cuda_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # NOTE: CPU falls back to the math kernel (s^2 probabilities kept) when dropout_p > 0; CUDA's flash /
-        # memory-efficient kernels keep O(s) state with dropout too. Values are fake, so dropping p is exact.
-        if kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
-            counts["sdpa_dropout_calls"] += 1
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-            else:
-                kwargs["dropout_p"] = 0.0
-        return sdpa(*args, **kwargs)
-
-    F.dropout, F.scaled_dot_product_attention = cuda_dropout, cuda_sdpa
-    try:
-        yield
-    finally:
-        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
 
 
 class CudaOptimizerDefaults(L.Callback):
@@ -95,17 +55,22 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
     scale = " (counted in the traced blocks)" if extrapolated else ""
     out = [
         Correction("dropout_mask_1_byte", 0, True,
-                   f"F.dropout traced as CUDA's native_dropout: bool masks, {counts['dropout_mask_elements']:,} "
-                   f"mask elements{scale} at 1 B instead of 4 B (CPU)"),
-        Correction("sdpa_flash_kernel", 0, True,
-                   f"{counts['sdpa_dropout_calls']} SDPA calls with dropout traced without the CPU math fallback "
-                   "(no s^2 probabilities kept), as CUDA's flash/memory-efficient kernels"),
+                   f"dropout masks counted as CUDA's fused dropout keeps them: {counts['dropout_mask_elements']:,} "
+                   f"mask elements{scale} at 1 B instead of the input's dtype (CPU)"),
         Correction("foreach_optimizer", 0, True,
                    f"{counts['foreach_groups']} device optimizer param groups traced with foreach=True, CUDA's default"),
         Correction("cuda_context", CUDA_CONTEXT_BYTES, False,
                    "CUDA context + cuBLAS workspace added to every phase's device `other` (lazy loading; "
                    "driver-dependent, 300-600 MiB)"),
     ]
+    calls, nbytes = counts["sdpa_math"]
+    if calls:
+        out.append(Correction("sdpa_math_kernel", 0, False,
+                              f"{calls} scaled_dot_product_attention calls{scale} traced with CPU's math kernel "
+                              "(dropout > 0, or inputs CPU's flash kernel refuses): each keeps its s x s probabilities "
+                              f"for backward ({nbytes // calls:,} B a call), which CUDA's flash/memory-efficient kernels "
+                              "do not; the prediction is high by that much for each call whose activations are kept at "
+                              "the peak"))
     offload = "offload" in run.strategy_name and run.zero() is None
     staging = 0
     if offload:
@@ -133,4 +98,4 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
     return out
 
 
-__all__ = ["CUDA_CONTEXT_BYTES", "CudaOptimizerDefaults", "cuda_corrections", "cuda_kernels"]
+__all__ = ["CUDA_CONTEXT_BYTES", "CudaOptimizerDefaults", "cuda_corrections"]

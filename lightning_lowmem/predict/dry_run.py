@@ -36,7 +36,7 @@ from lightning_lowmem.callbacks.activation_checkpointing.callback import Activat
 from lightning_lowmem.core.accounting import CATEGORIES, MemoryBreakdown
 from lightning_lowmem.measure.recorder import PHASES, StepMemoryRecorder
 from lightning_lowmem.predict.analytic import zero_states
-from lightning_lowmem.predict.cuda_target import CudaOptimizerDefaults, cuda_corrections, cuda_kernels
+from lightning_lowmem.predict.cuda_target import CudaOptimizerDefaults, cuda_corrections
 from lightning_lowmem.predict.depth import (
     AGREEMENT,
     DepthWindows,
@@ -203,7 +203,7 @@ def _trace(
 
     ``found`` is set to ``[notes, bounds]`` of the fake execution (kernel corrections, data-dependent bounds).
     """
-    recorder = StepMemoryRecorder(every_n_steps=1)
+    recorder = StepMemoryRecorder(every_n_steps=1, bool_masks=target == "cuda")
     zero = spec.zero()
     with tempfile.TemporaryDirectory(prefix="lowmem-dry-run-") as root, _forked_rng(), fake_execution() as fx:
         module = build(fx)
@@ -215,8 +215,10 @@ def _trace(
             extra.insert(0, CudaOptimizerDefaults(counts))
         trainer = _trainer(spec, extra, root, zero)
         fit_data = data()
-        with cuda_kernels(counts) if target == "cuda" else contextlib.nullcontext(), _data_kept(fit_data):
+        with _data_kept(fit_data):
             trainer.fit(module, **fit_data)
+        counts["dropout_mask_elements"] += recorder.mask_elements
+        counts["sdpa_math"] = fx.sdpa_math
         for key, n in fx.stand_ins.items():
             stand_ins[key] = stand_ins.get(key, 0) + n
         found[:] = [fx.notes(), [{"op": op, "where": where, "assumption": a, "calls": n}
@@ -317,7 +319,7 @@ def dry_run(
             return {"datamodule": _TokenBatches(*token_data)}
         return _fit_data(data, batch)
 
-    counts: dict[str, Any] = {"dropout_mask_elements": 0, "sdpa_dropout_calls": 0, "foreach_groups": 0}
+    counts: dict[str, Any] = {"dropout_mask_elements": 0, "sdpa_math": (0, 0), "foreach_groups": 0}
     stand_ins: dict[str, int] = {}
     notes = list(run.notes)
     t0 = time.perf_counter()

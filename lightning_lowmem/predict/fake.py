@@ -8,7 +8,8 @@ no bytes). What makes real code run there:
 * Stand-ins where they do not: a data-dependent read of a fake tensor gets the value a healthy run gives where the op
   that made it says so (``isfinite`` all True, ``isnan``/``isinf`` all False, ``torch.equal`` True), else ``0.0``,
   ``1`` or ``False``; :attr:`FakeExecution.stand_ins` counts them.
-* Module conversions replace a fake parameter's ``.data`` (``swap_tensors`` refuses weakly referenced tensors).
+* ``module.to()`` swaps a fake parameter in place, as torch does (the fake mode's memo of a detached output is dropped:
+  ``swap_tensors`` refuses weakly referenced tensors).
 * ``self.log`` does nothing: the dry run's Trainer is ``barebones``.
 * Data-dependent sizes: :mod:`lightning_lowmem.predict.data_dependent`; fake kernels that allocate less than the real
   CPU kernel: :mod:`lightning_lowmem.predict.kernels`.
@@ -30,7 +31,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_lowmem._internals import torch as torch_internals
-from lightning_lowmem.callbacks.adapters.quantize_base import move_quant_state
 from lightning_lowmem.predict.data_dependent import DataDependent
 from lightning_lowmem.predict.depth import fewer_layers, find_blocks
 from lightning_lowmem.predict.kernels import KernelMatch
@@ -42,6 +42,8 @@ FAKE_ERRORS = torch_internals.FAKE_ERRORS
 REAL_OUTPUT_LIMIT = 16 * 2**20
 _SCALAR = torch_internals.ATEN.local_scalar_dense.default
 _EQUAL = torch.ops.aten.equal.default
+_DETACH = torch.ops.aten.detach.default
+_SAFE_SOFTMAX = torch_internals.ATEN.safe_softmax.default
 _BOOL_READS = frozenset({_EQUAL, torch.ops.aten.is_nonzero.default})
 _aten = torch.ops.aten
 # NOTE: the value a check of weight-derived values has in a healthy run (finite numbers): `if not torch.isfinite(loss)`
@@ -78,6 +80,12 @@ class _Values(torch_internals.TorchDispatchMode):
             if execution.kernels.replaces(func):
                 return execution.kernels.replace(func, args, kwargs)
             out = func(*args, **kwargs)
+            if func is _DETACH:
+                _detached(args[0], out)
+            elif func is _SAFE_SOFTMAX and torch.is_grad_enabled():
+                # NOTE: SDPA's math kernel (CPU's, with dropout): its s x s probabilities are kept for backward
+                calls, nbytes = execution.sdpa_math
+                execution.sdpa_math = (calls + 1, nbytes + out.untyped_storage().nbytes())
             if execution.kernels.handles(func):
                 out = execution.kernels(func, args, kwargs, out)
             if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
@@ -106,6 +114,20 @@ class _Values(torch_internals.TorchDispatchMode):
             return out
         with torch_internals.unset_fake_temporarily():
             return func(*args, **kwargs)
+
+
+def _detached(p: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = p.detach()``, the step of ``module.to()`` that a fake parameter takes differently from a real one.
+
+    NOTE: torch moves a fake parameter with ``swap_tensors(p, Parameter(p.to(...)))`` (a real one through ``.data``),
+    which refuses a weakly referenced tensor (the fake mode's memo of ``out``: dropped, see
+    :func:`~lightning_lowmem._internals.torch.forget_fake_output`) and would leave ``p`` without the Python attributes a
+    real one keeps (a packed 4-bit weight's ``quant_state``): a parameter's are carried onto ``out``.
+    """
+    torch_internals.forget_fake_output(out)
+    if isinstance(p, torch.nn.Parameter):
+        mine = vars(out)
+        mine.update({k: v for k, v in vars(p).items() if k not in mine and k != "_is_param"})
 
 
 def _bookkeeping(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
@@ -178,6 +200,8 @@ class FakeExecution:
         self.healthy: WeakIdKeyDictionary = WeakIdKeyDictionary()
         #: data-dependent ops (``nonzero``, ``unique``...): their bounds in :attr:`DataDependent.bounds`
         self.data_dependent = DataDependent(model_line)
+        #: (calls, bytes of their probabilities) of ``scaled_dot_product_attention``'s math kernel under autograd
+        self.sdpa_math = (0, 0)
         #: fake kernels corrected to the real CPU kernels' outputs (:attr:`KernelMatch.corrections`)
         self.kernels = KernelMatch(lambda op, detail: DryRunUnsupportedError(op, detail, model_line()))
 
@@ -224,37 +248,6 @@ class FakeExecution:
             self.passthrough = passthrough
 
 
-def _apply_on_fake(original: Any) -> Any:
-    """``nn.Module._apply`` that moves a module holding fake parameters through ``.data`` (see the NOTE below)."""
-
-    def apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
-        params = [p for p in torch_internals.module_parameters(self).values() if p is not None]
-        if not any(isinstance(p, FakeTensor) for p in params):
-            return original(self, fn, recurse)
-        if recurse:
-            for child in self.children():
-                torch_internals.module_apply(child, fn)
-        with torch.no_grad():
-            for p in params:
-                new = fn(p)
-                if new is not p:
-                    # NOTE: `.data` keeps the Parameter object that optimizers and hooks hold (as `.to()` does on
-                    # real tensors); swap_tensors, which `.to()` picks for fake ones, refuses weakly referenced ones.
-                    p.data = new
-                    move_quant_state(p)
-                if p.grad is not None:
-                    grad = fn(p.grad)
-                    if grad is not p.grad:
-                        p.grad = grad
-        buffers = torch_internals.module_buffers(self)
-        for key, buf in buffers.items():
-            if buf is not None:
-                buffers[key] = fn(buf)
-        return self
-
-    return apply
-
-
 @contextlib.contextmanager
 def fake_execution() -> Iterator[FakeExecution]:
     """Run the block with fake tensors from parameters on, real values where they exist (see module docstring).
@@ -269,7 +262,7 @@ def fake_execution() -> Iterator[FakeExecution]:
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_lowmem")]
     levels = [lg.level for lg in loggers]
     try:
-        with warnings.catch_warnings(), torch_internals.module_apply_replaced(_apply_on_fake), execution.mode, \
+        with warnings.catch_warnings(), execution.mode, \
                 _Values(execution), _HealthyChecks(execution):
             warnings.simplefilter("ignore")
             for lg in loggers:

@@ -425,3 +425,18 @@ def test_budget_choice():
     assert len(chosen) == 3 and minimum == 190  # 2 blocks: 50 + 200 + 20 + 100 (recompute) = 370; 3: 280
     assert choose_for_budget(50, [100] * 4, [10] * 4, 189) == (None, 190)
     assert parse_bytes("1GiB") == 2**30 and parse_bytes("512 MB") == 512 * 10**6 and parse_bytes(7) == 7
+
+
+def test_the_probe_keeps_no_reference_to_the_parameters_of_a_fake_module():
+    """The probe's graph and its saves formed a cycle through autograd (invisible to Python's collector) that kept the
+    saved parameters alive: in a dry run those are the traced module's own fake ones, which a later ``module.to()``
+    swaps, and torch refuses to swap a tensor something else holds."""
+    from lightning_lowmem.callbacks.activation_checkpointing.probe import measure_saved_bytes
+    from lightning_lowmem.predict.fake import fake_copy, fake_execution
+    from tests.helpers.models import tiny_lm_module
+
+    with fake_execution() as fx:
+        module = fake_copy(tiny_lm_module(), fx)
+        measure_saved_bytes(module, ["model.transformer.h.0", "model.transformer.h.1"], random_batch(1, 8), 0)
+        counts = {name: p._use_count() for name, p in module.named_parameters()}
+    assert set(counts.values()) == {1}, counts

@@ -277,6 +277,20 @@ def test_cuda_target_lists_uncalibrated_corrections():
     assert cuda.peak_device > cpu.peak_device and cuda.peak_host > cpu.peak_host
 
 
+def test_cuda_target_counts_masks_in_a_checkpointed_recompute_and_lists_the_math_attention():
+    """No kernel is swapped: dropout masks are counted at 1 B by the tracker (a dispatch mode: it reaches a checkpointed
+    block's recompute, where a torch function mode does not); attention keeps CPU's kernel, and the estimate says so."""
+    run = RunSpec(strategy="lowmem_offload", precision="bf16-true", callbacks=[ActivationCheckpointing("all")])
+    cpu = dry_run(tiny_lm_module(), batch=random_batch(1, 16), run=run)
+    cuda = dry_run(tiny_lm_module(), batch=random_batch(1, 16), run=run, target="cuda")
+    corrections = {c.name: c.detail for c in cuda.corrections}
+    assert "dropout masks counted" in corrections["dropout_mask_1_byte"]
+    assert " 0 mask elements" not in corrections["dropout_mask_1_byte"]
+    assert "scaled_dot_product_attention calls" in corrections["sdpa_math_kernel"]
+    # NOTE: the backward peak holds one block's recomputed masks: at 1 B, not bf16's 2 B
+    assert cuda.phases["backward"].device["activations"] < cpu.phases["backward"].device["activations"]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"target": "tpu"}, "target"), ({"steps": 0}, "steps"), ({"batch_size": 2}, "needs both")],

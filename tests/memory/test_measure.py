@@ -195,6 +195,21 @@ def test_forward_temporaries_are_other_at_the_peak():
     assert tracker.breakdown().device["activations"] == F32  # the loss, until backward runs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bool_masks_count_a_dropout_mask_at_one_byte_an_element(dtype):
+    """CPU's dropout keeps a mask of the input's dtype, CUDA's fused one a bool mask: ``bool_masks`` counts CUDA's."""
+    x = torch.randn(64, 256, dtype=dtype, requires_grad=True)
+    saved = {}
+    for bool_masks in (False, True):
+        tracker = MemoryTracker(bool_masks=bool_masks)
+        with tracker, tracker.phase("forward"):
+            y = torch.nn.functional.dropout(x * 2, 0.5, training=True)  # saved: the mask (x * 2 is not)
+        saved[bool_masks] = tracker.breakdown().device["activations"]
+        assert tracker.mask_elements == (x.numel() if bool_masks else 0)
+        del y
+    assert saved[False] - saved[True] == x.numel() * (dtype.itemsize - 1)
+
+
 def test_accumulation_phases_repeat():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

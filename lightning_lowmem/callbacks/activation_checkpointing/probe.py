@@ -137,8 +137,13 @@ def run_on_fake_copy(pl_module: pl.LightningModule, batch: Any, batch_idx: int,
             warnings.simplefilter("ignore")  # NOTE: `self.log` without a Trainer warns; the fake step's own
             for mode in modes:
                 stack.enter_context(mode)
-            with torch.enable_grad(), saved_tensors_hooks(keep, unpack):
-                replica.training_step(*training_step_args(replica.training_step, batch, batch_idx))
+            try:
+                with torch.enable_grad(), saved_tensors_hooks(keep, unpack):
+                    replica.training_step(*training_step_args(replica.training_step, batch, batch_idx))
+            finally:
+                # NOTE: the probe's graph holds `keep` (its saves' hooks), `held` the graph's tensors: a cycle through
+                # autograd that Python's collector cannot see, which kept the saved parameters (a dry run's own) alive
+                held.clear()
         for handle in handles:
             handle.remove()
     except Exception as err:

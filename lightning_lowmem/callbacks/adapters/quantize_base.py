@@ -5,7 +5,6 @@ or ``Linear8bitLt`` (``"int8"``), quantized at once from its current values on i
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -87,15 +86,6 @@ def _fake_4bit(linear: nn.Linear, quant_type: str, bnb: Any, dtype: torch.dtype 
     if linear.bias is not None:
         q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
     return q
-
-
-def move_quant_state(p: torch.Tensor) -> None:
-    """Move a packed 4-bit weight's quantization state to the weight's device, as ``Params4bit.to`` does (for the dry
-    run's stand-in of :func:`_fake_4bit`, moved through ``.data``). Any other tensor is left alone."""
-    functional = sys.modules.get("bitsandbytes.functional")
-    state = getattr(p, "quant_state", None)
-    if functional is not None and isinstance(state, functional.QuantState) and state.absmax.device != p.device:
-        state.to(p.device)
 
 
 def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
