@@ -135,6 +135,20 @@ def size_problem(flag: str, value: str) -> tuple[int | None, str | None]:
     return size, None
 
 
+def output_problems(args: argparse.Namespace, flags: Sequence[str]) -> list[str]:
+    """What is wrong with the files ``--FLAG`` would write: a directory, or one in a directory that does not exist."""
+    problems = []
+    for flag in flags:
+        value = getattr(args, flag)
+        if value and Path(value).is_dir():
+            problems.append(f"Passed `--{flag} {value}`, which is a directory; give a file name in it")
+        elif value and not Path(value).parent.is_dir():
+            parent = Path(value).parent
+            problems.append(f"Passed `--{flag} {value}`, but the directory {str(parent)!r} does not exist; create it "
+                            f"(`mkdir -p {parent}`) or give a path in an existing one")
+    return problems
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowmem estimate", description=__doc__.split("\n")[0], epilog=_EPILOG)
     what = parser.add_mutually_exclusive_group(required=True)
@@ -209,12 +223,7 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
     if args.budget is not None:
         budget, problem = size_problem("--budget", args.budget)
         problems += [problem] if problem else []
-    if args.json:
-        path = Path(args.json)
-        if path.is_dir():
-            problems.append(f"Passed `--json {args.json}`, which is a directory; give a file name, e.g. estimate.json")
-        elif not path.parent.is_dir():
-            problems.append(f"Passed `--json {args.json}`: the directory {path.parent} does not exist")
+    problems += output_problems(args, ("json",))
     combos: list[tuple[str, dict[str, Any]]] = []
     config = None
     if args.config:
