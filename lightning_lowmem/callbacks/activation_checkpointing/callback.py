@@ -52,29 +52,16 @@ class ActivationCheckpointing(Reproducible, Callback):
     """Recompute the activations of chosen blocks in backward instead of keeping them: a policy for any model.
 
     Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward work in
-    backward (docs/techniques/activation-checkpointing.md). Blocks are found (the longest ``nn.ModuleList`` of
-    same-class modules) or named with ``blocks``; a model with no such list gets as blocks the largest submodules
-    whose checkpointing frees memory, measured on the first training batch (:attr:`chosen_by_measurement`).
-    Measuring (this, and ``"budget"``) runs ``training_step`` once on a fake copy of the module: the run is
-    untouched; a step that cannot run there is refused, asking for ``blocks``.
+    backward; gradients are bit-identical, dropout included. Blocks are found (the longest ``nn.ModuleList`` of
+    same-class modules), named with ``blocks``, or measured on the first training batch on a fake copy of the module
+    (:attr:`chosen_by_measurement`). Applied at the first training batch through forward hooks, removed at the end of
+    ``fit`` (docs/techniques/activation-checkpointing.md). ``torch.compile``-d modules are not checkpointed (a
+    warning); a Hugging Face model's own checkpointing is turned off, ``config.use_cache`` False while fitting.
 
-    Gradients are bit-identical, dropout included (the RNG state is preserved). Applied at the first training batch
-    through forward hooks (module tree and ``state_dict`` keys unchanged), removed at the end of ``fit``.
-
-    Policies (``policy=``):
-        - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
-        - ``"every_n"`` with ``n``: blocks 0, n, 2n, ... are recomputed (``n=1`` is ``"all"``).
-        - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only the
-          segment inputs. Not under FSDP or ZeRO-3.
-        - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap element-wise ops
-          are recomputed (blocks holding a recurrent layer whole; an in-place change of a kept output is refused).
-        - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings the
-          activations under the budget, as measured. Below the minimum possible it raises, naming the minimum.
-        - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
-
-    ``torch.compile``-d modules (and those inside or holding them) are not checkpointed, with a warning. Strategies:
-    single device, DDP, FSDP / ModelParallel, ``lowmem_offload``, DeepSpeed ZeRO (stage 3: not ``"sqrt"``). Hugging
-    Face models: their own checkpointing is turned off (a warning), ``config.use_cache`` False while fitting.
+    Policies (``policy=``): ``"all"``; ``"every_n"`` with ``n`` (blocks 0, n, 2n, ...); ``"sqrt"`` (segments of about
+    sqrt(L) blocks, each recomputed as one unit); ``"selective"`` (matmul and attention outputs kept, element-wise ops
+    recomputed); ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``: the fewest blocks that bring the measured
+    activations under it); a list of module classes, class names or ``fnmatch`` patterns on module names.
 
     Example:
         >>> from lightning_lowmem import ActivationCheckpointing
