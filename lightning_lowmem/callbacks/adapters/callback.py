@@ -236,7 +236,9 @@ class Adapters(Reproducible, Callback):
         the directory appears whole or not at all. ``ValueError``: not one PEFT model in ``pl_module``, or a quantized
         base (merging would re-quantize the adapters away)."""
         peft_model = find_peft_model(pl_module)
-        quantized = [n for n, m in peft_model.named_modules() if _is_bnb(m)]
+        bnb_nn = sys.modules.get("bitsandbytes.nn")
+        quantized = [n for n, m in peft_model.named_modules()
+                     if bnb_nn is not None and isinstance(m, (bnb_nn.Linear4bit, bnb_nn.Linear8bitLt))]
         if quantized:
             raise ValueError(
                 f"export_merged: the base of the PEFT model is quantized ({len(quantized)} bitsandbytes layers, e.g. "
@@ -255,8 +257,3 @@ class Adapters(Reproducible, Callback):
         merged.save_pretrained(tmp, safe_serialization=safe_serialization)
         replace_dir(tmp, target)
         return target
-
-
-def _is_bnb(module: nn.Module) -> bool:
-    bnb_nn = sys.modules.get("bitsandbytes.nn")
-    return bnb_nn is not None and isinstance(module, (bnb_nn.Linear4bit, bnb_nn.Linear8bitLt))
