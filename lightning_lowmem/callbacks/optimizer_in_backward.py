@@ -97,17 +97,6 @@ class OptimizerInBackward(Reproducible, Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        # NOTE: a parameter made trainable in `on_train_epoch_start` (BackboneFinetuning) is hooked before its first
-        # backward; unhooked, the next hook's step and Lightning's would both step it
-        self._check_accumulation(trainer)
-        self._hook_params(trainer)
-
-    @override
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self._stepped.clear()
-
-    @staticmethod
-    def _check_accumulation(trainer: L.Trainer) -> None:
         # NOTE: GradientAccumulationScheduler and AccumulationScheduler change this between epochs.
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -115,6 +104,13 @@ class OptimizerInBackward(Reproducible, Callback):
                 f"{trainer.current_epoch}; the step in backward cannot accumulate. Remove the accumulation "
                 "scheduler or the callback."
             )
+        # NOTE: a parameter made trainable in `on_train_epoch_start` (BackboneFinetuning) is hooked before its first
+        # backward; unhooked, the next hook's step and Lightning's would both step it
+        self._hook_params(trainer)
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._stepped.clear()
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -91,16 +91,6 @@ def _root_cause(err: BaseException) -> BaseException:
     return found
 
 
-def _current_directory_importable() -> None:
-    """The working directory LAST on ``sys.path`` (so ``class_path: my_module.MyModel`` imports, but a local ``yaml.py``
-    never replaces the real one); ``python -P`` / ``PYTHONSAFEPATH`` is respected."""
-    if sys.flags.safe_path:
-        return
-    cwd = os.getcwd()
-    if not any(entry in ("", ".", cwd) for entry in sys.path):
-        sys.path.append(cwd)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -112,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] in LOOPS and "--help-all" in args[1:]:
         args = [("--help" if a == "--help-all" else a) for a in args]
         argv = args
-    _current_directory_importable()
+    # NOTE: the working directory LAST on sys.path (`class_path: my_module.MyModel` imports, but a local `yaml.py`
+    # never replaces the real one); `python -P` / PYTHONSAFEPATH is respected
+    if not sys.flags.safe_path and not any(entry in ("", ".", os.getcwd()) for entry in sys.path):
+        sys.path.append(os.getcwd())
     try:
         if args[0] in TOOLS:
             module, function = TOOLS[args[0]]
