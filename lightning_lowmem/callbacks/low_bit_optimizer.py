@@ -52,9 +52,8 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
     ``min_8bit_size`` elements keep 32-bit state. Cost: the update is quantized (it tracks fp32 AdamW closely); on
     CPU each tensor's state is dequantized into fp32 temporaries for the update (8 B per element of the largest).
 
-    The swap happens in ``on_fit_start``, before Lightning restores a checkpoint (``fit(ckpt_path=...)`` loads the
-    8-bit state); param groups and their keys are kept, LR schedulers re-pointed. Under ``lowmem_offload`` the state
-    is on the host, next to the fp32 masters.
+    The swap (in ``on_fit_start``, before a checkpoint is restored) and ``lowmem_offload``:
+    docs/techniques/low-bit-optimizers.md.
 
     Args:
         kind: ``"adamw8bit"``/``"adam8bit"`` replace a ``torch.optim.AdamW``/``Adam`` (decoupled weight decay: an

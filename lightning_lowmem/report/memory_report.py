@@ -32,16 +32,13 @@ _PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 class MemoryReport(StepMemoryRecorder):
     """Measure peak memory of sampled training steps by phase and category; log, tabulate, save and plot it.
 
-    For every sampled optimizer step (all its micro-batches) a :class:`~lightning_lowmem.measure.tracker.MemoryTracker`
-    counts live tensor storage by category and role, with the peak of each phase (``forward``, ``backward``,
-    ``optimizer``); strategies and callbacks implementing ``memory_breakdown()`` are asked too. At the end of fit it
-    prints one table: the measured step with the highest device peak, the dry-run prediction of the same run, and plain
-    fp32 training of the same module predicted the same way, with the saving against it; it writes
-    ``memory_report.json`` and ``memory_step.png`` into ``save_dir`` (``docs/techniques/memory-report.md``).
+    A :class:`~lightning_lowmem.measure.tracker.MemoryTracker` counts live tensor storage (not process RSS) of every
+    sampled optimizer step by category, role and phase. At the end of fit it prints one table: the measured step with
+    the highest device peak, the dry-run prediction of the same run and of plain fp32 training, with the saving; it
+    writes ``memory_report.json`` and ``memory_step.png`` into ``save_dir`` (docs/techniques/memory-report.md).
 
-    It saves nothing; cost (``benchmarks/results/memory_report_overhead.md``): an unsampled step costs what a step
-    without it costs; a sampled step ~1.3x (~23 µs per aten op); the end of fit runs two dry runs (``predict=True``).
-    It measures tensor storage, not process RSS; memory outside tensor storages shows only in CUDA's statistics.
+    It saves nothing; cost: an unsampled step costs what a step without it costs; a sampled step ~1.3x (~23 µs per
+    aten op); the end of fit runs two dry runs (``predict=True``).
 
     Metric keys logged to every logger of the Trainer, at the sampled step (bytes):
         - ``memory/peak_bytes``: device-role peak of the step.

@@ -93,9 +93,8 @@ def find_peft_model(root: nn.Module) -> nn.Module:
 class Adapters(Reproducible, Callback):
     """Train LoRA or DoRA adapters (Hugging Face PEFT) on a frozen base model, which can be 4-bit or 8-bit.
 
-    In ``setup`` (before the strategy moves, casts or copies any parameter) the model at ``pl_module.<attribute>``
-    is replaced by ``peft.get_peft_model(model, LoraConfig(...))``: the base is frozen and each targeted linear gets
-    two rank-``r`` matrices (DoRA: and a magnitude vector); ``training_step`` and ``configure_optimizers`` stay.
+    In ``setup`` the model at ``pl_module.<attribute>`` is replaced by ``peft.get_peft_model(model, LoraConfig(...))``
+    (docs/techniques/adapters.md); ``training_step`` and ``configure_optimizers`` stay.
 
     Memory saved: the base's gradients and optimizer state (Adam: 4 + 8 B per fp32 parameter); the adapters are
     ``r * (in + out)`` per targeted layer (LLaMA-7B, r=16, all-linear: 0.6 % of the base). ``quantize_base="nf4"``/
@@ -103,7 +102,6 @@ class Adapters(Reproducible, Callback):
     plus a scale per row. Cost: the activations are the full model's; each adapted layer runs two small extra
     matmuls (DoRA: also its weight's norm); a quantized base is dequantized in each forward and backward (slower,
     and the model trained on is the rounded one). The checkpoint holds the whole module: resume with the callback.
-    See docs/techniques/adapters.md.
 
     Args:
         kind: ``"lora"`` or ``"dora"`` (weight-decomposed LoRA, ``LoraConfig(use_dora=True)``).
