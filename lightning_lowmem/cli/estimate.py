@@ -32,16 +32,6 @@ def _json_or_text(raw: str) -> Any:
         return raw
 
 
-def _parse_set(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"Passed `--set {item}`; expected KEY=VALUE, e.g. `--set n_layer=6`.")
-        out[key] = _json_or_text(raw)
-    return out
-
-
 def glue_values(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     """``--flag -5GB`` as ``--flag=-5GB``, so that a negative size reaches our check instead of argparse's "expected one
     argument" (argparse takes a value starting with ``-`` for an option unless it looks like a plain number)."""
@@ -326,7 +316,13 @@ def adapter_flags(args: argparse.Namespace) -> dict[str, Any]:
 def _model_config(args: argparse.Namespace) -> Any:
     from lightning_lowmem.predict.configs import max_positions, resolve_config
 
-    config = resolve_config(args.model, _parse_set(args.set))
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"Passed `--set {item}`; expected KEY=VALUE, e.g. `--set n_layer=6`.")
+        overrides[key] = _json_or_text(raw)
+    config = resolve_config(args.model, overrides)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "n_layer", "num_layers")
                    if isinstance(getattr(config, n, None), int)), None)
     if layers is not None and layers < 1:

@@ -238,7 +238,10 @@ class MemoryReport(StepMemoryRecorder):
         except ValueError as err:
             return {"error": str(err)}, {"error": str(err)}, None
         micro_batches = max(r["micro_batches"] for r in self.steps)
-        plain_batch = _fp32_batch(trainer, _repeat_batch(batch, micro_batches))
+        # NOTE: the window in one batch: every tensor repeated along dim 0 (Lightning's batch dimension)
+        window = batch if micro_batches == 1 else apply_to_collection(
+            batch, torch.Tensor, lambda t: t.repeat(micro_batches, *[1] * (t.dim() - 1)) if t.dim() else t)
+        plain_batch = _fp32_batch(trainer, window)
         runs = [(run, batch, "the run's first batch", target),
                 (RunSpec(), plain_batch, f"{micro_batches} micro-batch(es) in one batch", target)]
         if micro_batches > 1:
@@ -280,13 +283,6 @@ def _fp32_batch(trainer: pl.Trainer, batch: Any) -> Any:
         return batch
     return apply_to_collection(batch, torch.Tensor,
                                lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
-
-
-def _repeat_batch(batch: Any, times: int) -> Any:
-    """``batch`` with every tensor repeated ``times`` along dim 0 (Lightning's batch dimension)."""
-    if times == 1:
-        return batch
-    return apply_to_collection(batch, torch.Tensor, lambda t: t.repeat(times, *[1] * (t.dim() - 1)) if t.dim() else t)
 
 
 __all__ = ["PHASES", "MemoryReport"]

@@ -68,15 +68,6 @@ def _validate(kind: Any, r: Any, alpha: Any, dropout: Any, target_modules: Any, 
     return problems, wrong_type
 
 
-def _is_peft(model: nn.Module) -> bool:
-    """``model`` is, or holds, PEFT adapter layers (checked through ``sys.modules``: peft is loaded if it does)."""
-    tuners = sys.modules.get("peft.tuners.tuners_utils")
-    peft_model = sys.modules.get("peft.peft_model")
-    if peft_model is not None and isinstance(model, peft_model.PeftModel):
-        return True
-    return tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules())
-
-
 def find_peft_model(root: nn.Module) -> nn.Module:
     """The one ``peft.PeftModel`` under ``root`` (``root`` itself included)."""
     from peft import PeftModel
@@ -203,7 +194,10 @@ class Adapters(Reproducible, Callback):
             )
         if getattr(model, _MARK, False):
             return model
-        if _is_peft(model):
+        # NOTE: `model` is, or holds, PEFT adapter layers (checked through `sys.modules`: peft is loaded if it does)
+        tuners, peft_model = sys.modules.get("peft.tuners.tuners_utils"), sys.modules.get("peft.peft_model")
+        if ((peft_model is not None and isinstance(model, peft_model.PeftModel))
+                or (tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules()))):
             raise ValueError(
                 f"`{type(pl_module).__name__}.{self.attribute}` already holds PEFT adapters "
                 f"(`{type(model).__name__}`): `{self!r}` would wrap them a second time. Remove the Adapters callback "
