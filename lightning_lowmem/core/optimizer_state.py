@@ -60,10 +60,8 @@ def expected_state_bytes(
     count as Adam (8 B/param).
     """
     # blockwise 8-bit state: a bitsandbytes optimizer with `optim_bits=8`, torchao's
-    if instance_of(optimizer, (_BNB_BASE,)):
-        eight_bit = getattr(getattr(optimizer, "args", None), "optim_bits", 32) == 8
-    else:
-        eight_bit = instance_of(optimizer, _EIGHT_BIT)
+    eight_bit = (getattr(getattr(optimizer, "args", None), "optim_bits", 32) == 8
+                 if instance_of(optimizer, (_BNB_BASE,)) else instance_of(optimizer, _EIGHT_BIT))
     min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)
     lion = getattr(optimizer, "optimizer_name", None) == "lion" or instance_of(optimizer, _LION_STATE)
     family = optimizer_family(optimizer)
