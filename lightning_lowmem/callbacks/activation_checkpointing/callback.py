@@ -281,7 +281,17 @@ class ActivationCheckpointing(Reproducible, Callback):
         L = len(blocks)
         if self.policy == "sqrt":
             size = max(1, round(math.sqrt(L)))
-            self._wrap_segments([blocks[i : i + size] for i in range(0, L, size)])
+            groups = [blocks[i : i + size] for i in range(0, L, size)]
+            segments: list[Segment] = []
+            for index, group in enumerate(groups):
+                segment, ok = wrap_segment([m for _, m in group], index)
+                if ok:
+                    segments.append(segment)
+                    self.wrapped.extend(name for name, _ in group)
+            owners = {id(o): o for o in (owner_of(self._root, name) for group in groups for name, _ in group)}  # type: ignore[arg-type]
+            for owner in owners.values():
+                self._hook_handles.append(owner.register_forward_hook(CloseSegments(segments), always_call=True))
+            self._log(segments=[len(g) for g in groups])
             return
         step = self.n if self.policy == "every_n" else 1
         self._wrap_blocks(list(range(0, L, step)), selective=self.policy == "selective")  # type: ignore[arg-type]
@@ -298,18 +308,6 @@ class ActivationCheckpointing(Reproducible, Callback):
             if BlockCheckpoint(info, selective_contexts if keep else None).attach(module):
                 self.wrapped.append(name)
         self._log()
-
-    def _wrap_segments(self, groups: list[list[tuple[str, nn.Module]]]) -> None:
-        segments: list[Segment] = []
-        for index, group in enumerate(groups):
-            segment, ok = wrap_segment([m for _, m in group], index)
-            if ok:
-                segments.append(segment)
-                self.wrapped.extend(name for name, _ in group)
-        owners = {id(o): o for o in (owner_of(self._root, name) for group in groups for name, _ in group)}  # type: ignore[arg-type]
-        for owner in owners.values():
-            self._hook_handles.append(owner.register_forward_hook(CloseSegments(segments), always_call=True))
-        self._log(segments=[len(g) for g in groups])
 
     def _log(self, segments: list[int] | None = None) -> None:
         kinds = sorted({type(m).__name__ for _, m in self._block_list})
