@@ -52,21 +52,15 @@ def split_data_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     those as a dict (a value read as JSON where it parses, else kept as a string)."""
     rest: list[str] = []
     found: dict[str, Any] = {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    args = iter(argv)
+    for arg in args:
         if not arg.startswith(_DATA_ARG):
             rest.append(arg)
-            i += 1
             continue
         key, sep, raw = arg[len(_DATA_ARG):].partition("=")
-        if not sep:
-            if i + 1 >= len(args):
-                raise ValueError(f"Passed `{arg}` without a value; e.g. `{_DATA_ARG}batch_size 4`")
-            raw, i = args[i + 1], i + 1
+        if not sep and (raw := next(args, None)) is None:
+            raise ValueError(f"Passed `{arg}` without a value; e.g. `{_DATA_ARG}batch_size 4`")
         found[key] = _json_or_text(raw)
-        i += 1
     return rest, found
 
 
