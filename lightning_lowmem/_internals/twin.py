@@ -36,10 +36,7 @@ def twin_name(name: str) -> str:
     """The name module ``name`` has in the ``pytorch_lightning`` build (unchanged for one of neither package)."""
     if name in SHARED or _under(name, PREFIX):
         return name
-    for old, new in _RENAMES:
-        if _under(name, old):
-            return new + name[len(old) :]
-    return name
+    return next((new + name[len(old) :] for old, new in _RENAMES if _under(name, old)), name)
 
 
 def real_name(name: str) -> str:

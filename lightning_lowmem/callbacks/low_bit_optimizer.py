@@ -52,9 +52,8 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
     ``min_8bit_size`` elements keep 32-bit state. Cost: the update is quantized (it tracks fp32 AdamW closely); on
     CPU each tensor's state is dequantized into fp32 temporaries for the update (8 B per element of the largest).
 
-    The swap happens in ``on_fit_start``, before Lightning restores a checkpoint (``fit(ckpt_path=...)`` loads the
-    8-bit state); param groups and their keys are kept, LR schedulers re-pointed. Under ``lowmem_offload`` the state
-    is on the host, next to the fp32 masters.
+    The swap (in ``on_fit_start``, before a checkpoint is restored) and ``lowmem_offload``:
+    docs/techniques/low-bit-optimizers.md.
 
     Args:
         kind: ``"adamw8bit"``/``"adam8bit"`` replace a ``torch.optim.AdamW``/``Adam`` (decoupled weight decay: an
@@ -131,8 +130,15 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
                 for config in strategy.lr_scheduler_configs:
                     repoint_scheduler(config.scheduler, old, new)
         strategy.optimizers = new_optimizers  # the setter rebuilds Lightning's LightningOptimizer wrappers
-        if self.stable_embedding:
-            self._keep_embeddings_32bit(pl_module, new_optimizers)
+        if self.stable_embedding:  # every nn.Embedding weight's state in 32 bit
+            manager = require("bitsandbytes", "LowBitOptimizer").optim.GlobalOptimManager.get_instance()
+            embeddings = {id(m.weight) for m in pl_module.modules() if isinstance(m, torch.nn.Embedding)}
+            # NOTE: under lowmem_offload the optimizer steps host masters (`module_param_of` maps them)
+            params = [p for optimizer in new_optimizers for group in optimizer.param_groups for p in group["params"]]
+            for p in params:
+                if id(module_param_of(pl_module, p)) in embeddings:
+                    manager.override_config(p, key_value_dict={"optim_bits": 32})
+                    self._override_ids.append(id(p))
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -216,15 +222,3 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         if problems:
             raise ValueError(f"LowBitOptimizer(kind={self.kind!r}) cannot replace {_describe(optimizer)}: "
                              + "; ".join(problems) + ".")
-
-    # --- stable embedding -----------------------------------------------------------------------------
-    def _keep_embeddings_32bit(self, pl_module: L.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
-        manager = require("bitsandbytes", "LowBitOptimizer").optim.GlobalOptimManager.get_instance()
-        embeddings = {id(m.weight) for m in pl_module.modules() if isinstance(m, torch.nn.Embedding)}
-        # NOTE: under lowmem_offload the optimizer steps host masters (`module_param_of` maps them)
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if id(module_param_of(pl_module, p)) in embeddings:
-                        manager.override_config(p, key_value_dict={"optim_bits": 32})
-                        self._override_ids.append(id(p))

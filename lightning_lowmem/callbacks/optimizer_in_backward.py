@@ -31,12 +31,9 @@ class OptimizerInBackward(Reproducible, Callback):
     Cost: the optimizer runs one parameter at a time (no multi-tensor kernels) and scans its parameter list once per
     parameter (quadratic in the number of tensors). Bit-identical to the normal step for SGD and AdamW (tested).
 
-    Refused at fit start (``docs/techniques/optimizer-in-backward.md``): accumulation, SWA on a module with
-    BatchNorm, clipping by norm (by value is applied in the hook), an overridden ``optimizer_step`` or
-    ``configure_gradient_clipping``, manual optimization, several optimizers, fp16 loss scaling, every strategy but a
-    single device (under ``lowmem_offload``: ``OffloadStrategy(optimizer_in_backward=True)``). Parameters made
-    trainable during the fit are hooked at the next batch start. Gradients are ``None`` in ``on_after_backward``
-    and ``on_before_optimizer_step``.
+    What is refused at fit start (accumulation, clipping by norm, every strategy but a single device: under
+    ``lowmem_offload`` use ``OffloadStrategy(optimizer_in_backward=True)``, ...): docs/techniques/optimizer-in-backward.md.
+    Gradients are ``None`` in ``on_after_backward`` and ``on_before_optimizer_step``.
 
     Example (any optimizer; combine with ``LowBitOptimizer`` for 8-bit state as well):
 
@@ -97,17 +94,6 @@ class OptimizerInBackward(Reproducible, Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        # NOTE: a parameter made trainable in `on_train_epoch_start` (BackboneFinetuning) is hooked before its first
-        # backward; unhooked, the next hook's step and Lightning's would both step it
-        self._check_accumulation(trainer)
-        self._hook_params(trainer)
-
-    @override
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self._stepped.clear()
-
-    @staticmethod
-    def _check_accumulation(trainer: L.Trainer) -> None:
         # NOTE: GradientAccumulationScheduler and AccumulationScheduler change this between epochs.
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -115,6 +101,13 @@ class OptimizerInBackward(Reproducible, Callback):
                 f"{trainer.current_epoch}; the step in backward cannot accumulate. Remove the accumulation "
                 "scheduler or the callback."
             )
+        # NOTE: a parameter made trainable in `on_train_epoch_start` (BackboneFinetuning) is hooked before its first
+        # backward; unhooked, the next hook's step and Lightning's would both step it
+        self._hook_params(trainer)
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._stepped.clear()
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

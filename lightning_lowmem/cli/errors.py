@@ -137,11 +137,9 @@ def _resolve(class_path: str, known: dict[str, type]) -> tuple[type | None, str 
         return None, None
     try:
         return getattr(importlib.import_module(module), name, None), None
-    except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):
-            return None, None  # the module itself does not exist: a misspelling
-        return None, f"{type(err).__name__}: {err}"
     except Exception as err:  # noqa: BLE001  the module exists but fails to import: say so, not "did you mean"
+        if isinstance(err, ModuleNotFoundError) and err.name and module.startswith(err.name):
+            return None, None  # the module itself does not exist: a misspelling
         return None, f"{type(err).__name__}: {err}"
 
 

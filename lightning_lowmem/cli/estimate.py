@@ -32,16 +32,6 @@ def _json_or_text(raw: str) -> Any:
         return raw
 
 
-def _parse_set(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"Passed `--set {item}`; expected KEY=VALUE, e.g. `--set n_layer=6`.")
-        out[key] = _json_or_text(raw)
-    return out
-
-
 def glue_values(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     """``--flag -5GB`` as ``--flag=-5GB``, so that a negative size reaches our check instead of argparse's "expected one
     argument" (argparse takes a value starting with ``-`` for an option unless it looks like a plain number)."""
@@ -62,21 +52,15 @@ def split_data_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     those as a dict (a value read as JSON where it parses, else kept as a string)."""
     rest: list[str] = []
     found: dict[str, Any] = {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    args = iter(argv)
+    for arg in args:
         if not arg.startswith(_DATA_ARG):
             rest.append(arg)
-            i += 1
             continue
         key, sep, raw = arg[len(_DATA_ARG):].partition("=")
-        if not sep:
-            if i + 1 >= len(args):
-                raise ValueError(f"Passed `{arg}` without a value; e.g. `{_DATA_ARG}batch_size 4`")
-            raw, i = args[i + 1], i + 1
+        if not sep and (raw := next(args, None)) is None:
+            raise ValueError(f"Passed `{arg}` without a value; e.g. `{_DATA_ARG}batch_size 4`")
         found[key] = _json_or_text(raw)
-        i += 1
     return rest, found
 
 
@@ -133,6 +117,20 @@ def size_problem(flag: str, value: str) -> tuple[int | None, str | None]:
     if size <= 0:
         return None, f"Passed `{flag} {value}`; a memory size must be positive, e.g. `{flag} 12GB`"
     return size, None
+
+
+def output_problems(args: argparse.Namespace, flags: Sequence[str]) -> list[str]:
+    """What is wrong with the files ``--FLAG`` would write: a directory, or one in a directory that does not exist."""
+    problems = []
+    for flag in flags:
+        value = getattr(args, flag)
+        if value and Path(value).is_dir():
+            problems.append(f"Passed `--{flag} {value}`, which is a directory; give a file name in it")
+        elif value and not Path(value).parent.is_dir():
+            parent = Path(value).parent
+            problems.append(f"Passed `--{flag} {value}`, but the directory {str(parent)!r} does not exist; create it "
+                            f"(`mkdir -p {parent}`) or give a path in an existing one")
+    return problems
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -209,12 +207,7 @@ def _check(args: argparse.Namespace, init_args: dict[str, Any]
     if args.budget is not None:
         budget, problem = size_problem("--budget", args.budget)
         problems += [problem] if problem else []
-    if args.json:
-        path = Path(args.json)
-        if path.is_dir():
-            problems.append(f"Passed `--json {args.json}`, which is a directory; give a file name, e.g. estimate.json")
-        elif not path.parent.is_dir():
-            problems.append(f"Passed `--json {args.json}`: the directory {path.parent} does not exist")
+    problems += output_problems(args, ("json",))
     combos: list[tuple[str, dict[str, Any]]] = []
     config = None
     if args.config:
@@ -317,7 +310,13 @@ def adapter_flags(args: argparse.Namespace) -> dict[str, Any]:
 def _model_config(args: argparse.Namespace) -> Any:
     from lightning_lowmem.predict.configs import max_positions, resolve_config
 
-    config = resolve_config(args.model, _parse_set(args.set))
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"Passed `--set {item}`; expected KEY=VALUE, e.g. `--set n_layer=6`.")
+        overrides[key] = _json_or_text(raw)
+    config = resolve_config(args.model, overrides)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "n_layer", "num_layers")
                    if isinstance(getattr(config, n, None), int)), None)
     if layers is not None and layers < 1:

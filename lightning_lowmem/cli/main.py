@@ -79,28 +79,6 @@ def print_loop_help(subcommand: str) -> None:
           "full help). `lowmem estimate --config run.yaml` predicts the run's peak memory first.")
 
 
-def _root_cause(err: BaseException) -> BaseException:
-    """The innermost bad-input error behind ``err`` (jsonargparse wraps a constructor's error in its own)."""
-    found, seen = err, set()
-    user_errors = _user_errors()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, user_errors):
-            found = err
-        err = err.__cause__ or err.__context__
-    return found
-
-
-def _current_directory_importable() -> None:
-    """The working directory LAST on ``sys.path`` (so ``class_path: my_module.MyModel`` imports, but a local ``yaml.py``
-    never replaces the real one); ``python -P`` / ``PYTHONSAFEPATH`` is respected."""
-    if sys.flags.safe_path:
-        return
-    cwd = os.getcwd()
-    if not any(entry in ("", ".", cwd) for entry in sys.path):
-        sys.path.append(cwd)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -112,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] in LOOPS and "--help-all" in args[1:]:
         args = [("--help" if a == "--help-all" else a) for a in args]
         argv = args
-    _current_directory_importable()
+    # NOTE: the working directory LAST on sys.path (`class_path: my_module.MyModel` imports, but a local `yaml.py`
+    # never replaces the real one); `python -P` / PYTHONSAFEPATH is respected
+    if not sys.flags.safe_path and not any(entry in ("", ".", os.getcwd()) for entry in sys.path):
+        sys.path.append(os.getcwd())
     try:
         if args[0] in TOOLS:
             module, function = TOOLS[args[0]]
@@ -131,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from lightning_lowmem.cli import errors as _cli_errors  # NOTE: imports Lightning: only on an error
 
-        line = _cli_errors.one_line(err, args, _root_cause(err))
+        # NOTE: the innermost bad-input error behind `err` (jsonargparse wraps a constructor's error in its own)
+        causes = [e for e in _cli_errors._chain(err) if isinstance(e, _user_errors())]
+        line = _cli_errors.one_line(err, args, causes[-1] if causes else err)
         print(f"lowmem: error: {line}\n(set LOWMEM_TRACEBACK=1 to see the full traceback)", file=sys.stderr)
         return 2
     return 0

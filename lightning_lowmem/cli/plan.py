@@ -62,17 +62,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> list[str]:
-    problems = []
-    for flag in ("write", "json"):
-        value = getattr(args, flag)
-        if value and Path(value).is_dir():
-            problems.append(f"Passed `--{flag} {value}`, which is a directory; give a file name in it")
-        elif value and not Path(value).parent.is_dir():
-            parent = Path(value).parent
-            problems.append(f"Passed `--{flag} {value}`, but the directory {str(parent)!r} does not exist; create it "
-                            f"(`mkdir -p {parent}`) or give a path in an existing one")
-    from lightning_lowmem.cli.estimate import size_problem
+    from lightning_lowmem.cli.estimate import output_problems, size_problem
 
+    problems = output_problems(args, ("write", "json"))
     for flag in ("device_memory", "host_memory"):
         value = getattr(args, flag)
         problem = None if value is None else size_problem(f"--{flag.replace('_', '-')}", value)[1]

@@ -8,6 +8,7 @@ removes at the next save. Lightning's ``_atomic_save`` buffers in RAM, fsyncs no
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -144,10 +145,8 @@ def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
+        with contextlib.suppress(OSError):  # NOTE: a read-only directory: the orphan stays, the save or load goes on
             path.unlink(missing_ok=True)
-        except OSError:
-            pass  # NOTE: a read-only directory: the orphan stays, the save or load itself is unaffected
 
 
 def pid_alive(pid: int) -> bool:

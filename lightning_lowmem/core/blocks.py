@@ -22,9 +22,7 @@ def find_repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     candidates = [(name, m) for name, m in root.named_modules()
                   if isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(child) for child in m}) == 1]
-    if not candidates:
-        return []
-    longest = max(len(m) for _, m in candidates)
+    longest = max((len(m) for _, m in candidates), default=0)
     chosen: list[tuple[str, nn.Module]] = []
     for name, module_list in candidates:
         if len(module_list) != longest:

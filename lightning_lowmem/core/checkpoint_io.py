@@ -96,9 +96,7 @@ def single_file_problem(path: lightning_internals.PATH) -> str | None:
             )
         return f"{str(path)!r} is a directory, not a checkpoint file. Pass the `.ckpt` file inside it as `ckpt_path`."
     reason = torch_file_problem(p)
-    if reason is None:
-        return None
-    return f"The checkpoint {str(path)!r} {reason}. {_FIX}"
+    return None if reason is None else f"The checkpoint {str(path)!r} {reason}. {_FIX}"
 
 
 #: the pickled magic number that opens torch's legacy (non-zip) format, whatever the pickle protocol

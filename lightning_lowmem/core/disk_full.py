@@ -6,6 +6,7 @@ into :class:`DiskFullError`, after removing their temporary files.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -53,14 +54,11 @@ def device_of(path: str | os.PathLike) -> str:
     while not os.path.ismount(mount) and mount != mount.parent:
         mount = mount.parent
     source = None
-    try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 2 and fields[1].replace("\\040", " ") == str(mount):
-                    source = fields[0]  # NOTE: the last entry for a mount point is the one in effect
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 2 and fields[1].replace("\\040", " ") == str(mount):
+                source = fields[0]  # NOTE: the last entry for a mount point is the one in effect
     return f"{source} (mounted at {mount})" if source else f"the filesystem mounted at {mount}"
 
 

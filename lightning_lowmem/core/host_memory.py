@@ -51,11 +51,6 @@ def _stat_value(path: Path, *keys: str) -> int:
         return 0
 
 
-def _ancestors(relative: str) -> list[str]:
-    parts = [p for p in relative.strip("/").split("/") if p]
-    return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
-
-
 def cgroup_limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> dict[str, int]:
     """Bytes left under each cgroup memory limit of this process: ``{"cgroup v2 memory.max of /sys/...": bytes}``."""
     try:
@@ -75,7 +70,8 @@ def cgroup_limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/c
             inactive = ("total_inactive_file", "inactive_file")
         else:
             continue
-        for rel in _ancestors(relative):
+        parts = [p for p in relative.strip("/").split("/") if p]
+        for rel in ("/".join(parts[:i]) for i in range(len(parts), -1, -1)):  # the cgroup, then its ancestors
             d = mount / rel if rel else mount
             limit = _read_int(d / limit_file)
             if limit is None:

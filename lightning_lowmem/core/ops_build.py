@@ -115,13 +115,6 @@ def stale_lock_message(locks: Sequence[BuildLock], who: str) -> str:
     )
 
 
-def check_no_stale_locks(who: str) -> None:
-    """Raise ``RuntimeError`` naming every stale build lock, before DeepSpeed would wait on one."""
-    locks = stale_locks()
-    if locks:
-        raise StaleBuildLockError(stale_lock_message(locks, who))
-
-
 def build_ops(names: Sequence[str] = DEFAULT_OPS, *, remove_stale: bool = True) -> list[str]:
     """Remove stale locks (if asked), then build and load each DeepSpeed op builder in ``names``; lines to print."""
     require("deepspeed", "`lowmem build-ops`")

@@ -51,13 +51,6 @@ def optimizer_family(optimizer: Optimizer) -> str | None:
     return None
 
 
-def _eight_bit_state(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` keeps blockwise 8-bit state: a bitsandbytes optimizer with ``optim_bits=8``, torchao's."""
-    if instance_of(optimizer, (_BNB_BASE,)):
-        return getattr(getattr(optimizer, "args", None), "optim_bits", 32) == 8
-    return instance_of(optimizer, _EIGHT_BIT)
-
-
 def expected_state_bytes(
     optimizer: Optimizer, low_bit: Any | None = None, keep_32bit: set[int] | frozenset[int] = frozenset()
 ) -> int:
@@ -66,7 +59,9 @@ def expected_state_bytes(
     ``min_8bit_size``, and ``keep_32bit`` ids with ``stable_embedding``, keep 32-bit state). Unknown optimizer classes
     count as Adam (8 B/param).
     """
-    eight_bit = _eight_bit_state(optimizer)
+    # blockwise 8-bit state: a bitsandbytes optimizer with `optim_bits=8`, torchao's
+    eight_bit = (getattr(getattr(optimizer, "args", None), "optim_bits", 32) == 8
+                 if instance_of(optimizer, (_BNB_BASE,)) else instance_of(optimizer, _EIGHT_BIT))
     min_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096)
     lion = getattr(optimizer, "optimizer_name", None) == "lion" or instance_of(optimizer, _LION_STATE)
     family = optimizer_family(optimizer)

@@ -126,7 +126,9 @@ def check_start(strategy: Any) -> None:
     problem = launch_problem(strategy)
     if problem is not None:
         raise LaunchError(f"`{type(strategy).__name__}`: {problem}.")
-    _ops_build.check_no_stale_locks(f"`{type(strategy).__name__}`")
+    locks = _ops_build.stale_locks()  # NOTE: before DeepSpeed would wait on one
+    if locks:
+        raise _ops_build.StaleBuildLockError(_ops_build.stale_lock_message(locks, f"`{type(strategy).__name__}`"))
 
 
 def rendezvous_notice(strategy: Any) -> SlowStartNotice:

@@ -258,11 +258,7 @@ class DeferredOps(StreamOps):
         if out.numel():
             out.view(torch.uint8).fill_(0xFF)  # NOTE: read before the copy lands, these bytes are NaN in every float dtype
         self.copy(out, host, stream)
-        self._allocate(out)
-        return out
-
-    def _allocate(self, out: torch.Tensor) -> None:
-        """Count ``out`` as the caching allocator would hold it (best fit of a reusable freed buffer, else new)."""
+        # NOTE: counted as the caching allocator would hold it: the best fit of a reusable freed buffer, else new
         nbytes = out.numel() * out.element_size()
         usable = [i for i, (size, ready) in enumerate(self._cache) if size >= nbytes and ready <= self.compute_done]
         if usable:
@@ -272,6 +268,7 @@ class DeferredOps(StreamOps):
             self.reserved_peak = max(self.reserved_peak, self.reserved)
         self.device_live += nbytes
         weakref.finalize(out, self._freed, id(out), nbytes)
+        return out
 
     def _freed(self, key: int, nbytes: int) -> None:
         # NOTE: the compute kernels queued so far may still read it: reused only after the compute stream passes here

@@ -56,19 +56,15 @@ def _path_of(f: Any) -> Path | None:
     return Path(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else None
 
 
-def _unsafe_globals(f: Any) -> list[str]:
-    try:
-        if isinstance(f, io.IOBase) and f.seekable():
-            f.seek(0)
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(f))
-    except (RuntimeError, ValueError, OSError, pickle.UnpicklingError):  # NOTE: only for the message
-        return []
-
-
 def refusal(f: Any, err: BaseException, opt_in: str) -> UntrustedCheckpointError:
     """The error for a weights-only load of ``f`` that failed with ``err``: the file, what it holds, the opt-in."""
     where = repr(str(_path_of(f))) if _path_of(f) is not None else "the checkpoint stream"
-    names = _unsafe_globals(f)
+    try:
+        if isinstance(f, io.IOBase) and f.seekable():
+            f.seek(0)
+        names = list(torch.serialization.get_unsafe_globals_in_checkpoint(f))
+    except (RuntimeError, ValueError, OSError, pickle.UnpicklingError):  # NOTE: only for the message
+        names = []
     if names:
         held = f"holds {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}, which a weights-only load does not allow"
     else:

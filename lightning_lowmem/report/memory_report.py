@@ -32,16 +32,13 @@ _PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 class MemoryReport(StepMemoryRecorder):
     """Measure peak memory of sampled training steps by phase and category; log, tabulate, save and plot it.
 
-    For every sampled optimizer step (all its micro-batches) a :class:`~lightning_lowmem.measure.tracker.MemoryTracker`
-    counts live tensor storage by category and role, with the peak of each phase (``forward``, ``backward``,
-    ``optimizer``); strategies and callbacks implementing ``memory_breakdown()`` are asked too. At the end of fit it
-    prints one table: the measured step with the highest device peak, the dry-run prediction of the same run, and plain
-    fp32 training of the same module predicted the same way, with the saving against it; it writes
-    ``memory_report.json`` and ``memory_step.png`` into ``save_dir`` (``docs/techniques/memory-report.md``).
+    A :class:`~lightning_lowmem.measure.tracker.MemoryTracker` counts live tensor storage (not process RSS) of every
+    sampled optimizer step by category, role and phase. At the end of fit it prints one table: the measured step with
+    the highest device peak, the dry-run prediction of the same run and of plain fp32 training, with the saving; it
+    writes ``memory_report.json`` and ``memory_step.png`` into ``save_dir`` (docs/techniques/memory-report.md).
 
-    It saves nothing; cost (``benchmarks/results/memory_report_overhead.md``): an unsampled step costs what a step
-    without it costs; a sampled step ~1.3x (~23 µs per aten op); the end of fit runs two dry runs (``predict=True``).
-    It measures tensor storage, not process RSS; memory outside tensor storages shows only in CUDA's statistics.
+    It saves nothing; cost: an unsampled step costs what a step without it costs; a sampled step ~1.3x (~23 µs per
+    aten op); the end of fit runs two dry runs (``predict=True``).
 
     Metric keys logged to every logger of the Trainer, at the sampled step (bytes):
         - ``memory/peak_bytes``: device-role peak of the step.
@@ -241,7 +238,10 @@ class MemoryReport(StepMemoryRecorder):
         except ValueError as err:
             return {"error": str(err)}, {"error": str(err)}, None
         micro_batches = max(r["micro_batches"] for r in self.steps)
-        plain_batch = _fp32_batch(trainer, _repeat_batch(batch, micro_batches))
+        # NOTE: the window in one batch: every tensor repeated along dim 0 (Lightning's batch dimension)
+        window = batch if micro_batches == 1 else apply_to_collection(
+            batch, torch.Tensor, lambda t: t.repeat(micro_batches, *[1] * (t.dim() - 1)) if t.dim() else t)
+        plain_batch = _fp32_batch(trainer, window)
         runs = [(run, batch, "the run's first batch", target),
                 (RunSpec(), plain_batch, f"{micro_batches} micro-batch(es) in one batch", target)]
         if micro_batches > 1:
@@ -283,13 +283,6 @@ def _fp32_batch(trainer: pl.Trainer, batch: Any) -> Any:
         return batch
     return apply_to_collection(batch, torch.Tensor,
                                lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
-
-
-def _repeat_batch(batch: Any, times: int) -> Any:
-    """``batch`` with every tensor repeated ``times`` along dim 0 (Lightning's batch dimension)."""
-    if times == 1:
-        return batch
-    return apply_to_collection(batch, torch.Tensor, lambda t: t.repeat(times, *[1] * (t.dim() - 1)) if t.dim() else t)
 
 
 __all__ = ["PHASES", "MemoryReport"]

@@ -58,22 +58,13 @@ class AccumulationScheduler(Reproducible, L.Callback):
     activation memory while the optimizer still steps on ``effective_batch_size`` samples. Cost: ``k`` times more
     forward/backward launches per step; under DDP one ``all_reduce`` of two scalars per optimizer step.
 
-    It sets the loader's micro-batch through the ``batch_arg_name`` attribute of the LightningModule or DataModule
-    (``BatchSizeFinder``'s convention) and ``trainer.accumulate_grad_batches``; :attr:`choice` says what it chose.
-    The loss is normalised exactly, also for uneven micro-batches and an epoch's short last window (Lightning #19987;
-    docs/techniques/accumulation.md): ``"samples"``: ``training_step`` returns the micro-batch's mean loss (samples
-    as the loader's batch sampler says); ``"tokens"``: it returns ``{"loss": sum_of_token_losses, "num_tokens": n}``
-    (tokens counted before the forward by ``count_tokens``; by default ``batch["labels"][..., 1:] != -100``). Equal
-    micro-batches of a full window train bit for bit as ``Trainer(accumulate_grad_batches=...)``. Callbacks that read
-    gradients in ``on_before_optimizer_step`` must come after this one (refused at setup otherwise).
-
-    ``schedule={k: E}`` changes the effective batch to ``E`` from optimizer step (or epoch) ``k``.
-    ``micro_batch_size="auto"``: the largest divisor of effective / world size whose peak, as ``measure`` says, fits
-    ``memory_budget`` (default on CUDA: 90% of the device); no trial step runs on the model. Strategies: single
-    device, DDP, ``lowmem_offload``, DeepSpeed (only ``"samples"``, an int micro-batch, no schedule). Refused: manual
-    optimization, ``on_oom="split"`` (removed). A checkpoint written inside a window holds it (not under DeepSpeed or
-    several processes: a warning). Logged at each step: ``accumulation/micro_batches``, ``accumulation/samples`` and
-    with ``"tokens"`` ``accumulation/tokens`` (all processes; also :attr:`last_window`).
+    It sets the loader's micro-batch through the ``batch_arg_name`` attribute (``BatchSizeFinder``'s convention) and
+    ``trainer.accumulate_grad_batches``; :attr:`choice` says what it chose. The loss is normalised exactly, also for
+    uneven micro-batches and an epoch's short last window: ``"samples"`` (``training_step`` returns the mean loss) or
+    ``"tokens"`` (it returns ``{"loss": sum_of_token_losses, "num_tokens": n}``). Schedules, ``"auto"``, the
+    strategies, checkpoints inside a window: docs/techniques/accumulation.md. Logged at each step:
+    ``accumulation/micro_batches``, ``accumulation/samples`` and with ``"tokens"`` ``accumulation/tokens`` (all
+    processes; also :attr:`last_window`).
 
     Args:
         effective_batch_size: samples per optimizer step, summed over processes.
@@ -81,9 +72,10 @@ class AccumulationScheduler(Reproducible, L.Callback):
         schedule: ``{step_or_epoch: effective_batch_size}`` changes, or ``None``.
         schedule_interval: whether ``schedule`` keys are optimizer steps or epochs.
         loss_normalization: ``"samples"`` or ``"tokens"`` (see above).
-        memory_budget: bytes (or a size such as ``"12GiB"``) a training step may peak at, for ``"auto"``.
+        memory_budget: bytes (or a size such as ``"12GiB"``) a training step may peak at, for ``"auto"`` (default on
+            CUDA: 90% of the device).
         batch_arg_name: the attribute that sets the loader's batch size.
-        on_oom: ``None`` or ``"raise"`` (``"split"`` is refused, see above).
+        on_oom: ``None`` or ``"raise"`` (``"split"`` was removed: refused).
         measure: for ``"auto"``, the peak bytes of a training step at a micro-batch (above).
         count_tokens: for ``"tokens"``, a function of the batch returning its token count (a 0-dim tensor or int).
 

@@ -52,29 +52,16 @@ class ActivationCheckpointing(Reproducible, Callback):
     """Recompute the activations of chosen blocks in backward instead of keeping them: a policy for any model.
 
     Saves activation memory (the tensors autograd keeps for backward) at the cost of recomputing forward work in
-    backward (docs/techniques/activation-checkpointing.md). Blocks are found (the longest ``nn.ModuleList`` of
-    same-class modules) or named with ``blocks``; a model with no such list gets as blocks the largest submodules
-    whose checkpointing frees memory, measured on the first training batch (:attr:`chosen_by_measurement`).
-    Measuring (this, and ``"budget"``) runs ``training_step`` once on a fake copy of the module: the run is
-    untouched; a step that cannot run there is refused, asking for ``blocks``.
+    backward; gradients are bit-identical, dropout included. Blocks are found (the longest ``nn.ModuleList`` of
+    same-class modules), named with ``blocks``, or measured on the first training batch on a fake copy of the module
+    (:attr:`chosen_by_measurement`). Applied at the first training batch through forward hooks, removed at the end of
+    ``fit`` (docs/techniques/activation-checkpointing.md). ``torch.compile``-d modules are not checkpointed (a
+    warning); a Hugging Face model's own checkpointing is turned off, ``config.use_cache`` False while fitting.
 
-    Gradients are bit-identical, dropout included (the RNG state is preserved). Applied at the first training batch
-    through forward hooks (module tree and ``state_dict`` keys unchanged), removed at the end of ``fit``.
-
-    Policies (``policy=``):
-        - ``"all"``: every block is recomputed. Keeps one block input per block; about one extra forward.
-        - ``"every_n"`` with ``n``: blocks 0, n, 2n, ... are recomputed (``n=1`` is ``"all"``).
-        - ``"sqrt"``: segments of about sqrt(L) consecutive blocks, each recomputed as one unit; keeps only the
-          segment inputs. Not under FSDP or ZeRO-3.
-        - ``"selective"``: every block, but matmul and attention outputs are kept and only the cheap element-wise ops
-          are recomputed (blocks holding a recurrent layer whole; an in-place change of a kept output is refused).
-        - ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``): the fewest blocks whose checkpointing brings the
-          activations under the budget, as measured. Below the minimum possible it raises, naming the minimum.
-        - a list of module classes, class names or ``fnmatch`` patterns on module names: exactly those.
-
-    ``torch.compile``-d modules (and those inside or holding them) are not checkpointed, with a warning. Strategies:
-    single device, DDP, FSDP / ModelParallel, ``lowmem_offload``, DeepSpeed ZeRO (stage 3: not ``"sqrt"``). Hugging
-    Face models: their own checkpointing is turned off (a warning), ``config.use_cache`` False while fitting.
+    Policies (``policy=``): ``"all"``; ``"every_n"`` with ``n`` (blocks 0, n, 2n, ...); ``"sqrt"`` (segments of about
+    sqrt(L) blocks, each recomputed as one unit); ``"selective"`` (matmul and attention outputs kept, element-wise ops
+    recomputed); ``"budget"`` with ``budget`` (bytes, or ``"2GiB"``: the fewest blocks that bring the measured
+    activations under it); a list of module classes, class names or ``fnmatch`` patterns on module names.
 
     Example:
         >>> from lightning_lowmem import ActivationCheckpointing
@@ -294,7 +281,17 @@ class ActivationCheckpointing(Reproducible, Callback):
         L = len(blocks)
         if self.policy == "sqrt":
             size = max(1, round(math.sqrt(L)))
-            self._wrap_segments([blocks[i : i + size] for i in range(0, L, size)])
+            groups = [blocks[i : i + size] for i in range(0, L, size)]
+            segments: list[Segment] = []
+            for index, group in enumerate(groups):
+                segment, ok = wrap_segment([m for _, m in group], index)
+                if ok:
+                    segments.append(segment)
+                    self.wrapped.extend(name for name, _ in group)
+            owners = {id(o): o for o in (owner_of(self._root, name) for group in groups for name, _ in group)}  # type: ignore[arg-type]
+            for owner in owners.values():
+                self._hook_handles.append(owner.register_forward_hook(CloseSegments(segments), always_call=True))
+            self._log(segments=[len(g) for g in groups])
             return
         step = self.n if self.policy == "every_n" else 1
         self._wrap_blocks(list(range(0, L, step)), selective=self.policy == "selective")  # type: ignore[arg-type]
@@ -311,18 +308,6 @@ class ActivationCheckpointing(Reproducible, Callback):
             if BlockCheckpoint(info, selective_contexts if keep else None).attach(module):
                 self.wrapped.append(name)
         self._log()
-
-    def _wrap_segments(self, groups: list[list[tuple[str, nn.Module]]]) -> None:
-        segments: list[Segment] = []
-        for index, group in enumerate(groups):
-            segment, ok = wrap_segment([m for _, m in group], index)
-            if ok:
-                segments.append(segment)
-                self.wrapped.extend(name for name, _ in group)
-        owners = {id(o): o for o in (owner_of(self._root, name) for group in groups for name, _ in group)}  # type: ignore[arg-type]
-        for owner in owners.values():
-            self._hook_handles.append(owner.register_forward_hook(CloseSegments(segments), always_call=True))
-        self._log(segments=[len(g) for g in groups])
 
     def _log(self, segments: list[int] | None = None) -> None:
         kinds = sorted({type(m).__name__ for _, m in self._block_list})

@@ -59,11 +59,8 @@ def _ours(hook: Any) -> CheckpointHooks | None:
 
 def checkpoint_info(module: nn.Module) -> CheckpointInfo | None:
     """The :class:`CheckpointInfo` of a module checkpointed by ``ActivationCheckpointing``, else None."""
-    for hook in torch_internals.forward_pre_hooks(module).values():
-        owner = _ours(hook)
-        if owner is not None:
-            return owner.info
-    return None
+    owners = (_ours(hook) for hook in torch_internals.forward_pre_hooks(module).values())
+    return next((owner.info for owner in owners if owner is not None), None)
 
 
 def checkpointed_modules(root: nn.Module) -> list[tuple[str, nn.Module, CheckpointInfo]]:

@@ -240,9 +240,7 @@ def measure_submodules(pl_module: pl.LightningModule, batch: Any, batch_idx: int
                 entry.saved += nbytes
 
         def pre(name: str, args: Any, kwargs: Any) -> None:
-            entry = found.get(name)
-            if entry is None:
-                entry = found[name] = ModuleActivations(name, len(found), 0, 0)
+            entry = found.setdefault(name, ModuleActivations(name, len(found), 0, 0))
             kept = {storage_key(t): t for t in tensors_in((args, kwargs))}  # a checkpoint keeps every tensor input
             entry.inputs += sum(t.untyped_storage().nbytes() for k, t in kept.items() if k not in states)
             stack.append(entry)

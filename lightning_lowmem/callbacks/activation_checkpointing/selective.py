@@ -41,10 +41,7 @@ RECURRENT_LAYERS = (nn.RNNBase, nn.RNNCellBase)
 
 def holds_recurrent_layer(module: nn.Module) -> str | None:
     """The class name of the first recurrent layer (``nn.RNN``/``LSTM``/``GRU`` or a cell) in ``module``, if any."""
-    for child in module.modules():
-        if isinstance(child, RECURRENT_LAYERS):
-            return type(child).__name__
-    return None
+    return next((type(child).__name__ for child in module.modules() if isinstance(child, RECURRENT_LAYERS)), None)
 
 
 def _written(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -82,9 +79,8 @@ class SelectivePolicy:
                     )
         if not keep:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        for t in torch_internals.tree_leaves(ctx.op_output):
-            if isinstance(t, torch.Tensor):
-                self._kept[storage_key(t)] = str(op)
+        self._kept.update({storage_key(t): str(op) for t in torch_internals.tree_leaves(ctx.op_output)
+                           if isinstance(t, torch.Tensor)})
         return CheckpointPolicy.MUST_SAVE
 
 

@@ -68,15 +68,6 @@ def _validate(kind: Any, r: Any, alpha: Any, dropout: Any, target_modules: Any, 
     return problems, wrong_type
 
 
-def _is_peft(model: nn.Module) -> bool:
-    """``model`` is, or holds, PEFT adapter layers (checked through ``sys.modules``: peft is loaded if it does)."""
-    tuners = sys.modules.get("peft.tuners.tuners_utils")
-    peft_model = sys.modules.get("peft.peft_model")
-    if peft_model is not None and isinstance(model, peft_model.PeftModel):
-        return True
-    return tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules())
-
-
 def find_peft_model(root: nn.Module) -> nn.Module:
     """The one ``peft.PeftModel`` under ``root`` (``root`` itself included)."""
     from peft import PeftModel
@@ -93,9 +84,8 @@ def find_peft_model(root: nn.Module) -> nn.Module:
 class Adapters(Reproducible, Callback):
     """Train LoRA or DoRA adapters (Hugging Face PEFT) on a frozen base model, which can be 4-bit or 8-bit.
 
-    In ``setup`` (before the strategy moves, casts or copies any parameter) the model at ``pl_module.<attribute>``
-    is replaced by ``peft.get_peft_model(model, LoraConfig(...))``: the base is frozen and each targeted linear gets
-    two rank-``r`` matrices (DoRA: and a magnitude vector); ``training_step`` and ``configure_optimizers`` stay.
+    In ``setup`` the model at ``pl_module.<attribute>`` is replaced by ``peft.get_peft_model(model, LoraConfig(...))``
+    (docs/techniques/adapters.md); ``training_step`` and ``configure_optimizers`` stay.
 
     Memory saved: the base's gradients and optimizer state (Adam: 4 + 8 B per fp32 parameter); the adapters are
     ``r * (in + out)`` per targeted layer (LLaMA-7B, r=16, all-linear: 0.6 % of the base). ``quantize_base="nf4"``/
@@ -103,7 +93,6 @@ class Adapters(Reproducible, Callback):
     plus a scale per row. Cost: the activations are the full model's; each adapted layer runs two small extra
     matmuls (DoRA: also its weight's norm); a quantized base is dequantized in each forward and backward (slower,
     and the model trained on is the rounded one). The checkpoint holds the whole module: resume with the callback.
-    See docs/techniques/adapters.md.
 
     Args:
         kind: ``"lora"`` or ``"dora"`` (weight-decomposed LoRA, ``LoraConfig(use_dora=True)``).
@@ -205,7 +194,10 @@ class Adapters(Reproducible, Callback):
             )
         if getattr(model, _MARK, False):
             return model
-        if _is_peft(model):
+        # NOTE: `model` is, or holds, PEFT adapter layers (checked through `sys.modules`: peft is loaded if it does)
+        tuners, peft_model = sys.modules.get("peft.tuners.tuners_utils"), sys.modules.get("peft.peft_model")
+        if ((peft_model is not None and isinstance(model, peft_model.PeftModel))
+                or (tuners is not None and any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules()))):
             raise ValueError(
                 f"`{type(pl_module).__name__}.{self.attribute}` already holds PEFT adapters "
                 f"(`{type(model).__name__}`): `{self!r}` would wrap them a second time. Remove the Adapters callback "
@@ -236,7 +228,9 @@ class Adapters(Reproducible, Callback):
         the directory appears whole or not at all. ``ValueError``: not one PEFT model in ``pl_module``, or a quantized
         base (merging would re-quantize the adapters away)."""
         peft_model = find_peft_model(pl_module)
-        quantized = [n for n, m in peft_model.named_modules() if _is_bnb(m)]
+        bnb_nn = sys.modules.get("bitsandbytes.nn")
+        quantized = [n for n, m in peft_model.named_modules()
+                     if bnb_nn is not None and isinstance(m, (bnb_nn.Linear4bit, bnb_nn.Linear8bitLt))]
         if quantized:
             raise ValueError(
                 f"export_merged: the base of the PEFT model is quantized ({len(quantized)} bitsandbytes layers, e.g. "
@@ -255,8 +249,3 @@ class Adapters(Reproducible, Callback):
         merged.save_pretrained(tmp, safe_serialization=safe_serialization)
         replace_dir(tmp, target)
         return target
-
-
-def _is_bnb(module: nn.Module) -> bool:
-    bnb_nn = sys.modules.get("bitsandbytes.nn")
-    return bnb_nn is not None and isinstance(module, (bnb_nn.Linear4bit, bnb_nn.Linear8bitLt))

@@ -18,15 +18,6 @@ from lightning_lowmem.core.optional import require
 QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4", "int8")
 
 
-def _head(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except (AttributeError, NotImplementedError):
-        head = None
-    return head if isinstance(head, nn.Module) else None
-
-
 def _quantized(linear: nn.Linear, quant_type: str, bnb: Any, dtype: torch.dtype | None) -> nn.Module:
     weight = linear.weight
     if weight.is_meta:
@@ -106,7 +97,11 @@ def quantize_linears(model: nn.Module, quant_type: str, dtype: torch.dtype | Non
     returns the names replaced. ``dtype``: quantize the weights as rounded to it, so the layer dequantizes to it (a
     ``*-true`` half precision's compute dtype; from fp32 it would dequantize to fp32 and cast, 6 B per value)."""
     bnb = require("bitsandbytes", f"Adapters(quantize_base={quant_type!r})")
-    head = _head(model)
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        head = None
     skip = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
     replaced: list[str] = []
     for parent_name, parent in list(model.named_modules()):
@@ -128,15 +123,11 @@ def quantize_linears(model: nn.Module, quant_type: str, dtype: torch.dtype | Non
 def packed_bytes(module: nn.Module) -> int:
     """Bytes of a quantized layer's weight as stored, by storage: the packed values and their quantization state."""
     weight = module.weight
-    tensors = [weight.data]
-    tensors += _state_tensors(getattr(weight, "quant_state", None))
+    tensors = [weight.data, *_state_tensors(getattr(weight, "quant_state", None))]
     scb = getattr(weight, "SCB", None)
     if isinstance(scb, torch.Tensor):
         tensors.append(scb)
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        seen[storage_key(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _state_tensors(state: Any) -> list[torch.Tensor]:

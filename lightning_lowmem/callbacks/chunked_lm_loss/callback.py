@@ -325,12 +325,8 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
     1.5 x ``chunk_tokens x vocab x 4`` bytes at the loss's peak: 128 tokens keep GPT-2-XL's loss under 64 MiB).
     Cost: the head's matmul runs once more, in backward (each chunk's logits are recomputed there).
 
-    How: the model's own ``forward`` runs; forward hooks make its ``lm_head`` compute the model's ``labels=`` loss,
-    chunked, from the hidden states and its weight (docs/techniques/chunked-lm-loss.md).
-
-    In training (``model.training`` and ``labels`` or ``shift_labels``) the output has ``loss``, ``loss_sum`` and
-    ``num_tokens`` (for ``AccumulationScheduler(loss_normalization="tokens")``) and **``logits`` is ``None``**. Eval
-    mode, calls without labels or with ``logits_to_keep`` run untouched. Hooks from ``on_fit_start`` to fit's end.
+    Forward hooks make the model's ``lm_head`` compute its ``labels=`` loss, chunked; in training the output has
+    ``loss``, ``loss_sum`` and ``num_tokens`` and **``logits`` is ``None``** (docs/techniques/chunked-lm-loss.md).
 
     Args:
         chunk_tokens: rows of logits per chunk (smaller: less memory, more, smaller matmuls).
@@ -340,8 +336,6 @@ class ChunkedLMLoss(Reproducible, pl.Callback):
         recompute: our loss recomputes each chunk's logits in backward (one more head matmul). ``False``
             computes the gradients in the loss's forward and holds them until backward: no extra matmul, about the
             same peak.
-
-    Not under DeepSpeed ZeRO stage 3 (refused: the head's partitioned weight is not re-gathered for the loss).
 
     Example (the demo module's ``training_step`` computes ``self.model(input_ids=ids, labels=ids).loss``):
 

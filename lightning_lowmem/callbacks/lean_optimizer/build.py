@@ -205,12 +205,6 @@ _PROJECTORS = (("galore_torch.galore_projector", "GaLoreProjector"), ("apollo_to
                ("apollo_torch.random_projector", "GradientProjector"))
 
 
-def _projector_class(index: int) -> type:
-    module, name = _PROJECTORS[index]
-    require(module.split(".")[0], "loading a GaLore/APOLLO optimizer state")
-    return getattr(importlib.import_module(module), name)
-
-
 def projectors_to_plain(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` post-hook: each projector object (a class of the package) becomes a dict of tensors and
     numbers, so a checkpoint loads with ``torch.load(weights_only=True)``."""
@@ -242,7 +236,9 @@ def projectors_from_plain(optimizer: Optimizer) -> None:
                   for k, v in plain.items() if k != _PROJECTOR_KEY}
         if isinstance(fields.get("ortho_matrix"), tuple):
             fields["ortho_matrix"] = list(fields["ortho_matrix"])
-        cls = _projector_class(plain[_PROJECTOR_KEY])
+        module, name = _PROJECTORS[plain[_PROJECTOR_KEY]]
+        require(module.split(".")[0], "loading a GaLore/APOLLO optimizer state")
+        cls = getattr(importlib.import_module(module), name)
         proj = cls.__new__(cls)
         proj.__dict__.update(fields)
         state["projector"] = proj

@@ -46,9 +46,8 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
     Adam state in the same optimizer. Cost: the maths changes (a low-rank or shared second moment, quantized
     state); GaLore runs an SVD per projected weight every ``update_proj_gap`` steps; torchao compiles its step.
 
-    The swap happens in ``on_fit_start`` (before a checkpoint is restored), over the configured param groups; LR
-    schedulers are re-pointed. Under ``lowmem_offload`` the state is on the host. Projected (GaLore/APOLLO): the
-    ``nn.Linear``/``Conv1D`` weights but a tied embedding and the output head, whose smaller side is above ``rank``.
+    The swap (in ``on_fit_start``), which weights are projected, ``lowmem_offload`` and what is refused:
+    docs/techniques/lean-optimizers.md.
 
     Args:
         kind: the optimizer (its package is an extra: ``galore``, ``apollo``, ``adam-mini``, ``torchao``).
@@ -59,9 +58,6 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
         dim, n_heads, n_kv_heads: Adam-mini's transformer shape (read from the model's Hugging Face config when
             not given).
         block_size: torchao's quantization block (its defaults: 256 for 8-bit, 128 for 4-bit).
-
-    Refused at fit start: an optimizer other than plain ``AdamW``/``Adam``, a DeepSpeed or FSDP strategy, a
-    ``LowBitOptimizer`` as well; a missing package raises ``ModuleNotFoundError`` naming the extra.
 
     Example (the demo module's ``configure_optimizers()`` returns ``torch.optim.AdamW(...)``):
 

@@ -6,6 +6,8 @@ after a step in ``tests/strategies/test_offload_host_ram_optimizers.py``.
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Any
 
 import torch
@@ -42,9 +44,7 @@ def torchao_bytes(numel: int, kind: str, block_size: int | None, param_bytes: in
 
 def adam_mini_bytes(shape: tuple[int, ...], param_bytes: int = 4) -> int:
     """Adam-mini's state of one tensor, at most: the first moment and one second moment per row (1-D: full)."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     second = shape[0] if len(shape) >= 2 else numel
     return param_bytes * (numel + second)
 
@@ -56,11 +56,8 @@ def lean_state_bytes(callback: Any, optimizer: Optimizer, module: torch.nn.Modul
     kind = callback.kind
     projected: set[int] = set()
     if kind in ("galore", "apollo", "apollo_mini"):
-        try:
+        with contextlib.suppress(ValueError):  # NOTE: nothing to project: the callback refuses the model at fit start
             projected = build.projection_plan(optimizer, lambda p: p, module, int(callback.rank), repr(callback))
-        except ValueError:
-            # NOTE: nothing to project; the callback refuses this model at fit start, with that message
-            projected = set()
     total = 0
     for p in params:
         if id(p) in projected:

@@ -20,11 +20,6 @@ PARTITIONED_MESSAGE = (
 )
 
 
-def is_partitioned(p: torch.Tensor) -> bool:
-    """A ZeRO-3 parameter whose values live only in its partition (``p.data`` is empty)."""
-    return hasattr(p, "ds_id") and p.data.numel() == 0 and getattr(p, "ds_numel", 0) > 0
-
-
 class PartitionWarning:
     """``state_dict`` pre-hooks on :meth:`watch`'s module: warn once when partitioned weights are taken, except while
     :meth:`quiet` (the strategy's own checkpoint path)."""
@@ -49,7 +44,10 @@ class PartitionWarning:
             self._quiet -= 1
 
     def _hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not self.warned and not self._quiet and any(is_partitioned(p) for p in module.parameters(recurse=False)):
+        # NOTE: a ZeRO-3 parameter whose values live only in its partition has an empty `p.data`
+        partitioned = any(hasattr(p, "ds_id") and p.data.numel() == 0 and getattr(p, "ds_numel", 0) > 0
+                          for p in module.parameters(recurse=False))
+        if not self.warned and not self._quiet and partitioned:
             self.warned = True
             rank_zero_warn(PARTITIONED_MESSAGE)
 

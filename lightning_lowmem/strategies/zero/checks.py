@@ -105,8 +105,6 @@ def _running_statistics(module: nn.Module, precision: str) -> list[str]:
               for name, m in module.named_modules() if parametrize.is_parametrized(m)
               for tensor, chain in m.parametrizations.items()
               if any(b.is_floating_point() for p in chain for b in p.buffers())]
-    if not found:
-        return []
     half = "bf16" if precision.startswith("bf16") else "fp16"
     return [(
         f"`Trainer(precision={precision!r})` on a module with running statistics or parametrization buffers "
@@ -115,33 +113,29 @@ def _running_statistics(module: nn.Module, precision: str) -> list[str]:
         f"dtypes at the first forward. Use `precision='32-true'`, or `strategy='lowmem_offload'` (whose "
         f"{precision} keeps the statistics fp32), or keep the statistics in {half} as `{half}-true` would with "
         f"`config={{'data_types': {{'buffer_dtype': '{half}'}}}}` (every floating buffer is cast)"
-    )]
+    )] if found else []
 
 
 def _scalar_parameters(module: nn.Module) -> list[str]:
     found = [name for name, p in module.named_parameters() if p.dim() == 0]
-    if not found:
-        return []
     return [(
         f"0-dimensional parameters ({_names(found)}; neuralforecast's PatchTST attention `scale` is one): DeepSpeed "
         "flattens every parameter through a byte view, which a 0-d tensor cannot take ('self.dim() cannot be 0 to "
         "view Float as Byte', at the engine's start). Give each one dimension (`nn.Parameter(torch.tensor([value]))`), "
         "or use `strategy='lowmem_offload'`, which trains them"
-    )]
+    )] if found else []
 
 
 def _compiled_submodules(module: nn.Module) -> list[str]:
     # NOTE: no public isinstance for a compiled module (see `_internals.torch.is_compiled_module`)
     found = [name or type(module).__name__ for name, m in module.named_modules()
              if torch_internals.is_compiled_module(m)]
-    if not found:
-        return []
     return [(
         f"ZeRO-3 on a module holding `torch.compile`-d submodules ({_names(found)}): ZeRO-3 installs its "
         "parameter-fetching hooks on every submodule, and DeepSpeed's engine fails on the compiled wrapper at the "
         "first forward. Use `strategy='lowmem_zero2'` (which trains it), or leave the submodules uncompiled under "
         "ZeRO-3"
-    )]
+    )] if found else []
 
 
 # NOTE: Hugging Face's MoE routers that multiply their input by noise in place (Switch, NLLB-MoE, Mixtral; DBRX)
@@ -152,8 +146,6 @@ def _input_jitter(module: nn.Module) -> list[str]:
     found = [name or type(module).__name__ for name, m in module.named_modules()
              if any(isinstance(v := getattr(m, a, None), (int, float)) and not isinstance(v, bool) and v > 0
                     for a in _JITTER_ATTRIBUTES)]
-    if not found:
-        return []
     return [(
         f"ZeRO-3 on a module whose submodules multiply their input by jitter noise in place while training "
         f"({_names(found)}; Hugging Face's `router_jitter_noise`): ZeRO-3 hands every submodule an alias of its inputs "
@@ -161,7 +153,7 @@ def _input_jitter(module: nn.Module) -> list[str]:
         "using (a Switch router's input feeds the experts) but not the caller's gradients: the weights would silently "
         "differ from plain Lightning. Set the model config's `router_jitter_noise=0` (or the model's jitter setting), "
         "or use `strategy='lowmem_zero2'` (which trains it as plain Lightning does)"
-    )]
+    )] if found else []
 
 
 def _pinned_compute_dtype(module: nn.Module, precision: str) -> list[str]:
@@ -170,14 +162,12 @@ def _pinned_compute_dtype(module: nn.Module, precision: str) -> list[str]:
     found = [name or type(module).__name__ for name, m in module.named_modules()
              if isinstance(d := vars(m).get("dtype"), torch.dtype) and d.is_floating_point and d != half
              and any(True for _ in m.parameters())]
-    if not found:
-        return []
     return [(
         f"ZeRO-3 at `precision={precision!r}` on submodules that compute in their own dtype ({_names(found)}, e.g. "
         "Switch Transformers' `router_dtype`): they cast their parameters in forward, which ZeRO-3's partitioned "
         "parameters do not follow (DeepSpeed fetches them in its half dtype: a dtype error in its linear). Use "
         "`strategy='lowmem_zero2'`, or `precision='32-true'`"
-    )]
+    )] if found else []
 
 
 def batching_loader(loader: Any) -> type | None:

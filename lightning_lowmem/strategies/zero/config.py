@@ -154,13 +154,11 @@ def conflicts(trainer_cfg: dict[str, Any], user_cfg: dict[str, Any], precision: 
 def resolve_auto(cfg: dict[str, Any], hidden_size: int | None, world_size: int) -> None:
     """Replace ``"auto"`` values in place, as Hugging Face's integration does, from the model's hidden size."""
     zero = cfg.get("zero_optimization", {})
-    sizes = {}
-    if hidden_size:
-        sizes = {
-            "reduce_bucket_size": hidden_size * hidden_size,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "stage3_param_persistence_threshold": 10 * hidden_size,
-        }
+    sizes = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    } if hidden_size else {}
     # NOTE: DeepSpeed's own defaults where the model does not say its hidden size.
     fallback = {"reduce_bucket_size": int(5e8), "stage3_prefetch_bucket_size": int(5e7), "stage3_param_persistence_threshold": int(1e5)}
     for key, default in fallback.items():

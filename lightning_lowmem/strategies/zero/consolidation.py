@@ -74,7 +74,6 @@ def consolidate(
             "written by another DeepSpeed version or layout, or damaged; use an earlier checkpoint."
         ) from err
     # NOTE: Lightning wraps the module; its checkpoints may carry the wrapper's prefix.
-    out: dict[str, torch.Tensor] = {}
     keys = [key.removeprefix("_forward_module.") for key in state]
     if strip_prefix and not any(key.startswith(strip_prefix) for key in keys):
         heads = sorted({key.split(".", 1)[0] + "." for key in keys if "." in key})[:5]
@@ -82,10 +81,8 @@ def consolidate(
             f"Passed `strip_prefix={strip_prefix!r}`, but no key of the checkpoint starts with it (they start with "
             f"{', '.join(repr(h) for h in heads) or 'no common prefix'}). Give one of those, or leave it out."
         )
-    for key, value in zip(keys, state.values()):
-        if strip_prefix and key.startswith(strip_prefix):
-            key = key[len(strip_prefix) :]
-        out[key] = value.float() if value.is_floating_point() else value
+    out = {key.removeprefix(strip_prefix): value.float() if value.is_floating_point() else value
+           for key, value in zip(keys, state.values())}
     if target.suffix == ".safetensors":
         from safetensors.torch import save
 

@@ -131,12 +131,21 @@ def check_zero_host_memory(strategy: Any, optimizer: Any) -> None:
     need = {k: v * local for k, v in per_rank.items()}
     problem = None
     if strategy.is_global_zero:
-        stage = strategy.config["zero_optimization"].get("stage")
+        zero = strategy.config["zero_optimization"]
+        offloads = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
+        fixes = ["more processes or machines to shard over (each process holds 1/N of the masters and optimizer state)"]
+        if cuda and any(o.get("pin_memory") for o in offloads):
+            fixes.append("`ZeroStrategy(pin_memory=False)` (torch rounds each pinned buffer up to a power of two)")
+        if not any(o.get("device") == "nvme" for o in offloads):
+            fixes.append("`strategy='lowmem_zero3_nvme'` to keep the optimizer state and parameters on an SSD")
+        fixes += ["a machine/container with more RAM (or raise the limit named above)",
+                  "`ZeroStrategy(check_host_memory=False)` to try anyway"]
         try:
             _host_memory.check_host_memory(
                 need,
-                who=f"`{type(strategy).__name__}` (ZeRO-{stage} with offload, {local} process(es) on this machine)",
-                fixes=_host_memory_fixes(strategy.config, cuda),
+                who=f"`{type(strategy).__name__}` (ZeRO-{zero.get('stage')} with offload, {local} process(es) on this "
+                "machine)",
+                fixes=fixes,
             )
         except _host_memory.HostMemoryError as err:
             problem = str(err)
@@ -144,16 +153,3 @@ def check_zero_host_memory(strategy: Any, optimizer: Any) -> None:
     if problem:
         raise _host_memory.HostMemoryError(problem)
 
-
-def _host_memory_fixes(config: dict[str, Any], cuda: bool) -> list[str]:
-    zero = config.get("zero_optimization", {})
-    offloads = [zero.get(k) or {} for k in ("offload_optimizer", "offload_param")]
-    fixes = ["more processes or machines to shard over (each process holds 1/N of the masters and optimizer state)"]
-    if cuda and any(o.get("pin_memory") for o in offloads):
-        fixes.append("`ZeroStrategy(pin_memory=False)` (torch rounds each pinned buffer up to a power of two)")
-    if not any(o.get("device") == "nvme" for o in offloads):
-        fixes.append("`strategy='lowmem_zero3_nvme'` to keep the optimizer state and parameters on an SSD")
-    return fixes + [
-        "a machine/container with more RAM (or raise the limit named above)",
-        "`ZeroStrategy(check_host_memory=False)` to try anyway",
-    ]
