@@ -98,7 +98,8 @@ def main() -> None:
              "[ActivationCheckpointing('all'), ActivationOffload(boundaries_only=True), ChunkedLMLoss(chunk_tokens=1024)]"
              " (+ LowBitOptimizer('adamw8bit') where named); prefetch=1"),
             ("host B/param by category at the host peak, per parameter of the model: weights = the host copies of "
-             "streamed blocks (compute dtype); gradients = fp32 gradient buffers (in_backward: the one reused fp32 "
+             "streamed weights without an fp32 master (compute dtype; a trained one is rounded from its master at each "
+             "fetch); gradients = fp32 gradient buffers (in_backward: the one reused fp32 "
              "buffer that widens a bf16 gradient, the largest parameter's size); optimizer_state = the fp32 masters "
              "(4 B: every parameter is trained) + the optimizer's state (AdamW: 8 B, 8-bit AdamW: ~2 B); other = the "
              "pinned staging of the gradient and weight copies (compute dtype, every trained parameter, pinned "
@@ -109,6 +110,9 @@ def main() -> None:
             ("auto = OffloadStrategy(offload_params='auto', device_budget=...): the first blocks stay resident within "
              "the budget; traced at full depth (extrapolate=False)"),
             "fits_12GiB_64GiB: peak device <= 12 GiB and peak host <= 64 GiB (the issue's goal, no disk)",
+            ("not in these figures: with offload_params on CUDA, the pinned ring the trained weights' fetches are "
+             "rounded into ((prefetch + 2) x one block's weights in the compute dtype): the dry run traces the CPU "
+             "path, and its CUDA corrections add the pinned gradient staging only"),
         ],
     )
 
