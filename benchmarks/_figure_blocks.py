@@ -51,6 +51,24 @@ def offload_device(r: Results) -> str:
     return f"{setup}\n\n{body}\n\n{source(d, where(d))}"
 
 
+@block("host_wall")
+def host_wall(r: Results) -> str:
+    d = r["host_wall"]
+    cats = ("weights", "gradients", "optimizer_state", "activations", "other")
+    body = table(
+        ["recipe", "device peak", "host peak", "host B/param", *(c.replace("_", " ") for c in cats),
+         "within 12 GiB device, 64 GiB host"],
+        [[v["recipe"], v["peak_device"], v["peak_host"], f"{v['host_B_per_param']:.2f}",
+          *(f"{v[f'host_{c}_B_per_param']:.2f}" for c in cats), "yes" if v["fits_12GiB_64GiB"] else "no"]
+         for v in d["rows"]],
+    )
+    a = d["rows"][0]
+    setup = (f"{a['model']} ({a['num_params'] / 1e9:.2f}B parameters) full fine-tune, bf16-true, AdamW, batch "
+             f"{a['batch'].replace('x', ' x ')}, ActivationCheckpointing('all') + ActivationOffload(boundaries_only=True) "
+             "+ ChunkedLMLoss; host bytes/param by category at the host peak.")
+    return f"{setup}\n\n{body}\n\n{source(d, dry_run(d))}"
+
+
 @block("offload")
 def offload_host_optimizer(r: Results) -> str:
     d = r["offload"]

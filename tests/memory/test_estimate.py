@@ -160,7 +160,7 @@ def test_offload_params_streams_the_block_weights():
     streamed = estimate_memory(TINY, 2, 32, target="cpu", precision="bf16-true", offload=True, offload_params=True)
     assert streamed.run["strategy"] == "OffloadStrategy(optimizer_in_backward=False, offload_params=True)"
     assert streamed.phases["forward"].device["weights"] < resident.phases["forward"].device["weights"]
-    assert streamed.peak_host > resident.peak_host  # the blocks' compute copies live on the host
+    assert streamed.peak_host == resident.peak_host  # no host copy of a trained block weight: fetched from its master
     with pytest.raises(ValueError, match="`offload_params=True` without `offload=True`"):
         estimate_memory(TINY, 2, 32, offload_params=True)
 

@@ -69,12 +69,16 @@ class LM(CausalLMModule):
         return make_optimizer(self, self.opt, self.fused)
 
 
-def make_optimizer(module: torch.nn.Module, kind: str, fused: bool | None = None, params=None):
+def make_optimizer(module: torch.nn.Module, kind: str, fused: bool | None = None, params=None, min_8bit_size=4096):
     params = list(params if params is not None else module.parameters())
     decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     if kind == "adamw":
         opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=fused)
+    elif kind == "adamw8bit":  # the reference of LowBitOptimizer("adamw8bit"): bitsandbytes' class used by hand
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(groups, lr=1e-2, betas=(0.9, 0.95), min_8bit_size=min_8bit_size)
     else:
         opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
@@ -101,13 +105,14 @@ class RecordGrads(Callback):
 
 
 def reference_loop(module: LM, batches, *, precision: str, kind: str, fused: bool | None, steps: int, accumulate: int,
-                   clip: float | None, scale: float = 1.0):
-    """The same maths as lowmem_offload, by hand, in plain PyTorch. Returns (masters by name, grads per step)."""
+                   clip: float | None, scale: float = 1.0, snapshots: list | None = None, **opt_kwargs):
+    """The same maths as lowmem_offload, by hand, in plain PyTorch. Returns (masters by name, grads per step);
+    ``snapshots`` (a list) gets a copy of the masters by name after every step."""
     dtype = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}[precision.split("-")[0]]
     model = copy.deepcopy(module)
     names = [n for n, _ in model.named_parameters()]
     masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
-    config = make_optimizer(model, kind, fused, params=masters)
+    config = make_optimizer(model, kind, fused, params=masters, **opt_kwargs)
     opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
     if precision.endswith("-mixed"):
         # plain mixed precision: the fp32 module under autocast (Lightning's settings), fp32 weights kept
@@ -147,6 +152,8 @@ def reference_loop(module: LM, batches, *, precision: str, kind: str, fused: boo
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters):
                 p.copy_(m)  # round to nearest into the compute dtype
+        if snapshots is not None:
+            snapshots.append({n: m.detach().clone() for n, m in zip(names, masters)})
     return dict(zip(names, masters)), grads_per_step
 
 

@@ -208,7 +208,8 @@ def test_backbone_unfrozen_under_bf16_true_gets_its_master_from_the_exact_host_c
 
 def test_dry_run_counts_the_streamed_host_copies_and_no_staging_for_the_frozen_base():
     """CUDA target: the pinned staging covers the adapters' masters only, and the streamed blocks' host copies are host
-    weights (the tracker counts them: `mark_host_weights`; their bytes, not the padding of CUDA's pinned buckets); at
+    weights (the tracker counts them: `mark_host_weights`; their bytes, not the padding of CUDA's pinned buckets; the
+    trained adapters keep none); at
     depth 12 the extrapolated
     figure equals the one traced at full depth (before: staging for every streamed frozen weight's master, the copies
     themselves and the masters untraced)."""
@@ -220,8 +221,8 @@ def test_dry_run_counts_the_streamed_host_copies_and_no_staging_for_the_frozen_b
               "num_key_value_heads": 1, "vocab_size": 258}
     module = CausalLMModule(model_type="llama", config=config)
     Adapters("lora", **LORA).apply(module)
-    # the blocks' weights in the order the stream buckets them (block by block), adapters included, all in bf16
-    streamed = [(p.numel(), torch.bfloat16) for n, p in module.named_parameters() if ".layers." in n]
+    # the blocks' frozen weights, in bf16 (a trained adapter's fetch rounds its master: no host copy)
+    streamed = [(p.numel(), torch.bfloat16) for n, p in module.named_parameters() if ".layers." in n and not p.requires_grad]
     trainable = [(p.numel(), torch.bfloat16) for p in module.parameters() if p.requires_grad]
     figures = {}
     for extrapolate in (True, False):

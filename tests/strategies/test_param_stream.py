@@ -224,7 +224,11 @@ def test_stream_memory_breakdown_and_validate():
     block_numel = sum(p.numel() for p in module.model.transformer.h.parameters())
     strategy = OffloadStrategy(offload_params=True)
     need = strategy.host_bytes_needed(module, [], with_grads=False)
-    assert need["streamed_weights"] == 4 * block_numel  # 32-true on a bare strategy: 4 B/param
+    assert need["streamed_weights"] == 0  # every block weight is trained: its fetch rounds its master (no host copy)
+    module.model.transformer.h.requires_grad_(False)
+    need = strategy.host_bytes_needed(module, [], with_grads=False)
+    assert need["streamed_weights"] == 4 * block_numel  # frozen: no master, a host copy (32-true on a bare strategy)
+    module.requires_grad_(True)
     validator = L.Trainer(accelerator="cpu", strategy=OffloadStrategy(offload_params=True), precision="bf16-true",
                           logger=False, enable_progress_bar=False, enable_model_summary=False)
     module.validation_step = lambda batch, *args: module.training_step(batch, 0)
@@ -243,10 +247,30 @@ def test_stream_breakdown_during_fit():
     _fit(module, "lowmem_offload_params", steps=1, callbacks=[Grab()])
     block_numel = sum(p.numel() for p in module.model.transformer.h.parameters())
     every = sum(p.numel() for p in module.parameters())
-    assert seen["bd"].host["weights"] == 2 * block_numel
-    assert seen["per_param"]["weights"] == 2 * block_numel / every
-    assert 4 + 4 + 8 <= seen["per_param"]["total"] <= 4 + 4 + 8 + 2  # masters, grads, AdamW state, block copies
+    assert seen["bd"].host["weights"] == 0  # no host copy of a trained streamed weight: fetched from its master
+    assert 4 + 4 + 8 <= seen["per_param"]["total"] <= 4 + 4 + 8 + 0.01  # masters, grads, AdamW state
     assert seen["bd"].device["weights"] <= 2 * (every - block_numel) + 8
+
+
+@torch.no_grad()
+def test_stream_ring_slot_rewritten_only_after_the_copy_that_read_it_landed():
+    """[derived uploads] a trained streamed weight has no host copy: each fetch rounds its master into a ring slot
+    (``prefetch + 2`` of them). With copies that land only when waited for (``DeferredOps("lazy")``) and more fetches
+    queued than slots, every block still arrives with its own master's values."""
+    from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
+
+    module = _module("llama").to(torch.bfloat16)
+    with cpu_stand_in(lambda: DeferredOps("lazy")):
+        stream = ParamStream(module, [True, True, True], prefetch=0, device=torch.device("cpu"))
+    masters = {id(p): torch.randn(p.shape) for ps in stream.params for p in ps}
+    stream.detach_weights(masters)
+    assert len(stream._ring) == 2 and not stream._buckets  # two slots, and no host copy
+    for b in range(3):
+        stream._fetch(b)  # NOTE: the third reuses the first block's slot while its copy is still queued
+    for b in range(3):
+        stream._ready(b)
+        for p in stream.params[b]:
+            assert torch.equal(p.data, masters[id(p)].bfloat16()), f"block {b}"
 
 
 def test_stream_bad_input_reported_at_once():

@@ -5,6 +5,8 @@ NOTE: [saved weights] inside a streamed block, saved-tensor hooks save ``(block,
 of a weight's view (which would keep the fetched storage alive) and rebuild it on the current data at unpack.
 NOTE: [in-place changes] the hooks turn off autograd's saved-version check; the unpack makes it. A forward that changes
 a streamed weight in place is refused when the block returns (the change would be lost at release).
+NOTE: [derived uploads] a streamed weight with an fp32 master keeps no host copy: each fetch rounds the master into a
+pinned ring slot (``prefetch + 2`` blocks' worth; a slot is rewritten once the copy that read it landed) and copies that.
 """
 
 from __future__ import annotations
@@ -61,22 +63,28 @@ def block_params(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[l
     return blocks, per_block, rest
 
 
-def streamed_host_bytes(offload_params: Any, module: nn.Module, dtype: torch.dtype) -> int:
-    """Host copies of the streamed blocks (all blocks under ``True``; counted for all under ``"auto"`` too)."""
+def streamed_host_bytes(offload_params: Any, module: nn.Module, dtype: torch.dtype, mastered: Any = (),
+                        ring: int = 0) -> int:
+    """Host copies of the streamed blocks' weights without a master (all blocks under ``True``; counted for all under
+    ``"auto"`` too), and ``ring`` slots of the largest block's weights with one (``mastered``: their ids; see
+    [derived uploads])."""
     if offload_params is False:
         return 0
     _, per_block, _ = block_params(module)
     size = torch.empty((), dtype=dtype).element_size()
     # NOTE: a packed 4-bit weight (bitsandbytes) keeps its uint8 bytes; floating-point weights are in the compute dtype
-    return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for ps in per_block for p in ps)
+    copies = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for ps in per_block for p in ps
+                 if id(p) not in mastered)
+    return copies + ring * max((sum(p.numel() * size for p in ps if id(p) in mastered) for ps in per_block), default=0)
 
 
 class ParamStream:
     """Moves the compute weights of streamed blocks between their host copies and the device, block by block.
 
     Memory on the device: the resident weights plus at most ``prefetch + 2`` streamed blocks (see [bounded
-    streaming]). On the host: one copy of each streamed weight in the compute dtype (pinned on CUDA). Cost: each
-    streamed block crosses PCIe once in forward and once in backward, on a side stream ahead of compute.
+    streaming]). On the host: a copy in the compute dtype (pinned on CUDA) of each streamed weight without an fp32
+    master; one with a master is rounded from it at each fetch (see [derived uploads]). Cost: each streamed block
+    crosses PCIe once in forward and once in backward, on a side stream ahead of compute.
 
     Built by :class:`~lightning_lowmem.strategies.offload.strategy.OffloadStrategy`; example:
 
@@ -97,6 +105,10 @@ class ParamStream:
         self.params: list[list[nn.Parameter]] = [ps if s else [] for ps, s in zip(per_block, self.streamed)]
         self.host: list[list[torch.Tensor]] = [[] for _ in self.blocks]
         self.shapes = {id(p): p.shape for ps in self.params for p in ps}  # NOTE: `.data` changes shape when emptied
+        self.dtypes = {id(p): p.dtype for ps in self.params for p in ps}
+        self._derived: set[int] = set()  # ids of the streamed weights whose host tensor is their fp32 master
+        self._ring: list[list[Any]] = []  # [pinned buffer, event of the last copy that read it] (see [derived uploads])
+        self._turn = 0
         self._order = [b for b, s in enumerate(self.streamed) if s]
         self._tail = set(self._order[-(prefetch + 1):]) if self._order else set()
         self._fetched: dict[int, list[Any]] = {}  # block -> [device tensors, event, waited]
@@ -117,9 +129,12 @@ class ParamStream:
 
     # --- setup ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def detach_weights(self) -> None:
-        """Make the host copies from the current compute weights, and leave the parameters empty (before moving)."""
-        flat = [p for ps in self.params for p in ps]
+    def detach_weights(self, masters: dict[int, torch.Tensor] | None = None) -> None:
+        """Make the host copies from the current compute weights (none for a weight with a master in ``masters``, by
+        parameter id: its master is its host tensor), and leave the parameters empty (before moving)."""
+        masters = masters or {}
+        self._derived = {id(p) for ps in self.params for p in ps if id(p) in masters}
+        flat = [p for ps in self.params for p in ps if id(p) not in self._derived]
         if self.ops is not None:
             buckets, copies = staged_views(flat, self.ops)
             for view, p in zip(copies, flat):
@@ -129,11 +144,15 @@ class ParamStream:
         else:
             it = iter([p.detach().to("cpu", copy=True) for p in flat])  # NOTE: a separate tensor: fetches really copy
         for b, ps in enumerate(self.params):
-            self.host[b] = [next(it) for _ in ps]  # type: ignore[misc]
+            self.host[b] = [masters[id(p)] if id(p) in self._derived else next(it) for p in ps]  # type: ignore[misc]
             for p in ps:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        mark_host(*self._buckets)
-        mark_host_weights((p, h) for ps, hs in zip(self.params, self.host) for p, h in zip(ps, hs))
+        slot = max((sum(self._aligned(p) for p in ps if id(p) in self._derived) for ps in self.params), default=0)
+        if self.ops is not None and slot:
+            self._ring = [[self.ops.empty_host(slot, torch.uint8), None] for _ in range(self.prefetch + 2)]
+        mark_host(*self._buckets, *(r[0] for r in self._ring))
+        mark_host_weights((p, h) for ps, hs in zip(self.params, self.host) for p, h in zip(ps, hs)
+                          if id(p) not in self._derived)
 
     def attach(self) -> None:
         """After the module moved to the device: placeholders there, and the hooks."""
@@ -157,11 +176,12 @@ class ParamStream:
     def released(self, p: nn.Parameter) -> torch.Tensor:
         """What streamed parameter ``p``'s ``.data`` is while its block is released (built here, never read from ``p``):
         a NaN (0 for packed weights) expanded to its shape."""
-        key = (p.dtype, str(self.device))
+        dtype = self.dtypes[id(p)]  # NOTE: not `p.dtype`: `host_view` shows a master (fp32) as `.data`
+        key = (dtype, str(self.device))
         base = self._placeholders.get(key)
         if base is None:
-            fill = float("nan") if p.dtype.is_floating_point else 0
-            base = self._placeholders[key] = torch.full((), fill, dtype=p.dtype, device=self.device)
+            fill = float("nan") if dtype.is_floating_point else 0
+            base = self._placeholders[key] = torch.full((), fill, dtype=dtype, device=self.device)
         return base.expand(self.shapes[id(p)])
 
     def remove(self) -> None:
@@ -186,17 +206,45 @@ class ParamStream:
             return
         ops = self.ops
         if ops is None:
-            tensors, event = [h.to(self.device, copy=True) for h in self.host[b]], None
+            tensors = [h.to(self.device, self.dtypes[id(p)], copy=True) for p, h in zip(self.params[b], self.host[b])]
+            event = None
         else:
             self._limit_frees(ops)
-            tensors = [ops.to_device(h, self.device, self.stream) for h in self.host[b]]
+            hosts, slot = self._rounded(b, ops)
+            tensors = [ops.to_device(h, self.device, self.stream) for h in hosts]
             event = self._last_event = ops.record_event(self.stream)
+            if slot is not None:
+                slot[1] = event
         for j, (p, t) in enumerate(zip(self.params[b], tensors)):
             p.data = t
             self._by_storage[storage_key(t)] = (b, j)
         # NOTE: the parameters' own version counters (`.data` assignment keeps them): see `_check_unchanged`
         self._fetched[b] = [tensors, event, ops is None, [torch_internals.tensor_version(p) for p in self.params[b]]]
         self.fetches += 1
+
+    def _aligned(self, p: nn.Parameter) -> int:
+        """Bytes of streamed ``p`` in a ring slot, rounded up to 512 B (each view starts DMA-aligned)."""
+        return -(-self.shapes[id(p)].numel() * self.dtypes[id(p)].itemsize // 512) * 512
+
+    @torch.no_grad()
+    def _rounded(self, b: int, ops: StreamOps) -> tuple[list[torch.Tensor], list[Any] | None]:
+        """Block ``b``'s host tensors in the compute dtype: its derived weights' masters rounded into the next ring
+        slot (returned, to record the copy that reads it), the others' host copies."""
+        if not any(id(p) in self._derived for p in self.params[b]):
+            return self.host[b], None
+        slot = self._ring[self._turn % len(self._ring)]
+        self._turn += 1
+        if slot[1] is not None:
+            ops.synchronize(slot[1])  # NOTE: sync point: the copy that last read this slot has landed
+        out, start = [], 0
+        for p, h in zip(self.params[b], self.host[b]):
+            if id(p) in self._derived:
+                shape, dtype = self.shapes[id(p)], self.dtypes[id(p)]
+                n = shape.numel() * dtype.itemsize
+                h = slot[0][start : start + n].view(dtype).view(shape).copy_(h)  # round to nearest even, as `update_host`
+                start += self._aligned(p)
+            out.append(h)
+        return out, slot
 
     def _ready(self, b: int) -> None:
         """Block ``b``'s weights may be read by compute from now on."""
@@ -338,7 +386,8 @@ class ParamStream:
         """Copy each ``(master, host copy)`` into the host copy (rounding to the compute dtype, as the device path)."""
         self._settle_host()
         for master, host in pairs:
-            host.copy_(master)
+            if host is not master:  # NOTE: a derived weight's host tensor is its master
+                host.copy_(master)
 
     def _settle_host(self) -> None:
         """Release every block and wait for the last queued fetch (it reads the host copies about to be written)."""
@@ -365,7 +414,8 @@ class ParamStream:
         return {id(p): h for ps, hs in zip(self.params, self.host) for p, h in zip(ps, hs)}
 
     def host_bytes(self) -> int:
-        if self._buckets:
-            assert self.ops is not None
-            return sum(self.ops.host_bytes(b.numel()) for b in self._buckets)
-        return sum(h.numel() * h.element_size() for hs in self.host for h in hs)
+        if self.ops is not None:
+            return sum(self.ops.host_bytes(b.numel()) for b in [*self._buckets, *(r[0] for r in self._ring)])
+        return sum(h.numel() * h.element_size() for ps, hs in zip(self.params, self.host) for p, h in zip(ps, hs)
+                   if id(p) not in self._derived)
+

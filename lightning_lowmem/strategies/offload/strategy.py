@@ -83,7 +83,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             ``max_consecutive_skips`` in a row); ``"raise"``; ``"ignore"`` (the masters become nan). Cost: a norm/step.
         max_consecutive_skips: with ``nonfinite="skip"``, raise after this many skipped steps in a row.
         offload_params: ``True`` (``strategy="lowmem_offload_params"``) streams the compute weights of every repeated
-            block from host copies (+2 B/param of host memory in bf16; on the device ``prefetch + 1`` blocks at a time;
+            block, rounded from their masters at each fetch (a frozen one from a host copy, +2 B/param in bf16; on the
+            device ``prefetch + 1`` blocks at a time;
             cost: each block crosses PCIe twice a step, overlapped with compute); ``"auto"``: the first blocks stay
             resident as far as ``device_budget`` allows. See docs/techniques/param-streaming.md.
         prefetch: how many streamed blocks are copied ahead of the one computing (0: fetch on use).
@@ -226,7 +227,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             budget = default_budget(self.root_device) if auto else self.device_budget
             self._stream, self.resident_blocks = plan_stream(self.model, self.offload_params, budget, self.prefetch,
                                                              self.root_device, log)
-            self._stream.detach_weights()  # NOTE: before the move: the streamed weights never reach the device whole
+            # NOTE: before the move: the streamed weights never reach the device whole; a mastered one keeps no host copy
+            masters = self._masters
+            self._stream.detach_weights({k: masters.p_host[i] for k, i in masters.device_index.items()})
             self._masters.streamed = frozenset(self._stream.shapes)
         self.model_to_device()
         if self._stream is not None:
@@ -316,7 +319,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         """Host bytes the strategy will allocate for ``module`` and ``optimizers``, by part (``"total"`` included):
         ``masters``, ``gradient_buffers``, ``optimizer_state`` (of the optimizer that will step, 8-bit when
         ``callbacks`` hold a ``LowBitOptimizer``), ``staging_or_compute_weights`` (pinned staging on CUDA, the compute
-        weights on the CPU) and ``streamed_weights``."""
+        weights on the CPU) and ``streamed_weights`` (host copies of streamed weights without a master; on CUDA the
+        pinned ring the others' fetches are rounded into)."""
         precision = self.precision_plugin
         frozen = frozen_without_master(module, precision, self._loading)
         params = [p for _, p in HostMasters.unique_params(module)]
@@ -337,7 +341,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
             "optimizer_state": state,
             "staging_or_compute_weights": planned_staging_bytes(self.root_device, [(p.numel(), dtype) for p in staged]),
-            "streamed_weights": streamed_host_bytes(self.offload_params, module, dtype),
+            "streamed_weights": streamed_host_bytes(self.offload_params, module, dtype, {id(p) for p in mastered},
+                                                    self.prefetch + 2 if self.root_device.type == "cuda" else 0),
         }
         parts["total"] = sum(parts.values())
         return parts
