@@ -29,10 +29,7 @@ CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "other")
 
 def recipes(budget: str) -> list[tuple[str, dict[str, Any], bool]]:
     """``(name, OffloadStrategy kwargs, 8-bit AdamW)`` per recipe."""
-    # NOTE: nonfinite="ignore" under optimizer_in_backward: the dry run answers its per-gradient finiteness check
-    # (run in an autograd hook, where the dry run's isfinite mode is not active) with False, skips every step and
-    # predicts no moments; the guard itself keeps nothing on the host
-    oib = {"optimizer_in_backward": True, "nonfinite": "ignore"}
+    oib = {"optimizer_in_backward": True}
     return [
         ("lowmem_offload (default)", {}, False),
         ("lowmem_offload_params (default)", {"offload_params": True}, False),
@@ -104,15 +101,12 @@ def main() -> None:
              "(4 B: every parameter is trained) + the optimizer's state (AdamW: 8 B, 8-bit AdamW: ~2 B); other = the "
              "pinned staging of the gradient and weight copies (compute dtype, every trained parameter, pinned "
              "allocator rounding); activations = ActivationOffload's host copies"),
-            ("in_backward = OffloadStrategy(optimizer_in_backward=True, nonfinite='ignore'): the dry run answers the "
-             "per-gradient finiteness check (run in an autograd hook, where its isfinite function mode is not active) "
-             "with False and would predict no step and no moments; the guard keeps no host memory"),
+            "in_backward = OffloadStrategy(optimizer_in_backward=True): each master steps as its gradient lands",
             ("auto = OffloadStrategy(offload_params='auto', device_budget=...): the first blocks stay resident within "
              "the budget; traced at full depth (extrapolate=False)"),
             "fits_12GiB_64GiB: peak device <= 12 GiB and peak host <= 64 GiB (the issue's goal, no disk)",
-            ("not in these figures: with offload_params on CUDA, the pinned ring the trained weights' fetches are "
-             "rounded into ((prefetch + 2) x one block's weights in the compute dtype): the dry run traces the CPU "
-             "path, and its CUDA corrections add the pinned gradient staging only"),
+            ("other also holds, with offload_params, the pinned ring the trained weights' fetches are rounded into "
+             "((prefetch + 2) x the largest block's weights in the compute dtype; a CUDA correction of the CPU trace)"),
         ],
     )
 

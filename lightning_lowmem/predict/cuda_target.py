@@ -38,6 +38,7 @@ class CudaOptimizerDefaults(L.Callback):
             # NOTE: the pinned staging covers the parameters with a master, as the strategy built them (a frozen
             # base has none): counted from the traced strategy, not from the parameters before the callbacks ran
             self.counts["staged_numels"] = [m.numel() for m in getattr(trainer.strategy, "masters", {}).values()]
+            self.counts["ring_bytes"] = getattr(trainer.strategy, "ring_bytes", 0)
             self.counts["traced_params"] = sum(p.numel() for p in pl_module.parameters())
         host = host_storage_keys()
         for opt in trainer.optimizers:
@@ -80,13 +81,15 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
         staging = pinned_staging_bytes([(n, dtype) for n in (numels if staged is None else staged)])
         if staged is not None and extrapolated and counts.get("traced_params") and estimate.num_params:
             staging = int(staging * estimate.num_params / counts["traced_params"])  # NOTE: traced at a lower depth
+        staging += counts.get("ring_bytes", 0)  # NOTE: slots of the largest block: the same at any depth
     for bd in estimate.phases.values():
         bd.add("device", "other", CUDA_CONTEXT_BYTES)
         bd.add("host", "other", staging)
     if staging:
         out.append(Correction("pinned_staging", staging, False,
-                              "OffloadStrategy's pinned host staging buckets in the compute dtype (CUDA only, as "
-                              "the pinned allocator rounds them), added to every phase's host `other`"))
+                              "OffloadStrategy's pinned host staging buckets in the compute dtype, and a streamed "
+                              f"model's upload ring ({counts.get('ring_bytes', 0):,} B) (CUDA only, as the pinned "
+                              "allocator rounds them), added to every phase's host `other`"))
     out.append(Correction("allocator_rounding", 0, False,
                           "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
                           "fragmentation is not modelled (size: to be calibrated on a GPU)"))

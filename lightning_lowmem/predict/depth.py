@@ -236,6 +236,8 @@ def non_negative(values: list[int]) -> dict[str, int]:
 
 def depth_unit(spec: Any) -> int | None:
     """Blocks per repeating unit of the run's techniques, or None when a technique is not linear in depth."""
+    if getattr(spec.strategy, "offload_params", None) == "auto":
+        return None  # NOTE: the blocks kept resident come from a device budget: all of them fit a shallow trace
     unit = 1
     for cb in spec.callbacks:
         policy = getattr(cb, "policy", None)

@@ -54,6 +54,8 @@ _KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.vi
                           _aten.squeeze, _aten.unsqueeze, _aten.expand, _aten.select, _aten.slice, _aten.clone,
                           _aten.detach, torch_internals.ATEN.to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
 _NEGATES = frozenset({_aten.logical_not, _aten.bitwise_not})
+_COMPARES = frozenset({_aten.eq, _aten.ne})
+_AND = frozenset({_aten.mul, _aten.logical_and, _aten.bitwise_and})  # of booleans
 # NOTE: an empty tensor made from nothing carries no values, so a real one would only cost real bytes: fake
 # (`empty_like`/`new_empty` take the kind of their input), except small integer ones inside C++ composites that fill
 # them (see `_bookkeeping`)
@@ -89,7 +91,7 @@ class _Values(torch_internals.TorchDispatchMode):
             if execution.kernels.handles(func):
                 out = execution.kernels(func, args, kwargs, out)
             if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
-                execution.note_health(func, tensors, out)
+                execution.note_health(func, args, tensors, out)
             return out
         if self.execution.passthrough or (func in _EMPTY and not (self.execution.in_composite
                                                                    and _bookkeeping(func, args, kwargs))):
@@ -214,14 +216,23 @@ class FakeExecution:
                        f"+{self.kernels.added_bytes[(op, what)]:,} B over {n} calls{'; ' + detail if detail else ''})")
         return out
 
-    def note_health(self, func: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
-        """Remember what a boolean result is in a healthy run, when its op says (see ``_HEALTHY_OUTPUT``)."""
+    def note_health(self, func: Any, args: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Remember what a boolean result is in a healthy run, when its op says (see ``_HEALTHY_OUTPUT``).
+
+        NOTE: ``isfinite``/``isnan``/``isinf`` decompose into ``x == x``, ``x.abs() != inf``... before dispatch; in a
+        gradient hook (a step in backward's non-finite check) no torch function mode sees the call, only these ops.
+        """
         packet = func.overloadpacket
         known = [self.healthy.get(t) for t in inputs if t.dtype == torch.bool]
         if packet in _HEALTHY_OUTPUT:
             self.healthy[out] = _HEALTHY_OUTPUT[packet]
+        elif packet in _COMPARES and len(args) > 1 and (args[0] is args[1] or (
+                isinstance(args[1], float) and math.isinf(args[1]))):
+            self.healthy[out] = (packet is _aten.eq) == (args[0] is args[1])  # x == x, x != inf: True
         elif packet in _KEEPS_VALUE and known and None not in known and len(set(known)) == 1:
             self.healthy[out] = known[0]
+        elif packet in _AND and len(known) == len(inputs) and None not in known:
+            self.healthy[out] = all(known)
         elif packet in _NEGATES and known and known[0] is not None:
             self.healthy[out] = not known[0]
 

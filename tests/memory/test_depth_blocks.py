@@ -94,3 +94,15 @@ def test_keep_every_layer_changes_only_the_copy_it_is_given():
     dry_run(module, precision="32-true")
     assert module.config.layerdrop == 0.5
     assert keep_every_layer(module) == ["layerdrop=0.5"] and module.config.layerdrop == 0.0
+
+
+def test_streaming_chosen_from_a_budget_is_not_extrapolated():
+    """``offload_params="auto"`` keeps resident the blocks a device budget holds: every block fits a shallow trace, so a
+    line through 3, 4 and 5 blocks would keep all of a deep model's blocks resident."""
+    from lightning_lowmem.predict.depth import depth_unit
+    from lightning_lowmem.predict.run_spec import RunSpec
+    from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
+
+    assert depth_unit(RunSpec(strategy=OffloadStrategy(offload_params="auto", device_budget="8GB"))) is None
+    assert depth_unit(RunSpec(strategy=OffloadStrategy(offload_params=True))) == 1
+    assert depth_unit(RunSpec(strategy="lowmem_offload_params")) == 1

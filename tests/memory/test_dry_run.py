@@ -17,6 +17,7 @@ from lightning_lowmem.predict.dry_run import _Repeat, dry_run
 from lightning_lowmem.predict.estimate import COMBINATIONS, estimate_memory
 from lightning_lowmem.predict.fake import DryRunUnsupportedError
 from lightning_lowmem.predict.run_spec import RunSpec
+from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.models import random_batch, tiny_lm_module
 from tests.helpers.runif import RunIf
 
@@ -56,6 +57,9 @@ RUNS = {
         callbacks=[ActivationCheckpointing("all"), ActivationOffload(boundaries_only=True)]),
     "offload_params": lambda: RunSpec(strategy="lowmem_offload_params", precision="bf16-true"),
     "optimizer in backward": lambda: RunSpec(precision="bf16-true", callbacks=[OptimizerInBackward()]),
+    # NOTE: each master's non-finite check runs in a gradient hook, where no torch function mode is active
+    "offload, step in backward": lambda: RunSpec(strategy=OffloadStrategy(optimizer_in_backward=True),
+                                                 precision="bf16-true"),
     "offload + accumulation": lambda: RunSpec(
         strategy="lowmem_offload", precision="bf16-true",
         callbacks=[AccumulationScheduler(effective_batch_size=4, micro_batch_size=2)]),
@@ -289,6 +293,17 @@ def test_cuda_target_counts_masks_in_a_checkpointed_recompute_and_lists_the_math
     assert "scaled_dot_product_attention calls" in corrections["sdpa_math_kernel"]
     # NOTE: the backward peak holds one block's recomputed masks: at 1 B, not bf16's 2 B
     assert cuda.phases["backward"].device["activations"] < cpu.phases["backward"].device["activations"]
+
+
+def test_cuda_target_adds_the_streamed_weights_upload_ring():
+    """A CUDA run of ``lowmem_offload_params`` rounds each trained block's masters into ``prefetch + 2`` pinned slots
+    of the largest block (each weight 512-B aligned); the CPU trace has no ring, the CUDA correction adds it."""
+    module = tiny_lm_module()
+    block = module.model.transformer.h[0]
+    expected = 3 * sum(-(-p.numel() * 2 // 512) * 512 for p in block.parameters())
+    est = dry_run(module, batch=random_batch(1, 16), strategy="lowmem_offload_params", precision="bf16-true",
+                  target="cuda")
+    assert f"upload ring ({expected:,} B)" in next(c.detail for c in est.corrections if c.name == "pinned_staging")
 
 
 @pytest.mark.parametrize(

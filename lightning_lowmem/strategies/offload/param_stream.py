@@ -147,7 +147,7 @@ class ParamStream:
             self.host[b] = [masters[id(p)] if id(p) in self._derived else next(it) for p in ps]  # type: ignore[misc]
             for p in ps:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        slot = max((sum(self._aligned(p) for p in ps if id(p) in self._derived) for ps in self.params), default=0)
+        slot = self.ring_bytes() // (self.prefetch + 2)
         if self.ops is not None and slot:
             self._ring = [[self.ops.empty_host(slot, torch.uint8), None] for _ in range(self.prefetch + 2)]
         mark_host(*self._buckets, *(r[0] for r in self._ring))
@@ -221,6 +221,11 @@ class ParamStream:
         # NOTE: the parameters' own version counters (`.data` assignment keeps them): see `_check_unchanged`
         self._fetched[b] = [tensors, event, ops is None, [torch_internals.tensor_version(p) for p in self.params[b]]]
         self.fetches += 1
+
+    def ring_bytes(self) -> int:
+        """Bytes of the pinned ring a CUDA run keeps: ``prefetch + 2`` slots of the largest block's mastered weights."""
+        slot = max((sum(self._aligned(p) for p in ps if id(p) in self._derived) for ps in self.params), default=0)
+        return (self.prefetch + 2) * slot
 
     def _aligned(self, p: nn.Parameter) -> int:
         """Bytes of streamed ``p`` in a ring slot, rounded up to 512 B (each view starts DMA-aligned)."""

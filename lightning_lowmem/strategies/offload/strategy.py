@@ -370,6 +370,11 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         """``{parameter name: fp32 host master}`` (empty outside ``fit``/``validate``/``test``)."""
         return dict(zip(self._masters.names, self._masters.p_host))
 
+    @property
+    def ring_bytes(self) -> int:
+        """Pinned host bytes of the streamed weights' upload ring on CUDA (:meth:`ParamStream.ring_bytes`; 0 without)."""
+        return self._stream.ring_bytes() if self._stream is not None else 0
+
     @override
     def master_of(self, p_host: Tensor) -> Parameter | None:
         return self._masters.master_of(p_host)
