@@ -19,7 +19,7 @@ _UNLIMITED = 1 << 60  # cgroup v1 writes 0x7FFFFFFFFFFFF000 for "no limit"
 
 class HostMemoryError(MemoryError):
     """Host RAM, not device memory: a strategy refused to start, or a host buffer could not be allocated. Not a
-    ``RuntimeError``, so the OOM splitters (``OOMRecovery``, ``on_oom="split"``) do not take it for a device OOM."""
+    ``RuntimeError``, so nothing that catches a device OOM (``torch.OutOfMemoryError``) takes it for one."""
 
 
 @dataclass(frozen=True)

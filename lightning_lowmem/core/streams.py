@@ -166,8 +166,7 @@ class DeferredOps(StreamOps):
         pins: count host buffers as CUDA's pinned allocator takes them (rounded up to a power of two).
         device_lags: the compute stream finishes the work before a compute-stream event only when the host
             synchronizes on it, and a freed :meth:`to_device` buffer tied to it by :meth:`record_stream` is reused
-            only after that, as CUDA's caching allocator does (:attr:`reserved`, :attr:`reserved_peak`,
-            :attr:`device_live` count the bytes).
+            only after that, as CUDA's caching allocator does (:attr:`reserved`, :attr:`reserved_peak` count the bytes).
 
     ``copies_queued``, ``copies_run``, ``most_in_flight`` and ``copy_seconds`` count what happened.
     """
@@ -181,7 +180,7 @@ class DeferredOps(StreamOps):
         self.device_lags = device_lags
         self.compute_issued = 0  # compute-stream events recorded (positions)
         self.compute_done = 0  # positions the lagging compute stream has finished
-        self.reserved = self.reserved_peak = self.device_live = 0
+        self.reserved = self.reserved_peak = 0
         self._cache: list[tuple[int, int]] = []  # freed device buffers: (bytes, compute position they wait for)
         self._compute_used: set[int] = set()  # ids of live buffers tied to the compute stream (record_stream)
         self._rng = random.Random(seed)
@@ -266,7 +265,6 @@ class DeferredOps(StreamOps):
         else:
             self.reserved += nbytes
             self.reserved_peak = max(self.reserved_peak, self.reserved)
-        self.device_live += nbytes
         weakref.finalize(out, self._freed, id(out), nbytes)
         return out
 
@@ -274,7 +272,6 @@ class DeferredOps(StreamOps):
         # NOTE: the compute kernels queued so far may still read it: reused only after the compute stream passes here
         used = key in self._compute_used
         self._compute_used.discard(key)
-        self.device_live -= nbytes
         self._cache.append((nbytes, self.compute_issued + 1 if used and self.device_lags else 0))
 
     # -- running the queues -----------------------------------------------------------------------------------------

@@ -82,17 +82,13 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
+# NOTE: on a forked torch generator: the matrices and the block's init draw from it, and `lowmem_auto` measures
+# before `configure_model` and the first batch (an unforked draw shifted every weight and dropout mask after it)
+@torch.random.fork_rng(devices=[])
 def measure_host(seconds: float = 0.5) -> HardwareProfile:
     """This machine's CPU as the device: matmul rates (fp32; bf16 from a block's speed-up), copy bandwidth (the "link"), the
     optimizer steps' rates (fused AdamW for the host step, torch's default for a plain run), the per-block cost of a
     micro-batch, and its RAM. Takes about ``7 * seconds``."""
-    # NOTE: on a forked torch generator: the matrices and the block's init draw from it, and `lowmem_auto` measures
-    # before `configure_model` and the first batch (an unforked draw shifted every weight and dropout mask after it)
-    with torch.random.fork_rng(devices=[]):
-        return _measure_host(seconds)
-
-
-def _measure_host(seconds: float) -> HardwareProfile:
     import psutil
 
     def calls_per_s(fn: Any) -> float:

@@ -112,27 +112,21 @@ class Recipe:
         """``RunSpec.from_flags`` / ``estimate_memory`` shorthands for this recipe."""
         precision = {"fp32": "32-true", "mixed": f"{half}-mixed", "half": f"{half}-true", "offload": f"{half}-true",
                      "offload_obw": f"{half}-true", "offload_params": f"{half}-true"}.get(self.base, f"{half}-mixed")
-        flags: dict[str, Any] = {"precision": precision}
-        if self.base in ("offload", "offload_obw", "offload_params", *_DEEPSPEED):
-            flags["offload"] = True
-        if self.base == "offload_params":
-            flags["offload_params"] = True
-        if self.base == "offload_obw":
-            flags["optimizer_in_backward"] = True
-        if self.base in _DEEPSPEED:
-            flags["zero_stage"] = 2 if self.base == "zero2_offload" else 3
-        if self.checkpointing:
-            flags["checkpointing"] = self.checkpointing
-        if self.activation_offload:
-            flags["activation_offload"] = True
-        if self.chunked_loss:
-            flags["chunked_loss"] = CHUNK_TOKENS
-        if self.optimizer is not None:
-            flags["optimizer"] = self.optimizer
+        # NOTE: a flag at its default (None here) is left out
+        flags = {k: v for k, v in {
+            "precision": precision,
+            "offload": self.base in ("offload", "offload_obw", "offload_params", *_DEEPSPEED) or None,
+            "offload_params": self.base == "offload_params" or None,
+            "optimizer_in_backward": self.base == "offload_obw" or None,
+            "zero_stage": {"zero2_offload": 2, "zero3_offload": 3}.get(self.base),
+            "checkpointing": self.checkpointing or None,
+            "activation_offload": self.activation_offload or None,
+            "chunked_loss": CHUNK_TOKENS if self.chunked_loss else None,
+            "optimizer": self.optimizer,
+            "micro_batch_size": self.micro_batch_size if batch_size not in (None, self.micro_batch_size) else None,
+        }.items() if v is not None}
         if self.adapters is not None:
             flags.update(adapters=self.adapters, adapter_r=self.adapter_r, quantize_base=self.quantize_base)
-        if batch_size is not None and self.micro_batch_size != batch_size:
-            flags["micro_batch_size"] = self.micro_batch_size
         return flags
 
     def run(self, batch_size: int | None, half: str = "bf16", loader_batch: int | None = None,

@@ -73,7 +73,6 @@ PROBED: dict[Any, _Entry] = {
 }
 
 
-
 def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``aten._grouped_mm``'s output as the CPU kernel allocates it: contiguous, of the meta function's shape."""
@@ -224,7 +223,8 @@ class KernelMatch:
         dims = dict(where)
         probes = []
         for n in lengths:
-            shorter = tuple(self._shorten(a, dims[i], n) if i in dims else a for i, a in enumerate(args))
+            shorter = tuple(torch.empty((*a.shape[:dims[i]], n, *a.shape[dims[i] + 1:]), dtype=a.dtype) if i in dims else a
+                            for i, a in enumerate(args))
             probes.append((_describe(_outputs(func(*shorter, **kwargs))),
                            _describe(_outputs(self._real(func, shorter, kwargs, self.refuse)))))
         out: list[_Out | None] = []
@@ -247,12 +247,6 @@ class KernelMatch:
         self.details[(str(func), entry.what)] = (
             f"extrapolated from lengths {lengths} of dimension {where[0][1]} to {full}{varying}")
         return out
-
-    @staticmethod
-    def _shorten(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-        shape = list(t.shape)
-        shape[dim] = n
-        return torch.empty(shape, dtype=t.dtype)
 
     @staticmethod
     def _real(func: Any, args: Any, kwargs: Any, refuse: Callable[[str, str], Exception]) -> Any:

@@ -25,9 +25,7 @@ def why_not_fused(optimizer: Optimizer) -> str | None:
             return f"param group {i} has `capturable=True`"
         for p in group["params"]:
             # NOTE: a frozen parameter without a master (compute dtype, never stepped) must not change the choice
-            if not p.requires_grad:
-                continue
-            if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64):
+            if p.requires_grad and (p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64)):
                 return f"param group {i} holds a {p.dtype} tensor on {p.device}"
     return None
 
@@ -36,8 +34,7 @@ def enable_fused(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Switch param ``groups`` to the fused kernel; return their previous flags (for :meth:`HostKernel.restore`)."""
     saved = [{"fused": g.get("fused"), "foreach": g.get("foreach")} for g in groups]
     for group in groups:
-        group["fused"] = True
-        group["foreach"] = False
+        group.update(fused=True, foreach=False)
     return saved
 
 

@@ -95,11 +95,10 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.overflows = int(state.get("overflows", 0))
-        for key in ("growth_factor", "backoff_factor", "min_scale"):
+        for key, cast in (("growth_factor", float), ("backoff_factor", float), ("min_scale", float),
+                          ("growth_interval", int)):
             if key in state:
-                setattr(self, key, float(state[key]))
-        if "growth_interval" in state:
-            self.growth_interval = int(state["growth_interval"])
+                setattr(self, key, cast(state[key]))
 
     def __repr__(self) -> str:
         return (

@@ -93,8 +93,7 @@ class MasterHalfPrecision(Reproducible, Precision):
             DynamicLossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
             if self.compute_dtype == torch.float16 else None
         )
-        given = {k: v for k, v in (("init_scale", init_scale), ("growth_factor", growth_factor),
-                                   ("backoff_factor", backoff_factor), ("growth_interval", growth_interval))
+        given = {k: v for k, v in zip(_SCALER_DEFAULTS, (init_scale, growth_factor, backoff_factor, growth_interval))
                  if v != _SCALER_DEFAULTS[k]}
         if given and self.scaler is None:
             rank_zero_warn(

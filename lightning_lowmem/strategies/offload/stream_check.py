@@ -34,13 +34,12 @@ class ReleasedReadCheck(torch_internals.TorchDispatchMode):
                     if isinstance(t, torch.Tensor) and storage_key_or_none(t) in self.keys]
         if not released or func.__name__.split(".")[0] in _METADATA:
             return out
+        name = next((self.names[id(t)] for t in released if id(t) in self.names), None)
         if func.is_view:
-            name = next((self.names[id(t)] for t in released if id(t) in self.names), None)
             if name is not None and isinstance(out, torch.Tensor):
                 self.names[id(out)] = name
                 self._alive.append(out)
             return out
-        name = next((self.names[id(t)] for t in released if id(t) in self.names), None)
         what = f"the streamed weight `{name}`" if name is not None else "a streamed weight"
         raise ValueError(
             f"lowmem_offload_params cannot stream this model: `{func}` read {what} while its block was not on the "
