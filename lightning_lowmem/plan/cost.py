@@ -107,7 +107,7 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
     if recipe.base in ("offload", "offload_obw", "zero2_offload"):
         serial = trained * weight_bytes  # the updated weights, before the next forward
         link += micro * trained * weight_bytes  # gradients, per micro-batch
-    elif recipe.base == "offload_params":
+    elif recipe.base in ("offload_params", "offload_params_obw"):
         # the blocks' weights fetched in forward, in backward and for each recomputed forward, per micro-batch; the
         # rest (embeddings, head) after the step as under lowmem_offload; gradients out per micro-batch
         serial = min(head, trained) * weight_bytes
@@ -125,13 +125,13 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
 
     state = ADAMW_8BIT_BYTES if recipe.optimizer == "adamw8bit" else ADAMW_BYTES
     host_opt = dev_opt = 0.0
-    if recipe.base in ("offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"):
+    if recipe.base not in ("fp32", "mixed", "half"):
         host_opt = trained * state / (profile.host_gbps * GB)
     else:
         dev_opt = trained * state / ((profile.device_optimizer_gbps or profile.device_gbps) * GB)
     # NOTE: on a GPU the copies run on copy engines beside the kernels; where one processor does both, they add up
     gpu = max(compute, link_s) if profile.overlap else compute + link_s
-    if recipe.base == "offload_obw":
+    if recipe.base in ("offload_obw", "offload_params_obw"):
         # NOTE: the host step of each parameter runs while backward goes on: what is left after the last
         # micro-batch's backward (two thirds of its compute) is paid
         total = gpu + serial_s + max(0.0, host_opt - (2 / 3) * compute / micro)

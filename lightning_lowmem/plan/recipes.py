@@ -22,7 +22,8 @@ from lightning_lowmem.core.optional import package_available
 from lightning_lowmem.predict.estimate import lean_extra_problem
 from lightning_lowmem.predict.run_spec import LEAN_OPTIMIZERS, RunSpec
 
-Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "zero2_offload", "zero3_offload"]
+Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "offload_params_obw", "zero2_offload",
+               "zero3_offload"]
 Checkpointing = Literal["every_n", "all"]
 
 #: base -> (label, where the model states live)
@@ -31,12 +32,17 @@ BASES: dict[str, tuple[str, str]] = {
     "mixed": ("{h}-mixed", "fp32 weights and optimizer on the device, {h} compute"),
     "half": ("{h}-true (no fp32 master)", "{h} weights and optimizer state on the device: numerics change"),
     "offload": ("lowmem_offload", "{h} weights on the device; fp32 masters, gradients and optimizer on the host"),
-    "offload_obw": ("lowmem_offload + opt-in-bwd", "as lowmem_offload, host step overlapped with backward"),
+    "offload_obw": ("lowmem_offload + opt-in-bwd", "as lowmem_offload, each master stepped as its gradient lands"),
     "offload_params": ("lowmem_offload_params", "as lowmem_offload, the blocks' {h} weights streamed from the host"),
+    "offload_params_obw": ("lowmem_offload_params + opt-in-bwd",
+                           "as lowmem_offload_params, each master stepped as its gradient lands"),
     "zero2_offload": ("lowmem_zero2_offload", "DeepSpeed ZeRO-2, optimizer on the host"),
     "zero3_offload": ("lowmem_zero3_offload", "DeepSpeed ZeRO-3, parameters and optimizer on the host"),
 }
 _DEEPSPEED = ("zero2_offload", "zero3_offload")
+_OFFLOAD = ("offload", "offload_obw", "offload_params", "offload_params_obw")
+#: the bases that step each master in backward (``OffloadStrategy(optimizer_in_backward=True)``)
+IN_BACKWARD = ("offload_obw", "offload_params_obw")
 _CKPT_RANK = {None: 0, "every_n": 1, "all": 2}
 #: the chunk of ``ChunkedLMLoss`` the planner uses (GPT-2-XL's loss under 64 MiB)
 CHUNK_TOKENS = 128
@@ -110,14 +116,14 @@ class Recipe:
 
     def flags(self, batch_size: int | None, half: str = "bf16") -> dict[str, Any]:
         """``RunSpec.from_flags`` / ``estimate_memory`` shorthands for this recipe."""
-        precision = {"fp32": "32-true", "mixed": f"{half}-mixed", "half": f"{half}-true", "offload": f"{half}-true",
-                     "offload_obw": f"{half}-true", "offload_params": f"{half}-true"}.get(self.base, f"{half}-mixed")
+        precision = {"fp32": "32-true", "half": f"{half}-true",
+                     **dict.fromkeys(_OFFLOAD, f"{half}-true")}.get(self.base, f"{half}-mixed")
         # NOTE: a flag at its default (None here) is left out
         flags = {k: v for k, v in {
             "precision": precision,
-            "offload": self.base in ("offload", "offload_obw", "offload_params", *_DEEPSPEED) or None,
-            "offload_params": self.base == "offload_params" or None,
-            "optimizer_in_backward": self.base == "offload_obw" or None,
+            "offload": self.base in (*_OFFLOAD, *_DEEPSPEED) or None,
+            "offload_params": self.base.startswith("offload_params") or None,
+            "optimizer_in_backward": self.base in IN_BACKWARD or None,
             "zero_stage": {"zero2_offload": 2, "zero3_offload": 3}.get(self.base),
             "checkpointing": self.checkpointing or None,
             "activation_offload": self.activation_offload or None,
@@ -168,12 +174,10 @@ class Recipe:
 
     def conflict(self, batch_size: int, half: str = "bf16") -> str | None:
         """Why the real run refuses this combination, for the pairs known not to compose (not traced)."""
-        if self.base == "offload_obw" and half == "16":
+        if self.base in IN_BACKWARD and half == "16":
             return "the optimizer in backward cannot use fp16: an overflow must skip the whole step"
-        if self.base == "offload_obw" and self.micro_batch_size != batch_size:
+        if self.base in IN_BACKWARD and self.micro_batch_size != batch_size:
             return "the optimizer in backward steps at every backward: no accumulation"
-        if self.base == "offload_obw" and self.optimizer == "adamw8bit":
-            return "the optimizer in backward runs its own per-parameter AdamW"
         if self.base == "zero3_offload" and self.chunked_loss:
             return "ZeRO-3 re-gathers a partitioned weight only for its own module's backward, not the loss's"
         if self.quantize_base is not None and self.base in _DEEPSPEED:

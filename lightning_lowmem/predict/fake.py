@@ -49,7 +49,7 @@ _aten = torch.ops.aten
 # NOTE: the value a check of weight-derived values has in a healthy run (finite numbers): `if not torch.isfinite(loss)`
 # and a non-finite-gradient guard must not skip the step a dry run predicts
 _HEALTHY_OUTPUT = {_aten.isfinite: True, _aten.isnan: False, _aten.isinf: False, _aten.isposinf: False,
-                   _aten.isneginf: False}
+                   _aten.isneginf: False, _aten.ones_like: True, _aten.zeros_like: False}
 _KEEPS_VALUE = frozenset({_aten.all, _aten.any, _aten.stack, _aten.cat, _aten.view, _aten.reshape, torch_internals.ATEN.unsafe_view,
                           _aten.squeeze, _aten.unsqueeze, _aten.expand, _aten.select, _aten.slice, _aten.clone,
                           _aten.detach, torch_internals.ATEN.to_copy, _aten.alias, _aten.t, _aten.permute, _aten.flatten})
@@ -155,35 +155,26 @@ def _makes_tensors(func: Any) -> bool:
     return known
 
 
-_CHECKS = {torch.isfinite: True, torch.isnan: False, torch.isinf: False, torch.isposinf: False, torch.isneginf: False,
-           torch.Tensor.isfinite: True, torch.Tensor.isnan: False, torch.Tensor.isinf: False,
-           torch.Tensor.isposinf: False, torch.Tensor.isneginf: False}
-
-
 #: C++ composites that allocate integer buffers with ``at::empty`` and write them through data pointers
 _FILLS_INTEGER_BUFFERS = frozenset({torch_internals.PAD_PACKED_SEQUENCE})
 
 
-class _HealthyChecks(TorchFunctionMode):
-    """Notes the healthy-run value of ``isfinite``/``isnan``/``isinf`` results (they decompose before dispatch)."""
+class _Composites(TorchFunctionMode):
+    """Marks the calls of :data:`_FILLS_INTEGER_BUFFERS` (see ``_bookkeeping``)."""
 
     def __init__(self, execution: FakeExecution) -> None:
         super().__init__()
         self.execution = execution
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func in _FILLS_INTEGER_BUFFERS:
-            execution = self.execution
-            inside, execution.in_composite = execution.in_composite, True
-            try:
-                return func(*args, **(kwargs or {}))
-            finally:
-                execution.in_composite = inside
-        out = func(*args, **(kwargs or {}))
-        healthy = _CHECKS.get(func)
-        if healthy is not None and isinstance(out, FakeTensor):
-            self.execution.healthy[out] = healthy
-        return out
+        if func not in _FILLS_INTEGER_BUFFERS:
+            return func(*args, **(kwargs or {}))
+        execution = self.execution
+        inside, execution.in_composite = execution.in_composite, True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            execution.in_composite = inside
 
 
 class FakeExecution:
@@ -219,8 +210,8 @@ class FakeExecution:
     def note_health(self, func: Any, args: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
         """Remember what a boolean result is in a healthy run, when its op says (see ``_HEALTHY_OUTPUT``).
 
-        NOTE: ``isfinite``/``isnan``/``isinf`` decompose into ``x == x``, ``x.abs() != inf``... before dispatch; in a
-        gradient hook (a step in backward's non-finite check) no torch function mode sees the call, only these ops.
+        NOTE: ``isfinite``/``isinf`` decompose into ``x == x``, ``x.abs() != inf``... (on integers ``ones_like``) before
+        dispatch, where this mode sees them also in a gradient hook (a step in backward's non-finite check).
         """
         packet = func.overloadpacket
         known = [self.healthy.get(t) for t in inputs if t.dtype == torch.bool]
@@ -274,7 +265,7 @@ def fake_execution() -> Iterator[FakeExecution]:
     levels = [lg.level for lg in loggers]
     try:
         with warnings.catch_warnings(), execution.mode, \
-                _Values(execution), _HealthyChecks(execution):
+                _Values(execution), _Composites(execution):
             warnings.simplefilter("ignore")
             for lg in loggers:
                 lg.setLevel(logging.ERROR)

@@ -37,12 +37,17 @@ def test_candidates_leave_out_pairs_the_real_run_refuses():
 
 def test_the_optimizer_is_changed_only_where_allowed():
     """Issue 48: 8-bit AdamW trains with other maths than the module's AdamW; like a lean optimizer, it is a candidate
-    only where the user lists it (``optimizers``), and never on DeepSpeed (its engine builds its own optimizer) or with
-    the optimizer in backward (its own per-parameter AdamW)."""
+    only where the user lists it (``optimizers``), and never on DeepSpeed (its engine builds its own optimizer); with
+    the step in backward it steps each master (issue 45: tests/strategies/test_offload_low_bit.py)."""
     assert {r.optimizer for r in candidates(4)} == {None}
     allowed = candidates(4, optimizers=(None, "adamw8bit"))
     eight_bit = [r for r in allowed if r.optimizer == "adamw8bit"]
-    assert eight_bit and not any(r.base.startswith("zero") or r.base == "offload_obw" for r in eight_bit)
+    assert eight_bit and not any(r.base.startswith("zero") for r in eight_bit)
+    lean = Recipe("offload_params_obw", 4, "all", optimizer="adamw8bit")
+    assert lean in eight_bit and lean.name() == "lowmem_offload_params + opt-in-bwd + 8-bit AdamW + ckpt(all), micro 4"
+    run = lean.run(4)
+    assert (run.strategy.offload_params, run.strategy.optimizer_in_backward) == (True, True)
+    assert [type(c).__name__ for c in run.callbacks] == ["ActivationCheckpointing", "LowBitOptimizer"]
     assert Recipe("offload", 4, optimizer="adamw8bit").name() == "lowmem_offload + 8-bit AdamW, micro 4"
     assert Recipe("offload", 4, optimizer="adamw8bit").training_name == "full fine-tune with 8-bit AdamW"
 
