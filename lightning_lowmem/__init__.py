@@ -22,7 +22,6 @@ _LAZY = {
     "ActivationCheckpointing": "lightning_lowmem.callbacks.activation_checkpointing.callback",
     "ActivationOffload": "lightning_lowmem.callbacks.activation_offload.callback",
     "AccumulationScheduler": "lightning_lowmem.callbacks.accumulation.scheduler",
-    "OOMRecovery": "lightning_lowmem.callbacks.oom_recovery",
     "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
     "LeanOptimizer": "lightning_lowmem.callbacks.lean_optimizer.callback",
     "Adapters": "lightning_lowmem.callbacks.adapters",

@@ -55,7 +55,6 @@ INHERITED = {
     "lightning.pytorch.strategies.Strategy": ("_root_device", "_precision_plugin", "_checkpoint_io"),
 }
 
-# --- re-exported ---------------------------------------------------------------------------------------------------
 #: ``Union[str, Path]``: the path type of Lightning's checkpoint signatures (an override keeps its annotation)
 PATH = _PATH
 #: a checkpoint IO that wraps another (``AsyncCheckpointIO``): ``OffloadStrategy`` fills in its inner IO
@@ -70,7 +69,6 @@ is_local_file_protocol = _is_local_file_protocol
 precision_after_closure = Precision._after_closure
 
 
-# --- LightningModule and Trainer state -------------------------------------------------------------------------------
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` is attached to, or None (NOTE: the public ``module.trainer`` raises without one)."""
     return getattr(module, "_trainer", None)
@@ -106,7 +104,6 @@ def setup_model(strategy: Any, model: Any) -> Any:
     return strategy._setup_model(model)
 
 
-# --- LightningCLI ----------------------------------------------------------------------------------------------------
 def cli_get(cli: Any, config: Any, key: str, default: Any = None) -> Any:
     """``LightningCLI._get``: ``config[key]`` of the subcommand being run (``default`` where it has none)."""
     return cli._get(config, key, default=default)

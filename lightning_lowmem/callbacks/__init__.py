@@ -15,7 +15,6 @@ _LAZY = {
     "chunked_causal_lm_loss": "lightning_lowmem.callbacks.chunked_lm_loss.callback",
     "LeanOptimizer": "lightning_lowmem.callbacks.lean_optimizer.callback",
     "LowBitOptimizer": "lightning_lowmem.callbacks.low_bit_optimizer",
-    "OOMRecovery": "lightning_lowmem.callbacks.oom_recovery",
     "OptimizerInBackward": "lightning_lowmem.callbacks.optimizer_in_backward",
 }
 

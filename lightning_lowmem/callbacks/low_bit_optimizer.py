@@ -99,7 +99,6 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
         return (f"{type(self).__name__}(kind={self.kind!r}, min_8bit_size={self.min_8bit_size}, "
                 f"stable_embedding={self.stable_embedding})")
 
-    # --- Trainer hooks --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer")
@@ -153,7 +152,6 @@ class LowBitOptimizer(Reproducible, LowBitOptimizerSwap, Callback):
                 manager.pid2config.pop(pid, None)
             self._override_ids.clear()
 
-    # --- the swap ---------------------------------------------------------------------------------------
     def target_class(self) -> type[torch.optim.Optimizer]:
         """The ``bitsandbytes.optim`` class of ``kind``."""
         bnb = require("bitsandbytes", f"LowBitOptimizer(kind={self.kind!r})")

@@ -54,7 +54,6 @@ class OptimizerInBackward(Reproducible, Callback):
         self._clip_value: float | None = None
         self._saved_clip_val: float | int | None = None
 
-    # --- Trainer hooks --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer")
@@ -121,7 +120,6 @@ class OptimizerInBackward(Reproducible, Callback):
             self._saved_clip_val = None
         self._trainer = None
 
-    # --- the step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def _step_param(self, p: torch.Tensor) -> None:
         trainer = self._trainer
@@ -148,7 +146,6 @@ class OptimizerInBackward(Reproducible, Callback):
         self._handles.clear()
         self._hooked.clear()
 
-    # --- validation -----------------------------------------------------------------------------------
     @staticmethod
     def conflicts(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         """Every reason this Trainer/module cannot step in backward (empty when it can)."""

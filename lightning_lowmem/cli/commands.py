@@ -34,7 +34,6 @@ CALLBACKS = {
                      "[galore], [apollo], [adam-mini], [torchao] extras)",
     "OptimizerInBackward": "step each parameter as its gradient is ready (no full set of gradients)",
     "ChunkedLMLoss": "a causal-LM loss without the full logits tensor (chunks of tokens)",
-    "OOMRecovery": "removed (refused with the fix: a lower micro-batch through AccumulationScheduler)",
     "MemoryReport": "measured peak memory by phase and category, beside the prediction and plain fp32",
     "Adapters": "LoRA/DoRA adapters on a frozen base, optionally 4-/8-bit (PEFT and bitsandbytes; the [peft] extra)",
 }

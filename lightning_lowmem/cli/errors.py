@@ -65,7 +65,6 @@ def check_config_files(args: Sequence[str]) -> None:
             )
 
 
-# --- explaining an ArgumentError -----------------------------------------------------------------------------
 def one_line(err: BaseException, args: Sequence[str], root: BaseException) -> str:
     """The one line ``lowmem`` prints for ``err`` (``root``: the innermost bad-input error behind it): jsonargparse's
     errors (also a class's refusal inside a union) explained (:func:`explain`), anything else ``root``'s text."""

@@ -115,7 +115,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return unique_storage_bytes(t for state in optimizer.state.values() for t in state_tensors(state))
 
 
-# --- host-role marking ---------------------------------------------------------------------------
 # NOTE: on a CPU-only machine the device cannot tell the roles apart: techniques mark what they keep on the host and
 # trackers count marked storages there. Marks are weak (by identity): a freed tensor drops out by itself.
 _HOST_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -128,7 +128,6 @@ def file_problem(path: str | os.PathLike) -> str | None:
     )
 
 
-# ---- directories --------------------------------------------------------------------------------------------
 def write_manifest(root: str | os.PathLike, known: dict[str, dict[str, Any]] | None = None) -> Path:
     """Write ``root/lowmem_manifest.json`` (call it last): every file under ``root`` with its size and SHA-256, from
     ``known`` (relative path -> ``{"bytes": n, "sha256": hex}`` computed while writing) or read."""

@@ -74,7 +74,6 @@ class StepMemoryRecorder(Callback):
         # NOTE: the second window, not `global_step == 1`: with two optimizers (a GAN) every batch steps twice
         return step % self.every_n_steps == 0 or self._windows == 1
 
-    # --- the step's phases ----------------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step

@@ -30,20 +30,8 @@ Example:
     >>> sorted(tracker.report())                 # everything above as a JSON-able dict
     ['device', 'live_at_end', 'peak', 'peak_bytes', 'peak_bytes_host', 'peak_phase', 'phases']
 
-Under a fake mode, enter the tracker *inside* it: a dispatch mode only sees the ops of the modes entered after it.
-
-Categories: ``weights`` (parameters and buffers of ``module``), ``gradients`` (their ``.grad``, re-tagged on
-accumulation and at every phase boundary), ``optimizer_state`` (``optimizer.state`` and optimizer parameters the module
-does not hold: masters), ``activations`` (created in a ``"forward"`` phase and alive at its end; ``other`` after a
-``"backward"`` phase), ``other`` (everything else: inputs given to :meth:`MemoryTracker.track`, temporaries,
-recomputation). Re-tags also correct the breakdowns at recorded peaks; a peak *total* never changes through one.
-Roles: ``host`` for storages marked with :func:`~lightning_lowmem.core.accounting.mark_host` and for CPU storages while
-the module computes on an accelerator; ``device`` otherwise.
-
-Not seen: tensors alive before ``__enter__`` other than the given objects' (pass them to :meth:`MemoryTracker.track`),
-memory outside tensor storages (allocator slack, CUDA context, workspaces; not process RSS) and storages resized
-outside dispatch. On CUDA each phase also records CUDA's own peaks through :func:`reset_cuda_peak_stats`. Cost: ~30 µs
-per aten op on 2 CPU cores (``benchmarks/results/memory_report_overhead.md``).
+Under a fake mode, enter the tracker *inside* it: a dispatch mode only sees the ops of the modes entered after it. What
+each category and role holds, and what it does not see: docs/techniques/memory-report.md, "What it measures".
 """
 
 from __future__ import annotations

@@ -90,7 +90,6 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         self.plan: Any = None
         self.chosen_strategy: Any = None
 
-    # --- budgets ---------------------------------------------------------------------------------------------------
     def _budgets(self, device: torch.device) -> tuple[int, int]:
         import psutil
 
@@ -108,7 +107,6 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
                        else int(psutil.virtual_memory().available * (1 - DEFAULT_MARGIN)))
         return device_budget, host_budget
 
-    # --- the hand-over ---------------------------------------------------------------------------------------------
     @override
     def connect(self, model: L.LightningModule) -> None:
         trainer = model.trainer

@@ -82,7 +82,6 @@ class DataDependent:
     def refuse(self, func: Any, detail: str) -> Exception:
         return DryRunUnsupportedError(str(func), detail, self.where())
 
-    # --- selections ------------------------------------------------------------------------------------------
     def _nonzero(self, func: Any, x: torch.Tensor) -> torch.Tensor:
         self.note(func, f"every element of the fake {tuple(x.shape)} input taken as nonzero (upper bound)")
         if x.numel() * max(x.dim(), 1) * 8 > _REAL_INDEX_LIMIT:
@@ -118,7 +117,6 @@ class DataDependent:
             n = _real(lambda: int(mask.expand(shape).count_nonzero()))
         return torch.empty((n,), dtype=x.dtype)
 
-    # --- unique ------------------------------------------------------------------------------------------------
     def _unique_outputs(self, func: Any, x: torch.Tensor, dim: int | None, return_inverse: bool,
                         return_counts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.note(func, f"fake {tuple(x.shape)} input taken as one distinct value (its storage counted with every "
@@ -152,7 +150,6 @@ class DataDependent:
                             return_counts: bool = False, dim: int | None = None) -> tuple[torch.Tensor, ...]:
         return self._unique_outputs(func, x, dim, return_inverse, return_counts)
 
-    # --- counts ------------------------------------------------------------------------------------------------
     def _bincount(self, func: Any, x: torch.Tensor, weights: torch.Tensor | None = None,
                   minlength: int = 0) -> torch.Tensor:
         if not _is_fake(x):  # NOTE: real values, fake weights: the length is known exactly
@@ -167,7 +164,6 @@ class DataDependent:
             lambda: torch.bincount(torch.zeros(1, dtype=torch.long), weights=torch.zeros(1, dtype=weights.dtype)).dtype)
         return torch.empty((length,), dtype=dtype)
 
-    # --- packed sequences ------------------------------------------------------------------------------------
     def _pack_padded_sequence(self, func: Any, x: torch.Tensor, lengths: torch.Tensor,
                               batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if _is_fake(lengths):

@@ -317,7 +317,6 @@ def _states_floor(bound: tuple[dict, int | None], run: RunSpec) -> int | None:
     return device["weights"] + device["optimizer_state"] + (0 if in_backward else device["gradients"])
 
 
-# --- the suite's combinations, for ``lowmem estimate --model`` ----------------------------------------------------
 COMBINATIONS: list[tuple[str, dict[str, Any]]] = [
     ("fp32 AdamW (baseline)", {}),
     ("bf16-mixed", {"precision": "bf16-mixed"}),

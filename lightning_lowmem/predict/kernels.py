@@ -200,7 +200,6 @@ class KernelMatch:
         self.added_bytes[name] = self.added_bytes.get(name, 0) + added
         return torch_internals.tree_unflatten([f if f is not None else leaf for f, leaf in zip(fixed, leaves)], spec)
 
-    # --- asking the real kernel ----------------------------------------------------------------------------------
     def _probe(self, func: Any, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any],
                fakes: list[torch.Tensor | None]) -> list[_Out | None]:
         leaves = [x for x in torch_internals.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
@@ -274,7 +273,6 @@ class KernelMatch:
                 raise refuse(str(func), f"this CPU's kernel refuses these inputs ({str(err).split('. ')[0]}): the "
                                         "run itself fails the same way on this CPU; another precision runs") from err
 
-    # --- fake outputs of the real sizes ----------------------------------------------------------------------------
     @staticmethod
     def _rebuild(fakes: list[torch.Tensor | None], have: list[_Out | None],
                  want: list[_Out | None]) -> tuple[list[torch.Tensor | None] | None, int]:

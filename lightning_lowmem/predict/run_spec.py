@@ -130,7 +130,6 @@ class RunSpec:
             out["world_size"] = self.world_size
         return out
 
-    # --- building one ----------------------------------------------------------------------------------------
     @classmethod
     def from_trainer(cls, trainer: Any, exclude: tuple[Any, ...] = ()) -> RunSpec:
         """The run ``trainer`` is doing, with each decision made at run time fixed (:meth:`Reproducible.resolved`).

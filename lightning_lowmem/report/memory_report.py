@@ -124,7 +124,6 @@ class MemoryReport(StepMemoryRecorder):
         self._timeline_peak = -1
         self._fit_ended = False
 
-    # --- setup -------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer of MemoryReport")
@@ -149,7 +148,6 @@ class MemoryReport(StepMemoryRecorder):
                 "this process can create and write, e.g. `MemoryReport(save_dir='runs/memory')`."
             ) from err
 
-    # --- per step ------------------------------------------------------------------------------------------------
     @override
     def step_closed(self, trainer: pl.Trainer, step: int, record: dict[str, Any] | None, tracker: MemoryTracker | None,
                     cuda_step: CudaPeaks | None) -> None:
@@ -188,7 +186,6 @@ class MemoryReport(StepMemoryRecorder):
                     m[f"memory/{phase}/cuda_max_reserved_bytes"] = p["cuda_max_reserved"]
         return m
 
-    # --- end of fit ----------------------------------------------------------------------------------------------
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_end(trainer, pl_module)

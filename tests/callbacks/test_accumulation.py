@@ -26,7 +26,6 @@ from lightning_lowmem.callbacks.accumulation.scheduler import (
     lightning_accumulation,
 )
 from lightning_lowmem.callbacks.accumulation.window import Window
-from lightning_lowmem.callbacks.oom_recovery import OOMRecovery
 from tests.helpers.runif import RunIf
 
 TRAINER = {
@@ -474,14 +473,12 @@ def test_a_loader_that_names_no_batch_size_is_warned_about_not_refused():
         L.Trainer(callbacks=[AccumulationScheduler(8, 4)], **TRAINER).fit(PreBatched())
 
 
-def test_oom_split_and_oom_recovery_are_refused_with_the_fix():
+def test_oom_split_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"`on_oom='split'` was removed: Lightning has no hook around a failing "
                                          r"`training_step`.*`OnExceptionCheckpoint`"):
         AccumulationScheduler(16, 8, on_oom="split")
     with pytest.raises(ValueError, match=r"`on_oom='retry'`; expected 'raise' or None"):
         AccumulationScheduler(16, 8, on_oom="retry")
-    with pytest.raises(ValueError, match=r"OOMRecovery\(loss_normalization='tokens', regrow_after=None\) was removed"):
-        OOMRecovery("tokens")
 
 
 # --- the window -------------------------------------------------------------------------------------------------

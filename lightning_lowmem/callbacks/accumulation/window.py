@@ -95,7 +95,6 @@ class Window:
         self.reset()
         return None if isinstance(factor, float) and factor == 1.0 else factor
 
-    # --- [mid-window checkpoint] ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"pos": self.pos, "size": self.size, "samples": self.samples, "micro_batches": self.micro_batches,
                 "count": float(self.count), "reference": None if self.reference is None else float(self.reference)}

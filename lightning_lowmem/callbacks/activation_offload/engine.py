@@ -26,8 +26,6 @@ from lightning_lowmem.core.saved_versions import SavedVersion
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch_internals.FakeTensor)
 
 
-# --- bookkeeping -----------------------------------------------------------------------------------------------
-
 @dataclass
 class OffloadStats:
     """Counts of one training step (all micro-batches since the last optimizer step)."""

@@ -146,7 +146,6 @@ class Adapters(Reproducible, Callback):
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, bias="none",
                           target_modules=self.target_modules, use_dora=self.kind == "dora")
 
-    # --- Trainer hooks --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer of Adapters")
@@ -181,7 +180,6 @@ class Adapters(Reproducible, Callback):
 
     on_validation_start = on_test_start = on_predict_start = on_fit_start
 
-    # --- the technique ---------------------------------------------------------------------------------
     def apply(self, pl_module: nn.Module) -> nn.Module:
         """Replace ``pl_module.<attribute>`` by its PEFT model (once; a later call returns it). Returns the PEFT model."""
         model = getattr(pl_module, self.attribute, None)

@@ -41,7 +41,6 @@ def import_package(kind: str, feature: str) -> Any:
     return importlib.import_module(name)
 
 
-# --- which weights are projected ------------------------------------------------------------------------------------
 def projectable_weights(module: torch.nn.Module) -> tuple[dict[int, str], set[int]]:
     """The 2-D weights GaLore/APOLLO may project (every ``nn.Linear``/``Conv1D`` weight), by ``id``, with their names;
     and the ids ruled out (a weight tied to an ``nn.Embedding``, the output head), as the packages' scripts choose."""
@@ -89,7 +88,6 @@ def projection_plan(optimizer: Optimizer, module_param: Callable[[Tensor], Tenso
     return chosen
 
 
-# --- builders -------------------------------------------------------------------------------------------------------
 def _plain(group: dict[str, Any], params: list[Tensor]) -> dict[str, Any]:
     return {**{k: v for k, v in group.items() if k not in _TORCH_ONLY}, "params": params}
 
@@ -198,7 +196,6 @@ def _oversized(t: Tensor) -> bool:
     return t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
-# --- GaLore/APOLLO projectors in checkpoints ------------------------------------------------------------------------
 _PROJECTOR_KEY = "lean_projector"
 _STR = "utf8"
 _PROJECTORS = (("galore_torch.galore_projector", "GaLoreProjector"), ("apollo_torch.svd_projector", "GaLoreProjector"),

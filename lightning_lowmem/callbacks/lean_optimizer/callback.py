@@ -121,7 +121,6 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
             shown = {"block_size": self.block_size}
         return f"{type(self).__name__}(kind={self.kind!r}" + "".join(f", {k}={v!r}" for k, v in shown.items() if v is not None) + ")"
 
-    # --- Trainer hooks --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_lightning_object(trainer, "the Trainer")
@@ -162,7 +161,6 @@ class LeanOptimizer(Reproducible, LeanOptimizerSwap, Callback):
             handle.remove()
         self._hooks.clear()
 
-    # --- the swap ---------------------------------------------------------------------------------------
     @override
     def expected_state_bytes(self, optimizer: object, module: object) -> int:
         """Bytes of the state this kind will keep for ``optimizer``'s trainable parameters as fp32 masters (the

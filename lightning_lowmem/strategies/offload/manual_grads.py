@@ -72,7 +72,6 @@ class ManualGrads:
         self._handles = []
         self._view = None
 
-    # --- the window ------------------------------------------------------------------------------------------------
     def open(self) -> None:
         """After a backward (drained) or a step: the parameters show the masters and their gradients (manual only)."""
         if self._view is None or self._open is not None:
@@ -91,7 +90,6 @@ class ManualGrads:
         for copy in pending:
             copy()
 
-    # --- backward and step -----------------------------------------------------------------------------------------
     def before_backward(self) -> None:
         self.close()
         self._in_backward = True

@@ -77,7 +77,6 @@ class HostMasters:
             if p.is_floating_point():
                 yield name, p
 
-    # --- building ----------------------------------------------------------------------------------------
     @staticmethod
     def storage(p: Tensor, loading: bool, precision: Any) -> Tensor:
         """The fp32 host tensor of a new master: a copy of ``p``, or (loading weights) room for them."""
@@ -181,7 +180,6 @@ class HostMasters:
                 state[key] = {k: v.to("cpu") if isinstance(v, Tensor) else v for k, v in s.items()}
             optimizer.state = state
 
-    # --- writes into the compute weights by other code ---------------------------------------------------------
     def note_device(self, indices: Iterable[int] | None = None) -> None:
         """Remember the version counter (not bumped by ``.data`` writes) and storage of compute weights ``indices``
         (all) that now match their masters."""
@@ -245,13 +243,11 @@ class HostMasters:
                 "Write its values in place instead (`with torch.no_grad(): p.copy_(new)`)."
             )
 
-    # --- reading -----------------------------------------------------------------------------------------
     def master_of(self, p_host: Tensor) -> Parameter | None:
         """The module parameter that ``p_host`` is the master of (None if it is not a master)."""
         i = self.host_index.get(id(p_host))
         return self.p_device[i] if i is not None else None
 
-    # --- gradients and the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def fold(self, i: int, grad: Tensor) -> None:
         """Add a gradient (compute dtype, on the host) into master ``i``'s fp32 buffer."""
@@ -302,7 +298,6 @@ class HostMasters:
         ]
         return bad[:3], len(bad) or 1
 
-    # --- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self, module: torch.nn.Module) -> OrderedDict[str, Any]:
         """``module``'s state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""
         state = module.state_dict(keep_vars=True)
@@ -334,7 +329,6 @@ class HostMasters:
                 if name in state:
                     p_host.copy_(state[name])
 
-    # --- after training --------------------------------------------------------------------------------------
     @torch.no_grad()
     def give_back_fp32(self, module: torch.nn.Module, optimizers: list[Optimizer]) -> None:
         """Leave the user an fp32 module holding the masters' values, and optimizers pointing at its parameters."""

@@ -121,7 +121,6 @@ class MasterHalfPrecision(Reproducible, Precision):
             )
         return model, optimizers, lr_schedulers
 
-    # --- the module and the forward ---------------------------------------------------------------
     @override
     def convert_module(self, module: Module) -> Module:
         """Cast ``module`` in place to the compute dtype under ``*-true`` (the Parameter objects are kept)."""
@@ -156,7 +155,6 @@ class MasterHalfPrecision(Reproducible, Precision):
             return data  # autocast casts per op
         return apply_to_collection(data, function=lightning_internals.convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
 
-    # --- backward and step ---------------------------------------------------------------------------
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None:
@@ -233,7 +231,6 @@ class MasterHalfPrecision(Reproducible, Precision):
         model.log("lowmem/loss_scale", self.scaler.scale, on_step=True, on_epoch=False, batch_size=1)
         model.log("lowmem/skipped_steps", float(self.scaler.overflows), on_step=True, on_epoch=False, batch_size=1)
 
-    # --- checkpoint -------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
