@@ -87,7 +87,6 @@ INSTANCE_ATTRIBUTES = {
     "torch._dynamo.eval_frame.OptimizedModule": ("_orig_mod",),
 }
 
-# --- fake tensors ------------------------------------------------------------------------------------------------
 FakeTensor = _fake_tensor.FakeTensor
 FakeTensorMode = _fake_tensor.FakeTensorMode
 is_fake = _fake_tensor.is_fake
@@ -102,7 +101,6 @@ FAKE_ERRORS = (
     _fake_tensor.UnsupportedFakeTensorException,
 )
 
-# --- dispatch modes and pytrees --------------------------------------------------------------------------------------
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 #: ``with disable_current_modes():`` runs ops unseen by every dispatch mode (the dry run's real kernels)
 disable_current_modes = _python_dispatch._disable_current_modes
@@ -137,7 +135,6 @@ pop_dispatch_mode = _python_dispatch._pop_mode
 push_dispatch_mode = _python_dispatch._push_mode
 
 
-# --- storages, versions, ops ---------------------------------------------------------------------------------------
 def storage_key(storage: torch.UntypedStorage) -> int:
     """The identity of a storage: its StorageImpl (``_cdata``; NOTE: not ``data_ptr()``, 0 for fake and empty ones)."""
     return storage._cdata
@@ -227,7 +224,6 @@ foreach_norm = torch._foreach_norm
 non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
-# --- autograd ----------------------------------------------------------------------------------------------------
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward now (a hook called from it, a recompute)."""
     return torch._C._current_graph_task_id() != -1
@@ -297,7 +293,6 @@ def is_checkpoint_wrapper(module: nn.Module) -> bool:
     return isinstance(module, ActivationWrapper)
 
 
-# --- nn.Module internals --------------------------------------------------------------------------------------------
 BatchNormBase = _BatchNorm
 
 
@@ -357,7 +352,6 @@ def forget_fake_output(t: torch.Tensor) -> None:
             del memo[ref.key]
 
 
-# --- LR schedulers ----------------------------------------------------------------------------------------------------
 def chained_schedulers(scheduler: Any) -> tuple[Any, ...]:
     """The inner schedulers of a ``SequentialLR``/``ChainedScheduler`` (empty for any other scheduler)."""
     return tuple(getattr(scheduler, "_schedulers", ()))

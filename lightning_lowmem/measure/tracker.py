@@ -235,7 +235,6 @@ class MemoryTracker:
         self._mode: _Mode | None = None
         self._reset()
 
-    # --- state --------------------------------------------------------------------------------------
     def _reset(self) -> None:
         self._recs: dict[int, _Rec] = {}
         self._live = ([0] * 5, [0] * 5)
@@ -265,7 +264,6 @@ class MemoryTracker:
         self._cuda: dict[str, list[int]] = {}
         self._ops = 0
 
-    # --- the ledger: one record per storage, the hot path --------------------------------------------
     def _see(self, t: torch.Tensor, mutates: bool = True) -> None:
         st = _storage(t)
         if st is None:
@@ -407,7 +405,6 @@ class MemoryTracker:
                 best = snaps[role]
         return best
 
-    # --- classification from the objects we know -----------------------------------------------------
     def _tag(self, t: torch.Tensor | None, cat: int) -> None:
         if t is None or not isinstance(t, torch.Tensor):
             return
@@ -485,7 +482,6 @@ class MemoryTracker:
         if rec is not None and rec.role != _HOST:
             self._retag(rec, rec.cat, _HOST, retro=True)
 
-    # --- public API -------------------------------------------------------------------------------------
     def track(self, *tensors: Any, category: str = "other") -> None:
         """Count tensors that existed before tracking started (e.g. the batch), in ``category``.
 
@@ -641,7 +637,6 @@ class MemoryTracker:
             if self._mode is not None and self._phase == name:
                 self.set_phase(None)
 
-    # --- readings ---------------------------------------------------------------------------------------
     @property
     def peak_bytes(self) -> int:
         """The highest device-role live bytes seen while tracking."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import lightning as L
@@ -17,9 +18,12 @@ from lightning_lowmem.core.reproducible import Reproducible, fresh
 from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.plan.hardware import PROFILES
 from lightning_lowmem.plan.output import trainer_yaml
-from lightning_lowmem.plan.recipes import optimizer_choices, technique_field
-from lightning_lowmem.plan.search import plan
+from lightning_lowmem.plan.recipes import BASES, IN_BACKWARD, optimizer_choices, technique_field
+from lightning_lowmem.plan.search import NoRecipeFitsError, plan
 from lightning_lowmem.plan.source import effective_batch
+from lightning_lowmem.strategies.offload import checks as offload_checks
+from lightning_lowmem.strategies.offload.precision import MasterHalfPrecision
+from lightning_lowmem.strategies.offload.step_schedule import in_backward_problems
 
 #: what a device budget leaves free by default (CUDA context growth, allocator slack, fragmentation)
 DEFAULT_MARGIN = 0.1
@@ -124,9 +128,18 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         effective = effective_batch(user, loader, trainer.accumulate_grad_batches)
         # NOTE: the dry runs run fake copies of the module, on forked random generators (`dry_run`): the module and
         # the random streams training starts from are as the user left them
-        self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
-                         hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user,
-                         target="cuda" if self.root_device.type == "cuda" else "cpu", optimizers=self.allowed_optimizers)
+        refused = refused_bases(trainer, model)
+        bases = [b for b in BASES if b not in refused and (self.pure_half or b != "half")] if refused else None
+        not_planned = "".join(f"\n  not planned: {BASES[b][0].format(h='bf16')}: {why}" for b, why in refused.items())
+        try:
+            self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
+                             hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user, bases=bases,
+                             target="cuda" if self.root_device.type == "cuda" else "cpu",
+                             optimizers=self.allowed_optimizers)
+        except NoRecipeFitsError as err:
+            if not refused:
+                raise
+            raise NoRecipeFitsError(f"{err}{not_planned}") from err
         run = self.plan.run
         added = [c for c in run.callbacks if not any(type(u) is type(c) for u in user)]
         strategy = self._build(trainer, run.strategy, run.precision)
@@ -138,6 +151,7 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         described = trainer_yaml(run)
         described["callbacks"] = [d for d, c in zip(described["callbacks"], run.callbacks) if c in added]
         dropped = "".join(f"\n  dropped {r.name}: {r.why}" for r in self.plan.rows if r.status == "refused")
+        dropped += not_planned
         rank_zero_info(f"lowmem_auto: {self.plan.summary()}{dropped}\nreproduce it with (trainer: in a YAML):\n"
                        + yaml.safe_dump(described, sort_keys=False).rstrip())
         strategy.connect(model)
@@ -157,4 +171,19 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         return built.strategy
 
 
-__all__ = ["AutoStrategy"]
+def refused_bases(trainer: L.Trainer, module: L.LightningModule) -> dict[str, str]:
+    """The recipe bases whose strategy refuses this Trainer's own callbacks and settings, with its reasons (the
+    strategies' own checks: a plan must not choose a run that refuses at setup)."""
+    out = {}
+    for base in ("offload", "offload_params", *IN_BACKWARD):
+        problems = offload_checks.callback_problems(trainer, base.startswith("offload_params"))
+        if base in IN_BACKWARD:
+            with warnings.catch_warnings():  # NOTE: its warnings are for a run that steps in backward, not a plan
+                warnings.simplefilter("ignore")
+                problems += in_backward_problems(trainer, module, MasterHalfPrecision("bf16-true"))
+        if problems:
+            out[base] = "; ".join(problems)
+    return out
+
+
+__all__ = ["AutoStrategy", "refused_bases"]

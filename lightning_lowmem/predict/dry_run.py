@@ -56,7 +56,6 @@ from lightning_lowmem.predict.result import MemoryEstimate
 from lightning_lowmem.predict.run_spec import RunSpec, ZeroPlan
 
 
-# --- data ------------------------------------------------------------------------------------------------------
 class _Repeat:
     """A loader that yields a copy of one batch ``n`` times (Lightning iterates any sized iterable).
 
@@ -112,7 +111,6 @@ def _fit_data(data: Any, batch: Any) -> dict[str, Any]:
     return {"train_dataloaders": data}
 
 
-# --- one trace ---------------------------------------------------------------------------------------------------
 class _StopAfter(L.Callback):
     """Ends the fit after ``steps`` optimizer-step windows (a GAN's batch steps two optimizers: one window)."""
 
@@ -233,7 +231,6 @@ def _trace(
     return recorder.steps
 
 
-# --- public entry ------------------------------------------------------------------------------------------------
 def dry_run(
     module: Any,
     data: Any = None,

@@ -329,3 +329,30 @@ def test_lowmem_auto_on_a_cpu_logs_the_dropped_candidates_and_this_machines_rate
     assert "lowmem_auto: chosen:" in text and "on measured-host" in text and "rtx3060" not in text
     assert "dropped" in text and "cannot run: RuntimeError: could not create a primitive descriptor" in text
     assert trainer.global_step == 1
+
+
+def test_lowmem_auto_does_not_plan_a_recipe_that_refuses_the_trainers_own_callbacks(caplog):
+    """The strategies' own checks of the Trainer's Lightning callbacks run before planning: a base whose strategy would
+    refuse them at setup is not planned (lowmem_auto chose the step in backward on a CPU, which then refused a
+    GradientAccumulationScheduler; found by the conformance sweep)."""
+    import logging
+
+    from lightning.pytorch.callbacks import BackboneFinetuning, GradientAccumulationScheduler
+
+    from lightning_lowmem.plan.auto import refused_bases
+
+    quiet = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+             "enable_model_summary": False}
+    module = tiny_lm_module()
+    assert refused_bases(L.Trainer(**quiet), module) == {}
+    steps_late = L.Trainer(callbacks=[GradientAccumulationScheduler({1: 2})], **quiet)
+    assert set(refused_bases(steps_late, module)) == {"offload_obw", "offload_params_obw"}
+    unfreezes = L.Trainer(callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)], **quiet)
+    assert set(refused_bases(unfreezes, module)) == {"offload", "offload_obw", "offload_params", "offload_params_obw"}
+
+    auto = AutoStrategy(device_budget="256MB", host_budget="4GB")
+    trainer = L.Trainer(strategy=auto, max_steps=1, callbacks=[GradientAccumulationScheduler({1: 2})], **quiet)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(module, datamodule=TokenData())
+    assert not getattr(trainer.strategy, "optimizer_in_backward", False) and trainer.global_step == 1
+    assert "not planned: lowmem_offload + opt-in-bwd: `GradientAccumulationScheduler(scheduling=" in caplog.text

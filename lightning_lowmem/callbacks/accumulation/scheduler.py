@@ -176,7 +176,6 @@ class AccumulationScheduler(Reproducible, L.Callback):
         self._tokens_checked = False
         self._stepped = False  # an optimizer step closed the window under way: log its stats
 
-    # --- configuration --------------------------------------------------------------------------------------------
     def effective_batch_at(self, step: int, epoch: int) -> int:
         """The effective batch the schedule gives at optimizer step ``step`` of epoch ``epoch``."""
         key = step if self.schedule_interval == "step" else epoch
@@ -320,7 +319,6 @@ class AccumulationScheduler(Reproducible, L.Callback):
                 "LayerNorm, or SyncBatchNorm across processes, if that matters)."
             )
 
-    # --- the window -------------------------------------------------------------------------------------------------
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._resume_window:  # NOTE: after the optimizers and their state are restored
@@ -434,7 +432,6 @@ class AccumulationScheduler(Reproducible, L.Callback):
             metrics["accumulation/tokens"] = w.tokens
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
 
-    # --- checkpoints ------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
         reference = self.window.reference if self.window.tokens else None

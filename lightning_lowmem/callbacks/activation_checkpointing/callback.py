@@ -133,7 +133,6 @@ class ActivationCheckpointing(Reproducible, Callback):
         self._pending_choice = False  # no repeated blocks: choose submodules on the first training batch
         self.chosen_by_measurement: dict[str, int] | None = None
 
-    # --- Lightning hooks ------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -200,7 +199,6 @@ class ActivationCheckpointing(Reproducible, Callback):
                     torch_internals.remove_forward_hook(module, key)
         return count
 
-    # --- applying the policy --------------------------------------------------------------------
     def _check_strategy(self, trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
         problems = []
@@ -335,7 +333,6 @@ class ActivationCheckpointing(Reproducible, Callback):
                 self._use_cache.append((config, config.use_cache))
                 config.use_cache = False
 
-    # --- models without repeated blocks ----------------------------------------------------------
     def _choose_by_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         """Blocks for a model with no repeated blocks: the largest submodules whose checkpointing frees memory."""
         self._pending_choice = False
@@ -357,7 +354,6 @@ class ActivationCheckpointing(Reproducible, Callback):
         if self.policy != "budget":
             self._apply_policy()
 
-    # --- budget ---------------------------------------------------------------------------------
     def _measure_and_choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._block_list:
             self.measured = {}

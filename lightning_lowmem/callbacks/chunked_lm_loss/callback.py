@@ -126,7 +126,6 @@ def chunked_causal_lm_loss(
     return loss_sum if reduction == "sum" else loss_sum / count.clamp(min=1)
 
 
-# --- the Hugging Face model's forward, through its hooks and its head's --------------------------------------------
 @dataclass(frozen=True)
 class _Settings:
     chunk_tokens: int

@@ -60,7 +60,13 @@ def trainer_problems(accelerator: Accelerator | None, devices: list[torch.device
             "where plain Lightning's '16-true' has no loss scale; use precision='16-mixed' (gradients loss-scaled "
             "until the step, as plain Lightning's GradScaler leaves them), 'bf16-true', 'bf16-mixed' or '32-true'"
         )
-    for callback in trainer.callbacks if fitting else ():  # type: ignore[attr-defined]
+    return problems + (callback_problems(trainer, offload_params) if fitting else [])
+
+
+def callback_problems(trainer: pl.Trainer, offload_params: Any) -> list[str]:
+    """The Lightning callbacks of ``trainer`` that ``lowmem_offload`` (``offload_params``: streaming) refuses."""
+    problems = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         name = type(callback).__name__
         if isinstance(callback, BaseFinetuning):
             problems.append(

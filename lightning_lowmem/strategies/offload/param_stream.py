@@ -127,7 +127,6 @@ class ParamStream:
         # NOTE: a dispatch mode makes a compiled region run another path (another rounding): no check there
         self._compiled = any(torch_internals.is_compiled_module(m) for m in module.modules())
 
-    # --- setup ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def detach_weights(self, masters: dict[int, torch.Tensor] | None = None) -> None:
         """Make the host copies from the current compute weights (none for a weight with a master in ``masters``, by
@@ -200,7 +199,6 @@ class ParamStream:
                  for n, p in block.named_parameters() if id(p) in self.shapes}
         return ReleasedReadCheck({storage_key(t) for t in self._placeholders.values()}, names)
 
-    # --- moving blocks -------------------------------------------------------------------------------------------
     def _fetch(self, b: int) -> None:
         if b in self._fetched or not self.streamed[b]:
             return
@@ -296,7 +294,6 @@ class ParamStream:
     def fetched_blocks(self) -> list[int]:
         return sorted(self._fetched)
 
-    # --- hooks ---------------------------------------------------------------------------------------------------
     def _pre(self, b: int) -> None:
         if torch_internals.in_backward():  # a recompute that calls the block's __call__ (reentrant or HF checkpointing)
             self._ready(b)
@@ -348,7 +345,6 @@ class ParamStream:
         for c in [c for c in reversed(self._order) if c < b][: self.prefetch]:
             self._fetch(c)
 
-    # --- saved tensors (see [saved weights]) -----------------------------------------------------------------------
     def _push(self, b: int) -> None:
         if not self.streamed[b]:
             self._pushed.append(None)
@@ -385,7 +381,6 @@ class ParamStream:
         data = self.params[b][j].data
         return data.as_strided(size, stride, data.storage_offset() + offset)
 
-    # --- the step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_host(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each ``(master, host copy)`` into the host copy (rounding to the compute dtype, as the device path)."""

@@ -167,7 +167,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         """Steps skipped by the non-finite guard (bf16/fp32), over the strategy's life."""
         return self._guard.skipped_steps
 
-    # --- where things run ------------------------------------------------------------------------------
     @property
     @override
     def root_device(self) -> torch.device:
@@ -201,7 +200,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
 
-    # --- setup -----------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -312,7 +310,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             self._transfer.synchronize()
             self._transfer = transfer_for(self.root_device, self._masters.p_device)
 
-    # --- the host RAM it needs --------------------------------------------------------------------------
     def host_bytes_needed(
         self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool = True, callbacks: Sequence[Any] = ()
     ) -> dict[str, int]:
@@ -364,7 +361,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         host_memory.check_host_memory({k.replace("_", " "): v for k, v in need.items()},
                                       who=f"`OffloadStrategy` (strategy='{self._name}')", fixes=fixes)
 
-    # --- the masters ----------------------------------------------------------------------------------
     @property
     def masters(self) -> dict[str, Parameter]:
         """``{parameter name: fp32 host master}`` (empty outside ``fit``/``validate``/``test``)."""
@@ -400,7 +396,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
                 masters.grad_host[i] = torch.empty_like(masters.p_host[i])
                 mark_host(masters.grad_host[i])
 
-    # --- the step ---------------------------------------------------------------------------------------
     def _grad_ready(self, i: int, p_device: Tensor) -> None:
         """The gradient hook of module parameter ``i``: its gradient leaves the device for the step schedule."""
         grad = p_device.grad
@@ -510,7 +505,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             for p_host in self._masters.p_host:
                 p_host.grad = None
 
-    # --- checkpoints ---------------------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state dict with the fp32 masters for the weights (a plain fp32 module loads it)."""
@@ -551,7 +545,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             self._marked.pop(id(optimizer), None)
             mark_host_state(optimizer, self._marked)  # load_state_dict made new state tensors
 
-    # --- memory report ------------------------------------------------------------------------------------------
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes of compute weights and gradients on the device; masters, gradients, optimizer state on the host."""
         out = MemoryBreakdown()
@@ -580,7 +573,6 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         out["total"] = sum(out.values())
         return out
 
-    # --- teardown ----------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
         self._manual.detach()

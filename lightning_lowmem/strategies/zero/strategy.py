@@ -169,7 +169,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         # NOTE: merged now: `zero_stage_3` and `model_sharded_context` (before `setup`) see the final ZeRO section
         super().__init__(config=zc.merge(preset, self._user_config), **kwargs)
 
-    # ---- the three CPU obstacles of Lightning's DeepSpeedStrategy -----------------------------------------
     @override
     def setup_environment(self) -> None:
         # NOTE: the parent refuses every accelerator but CUDA; DeepSpeed itself picks its CPU accelerator.
@@ -275,7 +274,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self._checkpoints = checkpoint_engine.install(engine)
         return engine, ds_optimizer
 
-    # ---- checkpoints: atomic directory saves, checked loads (see `strategies.zero.checkpoint`) ---------------
     def _writes_shared_files(self) -> bool:
         """Whether this process writes the checkpoint's shared files (``latest``, the swap): DeepSpeed's rank 0."""
         engine = self.model
@@ -343,7 +341,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             self._refuse([loader_problem(dataloader)])
         return super().process_dataloader(dataloader)
 
-    # ---- config: preset <- Trainer <- user JSON ------------------------------------------------------------
     @override
     def _format_config(self) -> None:
         assert self.lightning_module is not None and self.config is not None
@@ -367,7 +364,6 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         self.config.clear()
         self.config.update(merged)
 
-    # ---- optimizer: Adam/AdamW -> DeepSpeedCPUAdam under offload ------------------------------------------
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler_config = super()._init_optimizers()
