@@ -150,6 +150,13 @@ class _StepBracket(L.Callback):
         self.fx.in_step = True
 
     @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        # NOTE: Lightning's teardown then moves the module, and torch moves a fake parameter's `.grad` by
+        # `swap_tensors`, which refuses one something holds a weak reference to (a real gradient the fake mode converted)
+        for p in pl_module.parameters():
+            p.grad = None
+
+    @override
     def on_train_batch_end(self, *args: Any) -> None:
         self.fx.in_step = False
 
