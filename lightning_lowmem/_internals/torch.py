@@ -338,12 +338,9 @@ def remove_forward_hook(module: nn.Module, key: int) -> None:
 
 
 def forget_fake_output(t: torch.Tensor) -> None:
-    """Drop the fake mode's memo entry of ``t``, an op's output: the weak reference that makes ``swap_tensors`` refuse it.
-
-    NOTE: ``FakeTensorConverter.from_meta_and_device`` files each op's output under the id of a fresh meta tensor, a key
-    nothing looks up again; but ``nn.Module._apply`` moves a fake parameter with ``swap_tensors`` (also into the
-    ``Parameter`` it builds with ``detach()``), which refuses any weakly referenced tensor (pytorch#148977).
-    """
+    """Drop the fake mode's memo entry of ``t``, an op's output, whose weak reference makes ``swap_tensors`` (which
+    ``nn.Module._apply`` moves a fake parameter with) refuse it. NOTE: the entry's key is a fresh meta tensor's id, never
+    looked up again (pytorch#148977)."""
     if not isinstance(t, FakeTensor):
         return
     memo = t.fake_mode.fake_tensor_converter.tensor_memo

@@ -1,11 +1,8 @@
 """What a dry run with ``target="cuda"`` changes: CUDA's choices counted on a CPU trace, and the corrections added.
 
-The trace runs CPU's kernels on fake CPU tensors (fake CUDA tensors abort a CPU-only build at the first autograd
-edge). Dropout masks are counted at CUDA's 1 B per element (``MemoryTracker(bool_masks=True)``), torch optimizers
-of the device role take CUDA's ``foreach`` default, and the CUDA context and pinned staging are added; each is
-listed in the estimate's ``corrections``, uncalibrated until a GPU run confirms it. Attention is traced with CPU's
-kernel (see ``sdpa_math_kernel``): CUDA's choice cannot be emulated without swapping ``F.scaled_dot_product_attention``
-(a torch function mode does not reach a checkpointed block's recompute).
+CPU's kernels run on fake CPU tensors (fake CUDA ones abort a CPU-only build); dropout masks count at CUDA's 1 B an
+element, device optimizers take ``foreach``, the CUDA context and pinned staging are added, each listed in the
+estimate's ``corrections`` (docs/estimate.md).
 """
 
 from __future__ import annotations

@@ -151,8 +151,7 @@ class _StepBracket(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        # NOTE: Lightning's teardown then moves the module, and torch moves a fake parameter's `.grad` by
-        # `swap_tensors`, which refuses one something holds a weak reference to (a real gradient the fake mode converted)
+        # NOTE: Lightning's teardown moves the module next: torch swaps a fake parameter's `.grad`, refused if weakly held
         for p in pl_module.parameters():
             p.grad = None
 

@@ -34,7 +34,7 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.predict.data_dependent import DataDependent
 from lightning_lowmem.predict.depth import fewer_layers, find_blocks
 from lightning_lowmem.predict.kernels import KernelMatch
-from lightning_lowmem.predict.unsupported import DryRunUnsupportedError, model_line, unsupported
+from lightning_lowmem.predict.unsupported import SWAP_REFUSED, DryRunUnsupportedError, model_line, unsupported
 
 FakeTensor = torch_internals.FakeTensor
 FAKE_ERRORS = torch_internals.FAKE_ERRORS
@@ -119,13 +119,9 @@ class _Values(torch_internals.TorchDispatchMode):
 
 
 def _detached(p: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = p.detach()``, the step of ``module.to()`` that a fake parameter takes differently from a real one.
-
-    NOTE: torch moves a fake parameter with ``swap_tensors(p, Parameter(p.to(...)))`` (a real one through ``.data``),
-    which refuses a weakly referenced tensor (the fake mode's memo of ``out``: dropped, see
-    :func:`~lightning_lowmem._internals.torch.forget_fake_output`) and would leave ``p`` without the Python attributes a
-    real one keeps (a packed 4-bit weight's ``quant_state``): a parameter's are carried onto ``out``.
-    """
+    """``out = p.detach()``. NOTE: ``module.to()`` swaps a fake parameter with ``Parameter(p.to(...))`` (a real one goes
+    through ``.data``): ``out`` must hold no weak reference (``forget_fake_output``) and carry ``p``'s attributes (a packed
+    4-bit weight's ``quant_state``), which a real parameter keeps."""
     torch_internals.forget_fake_output(out)
     if isinstance(p, torch.nn.Parameter):
         mine = vars(out)
@@ -270,8 +266,10 @@ def fake_execution() -> Iterator[FakeExecution]:
             for lg in loggers:
                 lg.setLevel(logging.ERROR)
             yield execution
-    except FAKE_ERRORS as err:
-        raise unsupported(err) from err
+    except Exception as err:
+        if isinstance(err, FAKE_ERRORS) or str(err).startswith(SWAP_REFUSED):
+            raise unsupported(err) from err
+        raise
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

@@ -58,7 +58,16 @@ def model_line(tb: Any = None) -> str | None:
     return _where(traceback.extract_tb(tb) if tb is not None else traceback.extract_stack())
 
 
+#: how ``nn.Module._apply`` refuses to move a fake parameter (see :func:`unsupported`)
+SWAP_REFUSED = "_apply(): Couldn't swap"
+
+
 def unsupported(err: BaseException) -> DryRunUnsupportedError:
+    if str(err).startswith(SWAP_REFUSED):
+        return DryRunUnsupportedError(
+            "Module.to()", f"torch moves a fake parameter with `swap_tensors`, which refuses one that autograd or another "
+            f"object still holds ({err}; pytorch#148977, seen on Switch Transformers under lowmem_offload)",
+            model_line(err.__traceback__))
     op = getattr(err, "func", None)
     detail = str(err) or type(err).__name__
     if isinstance(err, (torch_internals.DataDependentOutputException, torch_internals.DynamicOutputShapeException)):
@@ -69,4 +78,4 @@ def unsupported(err: BaseException) -> DryRunUnsupportedError:
                                   model_line(err.__traceback__))
 
 
-__all__ = ["DryRunUnsupportedError", "model_line", "unsupported"]
+__all__ = ["SWAP_REFUSED", "DryRunUnsupportedError", "model_line", "unsupported"]
