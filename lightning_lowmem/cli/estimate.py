@@ -431,8 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         est.method + (f" ({est.fallback_reason})" if est.fallback_reason else ""))
             payload.append({"combination": name, **est.to_dict()})
     if target == "cuda":
-        print("GPU corrections (uncalibrated, no GPU run yet): 1-byte dropout masks, flash SDPA, foreach AdamW "
-              "traced; +512 MiB CUDA context; allocator fragmentation not modelled.")
+        print("GPU corrections (uncalibrated, no GPU run yet): 1-byte dropout masks, foreach AdamW; +512 MiB CUDA "
+              "context; attention with dropout at CPU's math kernel (high); allocator fragmentation not modelled.")
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return 0
