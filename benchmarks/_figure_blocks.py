@@ -69,6 +69,28 @@ def host_wall(r: Results) -> str:
     return f"{setup}\n\n{body}\n\n{source(d, dry_run(d))}"
 
 
+@block("disk_tier")
+def disk_tier(r: Results) -> str:
+    d = r["disk_tier"]
+    t, ram, disk = d["tier"], d["rows"][0], d["rows"][1]
+    seq = t["sequential"]
+    body = table(
+        ["run", "host state (masters + AdamW)", "memory cap", "peak RSS", "cgroup peak", "s/step",
+         "final masters equal"],
+        [[v["run"], gib(v["host_state"]), gib(v["cap"]) if v["cap"] else "none", gib(v["peak_rss"]),
+          gib(v["cgroup_peak"]) if v["cgroup_peak"] else "-", f"{v['s_per_step']:.1f}",
+          "-" if v["identical"] is None else ("yes (torch.equal)" if v["identical"] else "NO")] for v in (ram, disk)],
+    )
+    io = (f"The tier: {gib(t['bytes_on_disk'])} on disk, at most {mib(t['peak_bytes_in_ram'])} of it in RAM (budget "
+          f"{t['budget']}); {human(t['tier_rw_Bps'])}/s while its threads read and wrote, "
+          f"**{t['ratio_to_sequential']:.2f}** of the same disk's sequential read+write measured in the same process "
+          f"({human(seq['rw_Bps'])}/s; reads {t['read_ratio']:.2f}, writes {t['write_ratio']:.2f} of sequential); "
+          f"**{t['hidden_fraction']:.2f}** of the tier's I/O time hidden behind compute.")
+    setup = (f"{disk['params'] / 1e6:.0f}M-parameter LLaMA-style model, bf16-true, AdamW with the step in backward, "
+             "each run in a new process; the capped one in a memory cgroup (page cache and mapped files count).")
+    return f"{setup}\n\n{body}\n\n{io}\n\n{source(d, where(d))}"
+
+
 @block("offload")
 def offload_host_optimizer(r: Results) -> str:
     d = r["offload"]

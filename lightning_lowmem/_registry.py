@@ -22,6 +22,9 @@ STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
                        "gradients and optimizer on the host"), {}),
     "lowmem_offload_params": (*_OFFLOAD, ("lowmem_offload with the repeated blocks' compute weights on the host too, "
                               "streamed to the device block by block"), {"offload_params": True}),
+    "lowmem_offload_disk": (*_OFFLOAD, ("lowmem_offload with the fp32 masters and the optimizer state in files on "
+                            "a local disk (the Trainer's `default_root_dir`), each stepped as its gradient lands"),
+                            {"optimizer_in_backward": True, "disk": True}),
     "lowmem_auto": ("lightning_lowmem.plan.auto", "AutoStrategy", ("the fastest recipe of the suite that fits the "
                     "device, planned at fit start from dry runs (`lowmem plan`)"), {}),
     "lowmem_zero2": (*_ZERO, "DeepSpeed ZeRO stage 2 (optimizer state and gradients sharded), also on CPU",

@@ -20,7 +20,7 @@ ALL = ['AccumulationScheduler', 'ActivationCheckpointing', 'ActivationOffload', 
        'RunSpec', 'StdlibTextDataModule', 'StepMemoryRecorder', 'ZeroStrategy', 'chunked_causal_lm_loss', 'dry_run', 'dry_run_peak',
        'estimate_memory', 'pl', 'plan', 'register_strategies', 'zero']
 #: the registered strategy names before the move
-REGISTERED = ['lowmem_auto', 'lowmem_offload', 'lowmem_offload_params', 'lowmem_zero2', 'lowmem_zero2_offload',
+REGISTERED = ['lowmem_auto', 'lowmem_offload', 'lowmem_offload_disk', 'lowmem_offload_params', 'lowmem_zero2', 'lowmem_zero2_offload',
               'lowmem_zero3', 'lowmem_zero3_nvme', 'lowmem_zero3_offload']
 #: other public modules' ``__all__`` before the move
 MODULES = {

@@ -399,8 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in rows:
             table.print(*row)
         verdict = "" if budget is None else f"; {'fits' if est.fits(budget) else 'does NOT fit'} {given}"
+        disk = f", disk {fmt_size(est.peak_disk)}" if est.peak_disk else ""
         print(f"device peak {fmt_size(est.peak_device)} ({est.binding_phase}), host peak {fmt_size(est.peak_host)}"
-              f"{verdict}; {est.method}, {time.perf_counter() - t0:.1f} s")
+              f"{disk}{verdict}; {est.method}, {time.perf_counter() - t0:.1f} s")
         for note in est.notes:
             print(f"  note: {note}")
         payload.append({"config": args.config, **est.to_dict()})

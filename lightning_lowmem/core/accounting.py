@@ -1,4 +1,4 @@
-"""The five memory categories every report and benchmark speaks in, in bytes per role (``device``, ``host``).
+"""The five memory categories every report and benchmark speaks in, in bytes per role (``device``, ``host``, ``disk``).
 
 On a CPU-only machine both roles are the same memory; the split then says which tensors a technique keeps in the
 compute role (docs/design.md, "Memory categories").
@@ -16,9 +16,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_lowmem._internals import torch as torch_internals
 
 Category = Literal["weights", "gradients", "optimizer_state", "activations", "other"]
-Role = Literal["device", "host"]
+Role = Literal["device", "host", "disk"]
 CATEGORIES: tuple[Category, ...] = ("weights", "gradients", "optimizer_state", "activations", "other")
-ROLES: tuple[Role, ...] = ("device", "host")
+ROLES: tuple[Role, ...] = ("device", "host", "disk")
 
 
 def _zeros() -> dict[str, int]:
@@ -27,10 +27,11 @@ def _zeros() -> dict[str, int]:
 
 @dataclass
 class MemoryBreakdown:
-    """Bytes by category, for the device role and the host role."""
+    """Bytes by category, for the device role, the host role and the disk (``lowmem_offload_disk``'s tier)."""
 
     device: dict[str, int] = field(default_factory=_zeros)
     host: dict[str, int] = field(default_factory=_zeros)
+    disk: dict[str, int] = field(default_factory=_zeros)
 
     def add(self, role: Role, category: Category, nbytes: int) -> None:
         if category not in CATEGORIES:
@@ -118,7 +119,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 # NOTE: on a CPU-only machine the device cannot tell the roles apart: techniques mark what they keep on the host and
 # trackers count marked storages there. Marks are weak (by identity): a freed tensor drops out by itself.
 _HOST_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_HOST_LISTENERS: list[Callable[[torch.Tensor], None]] = []
+_HOST_LISTENERS: list[Callable[..., None]] = []
 
 
 def mark_host(*tensors: torch.Tensor) -> None:
@@ -150,17 +151,34 @@ def host_weight_copies(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [host for host, i in list(_HOST_WEIGHTS.items()) if i in ids]
 
 
+_DISK_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_disk(*tensors: torch.Tensor) -> None:
+    """Mark tensors as held by a disk tier (a dry run's stand-ins for its files): trackers count them on the disk."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t not in _DISK_TENSORS:
+            _DISK_TENSORS[t] = True
+            for listener in _HOST_LISTENERS:
+                listener(t, "disk")
+
+
+def disk_tensors() -> list[torch.Tensor]:
+    return list(_DISK_TENSORS)
+
+
 def host_tensors() -> list[torch.Tensor]:
     """Every live tensor marked with :func:`mark_host`."""
     return list(_HOST_TENSORS)
 
 
-def add_host_listener(fn: Callable[[torch.Tensor], None]) -> None:
-    """Call ``fn(tensor)`` on every later :func:`mark_host` (an active ``MemoryTracker`` re-tags at once)."""
+def add_host_listener(fn: Callable[..., None]) -> None:
+    """Call ``fn(tensor)`` on every later :func:`mark_host`, ``fn(tensor, "disk")`` on every :func:`mark_disk` (an
+    active ``MemoryTracker`` re-tags at once)."""
     _HOST_LISTENERS.append(fn)
 
 
-def remove_host_listener(fn: Callable[[torch.Tensor], None]) -> None:
+def remove_host_listener(fn: Callable[..., None]) -> None:
     if fn in _HOST_LISTENERS:
         _HOST_LISTENERS.remove(fn)
 

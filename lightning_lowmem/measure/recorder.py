@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_lowmem.core.accounting import CATEGORIES, ReportsMemory
+from lightning_lowmem.core.accounting import CATEGORIES, ROLES, ReportsMemory
 from lightning_lowmem.measure.cuda_peak import CudaPeaks, CudaPeakWindow
 from lightning_lowmem.measure.tracker import MemoryTracker
 
@@ -200,7 +200,7 @@ def phase_maxima(steps: list[dict[str, Any]], scopes: Any = PHASES) -> dict[str,
     ``steps`` (records of the recorder); a scope no step ran is absent."""
     out: dict[str, dict[str, dict[str, int]]] = {}
     for scope in scopes:
-        for role in ("device", "host"):
+        for role in ROLES:
             best: dict[str, int] | None = None
             for record in steps:
                 p = record["phases"].get(scope)

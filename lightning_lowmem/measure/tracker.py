@@ -58,7 +58,7 @@ _FORWARD = "forward"
 _BACKWARD = "backward"
 _OPTIMIZER = "optimizer"
 _W, _G, _O, _A, _X = range(5)  # indices into CATEGORIES: weights, gradients, optimizer_state, activations, other
-_DEV, _HOST = 0, 1  # indices into ROLES
+_DEV, _HOST, _DISK = 0, 1, 2  # indices into ROLES
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 B
 
 
@@ -167,6 +167,8 @@ class PhasePeak:
     by_category: dict[str, int] = field(default_factory=_cat._zeros)
     host_total: int = 0
     host_by_category: dict[str, int] = field(default_factory=_cat._zeros)
+    disk_total: int = 0
+    disk_by_category: dict[str, int] = field(default_factory=_cat._zeros)
     cuda_max_allocated: int | None = None
     cuda_max_reserved: int | None = None
 
@@ -174,6 +176,7 @@ class PhasePeak:
         return {
             "device": {**self.by_category, "total": self.total},
             "host": {**self.host_by_category, "total": self.host_total},
+            "disk": {**self.disk_by_category, "total": self.disk_total},
             "cuda_max_allocated": self.cuda_max_allocated,
             "cuda_max_reserved": self.cuda_max_reserved,
         }
@@ -237,10 +240,10 @@ class MemoryTracker:
 
     def _reset(self) -> None:
         self._recs: dict[int, _Rec] = {}
-        self._live = ([0] * 5, [0] * 5)
-        self._tot = [0, 0]
+        self._live = ([0] * 5, [0] * 5, [0] * 5)
+        self._tot = [0, 0, 0]
         self._seq = 0
-        self._peak = (_Snap(), _Snap())
+        self._peak = (_Snap(), _Snap(), _Snap())
         self._phase_snaps: dict[str, tuple[_Snap, _Snap]] = {}
         self._phase: str | None = None
         self._cur = self._peak  # the current phase's snapshots (or the overall ones outside phases)
@@ -251,6 +254,7 @@ class MemoryTracker:
         self._in_fwd = False
         self._fwd_epoch = 0
         self._host_keys: set[int] = set()
+        self._disk_keys: set[int] = set()  # storages a disk tier holds (`mark_disk`): counted on the disk, not in RAM
         self._phase_order: list[str] = []
         self._timeline: list[tuple[int, int, int, int, int, int, int]] = []
         self._host_on_accel = self.device.type not in ("cpu", "meta")
@@ -287,6 +291,7 @@ class MemoryTracker:
     def _add(self, st: torch.UntypedStorage, t: torch.Tensor, key: int, cat: int) -> None:
         n = self._nbytes(st, t)
         role = _HOST if (key in self._host_keys or (self._host_on_accel and t.device.type == "cpu")) else _DEV
+        role = _DISK if key in self._disk_keys else role
         with self._lock:
             self._seq += 1
             rec = _Rec(n, cat, role, self._seq, self._fwd_epoch if cat == _A else 0)
@@ -304,7 +309,7 @@ class MemoryTracker:
     def _update_peaks(self, role: int) -> None:
         total = self._tot[role]
         if self._win_events is not None:
-            self._win_events.append([self._seq, self._live[_DEV].copy(), self._live[_HOST].copy()])
+            self._win_events.append([self._seq, *(live.copy() for live in self._live)])
         for snap in (self._peak[role], self._cur[role], *((self._win[role],) if self._win is not None else ())):
             if total > snap.total:
                 snap.total = total
@@ -319,6 +324,7 @@ class MemoryTracker:
             rec = self._recs.pop(key, None)
             # NOTE: a freed storage's key (its address) is reused by later storages: drop its host mark.
             self._host_keys.discard(key)
+            self._disk_keys.discard(key)
             if rec is None:
                 return
             if rec.cat == _A and self._in_fwd and rec.fwd == self._fwd_epoch:
@@ -389,7 +395,7 @@ class MemoryTracker:
         """A scope (phase or window) starts from what is live now."""
         with self._lock:
             self._seq += 1
-            for role in (_DEV, _HOST):
+            for role in (_DEV, _HOST, _DISK):
                 if self._tot[role] > snaps[role].total:
                     snaps[role].total = self._tot[role]
                     snaps[role].cats = self._live[role].copy()
@@ -474,13 +480,16 @@ class MemoryTracker:
             self._host_refs.append(weakref.ref(st, lambda _r, key=key: self._host_keys.discard(key)))
         return key
 
-    def _on_mark_host(self, t: torch.Tensor) -> None:
+    def _on_mark_host(self, t: torch.Tensor, role: str = "host") -> None:
         key = self._note_host(t)
         if key is None:
             return
+        if role == "disk":
+            self._disk_keys.add(key)
         rec = self._recs.get(key)
-        if rec is not None and rec.role != _HOST:
-            self._retag(rec, rec.cat, _HOST, retro=True)
+        new = _DISK if key in self._disk_keys else _HOST
+        if rec is not None and rec.role != new:
+            self._retag(rec, rec.cat, new, retro=True)
 
     def track(self, *tensors: Any, category: str = "other") -> None:
         """Count tensors that existed before tracking started (e.g. the batch), in ``category``.
@@ -502,6 +511,8 @@ class MemoryTracker:
         self._reset()
         for t in _cat.host_tensors():
             self._note_host(t)
+        for t in _cat.disk_tensors():
+            self._on_mark_host(t, "disk")
         _cat.add_host_listener(self._on_mark_host)
         self._phase_order.append("<start>")
         self._scan()
@@ -570,7 +581,7 @@ class MemoryTracker:
             return
         self._phase = name
         self._phase_order.append(name)
-        snaps = self._phase_snaps.setdefault(name, (_Snap(), _Snap()))
+        snaps = self._phase_snaps.setdefault(name, (_Snap(), _Snap(), _Snap()))
         self._cur = snaps
         if name == _FORWARD:
             self._in_fwd = True
@@ -618,7 +629,7 @@ class MemoryTracker:
         self._win_events = None
         if events:
             self._win_events = self.window_events[key] = []
-        snaps = self._phase_snaps.setdefault(key, (_Snap(), _Snap()))
+        snaps = self._phase_snaps.setdefault(key, (_Snap(), _Snap(), _Snap()))
         self._win = snaps
         self._open(snaps)
 
@@ -643,7 +654,8 @@ class MemoryTracker:
         return max(self._best(_DEV).total, 0)
 
     def peak_bytes_role(self, role: Role) -> int:
-        """The highest live bytes of ``role`` (``"device"`` or ``"host"``) seen while tracking."""
+        """The highest live bytes of ``role`` (``"device"``, ``"host"``, or ``"disk"``: a disk tier's) seen while
+        tracking."""
         if role not in ROLES:
             raise ValueError(f"Passed `role={role!r}`; expected one of {ROLES}.")
         return max(self._best(ROLES.index(role)).total, 0)
@@ -656,7 +668,7 @@ class MemoryTracker:
     @property
     def peaks(self) -> dict[str, PhasePeak]:
         out = {}
-        for name, (dev, host) in self._phase_snaps.items():
+        for name, (dev, host, disk) in self._phase_snaps.items():
             cuda = self._cuda.get(name)
             out[name] = PhasePeak(
                 name=name,
@@ -664,22 +676,24 @@ class MemoryTracker:
                 by_category=dict(zip(CATEGORIES, dev.cats)),
                 host_total=max(host.total, 0),
                 host_by_category=dict(zip(CATEGORIES, host.cats)),
+                disk_total=max(disk.total, 0),
+                disk_by_category=dict(zip(CATEGORIES, disk.cats)),
                 cuda_max_allocated=cuda[0] if cuda else None,
                 cuda_max_reserved=cuda[1] if cuda else None,
             )
         return out
 
     def peak_breakdown(self) -> MemoryBreakdown:
-        """Bytes by category at the device-role peak (device) and at the host-role peak (host)."""
-        return MemoryBreakdown(
-            device=dict(zip(CATEGORIES, self._best(_DEV).cats)), host=dict(zip(CATEGORIES, self._best(_HOST).cats))
-        )
+        """Bytes by category at the device-role peak (device), at the host-role peak (host) and on disk (its peak)."""
+        return MemoryBreakdown(device=dict(zip(CATEGORIES, self._best(_DEV).cats)),
+                               host=dict(zip(CATEGORIES, self._best(_HOST).cats)),
+                               disk=dict(zip(CATEGORIES, self._best(_DISK).cats)))
 
     def breakdown(self) -> MemoryBreakdown:
         """Live bytes by category and role now (after exit: at exit)."""
         if self._mode is None and hasattr(self, "_final"):
             return self._final
-        return MemoryBreakdown(device=dict(zip(CATEGORIES, self._live[_DEV])), host=dict(zip(CATEGORIES, self._live[_HOST])))
+        return MemoryBreakdown(*(dict(zip(CATEGORIES, live)) for live in self._live))
 
     def live_bytes(self, role: Role = "device") -> int:
         return self.breakdown().total(role)

@@ -14,7 +14,7 @@ import torch
 from typing_extensions import override
 
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
-from lightning_lowmem.core.accounting import CATEGORIES
+from lightning_lowmem.core.accounting import CATEGORIES, ROLES
 from lightning_lowmem.measure.recorder import PHASES, StepMemoryRecorder, phase_maxima
 
 #: extrapolation is used when the third depth lands this close to the line through the first two (per value)
@@ -154,7 +154,7 @@ def values_of(steps: list[dict[str, Any]], windows: bool = False) -> dict[tuple[
         scopes = list(PHASES)
     maxima = phase_maxima(steps, scopes)
     return {(scope, role, cat): maxima.get(scope, {}).get(role, {}).get(cat, 0)
-            for scope in scopes for role in ("device", "host") for cat in CATEGORIES}
+            for scope in scopes for role in ROLES for cat in CATEGORIES}
 
 
 def events(steps: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
@@ -179,10 +179,10 @@ def event_values(ea: dict, eb: dict, ec: dict, depths: tuple[int, int, int], n: 
         a, b = ea.get(key), eb.get(key)
         if a is None or b is None or not (len(a) == len(b) == len(c)) or not c:
             return out, ((key, "events"), len(c) - len(b or []))
-        for r, role in enumerate(("device", "host")):
+        for r, role in enumerate(ROLES):
             best_total, best = -1, None
             for i in range(len(c)):
-                va, vb, vc = a[i][1 + r], b[i][1 + r], c[i][1 + r]  # NOTE: [seq, device, host]
+                va, vb, vc = a[i][1 + r], b[i][1 + r], c[i][1 + r]  # NOTE: [seq, device, host, disk]
                 line = [round(x + (y - x) * (dc - da) / (db - da)) for x, y in zip(va, vb)]
                 if abs(sum(line) - sum(vc)) > max(AGREEMENT * sum(vc), 4096):
                     return out, ((key, role, i), sum(line) - sum(vc))
@@ -200,7 +200,7 @@ def phases_of(values: dict[tuple[str, str, str], int]) -> dict[tuple[str, str, s
     scopes = {k[0] for k in values}
     for phase in PHASES:
         mine = [sc for sc in scopes if sc.split("@")[0] == phase]
-        for role in ("device", "host"):
+        for role in ROLES:
             best = max(mine, key=lambda sc: sum(values[(sc, role, c)] for c in CATEGORIES), default=None)
             for cat in CATEGORIES:
                 out[(phase, role, cat)] = values[(best, role, cat)] if best is not None else 0

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_lowmem._registry import STRATEGIES
 from lightning_lowmem.callbacks.activation_checkpointing.callback import ActivationCheckpointing
-from lightning_lowmem.core.accounting import CATEGORIES, MemoryBreakdown
+from lightning_lowmem.core.accounting import CATEGORIES, ROLES, MemoryBreakdown
 from lightning_lowmem.measure.recorder import PHASES, StepMemoryRecorder
 from lightning_lowmem.predict.analytic import zero_states
 from lightning_lowmem.predict.cuda_target import CudaOptimizerDefaults, cuda_corrections
@@ -378,7 +378,7 @@ def dry_run(
     phases = {}
     for phase in PHASES:
         bd = MemoryBreakdown()
-        for role in ("device", "host"):
+        for role in ROLES:
             for cat, nbytes in non_negative([values[(phase, role, c)] for c in CATEGORIES]).items():
                 bd.add(role, cat, nbytes)  # type: ignore[arg-type]
         phases[phase] = bd

@@ -55,7 +55,7 @@ class MemoryEstimate:
     #: why this target: the caller's ``target=``, a YAML's ``trainer.accelerator``, or the default (CUDA)
     target_source: str = "the default"
 
-    def peak(self, role: Literal["device", "host"] = "device") -> int:
+    def peak(self, role: Literal["device", "host", "disk"] = "device") -> int:
         return max((bd.total(role) for bd in self.phases.values()), default=0)
 
     @property
@@ -65,6 +65,11 @@ class MemoryEstimate:
     @property
     def peak_host(self) -> int:
         return self.peak("host")
+
+    @property
+    def peak_disk(self) -> int:
+        """Bytes a disk tier holds (``lowmem_offload_disk``'s masters and optimizer state; 0 without one)."""
+        return self.peak("disk")
 
     @property
     def binding_phase(self) -> str:
@@ -78,6 +83,7 @@ class MemoryEstimate:
         return {
             "peak_device": self.peak_device,
             "peak_host": self.peak_host,
+            "peak_disk": self.peak_disk,
             "binding_phase": self.binding_phase,
             "method": self.method,
             "target": self.target,

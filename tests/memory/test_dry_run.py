@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import lightning as L
 import pytest
 import torch
@@ -60,6 +62,9 @@ RUNS = {
     # NOTE: each master's non-finite check runs in a gradient hook, where no torch function mode is active
     "offload, step in backward": lambda: RunSpec(strategy=OffloadStrategy(optimizer_in_backward=True),
                                                  precision="bf16-true"),
+    "offload, disk tier": lambda: RunSpec(strategy=OffloadStrategy(optimizer_in_backward=True,
+                                                                   disk=tempfile.gettempdir(), disk_budget="64KiB"),
+                                          precision="bf16-true"),
     "offload + accumulation": lambda: RunSpec(
         strategy="lowmem_offload", precision="bf16-true",
         callbacks=[AccumulationScheduler(effective_batch_size=4, micro_batch_size=2)]),

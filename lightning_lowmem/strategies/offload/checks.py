@@ -159,6 +159,24 @@ def check_flags(**flags: Any) -> None:
                     f"{flags['offload_params']!r}` it is ignored. Pass `offload_params='auto'`, or remove it.",
                     UserWarning, stacklevel=3,
                 )
+    disk = flags["disk"]
+    if disk is not None and disk is not False:
+        if disk is not True and not isinstance(disk, (str, os.PathLike)):
+            problems.append(f"`disk={disk!r}`; expected a directory (str or os.PathLike), True (the Trainer's "
+                            "`default_root_dir`) or None")
+            type_error = True
+        elif disk is not True and not os.path.isdir(disk):
+            problems.append(f"`disk={os.fspath(disk)!r}`, which is not a directory; create it (on a local disk, an "
+                            "NVMe SSD is best) or pass another")
+        if not flags["optimizer_in_backward"]:
+            problems.append(f"`disk={disk!r}` with `optimizer_in_backward=False`; the disk tier streams each "
+                            "parameter's master and optimizer state through its step as its gradient lands: pass "
+                            "`optimizer_in_backward=True` (or use strategy='lowmem_offload_disk')")
+    try:
+        parse_bytes(flags["disk_budget"], "`disk_budget`")
+    except (TypeError, ValueError) as err:
+        problems.append(f"`disk_budget={flags['disk_budget']!r}` ({err})")
+        type_error |= isinstance(err, TypeError)
     skips = flags["max_consecutive_skips"]
     not_int = isinstance(skips, bool) or not isinstance(skips, int)
     if not_int or skips < 1:

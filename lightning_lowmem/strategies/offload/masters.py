@@ -88,13 +88,15 @@ class HostMasters:
         return torch.empty(p.shape, dtype=torch.float32)
 
     def build(self, module: torch.nn.Module, loading: bool, precision: Any, grad_buffers: bool,
-              frozen: Collection[int] = ()) -> None:
-        """One master (and with ``grad_buffers`` an fp32 gradient buffer) per parameter not in ``frozen``."""
+              frozen: Collection[int] = (), place: Callable[[int, Tensor], Tensor] | None = None) -> None:
+        """One master (and with ``grad_buffers`` an fp32 gradient buffer) per parameter not in ``frozen``; ``place(i,
+        value)`` gives master ``i`` its storage (the disk tier's), one at a time."""
         for name, p in self.unique_params(module):
             if id(p) in frozen:
                 self.frozen[id(p)] = (name, p)
                 continue
-            p_host = Parameter(self.storage(p, loading, precision), requires_grad=p.requires_grad)
+            value = self.storage(p, loading, precision)
+            p_host = Parameter(value if place is None else place(len(self.names), value), requires_grad=p.requires_grad)
             self._add(name, p, p_host, torch.empty_like(p_host) if grad_buffers and p.requires_grad else None)
 
     def _add(self, name: str, p: Parameter, p_host: Parameter, grad: Tensor | None) -> int:

@@ -21,6 +21,7 @@ from lightning_lowmem._internals import torch as torch_internals
 from lightning_lowmem.core.accounting import mark_host, storage_key
 from lightning_lowmem.core.lightning_callbacks import lightning_callback_problems
 from lightning_lowmem.core.reentrant import reentrant_fix
+from lightning_lowmem.strategies.offload.disk_tier import DiskTier
 from lightning_lowmem.strategies.offload.masters import HostMasters
 from lightning_lowmem.strategies.offload.nonfinite import NonFiniteGuard
 
@@ -123,8 +124,10 @@ class StepInBackward:
     grad_buffers = False
 
     def __init__(self, masters: HostMasters, guard: NonFiniteGuard | None, clip_value: float | None,
-                 optimizers: Callable[[], Sequence[Optimizer]]) -> None:
+                 optimizers: Callable[[], Sequence[Optimizer]], tier: DiskTier | None = None) -> None:
         self.masters = masters
+        self.tier = tier
+        self._order: list[int] = []  # masters in the order their gradients arrived (the tier reads ahead in it)
         self.guard = guard
         self.clip_value = clip_value
         self.optimizers = optimizers
@@ -138,6 +141,10 @@ class StepInBackward:
         self._bad = []
         # NOTE: a non-finite loss must be caught before the first parameter steps (a device sync on CUDA)
         self._skip_all = self.guard is not None and not bool(torch.isfinite(loss.detach()).all())
+        if self.tier is not None:
+            # NOTE: the last backward's order; the first one guesses the reverse of the parameters' order
+            self.tier.plan(self._order or reversed(range(len(self.masters.p_host))))
+            self._order = []
 
     @torch.no_grad()
     def on_grad(self, i: int, grad: Tensor) -> None:
@@ -155,6 +162,9 @@ class StepInBackward:
             self._bad.append(masters.names[i])
             return
         p_host = masters.p_host[i]
+        if self.tier is not None:
+            self.tier.acquire(i)
+            self._order.append(i)
         p_host.grad = grad if grad.dtype == torch.float32 else self._widened(grad)
         if self.clip_value is not None:
             p_host.grad.clamp_(-self.clip_value, self.clip_value)  # what clip_grad_value_ does, per parameter
@@ -171,6 +181,9 @@ class StepInBackward:
             if isinstance(v, Tensor) and storage_key(v) == storage_key(self._fp32):
                 optimizer.state[p_host][k] = v.clone()  # NOTE: state that kept the gradient itself gets its own copy
                 mark_host(optimizer.state[p_host][k])
+        if self.tier is not None:
+            self.tier.place_state(i, optimizer.state.get(p_host, {}))
+            self.tier.release(i)
 
     def _widened(self, grad: Tensor) -> Tensor:
         """``grad`` in fp32, in the reused buffer (a fresh tensor each time costs page faults)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -27,6 +28,7 @@ from lightning_lowmem.core import host_memory, preflight
 from lightning_lowmem.core import resume_checks as _resume_checks
 from lightning_lowmem.core.accounting import (
     MemoryBreakdown,
+    mark_disk,
     mark_host,
     mark_host_state,
     module_grad_bytes,
@@ -40,6 +42,7 @@ from lightning_lowmem.core.reproducible import Reproducible
 from lightning_lowmem.core.roles import HostMastersStrategy, LeanOptimizerSwap, LowBitOptimizerSwap
 from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.strategies.offload import checks, hf_weights, stream_values
+from lightning_lowmem.strategies.offload.disk_tier import DiskTier
 from lightning_lowmem.strategies.offload.host_optimizer import HostKernel, HostOptimizer
 from lightning_lowmem.strategies.offload.manual_grads import ManualGrads
 from lightning_lowmem.strategies.offload.masters import HostMasters, frozen_without_master
@@ -92,6 +95,12 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             ``"6GiB"``; default on CUDA: free memory minus 25 %, at least 2 GiB; required on the CPU).
         load_weights: a local Hugging Face ``save_pretrained`` safetensors directory read straight into the fp32
             masters of a module built without weights (no second fp32 copy on the host; not read when resuming).
+        disk: a directory on a local disk (``True``: the Trainer's ``default_root_dir``) for the masters and the
+            optimizer state (``strategy="lowmem_offload_disk"``; needs ``optimizer_in_backward=True``): host RAM
+            keeps only ``disk_budget`` bytes of them, read ahead and written behind as each gradient lands
+            (:class:`~lightning_lowmem.strategies.offload.disk_tier.DiskTier`, docs/techniques/offload.md, "Disk tier").
+        disk_budget: with ``disk``, the host bytes of the tier's parameters in flight (an int or ``"1GiB"``; at least
+            one parameter's master and state are read at a time, however large).
 
     Example:
         >>> import lightning as L
@@ -122,6 +131,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         prefetch: int = 1,
         device_budget: int | str | None = None,
         load_weights: str | os.PathLike | None = None,
+        disk: str | os.PathLike | bool | None = None,
+        disk_budget: int | str = "1GiB",
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -130,6 +141,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             optimizer_in_backward=optimizer_in_backward, host_optimizer=host_optimizer,
             check_host_memory=check_host_memory, nonfinite=nonfinite, max_consecutive_skips=max_consecutive_skips,
             offload_params=offload_params, prefetch=prefetch, device_budget=device_budget, load_weights=load_weights,
+            disk=disk, disk_budget=disk_budget,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
@@ -141,6 +153,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self.prefetch = prefetch
         self.device_budget = None if device_budget is None else parse_bytes(device_budget, "`device_budget`")
         self.load_weights = load_weights
+        self.disk = disk
+        self.disk_budget = parse_bytes(disk_budget, "`disk_budget`")
         self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
         self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
         self._guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
@@ -152,6 +166,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     def _reset(self) -> None:
         """The parts, empty until ``setup`` builds them for one fit."""
         self._masters = HostMasters()
+        self._tier: DiskTier | None = None
         self._transfer: HostTransfer | None = None
         self._stream: ParamStream | None = None
         self._schedule: SerialStep | StepInBackward = SerialStep(self._masters, None)
@@ -241,7 +256,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             guard = self._guard if self.nonfinite != "ignore" and precision.scaler is None else None
             if self.optimizer_in_backward:
                 clip = trainer.gradient_clip_val
-                self._schedule = StepInBackward(self._masters, guard, float(clip) if clip else None, lambda: self.optimizers)
+                self._schedule = StepInBackward(self._masters, guard, float(clip) if clip else None, lambda: self.optimizers,
+                                                self._tier)
             else:
                 self._schedule = SerialStep(self._masters, guard)
             self._follow_trainable()
@@ -270,6 +286,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     @property
     def _name(self) -> str:
         """The registered name, for messages (NOTE: read by ``Strategy.__init__`` before ``offload_params`` is set)."""
+        if getattr(self, "disk", None) not in (None, False):
+            return "lowmem_offload_disk"
         return "lowmem_offload_params" if getattr(self, "offload_params", False) is True else "lowmem_offload"
 
     def _build_masters(self, trainer: pl.Trainer, fitting: bool) -> None:
@@ -281,10 +299,19 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         precision = self.precision_plugin
         frozen = frozen_without_master(module, precision, self._loading, resuming=trainer.ckpt_path is not None)
         grad_buffers = fitting and not self.optimizer_in_backward
-        self._masters.build(module, self._loading, precision, grad_buffers=grad_buffers, frozen=frozen)
+        place = None
+        if self.disk not in (None, False):
+            directory = trainer.default_root_dir if self.disk is True else os.fspath(self.disk)
+            self._check_disk(directory, module, self.optimizers if fitting else [], trainer.callbacks)  # type: ignore[arg-type]
+            self._tier = DiskTier(directory, self.disk_budget)
+            place = lambda i, value, tier=self._tier: tier.store(i, "master", value)  # noqa: E731
+        self._masters.build(module, self._loading, precision, grad_buffers=grad_buffers, frozen=frozen, place=place)
         if self._loading:
             self.load_report = self._masters.load(self.load_weights)  # type: ignore[arg-type]
-        mark_host(*self._masters.p_host, *(g for g in self._masters.grad_host if g is not None))
+        if self._tier is None:
+            mark_host(*self._masters.p_host, *(g for g in self._masters.grad_host if g is not None))
+        else:
+            mark_disk(*self._masters.p_host)  # NOTE: the Parameters, which outlive the tensors the tier marked
         self._masters.keep_buffers(module, precision)
 
     @override
@@ -317,7 +344,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         ``masters``, ``gradient_buffers``, ``optimizer_state`` (of the optimizer that will step, 8-bit when
         ``callbacks`` hold a ``LowBitOptimizer``), ``staging_or_compute_weights`` (pinned staging on CUDA, the compute
         weights on the CPU) and ``streamed_weights`` (host copies of streamed weights without a master; on CUDA the
-        pinned ring the others' fetches are rounded into)."""
+        pinned ring the others' fetches are rounded into); with ``disk``, ``disk_tier_buffers`` (its budget) instead
+        of masters and optimizer state, which ``disk`` counts (not in ``total``)."""
         precision = self.precision_plugin
         frozen = frozen_without_master(module, precision, self._loading)
         params = [p for _, p in HostMasters.unique_params(module)]
@@ -333,22 +361,41 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         # NOTE: on CUDA the staging covers the mastered parameters only; on the CPU every compute weight is host RAM
         staged = mastered if self.root_device.type == "cuda" else params
         trainable = sum(p.numel() for p in mastered if p.requires_grad)
+        on_disk = self.disk not in (None, False)
         parts = {
             "masters": 4 * sum(p.numel() for p in mastered),
             "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
             "optimizer_state": state,
+            "disk_tier_buffers": self.disk_budget if on_disk else 0,
             "staging_or_compute_weights": planned_staging_bytes(self.root_device, [(p.numel(), dtype) for p in staged]),
             "streamed_weights": streamed_host_bytes(self.offload_params, module, dtype, {id(p) for p in mastered},
                                                     self.prefetch + 2 if self.root_device.type == "cuda" else 0),
         }
-        parts["total"] = sum(parts.values())
+        if on_disk:
+            parts["disk"] = parts["masters"] + parts["optimizer_state"]
+            parts["masters"] = parts["optimizer_state"] = 0
+        parts["total"] = sum(v for k, v in parts.items() if k != "disk")
         return parts
+
+    def _check_disk(self, directory: str, module: torch.nn.Module, optimizers: list[Optimizer],
+                    callbacks: Sequence[Any]) -> None:
+        """Refuse a tier directory that is missing or cannot hold the masters and optimizer state, naming both."""
+        if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+            raise ValueError(f"`OffloadStrategy(disk={self.disk!r})`: {directory!r} is not a writable directory; "
+                             "create it, or pass a directory on a local disk (an NVMe SSD is best).")
+        need, free = self.host_bytes_needed(module, optimizers, False, callbacks)["disk"], shutil.disk_usage(directory).free
+        if need > free:
+            raise ValueError(
+                f"`OffloadStrategy(disk={self.disk!r})`: the disk tier needs {need / 2**30:.2f} GiB in {directory!r} "
+                f"(fp32 masters and optimizer state), and {free / 2**30:.2f} GiB are free there; free space, pass a "
+                "directory on a larger disk, or use 8-bit optimizer state (`callbacks=[LowBitOptimizer()]`).")
 
     def _check_host_ram(self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool,
                         callbacks: Sequence[Callback]) -> None:
         """Raise (naming the parts and the fixes) when the host cannot hold what this strategy is about to allocate."""
         need = self.host_bytes_needed(module, optimizers, with_grads, callbacks)
         need.pop("total")
+        need.pop("disk", None)
         swapped = any(isinstance(cb, (LowBitOptimizerSwap, LeanOptimizerSwap)) for cb in callbacks)
         fixes = []
         if need["optimizer_state"] and not swapped:
@@ -476,9 +523,18 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             self._masters.adopt_writes()
 
     def _to_compute(self, pairs: Sequence[tuple[int, Parameter, Parameter]]) -> None:
-        """Round masters into their compute weights (a streamed one: into its host copy)."""
+        """Round masters into their compute weights (a streamed one: into its host copy); with the disk tier, one
+        master at a time, read ahead."""
         assert self._transfer is not None
-        stream_values.copy_to_compute(self._transfer, self._stream, pairs)
+        tier = self._tier
+        if tier is None:
+            stream_values.copy_to_compute(self._transfer, self._stream, pairs)
+        else:
+            tier.plan((i for i, _, _ in pairs), master_only=True)
+            for pair in pairs:
+                tier.acquire(pair[0])
+                stream_values.copy_to_compute(self._transfer, self._stream, [pair])
+                tier.release(pair[0], wrote=False)
         self._masters.note_device([i for i, _, _ in pairs])
 
     @override
@@ -542,11 +598,23 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         for optimizer, opt_state in zip(self.optimizers, checkpoint["optimizer_states"]):
             _resume_checks.load_optimizer(optimizer, opt_state, _resume_checks.where(self.lightning_module.trainer))
             self._kernel.reloaded(optimizer)
+            if self._tier is not None:  # NOTE: the loaded state goes to the tier's files, one master at a time
+                for p_host, state in optimizer.state.items():
+                    i = self._masters.host_index.get(id(p_host))
+                    if i is not None:
+                        self._tier.place_state(i, state, at_once=True)
             self._marked.pop(id(optimizer), None)
             mark_host_state(optimizer, self._marked)  # load_state_dict made new state tensors
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._tier is not None:
+            self._tier.release_all()  # NOTE: the save read every master and state: their pages leave RAM again
+
     def memory_breakdown(self) -> MemoryBreakdown:
-        """Bytes of compute weights and gradients on the device; masters, gradients, optimizer state on the host."""
+        """Bytes of compute weights and gradients on the device; masters, gradients, optimizer state on the host (on
+        the disk with the disk tier, its buffers in flight on the host as ``other``)."""
         out = MemoryBreakdown()
         module = self.lightning_module
         if module is not None:
@@ -554,9 +622,12 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
                 out.add("device", "weights", module_weight_bytes(module))
                 out.add("device", "gradients", module_grad_bytes(module))
         masters = self._masters
-        out.add("host", "optimizer_state", unique_storage_bytes(masters.p_host))  # fp32 masters
-        for opt in self.optimizers:
-            out.add("host", "optimizer_state", optimizer_state_bytes(opt))
+        state = unique_storage_bytes(masters.p_host) + sum(optimizer_state_bytes(opt) for opt in self.optimizers)
+        if self._tier is not None:  # NOTE: state tensors smaller than a page stay in RAM
+            out.add("disk", "optimizer_state", self._tier.bytes_on_disk)
+            out.add("host", "other", self._tier.bytes_in_ram)
+            state -= self._tier.placed_bytes
+        out.add("host", "optimizer_state", state)  # fp32 masters and the optimizer's state
         host_grads = [g for g in masters.grad_host if g is not None] + [p.grad for p in masters.p_host if p.grad is not None]
         out.add("host", "gradients", unique_storage_bytes(host_grads))
         if self._transfer is not None:
@@ -580,6 +651,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             handle.remove()
         if self._transfer is not None:
             self._transfer.synchronize()
+        if self._tier is not None:
+            self._tier.close()  # NOTE: the files stay mapped: the fp32 module given back holds the masters' maps
         if self._stream is not None:
             self._stream.remove()
             give_back_streamed(self._stream, self._masters.device_index)  # NOTE: packed 4-bit and frozen: no master
