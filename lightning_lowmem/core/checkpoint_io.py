@@ -25,7 +25,12 @@ from lightning_lowmem.core import trusted_load as _trusted_load
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's single-file ``torch.save`` format, written to a temp file and renamed into place."""
+    """Lightning's single-file ``torch.save`` format, written to a temp file and renamed into place; ``mmap``: a local
+    file's tensors are loaded mapped (pages read as they are copied, never all in RAM at once: the disk tier's)."""
+
+    def __init__(self, mmap: bool = False) -> None:
+        super().__init__()
+        self.mmap = mmap
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: lightning_internals.PATH, storage_options: Any | None = None) -> None:
@@ -68,6 +73,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def _load(self, path: lightning_internals.PATH, kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
+            if self.mmap and lightning_internals.is_local_file_protocol(path):
+                return torch.load(path, mmap=True, **kwargs)
             return super().load_checkpoint(path, **kwargs)
         except pickle.UnpicklingError as err:
             if kwargs["weights_only"] is False or "Weights only load failed" not in str(err):

@@ -36,6 +36,7 @@ class CudaOptimizerDefaults(L.Callback):
             # base has none): counted from the traced strategy, not from the parameters before the callbacks ran
             self.counts["staged_numels"] = [m.numel() for m in getattr(trainer.strategy, "masters", {}).values()]
             self.counts["ring_bytes"] = getattr(trainer.strategy, "ring_bytes", 0)
+            self.counts["staging_ring"] = getattr(trainer.strategy, "disk", None) not in (None, False)
             self.counts["traced_params"] = sum(p.numel() for p in pl_module.parameters())
         host = host_storage_keys()
         for opt in trainer.optimizers:
@@ -75,8 +76,9 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
         # NOTE: the compute weights' dtype: fp32 under "32-true" and "*-mixed" (autocast casts per op)
         dtype = torch.float32 if run.precision == "32-true" or run.precision.endswith("-mixed") else torch.bfloat16
         staged = counts.get("staged_numels")
-        staging = pinned_staging_bytes([(n, dtype) for n in (numels if staged is None else staged)])
-        if staged is not None and extrapolated and counts.get("traced_params") and estimate.num_params:
+        ring = counts.get("staging_ring", False)  # NOTE: the disk tier's one ring: the same at any depth
+        staging = pinned_staging_bytes([(n, dtype) for n in (numels if staged is None else staged)], ring=ring)
+        if not ring and staged is not None and extrapolated and counts.get("traced_params") and estimate.num_params:
             staging = int(staging * estimate.num_params / counts["traced_params"])  # NOTE: traced at a lower depth
         staging += counts.get("ring_bytes", 0)  # NOTE: slots of the largest block: the same at any depth
     for bd in estimate.phases.values():

@@ -10,6 +10,7 @@ registered name's default fused kernel and are judged as a reordering.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -165,6 +166,10 @@ FLAGS: list[Flag] = [
     Flag("lowmem_offload_params@bf16-mixed", offload(offload_params=True), "bf16-mixed", ref=Ref("bf16-mixed")),
     Flag("lowmem_offload_params@bf16-true", offload(offload_params=True), "bf16-true", ref=B16, compare="precision",
          reason=R_MASTERS.format(p="bf16-true")),
+    # NOTE: the disk tier's files go to the temporary directory (unlinked as soon as they are open)
+    Flag("lowmem_offload_disk@32-true", offload(optimizer_in_backward=True, disk=tempfile.gettempdir()), "32-true"),
+    Flag("lowmem_offload_disk@bf16-true", offload(optimizer_in_backward=True, disk=tempfile.gettempdir()), "bf16-true",
+         ref=B16, compare="precision", reason=R_MASTERS.format(p="bf16-true"), slice=False),
     Flag("lowmem_auto", auto, "32-true", compare="auto", slice=False),
     # --- callbacks, alone (fp32: bit-identical claims)
     *[Flag(f"ActivationCheckpointing({name})", callbacks=ckpt(policy, **kw), slice=name in ("all", "selective"))

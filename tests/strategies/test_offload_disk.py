@@ -16,6 +16,9 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_lowmem.core.host_memory import pinned_bytes
+from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
+from lightning_lowmem.strategies.offload import transfer
 from lightning_lowmem.strategies.offload.disk_tier import DiskTier
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.models import random_batch, tiny_lm_module
@@ -33,6 +36,7 @@ class Seen(L.Callback):
         self.files |= set(os.listdir(self.directory))
         self.breakdown = trainer.strategy.memory_breakdown()
         self.stats = vars(trainer.strategy._tier.stats).copy() if trainer.strategy._tier is not None else None
+        self.staging = trainer.strategy._transfer.staging_bytes()
 
 
 def _fit(module, data, *, precision="bf16-true", epochs=2, **strategy_kw):
@@ -60,7 +64,7 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("budget", [1, 4096, "1GiB"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_the_disk_tier_trains_bit_identically_to_ram(tmp_path, optimizer, budget):
-    module = lambda: Net(optimizer=optimizer)  # noqa: E731
+    module = lambda: Net(optimizer=optimizer)
     in_ram = _fit(module, _data())
     on_disk = _fit(module, _data(), disk=tmp_path, disk_budget=budget)
     _assert_same(in_ram, on_disk)
@@ -80,6 +84,21 @@ def test_a_hugging_face_model_trains_bit_identically_on_disk(tmp_path):
     assert breakdown.host["optimizer_state"] < breakdown.disk["optimizer_state"] / 50  # only sub-page state in RAM
     assert breakdown.host["other"] <= 64 * 2**10 + max(
         p.numel() * 12 for p in tiny_lm_module().parameters())  # the budget, or one parameter's master and moments
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_cuda_transfer_stages_the_tier_through_one_ring_exactly(tmp_path, monkeypatch, seed):
+    """On the CUDA logic (the deferred stand-in, copies landing in random orders) the gradients and uploads take turns
+    in one pinned ring of two of the largest weights (not a slot per parameter): it wraps many times a step, each
+    slot taken again only after its copy landed and its gradient stepped, and the run equals the CPU path's."""
+    monkeypatch.setattr(transfer, "BUCKET_BYTES", 1)  # NOTE: no 64 MiB floor: the ring wraps in this small model
+    data = [random_batch(seed=i) for i in range(3)]
+    in_ram = _fit(tiny_lm_module, data, epochs=1)
+    with cpu_stand_in(lambda: DeferredOps("random", seed=seed)):
+        on_disk = _fit(tiny_lm_module, data, epochs=1, disk=tmp_path)
+    _assert_same(in_ram, on_disk)
+    largest = max(p.numel() * 2 for p in tiny_lm_module().parameters())
+    assert on_disk[2].staging == pinned_bytes(2 * -(-largest // 512) * 512)
 
 
 def test_the_registered_name_puts_the_tier_in_the_default_root_dir(tmp_path):
@@ -126,14 +145,14 @@ def test_a_full_disk_is_an_error_naming_the_tier_not_a_crash(tmp_path, monkeypat
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match="disk tier in .* is full: placing `master` of parameter 0") as err:
-        tier.place(0, "master", torch.ones(10))
+        tier.place(0, torch.ones(10))
     assert err.value.errno == errno.ENOSPC
     tier.close()
 
 
 def test_the_budget_bounds_what_is_read_ahead(tmp_path):
     tier = DiskTier(tmp_path, budget=3 * 4096)
-    values = [tier.place(i, "master", torch.full((1024,), float(i))) for i in range(8)]
+    values = [tier.place(i, torch.full((1024,), float(i))) for i in range(8)]
     tier.wait()
     tier.plan(range(8))
     assert tier.bytes_in_ram <= 3 * 4096
@@ -145,4 +164,28 @@ def test_the_budget_bounds_what_is_read_ahead(tmp_path):
     tier.wait()
     assert tier.bytes_in_ram == 0
     assert [float(v[0]) for v in values] == [float(i + 1) for i in range(8)]
+    tier.close()
+
+
+def test_a_resume_maps_the_checkpoint_instead_of_reading_it_into_ram(tmp_path):
+    strategy = OffloadStrategy(optimizer_in_backward=True, disk=tmp_path)
+    path = tmp_path / "c.ckpt"
+    strategy.checkpoint_io.save_checkpoint({"state_dict": {"w": torch.arange(4096.0)}}, path)
+    loaded = strategy.checkpoint_io.load_checkpoint(path)
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(4096.0))
+    assert _mapped_from(loaded["state_dict"]["w"], path)  # file-backed, not read into RAM
+    assert not _mapped_from(OffloadStrategy().checkpoint_io.load_checkpoint(path)["state_dict"]["w"], path)
+
+
+def _mapped_from(t: torch.Tensor, path) -> bool:
+    """Whether ``t``'s memory lies in a mapping of the file ``path`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        spans = [line.split()[0].split("-") for line in maps if line.rstrip().endswith(str(path))]
+    return any(int(lo, 16) <= t.data_ptr() < int(hi, 16) for lo, hi in spans)
+
+
+def test_an_empty_tensor_is_kept_as_it_is(tmp_path):
+    tier = DiskTier(tmp_path, budget=2**20)
+    empty = torch.empty(0, 3)
+    assert tier.place(0, empty) is empty and tier.bytes_on_disk == 0
     tier.close()

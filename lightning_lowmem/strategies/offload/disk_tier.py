@@ -54,28 +54,31 @@ class _File:
 
 @dataclass
 class TierStats:
-    """What the tier moved: bytes read ahead and written behind, seconds its threads spent in those calls, seconds
-    the training thread waited for them (the I/O not hidden behind compute), and the most bytes the budget counted."""
+    """What the tier moved: bytes read ahead and written behind, seconds its threads spent in those calls (and
+    ``busy_seconds``: while either was), seconds the training thread waited for them (the I/O not hidden behind
+    compute), and the most bytes the budget counted."""
 
     read_bytes: int = 0
     write_bytes: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     wait_seconds: float = 0.0
+    busy_seconds: float = 0.0
     peak_bytes_in_ram: int = 0
 
 
 class DiskTier:
     """Masters and optimizer state in unlinked files under ``directory``, at most ``budget`` bytes of them in RAM.
 
-    Saves: all of the masters' and the optimizer state's host RAM (16 B/param for AdamW becomes the budget). Costs:
+    Saves: all of the masters' and the optimizer state's host RAM (12 B/param for AdamW stepped in backward becomes
+    the budget). Costs:
     disk space for them (``bytes_on_disk``), and per step a read and a write of each trained parameter's master and
     state (plus a read of the master to upload it), overlapped with compute as far as the disk keeps up.
 
     Example:
         >>> import tempfile
         >>> tier = DiskTier(tempfile.gettempdir(), budget=2**20)
-        >>> w = tier.place(0, "master", torch.ones(1024))
+        >>> w = tier.place(0, torch.ones(1024))
         >>> tier.acquire(0); _ = w.mul_(3); tier.release(0); tier.wait()
         >>> float(w.sum()), tier.bytes_on_disk, tier.stats.write_bytes
         (3072.0, 4096, 4096)
@@ -95,16 +98,18 @@ class DiskTier:
         self._ahead: deque[int] = deque()  # parameters the pass will touch next, in order
         self._held: dict[int, int] = {}  # parameter -> its bytes counted in RAM (read ahead or in use, not yet written)
         self._master_only = False
-        self._fake_bytes = 0  # a dry run's (fake tensors hold no bytes)
+        self._fake: dict[tuple[int, str], int] = {}  # a dry run's bytes (fake tensors hold none), by region
+        self._active = 0  # reads and writes in flight
+        self._busy_since = 0.0
 
     @property
     def bytes_on_disk(self) -> int:
-        return self._fake_bytes + sum(f.size for f in self._files.values())
+        return sum(self._fake.values()) + sum(f.size for f in self._files.values())
 
     @property
     def placed_bytes(self) -> int:
         """Bytes of the tensors placed in the tier (:attr:`bytes_on_disk` rounds each up to a page)."""
-        return self._fake_bytes + sum(n for f in self._files.values() for _, n, _, _ in f.regions.values())
+        return sum(self._fake.values()) + sum(n for f in self._files.values() for _, n, _, _ in f.regions.values())
 
     @property
     def bytes_in_ram(self) -> int:
@@ -112,12 +117,14 @@ class DiskTier:
         with self._lock:
             return sum(self._held.values())
 
-    def place(self, i: int, key: str, value: Tensor) -> Tensor:
+    def place(self, i: int, value: Tensor, key: str = "master") -> Tensor:
         """A tensor in parameter ``i``'s file holding ``value`` (a region of the same size is reused). A dry run's fake
         ``value`` is kept as it is, counted on the disk (``mark_disk``)."""
         nbytes = value.numel() * value.element_size()
+        if not nbytes:
+            return value  # NOTE: nothing to store (and an empty region cannot be mapped)
         if torch_internals.is_fake(value):
-            self._fake_bytes += nbytes
+            self._fake[(i, key)] = nbytes
             mark_disk(value)
             return value
         f = self._files.get(i)
@@ -151,11 +158,11 @@ class DiskTier:
         mark_disk(out)
         return out.copy_(value)
 
-    def store(self, i: int, key: str, value: Tensor) -> Tensor:
+    def store(self, i: int, value: Tensor, key: str = "master") -> Tensor:
         """:meth:`place`, then write it behind at once, within the budget (building the tier, or loading it from a
         checkpoint: dirty pages must not pile up in RAM, where a memory cap counts them too)."""
         self._make_room(value.numel() * value.element_size())
-        out = self.place(i, key, value)
+        out = self.place(i, value, key)
         if i in self._files:
             self._hold(i)
             self.release(i)
@@ -168,7 +175,7 @@ class DiskTier:
             if not isinstance(value, Tensor) or value.device.type != "cpu" or value.is_meta:
                 continue
             if value.numel() * value.element_size() >= SMALL_BYTES:
-                state[key] = (self.store if at_once else self.place)(i, f"state.{key}", value)
+                state[key] = (self.store if at_once else self.place)(i, value, f"state.{key}")
             else:
                 mark_host(value)
 
@@ -259,29 +266,45 @@ class DiskTier:
                 self._hold(i)
                 self._reads[i] = self._reader.submit(self._read, i, self._size(i))
 
+    def _begin(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            if not self._active:
+                self._busy_since = now
+            self._active += 1
+        return now
+
+    def _end(self, start: float) -> float:
+        """Seconds since ``start``; counts the busy time (call holding the lock)."""
+        now = time.perf_counter()
+        self._active -= 1
+        if not self._active:
+            self.stats.busy_seconds += now - self._busy_since
+        return now - start
+
     def _read(self, i: int, size: int) -> None:
         """Bring the first ``size`` bytes of parameter ``i``'s file into the page cache (its mapped tensors then
         fault without a disk read)."""
         fd = self._files[i].fd
-        start = time.perf_counter()
+        start = self._begin()
         buf = memoryview(bytearray(min(_CHUNK, size)))
         for offset in range(0, size, _CHUNK):
             os.preadv(fd, [buf[: min(_CHUNK, size - offset)]], offset)
         with self._lock:
             self.stats.read_bytes += size
-            self.stats.read_seconds += time.perf_counter() - start
+            self.stats.read_seconds += self._end(start)
 
     def _write(self, i: int, nbytes: int) -> None:
         """Write parameter ``i``'s dirty pages (``nbytes``) to disk and drop them from RAM (mapping and page cache)."""
         f = self._files[i]
-        start = time.perf_counter()
+        start = self._begin()
         for _, _, m, _ in f.regions.values():
             m.madvise(mmap.MADV_DONTNEED)  # NOTE: a shared file mapping: the data stays in the file (next use faults)
         os.fdatasync(f.fd)
         os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.stats.write_bytes += nbytes
-            self.stats.write_seconds += time.perf_counter() - start
+            self.stats.write_seconds += self._end(start)
             self._held.pop(i, None)
 
 

@@ -204,10 +204,11 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     @property  # type: ignore[override]
     @override
     def checkpoint_io(self) -> CheckpointIO:
+        # NOTE: with the disk tier a resume maps the checkpoint (its tensors go to the tier's files page by page)
         if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
+            self._checkpoint_io = AtomicCheckpointIO(self._on_disk)
         elif isinstance(self._checkpoint_io, lightning_internals.WrappingCheckpointIO):
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # sets the inner IO only if unset
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO(self._on_disk)  # sets the inner IO only if unset
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -248,7 +249,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         if self._stream is not None:
             self._stream.attach()
         self.model = lightning_internals.setup_model(self, self.model)
-        self._transfer = transfer_for(self.root_device, self._masters.p_device)
+        self._transfer = transfer_for(self.root_device, self._masters.p_device, ring=self._tier is not None)
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
         if fitting:
             if not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
@@ -286,9 +287,14 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
     @property
     def _name(self) -> str:
         """The registered name, for messages (NOTE: read by ``Strategy.__init__`` before ``offload_params`` is set)."""
-        if getattr(self, "disk", None) not in (None, False):
+        if self._on_disk:
             return "lowmem_offload_disk"
         return "lowmem_offload_params" if getattr(self, "offload_params", False) is True else "lowmem_offload"
+
+    @property
+    def _on_disk(self) -> bool:
+        disk = getattr(self, "disk", None)  # NOTE: read by `_name` before `disk` is set
+        return disk is not None and disk is not False
 
     def _build_masters(self, trainer: pl.Trainer, fitting: bool) -> None:
         module = self.lightning_module
@@ -299,13 +305,12 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         precision = self.precision_plugin
         frozen = frozen_without_master(module, precision, self._loading, resuming=trainer.ckpt_path is not None)
         grad_buffers = fitting and not self.optimizer_in_backward
-        place = None
-        if self.disk not in (None, False):
+        if self._on_disk:
             directory = trainer.default_root_dir if self.disk is True else os.fspath(self.disk)
             self._check_disk(directory, module, self.optimizers if fitting else [], trainer.callbacks)  # type: ignore[arg-type]
             self._tier = DiskTier(directory, self.disk_budget)
-            place = lambda i, value, tier=self._tier: tier.store(i, "master", value)  # noqa: E731
-        self._masters.build(module, self._loading, precision, grad_buffers=grad_buffers, frozen=frozen, place=place)
+        self._masters.build(module, self._loading, precision, grad_buffers=grad_buffers, frozen=frozen,
+                            place=None if self._tier is None else self._tier.store)
         if self._loading:
             self.load_report = self._masters.load(self.load_weights)  # type: ignore[arg-type]
         if self._tier is None:
@@ -335,7 +340,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self._masters.note_device(new)
         if self._transfer is not None:
             self._transfer.synchronize()
-            self._transfer = transfer_for(self.root_device, self._masters.p_device)
+            self._transfer = transfer_for(self.root_device, self._masters.p_device, ring=self._tier is not None)
 
     def host_bytes_needed(
         self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool = True, callbacks: Sequence[Any] = ()
@@ -361,13 +366,14 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         # NOTE: on CUDA the staging covers the mastered parameters only; on the CPU every compute weight is host RAM
         staged = mastered if self.root_device.type == "cuda" else params
         trainable = sum(p.numel() for p in mastered if p.requires_grad)
-        on_disk = self.disk not in (None, False)
+        on_disk = self._on_disk
         parts = {
             "masters": 4 * sum(p.numel() for p in mastered),
             "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
             "optimizer_state": state,
             "disk_tier_buffers": self.disk_budget if on_disk else 0,
-            "staging_or_compute_weights": planned_staging_bytes(self.root_device, [(p.numel(), dtype) for p in staged]),
+            "staging_or_compute_weights": planned_staging_bytes(self.root_device, [(p.numel(), dtype) for p in staged],
+                                                                ring=self._on_disk),
             "streamed_weights": streamed_host_bytes(self.offload_params, module, dtype, {id(p) for p in mastered},
                                                     self.prefetch + 2 if self.root_device.type == "cuda" else 0),
         }

@@ -94,19 +94,29 @@ def staged_views(params: Sequence[torch.Tensor], ops: StreamOps) -> tuple[list[t
     return all_buckets, views
 
 
-def planned_staging_bytes(device: torch.device, specs: Sequence[tuple[int, torch.dtype]]) -> int:
+def planned_staging_bytes(device: torch.device, specs: Sequence[tuple[int, torch.dtype]], ring: bool = False) -> int:
     """Host bytes the transfer for ``device`` allocates for parameters ``(numel, compute dtype)``: the staging
-    buckets (:class:`StreamTransfer`), or the compute weights themselves (:class:`HostTransfer`)."""
+    buckets or ``ring`` (:class:`StreamTransfer`), or the compute weights themselves (:class:`HostTransfer`)."""
     ops = CudaOps(device) if device.type == "cuda" else cpu_ops()
     if ops is None:
         return sum(n * torch.empty((), dtype=d).element_size() for n, d in specs)
+    if ring:
+        return ops.host_bytes(ring_bytes(specs))
     return sum(ops.host_bytes(n) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
 
 
-def pinned_staging_bytes(specs: Sequence[tuple[int, torch.dtype]]) -> int:
-    """Pinned host bytes the CUDA transfer's staging buckets take for parameters ``(numel, compute dtype)``
-    (the dry run's CUDA correction: no GPU needed)."""
+def pinned_staging_bytes(specs: Sequence[tuple[int, torch.dtype]], ring: bool = False) -> int:
+    """Pinned host bytes the CUDA transfer's staging buckets (or ``ring``) take for parameters ``(numel, compute
+    dtype)`` (the dry run's CUDA correction: no GPU needed)."""
+    if ring:
+        return pinned_bytes(ring_bytes(specs), cuda=True)
     return sum(pinned_bytes(n, cuda=True) for sizes, _, _ in _bucket_sizes(specs) for n in sizes)
+
+
+def ring_bytes(params: Sequence[tuple[int, torch.dtype]]) -> int:
+    """Bytes of a staging ring for parameters ``(numel, compute dtype)``: two of the largest, at least a bucket."""
+    largest = max((n * torch.empty((), dtype=d).element_size() for n, d in params), default=0)
+    return max(BUCKET_BYTES, 2 * (-(-largest // _ALIGN_BYTES) * _ALIGN_BYTES))
 
 
 class StreamTransfer(HostTransfer):
@@ -114,16 +124,27 @@ class StreamTransfer(HostTransfer):
 
     The gradient hook only queues the copy; :meth:`synchronize` hands the gradients to their sink in queue order, so
     the sums are the CPU path's bit for bit. The tests run it on the CPU on ``DeferredOps``.
+
+    Staging: a slot per parameter (every gradient of a backward can be in flight: 2 B/param pinned in bf16), or with
+    ``ring`` bytes one pinned ring the copies take turns in (the disk tier's): when the ring is full, the hook hands
+    the oldest gradients to their sink first (host work on the autograd thread, which the step in backward does anyway).
     """
 
-    def __init__(self, device: torch.device, params: Sequence[torch.Tensor], ops: StreamOps) -> None:
+    def __init__(self, device: torch.device, params: Sequence[torch.Tensor], ops: StreamOps,
+                 ring: int | None = None) -> None:
         super().__init__(device, params)
         self.ops = ops
         self.stream = ops.side_stream()
         # NOTE: only these staging buffers are pinned (the fp32 masters never cross PCIe). See [staging buckets].
-        self._buckets, self._staging = staged_views(params, ops)
+        self._ring = ring is not None
+        if ring is None:
+            self._buckets, self._staging = staged_views(params, ops)
+        else:
+            self._buckets, self._staging = [ops.empty_host(ring, torch.uint8)], []
         mark_host(*self._buckets)
-        self._pending: deque[tuple[Any, int, Sink]] = deque()
+        # (event, parameter, sink or None for an upload, staging, ring offset, bytes) of each copy in flight, in order
+        self._pending: deque[tuple[Any, int, Sink | None, torch.Tensor, int, int]] = deque()
+        self._head = 0  # the ring offset after the last slot taken
         self._unread: set[int] = set()  # slots a queued copy writes that the host has not read yet
         self._h2d_done: Any = None
 
@@ -132,6 +153,28 @@ class StreamTransfer(HostTransfer):
         """Host RAM of the staging buffers, as the (pinned) allocator reserves it."""
         return sum(self.ops.host_bytes(b.numel()) for b in self._buckets)
 
+    def _slot(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Staging for a copy of ``like`` (parameter ``i``'s), its ring offset and bytes. With the ring, the oldest
+        copies in flight are handed over (or waited for) until the slot is free."""
+        if not self._ring:
+            return self._staging[i], 0, 0
+        ring = self._buckets[0]
+        n = like.numel() * like.element_size()
+        start = -(-self._head // _ALIGN_BYTES) * _ALIGN_BYTES if self._pending else 0
+        start = 0 if start + n > ring.numel() else start
+        while self._pending and any(o < start + n and start < o + m for *_, o, m in self._pending):
+            self._hand_over(*self._pending.popleft())
+            start = start if self._pending else 0
+        self._head = start + n
+        return ring[start : start + n].view(like.dtype).view(like.shape), start, n
+
+    def _hand_over(self, event: Any, i: int, sink: Sink | None, staging: torch.Tensor, *_: int) -> None:
+        """Wait for one copy in flight; hand a gradient to its sink."""
+        self.ops.synchronize(event)  # NOTE: sync point: the host waits for this one copy only
+        if sink is not None:
+            sink(i, staging)
+            self._unread.discard(i)
+
     @override
     def grad_to_host(self, i: int, grad: torch.Tensor, sink: Sink) -> None:
         ops = self.ops
@@ -139,23 +182,22 @@ class StreamTransfer(HostTransfer):
             # NOTE: [staging reuse] the hook fired twice in one backward (a weight shared by two reentrant-checkpointed
             # blocks): hand over everything queued up to the first copy before its slot is overwritten.
             self.synchronize(until=i)
+        staging, offset, nbytes = self._slot(i, grad)
         ops.wait_stream(self.stream, ops.compute_stream())  # the gradient was written on the compute stream
-        ops.copy(self._staging[i], grad, self.stream)
+        ops.copy(staging, grad, self.stream)
         event = ops.record_event(self.stream)
         # NOTE: [grad lifetime] not reused by the allocator while the side stream reads it (the caller drops it)
         ops.record_stream(grad, self.stream)
-        self._pending.append((event, i, sink))
+        self._pending.append((event, i, sink, staging, offset, nbytes))
         self._unread.add(i)
         # NOTE: [host work] no fold here: host work on the autograd thread would starve the GPU's queue
 
     @override
     def synchronize(self, until: int | None = None) -> None:
         while self._pending:
-            event, i, sink = self._pending.popleft()
-            self.ops.synchronize(event)  # NOTE: sync point: the host waits for this one copy only
-            sink(i, self._staging[i])
-            self._unread.discard(i)
-            if i == until:
+            entry = self._pending.popleft()
+            self._hand_over(*entry)
+            if entry[1] == until and entry[2] is not None:
                 return
 
     @torch.no_grad()
@@ -167,13 +209,18 @@ class StreamTransfer(HostTransfer):
             ops.synchronize(self._h2d_done)  # the staging buffers are about to be rewritten on the host
         ops.wait_stream(self.stream, ops.compute_stream())  # backward may still read the weights
         for i, p_host, p_device in pairs:
-            staging = self._staging[i]
+            staging, offset, nbytes = self._slot(i, p_device)
             staging.copy_(p_host)  # fp32 -> compute dtype on the host (round to nearest even)
             ops.copy(p_device, staging, self.stream)  # overlaps the host cast of the next one
+            if nbytes:  # NOTE: a ring slot is taken again only after its copy landed
+                self._pending.append((ops.record_event(self.stream), i, None, staging, offset, nbytes))
         self._h2d_done = ops.record_event(self.stream)
         ops.wait_stream(ops.compute_stream(), self.stream)
 
 
-def transfer_for(device: torch.device, params: Sequence[torch.Tensor]) -> HostTransfer:
+def transfer_for(device: torch.device, params: Sequence[torch.Tensor], ring: bool = False) -> HostTransfer:
+    """The transfer for ``device``; ``ring``: stage through one ring (:func:`ring_bytes`), not a slot per parameter."""
     ops = CudaOps(device) if device.type == "cuda" else cpu_ops()
-    return HostTransfer(device, params) if ops is None else StreamTransfer(device, params, ops)
+    if ops is None:
+        return HostTransfer(device, params)
+    return StreamTransfer(device, params, ops, ring_bytes([(p.numel(), p.dtype) for p in params]) if ring else None)
