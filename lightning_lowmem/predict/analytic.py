@@ -10,11 +10,13 @@ beside the traced figure, and the fallback when a model cannot be traced (the es
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_lowmem.core.accounting import MemoryBreakdown
 from lightning_lowmem.core.optimizer_state import optimizer_state_bytes_per_param
+from lightning_lowmem.core.units import fmt_bytes
 
 #: bytes of one element of a compute dtype named by a Lightning precision string
 _PARAM_BYTES = {"32-true": 4, "bf16-true": 2, "16-true": 2, "bf16-mixed": 4, "16-mixed": 4}
@@ -196,13 +198,16 @@ def analytic_phases(
     }
 
 
-def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: int | None) -> None:
+def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: int | None,
+                numels: Sequence[int] | None = None, frozen: Sequence[int] = ()) -> None:
     """Replace a single-device trace's model states by DeepSpeed ZeRO's partitioned ones, in place.
 
     Per rank, P parameters, N ranks, h = 2 B (half precision) or 4 B (fp32): weights hP (stage 3: hP/N), gradients
     hP/N, optimizer state (fp32 masters 4P when h = 2, plus Adam's 8P) over N; reduce/all-gather buckets not modelled.
     ``offload_optimizer``: state and fp32 gradients on the host. ``offload_parameters`` (stage 3): the device holds
     two modules' gathered parameters (``2 x gathered_params``), the host the partitioned half-precision weights.
+    NVMe offload (``plan.nvme``): the host and disk bytes of ``host_bytes`` from the plan's config, for the trainable
+    parameters' element counts ``numels`` (one of P without them) and the ``frozen`` ones'; its parts named in a note.
     """
     P, N = estimate.num_params or 0, plan.world_size
     h = 4 if precision == "32-true" else 2
@@ -212,6 +217,7 @@ def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: in
         weights = 2 * h * gathered_params if gathered_params else 0
     grads = h * P // N if plan.stage >= 2 else h * P
     offload = plan.offload_optimizer
+    nvme = _nvme_parts(estimate, plan, h, [list(numels or [P])], frozen) if plan.nvme else None
     for phase, bd in estimate.phases.items():
         dev = bd.device
         dev["weights"] = weights
@@ -220,6 +226,10 @@ def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: in
         if phase == "optimizer" and offload:
             dev["other"] = 0
         bd.host = dict.fromkeys(bd.host, 0)
+        if nvme is not None:
+            bd.host.update(nvme[0])
+            bd.disk = {**dict.fromkeys(bd.disk, 0), **nvme[1]}
+            continue
         if offload:
             bd.host["optimizer_state"] = state // N
             bd.host["gradients"] = 4 * P // N
@@ -232,4 +242,39 @@ def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: in
         f"closed form ({precision} compute weights{', fp32 masters in the optimizer' if h == 2 else ''}"
         f"{'; optimizer offloaded' if offload else ''}{'; parameters offloaded' if plan.offload_parameters else ''}); "
         "reduce/all-gather buckets not modelled"
+    )
+    if nvme is not None:
+        estimate.notes.append(nvme[2])
+
+
+def _nvme_parts(estimate: Any, plan: Any, h: int, groups: list[list[int]], frozen: Sequence[int]
+                ) -> tuple[dict[str, int], dict[str, int], str]:
+    """ZeRO-Infinity's host and disk bytes per rank by category, and a note naming each part."""
+    from lightning_lowmem.strategies.zero.host_bytes import (
+        DISK_PARTS,
+        HOST_CATEGORIES,
+        zero_nvme_disk_bytes,
+        zero_offload_host_bytes,
+    )
+
+    config = {**plan.config, "fp16": {"enabled": False}, "bf16": {"enabled": h == 2}}
+    per_element = optimizer_state_bytes_per_param("adamw", 4, 1)
+    host_parts = {k: v for k, v in zero_offload_host_bytes(
+        config, groups, world_size=plan.world_size, cuda=estimate.target == "cuda", state_bytes_per_element=per_element
+    ).items() if k in HOST_CATEGORIES}
+    disk_parts = zero_nvme_disk_bytes(config, groups, world_size=plan.world_size, state_bytes_per_element=per_element,
+                                      frozen=frozen)
+    host: dict[str, int] = {}
+    disk: dict[str, int] = {}
+    for name, nbytes in host_parts.items():
+        host[HOST_CATEGORIES[name]] = host.get(HOST_CATEGORIES[name], 0) + nbytes
+    for name, nbytes in disk_parts.items():
+        disk[DISK_PARTS[name][0]] = disk.get(DISK_PARTS[name][0], 0) + nbytes
+
+    def listed(parts: dict[str, int]) -> str:
+        return ", ".join(f"{name} {fmt_bytes(n)}" for name, n in parts.items()) or "nothing"
+
+    return host, disk, (
+        f"NVMe offload (ZeRO-Infinity), per rank: on disk {listed(disk_parts)}; in host RAM {listed(host_parts)} "
+        "(buffer counts and sizes from the DeepSpeed config; a tensor under max(1 MiB, aio.block_size) is not swapped)"
     )

@@ -330,6 +330,7 @@ def dry_run(
     num_blocks = len(found[2]) if found else None
     unique = {id(p): p for p in module.parameters()}.values()
     numels = [int(getattr(p, "ds_numel", p.numel())) for p in unique if p.requires_grad]
+    frozen = [int(getattr(p, "ds_numel", p.numel())) for p in unique if not p.requires_grad]
     num_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in unique)
     del unique
     unit = depth_unit(run)
@@ -390,7 +391,8 @@ def dry_run(
                               run=run.describe(), steps=traced_steps, bounds=bounds)
     zero = run.zero()
     if zero is not None:
-        zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module))
+        zero_states(estimate, zero, precision=run.precision, gathered_params=_largest_block_params(module),
+                    numels=numels, frozen=frozen)
     if target == "cuda":
         estimate.corrections = cuda_corrections(counts, estimate, run, numels, extrapolate and not traced_steps)
     estimate.wall_s = time.perf_counter() - t0

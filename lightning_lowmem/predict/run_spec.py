@@ -53,6 +53,16 @@ class ZeroPlan:
     offload_optimizer: bool
     offload_parameters: bool
     world_size: int = 1
+    #: the DeepSpeed config as far as known before the Trainer's settings: a ``ZeroStrategy``'s own; for a
+    #: registered name its preset's offload sections (DeepSpeed's defaults, which ZeroStrategy's match, for the rest)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nvme(self) -> bool:
+        """ZeRO-Infinity: stage 3 with the optimizer state or the parameters swapped to NVMe."""
+        zero = self.config.get("zero_optimization") or {}
+        return self.stage == 3 and any((zero.get(k) or {}).get("device") == "nvme"
+                                       for k in ("offload_optimizer", "offload_param"))
 
 
 @dataclass
@@ -103,14 +113,18 @@ class RunSpec:
                     )
                 return None
             preset = STRATEGIES[strategy][3]
-            return ZeroPlan(preset.get("stage", 2), bool(preset.get("offload_optimizer")),
-                            bool(preset.get("offload_parameters")), self.world_size)
+            stage, device = preset.get("stage", 2), {"device": preset.get("offload_device", "cpu")}
+            zero = {"stage": stage, **({"offload_optimizer": device} if preset.get("offload_optimizer") else {}),
+                    **({"offload_param": device} if preset.get("offload_parameters") else {})}
+            return ZeroPlan(stage, bool(preset.get("offload_optimizer")), bool(preset.get("offload_parameters")),
+                            self.world_size, {"zero_optimization": zero})
         config = getattr(strategy, "config", None)
         if not isinstance(config, dict) or "zero_optimization" not in config:
             return None
         zero = config["zero_optimization"]
         device = lambda key: (zero.get(key) or {}).get("device", "none") not in (None, "none")
-        return ZeroPlan(int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param"), self.world_size)
+        return ZeroPlan(int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param"), self.world_size,
+                        config)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able description (names and constructor arguments)."""

@@ -3,6 +3,7 @@ input refused clearly; ``units`` and ``configs``, the byte sizes and model shape
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -201,6 +202,42 @@ def test_zero_partitions_model_states_in_closed_form():
     assert off.peak_host == (12 + 4 + 2) * P // 4  # state + fp32 gradients + the 16-bit parameter shards
     assert 0 < off.phases["forward"].device["weights"] < 2 * P  # two gathered blocks, not the whole model
     assert any("ZeRO-3" in n for n in off.notes)
+
+
+@pytest.mark.deepspeed
+@RunIf(deepspeed=True)
+def test_zero3_nvme_puts_the_optimizer_state_on_disk_and_names_the_host_buffers(tmp_path, monkeypatch):
+    from lightning_lowmem.predict.analytic import zero_states
+    from lightning_lowmem.predict.run_spec import RunSpec
+    from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
+
+    monkeypatch.setenv("LOWMEM_NVME_PATH", str(tmp_path))
+    shape = dict(TINY, n_embd=512, n_head=8)  # a 512 x 2048 MLP weight: past DeepSpeed's 1 MiB swap minimum
+    cpu = estimate_memory(shape, 2, 32, target="cpu", strategy="lowmem_zero3_offload", precision="bf16-mixed")
+    nvme = estimate_memory(shape, 2, 32, target="cpu", strategy="lowmem_zero3_nvme", precision="bf16-mixed")
+    P = nvme.num_params
+    aligned = -(-P // 256) * 256  # fp32 elements padded to DeepSpeed's 1 KiB I/O alignment
+    assert cpu.peak_disk == 0 and cpu.peak_host == (12 + 4 + 2) * P  # lowmem_zero3_offload as before
+    assert all(nvme.phases[p].device == cpu.phases[p].device for p in cpu.phases)
+    for bd in nvme.phases.values():
+        assert bd.disk["optimizer_state"] == (4 + 8) * aligned  # fp32 masters and AdamW's moments
+        assert 0 < bd.disk["gradients"] <= 4 * P and 0 < bd.disk["weights"] <= 2 * P  # the tensors of 1 MiB or more
+        assert bd.host["optimizer_state"] == 0 and bd.host["weights"] == bd.host["gradients"] == 2 * P
+        # DeepSpeed's defaults: 4 fp32 optimizer swap buffers of the whole partition, 5 parameter buffers of 1e8
+        # 16-bit elements (padded to 512)
+        assert bd.host["other"] == 4 * 4 * aligned + 5 * 2 * (-(-10**8 // 512) * 512)
+    assert nvme.peak_disk == sum(nvme.phases["optimizer"].disk.values())
+    note = next(n for n in nvme.notes if n.startswith("NVMe offload"))
+    assert "on disk fp32 master partitions" in note and "NVMe optimizer swap buffers" in note
+    assert "NVMe parameter swap buffers 953.68 MiB" in note and "16-bit parameters kept in RAM (max_in_cpu)" in note
+
+    # a ZeroStrategy's own config: its buffer sizes count
+    own = ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True, offload_device="nvme",
+                       config={"zero_optimization": {"offload_param": {"buffer_count": 2, "buffer_size": 2**24}}})
+    plan = RunSpec(strategy=own).zero()
+    est = MemoryEstimate(phases=copy.deepcopy(cpu.phases), method="dry_run", num_params=P)
+    zero_states(est, plan, precision="bf16-mixed", gathered_params=None, numels=[P])
+    assert plan.nvme and est.phases["optimizer"].host["other"] == 4 * 4 * aligned + 2 * 2 * 2**24
 
 
 @pytest.mark.deepspeed

@@ -123,6 +123,8 @@ def test_nvme_path_is_checked(tmp_path, monkeypatch):
         StrategyRegistry.get("lowmem_zero3_nvme")
     with pytest.raises(ValueError, match="not an existing directory"):
         ZeroStrategy(stage=3, offload_optimizer=True, offload_device="nvme", nvme_path=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="offload_device='nvme'` with `stage=2`; DeepSpeed swaps to NVMe only at stage 3"):
+        ZeroStrategy(stage=2, offload_optimizer=True, offload_device="nvme", nvme_path=str(tmp_path))
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="not an existing directory"):
         ZeroStrategy(stage=3, offload_optimizer=True, offload_device="nvme", nvme_path=str(tmp_path / "file"))

@@ -39,7 +39,7 @@ from lightning_lowmem.strategies.zero import resume as _zero_resume
 from lightning_lowmem.strategies.zero.after_fit import PartitionWarning, gather_full_weights
 from lightning_lowmem.strategies.zero.checks import batching_loader, loader_problem, module_problems, setup_problems
 from lightning_lowmem.strategies.zero.consolidation import consolidate  # noqa: F401 (re-exported)
-from lightning_lowmem.strategies.zero.host_bytes import check_zero_host_memory
+from lightning_lowmem.strategies.zero.host_bytes import check_zero_host_memory, check_zero_nvme_space
 
 _FEATURE = "The `lowmem_zero*` strategies (ZeroStrategy)"
 
@@ -69,7 +69,8 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         stage: ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters).
         offload_optimizer: keep optimizer state and its step on ``offload_device``.
         offload_parameters: keep the parameters on ``offload_device`` (stage 3 only).
-        offload_device: ``"cpu"`` or ``"nvme"``; ``nvme`` needs ``nvme_path`` (or ``LOWMEM_NVME_PATH``).
+        offload_device: ``"cpu"`` or ``"nvme"``; ``nvme`` needs stage 3 and ``nvme_path`` (or ``LOWMEM_NVME_PATH``),
+            whose free space is checked at fit start against what DeepSpeed will swap there.
         nvme_path: an existing, writable directory on a fast local drive.
         pin_memory: page-locked host buffers for the offloaded state (faster copies on CUDA).
         overlap_comm, contiguous_gradients, reduce_bucket_size, allgather_bucket_size, sub_group_size:
@@ -127,6 +128,9 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
             problems.append(f"Passed `offload_device={offload_device!r}`; expected 'cpu' or 'nvme'.")
         if offload_parameters and stage != 3:
             problems.append(f"Passed `offload_parameters=True` with `stage={stage}`; parameter offload needs stage 3.")
+        if offload_device == "nvme" and stage != 3:
+            problems.append(f"Passed `offload_device='nvme'` with `stage={stage}`; DeepSpeed swaps to NVMe only at stage "
+                            "3 (stages 1 and 2 keep the optimizer state in host RAM): use stage=3, or 'cpu'.")
         unknown = set(kwargs) - _PASSTHROUGH
         if unknown:
             replaced = sorted(unknown & set(_PARENT_DEFAULTS))
@@ -369,6 +373,7 @@ class ZeroStrategy(Reproducible, DeepSpeedStrategy):
         optimizer, scheduler_config = super()._init_optimizers()
         if self.check_host_memory:
             check_zero_host_memory(self, optimizer)  # NOTE: before DeepSpeedCPUAdam and the engine allocate anything
+        check_zero_nvme_space(self, optimizer)
         if not (self._offload_optimizer and self._cpu_optimizer):
             return optimizer, scheduler_config
 
