@@ -72,14 +72,15 @@ def host_wall(r: Results) -> str:
 @block("disk_tier")
 def disk_tier(r: Results) -> str:
     d = r["disk_tier"]
-    t, ram, disk = d["tier"], d["rows"][0], d["rows"][1]
+    t, disk = d["tier"], d["rows"][1]
     seq = t["sequential"]
     body = table(
         ["run", "host state (masters + AdamW)", "memory cap", "peak RSS", "cgroup peak", "s/step",
          "final masters equal"],
-        [[v["run"], gib(v["host_state"]), gib(v["cap"]) if v["cap"] else "none", gib(v["peak_rss"]),
+        [[v["run"], gib(v["host_state"]) if v["host_state"] is not None else "-",
+          gib(v["cap"]) if v["cap"] else "none", gib(v["peak_rss"]),
           gib(v["cgroup_peak"]) if v["cgroup_peak"] else "-", f"{v['s_per_step']:.1f}",
-          "-" if v["identical"] is None else ("yes (torch.equal)" if v["identical"] else "NO")] for v in (ram, disk)],
+          "-" if v["identical"] is None else ("yes (torch.equal)" if v["identical"] else "NO")] for v in d["rows"]],
     )
     io = (f"The tier: {gib(t['bytes_on_disk'])} on disk, at most {mib(t['peak_bytes_in_ram'])} of it in RAM (budget "
           f"{t['budget']}); {human(t['tier_rw_Bps'])}/s while its threads read and wrote, "
