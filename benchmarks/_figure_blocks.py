@@ -75,9 +75,9 @@ def host_wall_disk(r: Results) -> str:
     cats = ("weights", "gradients", "optimizer_state", "activations", "other")
     disk = rows(d, part="estimate_disk")
     body = table(
-        ["model", "recipe", "device peak", "host peak", "+ tier in flight", "disk", "host B/param",
+        ["model", "optimizer", "device peak", "host peak", "+ tier in flight", "disk", "host B/param",
          *(c.replace("_", " ") for c in cats), "goal", "within"],
-        [[v["model"], v["recipe"].removeprefix("lowmem_offload_params + in_backward + "), v["peak_device"],
+        [[v["model"], "8-bit AdamW" if v["low_bit"] else "AdamW", v["peak_device"],
           v["peak_host"], v["host_with_tier"], v["peak_disk"], f"{v['host_B_per_param']:.2f}",
           *(f"{v[f'host_{c}_B_per_param']:.2f}" for c in cats), v["goal"], "yes" if v["fits_goal"] else "no"]
          for v in disk],
