@@ -171,3 +171,18 @@ def test_the_disk_shorthand_builds_the_disk_tier_and_refuses_without_the_step_in
     with pytest.raises(ValueError, match=r"`method='analytic'` with the disk tier"):
         estimate_memory(SHAPE, BATCH, SEQ, precision="bf16-true", offload=True, optimizer_in_backward=True,
                         disk=disk_dir, method="analytic")
+
+
+def test_a_dry_run_does_not_check_this_machines_free_disk_space(figures, monkeypatch):
+    """The plan refused a full-depth trace of LLaMA-7B's disk tier with "75.31 GiB needed, 73.96 GiB free" (this
+    machine's /tmp): a dry run predicts a run that may be on another machine; the real run checks at setup."""
+    import collections
+    import shutil
+
+    from lightning_lowmem import estimate_memory
+
+    disk_dir, _, _, disk_bytes = figures
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("Usage", "total used free")(0, 0, 0))
+    est = estimate_memory(SHAPE, BATCH, SEQ, precision="bf16-true", offload=True, optimizer_in_backward=True,
+                          disk=disk_dir, extrapolate=False)
+    assert est.peak_disk == disk_bytes
