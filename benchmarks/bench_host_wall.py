@@ -144,15 +144,15 @@ def main() -> None:
             "in_backward = OffloadStrategy(optimizer_in_backward=True): each master steps as its gradient lands",
             ("auto = OffloadStrategy(offload_params='auto', device_budget=...): the first blocks stay resident within "
              "the budget; traced at full depth (extrapolate=False)"),
-            ("goal, fits_goal: the issue's goals: without disk, peak device <= 12 GiB and peak host <= 64 GiB; with the "
-             "disk tier, LLaMA-7B within 12 GiB device and 16 GiB host, LLaMA-70B within 24 GiB device, 128 GiB host "
-             "and 1.3 TB (1.3e12 B) disk"),
-            ("disk = OffloadStrategy(offload_params=True, optimizer_in_backward=True, disk=<tmp dir>): the fp32 masters "
-             "and the optimizer state in files (peak_disk, disk_B_per_param: 4 B of master + the state, AdamW 8 B, "
-             "8-bit AdamW ~2 B, each file's regions rounded to pages); the dry run creates no file. host_with_tier = "
-             "peak_host + the tier's disk_budget (1 GiB by default): the pages of the tier read ahead or in use, which "
-             "the real run holds in RAM (memory_breakdown's host 'other') and the dry run does not (fake tensors); "
-             "fits_goal is checked with them"),
+            ("goal, fits_goal: the issue's goals: without disk, peak device <= 12 GiB and peak host <= 64 GiB; with "
+             "the disk tier, LLaMA-7B within 12 GiB device and 16 GiB host, LLaMA-70B within 24 GiB device, 128 GiB "
+             "host and 1.3 TB (1.3e12 B) disk"),
+            ("disk = OffloadStrategy(offload_params=True, optimizer_in_backward=True, disk=<tmp dir>): the fp32 "
+             "masters and the optimizer state in files (peak_disk, disk_B_per_param: 4 B of master + the state, AdamW "
+             "8 B, 8-bit AdamW ~2 B, each file's regions rounded to pages); the dry run creates no file. "
+             "host_with_tier = peak_host + the tier's disk_budget (1 GiB by default): the pages of the tier read ahead "
+             "or in use, which the real run holds in RAM (memory_breakdown's host 'other') and the dry run does not "
+             "(fake tensors); fits_goal is checked with them"),
             ("other also holds, with offload_params, the pinned ring the trained weights' fetches are rounded into "
              "((prefetch + 2) x the largest block's weights in the compute dtype; a CUDA correction of the CPU trace)"),
         ],

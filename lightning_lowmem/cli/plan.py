@@ -17,7 +17,8 @@ from pathlib import Path
 
 _EPILOG = (
     "Every candidate (strategy, precision, checkpointing, activation offload, chunked loss, micro-batch for the same "
-    "effective batch, optimizer in backward, ZeRO offload presets; adapters and other optimizers where allowed; the disk tier with --disk-dir) is priced by a cost model, then "
+    "effective batch, optimizer in backward, ZeRO offload presets; adapters and other optimizers where allowed; the "
+    "disk tier with --disk-dir) is priced by a cost model, then "
     "predicted by the dry run (the real Trainer.fit on fake tensors), fastest first, until one fits. Hardware "
     "profiles: rtx2060-6gb, rtx3060-12gb, rtx4090-24gb, a100-40gb, a100-80gb, h100-80gb, 'measure' (this "
     "machine), or a YAML file (`base: <profile>` and the fields to change)."
@@ -130,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, "lowmem plan: error: " + "\n- ".join(["the arguments do not describe a plan:", *problems]) + "\n")
     try:
         result = plan(model, args.batch_size, args.seq_len, device_memory=args.device_memory,
-                      host_memory=args.host_memory or args.host_budget, hardware=args.hardware, pure_half=args.pure_half,
+                      host_memory=args.host_memory or args.host_budget, hardware=args.hardware,
+                      pure_half=args.pure_half,
                       target=args.target, data=data, adapters=adapters, quantize_base=quantize_base,
                       adapter_r=args.adapter_r, optimizers=optimizers, disk_dir=args.disk_dir,
                       disk_budget=args.disk_budget,

@@ -72,7 +72,8 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
                  disk_dir: str | os.PathLike | None = None, disk_budget: int | str | None = None) -> None:
         super().__init__()
         problems, wrong_type = [], False
-        for name, value in (("device_budget", device_budget), ("host_budget", host_budget), ("disk_budget", disk_budget)):
+        for name, value in (("device_budget", device_budget), ("host_budget", host_budget),
+                            ("disk_budget", disk_budget)):
             if value is not None:
                 try:
                     parse_bytes(value, f"`{name}`")

@@ -23,8 +23,8 @@ from lightning_lowmem.core.optional import package_available
 from lightning_lowmem.predict.estimate import lean_extra_problem
 from lightning_lowmem.predict.run_spec import LEAN_OPTIMIZERS, RunSpec
 
-Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "offload_params_obw", "offload_disk",
-               "offload_params_disk", "zero2_offload", "zero3_offload"]
+Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "offload_params_obw",
+               "offload_disk", "offload_params_disk", "zero2_offload", "zero3_offload"]
 Checkpointing = Literal["every_n", "all"]
 
 #: base -> (label, where the model states live)
@@ -337,5 +337,5 @@ def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_call
 
 
 __all__ = ["ADAPTER_KINDS", "BASES", "CHUNK_TOKENS", "DISK", "FULL_FINE_TUNE", "OPTIMIZERS", "OPTIMIZER_LABELS",
-           "QUANTIZED_BASES", "TECHNIQUE_FIELDS", "AdapterVariant", "Recipe", "adapter_variants", "candidates", "disk_problems",
-           "micro_batches", "optimizer_choices", "technique_field"]
+           "QUANTIZED_BASES", "TECHNIQUE_FIELDS", "AdapterVariant", "Recipe", "adapter_variants", "candidates",
+           "disk_problems", "micro_batches", "optimizer_choices", "technique_field"]

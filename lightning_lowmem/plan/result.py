@@ -110,10 +110,11 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "chosen": self.chosen.name, "run": self.run.describe(), "device_budget": self.device_budget,
-            "host_budget": self.host_budget, "disk_budget": self.disk_budget, "hardware": self.hardware.name, "traces": self.traces,
-            "wall_s": round(self.wall_s, 2), "notes": self.notes,
+            "host_budget": self.host_budget, "disk_budget": self.disk_budget, "hardware": self.hardware.name,
+            "traces": self.traces, "wall_s": round(self.wall_s, 2), "notes": self.notes,
             "rows": [{"recipe": r.name, "status": r.status, "why": r.why, "peak_device": r.peak_device,
-                      "peak_host": r.peak_host, "peak_disk": r.peak_disk, **{k: round(v, 6) for k, v in r.cost.to_dict().items()}}
+                      "peak_host": r.peak_host, "peak_disk": r.peak_disk,
+                      **{k: round(v, 6) for k, v in r.cost.to_dict().items()}}
                      for r in self.rows if r.status != "not traced" or r is self.chosen],
         }
 

@@ -204,8 +204,8 @@ def estimate_memory(
     if getattr(run.strategy, "disk", None) not in (None, False) or run.strategy_name == "lowmem_offload_disk":
         unmodelled = True  # NOTE: the closed form keeps the masters and optimizer state in host RAM
         if method == "analytic":
-            raise ValueError("Passed `method='analytic'` with the disk tier: the closed form does not model it (it puts "
-                             "the masters and optimizer state in host RAM); use method='dry_run'.")
+            raise ValueError("Passed `method='analytic'` with the disk tier: the closed form does not model it (it "
+                             "puts the masters and optimizer state in host RAM); use method='dry_run'.")
     bound = None if config is None or unmodelled else _analytic_bound(
         config, batch_size, micro_batch_size, seq_len, run, target)
     fallback = est = None

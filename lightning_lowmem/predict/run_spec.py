@@ -193,9 +193,10 @@ class RunSpec:
         if disk is not None and not (offload and optimizer_in_backward and not zero_stage):
             flags = {"offload": offload, "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage}
             given = ", ".join(f"`{k}={v!r}`" for k, v in flags.items())
-            raise ValueError(f"Passed `disk={disk!r}` with {given}; the disk tier is part of `lowmem_offload` and steps "
-                             "each parameter as its gradient lands: pass `offload=True, optimizer_in_backward=True` "
-                             "(no `zero_stage`; strategy='lowmem_offload_disk'), or leave `disk` out.")
+            raise ValueError(f"Passed `disk={disk!r}` with {given}; the disk tier is part of `lowmem_offload` and "
+                             "steps each parameter as its gradient lands: pass `offload=True, "
+                             "optimizer_in_backward=True` (no `zero_stage`; strategy='lowmem_offload_disk'), or leave "
+                             "`disk` out.")
         if adapters is not None:
             # NOTE: first, as a user lists it: the other techniques see the model with its adapters (the Adapters
             # callback's own code adds them; its defaults otherwise: alpha, dropout, all-linear targets)

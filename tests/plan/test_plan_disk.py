@@ -122,7 +122,8 @@ def test_lowmem_plan_disk_flags_are_checked_together(tmp_path, capsys):
         main(["plan", "--model", "gpt2", "--batch-size", "2", "--seq-len", "32", "--device-memory", "12GB",
               "--host-memory", "1GB", "--host-budget", "2GB", "--disk-dir", str(tmp_path / "missing")])
     text = capsys.readouterr().err
-    assert "they are the same budget" in text and f"`--disk-dir {tmp_path / 'missing'}`, which is not a directory" in text
+    assert "they are the same budget" in text
+    assert f"`--disk-dir {tmp_path / 'missing'}`, which is not a directory" in text
 
 
 @pytest.mark.slow
