@@ -7,13 +7,20 @@ the real strategy code on fake tensors, CUDA target). Recipes side by side: toda
 ``offload_params="auto"`` under a device budget (the first blocks resident: no host copy of theirs). The goal
 (issue 45): a recipe within 12 GiB device and 64 GiB host with no disk.
 
-Run: ``python benchmarks/run.py host_wall [--model llama-7b --seq 2048 --budget 8GiB]``
+With the disk tier (``OffloadStrategy(offload_params=True, optimizer_in_backward=True, disk=<a temporary directory>)``,
+the same callbacks; the dry run creates no file), for each of ``--disk-models``: device, host by category and disk
+bytes, against the issue's goals: LLaMA-7B within 12 GiB device and 16 GiB host, LLaMA-70B within 24 GiB device,
+128 GiB host and 1.3 TB disk. The tier's pages in flight (at most its ``disk_budget``, 1 GiB by default) are host RAM
+of the real run that the dry run does not hold (fake tensors): the goals are checked with them added.
+
+Run: ``python benchmarks/run.py host_wall [--model llama-7b --seq 2048 --budget 8GiB --disk-models llama-7b,llama-70b]``
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,8 @@ from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 
 GIB = 2**30
 DEVICE_GOAL, HOST_GOAL = 12 * GIB, 64 * GIB
+#: the disk tier's goals (issue 45): model -> (device, host, disk or None)
+DISK_GOALS = {"llama-7b": (12 * GIB, 16 * GIB, None), "llama-70b": (24 * GIB, 128 * GIB, 1.3e12)}
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "other")
 
 
@@ -61,35 +70,66 @@ def estimate(model: str, seq: int, kwargs: dict[str, Any], low_bit: bool) -> Any
                            callbacks=callbacks, extrapolate=False if kwargs.get("offload_params") == "auto" else None)
 
 
+def disk_recipes(disk_dir: str, eight_bit: bool) -> list[tuple[str, dict[str, Any], bool]]:
+    """``(name, OffloadStrategy kwargs, 8-bit AdamW)`` per recipe with the disk tier (AdamW, and ``eight_bit``)."""
+    tier = {"offload_params": True, "optimizer_in_backward": True, "disk": disk_dir}
+    return [("lowmem_offload_params + in_backward + disk", tier, False),
+            *([("lowmem_offload_params + in_backward + disk + adamw8bit", tier, True)] if eight_bit else [])]
+
+
+def row(part: str, model: str, seq: int, name: str, kwargs: dict[str, Any], low_bit: bool) -> dict[str, Any]:
+    """One recipe's dry run: peaks, host bytes/param by category at the host peak, disk bytes, and its goal."""
+    t0 = time.perf_counter()
+    est = estimate(model, seq, kwargs, low_bit)
+    n = est.num_params
+    host = max(est.phases.values(), key=lambda bd: bd.total("host")).host  # at the host peak
+    if part == "estimate":
+        (device_goal, host_goal, disk_goal), tier = (DEVICE_GOAL, HOST_GOAL, None), 0
+    else:
+        (device_goal, host_goal, disk_goal), tier = DISK_GOALS[model], OffloadStrategy(**kwargs).disk_budget
+    goal = f"{fmt_bytes(device_goal)} device, {fmt_bytes(host_goal)} host" + (
+        f", {disk_goal / 1e12:.1f} TB disk" if disk_goal else "")
+    return {
+        "part": part, "model": model, "batch": f"1x{seq}", "recipe": name,
+        "strategy": {k: ("<tmp dir>" if k == "disk" else v) for k, v in kwargs.items()},
+        "low_bit": low_bit, "peak_device": fmt_bytes(est.peak_device), "peak_host": fmt_bytes(est.peak_host),
+        "peak_disk": fmt_bytes(est.peak_disk), "host_B_per_param": round(est.peak_host / n, 2),
+        **{f"host_{c}_B_per_param": round(host[c] / n, 2) for c in CATEGORIES},
+        "disk_B_per_param": round(est.peak_disk / n, 2),
+        "tier_ram_budget": fmt_bytes(tier), "host_with_tier": fmt_bytes(est.peak_host + tier), "goal": goal,
+        "fits_goal": (est.peak_device <= device_goal and est.peak_host + tier <= host_goal
+                      and (disk_goal is None or est.peak_disk <= disk_goal)),
+        "peak_device_bytes": est.peak_device, "peak_host_bytes": est.peak_host, "peak_disk_bytes": est.peak_disk,
+        "tier_ram_budget_bytes": tier, "num_params": n, "host_bytes": dict(host), "notes": est.notes,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-7b")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--budget", default="8GiB", help="device_budget of the offload_params='auto' recipe")
+    parser.add_argument("--disk-models", default="llama-7b,llama-70b",
+                        help=f"models of the disk tier's rows, comma-separated, of {', '.join(DISK_GOALS)} ('': none)")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    for name, kwargs, low_bit in recipes(args.budget):
-        t0 = time.perf_counter()
-        est = estimate(args.model, args.seq, kwargs, low_bit)
-        n = est.num_params
-        host = max(est.phases.values(), key=lambda bd: bd.total("host")).host  # at the host peak
-        row: dict[str, Any] = {
-            "part": "estimate", "model": args.model, "batch": f"1x{args.seq}", "recipe": name, "strategy": kwargs,
-            "low_bit": low_bit, "peak_device": fmt_bytes(est.peak_device), "peak_host": fmt_bytes(est.peak_host),
-            "host_B_per_param": round(est.peak_host / n, 2),
-            **{f"host_{c}_B_per_param": round(host[c] / n, 2) for c in CATEGORIES},
-            "fits_12GiB_64GiB": est.peak_device <= DEVICE_GOAL and est.peak_host <= HOST_GOAL,
-            "peak_device_bytes": est.peak_device, "peak_host_bytes": est.peak_host, "num_params": n,
-            "host_bytes": dict(host), "notes": est.notes, "seconds": round(time.perf_counter() - t0, 1),
-        }
-        rows.append(row)
-        print({k: v for k, v in row.items() if k not in ("host_bytes", "notes")}, flush=True)
+    disk_models = list(filter(None, args.disk_models.split(",")))
+    with tempfile.TemporaryDirectory() as disk_dir:
+        todo = [("estimate", args.model, *r) for r in recipes(args.budget)]
+        for model in disk_models:
+            # NOTE: the 70B once (its dry run takes minutes): the module's own AdamW, as the issue's goal
+            todo += [("estimate_disk", model, *r) for r in disk_recipes(disk_dir, eight_bit=model != "llama-70b")]
+        for part, model, name, kwargs, low_bit in todo:
+            rows.append(row(part, model, args.seq, name, kwargs, low_bit))
+            print({k: v for k, v in rows[-1].items() if k not in ("host_bytes", "notes")}, flush=True)
     write_results(
         "host_wall", rows,
-        ["recipe", "peak_device", "peak_host", "host_B_per_param", *(f"host_{c}_B_per_param" for c in CATEGORIES),
-         "fits_12GiB_64GiB"],
+        ["model", "recipe", "peak_device", "peak_host", "peak_disk", "host_B_per_param",
+         *(f"host_{c}_B_per_param" for c in CATEGORIES), "disk_B_per_param", "host_with_tier", "goal", "fits_goal"],
         title=(f"The host-memory wall: {args.model} full fine-tune, bf16-true, AdamW, 1 x {args.seq}: predicted peaks "
-               "and host bytes/param by category (dry run, CUDA target)"),
+               "and host bytes/param by category (dry run, CUDA target)"
+               + (f"; with the disk tier: {', '.join(disk_models)}" if disk_models else "")),
         notes=[
             ("every figure is a dry run (estimate_memory, target='cuda', computed on the CPU): callbacks="
              "[ActivationCheckpointing('all'), ActivationOffload(boundaries_only=True), ChunkedLMLoss(chunk_tokens=1024)]"
@@ -104,7 +144,15 @@ def main() -> None:
             "in_backward = OffloadStrategy(optimizer_in_backward=True): each master steps as its gradient lands",
             ("auto = OffloadStrategy(offload_params='auto', device_budget=...): the first blocks stay resident within "
              "the budget; traced at full depth (extrapolate=False)"),
-            "fits_12GiB_64GiB: peak device <= 12 GiB and peak host <= 64 GiB (the issue's goal, no disk)",
+            ("goal, fits_goal: the issue's goals: without disk, peak device <= 12 GiB and peak host <= 64 GiB; with "
+             "the disk tier, LLaMA-7B within 12 GiB device and 16 GiB host, LLaMA-70B within 24 GiB device, 128 GiB "
+             "host and 1.3 TB (1.3e12 B) disk"),
+            ("disk = OffloadStrategy(offload_params=True, optimizer_in_backward=True, disk=<tmp dir>): the fp32 "
+             "masters and the optimizer state in files (peak_disk, disk_B_per_param: 4 B of master + the state, AdamW "
+             "8 B, 8-bit AdamW ~2 B, each file's regions rounded to pages); the dry run creates no file. "
+             "host_with_tier = peak_host + the tier's disk_budget (1 GiB by default): the pages of the tier read ahead "
+             "or in use, which the real run holds in RAM (memory_breakdown's host 'other') and the dry run does not "
+             "(fake tensors); fits_goal is checked with them"),
             ("other also holds, with offload_params, the pinned ring the trained weights' fetches are rounded into "
              "((prefetch + 2) x the largest block's weights in the compute dtype; a CUDA correction of the CPU trace)"),
         ],

@@ -1,6 +1,7 @@
 """``lowmem plan``: the fastest recipe of the suite that fits your GPU, as a YAML ``lowmem fit`` runs.
 
     lowmem plan --config run.yaml --device-memory 12GB --host-memory 64GB --write plan.yaml
+    lowmem plan --model llama-7b --batch-size 1 --seq-len 2048 --host-budget 64GB --disk-dir /nvme --disk-budget 2TB
     lowmem fit --config plan.yaml
 
 More examples in docs/cli.md.
@@ -16,7 +17,8 @@ from pathlib import Path
 
 _EPILOG = (
     "Every candidate (strategy, precision, checkpointing, activation offload, chunked loss, micro-batch for the same "
-    "effective batch, optimizer in backward, ZeRO offload presets; adapters and other optimizers where allowed) is priced by a cost model, then "
+    "effective batch, optimizer in backward, ZeRO offload presets; adapters and other optimizers where allowed; the "
+    "disk tier with --disk-dir) is priced by a cost model, then "
     "predicted by the dry run (the real Trainer.fit on fake tensors), fastest first, until one fits. Hardware "
     "profiles: rtx2060-6gb, rtx3060-12gb, rtx4090-24gb, a100-40gb, a100-80gb, h100-80gb, 'measure' (this "
     "machine), or a YAML file (`base: <profile>` and the fields to change)."
@@ -37,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="with --model: the sequence length")
     parser.add_argument("--device-memory", help="device budget, e.g. 12GB (default: the hardware profile's memory)")
     parser.add_argument("--host-memory", help="host budget, e.g. 64GB (default: not checked)")
+    parser.add_argument("--host-budget", help="the same as --host-memory")
+    parser.add_argument("--disk-dir", help="a directory on a local disk for the disk tier (the fp32 masters and "
+                        "optimizer state in files, stepped in backward): its recipes are considered, after every "
+                        "recipe in RAM (slower); the plan creates no file there")
+    parser.add_argument("--disk-budget", help="with --disk-dir: the disk tier's budget, e.g. 2TB (default: not "
+                        "checked; the strategy checks the free space when it starts)")
     parser.add_argument("--hardware", help="a profile name, 'measure', or a YAML file (default: 'measure' for a CPU "
                         "target, else rtx3060-12gb rates)")
     parser.add_argument("--pure-half", action="store_true", help="also consider half weights without fp32 masters")
@@ -63,12 +71,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> list[str]:
     from lightning_lowmem.cli.estimate import output_problems, size_problem
+    from lightning_lowmem.plan.recipes import disk_problems
 
     problems = output_problems(args, ("write", "json"))
-    for flag in ("device_memory", "host_memory"):
+    if args.host_memory is not None and args.host_budget is not None:
+        problems.append(f"Passed `--host-memory {args.host_memory}` and `--host-budget {args.host_budget}`; they are "
+                        "the same budget: pass one")
+    for flag in ("device_memory", "host_memory", "host_budget", "disk_budget"):
         value = getattr(args, flag)
         problem = None if value is None else size_problem(f"--{flag.replace('_', '-')}", value)[1]
         problems += [problem] if problem else []
+    disk_problems(args.disk_dir, args.disk_budget, problems, cli=True)
     for flag in ("batch_size", "seq_len"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -89,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest, init_args = split_data_args(sys.argv[1:] if argv is None else argv)
     except ValueError as err:
         parser.exit(2, f"lowmem plan: error: {err}\n")
-    args = parser.parse_args(glue_values(rest, ("--device-memory", "--host-memory")))
+    args = parser.parse_args(glue_values(rest, ("--device-memory", "--host-memory", "--host-budget", "--disk-budget")))
     from lightning_lowmem.plan.recipes import adapter_variants, optimizer_choices
     from lightning_lowmem.plan.search import NoRecipeFitsError, plan
     from lightning_lowmem.predict.estimate import module_class as _module_class
@@ -118,9 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, "lowmem plan: error: " + "\n- ".join(["the arguments do not describe a plan:", *problems]) + "\n")
     try:
         result = plan(model, args.batch_size, args.seq_len, device_memory=args.device_memory,
-                      host_memory=args.host_memory, hardware=args.hardware, pure_half=args.pure_half,
+                      host_memory=args.host_memory or args.host_budget, hardware=args.hardware,
+                      pure_half=args.pure_half,
                       target=args.target, data=data, adapters=adapters, quantize_base=quantize_base,
-                      adapter_r=args.adapter_r, optimizers=optimizers,
+                      adapter_r=args.adapter_r, optimizers=optimizers, disk_dir=args.disk_dir,
+                      disk_budget=args.disk_budget,
                       progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     except NoRecipeFitsError as err:
         parser.exit(1, f"lowmem plan: {err}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -18,7 +19,7 @@ from lightning_lowmem.core.reproducible import Reproducible, fresh
 from lightning_lowmem.core.units import parse_bytes
 from lightning_lowmem.plan.hardware import PROFILES
 from lightning_lowmem.plan.output import trainer_yaml
-from lightning_lowmem.plan.recipes import BASES, IN_BACKWARD, optimizer_choices, technique_field
+from lightning_lowmem.plan.recipes import BASES, DISK, IN_BACKWARD, disk_problems, optimizer_choices, technique_field
 from lightning_lowmem.plan.search import NoRecipeFitsError, plan
 from lightning_lowmem.plan.source import effective_batch
 from lightning_lowmem.strategies.offload import checks as offload_checks
@@ -52,6 +53,9 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         optimizers: the optimizers allowed, in order of preference (``plan``'s ``optimizers``): ``("adamw",)``, the
             module's own, by default; add ``"adamw8bit"`` (``LowBitOptimizer``) or a ``LeanOptimizer`` kind to let
             the plan use it where nothing fits with the one before (it trains with other maths).
+        disk_dir: a directory on a local disk the plan may put the disk tier in (``plan``'s ``disk_dir``: the fp32
+            masters and optimizer state in files, chosen only where nothing fits in RAM). Default: no disk tier.
+        disk_budget: with ``disk_dir``, bytes or a size for the tier's bytes. Default: the free space there minus 10 %.
 
     Example:
         >>> from lightning_lowmem import AutoStrategy
@@ -64,11 +68,12 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
     strategy_name = "lowmem_auto"
 
     def __init__(self, device_budget: int | str | None = None, host_budget: int | str | None = None,
-                 hardware: str | None = None, pure_half: bool = False, optimizers: tuple[str, ...] = ("adamw",)
-                 ) -> None:
+                 hardware: str | None = None, pure_half: bool = False, optimizers: tuple[str, ...] = ("adamw",),
+                 disk_dir: str | os.PathLike | None = None, disk_budget: int | str | None = None) -> None:
         super().__init__()
         problems, wrong_type = [], False
-        for name, value in (("device_budget", device_budget), ("host_budget", host_budget)):
+        for name, value in (("device_budget", device_budget), ("host_budget", host_budget),
+                            ("disk_budget", disk_budget)):
             if value is not None:
                 try:
                     parse_bytes(value, f"`{name}`")
@@ -86,11 +91,13 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
             problems.append(f"Passed `hardware={hardware!r}`; expected one of {', '.join(PROFILES)}, 'measure' "
                             "or a YAML file.")
         wrong_type |= optimizer_choices(optimizers, (), problems)[1]
+        wrong_type |= disk_problems(disk_dir, disk_budget, problems)
         if problems:
             raise (TypeError if wrong_type else ValueError)("\n- ".join(["AutoStrategy:", *problems]))
         self.device_budget, self.host_budget, self.hardware, self.pure_half = device_budget, host_budget, hardware, \
             pure_half
         self.allowed_optimizers = tuple(optimizers)  # NOTE: `optimizers` is the strategy's own property
+        self.disk_dir, self.disk_budget = disk_dir, disk_budget
         self.plan: Any = None
         self.chosen_strategy: Any = None
 
@@ -129,13 +136,17 @@ class AutoStrategy(Reproducible, SingleDeviceStrategy):
         # NOTE: the dry runs run fake copies of the module, on forked random generators (`dry_run`): the module and
         # the random streams training starts from are as the user left them
         refused = refused_bases(trainer, model)
-        bases = [b for b in BASES if b not in refused and (self.pure_half or b != "half")] if refused else None
+        bases = [b for b in BASES if b not in refused and (self.pure_half or b != "half")
+                 and (self.disk_dir is not None or b not in DISK)] if refused else None
+        disk_budget = self.disk_budget
+        if self.disk_dir is not None and disk_budget is None:
+            disk_budget = int(shutil.disk_usage(self.disk_dir).free * (1 - DEFAULT_MARGIN))
         not_planned = "".join(f"\n  not planned: {BASES[b][0].format(h='bf16')}: {why}" for b, why in refused.items())
         try:
             self.plan = plan(model, effective, data=data, device_memory=device_budget, host_memory=host_budget,
                              hardware=self.hardware, pure_half=self.pure_half, fixed_callbacks=user, bases=bases,
                              target="cuda" if self.root_device.type == "cuda" else "cpu",
-                             optimizers=self.allowed_optimizers)
+                             optimizers=self.allowed_optimizers, disk_dir=self.disk_dir, disk_budget=disk_budget)
         except NoRecipeFitsError as err:
             if not refused:
                 raise

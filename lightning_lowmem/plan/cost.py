@@ -1,7 +1,8 @@
 """The planner's cost model: predicted seconds of one optimizer step of a recipe, on a hardware profile.
 
 Compute (``6 N T`` plus attention, recomputation included), bytes over the host link (overlapping compute), the
-host and device optimizer steps at memory bandwidth, and the adapters' smaller gradients and dequantized base.
+host and device optimizer steps at memory bandwidth, the disk tier's reads and writes at disk bandwidth, and the
+adapters' smaller gradients and dequantized base.
 Only ratios between recipes rank them; ``benchmarks/results/plan_cost.md`` compares it with measured step times.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_lowmem.plan.hardware import GB, HardwareProfile
-from lightning_lowmem.plan.recipes import Recipe
+from lightning_lowmem.plan.recipes import DISK, IN_BACKWARD, Recipe
 
 #: bytes of activations a transformer block keeps for backward per token per hidden unit, in 16-bit
 #: (Korthikanti et al. 2022, table 2: 34 s b h without recomputation; with flash attention no s^2 term)
@@ -73,6 +74,9 @@ class StepCost:
     total_s: float
     flops: float
     link_bytes: float
+    #: the disk tier's seconds and bytes read and written per step (all of it, hidden or not)
+    disk_s: float = 0.0
+    disk_bytes: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -104,10 +108,10 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
 
     weight_bytes = 2 if half else 4
     link, serial = 0.0, 0.0
-    if recipe.base in ("offload", "offload_obw", "zero2_offload"):
+    if recipe.base in ("offload", "offload_obw", "offload_disk", "zero2_offload"):
         serial = trained * weight_bytes  # the updated weights, before the next forward
         link += micro * trained * weight_bytes  # gradients, per micro-batch
-    elif recipe.base in ("offload_params", "offload_params_obw"):
+    elif recipe.base.startswith("offload_params"):
         # the blocks' weights fetched in forward, in backward and for each recomputed forward, per micro-batch; the
         # rest (embeddings, head) after the step as under lowmem_offload; gradients out per micro-batch
         serial = min(head, trained) * weight_bytes
@@ -129,15 +133,37 @@ def step_cost(recipe: Recipe, shape: ModelShape, batch_size: int, profile: Hardw
         host_opt = trained * state / (profile.host_gbps * GB)
     else:
         dev_opt = trained * state / ((profile.device_optimizer_gbps or profile.device_gbps) * GB)
+    disk = _disk_bytes(recipe, trained, block_params, head, micro, recompute)
+    disk_s = [b / (profile.disk_gbps * GB) for b in disk]
     # NOTE: on a GPU the copies run on copy engines beside the kernels; where one processor does both, they add up
-    gpu = max(compute, link_s) if profile.overlap else compute + link_s
-    if recipe.base in ("offload_obw", "offload_params_obw"):
-        # NOTE: the host step of each parameter runs while backward goes on: what is left after the last
-        # micro-batch's backward (two thirds of its compute) is paid
-        total = gpu + serial_s + max(0.0, host_opt - (2 / 3) * compute / micro)
+    gpu = max(compute, link_s, disk_s[2]) if profile.overlap else compute + link_s + disk_s[2]
+    if recipe.base in IN_BACKWARD:
+        # NOTE: the host step of each parameter runs while backward goes on, the disk tier's reads ahead and writes
+        # behind beside it (threads): what is left after the last micro-batch's backward (two thirds of its compute)
+        # is paid; the tier reads the masters to upload while the link copies them
+        step = max(host_opt, disk_s[0])
+        total = gpu + max(serial_s, disk_s[1]) + max(0.0, step - (2 / 3) * compute / micro)
     else:
         total = gpu + serial_s + host_opt + dev_opt
-    return StepCost(compute, link_s, serial_s, host_opt, dev_opt, total, flops, link + serial)
+    return StepCost(compute, link_s, serial_s, host_opt, dev_opt, total, flops, link + serial, sum(disk_s), sum(disk))
+
+
+def _disk_bytes(recipe: Recipe, trained: int, block_params: int, head: int, micro: int, recompute: float
+                ) -> tuple[float, float, float]:
+    """The disk tier's bytes per step: ``(around the step in backward, after the step, in the passes)``.
+
+    Around each trained parameter's step its fp32 master (4 B) and optimizer state (AdamW 8 B, 8-bit ~2 B) are read
+    ahead and written behind; after the step the masters are read once more for the upload. With ``offload_params``
+    a streamed block's weights are rounded from their masters at each fetch (forward, backward, each recomputed
+    forward, per micro-batch), read from the disk there; only the rest (embeddings, head) is uploaded after the step.
+    """
+    if recipe.base not in DISK:
+        return 0.0, 0.0, 0.0
+    state = 2 if recipe.optimizer == "adamw8bit" else 8
+    around = 2.0 * trained * (4 + state)
+    if recipe.base == "offload_params_disk":
+        return around, 4.0 * min(head, trained), 4.0 * micro * min(block_params, trained) * (2 + recompute)
+    return around, 4.0 * trained, 0.0
 
 
 __all__ = ["ADAMW_8BIT_BYTES", "ADAMW_BYTES", "ModelShape", "StepCost", "step_cost", "trainable_params"]

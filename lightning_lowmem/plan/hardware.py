@@ -45,6 +45,10 @@ class HardwareProfile:
     overlap: bool = True
     #: fixed cost of one micro-batch (kernel launches, Python): seconds per repeated block
     launch_s_per_block: float = 2e-4
+    #: bytes/s the disk tier (``OffloadStrategy(disk=...)``) reads and writes its directory at, reads and writes
+    #: together (GB/s). Default 3: a PCIe 4.0 NVMe SSD (datasheets: ~7 read, ~5 write sequentially; a mix of buffered
+    #: reads and ``fdatasync``'d writes reaches less); a SATA SSD is ~0.5. Not measured by ``measure_host``
+    disk_gbps: float = 3.0
     source: str = ""
 
     def override(self, **changes: Any) -> HardwareProfile:

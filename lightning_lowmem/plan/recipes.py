@@ -7,6 +7,7 @@ A :class:`Recipe` is a base (precision, where the model states live) and the tec
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,8 +23,8 @@ from lightning_lowmem.core.optional import package_available
 from lightning_lowmem.predict.estimate import lean_extra_problem
 from lightning_lowmem.predict.run_spec import LEAN_OPTIMIZERS, RunSpec
 
-Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "offload_params_obw", "zero2_offload",
-               "zero3_offload"]
+Base = Literal["fp32", "mixed", "half", "offload", "offload_obw", "offload_params", "offload_params_obw",
+               "offload_disk", "offload_params_disk", "zero2_offload", "zero3_offload"]
 Checkpointing = Literal["every_n", "all"]
 
 #: base -> (label, where the model states live)
@@ -36,13 +37,19 @@ BASES: dict[str, tuple[str, str]] = {
     "offload_params": ("lowmem_offload_params", "as lowmem_offload, the blocks' {h} weights streamed from the host"),
     "offload_params_obw": ("lowmem_offload_params + opt-in-bwd",
                            "as lowmem_offload_params, each master stepped as its gradient lands"),
+    "offload_disk": ("lowmem_offload_disk",
+                     "as lowmem_offload + opt-in-bwd, fp32 masters and optimizer state in files on a local disk"),
+    "offload_params_disk": ("lowmem_offload_params + disk tier",
+                            "as lowmem_offload_params + opt-in-bwd, fp32 masters and optimizer state on a local disk"),
     "zero2_offload": ("lowmem_zero2_offload", "DeepSpeed ZeRO-2, optimizer on the host"),
     "zero3_offload": ("lowmem_zero3_offload", "DeepSpeed ZeRO-3, parameters and optimizer on the host"),
 }
 _DEEPSPEED = ("zero2_offload", "zero3_offload")
-_OFFLOAD = ("offload", "offload_obw", "offload_params", "offload_params_obw")
+#: the bases with the disk tier (``OffloadStrategy(disk=...)``): candidates only with a directory (``plan(disk_dir=)``)
+DISK = ("offload_disk", "offload_params_disk")
+_OFFLOAD = ("offload", "offload_obw", "offload_params", "offload_params_obw", *DISK)
 #: the bases that step each master in backward (``OffloadStrategy(optimizer_in_backward=True)``)
-IN_BACKWARD = ("offload_obw", "offload_params_obw")
+IN_BACKWARD = ("offload_obw", "offload_params_obw", *DISK)
 _CKPT_RANK = {None: 0, "every_n": 1, "all": 2}
 #: the chunk of ``ChunkedLMLoss`` the planner uses (GPT-2-XL's loss under 64 MiB)
 CHUNK_TOKENS = 128
@@ -87,6 +94,8 @@ class Recipe:
     #: ``LowBitOptimizer`` (``"adamw8bit"``) or a ``LeanOptimizer`` shorthand (``"galore"``, ...), where allowed;
     #: None: the module's own
     optimizer: str | None = None
+    #: the disk tier's directory (``OffloadStrategy(disk=...)``), for the bases of ``DISK``; the dry run makes no file
+    disk: str | None = None
 
     @property
     def training_name(self) -> str:
@@ -129,6 +138,7 @@ class Recipe:
             "activation_offload": self.activation_offload or None,
             "chunked_loss": CHUNK_TOKENS if self.chunked_loss else None,
             "optimizer": self.optimizer,
+            "disk": self.disk if self.base in DISK else None,
             "micro_batch_size": self.micro_batch_size if batch_size not in (None, self.micro_batch_size) else None,
         }.items() if v is not None}
         if self.adapters is not None:
@@ -174,6 +184,8 @@ class Recipe:
 
     def conflict(self, batch_size: int, half: str = "bf16") -> str | None:
         """Why the real run refuses this combination, for the pairs known not to compose (not traced)."""
+        if self.base in DISK and self.disk is None:
+            return "the disk tier needs a directory (`plan(disk_dir=...)`, `lowmem plan --disk-dir`)"
         if self.base in IN_BACKWARD and half == "16":
             return "the optimizer in backward cannot use fp16: an overflow must skip the whole step"
         if self.base in IN_BACKWARD and self.micro_batch_size != batch_size:
@@ -200,18 +212,22 @@ def micro_batches(batch_size: int) -> list[int]:
 def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = True, chunked_loss: bool = True, micro: bool = True, checkpointing: bool = True,
                activation_offload: bool = True, bases: Sequence[str] | None = None, half: str = "bf16",
                adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16,
-               optimizers: Sequence[str | None] = (None,)) -> list[Recipe]:
+               optimizers: Sequence[str | None] = (None,), disk_dir: str | None = None) -> list[Recipe]:
     """Every recipe considered, for an effective batch of ``batch_size`` on one device.
 
     DeepSpeed bases take no activation offload; pairs the real run refuses (:meth:`Recipe.conflict`) are left out;
-    ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only those named. Every recipe is considered
-    with each of ``adapters`` (``(kind, quantized base)``, ``(None, None)`` the full fine-tune, at rank ``adapter_r``)
-    and of ``optimizers`` (None: the module's own).
+    ``pure_half`` adds half weights without fp32 masters; ``bases`` keeps only those named; the disk bases (``DISK``)
+    come only with ``disk_dir``, their tier's directory. Every recipe is considered with each of ``adapters``
+    (``(kind, quantized base)``, ``(None, None)`` the full fine-tune, at rank ``adapter_r``) and of ``optimizers``
+    (None: the module's own).
     """
     if bases is not None:
         unknown = [b for b in bases if b not in BASES]
-        if unknown:
-            raise ValueError(f"Passed `bases={list(bases)!r}`; {unknown} are not bases: expected some of {list(BASES)}.")
+        problems = [f"{unknown} are not bases: expected some of {list(BASES)}"] if unknown else []
+        if disk_dir is None and any(b in DISK for b in bases):
+            problems.append(f"{[b for b in bases if b in DISK]} need a directory for the disk tier: pass `disk_dir`")
+        if problems:
+            raise ValueError(f"Passed `bases={list(bases)!r}`; " + "; ".join(problems) + ".")
     bases = [b for b in (bases or BASES) if (pure_half or b != "half" or bases) and (deepspeed or b not in _DEEPSPEED)]
     out = []
     for base in bases:
@@ -223,10 +239,29 @@ def candidates(batch_size: int, *, pure_half: bool = False, deepspeed: bool = Tr
             [False] if ds or not activation_offload else [False, True], [False, True] if chunked_loss else [False],
         ):
             recipe = Recipe(base, mb, ckpt, act, chunk, kind, adapter_r if kind else 16,  # type: ignore[arg-type]
-                            quant if kind else None, lean)
+                            quant if kind else None, lean, disk_dir if base in DISK else None)
             if recipe.conflict(batch_size, half) is None:
                 out.append(recipe)
     return out
+
+
+def disk_problems(disk_dir: Any, disk_budget: Any, problems: list[str], cli: bool = False) -> bool:
+    """Add what is wrong with the disk tier's directory ``disk_dir`` (an existing directory) and ``disk_budget`` (only
+    with one; its size is checked by the caller) to ``problems``, as ``plan`` spells them (``cli``: as ``lowmem
+    plan``'s); True when ``disk_dir`` is of a wrong type."""
+    def call(name: str, value: Any) -> str:
+        return f"`--{name.replace('_', '-')} {value}`" if cli else f"`{name}={value!r}`"
+
+    if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
+        problems.append(f"Passed {call('disk_dir', disk_dir)}; expected a directory (str or os.PathLike).")
+        return True
+    if disk_dir is not None and not os.path.isdir(disk_dir):
+        problems.append(f"Passed {call('disk_dir', os.fspath(disk_dir))}, which is not a directory; create it (on a "
+                        "local disk, an NVMe SSD is best) or pass another.")
+    elif disk_dir is None and disk_budget is not None:
+        problems.append(f"Passed {call('disk_budget', disk_budget)} without {'`--disk-dir`' if cli else '`disk_dir`'}; "
+                        "the disk tier needs a directory: pass it too, or leave the disk budget out.")
+    return False
 
 
 ADAPTER_KINDS = ("none", "lora", "dora")
@@ -301,6 +336,6 @@ def adapter_variants(adapters: Any, quantize_base: Any, adapter_r: Any, own_call
     return tuple(dict.fromkeys(variants)) or (FULL_FINE_TUNE,), wrong_type
 
 
-__all__ = ["ADAPTER_KINDS", "BASES", "CHUNK_TOKENS", "FULL_FINE_TUNE", "OPTIMIZERS", "OPTIMIZER_LABELS",
+__all__ = ["ADAPTER_KINDS", "BASES", "CHUNK_TOKENS", "DISK", "FULL_FINE_TUNE", "OPTIMIZERS", "OPTIMIZER_LABELS",
            "QUANTIZED_BASES", "TECHNIQUE_FIELDS", "AdapterVariant", "Recipe", "adapter_variants", "candidates",
-           "micro_batches", "optimizer_choices", "technique_field"]
+           "disk_problems", "micro_batches", "optimizer_choices", "technique_field"]

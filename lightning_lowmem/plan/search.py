@@ -17,6 +17,8 @@ Example (a tiny GPT-2 shape here, planned in seconds; ``"gpt2-xl"`` and the othe
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,10 +31,12 @@ from lightning_lowmem.core.units import fmt_size, parse_bytes
 from lightning_lowmem.plan.cost import step_cost
 from lightning_lowmem.plan.hardware import PROFILES, HardwareProfile, load_profile
 from lightning_lowmem.plan.recipes import (
+    DISK,
     FULL_FINE_TUNE,
     AdapterVariant,
     adapter_variants,
     candidates,
+    disk_problems,
     optimizer_choices,
     technique_field,
 )
@@ -65,6 +69,8 @@ def plan(
     adapter_r: int = 16,
     optimizers: str | Sequence[str] = ("adamw",),
     progress: Callable[[str], None] | None = None,
+    disk_dir: str | os.PathLike | None = None,
+    disk_budget: int | str | None = None,
 ) -> Plan:
     """Choose the fastest recipe whose predicted device peak fits ``device_memory`` (and host peak ``host_memory``).
 
@@ -94,6 +100,12 @@ def plan(
             own, the default alone), ``"adamw8bit"`` (``LowBitOptimizer``) and ``LeanOptimizer`` kinds
             (``"galore"``, ``"apollo"``, ...); a kind whose package is missing is refused up front.
         progress: called with one line after each dry run (the candidate, its verdict, its time), as it comes.
+        disk_dir: an existing directory on a local disk for the disk tier (``OffloadStrategy(disk=...)``: the fp32
+            masters and optimizer state in files, stepped in backward): its bases are candidates, ranked after every
+            other base (slower: they read and write the disk each step), so chosen only where nothing else fits. The
+            dry run creates no file there. Without it, a refusal for the host budget says what the disk tier needs.
+        disk_budget: with ``disk_dir``, bytes or a size (``"2TB"``) for the disk tier's predicted bytes
+            (``MemoryEstimate.peak_disk``); default: not checked (the strategy checks the free space at setup).
 
     Raises:
         NoRecipeFitsError: no recipe fits; says the smallest device (and host) memory any recipe needs and what
@@ -102,14 +114,14 @@ def plan(
     """
     t0 = time.perf_counter()
     budgets = Budgets.of(model, batch_size, seq_len, data, device_memory, host_memory, hardware, target,
-                         (adapters, quantize_base, adapter_r, fixed_callbacks, optimizers))
+                         (adapters, quantize_base, adapter_r, fixed_callbacks, optimizers), disk_dir, disk_budget)
     source, b = budgets.source, budgets.source.batch_size
     keep_deepspeed = not fixed_callbacks
     fixed_callbacks = [*fixed_callbacks, *source.fixed_callbacks]  # a YAML's own Adapters: its training stays
     fixed = frozenset(f for f in map(technique_field, fixed_callbacks) if f is not None)
     rows = candidate_rows(source, budgets.profile, budgets.half, fixed, pure_half=pure_half, bases=bases,
                           keep_deepspeed=keep_deepspeed, adapters=budgets.adapters, adapter_r=adapter_r,
-                          optimizers=budgets.optimizers)
+                          optimizers=budgets.optimizers, disk_dir=budgets.disk_dir)
     # NOTE: a user's own AccumulationScheduler sets the loader's batch itself
     loader = None if "micro_batch_size" in fixed else source.loader_batch
     judge = Judge(source, budgets, fixed_callbacks, fixed, loader, budgets.target, {} if cache is None else cache,
@@ -128,7 +140,17 @@ def plan(
         if chosen is not None:
             break
     if chosen is None:
-        raise NoRecipeFitsError(_no_fit_message(rows_floors, budgets.device, budgets.host, source))
+        hint = []
+        if budgets.disk_dir is None and any(
+                r.status == "too big" and (r.peak_device or 0) <= budgets.device for r in rows_floors):
+            # NOTE: the host budget is what fails: the disk bases' floors, traced with a stand-in directory (the dry
+            # run makes no file), say what the disk tier would need
+            hint = floors(candidate_rows(source, budgets.profile, budgets.half, fixed, pure_half=False, bases=DISK,
+                                         keep_deepspeed=False, adapters=budgets.adapters, adapter_r=adapter_r,
+                                         optimizers=budgets.optimizers, disk_dir=tempfile.gettempdir()))
+            for row in hint:
+                judge(row)
+        raise NoRecipeFitsError(_no_fit_message(rows_floors, budgets, source, hint))
     notes = [(f"{judge.traces} dry runs ({budgets.target} target, from {budgets.target_source}), {len(rows)} "
               "candidates"), *source.notes]
     kept = next((c for c in fixed_callbacks if technique_field(c) == "adapters"), None)
@@ -140,7 +162,7 @@ def plan(
                      f"{chosen.recipe.training_name}" + (f" (no recipe of {', '.join(names[:-1])} fits)"
                                                         if len(names) > 1 else ""))
     return Plan(rows, chosen, budgets.device, budgets.host, budgets.profile, b, budgets.half, judge.traces,
-                time.perf_counter() - t0, notes, source.yaml_parts, loader, source.scheduler)
+                time.perf_counter() - t0, notes, source.yaml_parts, loader, source.scheduler, budgets.disk)
 
 
 @dataclass
@@ -158,6 +180,9 @@ class Budgets:
     #: the device predicted, and why that one
     target: str = "cuda"
     target_source: str = "the default for a model without a Trainer"
+    #: the disk tier's directory (the disk bases are candidates only with one) and the budget of its bytes
+    disk_dir: str | None = None
+    disk: int | None = None
 
     @property
     def half(self) -> str:
@@ -167,14 +192,15 @@ class Budgets:
     @classmethod
     def of(cls, model: Any, batch_size: int | None, seq_len: int | None, data: Any, device_memory: int | str | None,
            host_memory: int | str | None, hardware: Any, target: str, trainings: tuple[Any, ...] = (("none",), ("none",),
-                                                                                             16, (), ("adamw",))
-           ) -> Budgets:
+                                                                                             16, (), ("adamw",)),
+           disk_dir: Any = None, disk_budget: int | str | None = None) -> Budgets:
         """Check every argument, and raise one ``ValueError`` (``TypeError`` when one is of a wrong type) naming all
         the problems at once."""
         problems: list[str] = []
         type_error = False
         parsed: dict[str, int] = {}
-        for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
+        for name, value in (("device_memory", device_memory), ("host_memory", host_memory),
+                            ("disk_budget", disk_budget)):
             try:
                 if value is not None:
                     parsed[name] = parse_bytes(value, f"`{name}`")
@@ -182,6 +208,7 @@ class Budgets:
                 problems.append(str(err))
                 type_error |= isinstance(err, TypeError)
         device_budget, host_budget = parsed.get("device_memory"), parsed.get("host_memory")
+        type_error |= disk_problems(disk_dir, disk_budget, problems)
         if target not in ("cpu", "cuda", None):
             problems.append(f"Passed `target={target!r}`; expected 'cuda' or 'cpu'.")
         source = Source.of(model, batch_size, seq_len, data, problems)
@@ -211,15 +238,17 @@ class Budgets:
                                                                          *problems]))
         if profile is None:
             profile = PROFILES["rtx3060-12gb"].override(name="default (rtx3060-12gb rates)", memory_bytes=device_budget)
-        return cls(source, profile, device_budget, host_budget, variants, optimizers, target, why)
+        return cls(source, profile, device_budget, host_budget, variants, optimizers, target, why,
+                   None if disk_dir is None else os.fspath(disk_dir), parsed.get("disk_budget"))
 
 
 def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: frozenset[str], *, pure_half: bool,
                    bases: Sequence[str] | None, keep_deepspeed: bool = True,
                    adapters: Sequence[AdapterVariant] = (FULL_FINE_TUNE,), adapter_r: int = 16,
-                   optimizers: Sequence[str | None] = (None,)) -> list[Row]:
-    """Every candidate recipe for ``source``, priced by the cost model, fastest first. None switches on a technique of
-    ``fixed`` (the user's own); ``keep_deepspeed=False`` leaves out the DeepSpeed bases, unless nothing else is left."""
+                   optimizers: Sequence[str | None] = (None,), disk_dir: str | None = None) -> list[Row]:
+    """Every candidate recipe for ``source``, priced by the cost model, fastest first, the disk bases (with
+    ``disk_dir``) after all others. None switches on a technique of ``fixed`` (the user's own);
+    ``keep_deepspeed=False`` leaves out the DeepSpeed bases, unless nothing else is left."""
     b = source.batch_size
     rows = [Row(r, r.name(half), step_cost(r, source.shape, b or 1, profile))
             for r in candidates(b or 1, pure_half=pure_half, deepspeed=package_available("deepspeed"),
@@ -231,10 +260,11 @@ def candidate_rows(source: Source, profile: HardwareProfile, half: str, fixed: f
                                 adapters=(FULL_FINE_TUNE,) if "adapters" in fixed else adapters,
                                 adapter_r=adapter_r,
                                 # NOTE: the run's own optimizer swap (LeanOptimizer, LowBitOptimizer) stays
-                                optimizers=(None,) if "optimizer" in fixed else optimizers)]
+                                optimizers=(None,) if "optimizer" in fixed else optimizers, disk_dir=disk_dir)]
     if not keep_deepspeed:
         rows = [r for r in rows if r.recipe.base not in ("zero2_offload", "zero3_offload")] or rows
-    rows.sort(key=lambda r: r.cost.total_s)
+    # NOTE: the disk tier only where nothing in RAM fits: it is an in-backward base plus the disk's reads and writes
+    rows.sort(key=lambda r: (r.recipe.base in DISK, r.cost.total_s))
     return rows
 
 
@@ -298,6 +328,8 @@ class Judge:
             over.append(f"device {fmt_size(result.peak_device)} > {fmt_size(device_budget)} ({result.binding_phase})")
         if host_budget is not None and result.peak_host > host_budget:
             over.append(f"host {fmt_size(result.peak_host)} > {fmt_size(host_budget)}")
+        if self.budgets.disk is not None and result.peak_disk > self.budgets.disk:
+            over.append(f"disk {fmt_size(result.peak_disk)} > {fmt_size(self.budgets.disk)}")
         row.status, row.why = ("too big", "; ".join(over)) if over else ("fits", f"binds in {result.binding_phase}")
 
     def refused(self, row: Row) -> str | None:
@@ -390,25 +422,46 @@ def _scaled_from_another_micro_batch(row: Row, rows: list[Row]) -> tuple[int, in
     return None
 
 
-def _no_fit_message(floors: list[Row], device_budget: int, host_budget: int | None, source: Source) -> str:
+def _no_fit_message(floors: list[Row], budgets: Budgets, source: Source, disk_floors: Sequence[Row] = ()) -> str:
+    """Why nothing fits: the least device peak, the host (and disk) it would need; ``disk_floors``: the disk bases'
+    floors traced for a plan without ``disk_dir`` whose host budget is what fails."""
     traced = [r for r in floors if r.estimate is not None]
     if not traced:
         reasons = "; ".join(f"{r.name}: {r.why}" for r in floors)
         return f"No recipe could be predicted for this model: {reasons}"
     least = min(traced, key=lambda r: r.peak_device or 0)
-    lines = [f"No recipe fits a device budget of {fmt_size(device_budget)}"
-             + (f" and a host budget of {fmt_size(host_budget)}" if host_budget else "") + ".",
+    host, disk = budgets.host, budgets.disk
+    lines = [f"No recipe fits a device budget of {fmt_size(budgets.device)}"
+             + (f", a host budget of {fmt_size(host)}" if host else "")
+             + (f", a disk budget of {fmt_size(disk)}" if disk else "") + ".",
              (f"The smallest device peak of any recipe is {fmt_size(least.peak_device or 0)} ({least.name}, host peak "
-             f"{fmt_size(least.peak_host or 0)}).")]
-    if host_budget is not None:
-        fit_device = [r for r in traced if (r.peak_device or 0) <= device_budget]
-        if fit_device:
-            need = min(fit_device, key=lambda r: r.peak_host or 0)
-            lines.append(f"It would fit with {fmt_size(need.peak_host or 0)} of host memory ({need.name}).")
+              f"{fmt_size(least.peak_host or 0)}{_disk_part(least)}).")]
+    fit_device = [r for r in traced if (r.peak_device or 0) <= budgets.device]
+    if host is not None and fit_device:
+        need = min(fit_device, key=lambda r: r.peak_host or 0)
+        if (need.peak_host or 0) > host:
+            lines.append(f"It would fit with {fmt_size(need.peak_host or 0)} of host memory ({need.name}"
+                         f"{_disk_part(need)}).")
+    on_disk = [r for r in fit_device if r.recipe.base in DISK and (host is None or (r.peak_host or 0) <= host)]
+    if disk is not None and on_disk:
+        need = min(on_disk, key=lambda r: r.peak_disk or 0)
+        lines.append(f"With the disk tier it fits the device and host ({need.name}: host peak "
+                     f"{fmt_size(need.peak_host or 0)}) with {fmt_size(need.peak_disk or 0)} of disk.")
+    if disk_floors:
+        fits = [r for r in disk_floors if (r.peak_device or budgets.device + 1) <= budgets.device]
+        need = min(fits, key=lambda r: r.peak_host or 0) if fits else None
+        figures = ("" if need is None else f": {need.name} needs device {fmt_size(need.peak_device or 0)}, host "
+                   f"{fmt_size(need.peak_host or 0)}, disk {fmt_size(need.peak_disk or 0)}")
+        lines.append("The disk tier keeps the fp32 masters and optimizer state in files on a local disk" + figures
+                     + "; give it a directory to plan with it: `--disk-dir DIR` (Python: `disk_dir=`).")
     what = "a smaller batch" + (" or sequence length" if source.shape.seq_len else "") if source.batch_size and \
         source.batch_size > 1 else "a shorter sequence" if source.shape.seq_len else "a smaller model"
     lines.append(f"To fit: a device with at least that memory, or {what} (activations scale with it).")
     return " ".join(lines)
+
+
+def _disk_part(row: Row) -> str:
+    return f", disk {fmt_size(row.peak_disk or 0)}" if row.recipe.base in DISK else ""
 
 
 __all__ = ["Budgets", "Judge", "NoRecipeFitsError", "Plan", "Row", "candidate_rows", "effective_batch", "floors",

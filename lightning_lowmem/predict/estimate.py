@@ -91,6 +91,7 @@ def estimate_memory(
     adapters: Literal["lora", "dora"] | None = None,
     adapter_r: int | None = None,
     quantize_base: Literal["nf4", "fp4", "int8"] | None = None,
+    disk: str | None = None,
     skip_above: int | None = None,
 ) -> MemoryEstimate:
     """Predict peak memory per phase, role and category of one run.
@@ -121,6 +122,9 @@ def estimate_memory(
         adapters, adapter_r, quantize_base: ``Adapters(adapters, r=adapter_r, quantize_base=quantize_base)`` (LoRA or
             DoRA on a frozen, optionally 4-/8-bit base; the callback's own code runs in the dry run); not together
             with ``strategy``/``callbacks``. The closed form does not model adapters: no analytic fallback.
+        disk: a directory for the disk tier (``OffloadStrategy(disk=disk)``, with ``offload=True`` and
+            ``optimizer_in_backward=True``): the fp32 masters and optimizer state predicted on the disk
+            (``MemoryEstimate.peak_disk``), not in host RAM; the dry run creates no file there.
         skip_above: a device budget in bytes: a model shape whose model states alone (weights, optimizer state and,
             unless stepped in backward, gradients: exact per-parameter sizes in closed form) exceed it on the device
             is not traced; the result is the closed form, and ``fallback_reason`` says why.
@@ -150,7 +154,7 @@ def estimate_memory(
     flags = {"offload": offload, "offload_params": offload_params, "checkpointing": checkpointing,
              "activation_offload": activation_offload, "micro_batch_size": micro_batch_size, "optimizer": optimizer,
              "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage, "chunked_loss": chunked_loss,
-             "adapters": adapters, "adapter_r": adapter_r, "quantize_base": quantize_base}
+             "adapters": adapters, "adapter_r": adapter_r, "quantize_base": quantize_base, "disk": disk}
     used = [k for k in SHORTHANDS if flags[k] not in (None, False, 0, "adamw")]
     if used and (strategy != "auto" or callbacks):
         raise ValueError(
@@ -197,6 +201,11 @@ def estimate_memory(
         if found is not None and method == "analytic":
             raise ValueError(f"Passed `method='analytic'` with `{found!r}`: the closed form does not model {what}; "
                              "use method='dry_run'.")
+    if getattr(run.strategy, "disk", None) not in (None, False) or run.strategy_name == "lowmem_offload_disk":
+        unmodelled = True  # NOTE: the closed form keeps the masters and optimizer state in host RAM
+        if method == "analytic":
+            raise ValueError("Passed `method='analytic'` with the disk tier: the closed form does not model it (it "
+                             "puts the masters and optimizer state in host RAM); use method='dry_run'.")
     bound = None if config is None or unmodelled else _analytic_bound(
         config, batch_size, micro_batch_size, seq_len, run, target)
     fallback = est = None

@@ -37,7 +37,7 @@ from lightning_lowmem.strategies.zero.strategy import ZeroStrategy
 
 #: technique flags of :func:`~lightning_lowmem.estimate_memory`, for messages
 SHORTHANDS = ("offload", "offload_params", "checkpointing", "activation_offload", "micro_batch_size", "optimizer",
-              "optimizer_in_backward", "zero_stage", "chunked_loss", "adapters", "adapter_r", "quantize_base")
+              "optimizer_in_backward", "zero_stage", "chunked_loss", "adapters", "adapter_r", "quantize_base", "disk")
 #: ``optimizer=`` shorthands that are ``LeanOptimizer(kind)`` (its defaults otherwise): its own kind names, except
 #: torchao's 8-bit AdamW: "adamw8bit" is bitsandbytes' (``LowBitOptimizer``)
 LEAN_OPTIMIZERS: dict[str, str] = {"galore": "galore", "apollo": "apollo", "apollo_mini": "apollo_mini",
@@ -199,9 +199,18 @@ class RunSpec:
         batch_size: int | None = None, micro_batch_size: int | None = None, optimizer: str | None = None,
         optimizer_in_backward: bool = False, zero_stage: int = 0, world_size: int = 1, chunked_loss: int | None = None,
         adapters: str | None = None, adapter_r: int | None = None, quantize_base: str | None = None,
+        disk: str | None = None,
     ) -> RunSpec:
-        """The run that :func:`~lightning_lowmem.estimate_memory`'s keyword shorthands name."""
+        """The run that :func:`~lightning_lowmem.estimate_memory`'s keyword shorthands name (``disk``: a directory
+        for ``OffloadStrategy(disk=...)``'s tier, with ``offload=True`` and ``optimizer_in_backward=True``)."""
         callbacks: list[Any] = []
+        if disk is not None and not (offload and optimizer_in_backward and not zero_stage):
+            flags = {"offload": offload, "optimizer_in_backward": optimizer_in_backward, "zero_stage": zero_stage}
+            given = ", ".join(f"`{k}={v!r}`" for k, v in flags.items())
+            raise ValueError(f"Passed `disk={disk!r}` with {given}; the disk tier is part of `lowmem_offload` and "
+                             "steps each parameter as its gradient lands: pass `offload=True, "
+                             "optimizer_in_backward=True` (no `zero_stage`; strategy='lowmem_offload_disk'), or leave "
+                             "`disk` out.")
         if adapters is not None:
             # NOTE: first, as a user lists it: the other techniques see the model with its adapters (the Adapters
             # callback's own code adds them; its defaults otherwise: alpha, dropout, all-linear targets)
@@ -232,7 +241,8 @@ class RunSpec:
             strategy = {(2, False): "lowmem_zero2", (2, True): "lowmem_zero2_offload", (3, False): "lowmem_zero3",
                         (3, True): "lowmem_zero3_offload"}[(zero_stage, offload)]
         elif offload:
-            strategy = OffloadStrategy(optimizer_in_backward=optimizer_in_backward, offload_params=offload_params)
+            strategy = OffloadStrategy(optimizer_in_backward=optimizer_in_backward, offload_params=offload_params,
+                                       **({} if disk is None else {"disk": disk}))
         if offload_params and not offload:
             raise ValueError("Passed `offload_params=True` without `offload=True`: parameter streaming is part of "
                              "`lowmem_offload` (strategy='lowmem_offload_params').")

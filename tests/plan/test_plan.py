@@ -340,15 +340,18 @@ def test_lowmem_auto_does_not_plan_a_recipe_that_refuses_the_trainers_own_callba
     from lightning.pytorch.callbacks import BackboneFinetuning, GradientAccumulationScheduler
 
     from lightning_lowmem.plan.auto import refused_bases
+    from lightning_lowmem.plan.recipes import DISK
 
     quiet = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
              "enable_model_summary": False}
     module = tiny_lm_module()
     assert refused_bases(L.Trainer(**quiet), module) == {}
     steps_late = L.Trainer(callbacks=[GradientAccumulationScheduler({1: 2})], **quiet)
-    assert set(refused_bases(steps_late, module)) == {"offload_obw", "offload_params_obw"}
+    # the disk bases step in backward too
+    assert set(refused_bases(steps_late, module)) == {"offload_obw", "offload_params_obw", *DISK}
     unfreezes = L.Trainer(callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)], **quiet)
-    assert set(refused_bases(unfreezes, module)) == {"offload", "offload_obw", "offload_params", "offload_params_obw"}
+    assert set(refused_bases(unfreezes, module)) == {"offload", "offload_obw", "offload_params", "offload_params_obw",
+                                                     *DISK}
 
     auto = AutoStrategy(device_budget="256MB", host_budget="4GB")
     trainer = L.Trainer(strategy=auto, max_steps=1, callbacks=[GradientAccumulationScheduler({1: 2})], **quiet)

@@ -80,7 +80,8 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         host_optimizer: ``"auto"``: Adam/AdamW with torch's fused CPU kernel (a few ulp apart, ~5x faster);
             ``"as_is"``: as configured; ``"torch_fused"``: ``"auto"`` refusing optimizers it cannot fuse.
         check_host_memory: refuse to start when the RAM this process may allocate (available memory, cgroup limit,
-            ``ulimit -v``/``-d``) cannot hold masters, gradient buffers, the configured optimizer's state and staging.
+            ``ulimit -v``/``-d``) cannot hold masters, gradient buffers, the configured optimizer's state and staging
+            (with ``disk``: when its directory's free space cannot hold the masters and optimizer state).
         nonfinite: on an inf/nan master gradient in bf16/fp32 (fp16 skips through its scaler): ``"skip"`` the step
             (logged as ``lowmem/skipped_steps``, warned once, :class:`NonFiniteGradientError` after
             ``max_consecutive_skips`` in a row); ``"raise"``; ``"ignore"`` (the masters become nan). Cost: a norm/step.
@@ -385,10 +386,13 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
 
     def _check_disk(self, directory: str, module: torch.nn.Module, optimizers: list[Optimizer],
                     callbacks: Sequence[Any]) -> None:
-        """Refuse a tier directory that is missing or cannot hold the masters and optimizer state, naming both."""
+        """Refuse a tier directory that is missing or (with ``check_host_memory``: not in a dry run, which predicts a
+        run that may be on another machine) cannot hold the masters and optimizer state, naming both."""
         if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
             raise ValueError(f"`OffloadStrategy(disk={self.disk!r})`: {directory!r} is not a writable directory; "
                              "create it, or pass a directory on a local disk (an NVMe SSD is best).")
+        if not self.check_host_memory:
+            return
         need, free = self.host_bytes_needed(module, optimizers, False, callbacks)["disk"], shutil.disk_usage(directory).free
         if need > free:
             raise ValueError(
