@@ -75,18 +75,17 @@ def host_wall_disk(r: Results) -> str:
     cats = ("weights", "gradients", "optimizer_state", "activations", "other")
     disk = rows(d, part="estimate_disk")
     body = table(
-        ["model", "optimizer", "device peak", "host peak", "+ tier in flight", "disk", "host B/param",
+        ["model", "optimizer", "device peak", "host peak", "disk", "host B/param",
          *(c.replace("_", " ") for c in cats), "goal", "within"],
         [[v["model"], "8-bit AdamW" if v["low_bit"] else "AdamW", v["peak_device"],
-          v["peak_host"], v["host_with_tier"], v["peak_disk"], f"{v['host_B_per_param']:.2f}",
+          v["peak_host"], v["peak_disk"], f"{v['host_B_per_param']:.2f}",
           *(f"{v[f'host_{c}_B_per_param']:.2f}" for c in cats), v["goal"], "yes" if v["fits_goal"] else "no"]
          for v in disk],
     )
     setup = ("`OffloadStrategy(offload_params=True, optimizer_in_backward=True, disk=...)`, bf16-true, batch "
              f"{disk[0]['batch'].replace('x', ' x ')}, the callbacks above; host bytes/param by category at the host "
-             "peak (other: the pinned staging of the gradients and of the streamed weights' fetches). The dry run "
-             "holds none of the tier's pages in RAM: \"+ tier in flight\" adds its `disk_budget`, which the goal is "
-             "checked with.")
+             "peak (other: the tier's pages in flight, its `disk_buffer`, and the pinned staging ring of the gradients "
+             "and of the streamed weights' fetches).")
     return f"{setup}\n\n{body}\n\n{source(d, dry_run(d))}"
 
 

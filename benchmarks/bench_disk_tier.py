@@ -168,7 +168,7 @@ def child(spec: dict) -> None:
         strategy: Any = ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True, offload_device="nvme",
                                      nvme_path=spec["disk"])
     else:
-        kw = {"disk": spec["disk"], "disk_budget": spec["budget"]} if spec["disk"] else {}
+        kw = {"disk": spec["disk"], "disk_buffer": spec["budget"]} if spec["disk"] else {}
         strategy = seen["strategy"] = OffloadStrategy(optimizer_in_backward=True, check_host_memory=False, **kw)
     trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-true", max_steps=spec["steps"],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

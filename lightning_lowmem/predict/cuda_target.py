@@ -36,7 +36,8 @@ class CudaOptimizerDefaults(L.Callback):
             # base has none): counted from the traced strategy, not from the parameters before the callbacks ran
             self.counts["staged_numels"] = [m.numel() for m in getattr(trainer.strategy, "masters", {}).values()]
             self.counts["ring_bytes"] = getattr(trainer.strategy, "ring_bytes", 0)
-            self.counts["staging_ring"] = getattr(trainer.strategy, "disk", None) not in (None, False)
+            self.counts["staging_ring"] = bool(getattr(trainer.strategy, "optimizer_in_backward", False))
+            self.counts["disk_buffer"] = getattr(trainer.strategy, "tier_buffer_bytes", 0)
             self.counts["traced_params"] = sum(p.numel() for p in pl_module.parameters())
         host = host_storage_keys()
         for opt in trainer.optimizers:
@@ -76,19 +77,24 @@ def cuda_corrections(counts: dict[str, Any], estimate: MemoryEstimate, run: RunS
         # NOTE: the compute weights' dtype: fp32 under "32-true" and "*-mixed" (autocast casts per op)
         dtype = torch.float32 if run.precision == "32-true" or run.precision.endswith("-mixed") else torch.bfloat16
         staged = counts.get("staged_numels")
-        ring = counts.get("staging_ring", False)  # NOTE: the disk tier's one ring: the same at any depth
+        ring = counts.get("staging_ring", False)  # NOTE: the step in backward's one ring: the same at any depth
         staging = pinned_staging_bytes([(n, dtype) for n in (numels if staged is None else staged)], ring=ring)
         if not ring and staged is not None and extrapolated and counts.get("traced_params") and estimate.num_params:
             staging = int(staging * estimate.num_params / counts["traced_params"])  # NOTE: traced at a lower depth
         staging += counts.get("ring_bytes", 0)  # NOTE: slots of the largest block: the same at any depth
+    pages = min(counts.get("disk_buffer", 0), estimate.peak_disk)  # NOTE: the tier holds no more than its files
     for bd in estimate.phases.values():
         bd.add("device", "other", CUDA_CONTEXT_BYTES)
-        bd.add("host", "other", staging)
+        bd.add("host", "other", staging + pages)
     if staging:
         out.append(Correction("pinned_staging", staging, False,
                               "OffloadStrategy's pinned host staging buckets in the compute dtype, and a streamed "
                               f"model's upload ring ({counts.get('ring_bytes', 0):,} B) (CUDA only, as the pinned "
                               "allocator rounds them), added to every phase's host `other`"))
+    if pages:
+        out.append(Correction("disk_tier_pages", pages, False,
+                              f"the disk tier's pages read ahead or in use ({pages:,} B, its `disk_buffer`: page cache, "
+                              "which the fake tensors of the trace do not hold), added to every phase's host `other`"))
     out.append(Correction("allocator_rounding", 0, False,
                           "the caching allocator rounds blocks to 512 B and reserves more than it allocates; "
                           "fragmentation is not modelled (size: to be calibrated on a GPU)"))

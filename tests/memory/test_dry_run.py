@@ -63,7 +63,7 @@ RUNS = {
     "offload, step in backward": lambda: RunSpec(strategy=OffloadStrategy(optimizer_in_backward=True),
                                                  precision="bf16-true"),
     "offload, disk tier": lambda: RunSpec(strategy=OffloadStrategy(optimizer_in_backward=True,
-                                                                   disk=tempfile.gettempdir(), disk_budget="64KiB"),
+                                                                   disk=tempfile.gettempdir(), disk_buffer="64KiB"),
                                           precision="bf16-true"),
     "offload + accumulation": lambda: RunSpec(
         strategy="lowmem_offload", precision="bf16-true",

@@ -14,7 +14,7 @@ from lightning_lowmem.plan.recipes import DISK, IN_BACKWARD, Recipe, candidates
 from lightning_lowmem.plan.search import NoRecipeFitsError, plan
 from lightning_lowmem.plan.source import Source
 
-SHAPE = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}
+SHAPE = {"model_type": "gpt2", "n_layer": 8, "n_embd": 64, "n_head": 2, "vocab_size": 256}  # NOTE: no parameter is most of the model
 BATCH, SEQ = 2, 32
 #: the offload bases (in RAM and on disk): fp32 and bf16-mixed keep no host state, so the host budget cannot refuse them
 RAM = ("offload", "offload_obw", "offload_params", "offload_params_obw")
@@ -32,7 +32,7 @@ def figures(tmp_path_factory):
     def estimate(base):
         return source.estimate(Recipe(base, BATCH, disk=disk_dir if base in DISK else None).run(BATCH), "cuda")
 
-    ram = min(estimate(b).peak_host for b in ("offload_obw", "offload_params_obw"))
+    ram = min(estimate(b).peak_host for b in RAM)
     disk = [estimate(b) for b in DISK]
     return disk_dir, ram, max(e.peak_host for e in disk), max(e.peak_disk for e in disk)
 
@@ -134,7 +134,7 @@ def test_lowmem_plan_takes_the_host_budget_and_the_disk_tier(figures, capsys):
     mixed = source.estimate(Recipe("mixed", 1, "all", True, True).run(BATCH), "cuda").peak_device
     floor = source.estimate(Recipe("offload_disk", BATCH, "all", True, True, disk=disk_dir).run(BATCH), "cuda")
     assert floor.peak_device < mixed
-    shape = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2"]
+    shape = [arg for k, v in SHAPE.items() if k != "model_type" for arg in ("--set", f"{k}={v}")]
     assert main(["plan", "--model", "gpt2", *shape, "--batch-size", str(BATCH), "--seq-len", str(SEQ),
                  "--device-memory", str((floor.peak_device + mixed) // 2), "--host-budget", str((disk_host + ram) // 2),
                  "--disk-dir", disk_dir, "--disk-budget", "2TB", "--hardware", "rtx3060-12gb"]) == 0

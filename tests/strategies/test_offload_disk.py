@@ -18,7 +18,6 @@ import torch
 
 from lightning_lowmem.core.host_memory import pinned_bytes
 from lightning_lowmem.core.streams import DeferredOps, cpu_stand_in
-from lightning_lowmem.strategies.offload import transfer
 from lightning_lowmem.strategies.offload.disk_tier import DiskTier
 from lightning_lowmem.strategies.offload.strategy import OffloadStrategy
 from tests.helpers.models import random_batch, tiny_lm_module
@@ -66,7 +65,7 @@ def _assert_same(a, b):
 def test_the_disk_tier_trains_bit_identically_to_ram(tmp_path, optimizer, budget):
     module = lambda: Net(optimizer=optimizer)
     in_ram = _fit(module, _data())
-    on_disk = _fit(module, _data(), disk=tmp_path, disk_budget=budget)
+    on_disk = _fit(module, _data(), disk=tmp_path, disk_buffer=budget)
     _assert_same(in_ram, on_disk)
     seen = on_disk[2]
     assert seen.files == set()  # NOTE: unlinked as soon as opened: a killed run leaves nothing behind
@@ -78,7 +77,7 @@ def test_the_disk_tier_trains_bit_identically_to_ram(tmp_path, optimizer, budget
 def test_a_hugging_face_model_trains_bit_identically_on_disk(tmp_path):
     data = [random_batch(seed=i) for i in range(3)]
     in_ram = _fit(tiny_lm_module, data, epochs=1)
-    on_disk = _fit(tiny_lm_module, data, epochs=1, disk=tmp_path, disk_budget="64KiB")
+    on_disk = _fit(tiny_lm_module, data, epochs=1, disk=tmp_path, disk_buffer="64KiB")
     _assert_same(in_ram, on_disk)
     breakdown = on_disk[2].breakdown
     assert breakdown.host["optimizer_state"] < breakdown.disk["optimizer_state"] / 50  # only sub-page state in RAM
@@ -87,11 +86,10 @@ def test_a_hugging_face_model_trains_bit_identically_on_disk(tmp_path):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_cuda_transfer_stages_the_tier_through_one_ring_exactly(tmp_path, monkeypatch, seed):
+def test_the_cuda_transfer_stages_the_tier_through_one_ring_exactly(tmp_path, seed):
     """On the CUDA logic (the deferred stand-in, copies landing in random orders) the gradients and uploads take turns
     in one pinned ring of two of the largest weights (not a slot per parameter): it wraps many times a step, each
     slot taken again only after its copy landed and its gradient stepped, and the run equals the CPU path's."""
-    monkeypatch.setattr(transfer, "BUCKET_BYTES", 1)  # NOTE: no 64 MiB floor: the ring wraps in this small model
     data = [random_batch(seed=i) for i in range(3)]
     in_ram = _fit(tiny_lm_module, data, epochs=1)
     with cpu_stand_in(lambda: DeferredOps("random", seed=seed)):
@@ -118,10 +116,10 @@ def test_a_run_on_the_disk_tier_resumes_identically_in_a_new_process(tmp_path):
 
 def test_bad_flags_are_refused_together(tmp_path):
     with pytest.raises(ValueError) as err:
-        OffloadStrategy(disk=tmp_path / "missing", disk_budget="lots")
+        OffloadStrategy(disk=tmp_path / "missing", disk_buffer="lots")
     message = str(err.value)
     assert "missing" in message and "not a directory" in message
-    assert "optimizer_in_backward=True" in message and "disk_budget='lots'" in message
+    assert "optimizer_in_backward=True" in message and "disk_buffer='lots'" in message
     with pytest.raises(TypeError, match="expected a directory"):
         OffloadStrategy(disk=3, optimizer_in_backward=True)
 

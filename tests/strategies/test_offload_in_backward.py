@@ -123,6 +123,8 @@ def test_each_master_steps_alone_as_with_the_normal_step(optimizer, precision, p
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_completion_orders_of_the_stream_stand_in(seed):
+    """On the CUDA transfer's one staging ring (two of the largest gradients: it wraps many times a step, each master
+    stepped as the ring needs its slot, during backward)."""
     _same(progress="random", seed=seed)
 
 

@@ -173,9 +173,10 @@ def check_flags(**flags: Any) -> None:
                             "parameter's master and optimizer state through its step as its gradient lands: pass "
                             "`optimizer_in_backward=True` (or use strategy='lowmem_offload_disk')")
     try:
-        parse_bytes(flags["disk_budget"], "`disk_budget`")
+        if flags["disk_buffer"] != "auto":
+            parse_bytes(flags["disk_buffer"], "`disk_buffer`")
     except (TypeError, ValueError) as err:
-        problems.append(f"`disk_budget={flags['disk_budget']!r}` ({err})")
+        problems.append(f"`disk_buffer={flags['disk_buffer']!r}` ({err})")
         type_error |= isinstance(err, TypeError)
     skips = flags["max_consecutive_skips"]
     not_int = isinstance(skips, bool) or not isinstance(skips, int)

@@ -98,10 +98,11 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             masters of a module built without weights (no second fp32 copy on the host; not read when resuming).
         disk: a directory on a local disk (``True``: the Trainer's ``default_root_dir``) for the masters and the
             optimizer state (``strategy="lowmem_offload_disk"``; needs ``optimizer_in_backward=True``): host RAM
-            keeps only ``disk_budget`` bytes of them, read ahead and written behind as each gradient lands
+            keeps only ``disk_buffer`` bytes of them, read ahead and written behind as each gradient lands
             (:class:`~lightning_lowmem.strategies.offload.disk_tier.DiskTier`, docs/techniques/offload.md, "Disk tier").
-        disk_budget: with ``disk``, the host bytes of the tier's parameters in flight (an int or ``"1GiB"``; at least
-            one parameter's master and state are read at a time, however large).
+        disk_buffer: with ``disk``, the host RAM of the tier's parameters in flight (an int or ``"1GiB"``; at least
+            one parameter's master and state are read at a time, however large); ``"auto"``: 64 B per element of the
+            largest parameter (four of its master and state), at most 1 GiB.
 
     Example:
         >>> import lightning as L
@@ -133,7 +134,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         device_budget: int | str | None = None,
         load_weights: str | os.PathLike | None = None,
         disk: str | os.PathLike | bool | None = None,
-        disk_budget: int | str = "1GiB",
+        disk_buffer: int | str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -142,7 +143,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             optimizer_in_backward=optimizer_in_backward, host_optimizer=host_optimizer,
             check_host_memory=check_host_memory, nonfinite=nonfinite, max_consecutive_skips=max_consecutive_skips,
             offload_params=offload_params, prefetch=prefetch, device_budget=device_budget, load_weights=load_weights,
-            disk=disk, disk_budget=disk_budget,
+            disk=disk, disk_buffer=disk_buffer,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.optimizer_in_backward = optimizer_in_backward
@@ -155,7 +156,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self.device_budget = None if device_budget is None else parse_bytes(device_budget, "`device_budget`")
         self.load_weights = load_weights
         self.disk = disk
-        self.disk_budget = parse_bytes(disk_budget, "`disk_budget`")
+        self.disk_buffer = disk_buffer if disk_buffer == "auto" else parse_bytes(disk_buffer, "`disk_buffer`")
         self.load_report: dict[str, int] | None = None  # what `load_weights` read (files, tensors)
         self.resident_blocks: int | None = None  # with offload_params: how many blocks stayed resident (after setup)
         self._guard = NonFiniteGuard(nonfinite, max_consecutive_skips)
@@ -250,7 +251,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         if self._stream is not None:
             self._stream.attach()
         self.model = lightning_internals.setup_model(self, self.model)
-        self._transfer = transfer_for(self.root_device, self._masters.p_device, ring=self._tier is not None)
+        self._transfer = transfer_for(self.root_device, self._masters.p_device, ring=self.optimizer_in_backward)
         self._view = MastersView(self._masters, self.lightning_module, self._to_compute, self._stream)  # type: ignore[arg-type]
         if fitting:
             if not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
@@ -309,7 +310,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         if self._on_disk:
             directory = trainer.default_root_dir if self.disk is True else os.fspath(self.disk)
             self._check_disk(directory, module, self.optimizers if fitting else [], trainer.callbacks)  # type: ignore[arg-type]
-            self._tier = DiskTier(directory, self.disk_budget)
+            self._tier = DiskTier(directory, self._buffer_bytes(module))
         self._masters.build(module, self._loading, precision, grad_buffers=grad_buffers, frozen=frozen,
                             place=None if self._tier is None else self._tier.store)
         if self._loading:
@@ -341,7 +342,7 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
         self._masters.note_device(new)
         if self._transfer is not None:
             self._transfer.synchronize()
-            self._transfer = transfer_for(self.root_device, self._masters.p_device, ring=self._tier is not None)
+            self._transfer = transfer_for(self.root_device, self._masters.p_device, ring=self.optimizer_in_backward)
 
     def host_bytes_needed(
         self, module: torch.nn.Module, optimizers: list[Optimizer], with_grads: bool = True, callbacks: Sequence[Any] = ()
@@ -372,9 +373,9 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             "masters": 4 * sum(p.numel() for p in mastered),
             "gradient_buffers": 4 * trainable if with_grads and not self.optimizer_in_backward else 0,
             "optimizer_state": state,
-            "disk_tier_buffers": self.disk_budget if on_disk else 0,
+            "disk_tier_buffers": self._buffer_bytes(module) if on_disk else 0,
             "staging_or_compute_weights": planned_staging_bytes(self.root_device, [(p.numel(), dtype) for p in staged],
-                                                                ring=self._on_disk),
+                                                                ring=self.optimizer_in_backward),
             "streamed_weights": streamed_host_bytes(self.offload_params, module, dtype, {id(p) for p in mastered},
                                                     self.prefetch + 2 if self.root_device.type == "cuda" else 0),
         }
@@ -383,6 +384,17 @@ class OffloadStrategy(Reproducible, HostMastersStrategy, SingleDeviceStrategy):
             parts["masters"] = parts["optimizer_state"] = 0
         parts["total"] = sum(v for k, v in parts.items() if k != "disk")
         return parts
+
+    def _buffer_bytes(self, module: torch.nn.Module) -> int:
+        """``disk_buffer`` in bytes (``"auto"``: 64 B per element of the largest parameter, at most 1 GiB)."""
+        if self.disk_buffer != "auto":
+            return self.disk_buffer  # type: ignore[return-value]
+        return min(2**30, 64 * max((p.numel() for _, p in HostMasters.unique_params(module)), default=0))
+
+    @property
+    def tier_buffer_bytes(self) -> int:
+        """The disk tier's budget of host RAM in flight (0 without a tier, or outside a fit)."""
+        return self._tier.budget if self._tier is not None else 0
 
     def _check_disk(self, directory: str, module: torch.nn.Module, optimizers: list[Optimizer],
                     callbacks: Sequence[Any]) -> None:

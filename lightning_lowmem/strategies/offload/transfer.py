@@ -114,9 +114,9 @@ def pinned_staging_bytes(specs: Sequence[tuple[int, torch.dtype]], ring: bool = 
 
 
 def ring_bytes(params: Sequence[tuple[int, torch.dtype]]) -> int:
-    """Bytes of a staging ring for parameters ``(numel, compute dtype)``: two of the largest, at least a bucket."""
+    """Bytes of a staging ring for parameters ``(numel, compute dtype)``: two of the largest."""
     largest = max((n * torch.empty((), dtype=d).element_size() for n, d in params), default=0)
-    return max(BUCKET_BYTES, 2 * (-(-largest // _ALIGN_BYTES) * _ALIGN_BYTES))
+    return max(_ALIGN_BYTES, 2 * (-(-largest // _ALIGN_BYTES) * _ALIGN_BYTES))
 
 
 class StreamTransfer(HostTransfer):
@@ -126,8 +126,9 @@ class StreamTransfer(HostTransfer):
     the sums are the CPU path's bit for bit. The tests run it on the CPU on ``DeferredOps``.
 
     Staging: a slot per parameter (every gradient of a backward can be in flight: 2 B/param pinned in bf16), or with
-    ``ring`` bytes one pinned ring the copies take turns in (the disk tier's): when the ring is full, the hook hands
-    the oldest gradients to their sink first (host work on the autograd thread, which the step in backward does anyway).
+    ``ring`` bytes one pinned ring the copies take turns in (``optimizer_in_backward``'s): when the ring is full, the
+    hook hands the oldest gradients to their sink first, so each master steps while backward goes on (host work on the
+    autograd thread: the GPU runs ahead by the ring's bytes).
     """
 
     def __init__(self, device: torch.device, params: Sequence[torch.Tensor], ops: StreamOps,
@@ -190,7 +191,8 @@ class StreamTransfer(HostTransfer):
         ops.record_stream(grad, self.stream)
         self._pending.append((event, i, sink, staging, offset, nbytes))
         self._unread.add(i)
-        # NOTE: [host work] no fold here: host work on the autograd thread would starve the GPU's queue
+        # NOTE: [host work] no sink here: host work on the autograd thread starves the GPU's queue (with the ring,
+        # only once it is full: the step in backward's host work then overlaps what the GPU still has queued)
 
     @override
     def synchronize(self, until: int | None = None) -> None:
