@@ -236,6 +236,7 @@ print("RESULT", rec["pred"], peak[0] - rec["rss0"])
 
 @pytest.mark.slow
 @pytest.mark.integration
+@RunIf(sweep=True)  # NOTE: builds DeepSpeed's async_io op on first use (minutes): `make test-sweep`
 def test_predicted_nvme_bytes_match_the_swap_files(tmp_path):
     """The disk model against the files DeepSpeed's NVMe swapper leaves after two steps of a 6.5M-parameter GPT-2
     (bf16, CPU accelerator; one process). Needs DeepSpeed's async_io op (Debian: libaio-dev), compiled on first use."""
