@@ -6,6 +6,8 @@ page cache counted as free) and ``ulimit -v``/``-d`` (docs/reliability.md). Used
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,9 +182,6 @@ def fix_mmap_threshold(nbytes: int = 2**20) -> bool:
     for the rest of the process (glibc has no way back to the dynamic threshold); large allocations then cost a
     ``mmap`` and their page faults each time.
     """
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

@@ -17,6 +17,12 @@ from typing import Any
 from lightning_lowmem.core.accounting import MemoryBreakdown
 from lightning_lowmem.core.optimizer_state import optimizer_state_bytes_per_param
 from lightning_lowmem.core.units import fmt_bytes
+from lightning_lowmem.strategies.zero.host_bytes import (
+    DISK_PARTS,
+    HOST_CATEGORIES,
+    zero_nvme_disk_bytes,
+    zero_offload_host_bytes,
+)
 
 #: bytes of one element of a compute dtype named by a Lightning precision string
 _PARAM_BYTES = {"32-true": 4, "bf16-true": 2, "16-true": 2, "bf16-mixed": 4, "16-mixed": 4}
@@ -250,12 +256,6 @@ def zero_states(estimate: Any, plan: Any, *, precision: str, gathered_params: in
 def _nvme_parts(estimate: Any, plan: Any, h: int, groups: list[list[int]], frozen: Sequence[int]
                 ) -> tuple[dict[str, int], dict[str, int], str]:
     """ZeRO-Infinity's host and disk bytes per rank by category, and a note naming each part."""
-    from lightning_lowmem.strategies.zero.host_bytes import (
-        DISK_PARTS,
-        HOST_CATEGORIES,
-        zero_nvme_disk_bytes,
-        zero_offload_host_bytes,
-    )
 
     config = {**plan.config, "fp16": {"enabled": False}, "bf16": {"enabled": h == 2}}
     per_element = optimizer_state_bytes_per_param("adamw", 4, 1)
