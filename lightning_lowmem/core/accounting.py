@@ -122,13 +122,18 @@ _HOST_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _HOST_LISTENERS: list[Callable[..., None]] = []
 
 
+def _mark(table: WeakIdKeyDictionary, tensors: tuple[torch.Tensor, ...], *role: str) -> None:
+    """Add ``tensors`` to ``table`` (idempotent) and tell every listener, with ``role`` after each new one."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t not in table:
+            table[t] = True
+            for listener in _HOST_LISTENERS:
+                listener(t, *role)
+
+
 def mark_host(*tensors: torch.Tensor) -> None:
     """Mark tensors as kept in the host role (their storage is counted on the host side). Idempotent."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t not in _HOST_TENSORS:
-            _HOST_TENSORS[t] = True
-            for listener in _HOST_LISTENERS:
-                listener(t)
+    _mark(_HOST_TENSORS, tensors)
 
 
 # host copy -> id of the parameter it copies. NOTE: an id, not a weakref: `module.to()` swaps a fake parameter in a dry
@@ -156,11 +161,7 @@ _DISK_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def mark_disk(*tensors: torch.Tensor) -> None:
     """Mark tensors as held by a disk tier (a dry run's stand-ins for its files): trackers count them on the disk."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t not in _DISK_TENSORS:
-            _DISK_TENSORS[t] = True
-            for listener in _HOST_LISTENERS:
-                listener(t, "disk")
+    _mark(_DISK_TENSORS, tensors, "disk")
 
 
 def disk_tensors() -> list[torch.Tensor]:
